@@ -1,0 +1,5 @@
+import sys
+
+from lorafleet.cli import main
+
+sys.exit(main())

@@ -1,0 +1,56 @@
+"""The `lorafleet` command: one thin dispatcher; each subcommand's parser lives with its component.
+
+Components are imported lazily so `lorafleet router` never imports torch and `lorafleet --help`
+is instant.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module, one-line help). Each module exposes `main(argv: list[str]) -> int`.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "worker": ("lorafleet.worker.cli", "run a worker: one base model, many LoRA adapters, OpenAI API"),
+    "router": ("lorafleet.router.cli", "run the adapter-aware router gateway"),
+    "operator": ("lorafleet.operator.cli", "run the Kubernetes operator (kopf)"),
+    "demo-assets": ("lorafleet.worker.demo_assets", "write a tiny demo model, tokenizer and PEFT adapters"),
+    "generate": ("lorafleet.worker.offline", "offline generation with the engine (no server)"),
+    "up": ("lorafleet.local_fleet", "start a local fleet: router + two workers + demo assets"),
+    "adapters": ("lorafleet.local_fleet_adapters", "manage adapters of a local fleet (apply -f FILE)"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: lorafleet COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run `lorafleet COMMAND --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from lorafleet import __version__
+
+        print(f"lorafleet {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"lorafleet: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module_name, _ = COMMANDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        print(f"lorafleet {name}: missing dependency {exc.name!r}; install `lorafleet[all]`", file=sys.stderr)
+        return 2
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Wire contracts shared by the worker, the router and the operator (torch-free).
+
+Shapes follow vLLM where vLLM has the endpoint (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`)
+so that a vLLM user, and tooling written for vLLM, feel at home. `/v1/adapters` is ours: the
+inventory the router routes on and the operator reconciles against.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Tier = Literal["gpu", "cpu", "disk"]
+
+# Internal headers the router sets towards workers; stripped from client requests.
+HEADER_REPLICA = "x-lorafleet-replica"
+HEADER_ROUTE_REASON = "x-lorafleet-route"
+HEADER_TENANT = "x-lorafleet-tenant"
+INTERNAL_HEADER_PREFIX = "x-lorafleet-"
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """Body of `POST /v1/load_lora_adapter` (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-/]*$")
+    lora_path: str = Field(min_length=1, max_length=4096)
+    load_inplace: bool = False
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """Body of `POST /v1/unload_lora_adapter` (vLLM's shape; `lora_int_id` accepted and ignored)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_int_id: int | None = None
+
+
+class LoraAdapterRef(BaseModel):
+    """One entry of the RFC's request-level `lora_adapters` field."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=128)
+    scale: float = Field(default=1.0, ge=-100.0, le=100.0, allow_inf_nan=False)
+
+
+class AdapterInfo(BaseModel):
+    """One adapter a worker knows, as listed by `GET /v1/adapters`."""
+
+    name: str
+    tier: Tier
+    rank: int
+    alpha: float
+    digest: str  # sha256 over the adapter's config and weights files, "sha256:<hex>"
+    path: str
+    requests_in_flight: int = 0
+    pinned: bool = False
+    last_used: float | None = None  # unix seconds
+
+
+class AdapterInventory(BaseModel):
+    """`GET /v1/adapters`: what a worker holds and how busy it is."""
+
+    model: str  # the base model's served name
+    max_loras: int
+    max_cpu_loras: int
+    max_lora_rank: int
+    max_loras_per_request: int
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    kv_cache_usage: float = 0.0  # 0..1
+    adapters: list[AdapterInfo] = Field(default_factory=list)
+
+    def tier_of(self, name: str) -> Tier | None:
+        for info in self.adapters:
+            if info.name == name:
+                return info.tier
+        return None
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error envelope."""
+
+    error: ErrorDetail
+
+    @classmethod
+    def of(cls, message: str, type_: str, code: int | str | None = None, param: str | None = None) -> ErrorResponse:
+        return cls(error=ErrorDetail(message=message, type=type_, code=code, param=param))

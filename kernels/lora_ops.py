@@ -1,0 +1,179 @@
+"""Multi-LoRA side path for one batch: metadata built once per step, applied by every layer.
+
+Semantics (for every LoRA-targeted linear with output slices s = 0..n-1, column offsets c_s):
+
+    for t in tokens:
+        for j in 0..k-1:                       # up to k adapters per token (the RFC)
+            slot, scale = token_slots[t, j], token_scales[t, j]
+            if slot < 0: continue
+            for s in slices:
+                r = ranks[s, slot]             # the slot's true rank for this slice (0 = untargeted)
+                y[t, c_s : c_s + out_s] += scale * B_s[slot, :, :r] @ (A_s[slot, :r, :] @ x[t])
+
+The adapter's own alpha/r (or alpha/sqrt(r) for rsLoRA) is folded into B when a slot is filled, so
+`scale` is the request's static scale (1.0 for a plain single-adapter request).
+
+Layouts: A_s `[S, r_max, in]`, B_s `[S, out_s, r_max]`, `ranks` `[n_slices, S]` int32. Work and
+bytes read follow each slot's true rank, never `r_max`.
+
+The torch reference here is the CPU path and the oracle for the Triton kernels in
+`lorafleet.kernels.triton_lora`, which take the same arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class LoraMeta:
+    """The step's token -> (slot, scale) mapping, sorted and segmented by slot.
+
+    Device tensors have fixed shapes for a given (num_tokens, k, max_slots), so a captured CUDA
+    graph can replay with new contents. `segments` is the same information on the host, used by
+    the torch reference (which launches per segment anyway).
+    """
+
+    token_slots: torch.Tensor  # [T, k] int32, -1 = no adapter
+    token_scales: torch.Tensor  # [T, k] float32
+    sorted_token: torch.Tensor  # [T*k] int32: token of each (token, entry) pair, sorted by slot
+    sorted_scale: torch.Tensor  # [T*k] float32: that pair's scale
+    seg_slot: torch.Tensor  # [max_slots] int32: slot of each segment, -1 past num_segments
+    seg_start: torch.Tensor  # [max_slots + 1] int32: segment offsets into sorted_*; padded with num_entries
+    num_segments: int
+    num_entries: int  # valid (slot >= 0) pairs; sorted_* past it are padding
+    max_slots: int
+    segments: list[tuple[int, int, int]] = field(default_factory=list)  # (slot, start, end) on the host
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_slots.shape[0]
+
+    @property
+    def empty(self) -> bool:
+        return self.num_entries == 0
+
+
+def build_lora_meta(
+    token_slots: torch.Tensor,
+    token_scales: torch.Tensor,
+    max_slots: int,
+    device: torch.device | str = "cpu",
+) -> LoraMeta:
+    """Sort the step's (token, entry) pairs by slot on the host and move them to `device` once.
+
+    token_slots: `[T, k]` int (CPU), -1 = none; token_scales: `[T, k]` float (CPU).
+    """
+    if token_slots.shape != token_scales.shape or token_slots.dim() != 2:
+        raise ValueError(f"token_slots {tuple(token_slots.shape)} and token_scales {tuple(token_scales.shape)} must both be [T, k]")
+    slots = token_slots.to(torch.int64).reshape(-1)
+    if slots.numel() and int(slots.max()) >= max_slots:
+        raise ValueError(f"slot {int(slots.max())} out of range for {max_slots} slots")
+    k = token_slots.shape[1]
+    # Invalid pairs sort last; a stable sort keeps tokens in order inside a segment.
+    keys = torch.where(slots >= 0, slots, torch.full_like(slots, max_slots))
+    order = torch.sort(keys, stable=True).indices
+    sorted_keys = keys[order]
+    num_entries = int((sorted_keys < max_slots).sum())
+    sorted_token = (order // max(k, 1)).to(torch.int32)
+    sorted_scale = token_scales.reshape(-1).to(torch.float32)[order]
+
+    active, counts = torch.unique_consecutive(sorted_keys[:num_entries], return_counts=True)
+    num_segments = active.numel()
+    seg_slot = torch.full((max_slots,), -1, dtype=torch.int32)
+    seg_slot[:num_segments] = active.to(torch.int32)
+    seg_start = torch.full((max_slots + 1,), num_entries, dtype=torch.int32)
+    seg_start[0] = 0
+    if num_segments:
+        seg_start[1 : num_segments + 1] = torch.cumsum(counts, 0).to(torch.int32)
+    starts = seg_start[: num_segments + 1].tolist()
+    segments = [(int(active[i]), starts[i], starts[i + 1]) for i in range(num_segments)]
+
+    def put(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True)
+
+    return LoraMeta(
+        token_slots=put(token_slots.to(torch.int32)),
+        token_scales=put(token_scales.to(torch.float32)),
+        sorted_token=put(sorted_token),
+        sorted_scale=put(sorted_scale),
+        seg_slot=put(seg_slot),
+        seg_start=put(seg_start),
+        num_segments=num_segments,
+        num_entries=num_entries,
+        max_slots=max_slots,
+        segments=segments,
+    )
+
+
+def add_lora_reference(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: Sequence[torch.Tensor],
+    lora_b: Sequence[torch.Tensor],
+    ranks: Sequence[Sequence[int]],
+    meta: LoraMeta,
+) -> None:
+    """y[:, slices] += Σ scale · B(A x), in place; one small matmul pair per (segment, slice).
+
+    y: `[T, Σ out_s]`; x: `[T, in]`; lora_a[s]: `[S, r_max, in]`; lora_b[s]: `[S, out_s, r_max]`;
+    ranks: host `[n_slices][S]` true ranks (0 = this slot does not target this slice).
+    """
+    _check_shapes(y, x, lora_a, lora_b)
+    if meta.empty:
+        return
+    compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    for slot, start, end in meta.segments:
+        rows = meta.sorted_token[start:end].long()
+        scale = meta.sorted_scale[start:end].to(compute).unsqueeze(1)  # [n, 1]
+        xs = x.index_select(0, rows).to(compute)  # [n, in]
+        col = 0
+        for a, b, slice_ranks in zip(lora_a, lora_b, ranks):
+            out = b.shape[1]
+            r = slice_ranks[slot]
+            if r:
+                shrunk = xs @ a[slot, :r].to(compute).T  # [n, r]
+                delta = (shrunk * scale) @ b[slot, :, :r].to(compute).T  # [n, out]
+                y[:, col : col + out].index_add_(0, rows, delta.to(y.dtype))
+            col += out
+
+
+def _check_shapes(
+    y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor]
+) -> None:
+    if len(lora_a) != len(lora_b) or not lora_a:
+        raise ValueError("lora_a and lora_b need the same, non-zero number of slices")
+    total_out = sum(b.shape[1] for b in lora_b)
+    if y.shape != (x.shape[0], total_out):
+        raise ValueError(f"y {tuple(y.shape)} must be [T={x.shape[0]}, Σout={total_out}]")
+    for a, b in zip(lora_a, lora_b):
+        if a.shape[2] != x.shape[1] or a.shape[0] != b.shape[0] or a.shape[1] != b.shape[2]:
+            raise ValueError(f"slice shapes A {tuple(a.shape)} / B {tuple(b.shape)} do not fit x {tuple(x.shape)}")
+
+
+def add_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: Sequence[torch.Tensor],
+    lora_b: Sequence[torch.Tensor],
+    ranks: Sequence[Sequence[int]],
+    ranks_device: torch.Tensor | None,
+    meta: LoraMeta,
+    backend: str = "torch",
+) -> None:
+    """Dispatch to the torch reference or the Triton kernels (same semantics).
+
+    ranks_device: `[n_slices, S]` int32 on y's device (the Triton path reads ranks there, so a
+    captured graph sees slot changes without re-capture).
+    """
+    if backend == "torch":
+        add_lora_reference(y, x, lora_a, lora_b, ranks, meta)
+    elif backend == "triton":
+        from lorafleet.kernels.triton_lora import add_lora_triton
+
+        add_lora_triton(y, x, lora_a, lora_b, ranks_device, meta)
+    else:
+        raise ValueError(f"unknown LoRA backend {backend!r} (torch | triton)")
