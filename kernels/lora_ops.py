@@ -47,6 +47,14 @@ class LoraMeta:
     num_entries: int  # valid (slot >= 0) pairs; sorted_* past it are padding
     max_slots: int
     segments: list[tuple[int, int, int]] = field(default_factory=list)  # (slot, start, end) on the host
+    # Each segment cut into chunks of at most `chunk_size` pairs: one Triton program row-block each.
+    # Fixed shape [max_chunks]; entries past num_chunks have chunk_slot -1 (those programs exit).
+    chunk_size: int = 16
+    chunk_slot: torch.Tensor | None = None  # [max_chunks] int32, -1 = padding
+    chunk_start: torch.Tensor | None = None  # [max_chunks] int32: first pair of the chunk in sorted_*
+    chunk_end: torch.Tensor | None = None  # [max_chunks] int32: one past its last pair
+    num_chunks: int = 0
+    max_chunks: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -56,16 +64,50 @@ class LoraMeta:
     def empty(self) -> bool:
         return self.num_entries == 0
 
+    def copy_(self, other: LoraMeta) -> None:
+        """Copy `other`'s contents into this meta's device buffers, in place.
+
+        For CUDA graphs: capture with one meta, then `copy_` each step's meta into it before replay.
+        Both must come from the same (T, k, max_slots, chunk_size).
+        """
+        shape_keys = (self.num_tokens, self.token_slots.shape[1], self.max_slots, self.chunk_size, self.max_chunks)
+        other_keys = (other.num_tokens, other.token_slots.shape[1], other.max_slots, other.chunk_size, other.max_chunks)
+        if shape_keys != other_keys:
+            raise ValueError(f"meta shapes differ: {shape_keys} vs {other_keys}")
+        for name in (
+            "token_slots", "token_scales", "sorted_token", "sorted_scale", "seg_slot", "seg_start",
+            "chunk_slot", "chunk_start", "chunk_end",
+        ):
+            getattr(self, name).copy_(getattr(other, name), non_blocking=True)
+        self.num_segments = other.num_segments
+        self.num_entries = other.num_entries
+        self.segments = list(other.segments)
+        self.num_chunks = other.num_chunks
+
+
+def default_chunk_size(num_pairs: int) -> int:
+    """Rows per Triton program: small for decode (few tokens per adapter), larger for prefill."""
+    return 16 if num_pairs <= 512 else 64
+
+
+def max_chunks_for(num_pairs: int, max_slots: int, chunk_size: int) -> int:
+    """Upper bound on chunks: each segment adds at most one partial chunk, and no chunk is empty."""
+    if num_pairs == 0:
+        return 0
+    return min(num_pairs, -(-num_pairs // chunk_size) + min(max_slots, num_pairs))
+
 
 def build_lora_meta(
     token_slots: torch.Tensor,
     token_scales: torch.Tensor,
     max_slots: int,
     device: torch.device | str = "cpu",
+    chunk_size: int | None = None,
 ) -> LoraMeta:
     """Sort the step's (token, entry) pairs by slot on the host and move them to `device` once.
 
     token_slots: `[T, k]` int (CPU), -1 = none; token_scales: `[T, k]` float (CPU).
+    chunk_size: pairs per Triton program (a power of two >= 16); default from T*k.
     """
     if token_slots.shape != token_scales.shape or token_slots.dim() != 2:
         raise ValueError(f"token_slots {tuple(token_slots.shape)} and token_scales {tuple(token_scales.shape)} must both be [T, k]")
@@ -92,6 +134,27 @@ def build_lora_meta(
     starts = seg_start[: num_segments + 1].tolist()
     segments = [(int(active[i]), starts[i], starts[i + 1]) for i in range(num_segments)]
 
+    num_pairs = slots.numel()
+    chunk_size = chunk_size or default_chunk_size(num_pairs)
+    if chunk_size < 16 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size {chunk_size} must be a power of two >= 16")
+    max_chunks = max_chunks_for(num_pairs, max_slots, chunk_size)
+    # Chunk c of segment i covers pairs [seg_start[i] + c*chunk_size, min(+chunk_size, seg_end)).
+    per_seg = (counts + chunk_size - 1) // chunk_size  # [num_segments]
+    num_chunks = int(per_seg.sum())
+    chunk_seg = torch.repeat_interleave(torch.arange(num_segments), per_seg)
+    first_chunk = torch.cumsum(per_seg, 0) - per_seg
+    within = torch.arange(num_chunks) - first_chunk[chunk_seg]
+    seg_begin = seg_start[:num_segments].to(torch.int64)
+    seg_end = seg_start[1 : num_segments + 1].to(torch.int64)
+    chunk_slot = torch.full((max_chunks,), -1, dtype=torch.int32)
+    chunk_start = torch.zeros((max_chunks,), dtype=torch.int32)
+    chunk_end = torch.zeros((max_chunks,), dtype=torch.int32)
+    begin = seg_begin[chunk_seg] + within * chunk_size
+    chunk_slot[:num_chunks] = active[chunk_seg].to(torch.int32)
+    chunk_start[:num_chunks] = begin.to(torch.int32)
+    chunk_end[:num_chunks] = torch.minimum(begin + chunk_size, seg_end[chunk_seg]).to(torch.int32)
+
     def put(t: torch.Tensor) -> torch.Tensor:
         return t.to(device, non_blocking=True)
 
@@ -106,6 +169,12 @@ def build_lora_meta(
         num_entries=num_entries,
         max_slots=max_slots,
         segments=segments,
+        chunk_size=chunk_size,
+        chunk_slot=put(chunk_slot),
+        chunk_start=put(chunk_start),
+        chunk_end=put(chunk_end),
+        num_chunks=num_chunks,
+        max_chunks=max_chunks,
     )
 
 

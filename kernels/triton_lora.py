@@ -1,0 +1,365 @@
+"""Triton kernels for the multi-LoRA side path: a segmented shrink then a segmented expand.
+
+Semantics (same as `lora_ops.add_lora_reference`):
+
+    for each chunk c (<= chunk_size (token, entry) pairs of one slot, from LoraMeta):
+        for each slice s with r = ranks[s, slot] > 0:
+            h = x[tokens(c)] @ A_s[slot, :r].T                       # shrink  [rows, r]
+            y[tokens(c), cols_s] += (scale(c) * h) @ B_s[slot, :, :r].T  # expand  [rows, out_s]
+
+Two launches per projection group (all slices in each):
+- shrink: grid (max_chunks, SPLIT_K, n_slices * rank_blocks). Each program reduces one K range of
+  one 16-wide block of true rank; blocks past the slot's rank exit before loading anything, so a
+  rank-8 adapter in a rank-64 pool reads rank 8. Partials go to `[SPLIT_K, T*k, n_slices*R_PAD]`
+  fp32 without atomics; the expand sums them (deterministic, no zeroing launch).
+- expand: grid (max_chunks, output tiles of all slices). Sums the partials, applies each pair's
+  scale, multiplies by B's true-rank columns and adds into y. With k = 1 every token is in exactly
+  one chunk, so a plain read-modify-write is race-free; with k > 1 two chunks can own the same
+  row, so the add is atomic.
+
+Grids depend only on (T, k, max_slots) and the weight shapes; padding chunks (slot -1) exit at
+once. No host syncs, so a decode step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from lorafleet.kernels.lora_ops import LoraMeta, _check_shapes
+
+BLOCK_R = 16  # rank block: tl.dot's smallest K / N
+
+
+@dataclass(frozen=True, slots=True)
+class LoraKernelConfig:
+    """Launch parameters; `pick_config` chooses them from shapes alone (graph-stable)."""
+
+    split_k: int
+    block_k: int
+    block_n: int
+    shrink_warps: int = 4
+    expand_warps: int = 4
+
+
+def pick_config(num_pairs: int, in_features: int, chunk_size: int) -> LoraKernelConfig:
+    """Split K finely when few rows (decode: parallelism comes from K), not at all for prefill."""
+    block_k = 128 if chunk_size <= 16 else 64
+    target_programs = 2048
+    chunks_est = max(1, -(-num_pairs // chunk_size))
+    split_k = max(1, min(16, -(-in_features // 512), -(-target_programs // chunks_est)))
+    block_n = 64 if chunk_size <= 16 else 128
+    return LoraKernelConfig(split_k=split_k, block_k=block_k, block_n=block_n)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _lora_shrink_kernel(
+    # pointers
+    x_ptr,
+    a0_ptr,
+    a1_ptr,
+    a2_ptr,
+    ranks_ptr,
+    chunk_slot_ptr,
+    chunk_start_ptr,
+    chunk_end_ptr,
+    sorted_token_ptr,
+    part_ptr,
+    # sizes
+    K,
+    K_PER_SPLIT,
+    R_MAX,
+    # strides
+    stride_xt,
+    stride_as,
+    stride_ar,
+    stride_rs,
+    stride_ps,
+    stride_pm,
+    # meta-parameters
+    R_PAD: tl.constexpr,
+    R_BLOCKS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_RANK: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """part[split, pair, s*R_PAD + r] = Σ_{k in split} x[token(pair), k] · A_s[slot, r, k].
+
+    x `[T, K]` (unit stride in K); A_s `[S, R_MAX, K]` (unit stride in K); part fp32.
+    """
+    pid_c = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_sr = tl.program_id(2)
+    slot = tl.load(chunk_slot_ptr + pid_c)
+    if slot < 0:
+        return
+    s = pid_sr // R_BLOCKS
+    r0 = (pid_sr % R_BLOCKS) * BLOCK_RANK
+    rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + slot), R_MAX)
+    if r0 >= rank:
+        return
+    if s == 0:
+        a_ptr = a0_ptr
+    elif s == 1:
+        a_ptr = a1_ptr
+    else:
+        a_ptr = a2_ptr
+    start = tl.load(chunk_start_ptr + pid_c)
+    end = tl.load(chunk_end_ptr + pid_c)
+    offs_m = start + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < end
+    tok = tl.load(sorted_token_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    offs_r = r0 + tl.arange(0, BLOCK_RANK)
+    r_mask = offs_r < rank
+    x_rows = x_ptr + tok[:, None] * stride_xt  # [BLOCK_M, 1]
+    a_rows = a_ptr + slot.to(tl.int64) * stride_as + offs_r[None, :] * stride_ar  # [1, BLOCK_RANK]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_RANK), dtype=tl.float32)
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_hi
+        xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        at = tl.load(a_rows + offs_k[:, None], mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+        if UPCAST:
+            xt = xt.to(tl.float32)
+            at = at.to(tl.float32)
+        if IEEE:
+            acc += tl.dot(xt, at, input_precision="ieee")
+        else:
+            acc += tl.dot(xt, at)
+    # Written even when this split's K range is empty, so the expand can sum every split.
+    p = part_ptr + pid_k * stride_ps + offs_m[:, None].to(tl.int64) * stride_pm + s * R_PAD + offs_r[None, :]
+    tl.store(p, acc, mask=m_mask[:, None] & r_mask[None, :])
+
+
+@triton.jit
+def _lora_expand_kernel(
+    # pointers
+    y_ptr,
+    b0_ptr,
+    b1_ptr,
+    b2_ptr,
+    ranks_ptr,
+    chunk_slot_ptr,
+    chunk_start_ptr,
+    chunk_end_ptr,
+    sorted_token_ptr,
+    sorted_scale_ptr,
+    part_ptr,
+    # sizes
+    OUT0,
+    OUT1,
+    OUT2,
+    TILES0,
+    TILES1,
+    R_MAX,
+    SPLIT_K,
+    # strides
+    stride_yt,
+    stride_rs,
+    stride_ps,
+    stride_pm,
+    # meta-parameters
+    R_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_RANK: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+    ATOMIC: tl.constexpr,
+):
+    """y[token(pair), col_s + n] += scale(pair) · Σ_r part[:, pair, s*R_PAD + r] · B_s[slot, n, r].
+
+    y `[T, Σout]` (unit stride in columns); B_s `[S, OUT_s, R_MAX]` contiguous.
+    """
+    pid_c = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot = tl.load(chunk_slot_ptr + pid_c)
+    if slot < 0:
+        return
+    # Which slice this output tile belongs to.
+    if pid_n < TILES0:
+        s = 0
+        n0 = pid_n * BLOCK_N
+        out = OUT0
+        col0 = 0
+        b_ptr = b0_ptr
+    elif pid_n < TILES0 + TILES1:
+        s = 1
+        n0 = (pid_n - TILES0) * BLOCK_N
+        out = OUT1
+        col0 = OUT0
+        b_ptr = b1_ptr
+    else:
+        s = 2
+        n0 = (pid_n - TILES0 - TILES1) * BLOCK_N
+        out = OUT2
+        col0 = OUT0 + OUT1
+        b_ptr = b2_ptr
+    rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + slot), R_MAX)
+    if rank == 0:
+        return
+    start = tl.load(chunk_start_ptr + pid_c)
+    end = tl.load(chunk_end_ptr + pid_c)
+    offs_m = start + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < end
+    tok = tl.load(sorted_token_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    scale = tl.load(sorted_scale_ptr + offs_m, mask=m_mask, other=0.0)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < out
+    b_cols = b_ptr + slot.to(tl.int64) * out * R_MAX + offs_n[None, :] * R_MAX  # [1, BLOCK_N]
+    p_rows = part_ptr + offs_m[:, None].to(tl.int64) * stride_pm + s * R_PAD  # [BLOCK_M, 1]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_RANK):  # true rank only
+        offs_r = r0 + tl.arange(0, BLOCK_RANK)
+        r_mask = offs_r < rank
+        h = tl.zeros((BLOCK_M, BLOCK_RANK), dtype=tl.float32)
+        for sp in range(0, SPLIT_K):
+            h += tl.load(
+                p_rows + sp * stride_ps + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0
+            )
+        h = h * scale[:, None]
+        bt = tl.load(b_cols + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [R, N]
+        if UPCAST:
+            bt = bt.to(tl.float32)
+        else:
+            h = h.to(bt.dtype)
+        if IEEE:
+            acc += tl.dot(h, bt, input_precision="ieee")
+        else:
+            acc += tl.dot(h, bt)
+    y_ptrs = y_ptr + tok[:, None] * stride_yt + (col0 + offs_n)[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if ATOMIC:
+        tl.atomic_add(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask, sem="relaxed")
+    else:
+        cur = tl.load(y_ptrs, mask=mask, other=0.0)
+        tl.store(y_ptrs, (cur.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def add_lora_triton(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: Sequence[torch.Tensor],
+    lora_b: Sequence[torch.Tensor],
+    ranks_device: torch.Tensor,
+    meta: LoraMeta,
+    config: LoraKernelConfig | None = None,
+) -> None:
+    """y[:, slices] += Σ scale · B(A x), in place; two launches for all slices.
+
+    y: `[T, Σ out_s]`; x: `[T, in]`; lora_a[s]: `[S, r_max, in]`; lora_b[s]: `[S, out_s, r_max]`;
+    ranks_device: `[n_slices, S]` int32 on y's device. Launches even when no token has an adapter
+    (the programs exit at once), so a graph captured on any step replays correctly on the next.
+    """
+    # (1) check shapes
+    _check_shapes(y, x, lora_a, lora_b)
+    n_slices = len(lora_a)
+    if n_slices > 3:
+        raise ValueError(f"at most 3 output slices, got {n_slices}")
+    if meta.chunk_slot is None:
+        raise ValueError("meta has no chunk list; build it with build_lora_meta")
+    num_tokens, in_features = x.shape
+    k = meta.token_slots.shape[1]
+    if meta.num_tokens != num_tokens:
+        raise ValueError(f"meta is for {meta.num_tokens} tokens, x has {num_tokens}")
+    if meta.max_chunks == 0:
+        return
+    r_max = lora_a[0].shape[1]
+    if any(a.shape[1] != r_max for a in lora_a) or r_max == 0:
+        raise ValueError("all slices need the same, non-zero r_max")
+    if ranks_device is None or tuple(ranks_device.shape) != (n_slices, lora_a[0].shape[0]):
+        raise ValueError(f"ranks_device must be [n_slices={n_slices}, S={lora_a[0].shape[0]}] int32")
+    if x.stride(1) != 1 or y.stride(1) != 1:
+        raise ValueError("x and y need unit stride along features")
+    lora_a = [a if a.is_contiguous() else a.contiguous() for a in lora_a]
+    lora_b = [b if b.is_contiguous() else b.contiguous() for b in lora_b]
+    ranks_device = ranks_device.to(torch.int32).contiguous()
+
+    # (2) allocate: fp32 split-K partials, indexed by sorted pair
+    num_pairs = num_tokens * k
+    cfg = config or pick_config(num_pairs, in_features, meta.chunk_size)
+    r_blocks = triton.cdiv(r_max, BLOCK_R)
+    r_pad = r_blocks * BLOCK_R
+    part = torch.empty((cfg.split_k, num_pairs, n_slices * r_pad), dtype=torch.float32, device=x.device)
+    k_per_split = triton.cdiv(triton.cdiv(in_features, cfg.split_k), cfg.block_k) * cfg.block_k
+
+    interp = _interpreting()
+    upcast = interp or x.dtype == torch.float32
+    ieee = x.dtype == torch.float32 and not interp
+    a_ptrs = list(lora_a) + [lora_a[0]] * (3 - n_slices)
+    b_ptrs = list(lora_b) + [lora_b[0]] * (3 - n_slices)
+    outs = [b.shape[1] for b in lora_b] + [0] * (3 - n_slices)
+    tiles = [triton.cdiv(o, cfg.block_n) for o in outs]
+
+    # (3) launch
+    _lora_shrink_kernel[(meta.max_chunks, cfg.split_k, n_slices * r_blocks)](
+        x,
+        *a_ptrs,
+        ranks_device,
+        meta.chunk_slot,
+        meta.chunk_start,
+        meta.chunk_end,
+        meta.sorted_token,
+        part,
+        in_features,
+        k_per_split,
+        r_max,
+        x.stride(0),
+        lora_a[0].stride(0),
+        lora_a[0].stride(1),
+        ranks_device.stride(0),
+        part.stride(0),
+        part.stride(1),
+        R_PAD=r_pad,
+        R_BLOCKS=r_blocks,
+        BLOCK_M=meta.chunk_size,
+        BLOCK_K=cfg.block_k,
+        BLOCK_RANK=BLOCK_R,
+        UPCAST=upcast,
+        IEEE=ieee,
+        num_warps=cfg.shrink_warps,
+    )
+    _lora_expand_kernel[(meta.max_chunks, sum(tiles))](
+        y,
+        *b_ptrs,
+        ranks_device,
+        meta.chunk_slot,
+        meta.chunk_start,
+        meta.chunk_end,
+        meta.sorted_token,
+        meta.sorted_scale,
+        part,
+        outs[0],
+        outs[1],
+        outs[2],
+        tiles[0],
+        tiles[1],
+        r_max,
+        cfg.split_k,
+        y.stride(0),
+        ranks_device.stride(0),
+        part.stride(0),
+        part.stride(1),
+        R_PAD=r_pad,
+        BLOCK_M=meta.chunk_size,
+        BLOCK_N=cfg.block_n,
+        BLOCK_RANK=BLOCK_R,
+        UPCAST=upcast,
+        IEEE=ieee,
+        ATOMIC=k > 1,
+        num_warps=cfg.expand_warps,
+    )
