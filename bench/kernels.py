@@ -1,0 +1,304 @@
+"""Benchmark the Triton LoRA kernels on a CUDA GPU against the memory floor and torch baselines.
+
+    python bench/kernels.py [--out bench/results/kernels-h200.json] [--quick] [--sweep FILE]
+
+For the seed model shape (hidden 4096, kv 1024, mlp 14336; modules qkv, o, gate_up, down), bf16,
+rank 16, tokens in {1, 16, 64, 256}, distinct adapters in {1, 8, 64, 128} (never more than tokens),
+plus rank 8 in a rank-64 pool vs a rank-8 pool, and k = 2 adapters per token. Each row:
+
+- lora_us: `add_lora(..., backend="triton")`.
+- floor_us: bytes the op must move (each distinct adapter's A and B at its true rank, x read once, y
+  read and written once) over the device-to-device copy bandwidth measured in this run.
+- gather_us: torch gather-bmm (each token gathers its own A and B, padded to the pool rank).
+- loop_us: per-adapter torch loop (one bf16 matmul pair per segment and slice, index_add into y).
+- base_us: the base GEMM x @ W.T for the same module.
+
+Timing: every op is captured in a CUDA graph (as the engine's decode step will be) that runs it over
+`n_sets` copies of the weights and activations in turn, so successive calls do not hit in L2;
+`triton.testing.do_bench` (which also clears L2 before each replay) gives the median replay time,
+divided by `n_sets`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import triton
+from lorafleet.kernels.lora_ops import LoraMeta, add_lora, build_lora_meta, default_chunk_size
+from lorafleet.kernels.triton_lora import LoraKernelConfig, add_lora_triton, pick_config
+from triton.testing import do_bench
+
+HIDDEN, KV, MLP = 4096, 1024, 14336
+MODULES: dict[str, tuple[int, list[int]]] = {
+    "qkv": (HIDDEN, [HIDDEN, KV, KV]),
+    "o": (HIDDEN, [HIDDEN]),
+    "gate_up": (HIDDEN, [MLP, MLP]),
+    "down": (MLP, [HIDDEN]),
+}
+DTYPE = torch.bfloat16
+BYTES = 2
+L2_FLUSH_BYTES = 256 * 2**20  # rotate through at least this much per graph replay
+DEVICE = "cuda"
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    module: str
+    tokens: int
+    adapters: int
+    rank: int
+    pool_rank: int
+    k: int = 1
+
+
+def main_cases(quick: bool) -> list[Case]:
+    tokens_list = [1, 16, 64, 256]
+    adapters_list = [1, 8, 64, 128]
+    cases = []
+    for module in MODULES:
+        for tokens in tokens_list:
+            for adapters in adapters_list:
+                if adapters <= tokens:
+                    cases.append(Case(module, tokens, adapters, 16, 16))
+        for tokens, adapters in [(64, 8), (64, 64), (256, 64)]:
+            cases.append(Case(module, tokens, adapters, 8, 8))
+            cases.append(Case(module, tokens, adapters, 8, 64))
+            cases.append(Case(module, tokens, adapters, 16, 16, k=2))
+    if quick:
+        cases = [c for c in cases if c.tokens in (16, 64) and c.module in ("qkv", "down")]
+    return cases
+
+
+def measure_copy_bandwidth() -> float:
+    """Bytes read + written per second by a 1 GiB device-to-device copy."""
+    n = 2**30 // 4
+    src = torch.randn(n, device=DEVICE)
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    return 2 * n * 4 / (ms * 1e-3)
+
+
+def time_graph(calls: list[Callable[[], None]]) -> float:
+    """Median µs per call of `calls`, captured back to back in one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls[:2]:  # warm up: compile kernels, allocate workspaces
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    ms = do_bench(graph.replay, warmup=25, rep=150, return_mode="median")
+    del graph
+    return ms * 1e3 / len(calls)
+
+
+@dataclass(slots=True)
+class Inputs:
+    x: torch.Tensor  # [T, in]
+    y: torch.Tensor  # [T, Σout]
+    lora_a: list[torch.Tensor]  # [S, pool_rank, in] per slice
+    lora_b: list[torch.Tensor]  # [S, out_s, pool_rank] per slice
+
+
+def make_case_inputs(
+    case: Case, g: torch.Generator
+) -> tuple[list[Inputs], torch.Tensor, torch.Tensor, list[list[int]]]:
+    d_in, outs = MODULES[case.module]
+    slots = case.adapters
+    active_bytes = case.adapters * case.rank * (d_in + sum(outs)) * BYTES
+    act_bytes = case.tokens * (d_in + sum(outs)) * BYTES
+    n_sets = max(2, min(32, math.ceil(L2_FLUSH_BYTES / (active_bytes + act_bytes))))
+    sets = []
+    for _ in range(n_sets):
+        lora_a = [
+            torch.randn(slots, case.pool_rank, d_in, device=DEVICE, dtype=DTYPE) / d_in**0.5 for _ in outs
+        ]
+        lora_b = [
+            torch.randn(slots, o, case.pool_rank, device=DEVICE, dtype=DTYPE) / case.rank**0.5 for o in outs
+        ]
+        x = torch.randn(case.tokens, d_in, device=DEVICE, dtype=DTYPE)
+        y = torch.randn(case.tokens, sum(outs), device=DEVICE, dtype=DTYPE)
+        sets.append(Inputs(x, y, lora_a, lora_b))
+    # Each of the `adapters` slots gets tokens / adapters tokens; with k = 2 a token's second adapter
+    # is the next slot, so every adapter appears in both entry columns.
+    t = torch.arange(case.tokens)
+    first = (t * case.adapters) // case.tokens
+    cols = [(first + j) % case.adapters for j in range(case.k)]
+    token_slots = torch.stack(cols, 1).to(torch.int32)
+    token_scales = torch.rand(case.tokens, case.k, generator=g) + 0.5
+    ranks = [[case.rank] * slots for _ in outs]
+    return sets, token_slots, token_scales, ranks
+
+
+def gather_bmm(inp: Inputs, slots_dev: torch.Tensor, scales_dev: torch.Tensor) -> None:
+    """Each token gathers its adapter's (pool-padded) A and B, then two batched matvecs."""
+    col = 0
+    safe = slots_dev.clamp_min(0).long()  # [T, k]
+    weight = torch.where(slots_dev >= 0, scales_dev, 0).to(DTYPE)  # [T, k]
+    for a, b in zip(inp.lora_a, inp.lora_b, strict=True):
+        out = b.shape[1]
+        for j in range(safe.shape[1]):
+            h = torch.bmm(a[safe[:, j]], inp.x.unsqueeze(2))  # [T, r, 1]
+            h = h * weight[:, j, None, None]
+            inp.y[:, col : col + out] += torch.bmm(b[safe[:, j]], h).squeeze(2)  # [T, out]
+        col += out
+
+
+def segment_loop(inp: Inputs, meta: LoraMeta, ranks: list[list[int]]) -> None:
+    """One bf16 matmul pair per (adapter segment, slice), added with index_add_."""
+    for slot, start, end in meta.segments:
+        rows = meta.sorted_token[start:end].long()
+        scale = meta.sorted_scale[start:end].to(DTYPE).unsqueeze(1)
+        xs = inp.x.index_select(0, rows)
+        col = 0
+        for a, b, slice_ranks in zip(inp.lora_a, inp.lora_b, ranks, strict=True):
+            out, r = b.shape[1], slice_ranks[slot]
+            inp.y[:, col : col + out].index_add_(0, rows, ((xs @ a[slot, :r].T) * scale) @ b[slot, :, :r].T)
+            col += out
+
+
+def run_case(
+    case: Case, bandwidth: float, g: torch.Generator, config: LoraKernelConfig | None = None
+) -> dict:
+    d_in, outs = MODULES[case.module]
+    sets, token_slots, token_scales, ranks = make_case_inputs(case, g)
+    meta = build_lora_meta(token_slots, token_scales, case.adapters, DEVICE)
+    ranks_dev = torch.tensor(ranks, dtype=torch.int32, device=DEVICE)
+
+    # Correctness on the first set, before timing: ‖Δtriton − Δref‖ / ‖Δref‖.
+    inp = sets[0]
+    y0 = inp.y.clone()
+    ref = inp.y.clone()
+    add_lora(ref, inp.x, inp.lora_a, inp.lora_b, ranks, ranks_dev, meta, backend="torch")
+    add_lora_triton(inp.y, inp.x, inp.lora_a, inp.lora_b, ranks_dev, meta, config=config)
+    d_ref, d_tri = (ref.double() - y0.double()), (inp.y.double() - y0.double())
+    rel_err = float((d_tri - d_ref).norm() / d_ref.norm())
+
+    lora_us = time_graph(
+        [
+            lambda s=s: add_lora_triton(s.y, s.x, s.lora_a, s.lora_b, ranks_dev, meta, config=config)
+            for s in sets
+        ]
+    )
+    row = dict(asdict(case))
+    weight_bytes = case.adapters * case.rank * (d_in + sum(outs)) * BYTES
+    act_bytes = case.tokens * (d_in + 2 * sum(outs)) * BYTES
+    row.update(
+        lora_us=round(lora_us, 2),
+        floor_us=round((weight_bytes + act_bytes) / bandwidth * 1e6, 2),
+        rel_err=float(f"{rel_err:.2e}"),
+        n_sets=len(sets),
+    )
+    if config is not None:
+        return row
+    slots_dev, scales_dev = meta.token_slots, meta.token_scales
+    row["gather_us"] = round(time_graph([lambda s=s: gather_bmm(s, slots_dev, scales_dev) for s in sets]), 2)
+    row["loop_us"] = round(time_graph([lambda s=s: segment_loop(s, meta, ranks) for s in sets]), 2)
+    row["base_us"] = base_gemm_us(case.module, case.tokens)
+    return row
+
+
+_BASE_CACHE: dict[tuple[str, int], float] = {}
+
+
+def base_gemm_us(module: str, tokens: int) -> float:
+    key = (module, tokens)
+    if key not in _BASE_CACHE:
+        d_in, outs = MODULES[module]
+        n_w = max(2, math.ceil(L2_FLUSH_BYTES / (d_in * sum(outs) * BYTES)))
+        ws = [torch.randn(sum(outs), d_in, device=DEVICE, dtype=DTYPE) for _ in range(n_w)]
+        xs = [torch.randn(tokens, d_in, device=DEVICE, dtype=DTYPE) for _ in range(n_w)]
+        _BASE_CACHE[key] = round(
+            time_graph([lambda w=w, x=x: torch.mm(x, w.T) for w, x in zip(ws, xs, strict=True)]), 2
+        )
+    return _BASE_CACHE[key]
+
+
+def sweep(bandwidth: float, g: torch.Generator) -> list[dict]:
+    """Time launch configs on representative cases, to tune `pick_config`."""
+    rows = []
+    for module in MODULES:
+        for tokens, adapters in [(16, 1), (64, 8), (64, 64), (256, 128)]:
+            case = Case(module, tokens, adapters, 16, 16)
+            d_in, _ = MODULES[module]
+            default = pick_config(tokens, d_in, default_chunk_size(tokens))
+            configs = {default}
+            for split_k in (2, 4, 8, 16, 32):
+                for block_n in (64, 128):
+                    configs.add(LoraKernelConfig(split_k=split_k, block_k=default.block_k, block_n=block_n))
+            for cfg in sorted(configs, key=lambda c: (c.split_k, c.block_n)):
+                row = run_case(case, bandwidth, g, config=cfg)
+                row.update(split_k=cfg.split_k, block_n=cfg.block_n, default=cfg == default)
+                rows.append(row)
+            best = min(
+                (r for r in rows if r["module"] == module and r["tokens"] == tokens),
+                key=lambda r: r["lora_us"],
+            )
+            print(
+                f"sweep {module:8s} T={tokens:4d} A={adapters:4d}: default "
+                f"{next(r['lora_us'] for r in rows if r['module'] == module and r['tokens'] == tokens and r['default'])}"
+                f" µs, best {best['lora_us']} µs (split_k={best['split_k']}, block_n={best['block_n']})",
+                flush=True,
+            )
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    head = f"{'module':8s} {'T':>4s} {'A':>4s} {'r':>3s} {'pool':>4s} {'k':>2s} {'lora':>8s} {'floor':>7s} {'target':>7s} {'gather':>8s} {'loop':>9s} {'base':>8s} {'err':>8s}"
+    print(head)
+    for r in rows:
+        target = 1.3 * r["floor_us"] + 3
+        mark = "" if r["tokens"] < 16 else (" ok" if r["lora_us"] <= target else " MISS")
+        print(
+            f"{r['module']:8s} {r['tokens']:4d} {r['adapters']:4d} {r['rank']:3d} {r['pool_rank']:4d} {r['k']:2d} "
+            f"{r['lora_us']:8.2f} {r['floor_us']:7.2f} {target:7.2f} {r['gather_us']:8.2f} {r['loop_us']:9.2f} "
+            f"{r['base_us']:8.2f} {r['rel_err']:8.1e}{mark}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench/results/kernels-h200.json")
+    parser.add_argument("--quick", action="store_true", help="a few cases only")
+    parser.add_argument("--sweep", default=None, help="also time launch configs; write them to this file")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    bandwidth = measure_copy_bandwidth()
+    print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    for case in main_cases(args.quick):
+        rows.append(run_case(case, bandwidth, g))
+        r = rows[-1]
+        print(f"  {case}: lora {r['lora_us']} µs floor {r['floor_us']} µs err {r['rel_err']}", flush=True)
+        torch.cuda.empty_cache()
+    print(
+        f"machine {torch.cuda.get_device_name()}, date {datetime.date.today().isoformat()}, torch {torch.__version__}, "
+        f"triton {triton.__version__}, python {platform.python_version()}, copy bandwidth {bandwidth / 1e12:.3f} TB/s"
+    )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(rows, indent=1))
+    print_table(rows)
+    if args.sweep:
+        Path(args.sweep).write_text(json.dumps(sweep(bandwidth, g), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
