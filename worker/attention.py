@@ -1,0 +1,90 @@
+"""Paged attention over a block-table KV cache: the torch path (CPU, and CUDA until a kernel lands).
+
+Each layer's cache is `[num_blocks, block_size, num_kv_heads, head_dim]` for keys and for values. A
+sequence's tokens live in the blocks its block table names, in order; `slot_mapping` says where each
+new token's key and value are written (`block * block_size + offset`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per step, shared by every layer. Sequences are laid out back to back in the token dimension."""
+
+    query_lens: list[int]  # new tokens per sequence (host)
+    context_lens: list[int]  # tokens per sequence after this step, cached + new (host)
+    query_start: list[int]  # offsets of each sequence's new tokens, len = num_seqs + 1 (host)
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    context_lens_t: torch.Tensor  # [num_seqs] int32 on device
+    all_decode: bool  # every sequence has exactly one new token
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store the new tokens' keys and values. k, v: `[T, kv_heads, head_dim]`."""
+    kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its cached context.
+
+    q: `[T, heads, head_dim]` -> `[T, heads, head_dim]`. Decode-only steps run as one padded batch;
+    other sequences (prefill chunks) run one at a time with an offset causal mask.
+    """
+    if meta.all_decode:
+        return _decode_batch(q, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(q)
+    block_size = k_cache.shape[1]
+    for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
+        start = meta.query_start[i]
+        blocks = meta.block_tables[i, : (ctx + block_size - 1) // block_size].long()
+        k = k_cache[blocks].flatten(0, 1)[:ctx]  # [ctx, kv_heads, head_dim]
+        v = v_cache[blocks].flatten(0, 1)[:ctx]
+        qi = q[start : start + n]
+        # Query j sits at absolute position ctx - n + j and sees keys 0..that position.
+        qpos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
+        kpos = torch.arange(ctx, device=q.device).unsqueeze(0)
+        mask = kpos <= qpos  # [n, ctx]
+        out[start : start + n] = _sdpa(qi.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, scale)[0]
+    return out
+
+
+def _decode_batch(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    block_size = k_cache.shape[1]
+    max_ctx = max(meta.context_lens)
+    nblocks = (max_ctx + block_size - 1) // block_size
+    tables = meta.block_tables[:, :nblocks].long()  # [B, nblocks]
+    k = k_cache[tables].flatten(1, 2)[:, :max_ctx]  # [B, max_ctx, kv_heads, head_dim]
+    v = v_cache[tables].flatten(1, 2)[:, :max_ctx]
+    positions = torch.arange(max_ctx, device=q.device).unsqueeze(0)
+    mask = (positions < meta.context_lens_t.unsqueeze(1)).unsqueeze(1)  # [B, 1, max_ctx]
+    return _sdpa(q.unsqueeze(1), k, v, mask, scale).squeeze(1)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q `[B, n, H, D]`, k/v `[B, ctx, KVH, D]`, mask `[B or 1, n, ctx]` -> `[B, n, H, D]` (GQA)."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    if heads != kv_heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=2)
+        v = v.repeat_interleave(heads // kv_heads, dim=2)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+        attn_mask=mask.unsqueeze(1) if mask.dim() == 3 else mask, scale=scale,
+    )
+    return out.transpose(1, 2)

@@ -1,0 +1,349 @@
+"""The engine: one base model, many LoRA adapters, continuous batching.
+
+The loop reads like a sentence: `batch = scheduler.schedule(); slots = registry.activate(...);
+tokens = runner.run(batch); scheduler.postprocess(batch)`; then outputs are appended, stop
+conditions checked and finished requests release their blocks and adapters.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from lorafleet.worker.block_manager import BlockManager
+from lorafleet.worker.config import ConfigError, EngineConfig, ModelConfig
+from lorafleet.worker.lora.adapter import AdapterError
+from lorafleet.worker.lora.registry import AdapterRegistry
+from lorafleet.worker.lora.slots import LoraSlots
+from lorafleet.worker.model_runner import LogitsHook, ModelRunner
+from lorafleet.worker.models.llama import LlamaModel, iter_checkpoint
+from lorafleet.worker.sampling import TokenLogprobs
+from lorafleet.worker.scheduler import Scheduler, SchedulerConfig
+from lorafleet.worker.sequence import SamplingParams, Sequence
+from lorafleet.worker.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("lorafleet.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_DEFAULT_KV_BLOCKS = 2048
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take (HTTP 400); the message says why."""
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request (a streaming delta), or its final state."""
+
+    request_id: int
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_generated: int
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Completion:
+    """An offline `generate` result."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Tracked:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    emitted: int = 0  # characters of text already returned
+    ttft: float | None = None
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: EngineConfig | None = None,
+        tokenizer_dir: str | Path | None = None,
+        lora_modules: dict[str, str] | None = None,
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        self.model_config = ModelConfig.from_folder(model_dir)
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda was asked for, but no CUDA device is available")
+        self.dtype = _resolve_dtype(config.dtype, self.model_config, self.device)
+        self.tokenizer = Tokenizer(tokenizer_dir or model_dir)
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+
+        self.model = LlamaModel(self.model_config, self.device, self.dtype, self.max_model_len)
+        self.model.load_weights(iter_checkpoint(str(model_dir)))
+        self.model.lora_backend = _resolve_backend(config.lora_backend, self.device)
+        self.slots = LoraSlots(self.model_config, config.max_loras, config.max_lora_rank, self.device, self.dtype)
+        self.model.lora = self.slots
+        self.registry = AdapterRegistry(self.model_config, config, self.slots, self.dtype)
+
+        num_blocks = self._plan_kv_blocks()
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.max_loras, config.max_loras_per_request)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_loras, config.aging_steps),
+            self.blocks,
+            adapter_ready=self.registry.on_cpu,
+        )
+        self._ids = itertools.count()
+        self._tracked: dict[int, _Tracked] = {}
+        self.logits_hook: LogitsHook | None = None
+        self.generated_tokens = 0
+        self.steps = 0
+        for name, path in (lora_modules or {}).items():
+            self.load_adapter(name, path, pinned=name in config.pinned_adapters)
+        self._log_memory_plan(num_blocks)
+
+    # -- setup ---------------------------------------------------------------------------------
+    def _plan_kv_blocks(self) -> int:
+        per_block = ModelRunner.kv_bytes_per_block(self.model, self.config.block_size)
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            # Leave room for activations of the largest step (a few hidden-sized buffers per token).
+            reserve = 4 * self.config.max_num_batched_tokens * self.model_config.intermediate_size * 4 + (1 << 30)
+            blocks = int((free - reserve) * self.config.kv_cache_memory_fraction) // per_block
+            if blocks < 1:
+                raise ConfigError("no GPU memory left for the KV cache after weights and adapter slots")
+            return blocks
+        return CPU_DEFAULT_KV_BLOCKS
+
+    def _log_memory_plan(self, num_blocks: int) -> None:
+        gib = 1 << 30
+        per_block = ModelRunner.kv_bytes_per_block(self.model, self.config.block_size)
+        self.memory_plan = {
+            "weights_bytes": self.model.weight_bytes(),
+            "lora_slots": self.config.max_loras,
+            "lora_slot_bytes": self.slots.nbytes(),
+            "lora_resident_bytes": sum(w.nbytes for w in self.registry.cpu.values()),
+            "kv_blocks": num_blocks,
+            "kv_block_tokens": self.config.block_size,
+            "kv_bytes": num_blocks * per_block,
+        }
+        p = self.memory_plan
+        log.info(
+            "memory plan on %s (%s): weights %.3f GiB; %d LoRA slots at max rank %d %.3f GiB; "
+            "KV cache %d blocks x %d tokens = %d tokens, %.3f GiB; LoRA backend %s",
+            self.device, str(self.dtype).removeprefix("torch."), p["weights_bytes"] / gib, self.config.max_loras,
+            self.config.max_lora_rank, p["lora_slot_bytes"] / gib, num_blocks, self.config.block_size,
+            num_blocks * self.config.block_size, p["kv_bytes"] / gib, self.model.lora_backend,
+        )
+
+    # -- adapters ------------------------------------------------------------------------------
+    def load_adapter(self, name: str, path: str, pinned: bool = False) -> bool:
+        """Validate and register an adapter; True if new, False if already loaded with the same content."""
+        weights = self.registry.read(path)  # raises AdapterError before anything is evicted
+        _entry, created = self.registry.register(name, weights, pinned=pinned)
+        return created
+
+    def unload_adapter(self, name: str) -> None:
+        self.registry.unregister(name)
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int],
+        sampling: SamplingParams | None = None,
+        adapters: Seq[tuple[str, float]] = (),
+    ) -> int:
+        """Queue a request; returns its id. Raises RequestError / AdapterNotFound before queueing."""
+        sampling = sampling or SamplingParams()
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise RequestError("the prompt is empty")
+        if any(not 0 <= t < self.model_config.vocab_size for t in ids):
+            raise RequestError(f"prompt token ids must be in 0..{self.model_config.vocab_size - 1}")
+        if len(ids) + sampling.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the model's "
+                f"context length {self.max_model_len}"
+            )
+        needed_blocks = -(-(len(ids) + sampling.max_tokens) // self.config.block_size)
+        if needed_blocks > self.blocks.num_blocks:
+            raise RequestError(f"request needs {needed_blocks} KV blocks; the cache holds {self.blocks.num_blocks}")
+        adapters = _merge_adapters(adapters)
+        if len(adapters) > self.config.max_loras_per_request:
+            raise RequestError(
+                f"{len(adapters)} adapters requested; this worker allows max_loras_per_request="
+                f"{self.config.max_loras_per_request}"
+            )
+        self.registry.acquire(name for name, _ in adapters)  # raises AdapterNotFound
+        salt = "|".join(f"{n}@{self.registry.entries[n].digest}*{s!r}" for n, s in adapters)
+        seq = Sequence(seq_id=next(self._ids), prompt_ids=ids, sampling=sampling, adapters=adapters,
+                       cache_salt=salt, arrival=time.monotonic())
+        self._tracked[seq.seq_id] = _Tracked(seq, IncrementalDetokenizer(self.tokenizer))
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def abort(self, request_id: int) -> None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return
+        self.scheduler.abort(tracked.seq)
+        self._release(tracked.seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        # Adapters of requests still waiting for memory are read from disk here on the offline path;
+        # the server reads them in a thread first, so this is a no-op there.
+        for seq in list(self.scheduler.waiting):
+            for name in seq.adapter_names:
+                if not self.registry.on_cpu(name):
+                    self.registry.ensure_cpu(name)
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        protected = batch.adapters
+        slot_of = self.registry.activate(sorted(protected), protected)
+        sampled = [s for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed + n == len(s)]
+        tokens, logprobs = self.runner.run(batch, slot_of, sampled, self.logits_hook)
+        self.scheduler.postprocess(batch)
+        # Warm the slots for adapters next in line while their requests wait (S-LoRA's prefetch).
+        self.registry.prefetch(sorted(self.scheduler.waiting_adapters() - protected), protected)
+        self.steps += 1
+        outputs = []
+        for seq, token, lp in zip(sampled, tokens, logprobs):
+            outputs.append(self._append(seq, token, lp))
+        return outputs
+
+    def _append(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> RequestOutput:
+        tracked = self._tracked[seq.seq_id]
+        if tracked.ttft is None:
+            tracked.ttft = time.monotonic() - seq.arrival
+        seq.output_ids.append(token)
+        self.generated_tokens += 1
+        sp = seq.sampling
+        reason = None
+        eos = self.model_config.eos_token_ids or ((self.tokenizer.eos_id,) if self.tokenizer.eos_id is not None else ())
+        if not sp.ignore_eos and token in eos:
+            reason = "stop"
+        elif token in sp.stop_token_ids:
+            reason = "stop"
+        elif len(seq.output_ids) >= sp.max_tokens:
+            reason = "length"
+        elif len(seq) >= self.max_model_len:
+            reason = "length"
+        tracked.detok.update(seq.output_ids)
+        text = tracked.detok.text
+        if sp.stop:
+            hit = _find_stop(text, sp.stop, tracked.emitted, sp.include_stop_str_in_output)
+            if hit is not None:
+                text, reason = text[:hit], "stop"
+        # While a stop string could still be forming at the end, hold those characters back.
+        safe = len(text) if reason or not sp.stop else max(tracked.emitted, len(text) - max(map(len, sp.stop)) + 1)
+        delta = text[tracked.emitted:safe]
+        tracked.emitted = safe
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self._release(seq)
+            self._tracked.pop(seq.seq_id, None)
+        return RequestOutput(
+            request_id=seq.seq_id, new_token_ids=[token], text_delta=delta, finished=reason is not None,
+            finish_reason=reason, num_prompt_tokens=len(seq.prompt_ids), num_generated=len(seq.output_ids),
+            logprobs=[lp] if lp is not None else [],
+        )
+
+    def _release(self, seq: Sequence) -> None:
+        self.registry.release(seq.adapter_names)
+        self.runner.forget(seq)
+
+    def ttft(self, request_id: int) -> float | None:
+        tracked = self._tracked.get(request_id)
+        return None if tracked is None else tracked.ttft
+
+    # -- offline API ---------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Seq[str | list[int]],
+        sampling: SamplingParams | Seq[SamplingParams] | None = None,
+        adapters: Seq[Seq[tuple[str, float]]] | None = None,
+    ) -> list[Completion]:
+        """Run prompts to completion in shared batches; results in prompt order."""
+        n = len(prompts)
+        params = sampling if isinstance(sampling, (list, tuple)) else [sampling or SamplingParams()] * n
+        adapter_sets = adapters if adapters is not None else [()] * n
+        if len(params) != n or len(adapter_sets) != n:
+            raise RequestError("prompts, sampling and adapters must have the same length")
+        ids = [self.add_request(p, s, a) for p, s, a in zip(prompts, params, adapter_sets)]
+        results: dict[int, Completion] = {}
+        prompt_ids = {rid: self._tracked[rid].seq.prompt_ids for rid in ids}
+        texts: dict[int, list[str]] = {rid: [] for rid in ids}
+        tokens: dict[int, list[int]] = {rid: [] for rid in ids}
+        lps: dict[int, list[TokenLogprobs]] = {rid: [] for rid in ids}
+        while len(results) < n:
+            for out in self.step():
+                rid = out.request_id
+                texts[rid].append(out.text_delta)
+                tokens[rid].extend(out.new_token_ids)
+                lps[rid].extend(out.logprobs)
+                if out.finished:
+                    results[rid] = Completion(prompt_ids[rid], tokens[rid], "".join(texts[rid]), out.finish_reason or "stop", lps[rid])
+        return [results[rid] for rid in ids]
+
+
+def _merge_adapters(adapters: Seq[tuple[str, float]]) -> tuple[tuple[str, float], ...]:
+    """Deduplicate names (summing scales): each distinct adapter is one entry and counts once."""
+    merged: dict[str, float] = {}
+    for name, scale in adapters:
+        merged[name] = merged.get(name, 0.0) + float(scale)
+    return tuple(merged.items())
+
+
+def _find_stop(text: str, stops: tuple[str, ...], start: int, include: bool) -> int | None:
+    best = None
+    for stop in stops:
+        i = text.find(stop, max(0, start - len(stop) + 1))
+        if i >= 0:
+            end = i + len(stop) if include else i
+            best = end if best is None else min(best, end)
+    return best
+
+
+def _resolve_dtype(name: str, model: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # CPU matmuls in half precision are slow and inexact
+    return DTYPES.get(model.torch_dtype, torch.bfloat16) if model.torch_dtype != "float32" else torch.bfloat16
+
+
+def _resolve_backend(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "triton" if device.type == "cuda" and _triton_ready() else "torch"
+    if name == "triton" and device.type != "cuda":
+        raise ConfigError("the triton LoRA backend needs --device cuda")
+    return name
+
+
+def _triton_ready() -> bool:
+    try:
+        import lorafleet.kernels.triton_lora  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means: use the reference path
+        return False
+    return True
+
+
+__all__ = ["LLMEngine", "RequestOutput", "Completion", "RequestError", "AdapterError", "SamplingParams"]

@@ -1,0 +1,1 @@
+"""LoRA adapters: validation and loading (adapter), GPU slot stacks (slots), tiers (registry)."""

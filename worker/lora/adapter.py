@@ -1,0 +1,204 @@
+"""Read a PEFT LoRA folder into CPU tensors, validating everything before anything is evicted.
+
+Only safetensors are read (a pickled `.bin`/`.pt` is refused, never unpickled). Every failure is an
+`AdapterError` whose `reason` is a stable code (for metrics, HTTP errors, CR conditions) and whose
+message says what to fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from lorafleet.worker.config import LORA_TARGETS, ModelConfig
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
+
+_TENSOR_NAME = re.compile(
+    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$"
+)
+# Config keys that change the maths in ways we do not implement; each must be off/empty.
+_UNSUPPORTED_FLAGS = {
+    "use_dora": "DoRA adapters are not supported",
+    "lora_bias": "LoRA bias terms are not supported",
+    "fan_in_fan_out": "fan_in_fan_out (Conv1D-style) adapters are not supported",
+    "use_qalora": "QA-LoRA adapters are not supported",
+    "layer_replication": "layer_replication is not supported",
+    "target_parameters": "target_parameters (parameter-level LoRA) is not supported",
+    "trainable_token_indices": "trainable token indices are not supported",
+    "modules_to_save": "modules_to_save (fully trained extra modules) is not supported",
+}
+
+
+class AdapterError(ValueError):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(slots=True)
+class ModuleWeights:
+    a: torch.Tensor  # [r, in]
+    b: torch.Tensor  # [out, r]
+    scaling: float  # alpha / r, or alpha / sqrt(r) with rsLoRA
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+
+@dataclass(slots=True)
+class LoraWeights:
+    """A validated adapter in CPU memory."""
+
+    path: str
+    rank: int  # the config's `r` (modules may differ through rank_pattern)
+    alpha: float
+    use_rslora: bool
+    digest: str  # "sha256:<hex>" over config + weights
+    modules: dict[tuple[int, str], ModuleWeights] = field(default_factory=dict)  # (layer, target) ->
+
+    @property
+    def max_rank(self) -> int:
+        return max((m.rank for m in self.modules.values()), default=0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.a.numel() * m.a.element_size() + m.b.numel() * m.b.element_size() for m in self.modules.values())
+
+    @property
+    def targets(self) -> set[str]:
+        return {target for _, target in self.modules}
+
+
+def adapter_digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        with open(folder / name, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        h.update(b"\0")
+    return "sha256:" + h.hexdigest()
+
+
+def _pattern_value(patterns: dict, module_path: str, default):
+    # PEFT's rule: a pattern key matches a module whose dotted path ends with it.
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module_path):
+            return value
+    return default
+
+
+def read_adapter_config(folder: Path, max_lora_rank: int) -> dict:
+    path = folder / CONFIG_FILE
+    if not path.is_file():
+        raise AdapterError("missing_config", f"{folder} has no {CONFIG_FILE}: not a PEFT adapter folder")
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise AdapterError("bad_config", f"{CONFIG_FILE} is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise AdapterError("bad_config", f"{CONFIG_FILE} must be a JSON object")
+    if cfg.get("peft_type") != "LORA":
+        raise AdapterError("not_lora", f"peft_type is {cfg.get('peft_type')!r}; only LORA adapters are served")
+    for key, message in _UNSUPPORTED_FLAGS.items():
+        if cfg.get(key):
+            raise AdapterError("unsupported", f"{message} ({key}={cfg[key]!r})")
+    if cfg.get("bias", "none") != "none":
+        raise AdapterError("unsupported", f"bias={cfg.get('bias')!r} is not supported (only 'none')")
+    r = cfg.get("r")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise AdapterError("bad_rank", f"r must be a positive integer, got {r!r}")
+    ranks = [r, *cfg.get("rank_pattern", {}).values()]
+    for rank in ranks:
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+            raise AdapterError("bad_rank", f"rank_pattern values must be positive integers, got {rank!r}")
+    if max(ranks) > max_lora_rank:
+        raise AdapterError("rank_too_high", f"adapter rank {max(ranks)} exceeds max_lora_rank {max_lora_rank}")
+    alphas = [cfg.get("lora_alpha"), *cfg.get("alpha_pattern", {}).values()]
+    for alpha in alphas:
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+            raise AdapterError("bad_alpha", f"lora_alpha must be a finite number, got {alpha!r}")
+    targets = cfg.get("target_modules")
+    if isinstance(targets, str):
+        raise AdapterError("bad_targets", f"target_modules is a regex string ({targets!r}); list module names instead")
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
+        raise AdapterError("bad_targets", "target_modules must be a non-empty list of module names")
+    unknown = sorted(set(targets) - set(LORA_TARGETS))
+    if unknown:
+        raise AdapterError(
+            "bad_targets", f"target_modules {unknown} are not in this model (supported: {', '.join(LORA_TARGETS)})"
+        )
+    return cfg
+
+
+def load_adapter(path: str | Path, model: ModelConfig, max_lora_rank: int, max_bytes: int) -> LoraWeights:
+    """Validate and read a PEFT adapter folder; raises AdapterError with a reason on any problem."""
+    from safetensors import SafetensorError, safe_open
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise AdapterError("not_found", f"adapter folder {path} does not exist")
+    cfg = read_adapter_config(folder, max_lora_rank)
+    weights_path = folder / WEIGHTS_FILE
+    if not weights_path.is_file():
+        pickled = [n for n in PICKLE_FILES if (folder / n).exists()]
+        if pickled:
+            raise AdapterError("pickle", f"{pickled[0]} is a pickle; only {WEIGHTS_FILE} is accepted (pickles can run code)")
+        raise AdapterError("missing_weights", f"{folder} has no {WEIGHTS_FILE}")
+    size = weights_path.stat().st_size
+    if size > max_bytes:
+        raise AdapterError("too_large", f"adapter weights are {size} bytes, over the {max_bytes}-byte cap")
+
+    rslora = bool(cfg.get("use_rslora", False))
+    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    targets = set(cfg["target_modules"])
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    try:
+        with safe_open(str(weights_path), framework="pt") as f:
+            for name in f.keys():
+                m = _TENSOR_NAME.match(name)
+                if not m:
+                    raise AdapterError("bad_tensor", f"tensor {name!r} is not a LoRA A/B weight of a supported module")
+                layer, target, half = int(m.group(1)), m.group(2), m.group(3)
+                if target not in targets:
+                    raise AdapterError("bad_tensor", f"tensor {name!r} targets {target}, which is not in target_modules")
+                if layer >= model.num_layers:
+                    raise AdapterError("shape_mismatch", f"tensor {name!r}: the base model has {model.num_layers} layers")
+                halves.setdefault((layer, target), {})[half] = f.get_tensor(name)
+    except SafetensorError as exc:
+        raise AdapterError("bad_weights", f"{WEIGHTS_FILE} is not a valid safetensors file: {exc}") from None
+    if not halves:
+        raise AdapterError("bad_weights", f"{WEIGHTS_FILE} holds no LoRA tensors")
+
+    out = LoraWeights(path=str(folder), rank=cfg["r"], alpha=float(cfg["lora_alpha"]), use_rslora=rslora,
+                      digest=adapter_digest(folder))
+    for (layer, target), pair in sorted(halves.items()):
+        if set(pair) != {"A", "B"}:
+            raise AdapterError("bad_weights", f"layer {layer} {target} has lora_{''.join(pair)} but not both A and B")
+        a, b = pair["A"], pair["B"]
+        module_path = f"model.layers.{layer}.{'self_attn' if target in ('q_proj', 'k_proj', 'v_proj', 'o_proj') else 'mlp'}.{target}"
+        r = _pattern_value(rank_pattern, module_path, cfg["r"])
+        alpha = float(_pattern_value(alpha_pattern, module_path, cfg["lora_alpha"]))
+        out_dim, in_dim = model.linear_shape(target)
+        if a.shape != (r, in_dim) or b.shape != (out_dim, r):
+            raise AdapterError(
+                "shape_mismatch",
+                f"layer {layer} {target}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit the base model "
+                f"(expected A ({r}, {in_dim}), B ({out_dim}, {r}))",
+            )
+        if not a.is_floating_point() or not b.is_floating_point():
+            raise AdapterError("bad_weights", f"layer {layer} {target}: weights must be floating point")
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise AdapterError("bad_weights", f"layer {layer} {target}: weights contain NaN or Inf")
+        scaling = alpha / math.sqrt(r) if rslora else alpha / r
+        out.modules[(layer, target)] = ModuleWeights(a=a, b=b, scaling=scaling)
+    return out

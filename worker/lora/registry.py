@@ -1,0 +1,282 @@
+"""Adapter tiers: disk (a known PEFT folder) -> CPU cache (LRU, `max_cpu_loras`) -> GPU slots (`max_loras`).
+
+Invariants: an adapter on a GPU slot is also in the CPU cache; an adapter with requests in flight
+or pinned is never evicted from either; validation of a new adapter finishes before anything is
+evicted. Single-threaded by design: the engine loop owns it (disk reads can run in a thread
+through `load_adapter`, then `insert_cpu` on the loop).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from lorafleet.worker.config import EngineConfig, ModelConfig
+from lorafleet.worker.lora.adapter import AdapterError, LoraWeights, load_adapter
+from lorafleet.worker.lora.slots import LoraSlots
+
+
+class AdapterConflict(AdapterError):
+    """The name is taken by an adapter with different content (HTTP 409)."""
+
+
+class AdapterNotFound(AdapterError):
+    """No adapter of that name is registered (HTTP 404)."""
+
+
+@dataclass(slots=True)
+class AdapterEntry:
+    name: str
+    path: str
+    digest: str
+    rank: int
+    alpha: float
+    pinned: bool = False
+    in_flight: int = 0
+    last_used: float | None = None
+    slot: int | None = None
+    removed: bool = False  # unloaded while requests were in flight: freed when the last one ends
+
+
+@dataclass(slots=True)
+class TierStats:
+    cpu_hits: int = 0
+    cpu_misses: int = 0  # had to read from disk
+    gpu_hits: int = 0
+    gpu_misses: int = 0  # had to copy CPU -> GPU
+    cpu_evictions: int = 0
+    gpu_evictions: int = 0
+    load_seconds: dict[str, list[float]] = field(default_factory=lambda: {"disk": [], "cpu": []})
+
+
+class AdapterRegistry:
+    def __init__(
+        self,
+        model: ModelConfig,
+        engine: EngineConfig,
+        slots: LoraSlots | None,
+        dtype: torch.dtype,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.model = model
+        self.engine = engine
+        self.slots = slots
+        self.dtype = dtype
+        self.clock = clock
+        self.entries: dict[str, AdapterEntry] = {}
+        self.cpu: OrderedDict[str, LoraWeights] = OrderedDict()  # LRU first
+        self._slot_owner: list[str | None] = [None] * engine.max_loras
+        self._gpu_lru: OrderedDict[str, None] = OrderedDict()
+        self.stats = TierStats()
+        self._pin = slots is not None and slots.device.type == "cuda"
+
+    # -- catalogue -----------------------------------------------------------------------------
+    def read(self, path: str) -> LoraWeights:
+        """Validate and read an adapter folder (pure I/O, safe to run in a thread)."""
+        return load_adapter(path, self.model, self.engine.max_lora_rank, self.engine.max_adapter_bytes)
+
+    def register(self, name: str, weights: LoraWeights, pinned: bool = False) -> tuple[AdapterEntry, bool]:
+        """Add a validated adapter; returns (entry, created). Same content again is a no-op."""
+        old = self.entries.get(name)
+        if old is not None and not old.removed:
+            if old.digest != weights.digest:
+                raise AdapterConflict(
+                    "conflict", f"adapter {name!r} is already loaded with different content ({old.digest}); "
+                    "unload it first or load the new version under a new name",
+                )
+            old.pinned = old.pinned or pinned
+            return old, False
+        if old is not None:  # re-registered while the old version drains: forget the old weights
+            self._drop(name)
+        entry = AdapterEntry(name=name, path=weights.path, digest=weights.digest, rank=weights.max_rank,
+                             alpha=weights.alpha, pinned=pinned)
+        self.entries[name] = entry
+        self.insert_cpu(name, weights)
+        return entry, True
+
+    def unregister(self, name: str) -> AdapterEntry:
+        """Forget an adapter. New requests no longer find it; requests in flight finish with it."""
+        entry = self.get(name)
+        entry.removed = True
+        if entry.in_flight == 0:
+            self._drop(name)
+        return entry
+
+    def get(self, name: str) -> AdapterEntry:
+        entry = self.entries.get(name)
+        if entry is None or entry.removed:
+            raise AdapterNotFound("not_found", f"adapter {name!r} is not loaded on this worker")
+        return entry
+
+    def _entry(self, name: str) -> AdapterEntry:
+        """Like `get`, but also finds an unloaded adapter that still drains its requests."""
+        entry = self.entries.get(name)
+        if entry is None:
+            raise AdapterNotFound("not_found", f"adapter {name!r} is not loaded on this worker")
+        return entry
+
+    def names(self) -> list[str]:
+        return [n for n, e in self.entries.items() if not e.removed]
+
+    def tier(self, name: str) -> str:
+        entry = self.entries[name]
+        if entry.slot is not None:
+            return "gpu"
+        return "cpu" if name in self.cpu else "disk"
+
+    def on_cpu(self, name: str) -> bool:
+        return name in self.cpu
+
+    # -- requests ------------------------------------------------------------------------------
+    def acquire(self, names: Iterable[str]) -> None:
+        """Count a request in flight (call when it is accepted; raises if an adapter is unknown)."""
+        entries = [self.get(n) for n in names]
+        now = self.clock()
+        for entry in entries:
+            entry.in_flight += 1
+            entry.last_used = now
+
+    def release(self, names: Iterable[str]) -> None:
+        for name in names:
+            entry = self.entries.get(name)
+            if entry is None:
+                continue
+            entry.in_flight -= 1
+            if entry.removed and entry.in_flight == 0:
+                self._drop(name)
+
+    # -- CPU tier ------------------------------------------------------------------------------
+    def insert_cpu(self, name: str, weights: LoraWeights) -> None:
+        """Put validated weights into the CPU cache (prepared for fast slot copies), evicting LRU."""
+        _prepare(weights, self.dtype, self._pin)
+        self.cpu[name] = weights
+        self.cpu.move_to_end(name)
+        self._evict_cpu()
+
+    def ensure_cpu(self, name: str) -> LoraWeights:
+        """The adapter's weights, read from disk again if the CPU cache dropped them."""
+        entry = self._entry(name)
+        if name in self.cpu:
+            self.stats.cpu_hits += 1
+            self.cpu.move_to_end(name)
+            return self.cpu[name]
+        self.stats.cpu_misses += 1
+        t0 = time.perf_counter()
+        weights = self.read(entry.path)
+        if weights.digest != entry.digest:
+            raise AdapterConflict("changed_on_disk", f"adapter {name!r} changed on disk since it was loaded; reload it")
+        self.insert_cpu(name, weights)
+        self.stats.load_seconds["disk"].append(time.perf_counter() - t0)
+        return weights
+
+    def _evict_cpu(self) -> None:
+        excess = len(self.cpu) - self.engine.max_cpu_loras
+        for name in list(self.cpu):
+            if excess <= 0:
+                break
+            entry = self.entries.get(name)
+            if entry is not None and (entry.pinned or entry.in_flight or entry.slot is not None):
+                continue
+            del self.cpu[name]
+            self.stats.cpu_evictions += 1
+            excess -= 1
+
+    # -- GPU tier ------------------------------------------------------------------------------
+    def activate(self, names: Iterable[str], protected: set[str]) -> dict[str, int]:
+        """GPU slots for this step's adapters, copying in the missing ones.
+
+        `protected` are adapters the running batch uses: never evicted to make room.
+        """
+        result: dict[str, int] = {}
+        for name in names:
+            result[name] = self._ensure_slot(name, protected | set(names))
+        if self.slots is not None:
+            self.slots.wait(list(result.values()))
+        return result
+
+    def prefetch(self, names: Iterable[str], protected: set[str]) -> list[str]:
+        """Best effort: copy waiting requests' adapters into free or evictable slots ahead of time."""
+        done = []
+        for name in names:
+            entry = self.entries.get(name)
+            if entry is None or entry.removed or entry.slot is not None or name not in self.cpu:
+                continue
+            if self._free_slot(protected) is None:
+                break
+            self._ensure_slot(name, protected)
+            done.append(name)
+        return done
+
+    def _free_slot(self, protected: set[str]) -> int | None:
+        for slot, owner in enumerate(self._slot_owner):
+            if owner is None:
+                return slot
+        for owner in self._gpu_lru:
+            entry = self.entries[owner]
+            if owner not in protected and not entry.pinned and entry.in_flight == 0:
+                return entry.slot
+        for owner in self._gpu_lru:  # in flight but not in this batch (waiting): still evictable
+            entry = self.entries[owner]
+            if owner not in protected and not entry.pinned:
+                return entry.slot
+        return None
+
+    def _ensure_slot(self, name: str, protected: set[str]) -> int:
+        entry = self._entry(name)
+        if entry.slot is not None:
+            self.stats.gpu_hits += 1
+            self._gpu_lru.move_to_end(name)
+            return entry.slot
+        self.stats.gpu_misses += 1
+        weights = self.ensure_cpu(name)
+        slot = self._free_slot(protected)
+        if slot is None:
+            raise RuntimeError(f"no GPU slot for adapter {name!r}: all {len(self._slot_owner)} are protected")
+        self._vacate(slot)
+        t0 = time.perf_counter()
+        if self.slots is not None:
+            self.slots.fill(slot, weights)
+        self.stats.load_seconds["cpu"].append(time.perf_counter() - t0)
+        self._slot_owner[slot] = name
+        entry.slot = slot
+        self._gpu_lru[name] = None
+        return slot
+
+    def _vacate(self, slot: int) -> None:
+        owner = self._slot_owner[slot]
+        if owner is None:
+            return
+        self.entries[owner].slot = None
+        self._gpu_lru.pop(owner, None)
+        self._slot_owner[slot] = None
+        self.stats.gpu_evictions += 1
+        if self.slots is not None:
+            self.slots.clear(slot)
+
+    def gpu_resident(self) -> list[str]:
+        return list(self._gpu_lru)
+
+    def _drop(self, name: str) -> None:
+        entry = self.entries.pop(name)
+        if entry.slot is not None:
+            self._vacate(entry.slot)
+            self.stats.gpu_evictions -= 1  # an unload, not an eviction
+        self.cpu.pop(name, None)
+
+    def in_flight_counts(self) -> Counter[str]:
+        return Counter({n: e.in_flight for n, e in self.entries.items() if e.in_flight})
+
+
+def _prepare(weights: LoraWeights, dtype: torch.dtype, pin: bool) -> None:
+    """Fold the scaling into B and convert once, so filling a slot is a plain (pinned) copy."""
+    for m in weights.modules.values():
+        if m.scaling != 1.0 or m.a.dtype != dtype:
+            m.b = (m.b.float() * m.scaling).to(dtype)
+            m.a = m.a.to(dtype)
+            m.scaling = 1.0
+        if pin and not m.a.is_pinned():
+            m.a, m.b = m.a.pin_memory(), m.b.pin_memory()

@@ -1,0 +1,121 @@
+"""Runs a scheduled batch on the model: builds the step's tensors once, then forward and sample."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from lorafleet.kernels.lora_ops import LoraMeta, build_lora_meta
+from lorafleet.worker.attention import AttentionMetadata
+from lorafleet.worker.models.llama import LlamaModel
+from lorafleet.worker.sampling import TokenLogprobs, sample
+from lorafleet.worker.scheduler import ScheduledBatch
+from lorafleet.worker.sequence import Sequence
+
+LogitsHook = Callable[[list[Sequence], torch.Tensor], None]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, max_loras: int, max_loras_per_request: int) -> None:
+        self.model = model
+        self.device = model.device
+        self.block_size = block_size
+        self.max_loras = max_loras
+        self.k = max_loras_per_request
+        c = model.config
+        shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=model.dtype, device=self.device), torch.zeros(shape, dtype=model.dtype, device=self.device))
+            for _ in range(c.num_layers)
+        ]
+        self._generators: dict[int, torch.Generator] = {}
+
+    @staticmethod
+    def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
+        c = model.config
+        return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * torch.finfo(model.dtype).bits // 8
+
+    def generator_for(self, seq: Sequence) -> torch.Generator | None:
+        if seq.sampling.greedy:
+            return None
+        gen = self._generators.get(seq.seq_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            if seq.sampling.seed is not None:
+                gen.manual_seed(seq.sampling.seed)
+            else:
+                gen.seed()
+            self._generators[seq.seq_id] = gen
+        return gen
+
+    def forget(self, seq: Sequence) -> None:
+        self._generators.pop(seq.seq_id, None)
+
+    def prepare(self, batch: ScheduledBatch, slot_of: dict[str, int]) -> tuple:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        context_lens: list[int] = []
+        logits_rows: list[int] = []
+        token_slots: list[list[int]] = []
+        token_scales: list[list[float]] = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed
+            ids.extend(seq.tokens[start : start + n])
+            for pos in range(start, start + n):
+                positions.append(pos)
+                slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+            context_lens.append(start + n)
+            query_start.append(query_start[-1] + n)
+            if start + n == len(seq):
+                logits_rows.append(query_start[-1] - 1)
+            entry_slots = [slot_of[name] for name, _ in seq.adapters] + [-1] * (self.k - len(seq.adapters))
+            entry_scales = [scale for _, scale in seq.adapters] + [0.0] * (self.k - len(seq.adapters))
+            token_slots.extend([entry_slots] * n)
+            token_scales.extend([entry_scales] * n)
+
+        dev = self.device
+        max_blocks = max(len(s.block_table) for s in batch.seqs)
+        tables = torch.zeros(len(batch.seqs), max_blocks, dtype=torch.int32)
+        for i, seq in enumerate(batch.seqs):
+            tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        attn = AttentionMetadata(
+            query_lens=list(batch.num_new_tokens),
+            context_lens=context_lens,
+            query_start=query_start,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
+            block_tables=tables.to(dev, non_blocking=True),
+            context_lens_t=torch.tensor(context_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            all_decode=all(n == 1 for n in batch.num_new_tokens),
+        )
+        lora_meta: LoraMeta | None = None
+        if any(seq.adapters for seq in batch.seqs):
+            lora_meta = build_lora_meta(
+                torch.tensor(token_slots, dtype=torch.int32),
+                torch.tensor(token_scales, dtype=torch.float32),
+                self.max_loras,
+                dev,
+            )
+        return (
+            torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
+            torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
+            attn,
+            lora_meta,
+            torch.tensor(logits_rows, dtype=torch.int64).to(dev, non_blocking=True),
+        )
+
+    @torch.inference_mode()
+    def run(
+        self, batch: ScheduledBatch, slot_of: dict[str, int], sampled: list[Sequence], hook: LogitsHook | None = None
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Forward the batch; sample one token for each sequence in `sampled` (prefill done or decode)."""
+        input_ids, positions, attn, lora_meta, logits_rows = self.prepare(batch, slot_of)
+        logits = self.model.forward(input_ids, positions, attn, self.kv_caches, lora_meta, logits_rows)
+        if hook is not None:
+            hook(sampled, logits)
+        if not sampled:
+            return [], []
+        return sample(logits, [s.sampling for s in sampled], [self.generator_for(s) for s in sampled])

@@ -1,0 +1,1 @@
+"""Model implementations (Llama family: Llama, Mistral, Qwen2)."""

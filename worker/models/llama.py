@@ -1,0 +1,179 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) with fused projections and a multi-LoRA side path.
+
+q/k/v and gate/up are fused into one base matmul each; every fused projection then adds each
+token's LoRA deltas through `lorafleet.kernels.lora_ops.add_lora` (torch reference on CPU, Triton
+on CUDA), reading the step's LoRA metadata that was built once for all layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from lorafleet.kernels.lora_ops import LoraMeta, add_lora
+from lorafleet.worker.attention import AttentionMetadata, paged_attention, write_kv
+from lorafleet.worker.config import ModelConfig, rope_inv_freq
+from lorafleet.worker.lora.slots import LoraSlots
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same order of operations as transformers' LlamaRMSNorm, so fp32 logits match to rounding.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class Rotary:
+    """cos/sin tables for every position, computed once (HF's non-interleaved rotate-half layout)."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, device: torch.device) -> None:
+        inv_freq = torch.tensor(rope_inv_freq(config), dtype=torch.float32, device=device)
+        t = torch.arange(max_positions, dtype=torch.float32, device=device)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, head_dim]
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: `[T, heads, head_dim]`."""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+class LlamaModel:
+    """Weights as plain tensors (no nn.Module: nothing here trains); `forward` runs one step."""
+
+    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.weights: dict[str, torch.Tensor] = {}
+        self.rotary = Rotary(config, max_positions, device)
+        self.lora: LoraSlots | None = None
+        self.lora_backend = "torch"
+
+    # -- loading -------------------------------------------------------------------------------
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Take checkpoint tensors by their Hugging Face names; fuse q/k/v and gate/up on the way."""
+        pending: dict[str, torch.Tensor] = {}
+        for name, tensor in named:
+            key = _short_name(name)
+            if key is None:
+                continue
+            pending[key] = tensor.to(self.device, self.dtype)
+        c = self.config
+        w: dict[str, torch.Tensor] = {}
+        w["embed"] = _take(pending, "embed_tokens.weight")
+        w["norm"] = _take(pending, "norm.weight")
+        w["lm_head"] = w["embed"] if c.tie_word_embeddings else pending.pop("lm_head.weight", None)
+        if w["lm_head"] is None:
+            # Some checkpoints tie weights without saying so in config.json.
+            w["lm_head"] = w["embed"]
+        for i in range(c.num_layers):
+            p = f"layers.{i}."
+            w[p + "qkv"] = torch.cat([_take(pending, p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            if c.qkv_bias:
+                w[p + "qkv_bias"] = torch.cat([_take(pending, p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            w[p + "o"] = _take(pending, p + "self_attn.o_proj.weight")
+            w[p + "gate_up"] = torch.cat([_take(pending, p + "mlp.gate_proj.weight"), _take(pending, p + "mlp.up_proj.weight")])
+            w[p + "down"] = _take(pending, p + "mlp.down_proj.weight")
+            w[p + "in_norm"] = _take(pending, p + "input_layernorm.weight")
+            w[p + "post_norm"] = _take(pending, p + "post_attention_layernorm.weight")
+        leftovers = [k for k in pending if "rotary_emb" not in k]
+        if leftovers:
+            raise ValueError(f"checkpoint has tensors this model does not use: {leftovers[:5]}")
+        self.weights = w
+
+    def weight_bytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        for t in self.weights.values():
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+    # -- forward -------------------------------------------------------------------------------
+    def _linear(self, x: torch.Tensor, layer: int, fused: str, meta: LoraMeta | None) -> torch.Tensor:
+        w = self.weights
+        key = f"layers.{layer}.{fused.removesuffix('_proj')}"
+        y = F.linear(x, w[key], w.get(key + "_bias"))
+        if meta is not None and not meta.empty and self.lora is not None:
+            s = self.lora.layers[layer].get(fused)
+            if s is not None:
+                add_lora(y, x, s.lora_a, s.lora_b, s.ranks, s.ranks_device, meta, self.lora_backend)
+        return y
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        attn: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        lora_meta: LoraMeta | None,
+        logits_indices: torch.Tensor,  # [N] rows of the step whose logits are wanted
+    ) -> torch.Tensor:
+        """One engine step over all scheduled tokens -> float32 logits `[N, vocab]`."""
+        c, w = self.config, self.weights
+        h = F.embedding(input_ids, w["embed"])  # [T, hidden]
+        scale = c.head_dim**-0.5
+        for i in range(c.num_layers):
+            p = f"layers.{i}."
+            x = rms_norm(h, w[p + "in_norm"], c.rms_norm_eps)
+            qkv = self._linear(x, i, "qkv_proj", lora_meta)
+            q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+            q = self.rotary.apply(q.reshape(-1, c.num_heads, c.head_dim), positions)
+            k = self.rotary.apply(k.reshape(-1, c.num_kv_heads, c.head_dim), positions)
+            v = v.reshape(-1, c.num_kv_heads, c.head_dim)
+            k_cache, v_cache = kv_caches[i]
+            write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
+            o = paged_attention(q, k_cache, v_cache, attn, scale).reshape(-1, c.q_size)
+            h = h + self._linear(o, i, "o_proj", lora_meta)
+            x = rms_norm(h, w[p + "post_norm"], c.rms_norm_eps)
+            gate, up = self._linear(x, i, "gate_up_proj", lora_meta).chunk(2, dim=-1)
+            h = h + self._linear(F.silu(gate) * up, i, "down_proj", lora_meta)
+        h = rms_norm(h.index_select(0, logits_indices), w["norm"], c.rms_norm_eps)
+        return F.linear(h, w["lm_head"]).float()
+
+
+def _short_name(name: str) -> str | None:
+    for prefix in ("model.", ""):
+        if name.startswith(prefix):
+            rest = name[len(prefix):]
+            if rest.startswith(("embed_tokens.", "layers.", "norm.")):
+                return rest
+    if name.startswith("lm_head."):
+        return name
+    return None
+
+
+def _take(pending: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    try:
+        return pending.pop(key)
+    except KeyError:
+        raise ValueError(f"checkpoint lacks {key!r}") from None
+
+
+def iter_checkpoint(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from `model.safetensors` or a sharded `model.safetensors.index.json`."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    root = Path(folder)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in root.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder} has no *.safetensors weights (pickled .bin checkpoints are not loaded)")
+    for fname in files:
+        with safe_open(str(root / fname), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

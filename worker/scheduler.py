@@ -1,0 +1,187 @@
+"""Continuous batching under a token budget, at most `max_loras` distinct adapters per batch (torch-free).
+
+Each step: running requests first (oldest first; decodes and unfinished prefill chunks), then
+waiting ones in arrival order (preempted first). A waiting request whose adapters would push the
+batch past `max_loras` is *deferred* — skipped for this step and counted — without blocking
+requests for adapters already in the batch or base-only requests. A request deferred for
+`aging_steps` steps is *starving*: admission then stops for everything that would keep other
+adapters in the batch, so they drain and the starving adapter gets a slot (base-only requests
+still flow). When KV blocks run out, the newest running request is preempted by recompute.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from lorafleet.worker.block_manager import BlockManager
+from lorafleet.worker.sequence import SeqStatus, Sequence
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_loras: int
+    aging_steps: int = 32
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # per seq, this step
+    preempted: list[Sequence] = field(default_factory=list)
+    deferred: list[Sequence] = field(default_factory=list)  # waiting for an adapter slot
+    not_ready: list[Sequence] = field(default_factory=list)  # adapter still loading into memory
+
+    @property
+    def adapters(self) -> set[str]:
+        return {name for seq in self.seqs for name in seq.adapter_names}
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        blocks: BlockManager,
+        adapter_ready: Callable[[str], bool] = lambda _name: True,
+    ) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.adapter_ready = adapter_ready
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.deferred_total = 0  # requests skipped for lack of an adapter slot (vLLM's "deferred")
+        self.preempted_total = 0
+
+    # -- queue ---------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = seq.finish_reason or "abort"
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def waiting_adapters(self) -> set[str]:
+        return {name for seq in self.waiting for name in seq.adapter_names}
+
+    def running_adapters(self) -> set[str]:
+        return {name for seq in self.running for name in seq.adapter_names}
+
+    # -- the step ------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        cfg = self.config
+        batch = ScheduledBatch()
+        budget = cfg.max_num_batched_tokens
+
+        # 1. Running requests, oldest first; preempt the newest when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            while not self.blocks.allocate(seq, seq.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim, batch)
+                if victim is seq:
+                    break
+            else:
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(n)
+                budget -= n
+                i += 1
+                continue
+            break  # seq itself was preempted: nothing after it can run either
+
+        # 2. Waiting requests in order, under max_num_seqs, the token budget and max_loras.
+        in_batch: Counter[str] = Counter(name for seq in self.running for name in seq.adapter_names)
+        starving = self._starving_adapters()
+        admitted: list[Sequence] = []
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) + len(admitted) >= cfg.max_num_seqs:
+                break
+            names = seq.adapter_names
+            if not all(self.adapter_ready(name) for name in names):
+                batch.not_ready.append(seq)
+                continue
+            new = names - in_batch.keys()
+            if len(in_batch) + len(new) > cfg.max_loras or (starving and names and not names <= starving):
+                batch.deferred.append(seq)
+                continue
+            if not seq.block_table:
+                self.blocks.match_prefix(seq)
+            n = min(seq.num_uncomputed, budget)
+            if not self.blocks.allocate(seq, seq.num_computed + n):
+                self.blocks.free(seq)
+                seq.num_computed = 0
+                break  # out of KV blocks: later requests would only be bigger losers
+            in_batch.update(names)
+            admitted.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        for seq in admitted:
+            self.waiting.remove(seq)
+            seq.status = SeqStatus.RUNNING
+            seq.deferred_steps = 0
+            self.running.append(seq)
+        for seq in batch.deferred:
+            seq.deferred_steps += 1
+        self.deferred_total += len(batch.deferred)
+        return batch
+
+    def _starving_adapters(self) -> set[str]:
+        """Adapters of waiting requests deferred for too long (empty when none starve)."""
+        limit = self.config.aging_steps
+        for seq in self.waiting:  # the oldest starving request wins; others wait their turn
+            if seq.deferred_steps >= limit and seq.adapter_names:
+                return set(seq.adapter_names)
+        return set()
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        """Free a running request's blocks; it re-queues first and recomputes prompt + output so far."""
+        self.running.remove(seq)
+        if seq in batch.seqs:
+            idx = batch.seqs.index(seq)
+            del batch.seqs[idx]
+            del batch.num_new_tokens[idx]
+        self.blocks.free(seq)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+        self.preempted_total += 1
+
+    def postprocess(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Advance computed counts after the step; returns the sequences that produce a token now."""
+        sampled = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed += n
+            self.blocks.register_full_blocks(seq)
+            if seq.num_uncomputed == 0:
+                sampled.append(seq)
+        return sampled

@@ -1,0 +1,83 @@
+"""A request as the scheduler sees it: token ids, adapters, KV blocks and progress (torch-free)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """OpenAI-style sampling knobs; validated at construction so a bad request fails before queueing."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-k logprobs to return per generated token (0 = only the chosen one)
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_tokens >= 1, "max_tokens must be >= 1"),
+            (0.0 <= self.temperature <= 100.0, "temperature must be in [0, 100]"),
+            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (self.top_k >= 0, "top_k must be >= 0"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in 0..20"),
+            (len(self.stop) <= 16 and all(self.stop), "stop: at most 16 non-empty strings"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(slots=True)
+class Sequence:
+    seq_id: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    adapters: tuple[tuple[str, float], ...] = ()  # (adapter name, scale); empty = base model only
+    cache_salt: str = ""  # the adapter set with scales and digests: prefix blocks are shared only under it
+    arrival: float = 0.0
+    output_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache
+    block_hashes: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    deferred_steps: int = 0  # consecutive steps this waiting request could not get an adapter slot
+    num_preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self) - self.num_computed
+
+    @property
+    def adapter_names(self) -> frozenset[str]:
+        return frozenset(name for name, _ in self.adapters)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

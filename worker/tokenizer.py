@@ -1,0 +1,90 @@
+"""Tokenizer and chat template from a Hugging Face folder (`tokenizer.json`, `tokenizer_config.json`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Used when the folder has no chat template (documented in the README).
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+class Tokenizer:
+    def __init__(self, folder: str | Path) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        root = Path(folder)
+        path = root / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"{folder} has no tokenizer.json")
+        self._tok = HFTokenizer.from_file(str(path))
+        cfg_path = root / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.bos_token = _token_text(cfg.get("bos_token"))
+        self.eos_token = _token_text(cfg.get("eos_token"))
+        self.bos_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.add_bos = bool(cfg.get("add_bos_token", False)) and self.bos_id is not None
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self.chat_template: str = template or DEFAULT_CHAT_TEMPLATE
+        self.has_own_chat_template = template is not None
+        self.vocab_size = self._tok.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_id):
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str:
+        return self._tok.id_to_token(token_id) or ""
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        import jinja2
+        import jinja2.sandbox
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message: str) -> None:
+            raise ValueError(message)
+
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"chat template failed: {exc}") from None
+
+
+def _token_text(value: object) -> str | None:
+    if isinstance(value, dict):  # AddedToken serialised
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class IncrementalDetokenizer:
+    """Text deltas for streamed tokens; holds back a trailing partial UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.text = ""
+
+    def update(self, output_ids: list[int]) -> str:
+        text = self.tokenizer.decode(output_ids)
+        if text.endswith("\ufffd"):
+            return ""
+        delta = text[len(self.text):] if text.startswith(self.text) else text
+        self.text = text
+        return delta
