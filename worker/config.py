@@ -180,7 +180,7 @@ class EngineConfig:
     max_loras: int = 8  # GPU slots: distinct adapters in one running batch
     max_lora_rank: int = 64
     max_cpu_loras: int = 32
-    max_loras_per_request: int = 4
+    max_loras_per_request: int | None = None  # None: min(4, max_loras)
     max_adapter_bytes: int = 2 << 30  # reject adapter folders larger than this
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # None: size from memory (CUDA) or a default (CPU)
@@ -197,6 +197,8 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.max_loras_per_request is None:
+            object.__setattr__(self, "max_loras_per_request", min(4, self.max_loras))
         checks = [
             (self.max_loras >= 1, "max_loras must be >= 1"),
             (1 <= self.max_lora_rank <= 512, "max_lora_rank must be in 1..512"),

@@ -155,7 +155,7 @@ class AdapterRegistry:
         _prepare(weights, self.dtype, self._pin)
         self.cpu[name] = weights
         self.cpu.move_to_end(name)
-        self._evict_cpu()
+        self._evict_cpu(keep=name)
 
     def ensure_cpu(self, name: str) -> LoraWeights:
         """The adapter's weights, read from disk again if the CPU cache dropped them."""
@@ -173,13 +173,13 @@ class AdapterRegistry:
         self.stats.load_seconds["disk"].append(time.perf_counter() - t0)
         return weights
 
-    def _evict_cpu(self) -> None:
+    def _evict_cpu(self, keep: str) -> None:
         excess = len(self.cpu) - self.engine.max_cpu_loras
         for name in list(self.cpu):
             if excess <= 0:
                 break
             entry = self.entries.get(name)
-            if entry is not None and (entry.pinned or entry.in_flight or entry.slot is not None):
+            if name == keep or entry is not None and (entry.pinned or entry.in_flight or entry.slot is not None):
                 continue
             del self.cpu[name]
             self.stats.cpu_evictions += 1
@@ -205,9 +205,10 @@ class AdapterRegistry:
             entry = self.entries.get(name)
             if entry is None or entry.removed or entry.slot is not None or name not in self.cpu:
                 continue
-            if self._free_slot(protected) is None:
+            keep = protected | set(done)  # never evict what this call just prefetched
+            if self._free_slot(keep) is None:
                 break
-            self._ensure_slot(name, protected)
+            self._ensure_slot(name, keep)
             done.append(name)
         return done
 
@@ -261,10 +262,11 @@ class AdapterRegistry:
         return list(self._gpu_lru)
 
     def _drop(self, name: str) -> None:
-        entry = self.entries.pop(name)
+        entry = self.entries[name]
         if entry.slot is not None:
             self._vacate(entry.slot)
             self.stats.gpu_evictions -= 1  # an unload, not an eviction
+        del self.entries[name]
         self.cpu.pop(name, None)
 
     def in_flight_counts(self) -> Counter[str]:

@@ -1,0 +1,130 @@
+"""Engine behaviour: preemption, prefix caching, sampling knobs, limits and errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lorafleet.worker.config import EngineConfig
+from lorafleet.worker.engine import LLMEngine, RequestError
+from lorafleet.worker.lora.registry import AdapterNotFound
+from lorafleet.worker.sequence import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+PROMPTS = ["Hello world", "The router sends each request", "Roses are red", "SELECT name FROM students"]
+ADAPTERS = [(), (("sql", 1.0),), (("chat", 1.0),), (("poem", 0.8), ("sql", 0.5))]
+
+
+@pytest.fixture(scope="module")
+def modules(demo_adapters):
+    return {n: str(p) for n, p in demo_adapters.items()}
+
+
+@pytest.fixture(scope="module")
+def engine(demo_model, modules):
+    return LLMEngine(demo_model, EngineConfig(max_loras=4, max_cpu_loras=8), lora_modules=modules)
+
+
+def test_preemption_and_resume_give_the_same_tokens(demo_model, modules, engine):
+    want = [o.token_ids for o in engine.generate(PROMPTS, GREEDY, ADAPTERS)]
+    # 5 blocks of 4 tokens cannot hold four growing requests: some are preempted and recomputed.
+    tight = LLMEngine(demo_model, EngineConfig(max_loras=4, max_cpu_loras=8, block_size=8, num_kv_blocks=7,
+                                               enable_prefix_caching=False), lora_modules=modules)
+    got = [o.token_ids for o in tight.generate(PROMPTS, GREEDY, ADAPTERS)]
+    assert tight.scheduler.preempted_total > 0
+    assert got == want
+    assert tight.blocks.num_free == tight.blocks.num_blocks
+
+
+def test_prefix_cache_hits_give_identical_logits(demo_model, modules):
+    eng = LLMEngine(demo_model, EngineConfig(max_loras=4, block_size=8), lora_modules=modules)
+    prompt = "Once upon a time there was a model with many adapters, and every tenant was happy."
+    rows = []
+    eng.logits_hook = lambda seqs, logits: rows.append(logits.clone())
+    first = eng.generate([prompt], GREEDY, [(("sql", 1.0),)])[0]
+    hits_before = eng.blocks.prefix_hits
+    n_first = len(rows)
+    second = eng.generate([prompt], GREEDY, [(("sql", 1.0),)])[0]
+    assert eng.blocks.prefix_hits > hits_before  # the second run reused cached blocks
+    assert second.token_ids == first.token_ids
+    torch.testing.assert_close(torch.stack(rows[n_first:]), torch.stack(rows[:n_first]), rtol=1e-5, atol=1e-5)
+    hits = eng.blocks.prefix_hits
+    eng.generate([prompt], GREEDY, [(("chat", 1.0),)])  # other adapter: no sharing
+    assert eng.blocks.prefix_hits == hits
+
+
+def test_seeded_sampling_repeats_and_differs_across_seeds(engine):
+    def run(seed):
+        sp = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=seed, ignore_eos=True)
+        return engine.generate(["Hello world"] * 2, sp, [(), (("chat", 1.0),)])
+
+    a, b, c = run(1), run(1), run(2)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.token_ids for o in a] != [o.token_ids for o in c]
+
+
+def test_top_k_one_is_greedy(engine):
+    greedy = engine.generate(["Hello world"], GREEDY)[0].token_ids
+    topk1 = engine.generate(["Hello world"], SamplingParams(max_tokens=12, temperature=1.0, top_k=1, ignore_eos=True))[0]
+    assert topk1.token_ids == greedy
+
+
+def test_stop_strings_and_ids(engine):
+    base = engine.generate(["Hello world"], GREEDY)[0]
+    stop_text = base.text[3:6]
+    assert stop_text
+    out = engine.generate(["Hello world"], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=(stop_text,)))[0]
+    assert out.finish_reason == "stop" and out.text == base.text[: base.text.index(stop_text)]
+    sid = base.token_ids[4]
+    out = engine.generate(["Hello world"], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=(sid,)))[0]
+    assert out.finish_reason == "stop" and out.token_ids == base.token_ids[: base.token_ids.index(sid) + 1]
+
+
+def test_logprobs_are_the_models_distribution(engine):
+    rows = []
+    engine.logits_hook = lambda seqs, logits: rows.append(logits.clone())
+    out = engine.generate(["Hello world"], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=3))[0]
+    engine.logits_hook = None
+    for lp, logits in zip(out.logprobs, rows):
+        ref = torch.log_softmax(logits[0], -1)
+        assert lp.token_id == int(ref.argmax())
+        assert abs(lp.logprob - float(ref.max())) < 1e-5
+        assert [t for t, _ in lp.top] == ref.topk(3).indices.tolist()
+
+
+def test_max_loras_defers_in_the_engine(demo_model, modules):
+    eng = LLMEngine(demo_model, EngineConfig(max_loras=2, max_cpu_loras=8), lora_modules=modules)
+    seen = []
+    eng.logits_hook = lambda seqs, logits: seen.append({n for s in seqs for n in s.adapter_names})
+    adapters = [(("sql", 1.0),), (("chat", 1.0),), (("poem", 1.0),), (("code", 1.0),), ()]
+    outs = eng.generate(["Hello world"] * 5, GREEDY, adapters)
+    assert all(len(o.token_ids) == 12 for o in outs)
+    assert eng.scheduler.deferred_total > 0
+    assert max(len(s) for s in seen) <= 2
+
+
+def test_request_errors(engine):
+    with pytest.raises(AdapterNotFound):
+        engine.add_request("hi", GREEDY, [("nope", 1.0)])
+    with pytest.raises(RequestError, match="max_loras_per_request"):
+        engine.add_request("hi", GREEDY, [("sql", 1.0), ("chat", 1.0), ("poem", 1.0), ("code", 1.0), ("legal", 1.0)])
+    with pytest.raises(RequestError, match="context length"):
+        engine.add_request("hi", SamplingParams(max_tokens=10_000))
+    with pytest.raises(RequestError, match="token ids"):
+        engine.add_request([10**6])
+    with pytest.raises(RequestError, match="empty"):
+        engine.add_request([])
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    assert not engine.has_unfinished()
+    assert all(e.in_flight == 0 for e in engine.registry.entries.values())
+
+
+def test_abort_frees_blocks_and_adapter(engine):
+    rid = engine.add_request("Hello world", GREEDY, [("sql", 1.0)])
+    engine.step()
+    assert engine.registry.entries["sql"].in_flight == 1
+    engine.abort(rid)
+    assert not engine.has_unfinished()
+    assert engine.registry.entries["sql"].in_flight == 0
+    assert engine.blocks.usage() == 0.0 or engine.blocks.num_free == engine.blocks.num_blocks

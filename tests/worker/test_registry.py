@@ -1,0 +1,116 @@
+"""Adapter tiers: CPU LRU, GPU slots, pinning, in-flight protection, counters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lorafleet.worker.config import EngineConfig, ModelConfig
+from lorafleet.worker.lora.registry import AdapterConflict, AdapterNotFound, AdapterRegistry
+from lorafleet.worker.lora.slots import LoraSlots
+
+
+@pytest.fixture
+def make_registry(demo_model):
+    model = ModelConfig.from_folder(demo_model)
+
+    def make(max_loras=2, max_cpu_loras=3) -> AdapterRegistry:
+        cfg = EngineConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_loras_per_request=1)
+        slots = LoraSlots(model, max_loras, cfg.max_lora_rank, torch.device("cpu"), torch.float32)
+        return AdapterRegistry(model, cfg, slots, torch.float32)
+
+    return make
+
+
+def register(reg: AdapterRegistry, adapters, *names, pinned=False):
+    for n in names:
+        reg.register(n, reg.read(str(adapters[n])), pinned=pinned)
+
+
+def test_cpu_cache_is_lru_and_counts(make_registry, demo_adapters):
+    reg = make_registry(max_loras=2, max_cpu_loras=3)
+    register(reg, demo_adapters, "sql", "chat", "poem")
+    reg.ensure_cpu("sql")  # sql becomes most recently used
+    register(reg, demo_adapters, "code")  # evicts chat, the least recently used
+    assert list(reg.cpu) == ["poem", "sql", "code"]
+    assert reg.tier("chat") == "disk" and reg.stats.cpu_evictions == 1
+    reg.ensure_cpu("chat")  # read back from disk: a miss
+    assert reg.stats.cpu_misses == 1 and reg.tier("chat") == "cpu"
+    assert reg.stats.cpu_hits == 1
+
+
+def test_gpu_slots_lru_and_protection(make_registry, demo_adapters):
+    reg = make_registry(max_loras=2, max_cpu_loras=4)
+    register(reg, demo_adapters, "sql", "chat", "poem")
+    reg.activate(["sql"], {"sql"})
+    reg.activate(["chat"], {"chat"})
+    assert sorted(reg.gpu_resident()) == ["chat", "sql"]
+    reg.activate(["poem"], {"poem", "chat"})  # chat protected by the running batch: sql goes
+    assert sorted(reg.gpu_resident()) == ["chat", "poem"]
+    assert reg.tier("sql") == "cpu" and reg.stats.gpu_evictions == 1
+    assert reg.stats.gpu_misses == 3
+    reg.activate(["poem"], {"poem"})
+    assert reg.stats.gpu_hits == 1
+
+
+def test_slot_holds_true_rank_and_folded_scale(make_registry, demo_adapters):
+    reg = make_registry()
+    register(reg, demo_adapters, "legal")  # r=8, up_proj r=2 via rank_pattern, alpha 8
+    slot = reg.activate(["legal"], {"legal"})["legal"]
+    layer = reg.slots.layers[0]
+    assert layer["qkv_proj"].ranks[0][slot] == 8
+    assert layer["qkv_proj"].ranks[1][slot] == 0  # k_proj not targeted: no work
+    assert layer["gate_up_proj"].ranks[1][slot] == 2  # the rank pattern
+    weights = reg.read(str(demo_adapters["legal"]))
+    m = weights.modules[(0, "q_proj")]
+    want_b = m.b * (8 / 8)
+    torch.testing.assert_close(layer["qkv_proj"].lora_b[0][slot, :, :8], want_b)
+    m_up = weights.modules[(0, "up_proj")]
+    torch.testing.assert_close(layer["gate_up_proj"].lora_b[1][slot, :, :2], m_up.b * (8 / 2))
+
+
+def test_in_flight_and_pinned_are_never_evicted(make_registry, demo_adapters):
+    reg = make_registry(max_loras=2, max_cpu_loras=2)
+    register(reg, demo_adapters, "sql", pinned=True)
+    register(reg, demo_adapters, "chat")
+    reg.acquire(["chat"])  # a request in flight
+    register(reg, demo_adapters, "poem")  # over capacity, but nothing may go
+    assert set(reg.cpu) == {"sql", "chat", "poem"}
+    reg.release(["chat"])
+    register(reg, demo_adapters, "code")
+    assert "sql" in reg.cpu and "chat" not in reg.cpu  # chat was LRU and free to go
+    # GPU: the pinned adapter keeps its slot.
+    reg.activate(["sql"], {"sql"})
+    reg.activate(["poem"], {"poem"})
+    reg.activate(["code"], {"code"})
+    assert "sql" in reg.gpu_resident()
+
+
+def test_same_content_is_idempotent_and_different_content_conflicts(make_registry, demo_adapters):
+    reg = make_registry()
+    register(reg, demo_adapters, "sql")
+    _, created = reg.register("sql", reg.read(str(demo_adapters["sql"])))
+    assert not created
+    with pytest.raises(AdapterConflict):
+        reg.register("sql", reg.read(str(demo_adapters["chat"])))
+
+
+def test_unload_with_requests_in_flight_drains(make_registry, demo_adapters):
+    reg = make_registry()
+    register(reg, demo_adapters, "sql")
+    reg.acquire(["sql"])
+    reg.activate(["sql"], {"sql"})
+    reg.unregister("sql")
+    with pytest.raises(AdapterNotFound):
+        reg.acquire(["sql"])  # new requests no longer find it
+    assert "sql" in reg.cpu  # the request in flight still computes with it
+    reg.release(["sql"])
+    assert "sql" not in reg.cpu and "sql" not in reg.entries and reg.gpu_resident() == []
+
+
+def test_prefetch_uses_only_free_or_idle_slots(make_registry, demo_adapters):
+    reg = make_registry(max_loras=2, max_cpu_loras=4)
+    register(reg, demo_adapters, "sql", "chat", "poem")
+    reg.activate(["sql"], {"sql"})
+    assert reg.prefetch(["chat", "poem"], protected={"sql"}) == ["chat"]  # poem: only sql's slot, protected
+    assert sorted(reg.gpu_resident()) == ["chat", "sql"]
