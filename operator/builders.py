@@ -1,0 +1,166 @@
+"""Pure builders: a PoolSpec in, Kubernetes manifest dicts out (no I/O, no kopf).
+
+The handler adopts each manifest (owner reference) and creates it if absent. Labels follow the
+`app.kubernetes.io/*` convention plus `lorafleet.dev/pool`, which is also the pod selector.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from lorafleet.operator.spec import POOL_LABEL, PoolSpec
+
+TOKEN_KEY = "token"
+TOKEN_MOUNT = "/var/run/lorafleet/admin"
+MODEL_MOUNT = "/models"
+
+
+def labels(pool: PoolSpec) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "lorafleet-worker",
+        "app.kubernetes.io/instance": pool.name,
+        "app.kubernetes.io/component": "worker",
+        "app.kubernetes.io/managed-by": "lorafleet-operator",
+        POOL_LABEL: pool.name,
+    }
+
+
+def _meta(pool: PoolSpec, name: str) -> dict[str, Any]:
+    return {"name": name, "namespace": pool.namespace, "labels": labels(pool)}
+
+
+def worker_args(pool: PoolSpec) -> list[str]:
+    """`lorafleet worker` flags (issue 4's CLI); adapters are loaded later by the operator."""
+    engine = pool.engine
+    model = f"{MODEL_MOUNT}/{pool.model_path.lstrip('/')}" if pool.model_claim else pool.model_path
+    return [
+        "worker",
+        "--model", model,
+        "--served-model-name", pool.served_name,
+        "--host", "0.0.0.0",
+        "--port", str(pool.http_port),
+        "--admin-port", str(pool.admin_port),
+        "--max-loras", str(engine.max_loras),
+        "--max-cpu-loras", str(engine.max_cpu_loras),
+        "--max-lora-rank", str(engine.max_lora_rank),
+        "--max-loras-per-request", str(engine.max_loras_per_request),
+        "--admin-token-file", f"{TOKEN_MOUNT}/{TOKEN_KEY}",
+        "--adapter-root", pool.adapter_mount,
+        "--device", engine.device,
+        "--dtype", engine.dtype,
+    ]
+
+
+def pod_template(pool: PoolSpec) -> dict[str, Any]:
+    volumes: list[dict[str, Any]] = [
+        {"name": "admin-token", "secret": {"secretName": pool.token_secret, "defaultMode": 0o400}},
+        {
+            "name": "adapters",
+            "persistentVolumeClaim": {"claimName": pool.adapter_claim, "readOnly": True}
+            if pool.adapter_claim
+            else None,
+            "emptyDir": None if pool.adapter_claim else {},
+        },
+    ]
+    volumes[1] = {k: v for k, v in volumes[1].items() if v is not None}
+    mounts = [
+        {"name": "admin-token", "mountPath": TOKEN_MOUNT, "readOnly": True},
+        {"name": "adapters", "mountPath": pool.adapter_mount, "readOnly": True},
+    ]
+    if pool.model_claim:
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": pool.model_claim, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    container: dict[str, Any] = {
+        "name": "worker",
+        "image": pool.image,
+        "imagePullPolicy": pool.image_pull_policy,
+        "command": ["lorafleet"],
+        "args": worker_args(pool),
+        "ports": [
+            {"name": "http", "containerPort": pool.http_port, "protocol": "TCP"},
+            {"name": "admin", "containerPort": pool.admin_port, "protocol": "TCP"},
+        ],
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5},
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 10,
+            "failureThreshold": 6,
+        },
+        "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "failureThreshold": 120},
+        "volumeMounts": mounts,
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": False},
+    }
+    if pool.resources:
+        container["resources"] = {k: dict(v) for k, v in pool.resources.items()}
+    return {
+        "metadata": {"labels": labels(pool)},
+        "spec": {
+            "containers": [container],
+            "volumes": volumes,
+            # In-flight requests finish before the pod goes; the operator drains adapters meanwhile.
+            "terminationGracePeriodSeconds": 60,
+            "automountServiceAccountToken": False,
+        },
+    }
+
+
+def workload(pool: PoolSpec) -> dict[str, Any]:
+    """Deployment (default) or StatefulSet of the pool's workers."""
+    spec: dict[str, Any] = {
+        "replicas": pool.replicas,
+        "selector": {"matchLabels": pool.selector},
+        "template": pod_template(pool),
+    }
+    if pool.workload_kind == "StatefulSet":
+        spec["serviceName"] = pool.name
+        spec["podManagementPolicy"] = "Parallel"
+        return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _meta(pool, pool.name), "spec": spec}
+    spec["strategy"] = {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(pool, pool.name), "spec": spec}
+
+
+def service(pool: PoolSpec) -> dict[str, Any]:
+    """Headless: the router and the operator address each worker, never a load-balanced VIP."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(pool, pool.name),
+        "spec": {
+            "clusterIP": "None",
+            "selector": pool.selector,
+            "publishNotReadyAddresses": False,
+            "ports": [
+                {"name": "http", "port": pool.http_port, "targetPort": "http"},
+                {"name": "admin", "port": pool.admin_port, "targetPort": "admin"},
+            ],
+        },
+    }
+
+
+def token_secret(pool: PoolSpec, token: str) -> dict[str, Any]:
+    """The admin-token Secret; `token` is generated once by the handler and kept across reconciles."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": _meta(pool, pool.token_secret),
+        "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }
+
+
+def pod_disruption_budget(pool: PoolSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(pool, pool.name),
+        "spec": {"maxUnavailable": pool.max_unavailable, "selector": {"matchLabels": pool.selector}},
+    }
+
+
+def pool_children(pool: PoolSpec, token: str) -> list[dict[str, Any]]:
+    return [token_secret(pool, token), workload(pool), service(pool), pod_disruption_budget(pool)]
+
+
+def read_token(secret: dict[str, Any]) -> str:
+    return base64.b64decode(secret["data"][TOKEN_KEY]).decode()

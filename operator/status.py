@@ -1,0 +1,140 @@
+"""Status phase machine and conditions (pure).
+
+Phases of a LoraAdapter:
+  Failed    a permanent error (invalid spec, rank too high, digest mismatch, load refused);
+            left alone until the spec changes.
+  Ready     readyReplicas >= desiredReplicas.
+  Loading   loads are in flight and fewer replicas than desired are ready.
+  Degraded  some replicas ready, fewer than desired, nothing in flight (e.g. short of capacity).
+  Pending   nothing loaded and nothing in flight (no pool, no ready worker, no room).
+Status carries aggregates only (counts, conditions), never a list of pods.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Condition:
+    type: str
+    status: bool
+    reason: str
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterObservation:
+    """What the reconciler knows about one adapter after a round."""
+
+    generation: int | None
+    desired: int
+    placed: int  # pods the placement assigned (may be < desired when capacity is short)
+    ready: int
+    loading: bool
+    failure: tuple[str, str] | None = None  # (reason, message), permanent
+    placed_reason: str = "Placed"
+    placed_message: str = ""
+    digest: str | None = None
+
+
+def adapter_phase(obs: AdapterObservation) -> str:
+    if obs.failure is not None:
+        return "Failed"
+    if obs.ready >= obs.desired:
+        return "Ready"
+    if obs.loading:
+        return "Loading"
+    return "Degraded" if obs.ready > 0 else "Pending"
+
+
+def adapter_conditions(obs: AdapterObservation) -> list[Condition]:
+    if obs.failure is not None:
+        reason, message = obs.failure
+        validated = Condition("Validated", False, reason, message)
+        return [validated, Condition("Placed", False, reason, ""), Condition("Ready", False, reason, message)]
+    placed_ok = obs.placed >= obs.desired
+    ready_ok = obs.ready >= obs.desired
+    return [
+        Condition("Validated", True, "Valid", ""),
+        Condition(
+            "Placed",
+            placed_ok,
+            "Placed" if placed_ok else obs.placed_reason,
+            obs.placed_message or f"{obs.placed}/{obs.desired} replicas assigned",
+        ),
+        Condition(
+            "Ready",
+            ready_ok,
+            "Loaded" if ready_ok else ("Loading" if obs.loading else "NotLoaded"),
+            f"{obs.ready}/{obs.desired} replicas loaded",
+        ),
+    ]
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def render_conditions(
+    conditions: Sequence[Condition], previous: Sequence[Mapping[str, Any]] | None, generation: int | None
+) -> list[dict[str, Any]]:
+    """Kubernetes condition dicts; lastTransitionTime moves only when a condition's status flips."""
+    before = {c.get("type"): c for c in previous or ()}
+    out = []
+    for c in conditions:
+        status = "True" if c.status else "False"
+        old = before.get(c.type)
+        since = old.get("lastTransitionTime") if old and old.get("status") == status else None
+        item: dict[str, Any] = {
+            "type": c.type,
+            "status": status,
+            "reason": c.reason,
+            "message": c.message,
+            "lastTransitionTime": since or _now(),
+        }
+        if generation is not None:
+            item["observedGeneration"] = generation
+        out.append(item)
+    return out
+
+
+def adapter_status(obs: AdapterObservation, previous: Mapping[str, Any] | None) -> dict[str, Any]:
+    previous = previous or {}
+    status: dict[str, Any] = {
+        "phase": adapter_phase(obs),
+        "readyReplicas": obs.ready,
+        "desiredReplicas": obs.desired,
+        "conditions": render_conditions(adapter_conditions(obs), previous.get("conditions"), obs.generation),
+    }
+    if obs.generation is not None:
+        status["observedGeneration"] = obs.generation
+    if obs.digest:
+        status["digest"] = obs.digest
+    return status
+
+
+def _essence(status: Mapping[str, Any] | None) -> Any:
+    """A status without timestamps, to decide whether a write is needed at all."""
+    if not status:
+        return None
+    conds = [
+        {k: v for k, v in c.items() if k != "lastTransitionTime"} for c in status.get("conditions") or ()
+    ]
+    rest = {k: v for k, v in status.items() if k not in ("conditions", "kopf")}
+    return rest, conds
+
+
+def status_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
+    return _essence(old) != _essence(new)
+
+
+def pool_phase(desired: int, ready: int, failure: str | None = None) -> str:
+    if failure:
+        return "Failed"
+    if ready >= desired:
+        return "Ready"
+    return "Progressing" if ready == 0 else "Degraded"

@@ -1,0 +1,115 @@
+"""Calls to a worker's admin API: inventory, load, unload, each load/unload verified by inventory.
+
+Never trust a 200: vLLM-style engines have answered 200 to an unload and kept the weights. After
+every call the client re-reads `GET /v1/adapters` and reports what is actually resident.
+
+Errors:
+  WorkerUnavailable  transport errors, timeouts, 5xx, 401/403 (token mid-rotation): retry later.
+  LoadRefused        4xx other than auth: the adapter itself is bad (traversal, rank, format,
+                     409 same name with different content); permanent until the spec changes.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+from lorafleet.protocol import AdapterInventory, LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+
+RESIDENT_TIERS = ("gpu", "cpu")
+
+
+class WorkerError(Exception):
+    pass
+
+
+class WorkerUnavailable(WorkerError):
+    """Transient: the worker cannot answer now."""
+
+
+class LoadRefused(WorkerError):
+    """Permanent for this adapter spec: the worker rejected the adapter."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"worker refused the load ({status}): {message}")
+        self.status = status
+        self.message = message
+
+    @property
+    def reason(self) -> str:
+        return "ContentConflict" if self.status == 409 else "LoadRefused"
+
+
+class NotVerified(WorkerError):
+    """The call returned success but the inventory disagrees (transient: the next round repairs)."""
+
+
+def resident(inventory: AdapterInventory) -> set[str]:
+    return {a.name for a in inventory.adapters if a.tier in RESIDENT_TIERS}
+
+
+def _error_text(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+        if isinstance(body, dict):
+            err = body.get("error")
+            if isinstance(err, dict):
+                return str(err.get("message", body))
+            return str(body.get("detail", body))
+    except ValueError:
+        pass
+    return response.text[:300]
+
+
+class WorkerClient:
+    """One shared `httpx.AsyncClient` for every worker; the token is per pool, passed per call."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self._http = client
+
+    @classmethod
+    def create(cls, timeout_s: float = 10.0, max_connections: int = 256) -> WorkerClient:
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        return cls(httpx.AsyncClient(timeout=timeout_s, limits=limits))
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def _call(self, method: str, url: str, token: str, json: dict | None = None) -> httpx.Response:
+        try:
+            response = await self._http.request(
+                method, url, json=json, headers={"Authorization": f"Bearer {token}"}
+            )
+        except httpx.HTTPError as exc:
+            raise WorkerUnavailable(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
+        if response.status_code >= 500 or response.status_code in (401, 403, 408, 429):
+            raise WorkerUnavailable(f"{method} {url}: {response.status_code} {_error_text(response)}")
+        return response
+
+    async def inventory(self, base_url: str, token: str) -> AdapterInventory:
+        response = await self._call("GET", f"{base_url}/v1/adapters", token)
+        if response.status_code != 200:
+            raise WorkerUnavailable(f"inventory {base_url}: {response.status_code}")
+        return AdapterInventory.model_validate(response.json())
+
+    async def load(self, base_url: str, token: str, name: str, path: str) -> AdapterInventory:
+        body = LoadLoraAdapterRequest(lora_name=name, lora_path=path).model_dump(exclude_defaults=True)
+        response = await self._call("POST", f"{base_url}/v1/load_lora_adapter", token, body)
+        if response.status_code >= 400:
+            text = _error_text(response)
+            # vLLM answers 400 "already loaded" for a name it holds: the inventory decides.
+            if not (response.status_code == 400 and "already" in text.lower()):
+                raise LoadRefused(response.status_code, text)
+        inventory = await self.inventory(base_url, token)
+        if name not in resident(inventory):
+            raise NotVerified(f"{name} not resident on {base_url} after a successful load")
+        return inventory
+
+    async def unload(self, base_url: str, token: str, name: str) -> AdapterInventory:
+        body = UnloadLoraAdapterRequest(lora_name=name).model_dump(exclude_none=True)
+        response = await self._call("POST", f"{base_url}/v1/unload_lora_adapter", token, body)
+        if response.status_code >= 400 and response.status_code != 404:
+            raise WorkerUnavailable(f"unload {name} on {base_url}: {response.status_code} {_error_text(response)}")
+        inventory = await self.inventory(base_url, token)
+        if name in resident(inventory):
+            raise NotVerified(f"{name} still resident on {base_url} after unload answered {response.status_code}")
+        return inventory
