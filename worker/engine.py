@@ -109,6 +109,8 @@ class LLMEngine:
         self.logits_hook: LogitsHook | None = None
         self.generated_tokens = 0
         self.steps = 0
+        # The server turns this off and reads adapters from disk in a thread (see async_engine.py).
+        self.read_adapters_inline = True
         for name, path in (lora_modules or {}).items():
             self.load_adapter(name, path, pinned=name in config.pinned_adapters)
         self._log_memory_plan(num_blocks)
@@ -209,7 +211,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         # Adapters of requests still waiting for memory are read from disk here on the offline path;
         # the server reads them in a thread first, so this is a no-op there.
-        for seq in list(self.scheduler.waiting):
+        for seq in list(self.scheduler.waiting) if self.read_adapters_inline else ():
             for name in seq.adapter_names:
                 if not self.registry.on_cpu(name):
                     self.registry.ensure_cpu(name)
