@@ -1,0 +1,187 @@
+"""Public routes: OpenAI completions and chat (streamed or not), `/v1/models`, probes, `/metrics`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+from lorafleet.worker import openai_protocol as oai
+from lorafleet.worker.engine import RequestOutput
+from lorafleet.worker.errors import ApiError, error_response, from_engine
+from lorafleet.worker.metrics import take_snapshot
+from lorafleet.worker.runtime import WorkerRuntime
+from lorafleet.worker.serving import (
+    collect,
+    default_max_tokens,
+    resolve_adapters,
+    stream_events,
+    streaming_response,
+    submit_all,
+)
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+
+def get_runtime(request: Request) -> WorkerRuntime:
+    return request.app.state.runtime
+
+
+Runtime = Annotated[WorkerRuntime, Depends(get_runtime)]
+
+probes = APIRouter()
+router = APIRouter()
+router.include_router(probes)
+
+
+@probes.get("/health")
+async def health(runtime: Runtime) -> Response:
+    """Liveness: the process serves HTTP and the engine thread (once started) is alive."""
+    if runtime.error is not None or (runtime.engine is not None and not runtime.engine.alive):
+        return error_response(503, runtime.error or "the engine thread stopped")
+    return JSONResponse({"status": "ok"})
+
+
+@probes.get("/ready")
+async def ready(runtime: Runtime) -> Response:
+    """Readiness: the model and the start-up adapters are loaded."""
+    if runtime.engine is None or not runtime.engine.alive:
+        return error_response(503, runtime.error or "loading")
+    return JSONResponse({"status": "ready", "model": runtime.settings.model_name})
+
+
+@router.get("/metrics")
+async def metrics(runtime: Runtime) -> Response:
+    if runtime.engine is not None and runtime.engine.alive:
+        engine = runtime.engine
+        snap = await engine.call(take_snapshot, engine.engine, runtime.load_cursor)
+        runtime.metrics.update(snap)
+    return Response(generate_latest(runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models")
+async def models(runtime: Runtime) -> dict[str, Any]:
+    engine = runtime.require_engine()
+    base = runtime.settings.model_name
+
+    def listing() -> tuple[int, list[tuple[str, str]]]:
+        e = engine.engine
+        return e.max_model_len, [(n, e.registry.entries[n].path) for n in e.registry.names()]
+
+    max_model_len, adapters = await engine.call(listing)
+    created = oai.now()
+    data = [{"id": base, "object": "model", "created": created, "owned_by": "lorafleet",
+             "root": runtime.settings.model, "parent": None, "max_model_len": max_model_len}]
+    data += [{"id": name, "object": "model", "created": created, "owned_by": "lorafleet", "root": path,
+              "parent": base, "max_model_len": max_model_len} for name, path in adapters]
+    return {"object": "list", "data": data}
+
+
+def _prepare_prompts(runtime: WorkerRuntime, prompts: list[str | list[int]]) -> list[list[int]]:
+    """Tokenize here (the tokenizer is safe to share) so max_tokens can default to the room left."""
+    engine = runtime.require_engine().engine
+    if len(prompts) > runtime.settings.max_request_prompts:
+        raise ApiError(400, f"at most {runtime.settings.max_request_prompts} prompts per request", param="prompt")
+    out = []
+    for p in prompts:
+        ids = engine.tokenizer.encode(p) if isinstance(p, str) else list(p)
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        out.append(ids)
+    return out
+
+
+@router.post("/v1/completions")
+async def completions(body: oai.CompletionRequest, request: Request, runtime: Runtime) -> Response:
+    engine = runtime.require_engine()
+    model = body.model or runtime.settings.model_name
+    try:
+        adapters = resolve_adapters(body.model, body.lora_adapters, runtime.settings)
+        prompts = _prepare_prompts(runtime, body.prompts())
+        max_len = engine.engine.max_model_len
+        sampling = [body.sampling(body.max_tokens or default_max_tokens(max_len, len(p)), body.logprobs)
+                    for p in prompts]
+    except Exception as exc:  # noqa: BLE001 - mapped to 4xx; a bug re-raises
+        raise from_engine(exc) from None
+    streams = await submit_all(engine, prompts, sampling, adapters)
+    rid = oai.new_id("cmpl")
+    token_text = _token_text(runtime)
+
+    if body.stream:
+        created = oai.now()
+        offsets = [0] * len(prompts)
+
+        def chunk(i: int, out: RequestOutput) -> list[dict]:
+            lp = None
+            if body.logprobs is not None and out.logprobs:
+                lp = oai.completion_logprobs(out.logprobs, token_text, offsets[i])
+                offsets[i] += sum(len(t) for t in lp["tokens"])
+            if not out.text_delta and not out.finished and lp is None:
+                return []
+            return [oai.completion_chunk(rid, created, model, i, out.text_delta, out.finish_reason, lp)]
+
+        final = None
+        if body.include_usage:
+            def final(p: int, g: int) -> dict:
+                return oai.usage_chunk(rid, created, model, "text_completion", oai.usage(p, g))
+        return streaming_response(stream_events(streams, chunk, final))
+
+    results = await collect(request, streams)
+    choices = []
+    for i, r in enumerate(results):
+        lp = oai.completion_logprobs(r.logprobs, token_text) if body.logprobs is not None else None
+        choices.append({"index": i, "text": "".join(r.text), "logprobs": lp, "finish_reason": r.finish_reason})
+    use = oai.usage(sum(r.prompt_tokens for r in results), sum(r.generated for r in results))
+    return JSONResponse(oai.completion_response(rid, model, choices, use))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: oai.ChatCompletionRequest, request: Request, runtime: Runtime) -> Response:
+    engine = runtime.require_engine()
+    model = body.model or runtime.settings.model_name
+    try:
+        adapters = resolve_adapters(body.model, body.lora_adapters, runtime.settings)
+        text = engine.engine.tokenizer.apply_chat_template(
+            body.template_messages(), add_generation_prompt=body.add_generation_prompt
+        )
+        (ids,) = _prepare_prompts(runtime, [text])
+        k = body.logprobs_k()
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        sampling = body.sampling(max_tokens or default_max_tokens(engine.engine.max_model_len, len(ids)), k)
+    except Exception as exc:  # noqa: BLE001 - mapped to 4xx; a bug re-raises
+        raise from_engine(exc) from None
+    streams = await submit_all(engine, [ids], [sampling], adapters)
+    rid = oai.new_id("chatcmpl")
+    token_text = _token_text(runtime)
+
+    if body.stream:
+        created = oai.now()
+        first = [oai.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None)]
+
+        def chunk(_i: int, out: RequestOutput) -> list[dict]:
+            lp = oai.chat_logprobs(out.logprobs, token_text) if k is not None and out.logprobs else None
+            chunks = []
+            if out.text_delta or lp is not None:
+                chunks.append(oai.chat_chunk(rid, created, model, {"content": out.text_delta}, None, lp))
+            if out.finished:
+                chunks.append(oai.chat_chunk(rid, created, model, {}, out.finish_reason))
+            return chunks
+
+        final = None
+        if body.include_usage:
+            def final(p: int, g: int) -> dict:
+                return oai.usage_chunk(rid, created, model, "chat.completion.chunk", oai.usage(p, g))
+        return streaming_response(stream_events(streams, chunk, final, first))
+
+    (r,) = await collect(request, streams)
+    lp = oai.chat_logprobs(r.logprobs, token_text) if k is not None else None
+    return JSONResponse(oai.chat_response(rid, model, "".join(r.text), r.finish_reason, lp,
+                                          oai.usage(r.prompt_tokens, r.generated)))
+
+
+def _token_text(runtime: WorkerRuntime):
+    tokenizer = runtime.require_engine().engine.tokenizer
+
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    return text

@@ -1,0 +1,88 @@
+"""`create_app(settings)`: the worker's FastAPI app(s). The engine is built in the lifespan.
+
+The model loads in a background thread after the server is up, so `/health` (live) answers at
+once and `/ready` turns 200 when the model and the `--lora-modules` adapters are loaded. With
+`--admin-port`, `create_apps` returns a second app holding only the admin routes; both share one
+`WorkerRuntime`, which the public app's lifespan owns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from lorafleet.worker.admin import router as admin_router
+from lorafleet.worker.api import probes
+from lorafleet.worker.api import router as public_router
+from lorafleet.worker.errors import ApiError, error_response
+from lorafleet.worker.runtime import WorkerRuntime
+from lorafleet.worker.settings import WorkerSettings
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("lorafleet.worker")
+
+
+def create_apps(settings: WorkerSettings) -> tuple[FastAPI, FastAPI | None]:
+    """The public app, and the admin app when `admin_port` is set (else admin routes are public-port)."""
+    runtime = WorkerRuntime.create(settings)
+    separate = settings.admin_port is not None
+    public = _build(runtime, public=True, admin=not separate, owns_runtime=True)
+    admin = _build(runtime, public=False, admin=True, owns_runtime=False) if separate else None
+    return public, admin
+
+
+def create_app(settings: WorkerSettings) -> FastAPI:
+    """One app with the public and the admin routes (use `create_apps` for a separate admin port)."""
+    runtime = WorkerRuntime.create(settings)
+    return _build(runtime, public=True, admin=True, owns_runtime=True)
+
+
+def _build(runtime: WorkerRuntime, public: bool, admin: bool, owns_runtime: bool) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if owns_runtime:
+            await runtime.start()
+        try:
+            yield
+        finally:
+            if owns_runtime:
+                await runtime.stop()
+
+    app = FastAPI(title="lorafleet worker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.runtime = runtime
+    if public:
+        app.include_router(public_router)
+    if admin:
+        app.include_router(admin_router)
+    if not public:  # the admin port answers probes too
+        app.include_router(probes)
+    _install_error_handlers(app)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, exc: ApiError):
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return error_response(exc.status, exc.message, exc.param, exc.reason, headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        where = ".".join(loc)
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", "invalid request"))
+        return error_response(400, message, param=where or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request: Request, exc: Exception):
+        log.exception("internal error")
+        return error_response(500, f"internal error: {type(exc).__name__}")

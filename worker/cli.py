@@ -1,0 +1,115 @@
+"""`lorafleet worker`: parse vLLM-named flags into `WorkerSettings`, then serve with uvicorn.
+
+Defaults let several adapters share a batch (vLLM's defaults allow one): `--max-loras 8`,
+`--max-cpu-loras 32`, `--max-loras-per-request 4`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from lorafleet.worker.config import ConfigError, EngineConfig, ModelConfig
+from lorafleet.worker.settings import WorkerSettings
+
+log = logging.getLogger("lorafleet.worker")
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
+    return name, path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = EngineConfig()
+    p = argparse.ArgumentParser(prog="lorafleet worker", description="Serve one base model and many LoRA "
+                                "adapters behind an OpenAI-compatible API.")
+    p.add_argument("--model", required=True, help="Hugging Face model folder (config.json + *.safetensors)")
+    p.add_argument("--served-model-name", help="name clients use for the base model (default: --model as given)")
+    p.add_argument("--tokenizer", help="tokenizer folder (default: the model folder)")
+    p.add_argument("--host", default="0.0.0.0", help="bind address of the public API (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=8000, help="public API port (default 8000)")
+    p.add_argument("--admin-port", type=int, help="serve the admin API on this port only (default: on --port)")
+    p.add_argument("--admin-host", help="bind address of --admin-port (default: --host)")
+    p.add_argument("--lora-modules", type=_lora_module, nargs="+", action="extend", default=[],
+                   metavar="NAME=PATH", help="adapters loaded at start-up; repeat the flag or list several")
+    p.add_argument("--enable-lora", action="store_true", help="accepted for vLLM compatibility (always on)")
+    p.add_argument("--max-loras", type=int, default=d.max_loras, help="GPU slots: distinct adapters per batch")
+    p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="highest adapter rank accepted")
+    p.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras, help="adapters kept in the CPU cache")
+    p.add_argument("--max-loras-per-request", type=int, default=d.max_loras_per_request,
+                   help="adapters one request may compose (the RFC's lora_adapters)")
+    p.add_argument("--adapter-root", help="runtime loads must resolve inside this folder (else refused)")
+    p.add_argument("--admin-token-file", help="file holding the admin bearer token (else the admin API is off)")
+    p.add_argument("--device", default=d.device, help="cpu or cuda[:N] (default cpu)")
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks, help="KV blocks (default: from memory)")
+    p.add_argument("--kv-cache-memory-fraction", type=float, default=d.kv_cache_memory_fraction)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching)
+    p.add_argument("--lora-backend", default=d.lora_backend, choices=["auto", "torch", "triton"])
+    p.add_argument("--pinned-lora-modules", nargs="+", action="extend", default=[], metavar="NAME",
+                   help="start-up adapters never evicted from the GPU")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
+    engine = EngineConfig(
+        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+        max_loras_per_request=args.max_loras_per_request, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
+        device=args.device, dtype=args.dtype, lora_backend=args.lora_backend,
+        pinned_adapters=tuple(args.pinned_lora_modules), seed=args.seed,
+    )
+    return WorkerSettings(
+        model=args.model, served_model_name=args.served_model_name, tokenizer=args.tokenizer, host=args.host,
+        port=args.port, admin_port=args.admin_port, lora_modules=tuple(args.lora_modules),
+        adapter_root=args.adapter_root, admin_token_file=args.admin_token_file, engine=engine,
+    )
+
+
+async def serve(settings: WorkerSettings, log_level: str = "info", admin_host: str | None = None) -> None:
+    import uvicorn
+    from lorafleet.worker.app import create_apps
+
+    public, admin = create_apps(settings)
+    servers = [uvicorn.Server(uvicorn.Config(public, host=settings.host, port=settings.port, log_level=log_level))]
+    if admin is not None:
+        servers.append(uvicorn.Server(uvicorn.Config(
+            admin, host=admin_host or settings.host, port=settings.admin_port, log_level=log_level, lifespan="off",
+        )))
+    await asyncio.gather(*(s.serve() for s in servers))
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = settings_from_args(args)
+        ModelConfig.from_folder(settings.model)  # fail fast on a wrong --model
+    except ConfigError as exc:
+        print(f"lorafleet worker: {exc}", file=sys.stderr)
+        return 2
+    if settings.admin_token_file is None:
+        log.warning("no --admin-token-file: the admin API (load/unload, /v1/adapters) refuses every call")
+    if settings.adapter_root is None:
+        log.warning("no --adapter-root: runtime adapter loads are refused")
+    try:
+        asyncio.run(serve(settings, args.log_level, args.admin_host))
+    except (OSError, ValueError) as exc:  # port taken, unreadable token file, ...
+        print(f"lorafleet worker: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    return 0

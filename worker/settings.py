@@ -1,0 +1,26 @@
+"""What a worker server is started with (parsed by `worker/cli.py`, passed to `create_app`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lorafleet.worker.config import EngineConfig
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    model: str  # Hugging Face model folder
+    served_model_name: str | None = None  # the `model` clients send for the base; default: --model as given
+    tokenizer: str | None = None
+    host: str = "0.0.0.0"
+    port: int = 8000
+    admin_port: int | None = None  # admin API on its own port (a NetworkPolicy can isolate it)
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) loaded at start-up
+    adapter_root: str | None = None  # runtime loads must resolve inside it; None: runtime loads refused
+    admin_token_file: str | None = None  # None: the admin API answers 401 to everything
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    max_request_prompts: int = 16  # prompts in one /v1/completions call
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
