@@ -97,7 +97,7 @@ class OperatorRunner:
         settings.scanning.disabled = True  # the emulator cannot watch namespaces; names are exact
         settings.queueing.idle_timeout = 0.2
         settings.queueing.exit_timeout = 0.5
-        settings.process.ultimate_exiting_timeout = 0.5
+        settings.process.ultimate_exiting_timeout = None  # else kopf SIGKILLs the test process
         self.memo = kopf.Memo()
         ready = asyncio.Event()
         self.task = asyncio.create_task(kopf.operator(

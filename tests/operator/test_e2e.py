@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -75,3 +76,115 @@ async def test_adapters_ready_on_k_pods_and_kubectl_columns(
         child = api.get(res, "default", name)
         assert child is not None, res
         assert child["metadata"]["ownerReferences"][0]["uid"] == pool_uid
+
+
+async def test_scale_up_down_and_delete_unloads_everywhere(
+    api: PatchedEmulator, kubectl: Kubectl, kubelet: Kubelet, operator: OperatorRunner, tmp_path: Path
+) -> None:
+    write_adapter(tmp_path, "s1")
+    await apply(kubectl, tmp_path, pool_manifest(tmp_path, replicas=3), adapter_manifest("s1", 1, 1))
+    await eventually(lambda: status(api, "s1").get("readyReplicas") == 1)
+    await apply(kubectl, tmp_path, adapter_manifest("s1", 3, 3))
+    await eventually(lambda: len(holders(kubelet, "s1")) == 3 and status(api, "s1").get("phase") == "Ready")
+    await apply(kubectl, tmp_path, adapter_manifest("s1", 1, 1))
+    await eventually(lambda: len(holders(kubelet, "s1")) == 1 and status(api, "s1").get("readyReplicas") == 1)
+    await kubectl("delete", "loraadapter", "s1", "--wait=false")
+    await eventually(lambda: api.get(LA, "default", "s1") is None)  # finalizer released
+    assert holders(kubelet, "s1") == []
+
+
+async def test_invalid_adapter_fails_with_reason_while_others_proceed(
+    api: PatchedEmulator, kubectl: Kubectl, kubelet: Kubelet, operator: OperatorRunner, tmp_path: Path
+) -> None:
+    write_adapter(tmp_path, "good")
+    write_adapter(tmp_path, "too-wide", rank=64)  # pool maxLoraRank is 16
+    write_adapter(tmp_path, "tampered")
+    docs = [
+        pool_manifest(tmp_path),
+        adapter_manifest("good"),
+        adapter_manifest("too-wide"),  # the worker refuses it (rank) -> Failed, LoadRefused
+        adapter_manifest("declared-wide", rank=32, source="good"),  # refused before any load
+        adapter_manifest("tampered", sha256="0" * 64),  # loaded, digest differs -> unloaded, Failed
+        adapter_manifest("missing"),  # no such directory -> LoadRefused
+    ]
+    docs[3]["spec"]["source"] = "good"
+    await apply(kubectl, tmp_path, *docs)
+    await eventually(lambda: status(api, "good").get("phase") == "Ready")
+    expected = {"too-wide": "LoadRefused", "declared-wide": "RankTooHigh", "tampered": "DigestMismatch",
+                "missing": "LoadRefused"}
+    for name, reason in expected.items():
+        await eventually(lambda n=name: status(api, n).get("phase") == "Failed")
+        validated = next(c for c in status(api, name)["conditions"] if c["type"] == "Validated")
+        assert validated["reason"] == reason, (name, validated)
+    await eventually(lambda: holders(kubelet, "tampered") == [])
+    # Failed once, no retry storm: the refused adapter is not retried round after round.
+    calls = sum(1 for p in kubelet.pods.values() for op, n in p.worker.state.calls if n == "too-wide")
+    await asyncio.sleep(2.5)  # > 2 resync periods
+    assert sum(1 for p in kubelet.pods.values() for op, n in p.worker.state.calls if n == "too-wide") == calls
+
+
+async def test_drift_repair(
+    api: PatchedEmulator, kubectl: Kubectl, kubelet: Kubelet, operator: OperatorRunner, tmp_path: Path
+) -> None:
+    for name in ("d1", "d2", "d3"):
+        write_adapter(tmp_path, name)
+    await apply(kubectl, tmp_path, pool_manifest(tmp_path, replicas=2),
+                *(adapter_manifest(n, 2, 2) for n in ("d1", "d2", "d3")))
+    await eventually(lambda: all(status(api, n).get("phase") == "Ready" for n in ("d1", "d2", "d3")))
+    workers = kubelet.workers_of("pool")
+    # 1. a worker restarts empty -> reloaded by the resync timer
+    workers[0].state.restart()
+    await eventually(lambda: len(workers[0].state.adapters) == 3)
+    # 2. a worker evicts one adapter on its own
+    workers[1].state.adapters.pop("d2")
+    await eventually(lambda: "d2" in workers[1].state.adapters)
+    # 3. someone loads a stray adapter by hand -> unloaded
+    write_adapter(tmp_path, "stray")
+    workers[1].state.adapters["stray"] = workers[1].state.adapters["d1"].model_copy(update={"name": "stray"})
+    await eventually(lambda: "stray" not in workers[1].state.adapters)
+    # 4. an unload that answers 200 but keeps the weights is not trusted
+    workers[0].state.sticky_unload = True
+    await kubectl("delete", "loraadapter", "d3", "--wait=false")
+    await asyncio.sleep(1.5)
+    assert api.get(LA, "default", "d3") is not None  # finalizer held: unload not verified on worker 0
+    workers[0].state.sticky_unload = False
+    await eventually(lambda: api.get(LA, "default", "d3") is None)
+    assert all("d3" not in w.state.adapters for w in workers)
+
+
+async def test_pod_loss_moves_only_its_adapters_and_status_degrades(
+    api: PatchedEmulator, kubectl: Kubectl, kubelet: Kubelet, operator: OperatorRunner, tmp_path: Path
+) -> None:
+    names = [f"m{i}" for i in range(12)]
+    for n in names:
+        write_adapter(tmp_path, n)
+    await apply(kubectl, tmp_path, pool_manifest(tmp_path, replicas=3), *(adapter_manifest(n) for n in names))
+    await eventually(lambda: all(status(api, n).get("phase") == "Ready" for n in names))
+    before = {n: holders(kubelet, n) for n in names}
+    victim = sorted(kubelet.pods)[0]
+    await kubelet.kill(victim)  # the Deployment brings a new pod; adapters on others must not move
+    await eventually(lambda: all(status(api, n).get("phase") == "Ready" for n in names) and len(kubelet.pods) == 3)
+    after = {n: holders(kubelet, n) for n in names}
+    for n in names:
+        if victim not in before[n]:
+            assert after[n] == before[n], n
+
+
+async def test_operator_killed_mid_reconcile_converges(
+    api: PatchedEmulator, kubectl: Kubectl, kubelet: Kubelet, operator: OperatorRunner, tmp_path: Path
+) -> None:
+    names = [f"k{i}" for i in range(20)]
+    for n in names:
+        write_adapter(tmp_path, n)
+    await apply(kubectl, tmp_path, pool_manifest(tmp_path, replicas=2, max_cpu_loras=32),
+                *(adapter_manifest(n) for n in names))
+    await eventually(lambda: sum(len(p.worker.state.adapters) for p in kubelet.pods.values()) >= 5)
+    await operator.kill()  # mid-reconcile: some loads done, statuses half written
+    # While it is down: delete some adapters (finalizers hold them) and shrink another.
+    for n in names[:5]:
+        await kubectl("delete", "loraadapter", n, "--wait=false")
+    await operator.start()
+    await eventually(lambda: all(api.get(LA, "default", n) is None for n in names[:5]), timeout=20)
+    await eventually(lambda: all(status(api, n).get("phase") == "Ready" for n in names[5:]), timeout=20)
+    loaded = sorted(n for p in kubelet.pods.values() for n in p.worker.state.adapters)
+    assert loaded == sorted(names[5:])  # no orphaned loads, nothing twice
