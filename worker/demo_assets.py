@@ -102,6 +102,19 @@ def build_tokenizer(out: Path, vocab_size: int = 512) -> int:
     return tok.get_vocab_size()
 
 
+def _unprintable_token_ids(folder: Path) -> list[int]:
+    """Tokens that decode to control characters or partial UTF-8 (raw bytes of the BPE alphabet)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    bad = []
+    for i in range(tok.get_vocab_size()):
+        text = tok.decode([i])
+        if not text or "\ufffd" in text or not all(c.isprintable() or c in "\n " for c in text):
+            bad.append(i)
+    return bad
+
+
 def build_model(out: Path, vocab_size: int, dtype: str = "float32"):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -114,6 +127,8 @@ def build_model(out: Path, vocab_size: int, dtype: str = "float32"):
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.15)
+        # So the demo prints readable text: raw-byte tokens get logits near 0, below the usual winner.
+        model.lm_head.weight[_unprintable_token_ids(out)] *= 0.05
     model.to(getattr(torch, dtype)).save_pretrained(str(out), safe_serialization=True)
     return model
 
