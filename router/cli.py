@@ -1,0 +1,132 @@
+"""`lorafleet router`: parse flags into `RouterSettings` and serve `create_app(settings)` with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from types import MappingProxyType
+
+from lorafleet.router.scheduling.policies import POLICIES
+from lorafleet.router.settings import RouterSettings
+from lorafleet.router.tenants import hash_api_key
+
+
+def parse_lora_modules(items: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise argparse.ArgumentTypeError(f"--lora-modules expects name=path, got {item!r}")
+        out[name] = path
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = RouterSettings()
+    p = argparse.ArgumentParser(
+        prog="lorafleet router", description="Adapter-aware router gateway (OpenAI API)."
+    )
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="worker base URL (repeat); static discovery",
+    )
+    p.add_argument("--discovery", choices=["static", "kubernetes"], default=d.discovery)
+    p.add_argument("--k8s-namespace", default=d.k8s_namespace)
+    p.add_argument("--k8s-selector", default=d.k8s_selector, help="label selector of the worker pods")
+    p.add_argument("--k8s-port", type=int, default=d.k8s_port)
+    p.add_argument(
+        "--redis-url", default=None, help="shared placement state and tenant limits; none: in-process"
+    )
+    p.add_argument(
+        "--tenants-file",
+        type=Path,
+        default=None,
+        help="YAML/JSON tenants with hashed API keys; none: open mode",
+    )
+    p.add_argument(
+        "--lora-modules", nargs="*", default=[], metavar="NAME=PATH", help="adapter catalog (static mode)"
+    )
+    p.add_argument(
+        "--admin-token-file", type=Path, default=None, help="bearer token for the workers' load/unload API"
+    )
+    p.add_argument("--policy", choices=sorted(POLICIES), default=d.policy)
+    p.add_argument(
+        "--poll-interval", type=float, default=d.poll_interval_s, help="seconds between inventory polls"
+    )
+    p.add_argument(
+        "--load-timeout", type=float, default=d.load_timeout_s, help="seconds a request waits for a cold load"
+    )
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    p.add_argument("--max-tokens-cap", type=int, default=d.max_tokens_cap)
+    p.add_argument("--max-n", type=int, default=d.max_n)
+    p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--hash-api-key",
+        action="store_true",
+        help="read an API key on stdin, print its sha256 for a tenants file",
+    )
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> RouterSettings:
+    token = args.admin_token_file.read_text().strip() if args.admin_token_file else None
+    return RouterSettings(
+        host=args.host,
+        port=args.port,
+        discovery=args.discovery,
+        workers=tuple(args.worker),
+        k8s_namespace=args.k8s_namespace,
+        k8s_selector=args.k8s_selector,
+        k8s_port=args.k8s_port,
+        redis_url=args.redis_url,
+        tenants_file=args.tenants_file,
+        lora_modules=MappingProxyType(parse_lora_modules(args.lora_modules)),
+        admin_token=token,
+        policy=args.policy,
+        poll_interval_s=args.poll_interval,
+        load_timeout_s=args.load_timeout,
+        max_body_bytes=args.max_body_bytes,
+        max_tokens_cap=args.max_tokens_cap,
+        max_n=args.max_n,
+    )
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.hash_api_key:
+        print(hash_api_key(sys.stdin.readline()))
+        return 0
+    try:
+        settings = settings_from_args(args)
+    except (OSError, argparse.ArgumentTypeError) as exc:
+        print(f"lorafleet router: {exc}", file=sys.stderr)
+        return 2
+    if settings.discovery == "static" and not settings.workers:
+        print("lorafleet router: static discovery needs at least one --worker URL", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if settings.tenants_file is None:
+        print(
+            "lorafleet router: no --tenants-file given: running OPEN (no API keys) — local use only",
+            file=sys.stderr,
+        )
+    import uvicorn
+    from lorafleet.router.api import create_app
+
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=args.log_level,
+        access_log=False,
+    )
+    return 0

@@ -1,0 +1,135 @@
+"""Live state of the replicas: last inventory, write-through overlay, in-flight counts, ejection.
+
+Mutated only by the gateway's event loop (no locks needed); `views()` turns it into the pure
+`EndpointView`s the scheduler reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from lorafleet.protocol import AdapterInventory
+from lorafleet.router.scheduling.types import EndpointView
+
+
+@dataclass(slots=True)
+class Replica:
+    name: str
+    url: str
+    inventory: AdapterInventory | None = None
+    polled_at: float = 0.0
+    reachable: bool = False  # last poll answered (or a request just succeeded)
+    failures: int = 0  # consecutive request failures
+    ejected_until: float = 0.0
+    # Residency learned after the last poll (our loads/unloads, other routers' via the store):
+    # adapter -> (tier or None for unloaded, when learned). Entries older than a poll are dropped.
+    overlay: dict[str, tuple[str | None, float]] = field(default_factory=dict)
+    shared: Mapping[str, str] = field(default_factory=dict)  # from the placement store
+    loading: dict[str, asyncio.Future[None]] = field(default_factory=dict)
+    inflight: int = 0
+    inflight_by_adapter: Counter[str] = field(default_factory=Counter)
+    transient: set[str] = field(default_factory=set)  # loaded but not admitted: unload when idle
+
+    def residency(self) -> dict[str, str]:
+        tiers: dict[str, str] = dict(self.shared)
+        if self.inventory is not None:
+            tiers.update({a.name: a.tier for a in self.inventory.adapters if a.tier in ("gpu", "cpu")})
+        for name, (tier, _) in self.overlay.items():
+            if tier is None:
+                tiers.pop(name, None)
+            else:
+                tiers.setdefault(name, tier)
+        return tiers
+
+    def apply_poll(self, inventory: AdapterInventory, started_at: float) -> None:
+        self.inventory = inventory
+        self.polled_at = started_at
+        self.reachable = True
+        self.overlay = {k: v for k, v in self.overlay.items() if v[1] > started_at}
+
+    def note(self, adapter: str, tier: str | None, now: float) -> None:
+        self.overlay[adapter] = (tier, now)
+
+    def view(self, now: float, capacity: int) -> EndpointView:
+        inv = self.inventory
+        tiers = self.residency()
+        gpu = frozenset(n for n, t in tiers.items() if t == "gpu")
+        cpu = frozenset(tiers) | frozenset(self.loading)  # a request joins a load under way
+        active = frozenset(a.name for a in inv.adapters if a.requests_in_flight > 0) if inv else frozenset()
+        return EndpointView(
+            name=self.name,
+            model=inv.model if inv else "",
+            healthy=self.reachable and inv is not None,
+            ejected=self.ejected_until > now,
+            gpu=gpu,
+            cpu=cpu,
+            active=active | frozenset(a for a, n in self.inflight_by_adapter.items() if n > 0),
+            running=inv.num_requests_running if inv else 0,
+            waiting=inv.num_requests_waiting if inv else 0,
+            inflight=self.inflight,
+            max_loras=inv.max_loras if inv else 1,
+            max_cpu_loras=inv.max_cpu_loras if inv else 1,
+            capacity=capacity,
+            pinned=frozenset(a.name for a in inv.adapters if a.pinned) if inv else frozenset(),
+        )
+
+
+@dataclass(slots=True)
+class Fleet:
+    capacity: int = 64
+    eject_after: int = 3
+    cooldown_s: float = 5.0
+    clock: Callable[[], float] = time.monotonic
+    replicas: dict[str, Replica] = field(default_factory=dict)
+
+    def set_endpoints(self, endpoints: Iterable[tuple[str, str]]) -> None:
+        """Adopt the discovered (name, url) list; replicas that left are dropped, state kept for the rest."""
+        wanted = dict(endpoints)
+        for name in list(self.replicas):
+            if name not in wanted or self.replicas[name].url != wanted[name]:
+                del self.replicas[name]
+        for name, url in wanted.items():
+            self.replicas.setdefault(name, Replica(name, url))
+
+    def views(self, exclude: Iterable[str] = ()) -> list[EndpointView]:
+        now = self.clock()
+        skip = set(exclude)
+        return [r.view(now, self.capacity) for r in self.replicas.values() if r.name not in skip]
+
+    def base_models(self) -> set[str]:
+        return {r.inventory.model for r in self.replicas.values() if r.inventory is not None}
+
+    def record_success(self, name: str) -> None:
+        replica = self.replicas.get(name)
+        if replica is not None:
+            replica.failures = 0
+            replica.reachable = True
+
+    def record_failure(self, name: str, unreachable: bool) -> bool:
+        """Count a failure; returns True when this failure ejects the replica."""
+        replica = self.replicas.get(name)
+        if replica is None:
+            return False
+        if unreachable:
+            replica.reachable = False  # connection refused: no point trying until a poll answers
+        replica.failures += 1
+        if replica.failures >= self.eject_after and replica.ejected_until <= self.clock():
+            replica.ejected_until = self.clock() + self.cooldown_s
+            return True
+        return False
+
+    def due_for_probe(self) -> list[Replica]:
+        now = self.clock()
+        return [
+            r for r in self.replicas.values() if r.failures >= self.eject_after and r.ejected_until <= now
+        ]
+
+    def readmit(self, name: str) -> None:
+        replica = self.replicas.get(name)
+        if replica is not None:
+            replica.failures = 0
+            replica.ejected_until = 0.0

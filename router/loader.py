@@ -1,0 +1,112 @@
+"""Adapter loads and unloads on replicas, single flight per (replica, adapter).
+
+A request for a cold adapter waits here until the load finishes or `timeout_s` passes; concurrent
+requests for the same adapter on the same replica share one load. The worker's answer is trusted
+only for what it says: 200, or vLLM's 400 "already loaded", count as loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+from lorafleet.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+from lorafleet.router.fleet import Replica
+from lorafleet.router.metrics import RouterMetrics
+from lorafleet.router.placement import PlacementSync
+
+log = logging.getLogger("lorafleet.router")
+
+
+class LoadFailed(Exception):
+    def __init__(self, message: str, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
+
+
+class AdapterLoader:
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        sync: PlacementSync,
+        metrics: RouterMetrics,
+        catalog: dict[str, str],
+        admin_token: str | None,
+        timeout_s: float,
+    ) -> None:
+        self.http = http
+        self.sync = sync
+        self.metrics = metrics
+        self.catalog = catalog
+        self.timeout_s = timeout_s
+        self._headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self.loads_started = 0
+
+    def can_load(self, adapter: str) -> bool:
+        return adapter in self.catalog
+
+    async def ensure(self, replica: Replica, adapters: tuple[str, ...]) -> None:
+        """Wait until every adapter is loaded on `replica` (joining loads under way)."""
+        waits = []
+        for name in adapters:
+            future = replica.loading.get(name)
+            if future is None:
+                if name in replica.residency():
+                    continue
+                future = asyncio.get_running_loop().create_future()
+                replica.loading[name] = future
+                asyncio.get_running_loop().create_task(self._load(replica, name, future))
+            waits.append(future)
+        if not waits:
+            return
+        try:
+            await asyncio.wait_for(asyncio.gather(*(asyncio.shield(w) for w in waits)), self.timeout_s)
+        except asyncio.TimeoutError as exc:
+            raise LoadFailed(f"adapter load on {replica.name} took longer than {self.timeout_s:g}s") from exc
+
+    async def _load(self, replica: Replica, name: str, future: asyncio.Future[None]) -> None:
+        self.loads_started += 1
+        self.metrics.cold_loads.labels(replica.name).inc()
+        try:
+            path = self.catalog.get(name)
+            if path is None:
+                raise LoadFailed(f"adapter {name!r} is not in the catalog")
+            body = LoadLoraAdapterRequest(lora_name=name, lora_path=path).model_dump(exclude_defaults=True)
+            try:
+                resp = await self.http.post(
+                    f"{replica.url}/v1/load_lora_adapter",
+                    json=body,
+                    headers=self._headers,
+                    timeout=self.timeout_s,
+                )
+            except httpx.HTTPError as exc:
+                raise LoadFailed(
+                    f"load on {replica.name}: {exc!r}", unreachable=isinstance(exc, httpx.ConnectError)
+                ) from exc
+            if resp.status_code != 200 and not (resp.status_code == 400 and "already" in resp.text.lower()):
+                raise LoadFailed(
+                    f"load of {name!r} on {replica.name}: HTTP {resp.status_code} {resp.text[:200]}"
+                )
+            await self.sync.write_through(replica, name, "cpu")
+            future.set_result(None)
+        except Exception as exc:
+            self.metrics.load_failures.labels(replica.name).inc()
+            log.warning("%s", exc)
+            future.set_exception(exc if isinstance(exc, LoadFailed) else LoadFailed(repr(exc)))
+            future.exception()  # mark retrieved: waiters may have timed out already
+        finally:
+            replica.loading.pop(name, None)
+
+    async def unload(self, replica: Replica, name: str) -> None:
+        """Best effort: a failed unload leaves the worker's own LRU to reclaim the slot."""
+        body = UnloadLoraAdapterRequest(lora_name=name).model_dump(exclude_none=True)
+        try:
+            resp = await self.http.post(
+                f"{replica.url}/v1/unload_lora_adapter", json=body, headers=self._headers, timeout=10.0
+            )
+        except httpx.HTTPError:
+            return
+        if resp.status_code in (200, 404):
+            self.metrics.unloads.labels(replica.name).inc()
+            await self.sync.write_through(replica, name, None)

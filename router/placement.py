@@ -1,0 +1,128 @@
+"""Keeps the fleet's residency view fresh: poll workers, publish to the shared store, merge it back.
+
+Failure mode: when the placement store (Redis) fails, routing continues on the last local view
+(our own polls plus our own write-throughs), `lorafleet_router_placement_store_up` drops to 0 and
+errors are counted; when it answers again every replica is republished (a resync).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+
+import httpx
+from lorafleet.placement_store import PlacementStore, residency_of
+from lorafleet.protocol import AdapterInventory
+from lorafleet.router.discovery import Discovery
+from lorafleet.router.fleet import Fleet, Replica
+from lorafleet.router.metrics import RouterMetrics
+
+log = logging.getLogger("lorafleet.router")
+
+
+class PlacementSync:
+    def __init__(
+        self,
+        fleet: Fleet,
+        store: PlacementStore,
+        discovery: Discovery,
+        http: httpx.AsyncClient,
+        metrics: RouterMetrics,
+        ttl_s: float,
+        catalog: dict[str, str],
+    ) -> None:
+        self.fleet = fleet
+        self.store = store
+        self.discovery = discovery
+        self.http = http
+        self.metrics = metrics
+        self.ttl_s = ttl_s
+        self.catalog = catalog  # shared with the loader; static entries + the store's catalog
+        self.store_up = True
+        self.demand: Counter[str] = Counter()  # requests per adapter since the last publish
+        metrics.store_up.set(1)
+
+    async def run(self, interval_s: float) -> None:
+        while True:
+            try:
+                await self.sync_once()
+            except Exception:  # the loop must survive anything; the next round retries
+                log.exception("placement sync round failed")
+            await asyncio.sleep(interval_s)
+
+    async def sync_once(self) -> None:
+        with contextlib.suppress(Exception):
+            self.fleet.set_endpoints(await self.discovery.endpoints())
+        await asyncio.gather(*(self._poll(r) for r in list(self.fleet.replicas.values())))
+        await asyncio.gather(*(self._probe(r) for r in self.fleet.due_for_probe()))
+        await self._exchange()
+
+    async def _poll(self, replica: Replica) -> None:
+        started = self.fleet.clock()
+        try:
+            resp = await self.http.get(f"{replica.url}/v1/adapters", timeout=2.0)
+            resp.raise_for_status()
+            replica.apply_poll(AdapterInventory.model_validate(resp.json()), started)
+        except (httpx.HTTPError, ValueError):
+            replica.reachable = False
+
+    async def _probe(self, replica: Replica) -> None:
+        """An ejected replica whose cooldown ran out comes back if /health answers."""
+        try:
+            resp = await self.http.get(f"{replica.url}/health", timeout=1.0)
+            if resp.status_code == 200:
+                self.fleet.readmit(replica.name)
+                return
+        except httpx.HTTPError:
+            pass
+        replica.ejected_until = self.fleet.clock() + self.fleet.cooldown_s
+
+    async def _exchange(self) -> None:
+        """Publish our polls and demand, read everyone's residency and the catalog."""
+        try:
+            for replica in self.fleet.replicas.values():
+                if replica.inventory is not None and replica.reachable:
+                    await self.store.publish_replica(
+                        replica.name,
+                        replica.url,
+                        replica.inventory.model,
+                        residency_of(replica.inventory),
+                        self.ttl_s,
+                    )
+            demand, self.demand = self.demand, Counter()
+            await self.store.record_demand(demand)
+            snapshot = await self.store.snapshot()
+            self.catalog.update(await self.store.catalog())
+        except Exception:
+            self._store_failed("sync")
+            return
+        if not self.store_up:
+            self.metrics.store_resyncs.inc()
+            log.warning("placement store answers again: republished and resynced")
+        self.store_up = True
+        self.metrics.store_up.set(1)
+        for name, placement in snapshot.items():
+            replica = self.fleet.replicas.get(name)
+            if replica is not None:
+                replica.shared = dict(placement.adapters)
+
+    def _store_failed(self, op: str) -> None:
+        self.metrics.store_errors.labels(op).inc()
+        if self.store_up:
+            log.warning("placement store unavailable: routing on the local view (fail-open)")
+        self.store_up = False
+        self.metrics.store_up.set(0)
+
+    async def write_through(self, replica: Replica, adapter: str, tier: str | None) -> None:
+        replica.note(
+            adapter, tier, time.monotonic() if self.fleet.clock is time.monotonic else self.fleet.clock()
+        )
+        if not self.store_up:
+            return  # the next successful round republishes everything
+        try:
+            await self.store.record_residency(replica.name, adapter, tier, self.ttl_s)
+        except Exception:
+            self._store_failed("write_through")

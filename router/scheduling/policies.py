@@ -1,0 +1,121 @@
+"""Scheduling policies: a named composition of filters, weighted scorers and a picker.
+
+`schedule(req, endpoints)` is the router's whole placement decision. The gateway calls it per
+request; `bench/fleet_sim.py` calls the same objects on simulated replicas. Policies other than
+`lorafleet` exist to be compared against in that benchmark (and can be selected with
+`lorafleet router --policy`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from lorafleet.router.scheduling.admission import FrequencyAdmission
+from lorafleet.router.scheduling.filters import Available, BoundedLoad, ServesModel
+from lorafleet.router.scheduling.frequency import FrequencySketch
+from lorafleet.router.scheduling.pickers import MaxScore, RoundRobin
+from lorafleet.router.scheduling.scorers import HashAffinity, Load, LoraAffinity, Residency
+from lorafleet.router.scheduling.types import (
+    AdmissionPlan,
+    Decision,
+    EndpointView,
+    Filter,
+    FleetStats,
+    NoEndpoint,
+    Picker,
+    Reason,
+    RequestInfo,
+    Scorer,
+)
+
+
+@dataclass(slots=True)
+class Policy:
+    name: str
+    filters: tuple[Filter, ...]
+    scorers: tuple[tuple[float, Scorer], ...]
+    picker: Picker
+    admission: FrequencyAdmission | None = None
+    frequency: FrequencySketch = field(default_factory=FrequencySketch)
+
+    def schedule(self, req: RequestInfo, endpoints: Sequence[EndpointView]) -> Decision:
+        if req.adapters:
+            self.frequency.add(req.key)
+            req = replace(req, share=self.frequency.share(req.key))
+        stats = FleetStats.of(endpoints)
+        candidates = list(endpoints)
+        for f in self.filters:
+            candidates = f(req, candidates, stats)
+            if not candidates:
+                raise NoEndpoint(f"no replica left after filter {f.name!r}")
+        scored = [(e, self._score(req, e, stats)) for e in candidates]
+        chosen = self.picker(req, scored)
+        missing = tuple(a for a in req.adapters if a not in chosen.resident)
+        plan = AdmissionPlan()
+        if missing and self.admission is not None:
+            plan = self.admission.plan(req.adapters, chosen, self.frequency.estimate)
+        return Decision(chosen, reason_for(req, chosen), missing, plan)
+
+    def _score(self, req: RequestInfo, endpoint: EndpointView, stats: FleetStats) -> float:
+        return sum(w * min(1.0, max(0.0, scorer(req, endpoint, stats))) for w, scorer in self.scorers)
+
+
+def reason_for(req: RequestInfo, endpoint: EndpointView) -> Reason:
+    if not req.adapters:
+        return "base"
+    tiers = [endpoint.tier(a) for a in req.adapters]
+    if any(t is None for t in tiers):
+        return "cold"
+    return "hot" if all(t == "gpu" for t in tiers) else "warm"
+
+
+def lorafleet_policy(
+    load_factor: float = 1.25, cold_load_factor: float = 2.0, hot_share: float = 0.02, scratch_slots: int = 1
+) -> Policy:
+    """Ours: residency first, within a load bound; a cold adapter goes to its rendezvous home.
+
+    Only hot adapters (≥ `hot_share` of recent requests) are held to `load_factor` and spill to more
+    replicas; the rest may load a replica up to `cold_load_factor` × the mean so that they stay on
+    their rendezvous home and each replica's cache holds a stable slice of the catalog. Weights make the
+    order lexicographic: residency tiers differ by ≥ 0.3, hash affinity adds
+    < 0.25 and spare capacity < 0.05. Cache admission keeps rare adapters from evicting popular ones.
+    """
+    return Policy(
+        "lorafleet",
+        (Available(), ServesModel(), BoundedLoad(load_factor, cold_load_factor, hot_share)),
+        ((1.0, Residency()), (0.25, HashAffinity()), (0.049, Load())),
+        MaxScore(),
+        admission=FrequencyAdmission(scratch_slots=scratch_slots),
+    )
+
+
+def round_robin_policy() -> Policy:
+    return Policy("round-robin", (Available(), ServesModel()), (), RoundRobin())
+
+
+def least_request_policy() -> Policy:
+    return Policy("least-request", (Available(), ServesModel()), ((1.0, Load()),), MaxScore())
+
+
+def gie_policy() -> Policy:
+    """Gateway API Inference Extension: LoRA affinity (1.0/0.8/0.6/0), then least queue."""
+    return Policy(
+        "gie-lora-affinity", (Available(), ServesModel()), ((1.0, LoraAffinity()), (0.1, Load())), MaxScore()
+    )
+
+
+def chwbl_policy(load_factor: float = 1.25) -> Policy:
+    """KubeAI's consistent hashing with bounded load over the adapter key."""
+    return Policy(
+        "chwbl", (Available(), ServesModel(), BoundedLoad(load_factor)), ((1.0, HashAffinity()),), MaxScore()
+    )
+
+
+POLICIES: dict[str, Callable[[], Policy]] = {
+    "lorafleet": lorafleet_policy,
+    "round-robin": round_robin_policy,
+    "least-request": least_request_policy,
+    "gie-lora-affinity": gie_policy,
+    "chwbl": chwbl_policy,
+}

@@ -1,0 +1,79 @@
+"""Scorers: each maps (request, replica) to [0, 1]; a policy weights and sums them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lorafleet.router.scheduling.hashing import weight
+from lorafleet.router.scheduling.types import EndpointView, FleetStats, RequestInfo
+
+_U64 = float(2**64)
+
+
+@dataclass(frozen=True, slots=True)
+class Residency:
+    """Where the request's adapters already live: GPU slot > CPU cache > nowhere.
+
+    A composed request scores its worst-placed adapter: it waits for that one.
+    """
+
+    gpu: float = 1.0
+    cpu: float = 0.7
+    name: str = "residency"
+
+    def __call__(self, req: RequestInfo, endpoint: EndpointView, stats: FleetStats) -> float:
+        if not req.adapters:
+            return 1.0
+        score = 1.0
+        for adapter in req.adapters:
+            tier = endpoint.tier(adapter)
+            score = min(score, self.gpu if tier == "gpu" else self.cpu if tier == "cpu" else 0.0)
+        return score
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """Spare capacity: 1 when idle, 0 at or past `capacity` concurrent requests (least-request)."""
+
+    name: str = "load"
+
+    def __call__(self, req: RequestInfo, endpoint: EndpointView, stats: FleetStats) -> float:
+        return max(0.0, 1.0 - endpoint.load / max(1, endpoint.capacity))
+
+
+@dataclass(frozen=True, slots=True)
+class LoraAffinity:
+    """The Gateway API Inference Extension's LoRA-affinity scorer, as published (our baseline).
+
+    1.0 if the adapter has requests running there, 0.8 if the replica has a free adapter slot,
+    0.6 if the adapter is only waiting there, else 0. Its signal is in-flight requests, not what
+    is loaded: an idle but loaded adapter looks absent.
+    """
+
+    name: str = "lora-affinity"
+
+    def __call__(self, req: RequestInfo, endpoint: EndpointView, stats: FleetStats) -> float:
+        if not req.adapters:
+            return 1.0
+        adapter = req.adapters[0]  # GIE routes on one adapter per request
+        if adapter in endpoint.active:
+            return 1.0
+        if len(endpoint.active) < endpoint.max_loras:
+            return 0.8
+        if adapter in endpoint.waiting_adapters:
+            return 0.6
+        return 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class HashAffinity:
+    """Rendezvous weight of (request key, replica) scaled to [0, 1).
+
+    Maximising it picks the key's first replica in rendezvous order among those left, which is how
+    consistent hashing concentrates each adapter on few replicas and moves little on churn.
+    """
+
+    name: str = "hash-affinity"
+
+    def __call__(self, req: RequestInfo, endpoint: EndpointView, stats: FleetStats) -> float:
+        return weight(req.key, endpoint.name) / _U64

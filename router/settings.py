@@ -1,0 +1,50 @@
+"""Router settings: one frozen value built by the CLI (or a test) and handed to `create_app`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Literal
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Endpoint discovery: a static list of worker base URLs, or the pods of a worker pool.
+    discovery: Literal["static", "kubernetes"] = "static"
+    workers: tuple[str, ...] = ()
+    k8s_namespace: str = "default"
+    k8s_selector: str = "app.kubernetes.io/component=worker"
+    k8s_port: int = 8000
+    # None: in-process placement state and rate limits (one router process only).
+    redis_url: str | None = None
+    redis_prefix: str = "lorafleet"
+    # None: open mode (no API keys), for local use; the router says so at start-up.
+    tenants_file: Path | None = None
+    # Adapter catalog for static mode: name -> source path as the workers see it.
+    lora_modules: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    admin_token: str | None = None
+    policy: str = "lorafleet"
+    load_factor: float = 1.25
+    # Placement polling: each worker's GET /v1/adapters, published to the store with this TTL.
+    poll_interval_s: float = 1.0
+    placement_ttl_s: float = 10.0
+    # Upstream timeouts and caps.
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 600.0
+    load_timeout_s: float = 60.0
+    max_connections: int = 1000
+    max_body_bytes: int = 1 << 20
+    max_tokens_cap: int = 8192
+    max_n: int = 8
+    # Retries: attempts per request, and a fleet-wide budget (share of requests, plus a floor/s).
+    max_attempts: int = 3
+    retry_budget_ratio: float = 0.2
+    retry_budget_min_per_s: float = 5.0
+    # Ejection: after this many consecutive failures, out for the cooldown, then probed.
+    eject_after_failures: int = 3
+    eject_cooldown_s: float = 5.0
+    replica_capacity: int = 64  # concurrent sequences a worker runs; normalises load scores
