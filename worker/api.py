@@ -28,6 +28,8 @@ def get_runtime(request: Request) -> WorkerRuntime:
 
 Runtime = Annotated[WorkerRuntime, Depends(get_runtime)]
 
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
 probes = APIRouter()
 router = APIRouter()
 router.include_router(probes)
@@ -97,9 +99,8 @@ async def completions(body: oai.CompletionRequest, request: Request, runtime: Ru
     try:
         adapters = resolve_adapters(body.model, body.lora_adapters, runtime.settings)
         prompts = _prepare_prompts(runtime, body.prompts())
-        max_len = engine.engine.max_model_len
-        sampling = [body.sampling(body.max_tokens or default_max_tokens(max_len, len(p)), body.logprobs)
-                    for p in prompts]
+        # OpenAI's (and vLLM's) default for the legacy completions endpoint is 16 tokens.
+        sampling = [body.sampling(body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs)] * len(prompts)
     except Exception as exc:  # noqa: BLE001 - mapped to 4xx; a bug re-raises
         raise from_engine(exc) from None
     streams = await submit_all(engine, prompts, sampling, adapters)

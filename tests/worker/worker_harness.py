@@ -1,0 +1,101 @@
+"""Run the real worker app(s) under uvicorn on 127.0.0.1 random ports, each in its own thread."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+from lorafleet.worker.app import create_apps
+from lorafleet.worker.config import EngineConfig
+from lorafleet.worker.settings import WorkerSettings
+
+TOKEN = "s3cret-admin-token"
+
+
+class ServerThread:
+    def __init__(self, app: FastAPI, lifespan: str = "on") -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", lifespan=lifespan, timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=10)
+
+
+class RunningWorker:
+    """A worker (public app, plus an admin app when `admin_port` is asked for) until `stop()`."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        public, admin = create_apps(settings)
+        self.runtime = public.state.runtime
+        self.public = ServerThread(public)
+        self.admin = ServerThread(admin, lifespan="off") if admin is not None else None
+        self.url = self.public.url
+        self.admin_url = self.admin.url if self.admin else self.url
+
+    def start(self) -> RunningWorker:
+        self.public.start()
+        if self.admin is not None:
+            self.admin.start()
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{self.url}/ready").status_code != 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"worker not ready: {httpx.get(f'{self.url}/ready').text}")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        if self.admin is not None:
+            self.admin.stop()
+        self.public.stop()
+
+    @property
+    def engine(self):
+        """The LLMEngine (only touch it through `runtime.engine.call` while serving)."""
+        return self.runtime.engine.engine
+
+
+def worker_settings(demo_model: Path, adapters: dict[str, Path], token_file: Path | None = None,
+                    adapter_root: Path | None = None, admin_port: bool = False, **engine: object) -> WorkerSettings:
+    config = dict(max_loras=4, max_cpu_loras=8, max_loras_per_request=3, max_lora_rank=64, num_kv_blocks=256)
+    config.update(engine)
+    return WorkerSettings(
+        model=str(demo_model), served_model_name="demo", lora_modules=tuple((n, str(p)) for n, p in adapters.items()),
+        adapter_root=str(adapter_root) if adapter_root else None,
+        admin_token_file=str(token_file) if token_file else None,
+        admin_port=0 if admin_port else None, engine=EngineConfig(**config),
+    )
+
+
+def auth(token: str = TOKEN) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(interval)
