@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,7 +79,10 @@ class LLMEngine:
         config: EngineConfig | None = None,
         tokenizer_dir: str | Path | None = None,
         lora_modules: dict[str, str] | None = None,
+        weights: Iterable[tuple[str, torch.Tensor]] | None = None,
     ) -> None:
+        """`weights` replaces the folder's safetensors (benchmarks build random weights on the GPU);
+        they go through the same loading path, by their Hugging Face names."""
         self.config = config = config or EngineConfig()
         self.model_config = ModelConfig.from_folder(model_dir)
         self.device = torch.device(config.device)
@@ -90,7 +94,7 @@ class LLMEngine:
                                  self.model_config.max_position_embeddings)
 
         self.model = LlamaModel(self.model_config, self.device, self.dtype, self.max_model_len)
-        self.model.load_weights(iter_checkpoint(str(model_dir)))
+        self.model.load_weights(weights if weights is not None else iter_checkpoint(str(model_dir)))
         self.model.lora_backend = _resolve_backend(config.lora_backend, self.device)
         self.slots = LoraSlots(self.model_config, config.max_loras, config.max_lora_rank, self.device, self.dtype)
         self.model.lora = self.slots

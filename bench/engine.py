@@ -1,0 +1,198 @@
+"""Engine decode throughput on a GPU at the seed guide's 7.8B shape (issue 9's benchmark).
+
+    python bench/engine.py [--quick] [--adapters 1,8,32,64,128] [--prompt-lens 128,512] [--new-tokens 128]
+
+Random bf16 weights are built directly on the GPU and loaded through the engine's own loading
+path; adapters are random rank-16 on all 7 projections. Prints a table and writes
+bench/results/engine-h200.json with rows {workload, adapters, prompt_len, tokens_per_s, ttft_ms,
+ceiling_tokens_per_s, ...}. The ceiling is weight bytes per decode step over the copy bandwidth
+measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from lorafleet.worker.config import EngineConfig, ModelConfig
+from lorafleet.worker.engine import LLMEngine
+from lorafleet.worker.lora.adapter import LoraWeights, ModuleWeights
+from lorafleet.worker.sequence import SamplingParams
+
+SEED_SHAPE = dict(
+    model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=100_000, hidden_size=4096,
+    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=128, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=500000.0,
+    tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, torch_dtype="bfloat16",
+)
+TINY_SHAPE = dict(SEED_SHAPE, vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # --tiny: a CPU smoke run
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def random_weights(config: ModelConfig, device: str):
+    """Hugging Face names -> random bf16 tensors made on the GPU (nothing is downloaded)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+
+    def rnd(*shape):
+        return (torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=g) * 0.02)
+
+    h, i, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
+    yield "model.embed_tokens.weight", rnd(config.vocab_size, h)
+    yield "model.norm.weight", torch.ones(h, device=device, dtype=torch.bfloat16)
+    yield "lm_head.weight", rnd(config.vocab_size, h)
+    for layer in range(config.num_layers):
+        p = f"model.layers.{layer}."
+        for name, shape in (("self_attn.q_proj", (q, h)), ("self_attn.k_proj", (kv, h)), ("self_attn.v_proj", (kv, h)),
+                            ("self_attn.o_proj", (h, q)), ("mlp.gate_proj", (i, h)), ("mlp.up_proj", (i, h)),
+                            ("mlp.down_proj", (h, i))):
+            yield p + name + ".weight", rnd(*shape)
+        yield p + "input_layernorm.weight", torch.ones(h, device=device, dtype=torch.bfloat16)
+        yield p + "post_attention_layernorm.weight", torch.ones(h, device=device, dtype=torch.bfloat16)
+
+
+def random_adapter(config: ModelConfig, rank: int, seed: int) -> LoraWeights:
+    g = torch.Generator().manual_seed(seed)
+    w = LoraWeights(path=f"<random:{seed}>", rank=rank, alpha=2.0 * rank, use_rslora=False, digest=f"sha256:{seed:064x}")
+    for layer in range(config.num_layers):
+        for t in TARGETS:
+            out, in_ = config.linear_shape(t)
+            w.modules[(layer, t)] = ModuleWeights(
+                a=torch.randn(rank, in_, generator=g, dtype=torch.bfloat16) * 0.01,
+                b=torch.randn(out, rank, generator=g, dtype=torch.bfloat16) * 0.01, scaling=2.0)
+    return w
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes/s of a large device-to-device copy (read + write counted), median of repeats."""
+    n = 1 << 30 if device == "cuda" else 1 << 24
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(10):
+        sync()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return 2 * n / times[len(times) // 2]
+
+
+def decode_run(engine: LLMEngine, adapter_sets, prompt_len: int, new_tokens: int) -> dict:
+    sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    vocab = engine.model_config.vocab_size
+    for r, adapters in enumerate(adapter_sets):
+        engine.add_request([(r * 7919 + j * 31) % (vocab - 10) + 10 for j in range(prompt_len)], sp, adapters)
+    decode_tokens, decode_time, steps = 0, 0.0, 0
+    while engine.has_unfinished():
+        all_decode = bool(engine.scheduler.running) and not engine.scheduler.waiting and all(
+            s.num_uncomputed == 1 for s in engine.scheduler.running)
+        sync()
+        t0 = time.perf_counter()
+        outs = engine.step()
+        sync()
+        dt = time.perf_counter() - t0
+        steps += 1
+        if all_decode:
+            decode_tokens += len(outs)
+            decode_time += dt
+    return {"tokens_per_s": round(decode_tokens / decode_time, 1), "decode_step_ms": round(1e3 * decode_time / max(1, decode_tokens / len(adapter_sets)), 2)}
+
+
+def ttft(engine: LLMEngine, prompt_len: int) -> float:
+    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    engine.add_request([(j * 13) % (engine.model_config.vocab_size - 10) + 10 for j in range(prompt_len)], sp)
+    sync()
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    sync()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--adapters", default="1,8,32,64,128")
+    ap.add_argument("--prompt-lens", default="128,512")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--tiny", action="store_true", help="tiny shape on CPU: checks the script, measures nothing")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "engine-h200.json")
+    args = ap.parse_args()
+    device = "cpu" if args.tiny else "cuda"
+    adapter_counts = [int(x) for x in args.adapters.split(",") if x]
+    prompt_lens = [int(x) for x in args.prompt_lens.split(",") if x]
+
+    folder = Path(tempfile.mkdtemp())
+    (folder / "config.json").write_text(json.dumps(TINY_SHAPE if args.tiny else SEED_SHAPE))
+    from lorafleet.worker.demo_assets import build_tokenizer
+
+    build_tokenizer(folder)  # only to satisfy the folder layout: the benchmark feeds token ids
+    model_config = ModelConfig.from_folder(folder)
+    n_slots = max(adapter_counts + [1])
+    n_slots = min(n_slots, args.batch) if n_slots > args.batch else n_slots
+    config = EngineConfig(max_loras=max(n_slots, 1), max_cpu_loras=max(adapter_counts + [1]) + 8, max_lora_rank=args.rank,
+                          max_num_seqs=args.batch, max_num_batched_tokens=8192, device=device, dtype="bfloat16",
+                          max_loras_per_request=1, num_kv_blocks=512 if args.tiny else None)
+    t0 = time.perf_counter()
+    engine = LLMEngine(folder, config, weights=random_weights(model_config, device))
+    load_s = time.perf_counter() - t0
+    weight_bytes = engine.model.weight_bytes()
+    names = []
+    for k in range(max(adapter_counts + [0])):
+        name = f"a{k}"
+        engine.registry.register(name, random_adapter(model_config, args.rank, seed=k))
+        names.append(name)
+    bw = copy_bandwidth(device)
+    # Bytes a decode step must read: every weight except the embedding table (only B rows are read).
+    step_bytes = weight_bytes - model_config.vocab_size * model_config.hidden_size * 2
+    ceiling = args.batch * bw / step_bytes
+    print(f"weights {weight_bytes / 2**30:.2f} GiB (step reads {step_bytes / 2**30:.2f} GiB), load {load_s:.1f}s, "
+          f"copy bandwidth {bw / 1e12:.2f} TB/s, ceiling {ceiling:,.0f} tok/s at batch {args.batch}")
+    print(f"memory plan: {engine.memory_plan}")
+
+    decode_run(engine, [()] * 8, 16, 4)  # warm-up (allocator, kernels, Triton JIT)
+    decode_run(engine, [((names[0], 1.0),)] * 8, 16, 4) if names else None
+    rows = []
+    for plen in prompt_lens:
+        workloads = [("base-only", 0)] + [(f"{d} adapters", d) for d in adapter_counts]
+        for label, d in workloads:
+            sets = [()] * args.batch if d == 0 else [((names[r % d], 1.0),) for r in range(args.batch)]
+            res = decode_run(engine, sets, plen, args.new_tokens)
+            row = {"workload": label, "adapters": d, "prompt_len": plen, "batch": args.batch, "new_tokens": args.new_tokens,
+                   **res, "ceiling_tokens_per_s": round(ceiling, 1)}
+            rows.append(row)
+            print(f"{label:<14} prompt {plen:>4}: {res['tokens_per_s']:>9,.0f} tok/s  step {res['decode_step_ms']:>7} ms")
+    ttft_ms = [ttft(engine, 512) for _ in range(3)]
+    base = {r["prompt_len"]: r["tokens_per_s"] for r in rows if r["adapters"] == 0}
+    for r in rows:
+        r["vs_base"] = round(r["tokens_per_s"] / base[r["prompt_len"]], 3)
+    result = {
+        "machine": torch.cuda.get_device_name() if device == "cuda" else "cpu (--tiny smoke run)", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+        "copy_bandwidth_tb_s": round(bw / 1e12, 3), "weight_gib": round(weight_bytes / 2**30, 3),
+        "ceiling_tokens_per_s": round(ceiling, 1), "ttft_ms_512": round(sorted(ttft_ms)[1], 2),
+        "lora_backend": engine.model.lora_backend, "rows": rows,
+    }
+    print(f"\n{'workload':<14} {'prompt':>6} {'tok/s':>10} {'vs base':>8} {'ceiling':>10}")
+    for r in rows:
+        print(f"{r['workload']:<14} {r['prompt_len']:>6} {r['tokens_per_s']:>10,.0f} {r['vs_base']:>8} {r['ceiling_tokens_per_s']:>10,.0f}")
+    print(f"time to first token, one 512-token prompt: {result['ttft_ms_512']} ms")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
