@@ -28,7 +28,7 @@ import math
 import platform
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -230,29 +230,33 @@ def base_gemm_us(module: str, tokens: int) -> float:
 def sweep(bandwidth: float, g: torch.Generator) -> list[dict]:
     """Time launch configs on representative cases, to tune `pick_config`."""
     rows = []
-    for module in MODULES:
+    for module, (d_in, outs) in MODULES.items():
+        n_slices = len(outs)
         for tokens, adapters in [(16, 1), (64, 8), (64, 64), (256, 128)]:
             case = Case(module, tokens, adapters, 16, 16)
-            d_in, _ = MODULES[module]
-            default = pick_config(tokens, d_in, default_chunk_size(tokens))
+            num_chunks = adapters * -(-(tokens // adapters) // default_chunk_size(tokens))
+            default = pick_config(num_chunks, n_slices, d_in, default_chunk_size(tokens))
             configs = {default}
-            for split_k in (2, 4, 8, 16, 32):
+            for n_per_prog in (256, 512, 1024, 2048):
                 for block_n in (64, 128):
-                    configs.add(LoraKernelConfig(split_k=split_k, block_k=default.block_k, block_n=block_n))
-            for cfg in sorted(configs, key=lambda c: (c.split_k, c.block_n)):
+                    configs.add(replace(default, n_per_prog=n_per_prog, block_n=block_n))
+            for split_k in (max(1, default.split_k // 2), default.split_k * 2):
+                configs.add(replace(default, split_k=split_k))
+            configs.add(replace(default, expand_warps=8))
+            case_rows = []
+            for cfg in sorted(configs, key=lambda c: (c.split_k, c.n_per_prog, c.block_n, c.expand_warps)):
                 row = run_case(case, bandwidth, g, config=cfg)
-                row.update(split_k=cfg.split_k, block_n=cfg.block_n, default=cfg == default)
-                rows.append(row)
-            best = min(
-                (r for r in rows if r["module"] == module and r["tokens"] == tokens),
-                key=lambda r: r["lora_us"],
-            )
+                row.update(asdict(cfg), default=cfg == default)
+                case_rows.append(row)
+            best = min(case_rows, key=lambda r: r["lora_us"])
+            default_us = next(r["lora_us"] for r in case_rows if r["default"])
             print(
-                f"sweep {module:8s} T={tokens:4d} A={adapters:4d}: default "
-                f"{next(r['lora_us'] for r in rows if r['module'] == module and r['tokens'] == tokens and r['default'])}"
-                f" µs, best {best['lora_us']} µs (split_k={best['split_k']}, block_n={best['block_n']})",
+                f"sweep {module:8s} T={tokens:4d} A={adapters:4d}: default {default_us} µs, best {best['lora_us']} µs "
+                f"(split_k={best['split_k']}, n_per_prog={best['n_per_prog']}, block_n={best['block_n']}, "
+                f"expand_warps={best['expand_warps']})",
                 flush=True,
             )
+            rows += case_rows
     return rows
 
 

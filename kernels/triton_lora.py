@@ -12,8 +12,9 @@ Two launches per projection group (all slices in each):
   one 16-wide block of true rank; blocks past the slot's rank exit before loading anything, so a
   rank-8 adapter in a rank-64 pool reads rank 8. Partials go to `[SPLIT_K, T*k, n_slices*R_PAD]`
   fp32 without atomics; the expand sums them (deterministic, no zeroing launch).
-- expand: grid (max_chunks, output tiles of all slices). Sums the partials, applies each pair's
-  scale, multiplies by B's true-rank columns and adds into y. With k = 1 every token is in exactly
+- expand: grid (max_chunks, column groups of all slices). Sums the partials once, applies each
+  pair's scale, then for each BLOCK_N tile of its group multiplies by B's true-rank columns
+  (masked loads: the pool's padding is never read) and adds into y. With k = 1 every token is in exactly
   one chunk, so a plain read-modify-write is race-free; with k > 1 two chunks can own the same
   row, so the add is atomic.
 
@@ -37,23 +38,24 @@ BLOCK_R = 16  # rank block: tl.dot's smallest K / N
 
 @dataclass(frozen=True, slots=True)
 class LoraKernelConfig:
-    """Launch parameters; `pick_config` chooses them from shapes alone (graph-stable)."""
+    """Launch parameters; `pick_config` chooses them per call (a captured graph keeps its own)."""
 
     split_k: int
     block_k: int
     block_n: int
+    n_per_prog: int = 512
     shrink_warps: int = 4
     expand_warps: int = 4
+    num_stages: int = 3
 
 
-def pick_config(num_pairs: int, in_features: int, chunk_size: int) -> LoraKernelConfig:
-    """Split K finely when few rows (decode: parallelism comes from K), not at all for prefill."""
+def pick_config(num_chunks: int, n_slices: int, in_features: int, chunk_size: int) -> LoraKernelConfig:
+    """Aim the shrink at ~512 programs: split K finely when few chunks are active (decode with few
+    adapters), little when many are. Tuned on the H200 with bench/kernels.py --sweep."""
     block_k = 128 if chunk_size <= 16 else 64
-    target_programs = 2048
-    chunks_est = max(1, -(-num_pairs // chunk_size))
-    split_k = max(1, min(16, -(-in_features // 512), -(-target_programs // chunks_est)))
-    block_n = 64 if chunk_size <= 16 else 128
-    return LoraKernelConfig(split_k=split_k, block_k=block_k, block_n=block_n)
+    by_chunks = triton.next_power_of_2(max(1, -(-512 // max(1, num_chunks * n_slices))))
+    split_k = max(1, min(-(-in_features // 512), by_chunks))
+    return LoraKernelConfig(split_k=split_k, block_k=block_k, block_n=128 if chunk_size <= 16 else 64)
 
 
 def _interpreting() -> bool:
@@ -162,8 +164,8 @@ def _lora_expand_kernel(
     OUT0,
     OUT1,
     OUT2,
-    TILES0,
-    TILES1,
+    GROUPS0,
+    GROUPS1,
     R_MAX,
     SPLIT_K,
     # strides
@@ -173,15 +175,18 @@ def _lora_expand_kernel(
     stride_pm,
     # meta-parameters
     R_PAD: tl.constexpr,
+    R_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_RANK: tl.constexpr,
+    N_PER_PROG: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     ATOMIC: tl.constexpr,
 ):
     """y[token(pair), col_s + n] += scale(pair) · Σ_r part[:, pair, s*R_PAD + r] · B_s[slot, n, r].
 
+    One program: one chunk × N_PER_PROG columns of one slice, in BLOCK_N tiles, so the chunk's
+    rank-r activations are summed over the splits once and reused for every tile.
     y `[T, Σout]` (unit stride in columns); B_s `[S, OUT_s, R_MAX]` contiguous.
     """
     pid_c = tl.program_id(0)
@@ -189,22 +194,22 @@ def _lora_expand_kernel(
     slot = tl.load(chunk_slot_ptr + pid_c)
     if slot < 0:
         return
-    # Which slice this output tile belongs to.
-    if pid_n < TILES0:
+    # Which slice this column group belongs to.
+    if pid_n < GROUPS0:
         s = 0
-        n0 = pid_n * BLOCK_N
+        n_lo = pid_n * N_PER_PROG
         out = OUT0
         col0 = 0
         b_ptr = b0_ptr
-    elif pid_n < TILES0 + TILES1:
+    elif pid_n < GROUPS0 + GROUPS1:
         s = 1
-        n0 = (pid_n - TILES0) * BLOCK_N
+        n_lo = (pid_n - GROUPS0) * N_PER_PROG
         out = OUT1
         col0 = OUT0
         b_ptr = b1_ptr
     else:
         s = 2
-        n0 = (pid_n - TILES0 - TILES1) * BLOCK_N
+        n_lo = (pid_n - GROUPS0 - GROUPS1) * N_PER_PROG
         out = OUT2
         col0 = OUT0 + OUT1
         b_ptr = b2_ptr
@@ -217,37 +222,38 @@ def _lora_expand_kernel(
     m_mask = offs_m < end
     tok = tl.load(sorted_token_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
     scale = tl.load(sorted_scale_ptr + offs_m, mask=m_mask, other=0.0)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < out
-    b_cols = b_ptr + slot.to(tl.int64) * out * R_MAX + offs_n[None, :] * R_MAX  # [1, BLOCK_N]
-    p_rows = part_ptr + offs_m[:, None].to(tl.int64) * stride_pm + s * R_PAD  # [BLOCK_M, 1]
+    # Masked past the true rank: neither the partials nor B's padding columns are read.
+    offs_r = tl.arange(0, R_BLOCK)
+    r_mask = offs_r < rank
+    hm = m_mask[:, None] & r_mask[None, :]
+    p = part_ptr + offs_m[:, None].to(tl.int64) * stride_pm + s * R_PAD + offs_r[None, :]
+    h = tl.zeros((BLOCK_M, R_BLOCK), dtype=tl.float32)
+    for sp in range(0, SPLIT_K):
+        h += tl.load(p + sp * stride_ps, mask=hm, other=0.0)
+    h = h * scale[:, None]
+    if not UPCAST:
+        h = h.to(b0_ptr.dtype.element_ty)
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_RANK):  # true rank only
-        offs_r = r0 + tl.arange(0, BLOCK_RANK)
-        r_mask = offs_r < rank
-        h = tl.zeros((BLOCK_M, BLOCK_RANK), dtype=tl.float32)
-        for sp in range(0, SPLIT_K):
-            h += tl.load(
-                p_rows + sp * stride_ps + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0
-            )
-        h = h * scale[:, None]
-        bt = tl.load(b_cols + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [R, N]
+    n_hi = tl.minimum(n_lo + N_PER_PROG, out)
+    b_base = b_ptr + slot.to(tl.int64) * out * R_MAX + offs_r[:, None]  # [R_BLOCK, 1]
+    y_rows = y_ptr + tok[:, None] * stride_yt + col0  # [BLOCK_M, 1]
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < n_hi
+        bt = tl.load(b_base + offs_n[None, :] * R_MAX, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
         if UPCAST:
             bt = bt.to(tl.float32)
-        else:
-            h = h.to(bt.dtype)
         if IEEE:
-            acc += tl.dot(h, bt, input_precision="ieee")
+            acc = tl.dot(h, bt, input_precision="ieee")
         else:
-            acc += tl.dot(h, bt)
-    y_ptrs = y_ptr + tok[:, None] * stride_yt + (col0 + offs_n)[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
-    if ATOMIC:
-        tl.atomic_add(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask, sem="relaxed")
-    else:
-        cur = tl.load(y_ptrs, mask=mask, other=0.0)
-        tl.store(y_ptrs, (cur.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+            acc = tl.dot(h, bt)
+        y_ptrs = y_rows + offs_n[None, :]
+        mask = m_mask[:, None] & n_mask[None, :]
+        if ATOMIC:
+            tl.atomic_add(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask, sem="relaxed")
+        else:
+            cur = tl.load(y_ptrs, mask=mask, other=0.0)
+            tl.store(y_ptrs, (cur.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def add_lora_triton(
@@ -291,7 +297,7 @@ def add_lora_triton(
 
     # (2) allocate: fp32 split-K partials, indexed by sorted pair
     num_pairs = num_tokens * k
-    cfg = config or pick_config(num_pairs, in_features, meta.chunk_size)
+    cfg = config or pick_config(meta.num_chunks, n_slices, in_features, meta.chunk_size)
     r_blocks = triton.cdiv(r_max, BLOCK_R)
     r_pad = r_blocks * BLOCK_R
     part = torch.empty((cfg.split_k, num_pairs, n_slices * r_pad), dtype=torch.float32, device=x.device)
@@ -303,7 +309,8 @@ def add_lora_triton(
     a_ptrs = list(lora_a) + [lora_a[0]] * (3 - n_slices)
     b_ptrs = list(lora_b) + [lora_b[0]] * (3 - n_slices)
     outs = [b.shape[1] for b in lora_b] + [0] * (3 - n_slices)
-    tiles = [triton.cdiv(o, cfg.block_n) for o in outs]
+    n_per_prog = max(cfg.n_per_prog, cfg.block_n)
+    groups = [triton.cdiv(o, n_per_prog) for o in outs]
 
     # (3) launch
     _lora_shrink_kernel[(meta.max_chunks, cfg.split_k, n_slices * r_blocks)](
@@ -332,8 +339,9 @@ def add_lora_triton(
         UPCAST=upcast,
         IEEE=ieee,
         num_warps=cfg.shrink_warps,
+        num_stages=cfg.num_stages,
     )
-    _lora_expand_kernel[(meta.max_chunks, sum(tiles))](
+    _lora_expand_kernel[(meta.max_chunks, sum(groups))](
         y,
         *b_ptrs,
         ranks_device,
@@ -346,8 +354,8 @@ def add_lora_triton(
         outs[0],
         outs[1],
         outs[2],
-        tiles[0],
-        tiles[1],
+        groups[0],
+        groups[1],
         r_max,
         cfg.split_k,
         y.stride(0),
@@ -355,11 +363,13 @@ def add_lora_triton(
         part.stride(0),
         part.stride(1),
         R_PAD=r_pad,
+        R_BLOCK=r_pad if r_pad & (r_pad - 1) == 0 else triton.next_power_of_2(r_pad),
         BLOCK_M=meta.chunk_size,
         BLOCK_N=cfg.block_n,
-        BLOCK_RANK=BLOCK_R,
+        N_PER_PROG=n_per_prog,
         UPCAST=upcast,
         IEEE=ieee,
         ATOMIC=k > 1,
         num_warps=cfg.expand_warps,
+        num_stages=cfg.num_stages,
     )

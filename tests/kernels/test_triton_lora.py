@@ -180,7 +180,19 @@ CASES = [
         "random_with_none",
         torch.float32,
         32,
-        LoraKernelConfig(split_k=3, block_k=32, block_n=16),
+        LoraKernelConfig(split_k=3, block_k=32, block_n=16, n_per_prog=48),
+    ),
+    (
+        "n-loop-k2",
+        30,
+        2,
+        56,
+        [100, 36],
+        [[16, 8, 0, 64, 1]] * 2,
+        "random_with_none",
+        torch.float16,
+        None,
+        LoraKernelConfig(split_k=2, block_k=32, block_n=32, n_per_prog=64),
     ),
     ("chunk64-prefill", 70, 1, 72, [24, 24], [[8, 16]] * 2, "one_adapter", torch.float16, 64, None),
 ]
@@ -243,7 +255,7 @@ def test_bf16_real_shapes(module: str, tokens: int, k: int, adapters: int) -> No
     intermediate to bf16 before the expand, as the bf16 tensor cores need, which gives ~3e-3.
     """
     d_in, outs = MODULES[module]
-    slots = 32
+    slots = 64
     rank_cycle = [16, 8, 64, 0, 16, 1, 7, 16]
     ranks = [[rank_cycle[(s + i) % len(rank_cycle)] for s in range(slots)] for i in range(len(outs))]
     g = torch.Generator().manual_seed(tokens + adapters)
