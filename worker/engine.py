@@ -135,25 +135,31 @@ class LLMEngine:
         return CPU_DEFAULT_KV_BLOCKS
 
     def _log_memory_plan(self, num_blocks: int) -> None:
-        gib = 1 << 30
+        """Log where memory goes, in the seed guide's terms: weights, adapter slots, KV blocks."""
+        mib, gib = 1 << 20, 1 << 30
         per_block = ModelRunner.kv_bytes_per_block(self.model, self.config.block_size)
+        adapters = {name: w.nbytes for name, w in self.registry.cpu.items()}
         self.memory_plan = {
             "weights_bytes": self.model.weight_bytes(),
             "lora_slots": self.config.max_loras,
-            "lora_slot_bytes": self.slots.nbytes(),
-            "lora_resident_bytes": sum(w.nbytes for w in self.registry.cpu.values()),
+            "lora_slot_bytes": self.slots.nbytes(),  # allocated at max_lora_rank
+            "lora_adapter_bytes": adapters,  # each adapter at its true rank (what is copied and computed)
             "kv_blocks": num_blocks,
             "kv_block_tokens": self.config.block_size,
             "kv_bytes": num_blocks * per_block,
         }
         p = self.memory_plan
         log.info(
-            "memory plan on %s (%s): weights %.3f GiB; %d LoRA slots at max rank %d %.3f GiB; "
-            "KV cache %d blocks x %d tokens = %d tokens, %.3f GiB; LoRA backend %s",
+            "memory plan on %s (%s): weights %.3f GiB | %d LoRA slots reserved at max rank %d: %.3f GiB "
+            "(%.1f MiB each; kernels read each adapter at its own rank) | KV cache %d blocks x %d tokens = %d tokens, "
+            "%.3f GiB | LoRA backend %s",
             self.device, str(self.dtype).removeprefix("torch."), p["weights_bytes"] / gib, self.config.max_loras,
-            self.config.max_lora_rank, p["lora_slot_bytes"] / gib, num_blocks, self.config.block_size,
-            num_blocks * self.config.block_size, p["kv_bytes"] / gib, self.model.lora_backend,
+            self.config.max_lora_rank, p["lora_slot_bytes"] / gib, p["lora_slot_bytes"] / self.config.max_loras / mib,
+            num_blocks, self.config.block_size, num_blocks * self.config.block_size, p["kv_bytes"] / gib,
+            self.model.lora_backend,
         )
+        for name, nbytes in adapters.items():
+            log.info("adapter %s: rank %d, %.2f MiB at its rank", name, self.registry.entries[name].rank, nbytes / mib)
 
     # -- adapters ------------------------------------------------------------------------------
     def load_adapter(self, name: str, path: str, pinned: bool = False) -> bool:
