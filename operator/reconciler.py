@@ -75,6 +75,7 @@ class PoolReconciler:
     pods: dict[str, PodState] = field(default_factory=dict)
     inventories: dict[str, AdapterInventory] = field(default_factory=dict)
     loaded: dict[str, set[str]] = field(default_factory=dict)  # pod -> resident adapters (verified)
+    digests: dict[str, str] = field(default_factory=dict)  # adapter -> digest a worker reported
     pool_status: dict[str, Any] | None = None
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _resync: bool = True
@@ -154,6 +155,7 @@ class PoolReconciler:
                 return
             self.inventories[pod.name] = inv
             self.loaded[pod.name] = resident(inv)
+            self._note_digests(inv)
 
         await asyncio.gather(*(one(p) for p in pods))
         return errors
@@ -252,8 +254,9 @@ class PoolReconciler:
                         if record is None:
                             return
                         path = f"{pool.adapter_mount.rstrip('/')}/{record.spec.source}"
-                        await self.workers.load(url, token, action.adapter, path)
+                        inv = await self.workers.load(url, token, action.adapter, path)
                         self.loaded.setdefault(action.pod, set()).add(action.adapter)
+                        self._note_digests(inv)
                     else:
                         await self.workers.unload(url, token, action.adapter)
                         self.loaded.setdefault(action.pod, set()).discard(action.adapter)
@@ -341,12 +344,13 @@ class PoolReconciler:
         await self._write_pool_status()
         return bool(writes)
 
+    def _note_digests(self, inventory: AdapterInventory) -> None:
+        for info in inventory.adapters:
+            self.digests[info.name] = info.digest
+
     def _digest_of(self, adapter: str) -> str | None:
-        for pod, names in self.loaded.items():
-            if adapter in names and pod in self.inventories:
-                for info in self.inventories[pod].adapters:
-                    if info.name == adapter:
-                        return info.digest
+        if any(adapter in names for names in self.loaded.values()):
+            return self.digests.get(adapter)
         return None
 
     async def _patch_statuses(self, writes: list[tuple[AdapterRecord, dict[str, Any]]]) -> None:

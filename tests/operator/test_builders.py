@@ -1,0 +1,80 @@
+"""Pure builders and spec parsing: manifests from a PoolSpec, permanent spec errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorafleet.operator import builders
+from lorafleet.operator.spec import POOL_LABEL, SpecError, check_against_pool, parse_adapter, parse_pool
+
+POOL = {
+    "model": {"path": "/models/llama", "servedName": "llama"},
+    "image": "ghcr.io/lorafleet/worker:1",
+    "replicas": 3,
+    "resources": {"limits": {"nvidia.com/gpu": 1}},
+    "engine": {"maxLoras": 4, "maxCpuLoras": 8, "maxLoraRank": 32, "device": "cuda"},
+    "adapterVolume": {"claimName": "adapters", "mountPath": "/adapters"},
+}
+
+
+def test_deployment_wires_token_ports_flags_and_selector() -> None:
+    pool = parse_pool("ns", "p", POOL)
+    dep = builders.workload(pool)
+    assert dep["kind"] == "Deployment" and dep["spec"]["replicas"] == 3
+    assert dep["spec"]["selector"]["matchLabels"] == {POOL_LABEL: "p"}
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    args = container["args"]
+    assert args[args.index("--max-lora-rank") + 1] == "32"
+    assert args[args.index("--admin-token-file") + 1] == "/var/run/lorafleet/admin/token"
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": 1}}
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["admin-token"]["secret"]["secretName"] == "p-admin-token"
+    assert volumes["adapters"]["persistentVolumeClaim"]["claimName"] == "adapters"
+
+
+def test_statefulset_service_pdb_secret() -> None:
+    pool = parse_pool("ns", "p", {**POOL, "workloadKind": "StatefulSet"})
+    assert builders.workload(pool)["kind"] == "StatefulSet"
+    svc = builders.service(pool)
+    assert svc["spec"]["clusterIP"] == "None" and {p["name"] for p in svc["spec"]["ports"]} == {"http", "admin"}
+    assert builders.pod_disruption_budget(pool)["spec"]["maxUnavailable"] == 1
+    secret = builders.token_secret(pool, "s3cret")
+    assert builders.read_token(secret) == "s3cret"
+    assert [m["kind"] for m in builders.pool_children(pool, "t")] == ["Secret", "StatefulSet", "Service", "PodDisruptionBudget"]
+
+
+def test_builders_are_deterministic() -> None:
+    pool = parse_pool("ns", "p", POOL)
+    assert builders.pool_children(pool, "t") == builders.pool_children(pool, "t")
+
+
+@pytest.mark.parametrize(
+    ("spec", "reason"),
+    [
+        ({"source": "a"}, "MissingPool"),
+        ({"pool": "p"}, "MissingSource"),
+        ({"pool": "p", "source": "s3://bucket/a"}, "SourceNotAllowed"),
+        ({"pool": "p", "source": "/etc/passwd"}, "SourceOutsideVolume"),
+        ({"pool": "p", "source": "a/../../b"}, "SourceOutsideVolume"),
+        ({"pool": "p", "source": "a", "replicas": {"min": 3, "max": 2}}, "InvalidReplicas"),
+        ({"pool": "p", "source": "a", "sha256": "xyz"}, "InvalidDigest"),
+    ],
+)
+def test_adapter_spec_errors(spec: dict, reason: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_adapter("ns", "a", spec)
+    assert info.value.reason == reason
+
+
+def test_rank_checked_against_pool() -> None:
+    pool = parse_pool("ns", "p", POOL)
+    check_against_pool(parse_adapter("ns", "a", {"pool": "p", "source": "a", "rank": 32}), pool)
+    with pytest.raises(SpecError, match="exceeds"):
+        check_against_pool(parse_adapter("ns", "a", {"pool": "p", "source": "a", "rank": 64}), pool)
+
+
+def test_pool_spec_errors() -> None:
+    with pytest.raises(SpecError):
+        parse_pool("ns", "p", {**POOL, "engine": {"maxLoras": 9, "maxCpuLoras": 8}})
+    with pytest.raises(SpecError):
+        parse_pool("ns", "p", {**POOL, "ports": {"http": 8000, "admin": 8000}})
