@@ -73,18 +73,27 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, runtime: Admin) -> dic
         runtime.loads[key] = task
         task.add_done_callback(lambda _t: runtime.loads.pop(key, None))
     try:
-        created = await asyncio.shield(task)
+        created = await asyncio.shield(task)  # callers that joined a load under way share its result
     except Exception as exc:  # noqa: BLE001 - adapter problems are 4xx
-        api = from_engine(exc)
-        runtime.metrics.admin_loads.labels(api.reason or str(api.status)).inc()
-        log.warning("load of %s from %s refused: %s", body.lora_name, path, api.message)
-        raise api from None
-    runtime.metrics.admin_loads.labels("loaded" if created else "already_loaded").inc()
+        raise from_engine(exc) from None
     return {"status": "ok", "lora_name": body.lora_name, "created": created,
             "message": f"adapter {body.lora_name!r} {'loaded' if created else 'already loaded with this content'}"}
 
 
 async def _load(runtime: WorkerRuntime, name: str, path: str, inplace: bool) -> bool:
+    """One physical load (counted in `lorafleet:lora_admin_loads_total` by result)."""
+    try:
+        created = await _read_and_register(runtime, name, path, inplace)
+    except Exception as exc:  # noqa: BLE001 - counted, then mapped to 4xx by the caller
+        reason = getattr(exc, "reason", None) or type(exc).__name__
+        runtime.metrics.admin_loads.labels(reason).inc()
+        log.warning("load of %s from %s refused: %s", name, path, exc)
+        raise
+    runtime.metrics.admin_loads.labels("loaded" if created else "already_loaded").inc()
+    return created
+
+
+async def _read_and_register(runtime: WorkerRuntime, name: str, path: str, inplace: bool) -> bool:
     engine = runtime.require_engine()
     registry = engine.engine.registry
     # Validate and read off the engine thread: nothing is evicted before this succeeds.
