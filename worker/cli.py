@@ -79,7 +79,8 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
     )
 
 
-async def serve(settings: WorkerSettings, log_level: str = "info", admin_host: str | None = None) -> None:
+async def serve(settings: WorkerSettings, log_level: str = "info", admin_host: str | None = None) -> int:
+    """Serve until stopped; 1 if the engine failed to start (a wrong --lora-modules path, ...)."""
     import uvicorn
     from lorafleet.worker.app import create_apps
 
@@ -89,7 +90,20 @@ async def serve(settings: WorkerSettings, log_level: str = "info", admin_host: s
         servers.append(uvicorn.Server(uvicorn.Config(
             admin, host=admin_host or settings.host, port=settings.admin_port, log_level=log_level, lifespan="off",
         )))
-    await asyncio.gather(*(s.serve() for s in servers))
+    runtime = public.state.runtime
+
+    async def exit_if_engine_fails() -> None:
+        while runtime.error is None:
+            await asyncio.sleep(0.2)
+        for server in servers:
+            server.should_exit = True
+
+    watcher = asyncio.create_task(exit_if_engine_fails())
+    try:
+        await asyncio.gather(*(s.serve() for s in servers))
+    finally:
+        watcher.cancel()
+    return 1 if runtime.error is not None else 0
 
 
 def main(argv: list[str]) -> int:
@@ -106,7 +120,7 @@ def main(argv: list[str]) -> int:
     if settings.adapter_root is None:
         log.warning("no --adapter-root: runtime adapter loads are refused")
     try:
-        asyncio.run(serve(settings, args.log_level, args.admin_host))
+        return asyncio.run(serve(settings, args.log_level, args.admin_host))
     except (OSError, ValueError) as exc:  # port taken, unreadable token file, ...
         print(f"lorafleet worker: {exc}", file=sys.stderr)
         return 1
