@@ -1,0 +1,573 @@
+"""`lorafleet up`: a whole fleet on this machine, no cluster and no GPU needed.
+
+    demo assets (made once, cached) ─┐
+    worker 0, worker 1 (child processes, each its own process group, loopback ports)
+    router (in this process, port 8000)  ←── clients (OpenAI API)
+    control loop (in this process): the operator's reconciler and placement `plan()` over the
+        workers' admin API, fed by `lorafleet adapters apply`, publishing to the placement store
+    placement store: Redis when one answers, else in-process (shared by router and control loop)
+
+Ctrl-C or SIGTERM stops the router, then every worker's process group (SIGTERM, then SIGKILL after a
+grace period); workers also die with this process if it is killed outright (Linux PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from lorafleet import process_group
+from lorafleet.process_group import Child
+from lorafleet.run_dir import DEFAULT_RUN_DIR, FleetState, RunDir, WorkerEntry
+
+log = logging.getLogger("lorafleet.up")
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+SERVED_NAME = "tiny-llama"
+POOL = "local"
+
+
+class FleetError(RuntimeError):
+    """A start-up problem the user can fix; printed without a traceback."""
+
+
+@dataclass(frozen=True, slots=True)
+class UpOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    workers: int = 2
+    device: str = "cpu"
+    assets: Path = field(default_factory=lambda: default_assets_dir())
+    run_dir: Path = DEFAULT_RUN_DIR
+    redis_url: str | None = DEFAULT_REDIS_URL  # None: embedded state without trying Redis
+    worker_port: int | None = None  # first worker port; None: free ports picked by the OS
+    max_loras: int = 8
+    max_cpu_loras: int = 32
+    max_lora_rank: int = 64
+    ready_timeout_s: float = 180.0
+    log_level: str = "warning"
+
+
+def default_assets_dir() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "lorafleet" / "demo-assets"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = UpOptions()
+    p = argparse.ArgumentParser(prog="lorafleet up", description="Start a local fleet: the router, CPU workers "
+                                "and a tiny demo model with LoRA adapters. Ctrl-C stops everything.")
+    p.add_argument("--port", type=int, default=d.port, help="router port (default 8000)")
+    p.add_argument("--host", default=d.host, help="bind address of the router and workers (default 127.0.0.1)")
+    p.add_argument("--workers", type=int, default=d.workers, help="worker processes (default 2)")
+    p.add_argument("--device", default=d.device, help="cpu (default) or cuda: workers spread over the visible GPUs")
+    p.add_argument("--assets", type=Path, default=None,
+                   help=f"demo model and adapters; made here if absent (default {d.assets})")
+    p.add_argument("--run-dir", type=Path, default=d.run_dir,
+                   help="state, admin token, adapter volume and logs of this fleet (default .lorafleet)")
+    p.add_argument("--redis-url", default=d.redis_url,
+                   help=f"placement store when it answers (default {DEFAULT_REDIS_URL}); else embedded state")
+    p.add_argument("--no-redis", action="store_true", help="embedded in-process state even if Redis answers")
+    p.add_argument("--worker-port", type=int, default=None, help="first worker port (default: free ports)")
+    p.add_argument("--max-loras", type=int, default=d.max_loras, help="adapters per batch on each worker")
+    p.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras, help="adapters each worker holds")
+    p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank)
+    p.add_argument("--ready-timeout", type=float, default=d.ready_timeout_s, help="seconds to wait for the fleet")
+    p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def options_from_args(args: argparse.Namespace) -> UpOptions:
+    if args.workers < 1:
+        raise FleetError("--workers must be at least 1")
+    return UpOptions(
+        host=args.host, port=args.port, workers=args.workers, device=args.device,
+        assets=args.assets or default_assets_dir(), run_dir=args.run_dir,
+        redis_url=None if args.no_redis else args.redis_url, worker_port=args.worker_port,
+        max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank,
+        ready_timeout_s=args.ready_timeout, log_level=args.log_level,
+    )
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        options = options_from_args(args)
+        return asyncio.run(run(options))
+    except FleetError as exc:
+        print(f"lorafleet up: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # a second Ctrl-C during shutdown
+        return 130
+
+
+# ---- start-up checks ------------------------------------------------------------------------------
+
+
+def check_device(device: str, workers: int) -> list[str]:
+    """One device string per worker; CUDA only when asked for and present."""
+    if device == "cpu":
+        return ["cpu"] * workers
+    if not device.startswith("cuda"):
+        raise FleetError(f"--device {device!r}: use cpu or cuda")
+    try:
+        import torch
+    except ModuleNotFoundError:
+        raise FleetError("--device cuda needs torch with CUDA") from None
+    if not torch.cuda.is_available():
+        raise FleetError("--device cuda was asked for but no CUDA device is visible (torch.cuda.is_available() is False)")
+    if ":" in device:
+        return [device] * workers
+    count = torch.cuda.device_count()
+    return [f"cuda:{i % count}" for i in range(workers)]
+
+
+def check_not_running(run_dir: RunDir) -> None:
+    with contextlib.suppress(Exception):
+        state = run_dir.read_state()
+        if state.pid != os.getpid() and process_group.pid_alive(state.pid):
+            raise FleetError(f"a local fleet is already running from {run_dir.root} (pid {state.pid}, "
+                             f"router {state.router_url}); stop it, or use another --run-dir")
+
+
+def pick_worker_ports(options: UpOptions) -> list[int]:
+    if options.worker_port is None:
+        ports: list[int] = []
+        while len(ports) < options.workers:
+            port = process_group.free_port(options.host)
+            if port not in ports and port != options.port:
+                ports.append(port)
+        return ports
+    return [options.worker_port + i for i in range(options.workers)]
+
+
+def check_ports(host: str, router_port: int, worker_ports: list[int]) -> None:
+    if process_group.port_taken(host, router_port):
+        raise FleetError(f"port {router_port} on {host} is taken (another `lorafleet up`, a vLLM server?); "
+                         f"pick another with --port, e.g. `lorafleet up --port {router_port + 100}`")
+    taken = [p for p in worker_ports if process_group.port_taken(host, p)]
+    if taken:
+        raise FleetError(f"worker port(s) {', '.join(map(str, taken))} on {host} are taken; "
+                         "pick another --worker-port, or leave it out to use free ports")
+
+
+def ensure_assets(folder: Path) -> Path:
+    """The demo model and adapters, made once (a few seconds) with a progress bar."""
+    if (folder / ".complete").exists():
+        return folder
+    from lorafleet.worker.demo_assets import DEMO_ADAPTERS, make_demo_assets
+
+    steps = 2 + len(DEMO_ADAPTERS)
+    print(f"Making the demo model and adapters in {folder} (first run only)...", file=sys.stderr)
+    bar = ProgressBar(steps)
+    make_demo_assets(folder, bar.step)
+    bar.done()
+    return folder
+
+
+@dataclass(slots=True)
+class ProgressBar:
+    total: int
+    width: int = 30
+    count: int = 0
+    tty: bool = field(default_factory=lambda: sys.stderr.isatty())
+
+    def step(self, label: str) -> None:
+        self.count += 1
+        filled = self.width * self.count // self.total
+        line = f"[{'#' * filled}{'.' * (self.width - filled)}] {self.count}/{self.total} {label}"
+        print(f"\r{line:<70}" if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        if self.tty:
+            print(file=sys.stderr)
+
+
+def seed_adapter_volume(assets: Path, volume: Path) -> list[str]:
+    """Copy the demo adapters onto the local adapter volume (the workers' --adapter-root)."""
+    names = []
+    for src in sorted((assets / "adapters").iterdir()):
+        if src.is_dir():
+            dst = volume / src.name
+            if not dst.exists():
+                shutil.copytree(src, dst)
+            names.append(src.name)
+    return names
+
+
+def detect_store(redis_url: str | None) -> str | None:
+    """`redis_url` if a Redis answers PING there within half a second, else None (embedded state)."""
+    if not redis_url:
+        return None
+    try:
+        import redis
+    except ModuleNotFoundError:
+        return None
+    client = redis.Redis.from_url(redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    try:
+        return redis_url if client.ping() else None
+    except (redis.RedisError, OSError):
+        return None
+    finally:
+        client.close()
+
+
+def clear_redis_prefix(redis_url: str, prefix: str) -> None:
+    """Remove this fleet's keys (the catalog has no TTL; a stale one would outlive the fleet)."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    try:
+        keys = list(client.scan_iter(match=f"{prefix}:*", count=500))
+        if keys:
+            client.delete(*keys)
+    except (redis.RedisError, OSError) as exc:
+        log.warning("could not clear %s:* in Redis: %s", prefix, exc)
+    finally:
+        client.close()
+
+
+# ---- the fleet ------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class WorkerProc:
+    name: str  # host:port, the replica name the router derives from the URL
+    url: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    child: Child | None = None
+    restarts: int = 0
+    ready: bool = False
+
+    def start(self) -> None:
+        self.child = process_group.spawn(self.name, self.argv, self.log_path, self.env)
+        self.ready = False
+
+
+def worker_argv(options: UpOptions, run_dir: RunDir, model: Path, port: int, device: str) -> list[str]:
+    return [
+        sys.executable, "-m", "lorafleet", "worker",
+        "--model", str(model), "--served-model-name", SERVED_NAME,
+        "--host", options.host, "--port", str(port),
+        "--adapter-root", str(run_dir.adapters), "--admin-token-file", str(run_dir.token_file),
+        "--max-loras", str(options.max_loras), "--max-cpu-loras", str(options.max_cpu_loras),
+        "--max-lora-rank", str(options.max_lora_rank), "--device", device,
+        "--log-level", "info" if options.log_level == "debug" else "warning",
+    ]
+
+
+def worker_env(workers: int) -> dict[str, str]:
+    env = dict(os.environ)
+    # CPU workers share the cores instead of each starting one thread per core.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+async def wait_ready(workers: list[WorkerProc], http: httpx.AsyncClient, stopped: asyncio.Event, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(w.ready for w in workers):
+        if stopped.is_set():
+            return
+        for w in workers:
+            assert w.child is not None
+            if not w.child.alive():
+                raise FleetError(f"worker {w.name} exited with code {w.child.process.returncode} while starting; "
+                                 f"last lines of {w.log_path}:\n{w.child.log_tail()}")
+            if not w.ready:
+                with contextlib.suppress(httpx.HTTPError):
+                    w.ready = (await http.get(f"{w.url}/ready", timeout=1.0)).status_code == 200
+        if time.monotonic() > deadline:
+            late = ", ".join(w.name for w in workers if not w.ready)
+            raise FleetError(f"workers not ready after {timeout_s:g}s: {late}; see {workers[0].log_path.parent}")
+        await asyncio.sleep(0.2)
+
+
+class _RouterServer:
+    """uvicorn in this event loop, with our signal handling (uvicorn would take SIGINT/SIGTERM)."""
+
+    def __init__(self, app, host: str, port: int, log_level: str) -> None:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):  # noqa: ANN202 - uvicorn's hook
+                yield
+
+        self.server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False))
+        self.task: asyncio.Task | None = None
+
+    async def start(self, timeout_s: float = 30.0) -> None:
+        self.task = asyncio.create_task(self.server.serve())
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if self.task.done() or time.monotonic() > deadline:
+                raise FleetError("the router did not start (is its port taken?)")
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        if self.task is None:
+            return
+        self.server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self.task), 10.0)
+        except (asyncio.TimeoutError, Exception, SystemExit):
+            self.server.force_exit = True
+            self.task.cancel()
+            with contextlib.suppress(BaseException):
+                await self.task
+
+
+def admin_token_hook(token: str) -> Callable[[httpx.Request], object]:
+    """Adds the admin token to the router's inventory polls (see `start_router`)."""
+
+    async def hook(request: httpx.Request) -> None:
+        if request.url.path == "/v1/adapters" and "authorization" not in request.headers:
+            request.headers["Authorization"] = f"Bearer {token}"
+
+    return hook
+
+
+async def run(options: UpOptions) -> int:
+    stopped = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stopped.set)
+
+    run_dir = RunDir(options.run_dir.resolve())
+    check_not_running(run_dir)
+    devices = check_device(options.device, options.workers)
+    worker_ports = pick_worker_ports(options)
+    check_ports(options.host, options.port, worker_ports)
+    assets = await asyncio.to_thread(ensure_assets, options.assets.resolve())
+    if stopped.is_set():
+        return 130
+    run_dir.create()
+    run_dir.clear_runtime()
+    demo = seed_adapter_volume(assets, run_dir.adapters)
+    token = run_dir.new_token()
+
+    env = worker_env(options.workers)
+    workers = [
+        WorkerProc(f"{options.host}:{port}", f"http://{options.host}:{port}",
+                   worker_argv(options, run_dir, assets / "model", port, devices[i]), env, run_dir.logs / f"worker-{i}.log")
+        for i, port in enumerate(worker_ports)
+    ]
+    redis_url = detect_store(options.redis_url)
+    prefix = f"lorafleet-local:{options.port}"
+    fleet = _Fleet(options, run_dir, workers, token, redis_url, prefix, demo)
+    try:
+        return await fleet.serve(stopped)
+    finally:
+        await fleet.shutdown()
+
+
+@dataclass(slots=True)
+class _Fleet:
+    options: UpOptions
+    run_dir: RunDir
+    workers: list[WorkerProc]
+    token: str
+    redis_url: str | None
+    prefix: str
+    demo: list[str]
+    router: _RouterServer | None = None
+    controller: object | None = None
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    http: httpx.AsyncClient | None = None
+    store: object | None = None
+
+    async def serve(self, stopped: asyncio.Event) -> int:
+        from lorafleet.local_controller import NAMESPACE, LocalController, LocalPoolReconciler
+        from lorafleet.operator.reconciler import PodState
+        from lorafleet.operator.spec import EngineSpec, PoolSpec
+        from lorafleet.operator.worker_client import WorkerClient
+        from lorafleet.placement_store import MemoryPlacementStore, RedisPlacementStore
+
+        o = self.options
+        if self.redis_url:
+            await asyncio.to_thread(clear_redis_prefix, self.redis_url, self.prefix)
+        self.http = httpx.AsyncClient()
+        for w in self.workers:
+            w.start()
+        print(f"Starting {len(self.workers)} workers ({o.device}) and the router; logs in {self.run_dir.logs}",
+              file=sys.stderr)
+        await wait_ready(self.workers, self.http, stopped, o.ready_timeout_s)
+        if stopped.is_set():
+            return 130
+
+        # The placement store: Redis shared by router and control loop, or one in-process object.
+        memory = None
+        if self.redis_url:
+            self.store = RedisPlacementStore.from_url(self.redis_url, self.prefix)
+        else:
+            memory = self.store = MemoryPlacementStore()
+        pool = PoolSpec(
+            namespace=NAMESPACE, name=POOL, image="local", model_path=str(o.assets / "model"), served_name=SERVED_NAME,
+            replicas=len(self.workers),
+            engine=EngineSpec(max_loras=o.max_loras, max_cpu_loras=o.max_cpu_loras, max_lora_rank=o.max_lora_rank,
+                              device=o.device),
+            adapter_mount=str(self.run_dir.adapters),
+        )
+        reconciler = LocalPoolReconciler(NAMESPACE, POOL, WorkerClient.create(), None, self.store,
+                                         LocalController.settings(), urls={w.name: w.url for w in self.workers})
+        reconciler.set_pool(pool, self.token)
+        for w in self.workers:
+            reconciler.observe_pod(PodState(w.name, o.host, ready=True, draining=False))
+        for name in self.demo:
+            self.run_dir.write_desired(name, {"pool": POOL, "source": name, "replicas": {"min": 1, "max": 2}}, 1)
+        controller = self.controller = LocalController(reconciler, self.run_dir)
+        self.tasks.append(asyncio.create_task(controller.run(stopped)))
+        self.tasks.append(asyncio.create_task(self.watch_workers(reconciler, stopped)))
+
+        await self.start_router(memory)
+        await self.wait_placed(controller, stopped)
+        if stopped.is_set():
+            return 130
+        self.run_dir.write_state(FleetState(
+            pid=os.getpid(), router_url=self.router_url, model=SERVED_NAME, pool=POOL, device=o.device,
+            store=self.redis_url or "embedded", adapter_root=str(self.run_dir.adapters),
+            workers=tuple(WorkerEntry(w.name, w.url, w.child.pid if w.child else 0, str(w.log_path)) for w in self.workers),
+        ))
+        print(banner(self, controller.placement()), flush=True)
+        await stopped.wait()
+        print("\nStopping the local fleet...", file=sys.stderr, flush=True)
+        return 0
+
+    @property
+    def router_url(self) -> str:
+        return f"http://{self.options.host}:{self.options.port}"
+
+    async def start_router(self, memory) -> None:
+        from lorafleet.router.api import create_app
+        from lorafleet.router.settings import RouterSettings
+
+        o = self.options
+        settings = RouterSettings(
+            host=o.host, port=o.port, workers=tuple(w.url for w in self.workers),
+            redis_url=self.redis_url, redis_prefix=self.prefix,
+            lora_modules={n: str(self.run_dir.adapters / n) for n in self.demo},
+            admin_token=self.token, poll_interval_s=1.0,
+        )
+        app = create_app(settings, store=memory)
+        self.router = _RouterServer(app, o.host, o.port, o.log_level)
+        await self.router.start()
+        # Workaround: the router polls each worker's GET /v1/adapters without the admin token, which the
+        # worker requires there; add it to those requests only (the router's client talks to workers only).
+        http = app.state.gateway.http
+        http.event_hooks = {**http.event_hooks, "request": [*http.event_hooks.get("request", []), admin_token_hook(self.token)]}
+
+    async def wait_placed(self, controller, stopped: asyncio.Event) -> None:
+        """Until every demo adapter is Ready and the router routes to the workers."""
+        assert self.http is not None
+        deadline = time.monotonic() + self.options.ready_timeout_s
+        while not stopped.is_set():
+            phases = controller.phases()
+            placed = bool(phases) and all(phases.get(n) == "Ready" for n in self.demo)
+            router_ok = False
+            if placed:
+                with contextlib.suppress(httpx.HTTPError):
+                    router_ok = (await self.http.get(f"{self.router_url}/ready", timeout=1.0)).status_code == 200
+            if placed and router_ok:
+                return
+            if time.monotonic() > deadline:
+                raise FleetError(f"adapters not placed after {self.options.ready_timeout_s:g}s: {phases}")
+            await asyncio.sleep(0.2)
+
+    async def watch_workers(self, reconciler, stopped: asyncio.Event) -> None:
+        """Restart a worker that dies (a few times); the reconciler reloads its adapters (drift repair)."""
+        from lorafleet.operator.reconciler import PodState
+
+        assert self.http is not None
+        while not stopped.is_set():
+            for w in self.workers:
+                if w.child is None or stopped.is_set():
+                    continue
+                if not w.child.alive():
+                    reconciler.remove_pod(w.name)
+                    if w.restarts >= 3:
+                        log.error("worker %s exited again (code %s); giving up on it. Last log lines:\n%s",
+                                  w.name, w.child.process.returncode, w.child.log_tail())
+                        w.child = None
+                        continue
+                    log.warning("worker %s exited (code %s); restarting it", w.name, w.child.process.returncode)
+                    w.restarts += 1
+                    w.start()
+                    continue
+                if not w.ready:
+                    with contextlib.suppress(httpx.HTTPError):
+                        if (await self.http.get(f"{w.url}/ready", timeout=1.0)).status_code == 200:
+                            w.ready = True
+                            reconciler.observe_pod(PodState(w.name, self.options.host, ready=True, draining=False))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stopped.wait(), 0.5)
+
+    async def shutdown(self) -> None:
+        """Router first (no new requests), then the control loop, then every worker's process group."""
+        if self.router is not None:
+            await self.router.stop()
+        for task in self.tasks:
+            task.cancel()
+        for task in self.tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        await asyncio.to_thread(process_group.stop, [w.child for w in self.workers if w.child is not None])
+        if self.controller is not None:
+            with contextlib.suppress(Exception):
+                await self.controller.reconciler.workers.close()
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                await self.store.close()
+        if self.http is not None:
+            await self.http.aclose()
+        if self.redis_url:
+            await asyncio.to_thread(clear_redis_prefix, self.redis_url, self.prefix)
+        self.run_dir.state_file.unlink(missing_ok=True)
+
+
+def banner(fleet: _Fleet, placement: dict[str, list[str]]) -> str:
+    url = fleet.router_url
+    names = sorted(placement)
+    first = "sql" if "sql" in names else (names[0] if names else SERVED_NAME)
+    lines = [
+        "",
+        f"lorafleet local fleet is up: router {url}/v1 (OpenAI API), {len(fleet.workers)} workers "
+        f"({fleet.options.device}), state: {fleet.redis_url or 'embedded (no Redis answered)'}",
+        "",
+        f"  router    {url}/v1    metrics {url}/metrics",
+    ]
+    for w in fleet.workers:
+        held = sorted(n for n, pods in placement.items() if w.name in pods)
+        lines.append(f"  worker    {w.url}    adapters: {', '.join(held) or '-'}")
+    lines += [
+        f"  base model {SERVED_NAME}; adapters {', '.join(names)}",
+        "",
+        "Try it:",
+        f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\",
+        f"    -d '{{\"model\": \"{first}\", \"prompt\": \"SELECT name FROM\", \"max_tokens\": 16, \"temperature\": 0}}'",
+        "",
+        "  from openai import OpenAI",
+        f"  client = OpenAI(base_url=\"{url}/v1\", api_key=\"local\")",
+        f"  out = client.completions.create(model=\"{first}\", prompt=\"Hello\", max_tokens=16, temperature=0)",
+        "  print(out.choices[0].text)",
+        "",
+        f"More adapters: put a PEFT folder in {fleet.run_dir.adapters}/ and run",
+        "  lorafleet adapters apply -f adapter.yaml     (LoraAdapter manifests, as for kubectl)",
+        "",
+        "Press Ctrl-C to stop.",
+    ]
+    return "\n".join(lines)
