@@ -12,8 +12,10 @@ loop (`lorafleet up`, the operator's reconciler) places and loads it and reports
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +116,10 @@ def apply(run_dir: RunDir, filenames: list[str], wait_s: float) -> int:
             applied[manifest.name] = generation
             print(f"loraadapter.lorafleet.dev/{manifest.name} {verb}")
     if applied and wait_s > 0:
-        failed = not wait_ready(run_dir, applied, wait_s) or failed
+        ready = wait_ready(run_dir, applied, wait_s)
+        failed = failed or ready != set(applied)
+        if ready:
+            failed = not wait_routable(run_dir.read_state().router_url, ready, wait_s) or failed
     return 1 if failed else 0
 
 
@@ -126,11 +131,11 @@ def check_source(run_dir: RunDir, source: str) -> None:
                             f"(copy the folder holding adapter_config.json there)")
 
 
-def wait_ready(run_dir: RunDir, applied: dict[str, int], wait_s: float) -> bool:
-    """True when every applied adapter is Ready at its generation; prints failures and timeouts."""
+def wait_ready(run_dir: RunDir, applied: dict[str, int], wait_s: float) -> set[str]:
+    """The applied adapters that became Ready at their generation; prints failures and timeouts."""
     deadline = time.monotonic() + wait_s
     pending = dict(applied)
-    ok = True
+    ready: set[str] = set()
     while pending:
         statuses = run_dir.read_status()
         for name, generation in list(pending.items()):
@@ -143,19 +148,38 @@ def wait_ready(run_dir: RunDir, applied: dict[str, int], wait_s: float) -> bool:
                 print(f"loraadapter.lorafleet.dev/{name} Ready ({status.get('readyReplicas', 0)}/"
                       f"{status.get('desiredReplicas', 0)} replicas)")
                 del pending[name]
+                ready.add(name)
             elif phase == "Failed":
                 print(f"error: loraadapter.lorafleet.dev/{name} Failed: {failure_message(status)}", file=sys.stderr)
                 del pending[name]
-                ok = False
         if pending and time.monotonic() > deadline:
             for name in pending:
                 phase = ((run_dir.read_status().get(name) or {}).get("status") or {}).get("phase", "Pending")
                 print(f"error: loraadapter.lorafleet.dev/{name} not Ready after {wait_s:g}s (phase {phase}); "
                       "see `lorafleet adapters get`", file=sys.stderr)
-            return False
+            return ready
         if pending:
             time.sleep(0.2)
-    return ok
+    return ready
+
+
+def wait_routable(router_url: str, names: set[str], wait_s: float) -> bool:
+    """Until the router lists every adapter (it learns placements on its next poll, within a second)."""
+    deadline = time.monotonic() + wait_s
+    listed: set[str] = set()
+    while True:
+        try:
+            with urllib.request.urlopen(f"{router_url}/v1/models", timeout=2.0) as response:
+                listed = {m["id"] for m in json.load(response)["data"]}
+        except (OSError, ValueError, KeyError):
+            pass
+        if names <= listed:
+            return True
+        if time.monotonic() > deadline:
+            print(f"error: the router at {router_url} does not list {', '.join(sorted(names - listed))} "
+                  f"after {wait_s:g}s", file=sys.stderr)
+            return False
+        time.sleep(0.2)
 
 
 def failure_message(status: dict[str, Any]) -> str:
