@@ -125,3 +125,15 @@ def test_dashboard_uses_only_exported_metrics() -> None:
     titles = " ".join(p["title"].lower() for p in dashboard["panels"])
     for topic in ("residency", "hits", "time to first token", "deferred", "cold loads"):
         assert topic in titles, f"dashboard lacks a {topic!r} panel"
+
+
+@pytest.mark.parametrize("dockerfile", ["worker.Dockerfile", "control-plane.Dockerfile"])
+def test_dockerfiles_copy_every_package_folder(dockerfile: str) -> None:
+    """setup.py maps `lorafleet.*` onto top-level folders; an image missing one fails to install."""
+    text = (ROOT / "docker" / dockerfile).read_text()
+    folders = set(re.findall(r'"lorafleet(?:\.\w+)?": "(\w+)"', (ROOT / "setup.py").read_text()))
+    copied = set(re.findall(r"^COPY (\w+) \./\1$", text, re.M))
+    assert folders and folders <= copied, f"{dockerfile} does not COPY {sorted(folders - copied)}"
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    repo = values["image"]["worker" if dockerfile.startswith("worker") else "controlPlane"]["repository"]
+    assert f"-t {repo}:" in text, f"{dockerfile}'s build line should tag {repo}"
