@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from lorafleet.worker.config import EngineConfig, ModelConfig
 from lorafleet.worker.engine import LLMEngine
 from lorafleet.worker.lora.adapter import LoraWeights, ModuleWeights
@@ -40,11 +41,11 @@ def random_weights(config: ModelConfig, device: str):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
 
     def rnd(*shape):
-        return (torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=g) * 0.02)
+        return torch.randn(*shape, device=device, dtype=dtype, generator=g) * 0.02
 
     h, i, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
     yield "model.embed_tokens.weight", rnd(config.vocab_size, h)
-    yield "model.norm.weight", torch.ones(h, device=device, dtype=torch.bfloat16)
+    yield "model.norm.weight", torch.ones(h, device=device, dtype=dtype)
     yield "lm_head.weight", rnd(config.vocab_size, h)
     for layer in range(config.num_layers):
         p = f"model.layers.{layer}."
@@ -52,8 +53,8 @@ def random_weights(config: ModelConfig, device: str):
                             ("self_attn.o_proj", (h, q)), ("mlp.gate_proj", (i, h)), ("mlp.up_proj", (i, h)),
                             ("mlp.down_proj", (h, i))):
             yield p + name + ".weight", rnd(*shape)
-        yield p + "input_layernorm.weight", torch.ones(h, device=device, dtype=torch.bfloat16)
-        yield p + "post_attention_layernorm.weight", torch.ones(h, device=device, dtype=torch.bfloat16)
+        yield p + "input_layernorm.weight", torch.ones(h, device=device, dtype=dtype)
+        yield p + "post_attention_layernorm.weight", torch.ones(h, device=device, dtype=dtype)
 
 
 def random_adapter(config: ModelConfig, rank: int, seed: int) -> LoraWeights:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from lorafleet.worker.config import EngineConfig
 from lorafleet.worker.demo_assets import DEMO_ADAPTERS, make_demo_assets
 from lorafleet.worker.engine import LLMEngine

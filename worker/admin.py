@@ -19,6 +19,7 @@ import os
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Request
+
 from lorafleet.protocol import AdapterInfo, AdapterInventory, LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from lorafleet.worker.errors import ApiError, from_engine
 from lorafleet.worker.lora.adapter import AdapterError, LoraWeights

@@ -6,6 +6,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
 from lorafleet.worker import openai_protocol as oai
 from lorafleet.worker.engine import RequestOutput
 from lorafleet.worker.errors import ApiError, error_response, from_engine
@@ -19,7 +21,6 @@ from lorafleet.worker.serving import (
     streaming_response,
     submit_all,
 )
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 
 def get_runtime(request: Request) -> WorkerRuntime:
@@ -55,7 +56,7 @@ async def ready(runtime: Runtime) -> Response:
 async def metrics(runtime: Runtime) -> Response:
     if runtime.engine is not None and runtime.engine.alive:
         engine = runtime.engine
-        snap = await engine.call(take_snapshot, engine.engine, runtime.load_cursor)
+        snap = await engine.call(take_snapshot, engine.engine)
         runtime.metrics.update(snap)
     return Response(generate_latest(runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -14,13 +14,14 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from lorafleet.worker.admin import router as admin_router
 from lorafleet.worker.api import probes
 from lorafleet.worker.api import router as public_router
 from lorafleet.worker.errors import ApiError, error_response
 from lorafleet.worker.runtime import WorkerRuntime
 from lorafleet.worker.settings import WorkerSettings
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("lorafleet.worker")
 

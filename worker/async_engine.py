@@ -271,7 +271,7 @@ class AsyncEngine:
             return
         registry.insert_cpu(name, weights)
         registry.stats.cpu_misses += 1
-        registry.stats.load_seconds["disk"].append(time.perf_counter() - t0)
+        registry.stats.record_load("disk", time.perf_counter() - t0)
 
 
 def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:

@@ -82,6 +82,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
 async def serve(settings: WorkerSettings, log_level: str = "info", admin_host: str | None = None) -> int:
     """Serve until stopped; 1 if the engine failed to start (a wrong --lora-modules path, ...)."""
     import uvicorn
+
     from lorafleet.worker.app import create_apps
 
     public, admin = create_apps(settings)

@@ -6,6 +6,7 @@ Bad input is never a 500: request and adapter errors map to 4xx here; only a rea
 from __future__ import annotations
 
 from fastapi.responses import JSONResponse
+
 from lorafleet.protocol import ErrorResponse
 from lorafleet.worker.engine import RequestError
 from lorafleet.worker.lora.adapter import AdapterError

@@ -11,8 +11,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from lorafleet.worker.engine import LLMEngine
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from lorafleet.worker.engine import LLMEngine
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
@@ -36,14 +37,7 @@ class EngineSnapshot:
     new_load_seconds: dict[str, list[float]] = field(default_factory=dict)  # tier -> since last snapshot
 
 
-class LoadCursor:
-    """Remembers how many load timings of each tier were already exported (engine thread only)."""
-
-    def __init__(self) -> None:
-        self.seen: dict[str, int] = {}
-
-
-def take_snapshot(engine: LLMEngine, cursor: LoadCursor) -> EngineSnapshot:
+def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
     """Call on the engine thread."""
     sched, registry = engine.scheduler, engine.registry
     reasons = {"capacity": 0, "deferred": 0, "loading": 0}
@@ -57,9 +51,9 @@ def take_snapshot(engine: LLMEngine, cursor: LoadCursor) -> EngineSnapshot:
     stats = registry.stats
     new_loads: dict[str, list[float]] = {}
     for tier, seconds in stats.load_seconds.items():
-        start = cursor.seen.get(tier, 0)
-        new_loads[tier] = list(seconds[start:])
-        cursor.seen[tier] = len(seconds)
+        # Drain: the registry keeps only what no scrape has taken yet (bounded there too).
+        new_loads[tier] = list(seconds)
+        seconds.clear()
     return EngineSnapshot(
         running=len(sched.running),
         waiting=len(sched.waiting),

@@ -7,10 +7,11 @@ import time
 import uuid
 from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from lorafleet.protocol import LoraAdapterRef
 from lorafleet.worker.sampling import TokenLogprobs
 from lorafleet.worker.sequence import SamplingParams
-from pydantic import BaseModel, ConfigDict, Field
 
 
 class UnsupportedField(ValueError):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from lorafleet.worker.async_engine import AsyncEngine
 from lorafleet.worker.auth import AdminToken
 from lorafleet.worker.errors import ApiError
-from lorafleet.worker.metrics import LoadCursor, WorkerMetrics
+from lorafleet.worker.metrics import WorkerMetrics
 from lorafleet.worker.settings import WorkerSettings
 
 log = logging.getLogger("lorafleet.worker")
@@ -25,7 +25,6 @@ class WorkerRuntime:
     admin_token: AdminToken
     engine: AsyncEngine | None = None
     error: str | None = None  # why the engine failed to start
-    load_cursor: LoadCursor = field(default_factory=LoadCursor)
     loads: dict[tuple[str, str], asyncio.Task] = field(default_factory=dict)  # single flight per (name, path)
     _task: asyncio.Task | None = None
 

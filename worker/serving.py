@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+
 from lorafleet.protocol import LoraAdapterRef
 from lorafleet.worker.async_engine import AsyncEngine, RequestStream
 from lorafleet.worker.engine import RequestOutput

@@ -7,6 +7,7 @@ import asyncio
 import threading
 
 import pytest
+
 from lorafleet.worker.async_engine import AsyncEngine, EngineFailure
 from lorafleet.worker.config import EngineConfig
 from lorafleet.worker.engine import LLMEngine, RequestError

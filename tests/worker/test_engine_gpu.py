@@ -21,8 +21,7 @@ pytestmark = [
 ]
 pytest.importorskip("peft")
 
-from .peft_oracle import load_hf_base  # noqa: E402
-from .peft_oracle import run_engine_with_logits  # noqa: E402
+from .peft_oracle import load_hf_base, run_engine_with_logits  # noqa: E402
 from .test_engine_oracle import REQUESTS, check_against_oracle  # noqa: E402
 
 

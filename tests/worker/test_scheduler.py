@@ -81,7 +81,7 @@ def test_no_adapter_starves_under_an_adversarial_stream():
     s.add(seq("a", max_tokens=3))
     s.add(seq("b", max_tokens=3))
     s.add(victim)
-    for step in range(60):
+    for step in range(60):  # noqa: B007 - read after the loop
         s.add(seq("a", max_tokens=3))
         s.add(seq("b", max_tokens=3))
         s.add(seq("", max_tokens=3))

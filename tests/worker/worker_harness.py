@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 from fastapi import FastAPI
+
 from lorafleet.worker.app import create_apps
 from lorafleet.worker.config import EngineConfig
 from lorafleet.worker.settings import WorkerSettings

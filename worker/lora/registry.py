@@ -50,7 +50,14 @@ class TierStats:
     gpu_misses: int = 0  # had to copy CPU -> GPU
     cpu_evictions: int = 0
     gpu_evictions: int = 0
+    # Load latencies not yet taken by a metrics scrape; capped so an unscraped worker stays bounded.
     load_seconds: dict[str, list[float]] = field(default_factory=lambda: {"disk": [], "cpu": []})
+
+    def record_load(self, tier: str, seconds: float, cap: int = 4096) -> None:
+        samples = self.load_seconds.setdefault(tier, [])
+        samples.append(seconds)
+        if len(samples) > cap:
+            del samples[: len(samples) - cap]
 
 
 class AdapterRegistry:
@@ -170,7 +177,7 @@ class AdapterRegistry:
         if weights.digest != entry.digest:
             raise AdapterConflict("changed_on_disk", f"adapter {name!r} changed on disk since it was loaded; reload it")
         self.insert_cpu(name, weights)
-        self.stats.load_seconds["disk"].append(time.perf_counter() - t0)
+        self.stats.record_load("disk", time.perf_counter() - t0)
         return weights
 
     def _evict_cpu(self, keep: str) -> None:
@@ -241,20 +248,20 @@ class AdapterRegistry:
         t0 = time.perf_counter()
         if self.slots is not None:
             self.slots.fill(slot, weights)
-        self.stats.load_seconds["cpu"].append(time.perf_counter() - t0)
+        self.stats.record_load("cpu", time.perf_counter() - t0)
         self._slot_owner[slot] = name
         entry.slot = slot
         self._gpu_lru[name] = None
         return slot
 
-    def _vacate(self, slot: int) -> None:
+    def _vacate(self, slot: int, evicted: bool = True) -> None:
         owner = self._slot_owner[slot]
         if owner is None:
             return
         self.entries[owner].slot = None
         self._gpu_lru.pop(owner, None)
         self._slot_owner[slot] = None
-        self.stats.gpu_evictions += 1
+        self.stats.gpu_evictions += int(evicted)
         if self.slots is not None:
             self.slots.clear(slot)
 
@@ -264,8 +271,7 @@ class AdapterRegistry:
     def _drop(self, name: str) -> None:
         entry = self.entries[name]
         if entry.slot is not None:
-            self._vacate(entry.slot)
-            self.stats.gpu_evictions -= 1  # an unload, not an eviction
+            self._vacate(entry.slot, evicted=False)  # an unload, not an eviction
         del self.entries[name]
         self.cpu.pop(name, None)
 

@@ -8,9 +8,8 @@ that first uses the slot waits on its event, so a prefetch overlaps the running 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 
