@@ -25,6 +25,15 @@ EXAMPLE = REPO / "examples" / "adapters.yaml"
 PROMPT = "SELECT name FROM"
 
 
+def readme_run_command() -> list[str]:
+    """The `lorafleet up` part of the README's run command (the first bash block of the quick start)."""
+    text = (REPO / "README.md").read_text()
+    block = text.split("## Quick start", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    last = block.strip().split("&&")[-1].split()
+    assert last[:2] == ["lorafleet", "up"], block
+    return last[1:]
+
+
 def lorafleet_cmd() -> list[str]:
     exe = shutil.which("lorafleet")
     return [exe] if exe else [sys.executable, "-m", "lorafleet"]
@@ -72,7 +81,7 @@ class Fleet:
 def start_fleet(cwd: Path, port: int, assets: Path, *extra: str) -> Fleet:
     # The README's run command, on a free port; the demo assets come from the session fixture.
     process = subprocess.Popen(
-        [*lorafleet_cmd(), "up", "--port", str(port), "--assets", str(assets), *extra],
+        [*lorafleet_cmd(), *readme_run_command(), "--port", str(port), "--assets", str(assets), *extra],
         cwd=cwd, stdout=subprocess.PIPE, stderr=open(cwd / "up.stderr", "w"), text=True,
         start_new_session=True,
     )
