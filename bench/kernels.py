@@ -237,12 +237,13 @@ def sweep(bandwidth: float, g: torch.Generator) -> list[dict]:
             num_chunks = adapters * -(-(tokens // adapters) // default_chunk_size(tokens))
             default = pick_config(num_chunks, n_slices, d_in, default_chunk_size(tokens))
             configs = {default}
-            for n_per_prog in (256, 512, 1024, 2048):
+            for n_per_prog in (128, 256, 512):
                 for block_n in (64, 128):
                     configs.add(replace(default, n_per_prog=n_per_prog, block_n=block_n))
             for split_k in (max(1, default.split_k // 2), default.split_k * 2):
                 configs.add(replace(default, split_k=split_k))
             configs.add(replace(default, expand_warps=8))
+            configs.add(replace(default, shrink_warps=2))
             case_rows = []
             for cfg in sorted(configs, key=lambda c: (c.split_k, c.n_per_prog, c.block_n, c.expand_warps)):
                 row = run_case(case, bandwidth, g, config=cfg)

@@ -51,11 +51,16 @@ class LoraKernelConfig:
 
 def pick_config(num_chunks: int, n_slices: int, in_features: int, chunk_size: int) -> LoraKernelConfig:
     """Aim the shrink at ~512 programs: split K finely when few chunks are active (decode with few
-    adapters), little when many are. Tuned on the H200 with bench/kernels.py --sweep."""
+    adapters), little when many are; likewise give each expand program fewer columns when few
+    chunks are active. Tuned on the H200 with `bench/kernels.py --sweep`."""
     block_k = 128 if chunk_size <= 16 else 64
     by_chunks = triton.next_power_of_2(max(1, -(-512 // max(1, num_chunks * n_slices))))
     split_k = max(1, min(-(-in_features // 512), by_chunks))
-    return LoraKernelConfig(split_k=split_k, block_k=block_k, block_n=128 if chunk_size <= 16 else 64)
+    n_per_prog = 128 if num_chunks <= 4 else 256 if num_chunks * n_slices < 256 else 512
+    block_n = 128 if chunk_size <= 16 else 64
+    return LoraKernelConfig(
+        split_k=split_k, block_k=block_k, block_n=block_n, n_per_prog=max(n_per_prog, block_n)
+    )
 
 
 def _interpreting() -> bool:
@@ -78,7 +83,6 @@ def _lora_shrink_kernel(
     # sizes
     K,
     K_PER_SPLIT,
-    R_MAX,
     # strides
     stride_xt,
     stride_as,
@@ -87,6 +91,7 @@ def _lora_shrink_kernel(
     stride_ps,
     stride_pm,
     # meta-parameters
+    R_MAX: tl.constexpr,
     R_PAD: tl.constexpr,
     R_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -166,7 +171,6 @@ def _lora_expand_kernel(
     OUT2,
     GROUPS0,
     GROUPS1,
-    R_MAX,
     SPLIT_K,
     # strides
     stride_yt,
@@ -174,6 +178,7 @@ def _lora_expand_kernel(
     stride_ps,
     stride_pm,
     # meta-parameters
+    R_MAX: tl.constexpr,
     R_PAD: tl.constexpr,
     R_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -222,15 +227,17 @@ def _lora_expand_kernel(
     m_mask = offs_m < end
     tok = tl.load(sorted_token_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
     scale = tl.load(sorted_scale_ptr + offs_m, mask=m_mask, other=0.0)
-    # Masked past the true rank: neither the partials nor B's padding columns are read.
+    # Loads stop at the true rank rounded up to 8 (16 bytes, one vector): B's padding columns past
+    # that are never read; the few inside it (odd ranks) share the sector and are zeroed below.
     offs_r = tl.arange(0, R_BLOCK)
+    rank8 = (rank + 7) // 8 * 8
+    r_load = offs_r < rank8
     r_mask = offs_r < rank
-    hm = m_mask[:, None] & r_mask[None, :]
     p = part_ptr + offs_m[:, None].to(tl.int64) * stride_pm + s * R_PAD + offs_r[None, :]
     h = tl.zeros((BLOCK_M, R_BLOCK), dtype=tl.float32)
     for sp in range(0, SPLIT_K):
-        h += tl.load(p + sp * stride_ps, mask=hm, other=0.0)
-    h = h * scale[:, None]
+        h += tl.load(p + sp * stride_ps, mask=m_mask[:, None] & r_load[None, :], other=0.0)
+    h = tl.where(r_mask[None, :], h * scale[:, None], 0.0)
     if not UPCAST:
         h = h.to(b0_ptr.dtype.element_ty)
 
@@ -240,7 +247,8 @@ def _lora_expand_kernel(
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < n_hi
-        bt = tl.load(b_base + offs_n[None, :] * R_MAX, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        bt = tl.load(b_base + offs_n[None, :] * R_MAX, mask=r_load[:, None] & n_mask[None, :], other=0.0)
+        bt = tl.where(r_mask[:, None], bt, 0.0)  # padding may hold anything, even NaN
         if UPCAST:
             bt = bt.to(tl.float32)
         if IEEE:
@@ -324,13 +332,13 @@ def add_lora_triton(
         part,
         in_features,
         k_per_split,
-        r_max,
         x.stride(0),
         lora_a[0].stride(0),
         lora_a[0].stride(1),
         ranks_device.stride(0),
         part.stride(0),
         part.stride(1),
+        R_MAX=r_max,
         R_PAD=r_pad,
         R_BLOCKS=r_blocks,
         BLOCK_M=meta.chunk_size,
@@ -356,12 +364,12 @@ def add_lora_triton(
         outs[2],
         groups[0],
         groups[1],
-        r_max,
         cfg.split_k,
         y.stride(0),
         ranks_device.stride(0),
         part.stride(0),
         part.stride(1),
+        R_MAX=r_max,
         R_PAD=r_pad,
         R_BLOCK=r_pad if r_pad & (r_pad - 1) == 0 else triton.next_power_of_2(r_pad),
         BLOCK_M=meta.chunk_size,
