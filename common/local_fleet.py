@@ -18,16 +18,27 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
 from lorafleet import process_group
+from lorafleet.local_preflight import (
+    FleetError,
+    check_device,
+    check_not_running,
+    check_ports,
+    clear_redis_prefix,
+    detect_store,
+    ensure_assets,
+    pick_worker_ports,
+    seed_adapter_volume,
+)
+from lorafleet.local_router import RouterServer, admin_token_hook
 from lorafleet.process_group import Child
 from lorafleet.run_dir import DEFAULT_RUN_DIR, FleetState, RunDir, WorkerEntry
 
@@ -36,10 +47,6 @@ log = logging.getLogger("lorafleet.up")
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 SERVED_NAME = "tiny-llama"
 POOL = "local"
-
-
-class FleetError(RuntimeError):
-    """A start-up problem the user can fix; printed without a traceback."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,132 +120,6 @@ def main(argv: list[str]) -> int:
         return 130
 
 
-# ---- start-up checks ------------------------------------------------------------------------------
-
-
-def check_device(device: str, workers: int) -> list[str]:
-    """One device string per worker; CUDA only when asked for and present."""
-    if device == "cpu":
-        return ["cpu"] * workers
-    if not device.startswith("cuda"):
-        raise FleetError(f"--device {device!r}: use cpu or cuda")
-    try:
-        import torch
-    except ModuleNotFoundError:
-        raise FleetError("--device cuda needs torch with CUDA") from None
-    if not torch.cuda.is_available():
-        raise FleetError("--device cuda was asked for but no CUDA device is visible (torch.cuda.is_available() is False)")
-    if ":" in device:
-        return [device] * workers
-    count = torch.cuda.device_count()
-    return [f"cuda:{i % count}" for i in range(workers)]
-
-
-def check_not_running(run_dir: RunDir) -> None:
-    with contextlib.suppress(Exception):
-        state = run_dir.read_state()
-        if state.pid != os.getpid() and process_group.pid_alive(state.pid):
-            raise FleetError(f"a local fleet is already running from {run_dir.root} (pid {state.pid}, "
-                             f"router {state.router_url}); stop it, or use another --run-dir")
-
-
-def pick_worker_ports(options: UpOptions) -> list[int]:
-    if options.worker_port is None:
-        ports: list[int] = []
-        while len(ports) < options.workers:
-            port = process_group.free_port(options.host)
-            if port not in ports and port != options.port:
-                ports.append(port)
-        return ports
-    return [options.worker_port + i for i in range(options.workers)]
-
-
-def check_ports(host: str, router_port: int, worker_ports: list[int]) -> None:
-    if process_group.port_taken(host, router_port):
-        raise FleetError(f"port {router_port} on {host} is taken (another `lorafleet up`, a vLLM server?); "
-                         f"pick another with --port, e.g. `lorafleet up --port {router_port + 100}`")
-    taken = [p for p in worker_ports if process_group.port_taken(host, p)]
-    if taken:
-        raise FleetError(f"worker port(s) {', '.join(map(str, taken))} on {host} are taken; "
-                         "pick another --worker-port, or leave it out to use free ports")
-
-
-def ensure_assets(folder: Path) -> Path:
-    """The demo model and adapters, made once (a few seconds) with a progress bar."""
-    if (folder / ".complete").exists():
-        return folder
-    from lorafleet.worker.demo_assets import DEMO_ADAPTERS, make_demo_assets
-
-    steps = 2 + len(DEMO_ADAPTERS)
-    print(f"Making the demo model and adapters in {folder} (first run only)...", file=sys.stderr)
-    bar = ProgressBar(steps)
-    make_demo_assets(folder, bar.step)
-    bar.done()
-    return folder
-
-
-@dataclass(slots=True)
-class ProgressBar:
-    total: int
-    width: int = 30
-    count: int = 0
-    tty: bool = field(default_factory=lambda: sys.stderr.isatty())
-
-    def step(self, label: str) -> None:
-        self.count += 1
-        filled = self.width * self.count // self.total
-        line = f"[{'#' * filled}{'.' * (self.width - filled)}] {self.count}/{self.total} {label}"
-        print(f"\r{line:<70}" if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
-
-    def done(self) -> None:
-        if self.tty:
-            print(file=sys.stderr)
-
-
-def seed_adapter_volume(assets: Path, volume: Path) -> list[str]:
-    """Copy the demo adapters onto the local adapter volume (the workers' --adapter-root)."""
-    names = []
-    for src in sorted((assets / "adapters").iterdir()):
-        if src.is_dir():
-            dst = volume / src.name
-            if not dst.exists():
-                shutil.copytree(src, dst)
-            names.append(src.name)
-    return names
-
-
-def detect_store(redis_url: str | None) -> str | None:
-    """`redis_url` if a Redis answers PING there within half a second, else None (embedded state)."""
-    if not redis_url:
-        return None
-    try:
-        import redis
-    except ModuleNotFoundError:
-        return None
-    client = redis.Redis.from_url(redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
-    try:
-        return redis_url if client.ping() else None
-    except (redis.RedisError, OSError):
-        return None
-    finally:
-        client.close()
-
-
-def clear_redis_prefix(redis_url: str, prefix: str) -> None:
-    """Remove this fleet's keys (the catalog has no TTL; a stale one would outlive the fleet)."""
-    import redis
-
-    client = redis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
-    try:
-        keys = list(client.scan_iter(match=f"{prefix}:*", count=500))
-        if keys:
-            client.delete(*keys)
-    except (redis.RedisError, OSError) as exc:
-        log.warning("could not clear %s:* in Redis: %s", prefix, exc)
-    finally:
-        client.close()
-
-
 # ---- the fleet ------------------------------------------------------------------------------------
 
 
@@ -297,51 +178,6 @@ async def wait_ready(workers: list[WorkerProc], http: httpx.AsyncClient, stopped
         await asyncio.sleep(0.2)
 
 
-class _RouterServer:
-    """uvicorn in this event loop, with our signal handling (uvicorn would take SIGINT/SIGTERM)."""
-
-    def __init__(self, app, host: str, port: int, log_level: str) -> None:
-        import uvicorn
-
-        class Server(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self):  # noqa: ANN202 - uvicorn's hook
-                yield
-
-        self.server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False))
-        self.task: asyncio.Task | None = None
-
-    async def start(self, timeout_s: float = 30.0) -> None:
-        self.task = asyncio.create_task(self.server.serve())
-        deadline = time.monotonic() + timeout_s
-        while not self.server.started:
-            if self.task.done() or time.monotonic() > deadline:
-                raise FleetError("the router did not start (is its port taken?)")
-            await asyncio.sleep(0.05)
-
-    async def stop(self) -> None:
-        if self.task is None:
-            return
-        self.server.should_exit = True
-        try:
-            await asyncio.wait_for(asyncio.shield(self.task), 10.0)
-        except (asyncio.TimeoutError, Exception, SystemExit):
-            self.server.force_exit = True
-            self.task.cancel()
-            with contextlib.suppress(BaseException):
-                await self.task
-
-
-def admin_token_hook(token: str) -> Callable[[httpx.Request], object]:
-    """Adds the admin token to the router's inventory polls (see `start_router`)."""
-
-    async def hook(request: httpx.Request) -> None:
-        if request.url.path == "/v1/adapters" and "authorization" not in request.headers:
-            request.headers["Authorization"] = f"Bearer {token}"
-
-    return hook
-
-
 async def run(options: UpOptions) -> int:
     stopped = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -351,7 +187,7 @@ async def run(options: UpOptions) -> int:
     run_dir = RunDir(options.run_dir.resolve())
     check_not_running(run_dir)
     devices = check_device(options.device, options.workers)
-    worker_ports = pick_worker_ports(options)
+    worker_ports = pick_worker_ports(options.host, options.port, options.workers, options.worker_port)
     check_ports(options.host, options.port, worker_ports)
     assets = await asyncio.to_thread(ensure_assets, options.assets.resolve())
     if stopped.is_set():
@@ -385,7 +221,7 @@ class _Fleet:
     redis_url: str | None
     prefix: str
     demo: list[str]
-    router: _RouterServer | None = None
+    router: RouterServer | None = None
     controller: object | None = None
     tasks: list[asyncio.Task] = field(default_factory=list)
     http: httpx.AsyncClient | None = None
@@ -464,7 +300,7 @@ class _Fleet:
             admin_token=self.token, poll_interval_s=1.0,
         )
         app = create_app(settings, store=memory)
-        self.router = _RouterServer(app, o.host, o.port, o.log_level)
+        self.router = RouterServer(app, o.host, o.port, o.log_level)
         await self.router.start()
         # Workaround: the router polls each worker's GET /v1/adapters without the admin token, which the
         # worker requires there; add it to those requests only (the router's client talks to workers only).
@@ -546,7 +382,7 @@ def banner(fleet: _Fleet, placement: dict[str, list[str]]) -> str:
     lines = [
         "",
         f"lorafleet local fleet is up: router {url}/v1 (OpenAI API), {len(fleet.workers)} workers "
-        f"({fleet.options.device}), state: {fleet.redis_url or 'embedded (no Redis answered)'}",
+        f"({fleet.options.device}), state: {fleet.redis_url or 'embedded (in-process)'}",
         "",
         f"  router    {url}/v1    metrics {url}/metrics",
     ]
