@@ -78,6 +78,24 @@ async def install(helm: Any, config: Any, emulator: Any, job: dict[str, Any]) ->
             "status": release.get("info", {}).get("status"), "objects": objects}
 
 
+async def install_then_upgrade(helm: Any, config: Any, emulator: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """Install, then upgrade with the same values: the Secrets' data before and after."""
+    def secrets() -> dict[str, Any]:
+        return {o.raw["metadata"]["name"]: o.raw.get("data") for o in emulator.objects.values()
+                if not o.deleted and o.raw.get("kind") == "Secret"}
+
+    first = await install(helm, config, emulator, job)
+    if not first["ok"]:
+        return first
+    before = secrets()
+    try:
+        await helm.Upgrade(config).run(job.get("release", "lf"), str(job["chart"]), values=job.get("values") or None,
+                                       wait=False, timeout=60)
+    except helm.HelmError as exc:
+        return {"ok": False, "error": str(exc)}
+    return {"ok": True, "before": before, "after": secrets()}
+
+
 async def main(job: dict[str, Any]) -> dict[str, Any]:
     import helm_sdkpy as helm
     import kmock
@@ -93,6 +111,8 @@ async def main(job: dict[str, Any]) -> dict[str, Any]:
         config = helm.Configuration(namespace=namespace, kubeconfig=kubeconfig(str(emulator.url).rstrip("/")))
         if job["op"] == "lint":
             return await lint(helm, config, Path(job["chart"]), job.get("values") or {})
+        if job["op"] == "upgrade":
+            return await install_then_upgrade(helm, config, emulator, job)
         return await install(helm, config, emulator, job)
 
 

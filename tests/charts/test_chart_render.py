@@ -370,3 +370,13 @@ def test_router_args_quote_nothing_unsafe() -> None:
         for w in by_kind(manifests(installed(name)), "Deployment"):
             for a in container(w)["args"]:
                 assert shlex.split(a) == [a] or a == "", a
+
+
+def test_generated_secrets_survive_an_upgrade() -> None:
+    """The Redis password and the default pool's admin token are generated once (`lookup`)."""
+    out = run_helm("upgrade", VALUE_SETS["full"])
+    assert out["ok"], out.get("error")
+    generated = ["lf-lorafleet-redis", "llama-admin-token"]
+    for name in generated:
+        assert out["before"][name], name
+        assert out["after"][name] == out["before"][name], f"{name} changed on upgrade"
