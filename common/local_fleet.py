@@ -302,8 +302,9 @@ class _Fleet:
         app = create_app(settings, store=memory)
         self.router = RouterServer(app, o.host, o.port, o.log_level)
         await self.router.start()
-        # Workaround: the router polls each worker's GET /v1/adapters without the admin token, which the
-        # worker requires there; add it to those requests only (the router's client talks to workers only).
+        # Workaround for the router as committed: it polls each worker's GET /v1/adapters without the admin
+        # token the worker requires there. The hook adds it to those requests only, and only when absent,
+        # so it is a no-op once the router sends the token itself; then delete it.
         http = app.state.gateway.http
         http.event_hooks = {**http.event_hooks, "request": [*http.event_hooks.get("request", []), admin_token_hook(self.token)]}
 
