@@ -19,6 +19,9 @@ from typing import Annotated, Any
 import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+
 from lorafleet.placement_store import MemoryPlacementStore, PlacementStore, RedisPlacementStore
 from lorafleet.protocol import (
     HEADER_REPLICA,
@@ -45,8 +48,6 @@ from lorafleet.router.scheduling.policies import POLICIES, Policy
 from lorafleet.router.scheduling.types import Decision, NoEndpoint, RequestInfo
 from lorafleet.router.settings import RouterSettings
 from lorafleet.router.tenants import Tenant, TenantRegistry
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
 
 log = logging.getLogger("lorafleet.router")
 
@@ -129,7 +130,16 @@ def create_app(settings: RouterSettings, *, store: PlacementStore | None = None)
             discovery = StaticDiscovery(settings.workers)
         fleet = Fleet(settings.replica_capacity, settings.eject_after_failures, settings.eject_cooldown_s)
         catalog = dict(settings.lora_modules)
-        sync = PlacementSync(fleet, placement, discovery, http, metrics, settings.placement_ttl_s, catalog)
+        sync = PlacementSync(
+            fleet,
+            placement,
+            discovery,
+            http,
+            metrics,
+            settings.placement_ttl_s,
+            catalog,
+            settings.admin_token,
+        )
         with contextlib.suppress(Exception):
             await placement.set_catalog(catalog)
         gateway = Gateway(

@@ -120,6 +120,7 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
     import uvicorn
+
     from lorafleet.router.api import create_app
 
     uvicorn.run(

@@ -11,6 +11,7 @@ import asyncio
 import logging
 
 import httpx
+
 from lorafleet.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from lorafleet.router.fleet import Replica
 from lorafleet.router.metrics import RouterMetrics

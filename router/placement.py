@@ -14,6 +14,7 @@ import time
 from collections import Counter
 
 import httpx
+
 from lorafleet.placement_store import PlacementStore, residency_of
 from lorafleet.protocol import AdapterInventory
 from lorafleet.router.discovery import Discovery
@@ -33,6 +34,7 @@ class PlacementSync:
         metrics: RouterMetrics,
         ttl_s: float,
         catalog: dict[str, str],
+        admin_token: str | None = None,
     ) -> None:
         self.fleet = fleet
         self.store = store
@@ -41,6 +43,8 @@ class PlacementSync:
         self.metrics = metrics
         self.ttl_s = ttl_s
         self.catalog = catalog  # shared with the loader; static entries + the store's catalog
+        # The inventory is on the workers' admin API (it lists adapter paths): same bearer token.
+        self._headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         self.store_up = True
         self.demand: Counter[str] = Counter()  # requests per adapter since the last publish
         metrics.store_up.set(1)
@@ -63,7 +67,7 @@ class PlacementSync:
     async def _poll(self, replica: Replica) -> None:
         started = self.fleet.clock()
         try:
-            resp = await self.http.get(f"{replica.url}/v1/adapters", timeout=2.0)
+            resp = await self.http.get(f"{replica.url}/v1/adapters", headers=self._headers, timeout=2.0)
             resp.raise_for_status()
             replica.apply_poll(AdapterInventory.model_validate(resp.json()), started)
         except (httpx.HTTPError, ValueError):

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 
 import httpx
+
 from lorafleet.protocol import INTERNAL_HEADER_PREFIX, ErrorResponse
 
 # Hop-by-hop (RFC 9110 §7.6.1) plus what the router owns: the client's key never reaches a worker.
@@ -66,12 +67,14 @@ class RetryBudget:
     cap: float = 100.0
     clock: Callable[[], float] = time.monotonic
     _tokens: float = 10.0
-    _last: float = field(default=-1.0)
+    _last: float = field(default=0.0)
+
+    def __post_init__(self) -> None:
+        self._last = self.clock()
 
     def _refill(self) -> None:
         now = self.clock()
-        if self._last >= 0:
-            self._tokens = min(self.cap, self._tokens + (now - self._last) * self.min_per_s)
+        self._tokens = min(self.cap, self._tokens + (now - self._last) * self.min_per_s)
         self._last = now
 
     def deposit(self) -> None:

@@ -15,7 +15,7 @@ from lorafleet.router.scheduling.admission import FrequencyAdmission
 from lorafleet.router.scheduling.filters import Available, BoundedLoad, ServesModel
 from lorafleet.router.scheduling.frequency import FrequencySketch
 from lorafleet.router.scheduling.pickers import MaxScore, RoundRobin
-from lorafleet.router.scheduling.scorers import HashAffinity, Load, LoraAffinity, Residency
+from lorafleet.router.scheduling.scorers import HashAffinity, Load, LoraAffinity, Residency, SlotFree
 from lorafleet.router.scheduling.types import (
     AdmissionPlan,
     Decision,
@@ -78,13 +78,16 @@ def lorafleet_policy(
     Only hot adapters (≥ `hot_share` of recent requests) are held to `load_factor` and spill to more
     replicas; the rest may load a replica up to `cold_load_factor` × the mean so that they stay on
     their rendezvous home and each replica's cache holds a stable slice of the catalog. Weights make the
-    order lexicographic: residency tiers differ by ≥ 0.3, hash affinity adds
-    < 0.25 and spare capacity < 0.05. Cache admission keeps rare adapters from evicting popular ones.
+    order lexicographic in residency: GPU beats CPU (an adapter in a GPU slot always has its slot,
+    and the remaining terms differ by < 0.3), CPU beats a cold load (0.7 > 0.499). Within a tier:
+    a replica where the adapter joins the next batch without waiting for a GPU slot (0.2), then the
+    rendezvous order (< 0.25), then spare capacity (< 0.05). Cache admission keeps rare adapters
+    from evicting popular ones.
     """
     return Policy(
         "lorafleet",
         (Available(), ServesModel(), BoundedLoad(load_factor, cold_load_factor, hot_share)),
-        ((1.0, Residency()), (0.25, HashAffinity()), (0.049, Load())),
+        ((1.0, Residency()), (0.2, SlotFree()), (0.25, HashAffinity()), (0.049, Load())),
         MaxScore(),
         admission=FrequencyAdmission(scratch_slots=scratch_slots),
     )

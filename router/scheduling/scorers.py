@@ -77,3 +77,19 @@ class HashAffinity:
 
     def __call__(self, req: RequestInfo, endpoint: EndpointView, stats: FleetStats) -> float:
         return weight(req.key, endpoint.name) / _U64
+
+
+@dataclass(frozen=True, slots=True)
+class SlotFree:
+    """1 if the request's adapters can join the replica's next batch without waiting for a GPU slot.
+
+    vLLM runs at most max_loras distinct adapters per batch; a request whose adapter is not running
+    on a replica whose slots are all taken by running adapters is deferred — for as long as those
+    adapters keep requests in flight, which for popular ones is indefinitely.
+    """
+
+    name: str = "slot-free"
+
+    def __call__(self, req: RequestInfo, endpoint: EndpointView, stats: FleetStats) -> float:
+        new = sum(1 for a in req.adapters if a not in endpoint.active)
+        return 1.0 if len(endpoint.active) + new <= endpoint.max_loras else 0.0

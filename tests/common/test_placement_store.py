@@ -7,6 +7,7 @@ import socket
 import uuid
 
 import pytest
+
 from lorafleet.placement_store import MemoryPlacementStore, RedisPlacementStore, residency_of
 from lorafleet.protocol import AdapterInfo, AdapterInventory
 

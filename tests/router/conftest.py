@@ -12,9 +12,9 @@ from dataclasses import replace
 
 import pytest
 import uvicorn
+
 from lorafleet.router.api import create_app
 from lorafleet.router.settings import RouterSettings
-
 from tests.router.fake_worker import FakeWorkerConfig, FakeWorkerProcess, free_port, wait_http
 
 ADMIN_TOKEN = "admin-secret"

@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
 from lorafleet.protocol import (
     AdapterInfo,
     AdapterInventory,
@@ -89,7 +90,9 @@ def create_fake_worker(cfg: FakeWorkerConfig) -> FastAPI:
         return {"object": "list", "data": data}
 
     @app.get("/v1/adapters")
-    async def adapters() -> dict:
+    async def adapters(request: Request):
+        if not authorized(request):  # the real worker keeps its inventory on the admin API
+            return _err(401, "unauthorized", "authentication_error")
         names = list(resident)
         on_gpu = set(names[-cfg.max_loras :])  # the most recently used hold the GPU slots
         inv = AdapterInventory(

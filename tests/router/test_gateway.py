@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from lorafleet.router.tenants import hash_api_key
 
+from lorafleet.router.tenants import hash_api_key
 from tests.router.conftest import RouterThread, router_settings, start_workers
 
 pytestmark = pytest.mark.timeout(120)

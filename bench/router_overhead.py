@@ -1,0 +1,199 @@
+"""Router overhead: added latency and max throughput of one router process, vs calling the worker directly.
+
+Setup, all on loopback: a fast fake upstream (uvicorn, one process, answers /v1/completions with a
+fixed body and serves /v1/adapters) — the router (one uvicorn process, `lorafleet` policy, open
+mode, in-process placement) in front of it — a load generator (httpx, asyncio) in this process.
+
+1. Latency at a fixed rate (default 500 req/s, open loop): p50/p99 of end-to-end latency through
+   the router and directly; added = router − direct at the same percentile.
+2. Throughput: closed loop with C concurrent clients for a few seconds, through the router: req/s.
+   The router process is pinned to one core (`taskset`, when present) so the figure is per core.
+
+Usage: python bench/router_overhead.py [--rate 500] [--seconds 10] [--out bench/results/router_overhead.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+
+UPSTREAM = """
+import sys
+from fastapi import FastAPI
+from fastapi.responses import Response
+import uvicorn
+app = FastAPI()
+BODY = b'{"id":"x","object":"text_completion","created":0,"model":"a","choices":[{"index":0,"text":"ok","finish_reason":"stop"}]}'
+INV = {"model": "base", "max_loras": 16, "max_cpu_loras": 64, "max_lora_rank": 16, "max_loras_per_request": 2,
+       "adapters": [{"name": "a", "tier": "gpu", "rank": 8, "alpha": 16, "digest": "sha256:0", "path": "/a"}]}
+@app.post("/v1/completions")
+async def c():
+    return Response(BODY, media_type="application/json")
+@app.get("/v1/adapters")
+async def a():
+    return INV
+@app.get("/health")
+async def h():
+    return {"status": "ok"}
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", access_log=False)
+"""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait(url: str) -> None:
+    for _ in range(200):
+        try:
+            if httpx.get(url, timeout=0.5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(url)
+
+
+async def open_loop(url: str, rate: float, seconds: float) -> list[float]:
+    """Requests at a fixed rate regardless of answers (no coordinated omission); latencies in s."""
+    body = {"model": "a", "prompt": "hi", "max_tokens": 1}
+    latencies: list[float] = []
+    limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+    async with httpx.AsyncClient(limits=limits, timeout=10) as client:
+
+        async def one() -> None:
+            t0 = time.perf_counter()
+            resp = await client.post(url, json=body)
+            resp.raise_for_status()
+            latencies.append(time.perf_counter() - t0)
+
+        # Warm connections first.
+        await asyncio.gather(*(one() for _ in range(50)))
+        latencies.clear()
+        tasks = []
+        start = time.perf_counter()
+        n = int(rate * seconds)
+        for i in range(n):
+            delay = start + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one()))
+        await asyncio.gather(*tasks)
+    return latencies
+
+
+async def closed_loop(url: str, concurrency: int, seconds: float) -> float:
+    body = {"model": "a", "prompt": "hi", "max_tokens": 1}
+    done = 0
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(limits=limits, timeout=10) as client:
+        deadline = time.perf_counter() + seconds
+
+        async def worker() -> None:
+            nonlocal done
+            while time.perf_counter() < deadline:
+                (await client.post(url, json=body)).raise_for_status()
+                done += 1
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return done / (time.perf_counter() - start)
+
+
+def pct(xs: list[float], p: float) -> float:
+    return float(np.percentile(np.array(xs) * 1000, p))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rate", type=float, default=500.0)
+    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--out", type=Path, default=ROOT / "bench/results/router_overhead.json")
+    args = p.parse_args(argv)
+
+    up_port, router_port = free_port(), free_port()
+    pin = ["taskset", "-c", "0"] if shutil.which("taskset") and (os.cpu_count() or 1) > 1 else []
+    procs = [subprocess.Popen([sys.executable, "-c", UPSTREAM, str(up_port)])]
+    try:
+        wait(f"http://127.0.0.1:{up_port}/health")
+        procs.append(
+            subprocess.Popen(
+                [
+                    *pin,
+                    sys.executable,
+                    "-m",
+                    "lorafleet",
+                    "router",
+                    "--port",
+                    str(router_port),
+                    "--log-level",
+                    "warning",
+                ]
+                + ["--worker", f"http://127.0.0.1:{up_port}", "--lora-modules", "a=/a"],
+                stderr=subprocess.DEVNULL,
+            )
+        )
+        wait(f"http://127.0.0.1:{router_port}/ready")
+        direct_url = f"http://127.0.0.1:{up_port}/v1/completions"
+        router_url = f"http://127.0.0.1:{router_port}/v1/completions"
+        direct = asyncio.run(open_loop(direct_url, args.rate, args.seconds))
+        routed = asyncio.run(open_loop(router_url, args.rate, args.seconds))
+        rps = asyncio.run(closed_loop(router_url, args.concurrency, args.seconds))
+        rps_direct = asyncio.run(closed_loop(direct_url, args.concurrency, args.seconds))
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+    result = {
+        "rate_rps": args.rate,
+        "seconds": args.seconds,
+        "router_pinned_to_one_core": bool(pin),
+        "direct_p50_ms": pct(direct, 50),
+        "direct_p99_ms": pct(direct, 99),
+        "router_p50_ms": pct(routed, 50),
+        "router_p99_ms": pct(routed, 99),
+        "added_p50_ms": pct(routed, 50) - pct(direct, 50),
+        "added_p99_ms": pct(routed, 99) - pct(direct, 99),
+        "router_max_rps_one_core": rps,
+        "direct_max_rps": rps_direct,
+        "concurrency": args.concurrency,
+        "targets": {"added_p50_ms": 1.0, "added_p99_ms": 5.0, "router_max_rps_one_core": 1000},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
+        "note": "load generator, upstream and router share this machine's cores; the generator's own cost is in both paths",
+    }
+    result["targets_met"] = {
+        "added_p50_ms": result["added_p50_ms"] <= 1.0,
+        "added_p99_ms": result["added_p99_ms"] <= 5.0,
+        "router_max_rps_one_core": rps >= 1000,
+    }
+    print(json.dumps(result, indent=2))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

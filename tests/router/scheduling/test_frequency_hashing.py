@@ -1,0 +1,60 @@
+"""Frequency sketch and rendezvous hashing."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from lorafleet.router.scheduling.frequency import FrequencySketch
+from lorafleet.router.scheduling.hashing import bounded_load_limit, rendezvous_order
+
+
+@pytest.mark.parametrize(
+    ("adds", "halve_every", "expected"),
+    [
+        (["a", "a", "b"], 100, {"a": 2.0, "b": 1.0}),
+        (["a", "a", "a", "b"], 4, {"a": 1.5, "b": 0.5}),  # halved on the 4th add
+        (["a", "b", "b", "b", "b", "b"], 2, {"a": 0.0, "b": 1.625}),  # a: 1 → .5 → .25 → dropped
+        (["a", "b", "b", "b", "c", "c"], 3, {"a": 0.25, "b": 1.0, "c": 1.0}),  # halved twice
+    ],
+)
+def test_sketch_ages(adds, halve_every, expected):
+    s = FrequencySketch(halve_every=halve_every)
+    for key in adds:
+        s.add(key)
+    assert {k: s.estimate(k) for k in expected} == expected
+
+
+def test_share_needs_enough_history():
+    s = FrequencySketch(min_total=10)
+    s.add("a")
+    assert s.share("a") == 0.0  # one request is not "100% of traffic"
+    for _ in range(9):
+        s.add("b")
+    assert s.share("a") == pytest.approx(0.1) and s.share("b") == pytest.approx(0.9)
+
+
+def test_sketch_memory_is_bounded():
+    s = FrequencySketch(max_keys=100)
+    for i in range(1000):
+        s.add(f"k{i}")
+    assert len(s) <= 100
+
+
+def test_rendezvous_moves_only_the_leavers_keys():
+    nodes = [f"r{i}" for i in range(8)]
+    keys = [f"adapter-{i}" for i in range(2000)]
+    before = {k: rendezvous_order(k, nodes)[0] for k in keys}
+    after = {k: rendezvous_order(k, [n for n in nodes if n != "r3"])[0] for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert all(before[k] == "r3" for k in moved)
+    spread = Counter(before.values())
+    assert min(spread.values()) > 2000 / 8 * 0.75  # roughly even
+
+
+@pytest.mark.parametrize(
+    ("total", "n", "factor", "expected"), [(0, 4, 1.25, 0.3125), (7, 4, 1.25, 2.5), (0, 0, 1.0, 0.0)]
+)
+def test_bounded_load_limit(total, n, factor, expected):
+    assert bounded_load_limit(total, n, factor) == pytest.approx(expected)
