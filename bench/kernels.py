@@ -33,9 +33,10 @@ from pathlib import Path
 
 import torch
 import triton
+from triton.testing import do_bench
+
 from lorafleet.kernels.lora_ops import LoraMeta, add_lora, build_lora_meta, default_chunk_size
 from lorafleet.kernels.triton_lora import LoraKernelConfig, add_lora_triton, pick_config
-from triton.testing import do_bench
 
 HIDDEN, KV, MLP = 4096, 1024, 14336
 MODULES: dict[str, tuple[int, list[int]]] = {
@@ -274,12 +275,33 @@ def print_table(rows: list[dict]) -> None:
         )
 
 
+def markdown_table(rows: list[dict]) -> str:
+    """The rows as a markdown table, with the tokens >= 16 target checked."""
+    lines = [
+        "| module | T | adapters | rank | pool | k | lora µs | floor µs | 1.3·floor+3 | gather µs | loop µs | base µs |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        target = 1.3 * r["floor_us"] + 3
+        mark = "" if r["tokens"] < 16 else (" ✓" if r["lora_us"] <= target else " ✗")
+        lines.append(
+            f"| {r['module']} | {r['tokens']} | {r['adapters']} | {r['rank']} | {r['pool_rank']} | {r['k']} | "
+            f"{r['lora_us']:.1f}{mark} | {r['floor_us']:.1f} | {target:.1f} | {r['gather_us']:.1f} | "
+            f"{r['loop_us']:.1f} | {r['base_us']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results/kernels-h200.json")
     parser.add_argument("--quick", action="store_true", help="a few cases only")
     parser.add_argument("--sweep", default=None, help="also time launch configs; write them to this file")
+    parser.add_argument("--markdown", default=None, help="print a results file as a markdown table and exit")
     args = parser.parse_args(argv)
+    if args.markdown:
+        print(markdown_table(json.loads(Path(args.markdown).read_text())))
+        return 0
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
