@@ -80,11 +80,31 @@ def _decode_batch(
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """q `[B, n, H, D]`, k/v `[B, ctx, KVH, D]`, mask `[B or 1, n, ctx]` -> `[B, n, H, D]` (GQA)."""
     heads, kv_heads = q.shape[2], k.shape[2]
-    if heads != kv_heads:
+    grouped = heads != kv_heads
+    if grouped and not _SDPA_GQA:
         k = k.repeat_interleave(heads // kv_heads, dim=2)
         v = v.repeat_interleave(heads // kv_heads, dim=2)
+    extra = {"enable_gqa": True} if grouped and _SDPA_GQA else {}
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-        attn_mask=mask.unsqueeze(1) if mask.dim() == 3 else mask, scale=scale,
+        attn_mask=mask.unsqueeze(1) if mask.dim() == 3 else mask, scale=scale, **extra,
     )
     return out.transpose(1, 2)
+
+
+def _sdpa_supports_gqa() -> bool:
+    # torch >= 2.5 groups query heads over shared key/value heads without copying them.
+    import inspect
+
+    try:
+        return "enable_gqa" in inspect.signature(F.scaled_dot_product_attention).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: try it
+        try:
+            F.scaled_dot_product_attention(torch.zeros(1, 2, 1, 4), torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4),
+                                           enable_gqa=True)
+            return True
+        except TypeError:
+            return False
+
+
+_SDPA_GQA = _sdpa_supports_gqa()
