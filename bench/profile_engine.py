@@ -42,7 +42,7 @@ def main() -> None:
     names = [f"a{k}" for k in range(args.adapters)]
     for k, n in enumerate(names):
         engine.registry.register(n, random_adapter(mc, 16, seed=k))
-    sp = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
     for r in range(args.batch):
         adapters = ((names[r % len(names)], 1.0),) if names else ()
         engine.add_request([(r * 7919 + j * 31) % 90000 + 10 for j in range(args.prompt_len)], sp, adapters)
