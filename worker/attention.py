@@ -9,8 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+_CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(slots=True)
@@ -85,10 +90,14 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
         k = k.repeat_interleave(heads // kv_heads, dim=2)
         v = v.repeat_interleave(heads // kv_heads, dim=2)
     extra = {"enable_gqa": True} if grouped and _SDPA_GQA else {}
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-        attn_mask=mask.unsqueeze(1) if mask.dim() == 3 else mask, scale=scale, **extra,
-    )
+    # cuDNN's SDPA builds a graph per new shape, and decode changes the context length every step:
+    # measured on an H200, 1.8 ms of host time per call. The other CUDA backends have no such cost.
+    ctx = sdpa_kernel(_CUDA_BACKENDS) if q.is_cuda else nullcontext()
+    with ctx:
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+            attn_mask=mask.unsqueeze(1) if mask.dim() == 3 else mask, scale=scale, **extra,
+        )
     return out.transpose(1, 2)
 
 
