@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+
 from lorafleet.router.scheduling.policies import POLICIES, Policy
 from lorafleet.router.scheduling.types import EndpointView, RequestInfo
 

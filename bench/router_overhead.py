@@ -2,7 +2,7 @@
 
 Setup, all on loopback: a fast fake upstream (uvicorn, one process, answers /v1/completions with a
 fixed body and serves /v1/adapters) — the router (one uvicorn process, `lorafleet` policy, open
-mode, in-process placement) in front of it — a load generator (httpx, asyncio) in this process.
+mode, in-process placement) in front of it — a load generator (raw HTTP/1.1 keep-alive over asyncio) in this process.
 
 1. Latency at a fixed rate (default 500 req/s, open loop): p50/p99 of end-to-end latency through
    the router and directly; added = router − direct at the same percentile.
@@ -71,50 +71,78 @@ def wait(url: str) -> None:
     raise TimeoutError(url)
 
 
-async def open_loop(url: str, rate: float, seconds: float) -> list[float]:
-    """Requests at a fixed rate regardless of answers (no coordinated omission); latencies in s."""
-    body = {"model": "a", "prompt": "hi", "max_tokens": 1}
+class Conn:
+    """A raw HTTP/1.1 keep-alive connection: far cheaper per request than an HTTP client library,
+    so the generator is not the bottleneck on a small machine."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, port: int) -> Conn:
+        return cls(*await asyncio.open_connection("127.0.0.1", port))
+
+    async def post(self, request: bytes) -> None:
+        self.writer.write(request)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(head[:200])
+        length = 0
+        for line in head.split(b"\r\n"):
+            if line[:15].lower() == b"content-length:":
+                length = int(line[15:])
+        await self.reader.readexactly(length)
+
+
+def request_bytes(port: int) -> bytes:
+    body = json.dumps({"model": "a", "prompt": "hi", "max_tokens": 1}).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
+    return head.encode() + f"content-length: {len(body)}\r\n\r\n".encode() + body
+
+
+async def open_loop(port: int, rate: float, seconds: float, connections: int = 64) -> list[float]:
+    """Requests at a fixed schedule (latency counted from the scheduled time: no coordinated omission)."""
+    req = request_bytes(port)
+    pool: asyncio.Queue[Conn] = asyncio.Queue()
+    for _ in range(connections):
+        pool.put_nowait(await Conn.open(port))
     latencies: list[float] = []
-    limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
-    async with httpx.AsyncClient(limits=limits, timeout=10) as client:
 
-        async def one() -> None:
-            t0 = time.perf_counter()
-            resp = await client.post(url, json=body)
-            resp.raise_for_status()
-            latencies.append(time.perf_counter() - t0)
+    async def one(scheduled: float, record: bool) -> None:
+        conn = await pool.get()
+        await conn.post(req)
+        pool.put_nowait(conn)
+        if record:
+            latencies.append(time.perf_counter() - scheduled)
 
-        # Warm connections first.
-        await asyncio.gather(*(one() for _ in range(50)))
-        latencies.clear()
-        tasks = []
-        start = time.perf_counter()
-        n = int(rate * seconds)
-        for i in range(n):
-            delay = start + i / rate - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one()))
-        await asyncio.gather(*tasks)
+    await asyncio.gather(*(one(time.perf_counter(), False) for _ in range(200)))  # warm up
+    tasks = []
+    start = time.perf_counter()
+    for i in range(int(rate * seconds)):
+        scheduled = start + i / rate
+        delay = scheduled - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(scheduled, True)))
+    await asyncio.gather(*tasks)
     return latencies
 
 
-async def closed_loop(url: str, concurrency: int, seconds: float) -> float:
-    body = {"model": "a", "prompt": "hi", "max_tokens": 1}
+async def closed_loop(port: int, concurrency: int, seconds: float) -> float:
+    req = request_bytes(port)
+    conns = [await Conn.open(port) for _ in range(concurrency)]
     done = 0
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(limits=limits, timeout=10) as client:
-        deadline = time.perf_counter() + seconds
+    deadline = time.perf_counter() + seconds
 
-        async def worker() -> None:
-            nonlocal done
-            while time.perf_counter() < deadline:
-                (await client.post(url, json=body)).raise_for_status()
-                done += 1
+    async def worker(conn: Conn) -> None:
+        nonlocal done
+        while time.perf_counter() < deadline:
+            await conn.post(req)
+            done += 1
 
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return done / (time.perf_counter() - start)
+    start = time.perf_counter()
+    await asyncio.gather(*(worker(c) for c in conns))
+    return done / (time.perf_counter() - start)
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -126,11 +154,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=500.0)
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--no-pin", action="store_true", help="do not pin the router to one core")
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/router_overhead.json")
     args = p.parse_args(argv)
 
     up_port, router_port = free_port(), free_port()
-    pin = ["taskset", "-c", "0"] if shutil.which("taskset") and (os.cpu_count() or 1) > 1 else []
+    pin = (
+        ["taskset", "-c", "0"]
+        if shutil.which("taskset") and (os.cpu_count() or 1) > 1 and not args.no_pin
+        else []
+    )
     procs = [subprocess.Popen([sys.executable, "-c", UPSTREAM, str(up_port)])]
     try:
         wait(f"http://127.0.0.1:{up_port}/health")
@@ -152,12 +185,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         wait(f"http://127.0.0.1:{router_port}/ready")
-        direct_url = f"http://127.0.0.1:{up_port}/v1/completions"
-        router_url = f"http://127.0.0.1:{router_port}/v1/completions"
-        direct = asyncio.run(open_loop(direct_url, args.rate, args.seconds))
-        routed = asyncio.run(open_loop(router_url, args.rate, args.seconds))
-        rps = asyncio.run(closed_loop(router_url, args.concurrency, args.seconds))
-        rps_direct = asyncio.run(closed_loop(direct_url, args.concurrency, args.seconds))
+        direct = asyncio.run(open_loop(up_port, args.rate, args.seconds))
+        routed = asyncio.run(open_loop(router_port, args.rate, args.seconds))
+        rps = asyncio.run(closed_loop(router_port, args.concurrency, args.seconds))
+        rps_direct = asyncio.run(closed_loop(up_port, args.concurrency, args.seconds))
     finally:
         for proc in procs:
             proc.terminate()
