@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorafleet.operator.reconciler import PodState, PoolReconciler, ReconcilerSettings
+from lorafleet.operator.reconciler import PodState, PoolReconciler, ReconcilerSettings, UrlOf
 from lorafleet.operator.spec import SpecError, parse_adapter
 from lorafleet.run_dir import RunDir
 
@@ -24,20 +24,19 @@ log = logging.getLogger("lorafleet.up")
 NAMESPACE = "local"
 
 
-@dataclass(slots=True)
-class LocalPoolReconciler(PoolReconciler):
-    """Workers share 127.0.0.1 on different ports (pods in a cluster share ports on different IPs),
-    so a pod's URL comes from this map instead of `pod.ip` + the pool's port."""
+def worker_urls(urls: dict[str, str]) -> UrlOf:
+    """The reconciler's `url_of` for local workers: they share 127.0.0.1 on different ports (pods in
+    a cluster share ports on different IPs), and each serves its admin API on its public port."""
 
-    urls: dict[str, str] = field(default_factory=dict)
+    def url_of(pod: PodState, _port: int) -> str:
+        return urls[pod.name]
 
-    def _base_url(self, pod: PodState, port: int) -> str:
-        return self.urls[pod.name]
+    return url_of
 
 
 @dataclass(slots=True)
 class LocalController:
-    reconciler: LocalPoolReconciler
+    reconciler: PoolReconciler
     run_dir: RunDir
     interval_s: float = 0.5
     resync_s: float = 2.0

@@ -228,8 +228,8 @@ class _Fleet:
     store: object | None = None
 
     async def serve(self, stopped: asyncio.Event) -> int:
-        from lorafleet.local_controller import NAMESPACE, LocalController, LocalPoolReconciler
-        from lorafleet.operator.reconciler import PodState
+        from lorafleet.local_controller import NAMESPACE, LocalController, worker_urls
+        from lorafleet.operator.reconciler import PodState, PoolReconciler
         from lorafleet.operator.spec import EngineSpec, PoolSpec
         from lorafleet.operator.worker_client import WorkerClient
         from lorafleet.placement_store import MemoryPlacementStore, RedisPlacementStore
@@ -259,8 +259,8 @@ class _Fleet:
                               device=o.device),
             adapter_mount=str(self.run_dir.adapters),
         )
-        reconciler = LocalPoolReconciler(NAMESPACE, POOL, WorkerClient.create(), None, self.store,
-                                         LocalController.settings(), urls={w.name: w.url for w in self.workers})
+        reconciler = PoolReconciler(NAMESPACE, POOL, WorkerClient.create(), None, self.store,
+                                    LocalController.settings(), url_of=worker_urls({w.name: w.url for w in self.workers}))
         reconciler.set_pool(pool, self.token)
         for w in self.workers:
             reconciler.observe_pod(PodState(w.name, o.host, ready=True, draining=False))

@@ -13,13 +13,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from lorafleet.operator import placement
 from lorafleet.operator.kube import KubeClient, KubeError, NotFound
-from lorafleet.operator.spec import API_VERSION, AdapterSpec, PoolSpec, SpecError, check_against_pool, digest_matches
+from lorafleet.operator.spec import (
+    API_VERSION,
+    AdapterSpec,
+    PoolSpec,
+    SpecError,
+    check_against_pool,
+    digest_matches,
+)
 from lorafleet.operator.status import AdapterObservation, adapter_status, pool_phase, status_changed
 from lorafleet.operator.worker_client import LoadRefused, WorkerClient, WorkerError, resident
 from lorafleet.protocol import AdapterInventory
@@ -46,6 +53,15 @@ class PodState:
     draining: bool
 
 
+# `url_of(pod, port) -> base URL` of one worker API; `port` is the pool's admin or http port.
+UrlOf = Callable[[PodState, int], str]
+
+
+def pod_url(pod: PodState, port: int) -> str:
+    """The default `url_of`: in a cluster every pod serves the pool's ports on its own pod IP."""
+    return f"http://{pod.ip}:{port}"
+
+
 @dataclass(slots=True)
 class AdapterRecord:
     spec: AdapterSpec
@@ -63,12 +79,19 @@ class RoundResult:
 
 @dataclass(slots=True)
 class PoolReconciler:
+    """The reconcile loop of one pool.
+
+    `url_of` is how the loop reaches a worker (see `UrlOf`). The default suits Kubernetes; a
+    deployment whose workers share one address on distinct ports (`lorafleet up`) passes its own map.
+    """
+
     namespace: str
     name: str
     workers: WorkerClient
     kube: KubeClient | None
     store: Any | None  # lorafleet.placement_store.PlacementStore
     settings: ReconcilerSettings = ReconcilerSettings()
+    url_of: UrlOf = pod_url
     pool: PoolSpec | None = None
     token: str | None = None
     adapters: dict[str, AdapterRecord] = field(default_factory=dict)
@@ -136,9 +159,6 @@ class PoolReconciler:
                 # Transient errors: come back soon, but let a wake-up in between cut the wait.
                 asyncio.get_running_loop().call_later(delay, self.wake, True)
 
-    def _base_url(self, pod: PodState, port: int) -> str:
-        return f"http://{pod.ip}:{port}"
-
     async def _poll(self, pods: list[PodState]) -> int:
         assert self.pool is not None and self.token is not None
         errors = 0
@@ -146,7 +166,7 @@ class PoolReconciler:
         async def one(pod: PodState) -> None:
             nonlocal errors
             try:
-                inv = await self.workers.inventory(self._base_url(pod, self.pool.admin_port), self.token)
+                inv = await self.workers.inventory(self.url_of(pod, self.pool.admin_port), self.token)
             except WorkerError as exc:
                 errors += 1
                 log.debug("inventory of %s failed: %s", pod.name, exc)
@@ -246,7 +266,7 @@ class PoolReconciler:
             record = self.adapters.get(action.adapter)
             if pod is None or pod.ip is None:
                 return
-            url = self._base_url(pod, pool.admin_port)
+            url = self.url_of(pod, pool.admin_port)
             sem = limits.setdefault(action.pod, asyncio.Semaphore(self.settings.worker_concurrency))
             async with sem:
                 try:
@@ -290,7 +310,7 @@ class PoolReconciler:
                     continue
                 tiers = {a.name: a.tier for a in inv.adapters}
                 adapters = {n: tiers.get(n, "cpu") for n in self.loaded.get(name, ())}
-                url = self._base_url(pod, self.pool.http_port)
+                url = self.url_of(pod, self.pool.http_port)
                 await self.store.publish_replica(name, url, self.pool.served_name, adapters, self.settings.publish_ttl_s)
             catalog = {
                 r.spec.name: f"{self.pool.adapter_mount.rstrip('/')}/{r.spec.source}"
@@ -413,7 +433,7 @@ class PoolReconciler:
         pending: list[str] = []
 
         async def one(pod: PodState) -> None:
-            url = self._base_url(pod, self.pool.admin_port)
+            url = self.url_of(pod, self.pool.admin_port)
             try:
                 inv = await self.workers.inventory(url, self.token)
                 if adapter in resident(inv):
@@ -442,6 +462,7 @@ class Fleet:
     kube: KubeClient | None
     store: Any | None
     settings: ReconcilerSettings = ReconcilerSettings()
+    url_of: UrlOf = pod_url
     pools: dict[tuple[str, str], PoolReconciler] = field(default_factory=dict)
     adapter_pool: dict[tuple[str, str], str] = field(default_factory=dict)  # (ns, adapter) -> pool
     started_at: float = field(default_factory=time.monotonic)
@@ -449,7 +470,9 @@ class Fleet:
     def pool(self, namespace: str, name: str) -> PoolReconciler:
         key = (namespace, name)
         if key not in self.pools:
-            self.pools[key] = PoolReconciler(namespace, name, self.workers, self.kube, self.store, self.settings)
+            self.pools[key] = PoolReconciler(
+                namespace, name, self.workers, self.kube, self.store, self.settings, self.url_of
+            )
         return self.pools[key]
 
     def upsert_adapter(self, spec: AdapterSpec, generation: int | None, status: Mapping[str, Any] | None) -> None:
