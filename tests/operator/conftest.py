@@ -81,6 +81,7 @@ class OperatorRunner:
 
     async def start(self, redis_url: str | None = None) -> None:
         import kopf
+
         from lorafleet.operator.handlers import OperatorConfig, register
         from lorafleet.operator.reconciler import ReconcilerSettings
 

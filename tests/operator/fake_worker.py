@@ -22,6 +22,7 @@ from pathlib import Path
 import uvicorn
 from fastapi import Depends, FastAPI, Header, HTTPException
 from fastapi.responses import JSONResponse
+
 from lorafleet.protocol import AdapterInfo, AdapterInventory, LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 
 

@@ -1,12 +1,14 @@
 """A test "kubelet": turns the emulator's worker Deployments into running workers and Pod objects.
 
-Each pod gets its own loopback address 127.0.0.x (so every worker can use the pool's ports), a
+Each pod gets its own loopback address 127.N.x.y (so every worker can use the pool's ports), a
 worker started with the pool's admin token (read from the Secret the pod mounts), and a Pod object
 with podIP and a Ready condition. Scale-down marks the pod terminating first (deletionTimestamp),
 then deletes it after `grace_s`, as a real kubelet would.
 
-`worker_factory(pod_name, ip, http_port, admin_port, token, template) -> handle` starts a worker;
-the default starts the FastAPI fake worker in-process. A handle has `async stop()`.
+`worker_factory(pod_name, ip, http_port, admin_port, token, template) -> handle` starts a worker and
+returns once it is ready; the default starts the FastAPI fake worker in-process, `real_worker.py`
+runs the real `lorafleet worker` process. A handle has `async stop()`. Pods of one sync start
+together, as a ReplicaSet's would.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import itertools
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,11 +28,13 @@ from tests.operator.kmock_harness import PatchedEmulator
 WorkerFactory = Callable[[str, str, int, int, str, dict[str, Any]], Awaitable[Any]]
 
 _ips = itertools.count(2)
+# Per test process, so concurrent test runs on one machine do not bind the same pod addresses.
+_NET = os.getpid() % 200 + 20
 
 
 def next_ip() -> str:
     n = next(_ips)
-    return f"127.0.{(n // 250) % 250 + 1}.{n % 250 + 2}"
+    return f"127.{_NET}.{(n // 250) % 250 + 1}.{n % 250 + 2}"
 
 
 def _arg(args: list[str], flag: str, default: str) -> str:
@@ -68,6 +73,7 @@ class Kubelet:
     grace_s: float = 0.3
     period_s: float = 0.1
     pods: dict[str, RunningPod] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)  # workers that failed to start
     _counter: itertools.count = field(default_factory=itertools.count)
     _task: asyncio.Task | None = None
 
@@ -95,7 +101,8 @@ class Kubelet:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # keep the kubelet alive; tests see the effect, not a crash
-                print(f"kubelet: {type(exc).__name__}: {exc}")
+                self.errors.append(f"{type(exc).__name__}: {exc}")
+                print(f"kubelet: {self.errors[-1]}")
             await asyncio.sleep(self.period_s)
 
     async def sync(self) -> None:
@@ -109,8 +116,11 @@ class Kubelet:
                           and not self._terminating(n))
             for name in mine[want:]:
                 asyncio.create_task(self._terminate(name))
-            for _ in range(want - len(mine)):
-                await self._start(deployment)
+            started = await asyncio.gather(*(self._start(deployment) for _ in range(want - len(mine))),
+                                           return_exceptions=True)
+            for failure in (r for r in started if isinstance(r, Exception)):
+                self.errors.append(f"{type(failure).__name__}: {failure}")
+                print(f"kubelet: {self.errors[-1]}")
 
     def _terminating(self, name: str) -> bool:
         obj = self.api.get("v1/pods", self.namespace, name)
