@@ -175,6 +175,7 @@ def main() -> None:
         workloads = [("base-only", 0)] + [(f"{d} adapters", d) for d in adapter_counts]
         for label, d in workloads:
             sets = [()] * args.batch if d == 0 else [((names[r % d], 1.0),) for r in range(args.batch)]
+            decode_run(engine, sets, plen, min(args.new_tokens, 16))  # JIT and allocator warm-up at this mix
             res = decode_run(engine, sets, plen, args.new_tokens)
             row = {"workload": label, "adapters": d, "prompt_len": plen, "batch": args.batch, "new_tokens": args.new_tokens,
                    **res, "ceiling_tokens_per_s": round(ceiling, 1)}

@@ -12,6 +12,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float().cpu() - b.float().cpu()).abs().max() / b.float().abs().max())
 
 
+def rel_norm_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||: the error over the whole vocabulary, robust to one unlucky logit."""
+    a, b = a.float().cpu(), b.float().cpu()
+    return float((a - b).norm() / b.norm())
+
+
 def load_hf_base(model_dir) -> torch.nn.Module:
     import transformers
 

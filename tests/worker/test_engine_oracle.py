@@ -36,7 +36,7 @@ REQUESTS = [
 ]
 
 
-def check_against_oracle(run, hf_base, demo_adapters, requests, tolerance, exact_tokens=True):
+def check_against_oracle(run, hf_base, demo_adapters, requests, tolerance, exact_tokens=True, metric=rel_err):
     for (prompt, adapters), rid in zip(requests, run["ids"]):
         seq = run["seqs"][rid]
         got = torch.stack(run["steps"][rid])  # [max_tokens, vocab]
@@ -44,7 +44,7 @@ def check_against_oracle(run, hf_base, demo_adapters, requests, tolerance, exact
         want = oracle_logits(hf_base, demo_adapters, adapters, full)[len(seq.prompt_ids) - 1 :]
         assert got.shape == want.shape
         for step, (g, w) in enumerate(zip(got, want)):
-            err = rel_err(g, w)
+            err = metric(g, w)
             assert err <= tolerance, f"{prompt!r} {adapters} step {step}: relative error {err:.2e}"
         if exact_tokens:  # greedy decoding picked the oracle's argmax every step
             assert seq.output_ids == want.argmax(-1).tolist()
