@@ -1,4 +1,20 @@
-"""`lorafleet operator`: run the kopf operator (namespace-scoped by default)."""
+"""`lorafleet operator`: run the kopf operator (namespace-scoped by default).
+
+High availability, `--peering NAME`: run several replicas, kopf peering keeps exactly one active.
+Every replica writes a keep-alive (its priority, a 60 s lifetime) into the status of the peering
+object NAME: a `KopfPeering` in the watched namespace, or a `ClusterKopfPeering` with `-A`. A
+replica that sees a live peer of higher priority pauses all its watches; it resumes when that
+keep-alive is removed (the peer exited) or expires (the peer was killed: up to 60 s without an
+operator). Equal priorities freeze every replica, so each derives its own from the pod name unless
+`--priority` is given. With `--peering` the peering is mandatory: without kopf's CRDs the operator
+stays paused rather than run unguarded.
+
+Setup: `kubectl apply -f crds/peering/` (kopf's two CRDs), then create the object once, e.g.
+`{apiVersion: kopf.dev/v1, kind: KopfPeering, metadata: {name: NAME, namespace: NS}}` (without
+it the replicas cannot see each other and all of them act); the operator's role needs get/list/watch/patch on it. A takeover needs no hand-over: reconciling is
+level-triggered, so the new leader re-reads every worker's inventory before it acts, and deleted
+adapters stay held by their finalizer until it has unloaded them.
+"""
 
 from __future__ import annotations
 

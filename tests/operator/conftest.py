@@ -73,9 +73,11 @@ async def kubelet(api: PatchedEmulator) -> AsyncIterator[Kubelet]:
 class OperatorRunner:
     """Starts/stops (cancels, as a SIGKILL would) the kopf operator in this event loop."""
 
-    def __init__(self, api: PatchedEmulator, resync_s: float = 1.0) -> None:
+    def __init__(self, api: PatchedEmulator, resync_s: float = 1.0, peering: str | None = None,
+                 priority: int = 0) -> None:
         self.api = api
         self.resync_s = resync_s
+        self.peering, self.priority = peering, priority  # None: standalone
         self.task: asyncio.Task | None = None
         self.memo: Any = None
 
@@ -87,7 +89,7 @@ class OperatorRunner:
 
         info = kopf.ConnectionInfo(server=str(self.api.url).rstrip("/"), insecure=True, token="kmock")
         config = OperatorConfig(
-            redis_url=redis_url, kube_info=info,
+            redis_url=redis_url, kube_info=info, peering=self.peering,
             reconciler=ReconcilerSettings(resync_s=self.resync_s, retry_s=0.3),
             worker_timeout_s=3.0,
         )
@@ -99,10 +101,12 @@ class OperatorRunner:
         settings.queueing.idle_timeout = 0.2
         settings.queueing.exit_timeout = 0.5
         settings.process.ultimate_exiting_timeout = None  # else kopf SIGKILLs the test process
+        settings.peering.lifetime = 3  # a killed peer is presumed dead after this (default 60 s)
         self.memo = kopf.Memo()
         ready = asyncio.Event()
         self.task = asyncio.create_task(kopf.operator(
-            registry=registry, settings=settings, standalone=True, namespaces=["default"],
+            registry=registry, settings=settings, standalone=self.peering is None, namespaces=["default"],
+            peering_name=self.peering, priority=self.priority,
             memo=self.memo, ready_flag=ready,
         ))
         await asyncio.wait_for(ready.wait(), timeout=10)
