@@ -21,6 +21,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def lora_module_arg(text: str) -> tuple[str, str]:
+    """argparse type for vLLM's `--lora-modules name=path` (shared by the worker, router and CLI tools)."""
+    import argparse
+
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules expects name=path, got {text!r}")
+    return name, path
+
+
 def usage() -> str:
     width = max(map(len, COMMANDS))
     lines = ["usage: lorafleet COMMAND [ARGS...]", "", "commands:"]

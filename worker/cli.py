@@ -11,17 +11,11 @@ import asyncio
 import logging
 import sys
 
+from lorafleet.cli import lora_module_arg
 from lorafleet.worker.config import ConfigError, EngineConfig, ModelConfig
 from lorafleet.worker.settings import WorkerSettings
 
 log = logging.getLogger("lorafleet.worker")
-
-
-def _lora_module(text: str) -> tuple[str, str]:
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
-    return name, path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="public API port (default 8000)")
     p.add_argument("--admin-port", type=int, help="serve the admin API on this port only (default: on --port)")
     p.add_argument("--admin-host", help="bind address of --admin-port (default: --host)")
-    p.add_argument("--lora-modules", type=_lora_module, nargs="+", action="extend", default=[],
+    p.add_argument("--lora-modules", type=lora_module_arg, nargs="+", action="extend", default=[],
                    metavar="NAME=PATH", help="adapters loaded at start-up; repeat the flag or list several")
     p.add_argument("--enable-lora", action="store_true", help="accepted for vLLM compatibility (always on)")
     p.add_argument("--max-loras", type=int, default=d.max_loras, help="GPU slots: distinct adapters per batch")

@@ -11,19 +11,9 @@ import json
 import logging
 import sys
 
+from lorafleet.cli import lora_module_arg
 from lorafleet.worker.config import ConfigError, EngineConfig
 from lorafleet.worker.lora.adapter import AdapterError
-
-
-def parse_lora_modules(items: list[str]) -> dict[str, str]:
-    """vLLM's `--lora-modules name=path` (repeatable)."""
-    modules: dict[str, str] = {}
-    for item in items:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise argparse.ArgumentTypeError(f"--lora-modules expects name=path, got {item!r}")
-        modules[name] = path
-    return modules
 
 
 def parse_adapter_set(text: str) -> list[tuple[str, float]]:
@@ -44,7 +34,7 @@ def main(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="lorafleet generate", description="Offline batched generation.")
     p.add_argument("--model", required=True, help="Hugging Face model folder")
-    p.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH")
+    p.add_argument("--lora-modules", type=lora_module_arg, nargs="*", default=[], metavar="NAME=PATH")
     p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     p.add_argument("--adapter", action="append", default=[], help="per prompt: '', 'name' or 'a:0.7,b:0.5'")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -58,7 +48,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        modules = parse_lora_modules(args.lora_modules)
+        modules = dict(args.lora_modules)
         adapter_sets = [parse_adapter_set(a) for a in args.adapter] + [[]] * (len(args.prompt) - len(args.adapter))
         if len(adapter_sets) != len(args.prompt):
             p.error("more --adapter than --prompt")
