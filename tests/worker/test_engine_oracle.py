@@ -66,3 +66,16 @@ def test_adapters_change_the_output(demo_model, demo_adapters):
     outs = engine.generate(["Hello world"] * 5, sp, [()] + [((n, 1.0),) for n in names])
     token_runs = {tuple(o.token_ids) for o in outs}
     assert len(token_runs) == 5, "every adapter (and the base) should decode differently"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_tracks_the_fp32_oracle(dtype, demo_model, demo_adapters, hf_base):
+    """bf16 / fp16 weights and KV cache on CPU: same function within half-precision rounding."""
+    from .peft_oracle import rel_norm_err
+
+    config = EngineConfig(max_loras=6, max_cpu_loras=8, dtype=dtype)
+    engine = LLMEngine(demo_model, config, lora_modules={n: str(p) for n, p in demo_adapters.items()})
+    assert engine.model.weights["embed"].dtype == getattr(torch, dtype)
+    requests = REQUESTS[:4] + REQUESTS[7:8]  # base, three adapters, composed
+    run = run_engine_with_logits(engine, requests, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    check_against_oracle(run, hf_base, demo_adapters, requests, 5e-2, exact_tokens=False, metric=rel_norm_err)
