@@ -295,8 +295,9 @@ class _Fleet:
         o = self.options
         settings = RouterSettings(
             host=o.host, port=o.port, workers=tuple(w.url for w in self.workers),
+            # No static catalog: the control loop publishes it to the store, so that a deleted adapter
+            # leaves the router's catalog too (static entries would stay loadable).
             redis_url=self.redis_url, redis_prefix=self.prefix,
-            lora_modules={n: str(self.run_dir.adapters / n) for n in self.demo},
             admin_token=self.token, poll_interval_s=1.0,
         )
         app = create_app(settings, store=memory)
@@ -309,7 +310,7 @@ class _Fleet:
         http.event_hooks = {**http.event_hooks, "request": [*http.event_hooks.get("request", []), admin_token_hook(self.token)]}
 
     async def wait_placed(self, controller, stopped: asyncio.Event) -> None:
-        """Until every demo adapter is Ready and the router routes to the workers."""
+        """Until every demo adapter is Ready and the router routes to the workers and lists them."""
         assert self.http is not None
         deadline = time.monotonic() + self.options.ready_timeout_s
         while not stopped.is_set():
@@ -317,8 +318,10 @@ class _Fleet:
             placed = bool(phases) and all(phases.get(n) == "Ready" for n in self.demo)
             router_ok = False
             if placed:
-                with contextlib.suppress(httpx.HTTPError):
-                    router_ok = (await self.http.get(f"{self.router_url}/ready", timeout=1.0)).status_code == 200
+                with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                    ready = (await self.http.get(f"{self.router_url}/ready", timeout=1.0)).status_code == 200
+                    models = (await self.http.get(f"{self.router_url}/v1/models", timeout=1.0)).json()["data"]
+                    router_ok = ready and set(self.demo) <= {m["id"] for m in models}
             if placed and router_ok:
                 return
             if time.monotonic() > deadline:

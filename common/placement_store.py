@@ -69,6 +69,9 @@ class PlacementStore(Protocol):
 
     async def catalog(self) -> dict[str, str]: ...
 
+    async def remove_catalog(self, name: str) -> None:
+        """The adapter was deleted: routers stop routing to it and never cold-load it again."""
+
     async def close(self) -> None: ...
 
 
@@ -152,6 +155,9 @@ class MemoryPlacementStore:
 
     async def catalog(self) -> dict[str, str]:
         return dict(self._catalog)
+
+    async def remove_catalog(self, name: str) -> None:
+        self._catalog.pop(name, None)
 
     async def close(self) -> None:
         return None
@@ -259,6 +265,9 @@ class RedisPlacementStore:
 
     async def catalog(self) -> dict[str, str]:
         return dict(await self._r.hgetall(self._k("catalog")))
+
+    async def remove_catalog(self, name: str) -> None:
+        await self._r.hdel(self._k("catalog"), name)
 
     async def close(self) -> None:
         await self._r.aclose()

@@ -216,6 +216,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         fleet.forget_adapter(namespace, name)
         pool = spec.get("pool")
         if not pool or (namespace, pool) not in fleet.pools:
+            await fleet.remove_from_catalog(name)
             return  # never placed anywhere this operator knows
         pending = await fleet.pool(namespace, pool).unload_everywhere(name)
         if pending:

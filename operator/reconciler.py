@@ -425,6 +425,11 @@ class PoolReconciler:
         """
         self.forget_adapter(adapter)
         async with self._round_lock:  # no round may load it again meanwhile
+            if self.store is not None:
+                try:  # first, so that no router cold-loads it back while the unloads run
+                    await self.store.remove_catalog(adapter)
+                except Exception as exc:
+                    log.warning("placement store: %s not removed from the catalog: %s", adapter, exc)
             return await self._unload_everywhere(adapter)
 
     async def _unload_everywhere(self, adapter: str) -> list[str]:
@@ -482,6 +487,14 @@ class Fleet:
             self.pool(spec.namespace, previous).forget_adapter(spec.name)
         self.adapter_pool[key] = spec.pool
         self.pool(spec.namespace, spec.pool).upsert_adapter(spec, generation, status)
+
+    async def remove_from_catalog(self, name: str) -> None:
+        """For an adapter deleted before any pool reconciler knew it (its pool's does this itself)."""
+        if self.store is not None:
+            try:
+                await self.store.remove_catalog(name)
+            except Exception as exc:
+                log.warning("placement store: %s not removed from the catalog: %s", name, exc)
 
     def forget_adapter(self, namespace: str, name: str) -> PoolReconciler | None:
         pool = self.adapter_pool.pop((namespace, name), None)

@@ -30,6 +30,7 @@ from lorafleet.protocol import (
     ErrorResponse,
     LoraAdapterRef,
 )
+from lorafleet.router.admin_tokens import AdminTokens
 from lorafleet.router.discovery import SA_DIR, Discovery, KubernetesDiscovery, StaticDiscovery
 from lorafleet.router.fleet import Fleet, Replica
 from lorafleet.router.loader import AdapterLoader, LoadFailed
@@ -124,21 +125,19 @@ def create_app(settings: RouterSettings, *, store: PlacementStore | None = None)
         if settings.discovery == "kubernetes":
             k8s_http = httpx.AsyncClient(verify=str(SA_DIR / "ca.crt"), timeout=5.0)
             discovery = KubernetesDiscovery(
-                k8s_http, settings.k8s_namespace, settings.k8s_selector, settings.k8s_port
+                k8s_http,
+                settings.k8s_namespace,
+                settings.k8s_selector,
+                settings.k8s_port,
+                settings.k8s_admin_port,
             )
         else:
             discovery = StaticDiscovery(settings.workers)
         fleet = Fleet(settings.replica_capacity, settings.eject_after_failures, settings.eject_cooldown_s)
         catalog = dict(settings.lora_modules)
+        tokens = AdminTokens(settings.admin_token_file, settings.admin_token_dir, settings.admin_token)
         sync = PlacementSync(
-            fleet,
-            placement,
-            discovery,
-            http,
-            metrics,
-            settings.placement_ttl_s,
-            catalog,
-            settings.admin_token,
+            fleet, placement, discovery, http, metrics, settings.placement_ttl_s, catalog, tokens
         )
         with contextlib.suppress(Exception):
             await placement.set_catalog(catalog)
@@ -147,7 +146,7 @@ def create_app(settings: RouterSettings, *, store: PlacementStore | None = None)
             http=http,
             fleet=fleet,
             sync=sync,
-            loader=AdapterLoader(http, sync, metrics, catalog, settings.admin_token, settings.load_timeout_s),
+            loader=AdapterLoader(http, sync, metrics, catalog, tokens, settings.load_timeout_s),
             limiter=RateLimiter(redis_client, metrics, settings.redis_prefix),
             tenants=tenants,
             policy=_make_policy(settings),
@@ -216,7 +215,7 @@ async def list_models(request: Request, gw: GatewayDep) -> JSONResponse:
     bases = sorted(m for m in gw.fleet.base_models() if tenant.may_use_model(m))
     adapters = set(gw.catalog)
     for replica in gw.fleet.replicas.values():
-        adapters.update(replica.residency())
+        adapters.update(a for a in replica.residency() if a not in gw.sync.retired)
     parent = bases[0] if len(bases) == 1 else None
     data: list[dict[str, Any]] = [
         {"id": m, "object": "model", "created": 0, "owned_by": "lorafleet"} for m in bases
@@ -284,7 +283,7 @@ def _resolve(payload: dict, gw: Gateway) -> tuple[str, tuple[str, ...]] | None:
 
 
 def _adapter_known(name: str, gw: Gateway) -> bool:
-    return name in gw.catalog or any(name in r.residency() for r in gw.fleet.replicas.values())
+    return gw.sync.known(name)
 
 
 async def generate(request: Request, gw: GatewayDep, path: str) -> Response:
@@ -355,7 +354,6 @@ async def generate(request: Request, gw: GatewayDep, path: str) -> Response:
         t0 = time.perf_counter()
         try:
             await _prepare(gw, replica, decision, adapters)
-            t1 = time.perf_counter()
             headers = upstream_headers(request.headers, {HEADER_TENANT: tenant.name})
             response = await send_once(gw.http, replica.url + path, body, headers, stream)
         except (LoadFailed, UpstreamFailed) as exc:
@@ -381,9 +379,7 @@ async def generate(request: Request, gw: GatewayDep, path: str) -> Response:
             await _finish(gw, replica, adapters, lease, tenant, adapter_label, status)
             gw.metrics.added_latency.observe(max(0.0, time.perf_counter() - started - waited))
             return Response(response.content, response.status_code, out_headers)
-        gw.metrics.added_latency.observe(
-            max(0.0, time.perf_counter() - started - (t1 - t0) - waited + (t1 - t0))
-        )
+        gw.metrics.added_latency.observe(max(0.0, time.perf_counter() - started - waited))
 
         async def on_close(ok: bool, replica: Replica = replica, status: str = status) -> None:
             await _finish(

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from types import MappingProxyType
 
+from lorafleet.router.discovery import parse_worker
 from lorafleet.router.scheduling.policies import POLICIES
 from lorafleet.router.settings import RouterSettings
 from lorafleet.router.tenants import hash_api_key
@@ -34,13 +35,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--worker",
         action="append",
         default=[],
-        metavar="URL",
-        help="worker base URL (repeat); static discovery",
+        metavar="URL[,admin=URL][,pool=NAME]",
+        help="worker base URL (repeat); static discovery. admin=: its admin API when the worker runs with "
+        "--admin-port (default: the same URL); pool=: its LoraPool, picks the token in --admin-token-dir",
     )
     p.add_argument("--discovery", choices=["static", "kubernetes"], default=d.discovery)
     p.add_argument("--k8s-namespace", default=d.k8s_namespace)
     p.add_argument("--k8s-selector", default=d.k8s_selector, help="label selector of the worker pods")
-    p.add_argument("--k8s-port", type=int, default=d.k8s_port)
+    p.add_argument("--k8s-port", type=int, default=d.k8s_port, help="the workers' public API port")
+    p.add_argument(
+        "--k8s-admin-port",
+        type=int,
+        default=None,
+        help="the workers' admin API port (default: the pod's container port named `admin`, else --k8s-port)",
+    )
     p.add_argument(
         "--redis-url", default=None, help="shared placement state and tenant limits; none: in-process"
     )
@@ -54,7 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--lora-modules", nargs="*", default=[], metavar="NAME=PATH", help="adapter catalog (static mode)"
     )
     p.add_argument(
-        "--admin-token-file", type=Path, default=None, help="bearer token for the workers' load/unload API"
+        "--admin-token-file",
+        type=Path,
+        default=None,
+        help="bearer token for the workers' admin API (every pool; fallback for --admin-token-dir); "
+        "re-read when it changes",
+    )
+    p.add_argument(
+        "--admin-token-dir",
+        type=Path,
+        default=None,
+        help="one token file per LoraPool, named by the pool (mounted `<pool>-admin-token` Secrets); "
+        "re-read when they change",
     )
     p.add_argument("--policy", choices=sorted(POLICIES), default=d.policy)
     p.add_argument(
@@ -76,7 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace) -> RouterSettings:
-    token = args.admin_token_file.read_text().strip() if args.admin_token_file else None
+    """Raises OSError for an unreadable token file or folder, ValueError for a bad --worker."""
+    for w in args.worker:
+        parse_worker(w)
+    if args.admin_token_file is not None:
+        args.admin_token_file.read_text()  # fail at start-up, not at the first cold load
+    if args.admin_token_dir is not None and not args.admin_token_dir.is_dir():
+        raise NotADirectoryError(f"--admin-token-dir {args.admin_token_dir}: not a directory")
     return RouterSettings(
         host=args.host,
         port=args.port,
@@ -85,10 +110,12 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         k8s_namespace=args.k8s_namespace,
         k8s_selector=args.k8s_selector,
         k8s_port=args.k8s_port,
+        k8s_admin_port=args.k8s_admin_port,
         redis_url=args.redis_url,
         tenants_file=args.tenants_file,
         lora_modules=MappingProxyType(parse_lora_modules(args.lora_modules)),
-        admin_token=token,
+        admin_token_file=args.admin_token_file,
+        admin_token_dir=args.admin_token_dir,
         policy=args.policy,
         poll_interval_s=args.poll_interval,
         load_timeout_s=args.load_timeout,
@@ -105,7 +132,7 @@ def main(argv: list[str]) -> int:
         return 0
     try:
         settings = settings_from_args(args)
-    except (OSError, argparse.ArgumentTypeError) as exc:
+    except (OSError, ValueError, argparse.ArgumentTypeError) as exc:
         print(f"lorafleet router: {exc}", file=sys.stderr)
         return 2
     if settings.discovery == "static" and not settings.workers:

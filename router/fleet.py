@@ -13,13 +13,16 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from lorafleet.protocol import AdapterInventory
+from lorafleet.router.discovery import Endpoint
 from lorafleet.router.scheduling.types import EndpointView
 
 
 @dataclass(slots=True)
 class Replica:
     name: str
-    url: str
+    url: str  # public API
+    admin_url: str = ""  # admin API (inventory, load/unload); "" means the public URL
+    pool: str | None = None  # LoraPool: picks the admin token
     inventory: AdapterInventory | None = None
     polled_at: float = 0.0
     reachable: bool = False  # last poll answered (or a request just succeeded)
@@ -33,6 +36,10 @@ class Replica:
     inflight: int = 0
     inflight_by_adapter: Counter[str] = field(default_factory=Counter)
     transient: set[str] = field(default_factory=set)  # loaded but not admitted: unload when idle
+
+    def __post_init__(self) -> None:
+        if not self.admin_url:
+            self.admin_url = self.url
 
     def residency(self) -> dict[str, str]:
         tiers: dict[str, str] = dict(self.shared)
@@ -86,14 +93,16 @@ class Fleet:
     clock: Callable[[], float] = time.monotonic
     replicas: dict[str, Replica] = field(default_factory=dict)
 
-    def set_endpoints(self, endpoints: Iterable[tuple[str, str]]) -> None:
-        """Adopt the discovered (name, url) list; replicas that left are dropped, state kept for the rest."""
-        wanted = dict(endpoints)
-        for name in list(self.replicas):
-            if name not in wanted or self.replicas[name].url != wanted[name]:
+    def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
+        """Adopt the discovered endpoints; replicas that left or moved are dropped, state kept for the rest."""
+        wanted = {e.name: e for e in endpoints}
+        for name, r in list(self.replicas.items()):
+            e = wanted.get(name)
+            if e is None or (r.url, r.admin_url, r.pool) != (e.url, e.admin_url, e.pool):
                 del self.replicas[name]
-        for name, url in wanted.items():
-            self.replicas.setdefault(name, Replica(name, url))
+        for name, e in wanted.items():
+            if name not in self.replicas:
+                self.replicas[name] = Replica(name, e.url, e.admin_url, e.pool)
 
     def views(self, exclude: Iterable[str] = ()) -> list[EndpointView]:
         now = self.clock()

@@ -13,6 +13,7 @@ import logging
 import httpx
 
 from lorafleet.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+from lorafleet.router.admin_tokens import AdminTokens
 from lorafleet.router.fleet import Replica
 from lorafleet.router.metrics import RouterMetrics
 from lorafleet.router.placement import PlacementSync
@@ -33,7 +34,7 @@ class AdapterLoader:
         sync: PlacementSync,
         metrics: RouterMetrics,
         catalog: dict[str, str],
-        admin_token: str | None,
+        tokens: AdminTokens,
         timeout_s: float,
     ) -> None:
         self.http = http
@@ -41,7 +42,7 @@ class AdapterLoader:
         self.metrics = metrics
         self.catalog = catalog
         self.timeout_s = timeout_s
-        self._headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self.tokens = tokens
         self.loads_started = 0
 
     def can_load(self, adapter: str) -> bool:
@@ -76,9 +77,9 @@ class AdapterLoader:
             body = LoadLoraAdapterRequest(lora_name=name, lora_path=path).model_dump(exclude_defaults=True)
             try:
                 resp = await self.http.post(
-                    f"{replica.url}/v1/load_lora_adapter",
+                    f"{replica.admin_url}/v1/load_lora_adapter",
                     json=body,
-                    headers=self._headers,
+                    headers=self.tokens.headers(replica.pool),
                     timeout=self.timeout_s,
                 )
             except httpx.HTTPError as exc:
@@ -104,7 +105,10 @@ class AdapterLoader:
         body = UnloadLoraAdapterRequest(lora_name=name).model_dump(exclude_none=True)
         try:
             resp = await self.http.post(
-                f"{replica.url}/v1/unload_lora_adapter", json=body, headers=self._headers, timeout=10.0
+                f"{replica.admin_url}/v1/unload_lora_adapter",
+                json=body,
+                headers=self.tokens.headers(replica.pool),
+                timeout=10.0,
             )
         except httpx.HTTPError:
             return

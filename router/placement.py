@@ -12,11 +12,13 @@ import contextlib
 import logging
 import time
 from collections import Counter
+from collections.abc import Mapping
 
 import httpx
 
 from lorafleet.placement_store import PlacementStore, residency_of
 from lorafleet.protocol import AdapterInventory
+from lorafleet.router.admin_tokens import AdminTokens
 from lorafleet.router.discovery import Discovery
 from lorafleet.router.fleet import Fleet, Replica
 from lorafleet.router.metrics import RouterMetrics
@@ -34,7 +36,8 @@ class PlacementSync:
         metrics: RouterMetrics,
         ttl_s: float,
         catalog: dict[str, str],
-        admin_token: str | None = None,
+        tokens: AdminTokens | None = None,
+        static_catalog: Mapping[str, str] | None = None,
     ) -> None:
         self.fleet = fleet
         self.store = store
@@ -42,9 +45,14 @@ class PlacementSync:
         self.http = http
         self.metrics = metrics
         self.ttl_s = ttl_s
-        self.catalog = catalog  # shared with the loader; static entries + the store's catalog
-        # The inventory is on the workers' admin API (it lists adapter paths): same bearer token.
-        self._headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        # Shared with the loader and the gateway, updated in place: static entries + the store's.
+        self.catalog = catalog
+        self.static_catalog = dict(catalog if static_catalog is None else static_catalog)
+        # Adapters deleted from the store's catalog (LoraAdapter deleted): not routable even while a
+        # replica still reports them (the operator's unload is on its way), until they come back.
+        self.retired: set[str] = set()
+        # The inventory is on the workers' admin API (it lists adapter paths): the pool's token.
+        self.tokens = tokens or AdminTokens()
         self.store_up = True
         self.demand: Counter[str] = Counter()  # requests per adapter since the last publish
         metrics.store_up.set(1)
@@ -67,7 +75,9 @@ class PlacementSync:
     async def _poll(self, replica: Replica) -> None:
         started = self.fleet.clock()
         try:
-            resp = await self.http.get(f"{replica.url}/v1/adapters", headers=self._headers, timeout=2.0)
+            resp = await self.http.get(
+                f"{replica.admin_url}/v1/adapters", headers=self.tokens.headers(replica.pool), timeout=2.0
+            )
             resp.raise_for_status()
             replica.apply_poll(AdapterInventory.model_validate(resp.json()), started)
         except (httpx.HTTPError, ValueError):
@@ -99,7 +109,7 @@ class PlacementSync:
             demand, self.demand = self.demand, Counter()
             await self.store.record_demand(demand)
             snapshot = await self.store.snapshot()
-            self.catalog.update(await self.store.catalog())
+            shared_catalog = await self.store.catalog()
         except Exception:
             self._store_failed("sync")
             return
@@ -108,10 +118,29 @@ class PlacementSync:
             log.warning("placement store answers again: republished and resynced")
         self.store_up = True
         self.metrics.store_up.set(1)
+        self.adopt_catalog(shared_catalog)
         for name, placement in snapshot.items():
             replica = self.fleet.replicas.get(name)
             if replica is not None:
                 replica.shared = dict(placement.adapters)
+
+    def adopt_catalog(self, shared: Mapping[str, str]) -> None:
+        """The catalog is the static entries plus the store's; what left the store leaves the catalog."""
+        merged = {**self.static_catalog, **shared}
+        # An empty store catalog is more likely a Redis that lost its data than every adapter deleted:
+        # drop the entries (no cold loads) but keep routing to where they still are.
+        gone = self.catalog.keys() - merged.keys() if shared else set()
+        self.retired = (self.retired | gone) - merged.keys()
+        self.catalog.clear()  # in place, no await between: the loader and gateway share the dict
+        self.catalog.update(merged)
+
+    def known(self, adapter: str) -> bool:
+        """In the catalog, or resident on a replica and not deleted (start-up adapters of a worker)."""
+        if adapter in self.catalog:
+            return True
+        return adapter not in self.retired and any(
+            adapter in r.residency() for r in self.fleet.replicas.values()
+        )
 
     def _store_failed(self, op: str) -> None:
         self.metrics.store_errors.labels(op).inc()

@@ -13,12 +13,15 @@ from typing import Literal
 class RouterSettings:
     host: str = "127.0.0.1"
     port: int = 8000
-    # Endpoint discovery: a static list of worker base URLs, or the pods of a worker pool.
+    # Endpoint discovery: a static list of workers, or the pods of a worker pool. A static entry is
+    # `URL[,admin=URL][,pool=NAME]` (see `discovery.parse_worker`).
     discovery: Literal["static", "kubernetes"] = "static"
     workers: tuple[str, ...] = ()
     k8s_namespace: str = "default"
     k8s_selector: str = "app.kubernetes.io/component=worker"
     k8s_port: int = 8000
+    # The workers' admin port; None: the pod's container port named `admin`, else k8s_port.
+    k8s_admin_port: int | None = None
     # None: in-process placement state and rate limits (one router process only).
     redis_url: str | None = None
     redis_prefix: str = "lorafleet"
@@ -26,7 +29,11 @@ class RouterSettings:
     tenants_file: Path | None = None
     # Adapter catalog for static mode: name -> source path as the workers see it.
     lora_modules: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # Admin-API bearer tokens: a file per pool in admin_token_dir, else admin_token_file, else
+    # admin_token; files are re-read when they change (see `admin_tokens.py`).
     admin_token: str | None = None
+    admin_token_file: Path | None = None
+    admin_token_dir: Path | None = None
     policy: str = "lorafleet"
     load_factor: float = 1.25
     # Placement polling: each worker's GET /v1/adapters, published to the store with this TTL.

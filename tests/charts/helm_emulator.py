@@ -40,6 +40,8 @@ EXTRA_KINDS: dict[str, tuple[str, bool]] = {
     "autoscaling/v2/horizontalpodautoscalers": ("HorizontalPodAutoscaler", True),
     "monitoring.coreos.com/v1/servicemonitors": ("ServiceMonitor", True),
     "gateway.networking.k8s.io/v1/httproutes": ("HTTPRoute", True),
+    "kopf.dev/v1/kopfpeerings": ("KopfPeering", True),
+    "kopf.dev/v1/clusterkopfpeerings": ("ClusterKopfPeering", False),
 }
 
 

@@ -77,13 +77,19 @@ def test_install_creates_every_rendered_object(render: Any) -> None:
         key = (o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"])
         assert key in stored, f"{key} rendered but not in the emulator"
     crds = {o["metadata"]["name"] for o in result["objects"] if o["kind"] == "CustomResourceDefinition"}
-    assert crds == {"lorapools.lorafleet.dev", "loraadapters.lorafleet.dev"}
+    assert crds == {
+        "lorapools.lorafleet.dev", "loraadapters.lorafleet.dev", "kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev",
+    }
     assert "loraadapters" in result["notes"].lower() and "/v1/completions" in result["notes"]
 
 
 # ---- valid Kubernetes objects ------------------------------------------------------------------
 
-CRD_KINDS = {"LoraPool": "lorapools.lorafleet.dev.yaml"}
+CRD_KINDS = {
+    "LoraPool": "lorapools.lorafleet.dev.yaml",
+    "KopfPeering": "peering/kopfpeerings.kopf.dev.yaml",
+    "ClusterKopfPeering": "peering/clusterkopfpeerings.kopf.dev.yaml",
+}
 # Third-party kinds (Prometheus Operator, Gateway API): schemas not bundled; checked structurally.
 FOREIGN = {"ServiceMonitor": "monitoring.coreos.com/v1", "HTTPRoute": "gateway.networking.k8s.io/v1"}
 
@@ -287,6 +293,20 @@ def test_router_flags_parse_and_tenants_load(render: Any, tmp_path: Path) -> Non
             assert not registry.open
     if args.admin_token_file is not None:
         assert str(args.admin_token_file.parent) in mounts
+    assert args.k8s_admin_port == values.get("router", {}).get("workerAdminPort", 8001)
+    pools = list(values.get("router", {}).get("adminTokenPools", []))
+    if values.get("defaultPool", {}).get("enabled"):
+        pools.insert(0, values["defaultPool"].get("name", "default"))
+    volumes = {v["name"]: v for v in one(objs, "Deployment", "-router")["spec"]["template"]["spec"]["volumes"]}
+    if not pools:
+        assert args.admin_token_dir is None
+    else:
+        # One file per pool, named by the pool: what the router looks up by the pod's pool label.
+        assert mounts[str(args.admin_token_dir)] == "admin-tokens"
+        sources = [src["secret"] for src in volumes["admin-tokens"]["projected"]["sources"]]
+        assert [(s["name"], s["items"]) for s in sources] == [
+            (f"{p}-admin-token", [{"key": "token", "path": p}]) for p in dict.fromkeys(pools)
+        ]
 
 
 def test_workers_are_selected_as_the_operator_labels_them(render: Any) -> None:
@@ -304,6 +324,10 @@ def test_workers_are_selected_as_the_operator_labels_them(render: Any) -> None:
     assert dict(kv.split("=") for kv in selector.split(",")).items() <= worker_labels.items()
     port = next(a.split("=", 1)[1] for a in router["args"] if a.startswith("--k8s-port="))
     assert int(port) == pool.http_port
+    admin_port = next(a.split("=", 1)[1] for a in router["args"] if a.startswith("--k8s-admin-port="))
+    assert int(admin_port) == pool.admin_port
+    for lorapool in by_kind(objs, "LoraPool"):
+        assert lorapool["spec"]["ports"] == {"http": pool.http_port, "admin": pool.admin_port}
     for np in by_kind(objs, "NetworkPolicy"):
         assert np["spec"]["podSelector"]["matchLabels"].items() <= worker_labels.items()
         admin_rules = [r for r in np["spec"]["ingress"] if any(p["port"] == "admin" for p in r["ports"])]
@@ -330,8 +354,26 @@ def test_default_pool_token_is_the_one_the_router_mounts() -> None:
     token = one(objs, "Secret", f"{pool['metadata']['name']}-admin-token")
     router = one(objs, "Deployment", "-router")
     vols = {v["name"]: v for v in router["spec"]["template"]["spec"]["volumes"]}
-    assert vols["admin-token"]["secret"]["secretName"] == token["metadata"]["name"]
+    sources = [s["secret"] for s in vols["admin-tokens"]["projected"]["sources"]]
+    assert sources[0]["name"] == token["metadata"]["name"] and sources[0]["optional"] is False
+    assert all(s["optional"] for s in sources[1:]), "pools made later by the operator may lack a Secret yet"
     assert len(base64.b64decode(token["data"]["token"])) >= 32
+
+
+def test_peering_objects_follow_scope() -> None:
+    """HA: the chart creates the peering object the operator replicas share (kopf does not)."""
+    full = manifests(installed("full"))
+    peerings = by_kind(full, "KopfPeering")
+    assert {p["metadata"]["namespace"] for p in peerings} == {"default", "team-a"}
+    assert {p["metadata"]["name"] for p in peerings} == {VALUE_SETS["full"]["operator"]["peering"].get("name", "lorafleet")}
+    c = container(one(full, "Deployment", "-operator"))
+    assert f"--peering={peerings[0]['metadata']['name']}" in c["args"]
+    assert not by_kind(manifests(installed("default")), "KopfPeering")
+    cluster = run_helm("install", {"operator": {"scope": "cluster", "replicas": 2, "peering": {"enabled": True}}})
+    assert cluster["ok"], cluster.get("error")
+    objs = manifests(cluster)
+    assert [p["metadata"]["name"] for p in by_kind(objs, "ClusterKopfPeering")] == ["lorafleet"]
+    assert not by_kind(objs, "KopfPeering")
 
 
 def test_optional_objects_follow_their_switches() -> None:
@@ -356,8 +398,10 @@ def test_optional_objects_follow_their_switches() -> None:
     ({"redis": {"mode": "none"}}, "needs redis.mode bundled or external"),
     ({"redis": {"mode": "external"}}, "needs redis.external.host"),
     ({"tenants": {"open": True, "existingSecret": "t"}}, "contradicts"),
+    ({"router": {"workerAdminPort": 8000}}, "must differ"),
+    ({"router": {"adminTokenPools": ["Bad_Name"]}}, "adminTokenPools"),
 ], ids=["enum", "unknown-key", "scope", "hash", "ha-without-peering", "replicas-without-redis", "external-no-host",
-        "open-and-keys"])
+        "open-and-keys", "same-ports", "bad-pool-name"])
 def test_bad_values_are_refused_with_a_message(helm: None, values: dict[str, Any], message: str) -> None:
     out = run_helm("install", values)
     assert not out["ok"], f"{values} was accepted"

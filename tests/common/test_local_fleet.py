@@ -144,7 +144,7 @@ def complete(client, model: str, **extra) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_local_fleet_end_to_end(fleet: Fleet) -> None:
-    from openai import OpenAI
+    from openai import NotFoundError, OpenAI
 
     banner = "".join(fleet.stdout)
     assert f"{fleet.url}/v1" in banner and "curl" in banner and "from openai import OpenAI" in banner
@@ -191,6 +191,16 @@ def test_local_fleet_end_to_end(fleet: Fleet) -> None:
         "spec: {pool: local, source: sql, replicas: {min: 0, max: 0}}\n"
     ))
     assert bad.returncode == 1 and "spec.replicas.max" in bad.stderr, bad.stderr
+
+    # Deleted: out of the router's catalog too, so a request is a 404 and never a cold load back.
+    deleted = fleet.adapters("delete", "sql-writer")
+    assert deleted.returncode == 0, deleted.stdout + deleted.stderr
+    deadline = time.monotonic() + 10
+    while "sql-writer" in {m.id for m in client.models.list().data}:
+        assert time.monotonic() < deadline, "the router still lists a deleted adapter"
+        time.sleep(0.2)
+    with pytest.raises(NotFoundError):
+        complete(client, "sql-writer")
 
     # SIGTERM: everything stops, nothing is left.
     worker_pids = [w["pid"] for w in state["workers"]]

@@ -116,6 +116,16 @@ async def test_catalog_roundtrip(store_and_clock):
     assert await store.ping()
 
 
+async def test_remove_catalog(store_and_clock):
+    store, _ = store_and_clock
+    await store.set_catalog({"a": "/adapters/a", "b": "/adapters/b"})
+    await store.remove_catalog("a")
+    await store.remove_catalog("never-there")  # deleting twice (a finalizer retried) is fine
+    assert await store.catalog() == {"b": "/adapters/b"}
+    await store.set_catalog({"a": "/adapters/a2"})  # re-created: back in the catalog
+    assert await store.catalog() == {"a": "/adapters/a2", "b": "/adapters/b"}
+
+
 def test_residency_of_skips_disk_tier():
     inv = AdapterInventory(
         model="base",

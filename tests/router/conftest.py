@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 import uvicorn
 
+from lorafleet.placement_store import PlacementStore
 from lorafleet.router.api import create_app
 from lorafleet.router.settings import RouterSettings
 from tests.router.fake_worker import FakeWorkerConfig, FakeWorkerProcess, free_port, wait_http
@@ -24,13 +25,12 @@ CATALOG = {"a": "/adapters/a", "b": "/adapters/b", "c": "/adapters/c", "d": "/ad
 class RouterThread:
     """`create_app(settings)` served by real uvicorn on 127.0.0.1 in a background thread."""
 
-    def __init__(self, settings: RouterSettings) -> None:
+    def __init__(self, settings: RouterSettings, store: PlacementStore | None = None) -> None:
         self.port = free_port()
         self.settings = replace(settings, host="127.0.0.1", port=self.port)
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(
-            create_app(self.settings), host="127.0.0.1", port=self.port, log_level="warning"
-        )
+        self.app = create_app(self.settings, store=store)
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -61,7 +61,7 @@ class RouterThread:
 
 def router_settings(workers: list[FakeWorkerProcess], **overrides) -> RouterSettings:
     base = RouterSettings(
-        workers=tuple(w.url for w in workers),
+        workers=tuple(w.worker_arg for w in workers),
         lora_modules=dict(CATALOG),
         admin_token=ADMIN_TOKEN,
         poll_interval_s=0.2,

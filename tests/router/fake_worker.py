@@ -49,6 +49,10 @@ class FakeWorkerConfig:
     load_delay_s: float = 0.2
     token_delay_s: float = 0.005
     tokens: int = 4
+    admin_port: int | None = None  # like `lorafleet worker --admin-port`: admin routes only there
+
+
+ADMIN_PATHS = ("/v1/adapters", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
 def _err(status: int, message: str, type_: str = "invalid_request_error") -> JSONResponse:
@@ -62,6 +66,16 @@ def create_fake_worker(cfg: FakeWorkerConfig) -> FastAPI:
     served: Counter[str] = Counter()
     inflight: Counter[str] = Counter()
     loading: dict[str, asyncio.Future[None]] = {}
+
+    if cfg.admin_port is not None:
+
+        @app.middleware("http")
+        async def split_ports(request: Request, call_next):
+            # Admin routes answer on the admin port only, everything else on the public port only.
+            on_admin = request.scope["server"][1] == cfg.admin_port
+            if request.url.path != "/health" and (request.url.path in ADMIN_PATHS) != on_admin:
+                return _err(404, "Not Found", "not_found_error")
+            return await call_next(request)
 
     def authorized(request: Request) -> bool:
         header = request.headers.get("authorization", "")
@@ -261,7 +275,13 @@ class FakeWorkerProcess:
         self.cfg = cfg
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.admin_url = f"http://127.0.0.1:{cfg.admin_port}" if cfg.admin_port else self.url
         self.proc: subprocess.Popen | None = None
+
+    @property
+    def worker_arg(self) -> str:
+        """The router's `--worker` entry for this worker."""
+        return self.url if self.admin_url == self.url else f"{self.url},admin={self.admin_url}"
 
     def start(self) -> FakeWorkerProcess:
         args = [
@@ -275,9 +295,12 @@ class FakeWorkerProcess:
         args += ["--model", self.cfg.model, "--max-loras", str(self.cfg.max_loras)]
         args += ["--max-cpu-loras", str(self.cfg.max_cpu_loras), "--admin-token", self.cfg.admin_token]
         args += ["--load-delay", str(self.cfg.load_delay_s), "--token-delay", str(self.cfg.token_delay_s)]
+        if self.cfg.admin_port:
+            args += ["--admin-port", str(self.cfg.admin_port)]
         args += ["--lora-modules", *[f"{k}={v}" for k, v in self.cfg.lora_modules.items()]]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_http(self.url + "/health")
+        wait_http(self.admin_url + "/health")
         return self
 
     def stats(self) -> dict:
@@ -299,6 +322,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--admin-token", default="admin-secret")
     p.add_argument("--load-delay", type=float, default=0.2)
     p.add_argument("--token-delay", type=float, default=0.005)
+    p.add_argument("--admin-port", type=int, default=None)
     p.add_argument("--lora-modules", nargs="*", default=[])
     a = p.parse_args(argv)
     cfg = FakeWorkerConfig(
@@ -310,10 +334,21 @@ def main(argv: list[str] | None = None) -> None:
         admin_token=a.admin_token,
         load_delay_s=a.load_delay,
         token_delay_s=a.token_delay,
+        admin_port=a.admin_port,
     )
     import uvicorn
 
-    uvicorn.run(create_fake_worker(cfg), host="127.0.0.1", port=a.port, log_level="warning")
+    app = create_fake_worker(cfg)
+    ports = [a.port] + ([a.admin_port] if a.admin_port else [])
+    servers = [
+        uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        for port in ports
+    ]
+
+    async def serve() -> None:
+        await asyncio.gather(*(s.serve() for s in servers))
+
+    asyncio.run(serve())
 
 
 if __name__ == "__main__":

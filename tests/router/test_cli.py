@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from lorafleet.router.cli import build_parser, main, parse_lora_modules, settings_from_args
-from lorafleet.router.discovery import pods_to_endpoints
+from lorafleet.router.discovery import Endpoint, pods_to_endpoints
 from lorafleet.router.tenants import hash_api_key
 
 
@@ -37,7 +37,8 @@ def test_flags_to_settings(tmp_path):
         and dict(s.lora_modules) == {"x": "/p/x", "y": "/p/y"}
     )
     assert (
-        s.admin_token == "s3cret"
+        s.admin_token_file == token
+        and s.admin_token_dir is None
         and s.redis_url == "redis://r:6379/0"
         and s.policy == "chwbl"
         and s.tenants_file is None
@@ -61,6 +62,37 @@ def test_hash_api_key(monkeypatch, capsys):
     assert capsys.readouterr().out.strip() == hash_api_key("my-key")
 
 
+def test_admin_flags(tmp_path):
+    (tmp_path / "tokens").mkdir()
+    args = build_parser().parse_args(
+        [
+            "--worker",
+            "http://h:8000,admin=http://h:8001,pool=p",
+            "--admin-token-dir",
+            str(tmp_path / "tokens"),
+        ]
+        + ["--discovery", "kubernetes", "--k8s-admin-port", "8001"]
+    )
+    s = settings_from_args(args)
+    assert s.workers == ("http://h:8000,admin=http://h:8001,pool=p",)
+    assert s.admin_token_dir == tmp_path / "tokens" and s.k8s_admin_port == 8001
+    assert build_parser().parse_args([]).k8s_admin_port is None
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--worker", "http://h:1,admin=h:2"], "admin="),
+        (["--worker", "http://h:1,color=red"], "options are"),
+        (["--worker", "http://h:1", "--admin-token-file", "/nonexistent/token"], "/nonexistent/token"),
+        (["--worker", "http://h:1", "--admin-token-dir", "/nonexistent"], "/nonexistent"),
+    ],
+)
+def test_bad_admin_flags_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_pods_to_endpoints():
     ready = {"conditions": [{"type": "Ready", "status": "True"}], "podIP": "10.0.0.1"}
     pods = {
@@ -74,4 +106,4 @@ def test_pods_to_endpoints():
             {"metadata": {"name": "w-3"}, "status": {"conditions": []}},
         ]
     }
-    assert pods_to_endpoints(pods, 8000) == [("w-0", "http://10.0.0.1:8000")]
+    assert pods_to_endpoints(pods, 8000) == [Endpoint("w-0", "http://10.0.0.1:8000", "http://10.0.0.1:8000")]

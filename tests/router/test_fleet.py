@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lorafleet.protocol import AdapterInfo, AdapterInventory
+from lorafleet.router.discovery import Endpoint
 from lorafleet.router.fleet import Fleet, Replica
 
 
@@ -56,7 +57,7 @@ def test_unpolled_replica_is_unhealthy():
 def test_ejection_and_readmission():
     clock = Clock()
     fleet = Fleet(eject_after=3, cooldown_s=5.0, clock=clock)
-    fleet.set_endpoints([("r0", "http://r0"), ("r1", "http://r1")])
+    fleet.set_endpoints([ep("r0"), ep("r1")])
     assert [fleet.record_failure("r0", unreachable=False) for _ in range(3)] == [False, False, True]
     assert [v.name for v in fleet.views() if v.ejected] == ["r0"]
     assert fleet.due_for_probe() == []
@@ -70,9 +71,27 @@ def test_ejection_and_readmission():
     assert fleet.replicas["r1"].failures == 0
 
 
+def ep(name: str, admin: str | None = None, pool: str | None = None) -> Endpoint:
+    return Endpoint(name, f"http://{name}", admin or f"http://{name}", pool)
+
+
 def test_set_endpoints_keeps_state_of_stayers():
     fleet = Fleet()
-    fleet.set_endpoints([("r0", "http://r0"), ("r1", "http://r1")])
+    fleet.set_endpoints([ep("r0"), ep("r1")])
     fleet.replicas["r0"].inflight = 5
-    fleet.set_endpoints([("r0", "http://r0"), ("r2", "http://r2")])
+    fleet.set_endpoints([ep("r0"), ep("r2")])
     assert set(fleet.replicas) == {"r0", "r2"} and fleet.replicas["r0"].inflight == 5
+
+
+def test_set_endpoints_carries_admin_url_and_pool_and_replaces_a_moved_replica():
+    fleet = Fleet()
+    fleet.set_endpoints([ep("r0", admin="http://r0:8001", pool="p")])
+    r0 = fleet.replicas["r0"]
+    assert (r0.url, r0.admin_url, r0.pool) == ("http://r0", "http://r0:8001", "p")
+    r0.inflight = 5
+    fleet.set_endpoints([ep("r0", admin="http://r0:9001", pool="p")])  # same name, new admin port
+    assert fleet.replicas["r0"].admin_url == "http://r0:9001" and fleet.replicas["r0"].inflight == 0
+
+
+def test_replica_admin_url_defaults_to_public_url():
+    assert Replica("r0", "http://r0").admin_url == "http://r0"

@@ -22,9 +22,17 @@ TOKEN = "router-test-admin-token"
 
 
 class WorkerProcess:
-    def __init__(self, model: Path, adapter_root: Path, token_file: Path, modules: dict[str, Path]) -> None:
+    def __init__(
+        self,
+        model: Path,
+        adapter_root: Path,
+        token_file: Path,
+        modules: dict[str, Path],
+        admin_port: int | None = None,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.admin_url = f"http://127.0.0.1:{admin_port}" if admin_port else self.url
         args = [
             sys.executable,
             "-m",
@@ -54,6 +62,8 @@ class WorkerProcess:
             "--log-level",
             "warning",
         ]
+        if admin_port:  # as the operator runs workers: the admin API only on its own port
+            args += ["--admin-port", str(admin_port)]
         args += ["--lora-modules", *[f"{k}={v}" for k, v in modules.items()]]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
@@ -80,7 +90,9 @@ def test_router_with_two_real_workers(demo_assets: Path, tmp_path: Path):
     adapters = {p.name: p for p in (demo_assets / "adapters").iterdir() if p.is_dir()}
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
-    w0 = WorkerProcess(demo_assets / "model", demo_assets / "adapters", token_file, {"sql": adapters["sql"]})
+    w0 = WorkerProcess(
+        demo_assets / "model", demo_assets / "adapters", token_file, {"sql": adapters["sql"]}, free_port()
+    )
     w1 = WorkerProcess(
         demo_assets / "model", demo_assets / "adapters", token_file, {"chat": adapters["chat"]}
     )
@@ -90,9 +102,9 @@ def test_router_with_two_real_workers(demo_assets: Path, tmp_path: Path):
         from lorafleet.router.settings import RouterSettings
 
         settings = RouterSettings(
-            workers=(w0.url, w1.url),
+            workers=(f"{w0.url},admin={w0.admin_url}", w1.url),
             lora_modules={name: str(path) for name, path in adapters.items()},
-            admin_token=TOKEN,
+            admin_token_file=token_file,
             poll_interval_s=0.2,
         )
         with RouterThread(settings) as router:
@@ -111,7 +123,8 @@ def test_router_with_two_real_workers(demo_assets: Path, tmp_path: Path):
                 cold = list(pool.map(lambda _: ask("poem"), range(4)))
             assert len({r for r, _ in cold}) == 1 and len({t for _, t in cold}) == 1
             auth = {"Authorization": f"Bearer {TOKEN}"}
-            inventories = [httpx.get(w.url + "/v1/adapters", headers=auth).json() for w in (w0, w1)]
+            assert httpx.get(w0.url + "/v1/adapters", headers=auth).status_code == 404  # admin port only
+            inventories = [httpx.get(w.admin_url + "/v1/adapters", headers=auth).json() for w in (w0, w1)]
             holders = [inv for inv in inventories if any(a["name"] == "poem" for a in inv["adapters"])]
             assert len(holders) == 1
             # Streaming passes through.

@@ -123,13 +123,18 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 
-{{/* The workers' admin-token Secret the router uses for cold loads; empty = none. */}}
+{{/* One admin-token Secret for every pool (router --admin-token-file); empty = none. */}}
 {{- define "lorafleet.router.adminTokenSecret" -}}
-{{- if .Values.router.adminTokenSecret }}
 {{- .Values.router.adminTokenSecret }}
-{{- else if .Values.defaultPool.enabled }}
-{{- printf "%s-admin-token" .Values.defaultPool.name }}
 {{- end }}
+
+{{/* Pools whose `<pool>-admin-token` Secrets the router mounts (--admin-token-dir), comma-separated. */}}
+{{- define "lorafleet.router.tokenPools" -}}
+{{- $pools := .Values.router.adminTokenPools | default list }}
+{{- if .Values.defaultPool.enabled }}
+{{- $pools = prepend $pools .Values.defaultPool.name }}
+{{- end }}
+{{- join "," (uniq $pools) }}
 {{- end }}
 
 {{- define "lorafleet.tenantsSecret" -}}
@@ -152,6 +157,9 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- if and .Values.defaultPool.enabled (gt (int .Values.defaultPool.engine.maxLoras) (int .Values.defaultPool.engine.maxCpuLoras)) }}
 {{- fail "defaultPool.engine.maxLoras must be <= defaultPool.engine.maxCpuLoras" }}
+{{- end }}
+{{- if eq (int .Values.router.workerPort) (int .Values.router.workerAdminPort) }}
+{{- fail "router.workerPort and router.workerAdminPort must differ (LoraPool spec.ports.http and spec.ports.admin)" }}
 {{- end }}
 {{- if and .Values.tenants.open (or .Values.tenants.list .Values.tenants.existingSecret) }}
 {{- fail "tenants.open=true contradicts tenants.list / tenants.existingSecret: pick one" }}
