@@ -12,10 +12,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from lorafleet.router.scheduling.admission import FrequencyAdmission
-from lorafleet.router.scheduling.filters import Available, BoundedLoad, ServesModel
+from lorafleet.router.scheduling.filters import Available, BoundedLoad, ServesModel, SlotQueue
 from lorafleet.router.scheduling.frequency import FrequencySketch
 from lorafleet.router.scheduling.pickers import MaxScore, RoundRobin
-from lorafleet.router.scheduling.scorers import HashAffinity, Load, LoraAffinity, Residency, SlotFree
+from lorafleet.router.scheduling.scorers import (
+    HashAffinity,
+    Load,
+    LoraAffinity,
+    Residency,
+    SlotFree,
+    SlotHeadroom,
+)
 from lorafleet.router.scheduling.types import (
     AdmissionPlan,
     Decision,
@@ -38,6 +45,10 @@ class Policy:
     picker: Picker
     admission: FrequencyAdmission | None = None
     frequency: FrequencySketch = field(default_factory=FrequencySketch)
+    # Keys with at least this share of recent requests may keep extra copies on several replicas;
+    # a copy of a less popular adapter made while its home was too busy is transient (unloaded
+    # once idle). None: every copy goes through admission alike.
+    replicate_share: float | None = None
 
     def schedule(self, req: RequestInfo, endpoints: Sequence[EndpointView]) -> Decision:
         if req.adapters:
@@ -54,8 +65,26 @@ class Policy:
         missing = tuple(a for a in req.adapters if a not in chosen.resident)
         plan = AdmissionPlan()
         if missing and self.admission is not None:
-            plan = self.admission.plan(req.adapters, chosen, self.frequency.estimate)
+            spill = self._is_spill(req, missing, chosen, endpoints)
+            plan = self.admission.plan(req.adapters, chosen, self.frequency.estimate, transient=spill)
         return Decision(chosen, reason_for(req, chosen), missing, plan)
+
+    def _is_spill(
+        self,
+        req: RequestInfo,
+        missing: tuple[str, ...],
+        chosen: EndpointView,
+        endpoints: Sequence[EndpointView],
+    ) -> bool:
+        """A load of a not-hot adapter that a serving replica other than `chosen` already holds."""
+        if self.replicate_share is None or req.share >= self.replicate_share:
+            return False
+        return any(
+            a in e.resident
+            for e in endpoints
+            if e.name != chosen.name and e.healthy and not e.ejected and e.model == req.model
+            for a in missing
+        )
 
     def _score(self, req: RequestInfo, endpoint: EndpointView, stats: FleetStats) -> float:
         return sum(w * min(1.0, max(0.0, scorer(req, endpoint, stats))) for w, scorer in self.scorers)
@@ -71,25 +100,46 @@ def reason_for(req: RequestInfo, endpoint: EndpointView) -> Reason:
 
 
 def lorafleet_policy(
-    load_factor: float = 1.25, cold_load_factor: float = 2.0, hot_share: float = 0.02, scratch_slots: int = 1
+    load_factor: float = 1.25,
+    cold_load_factor: float = 2.0,
+    hot_share: float = 0.02,
+    scratch_slots: int = 1,
+    max_slots_over: int = 3,
 ) -> Policy:
-    """Ours: residency first, within a load bound; a cold adapter goes to its rendezvous home.
+    """Ours: residency first, within a load bound and a GPU-slot queue bound.
 
-    Only hot adapters (≥ `hot_share` of recent requests) are held to `load_factor` and spill to more
-    replicas; the rest may load a replica up to `cold_load_factor` × the mean so that they stay on
-    their rendezvous home and each replica's cache holds a stable slice of the catalog. Weights make the
-    order lexicographic in residency: GPU beats CPU (an adapter in a GPU slot always has its slot,
-    and the remaining terms differ by < 0.3), CPU beats a cold load (0.7 > 0.499). Within a tier:
-    a replica where the adapter joins the next batch without waiting for a GPU slot (0.2), then the
-    rendezvous order (< 0.25), then spare capacity (< 0.05). Cache admission keeps rare adapters
+    Filters: only hot adapters (≥ `hot_share` of recent requests) are held to `load_factor` and
+    spill to more replicas; the rest may load a replica up to `cold_load_factor` × the mean so they
+    stay where they are resident. A replica where the request would wait for a GPU slot behind
+    more than `max_slots_over` adapters is dropped while another can take it (`SlotQueue`): past
+    that, a cold load elsewhere is the faster path, and such a spill copy is transient.
+
+    Weights make the order lexicographic in residency: CPU beats a cold load (0.7 > 0.4495), GPU
+    beats CPU where the GPU copy can join the batch (0.3 > 0.1 + 0.049 + 0.0005). Within a tier: a
+    replica where the adapters join the next batch without waiting for a slot (0.3), then the most
+    free slots (≤ 0.1: a cold adapter goes where it adds least slot pressure), then spare capacity
+    (≤ 0.049), then the rendezvous order (≤ 0.0005, below one request of load: ties only, so an
+    idle fleet still places a key on its rendezvous home). Cache admission keeps rare adapters
     from evicting popular ones.
     """
     return Policy(
         "lorafleet",
-        (Available(), ServesModel(), BoundedLoad(load_factor, cold_load_factor, hot_share)),
-        ((1.0, Residency()), (0.2, SlotFree()), (0.25, HashAffinity()), (0.049, Load())),
+        (
+            Available(),
+            ServesModel(),
+            BoundedLoad(load_factor, cold_load_factor, hot_share),
+            SlotQueue(max_slots_over),
+        ),
+        (
+            (1.0, Residency()),
+            (0.3, SlotFree()),
+            (0.1, SlotHeadroom()),
+            (0.049, Load()),
+            (0.0005, HashAffinity()),
+        ),
         MaxScore(),
         admission=FrequencyAdmission(scratch_slots=scratch_slots),
+        replicate_share=hot_share,
     )
 
 

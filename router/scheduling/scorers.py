@@ -93,3 +93,21 @@ class SlotFree:
     def __call__(self, req: RequestInfo, endpoint: EndpointView, stats: FleetStats) -> float:
         new = sum(1 for a in req.adapters if a not in endpoint.active)
         return 1.0 if len(endpoint.active) + new <= endpoint.max_loras else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SlotHeadroom:
+    """Share of the replica's GPU slots still free once the request's adapters join (1 if they all run).
+
+    Graded where `SlotFree` is binary: among replicas that can all take a cold adapter, the one
+    with most free slots is the least likely to make this or a later request queue for a slot.
+    Adapters queued for a slot count as taking one.
+    """
+
+    name: str = "slot-headroom"
+
+    def __call__(self, req: RequestInfo, endpoint: EndpointView, stats: FleetStats) -> float:
+        if all(a in endpoint.active for a in req.adapters):
+            return 1.0
+        taken = len(endpoint.active | endpoint.waiting_adapters | frozenset(req.adapters))
+        return max(0.0, (endpoint.max_loras - taken) / max(1, endpoint.max_loras))

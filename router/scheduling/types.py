@@ -49,6 +49,18 @@ class EndpointView:
     def resident(self) -> frozenset[str]:
         return self.gpu | self.cpu
 
+    def slots_over(self, adapters: tuple[str, ...]) -> int:
+        """Adapters beyond `max_loras` once `adapters` join: how many must drain before all get a GPU slot.
+
+        Counts every adapter running or queued here plus the request's own: 0 means the request can
+        join the next batch; k > 0 means it waits until k adapters have drained (its own place in
+        the queue included). vLLM frees a slot only when an adapter has no request left running, so
+        each place in that queue costs a large share of a request's lifetime.
+        """
+        if not adapters:
+            return 0
+        return max(0, len(self.active | self.waiting_adapters | frozenset(adapters)) - self.max_loras)
+
 
 @dataclass(frozen=True, slots=True)
 class RequestInfo:

@@ -76,3 +76,20 @@ def test_plan(adapters, resident, cap, active, pinned, expected):
         adapters, endpoint(resident, cap, active, pinned), FREQ.__getitem__
     )
     assert plan == expected
+
+
+@pytest.mark.parametrize(
+    ("resident", "cap", "expected"),
+    [
+        # A spill copy never takes a slot, even with room to spare or a popular newcomer ...
+        ({"hot"}, 4, AdmissionPlan(admit=False)),
+        ({"warm", "cool"}, 4, AdmissionPlan(admit=False)),
+        # ... and frees only what it needs to fit, least popular first.
+        ({"hot", "warm", "cool", "p"}, 4, AdmissionPlan(unload_before=("p",), admit=False)),
+    ],
+)
+def test_transient_plan(resident, cap, expected):
+    plan = FrequencyAdmission(scratch_slots=1).plan(
+        ("new",), endpoint(resident, cap), FREQ.__getitem__, transient=True
+    )
+    assert plan == expected

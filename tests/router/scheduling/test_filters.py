@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lorafleet.router.scheduling.filters import Available, BoundedLoad, ServesModel
+from lorafleet.router.scheduling.filters import Available, BoundedLoad, ServesModel, SlotQueue
 from lorafleet.router.scheduling.types import EndpointView, FleetStats, RequestInfo
 
 
@@ -78,3 +78,38 @@ def test_bounded_load_is_looser_for_keys_that_are_not_hot(share, expected):
 
 def test_bounded_load_empty_in_empty_out():
     assert run(BoundedLoad(), REQ, []) == []
+
+
+def slots(name: str, active: str = "", waiting: str = "", max_loras: int = 2) -> EndpointView:
+    """A replica whose running / queued adapters are the letters of `active` / `waiting`."""
+    return ep(name, active=frozenset(active), waiting_adapters=frozenset(waiting), max_loras=max_loras)
+
+
+@pytest.mark.parametrize(
+    ("adapters", "endpoint", "expected"),
+    [
+        (("x",), slots("a"), 0),
+        (("x",), slots("a", "pq"), 1),  # slots full: x is first in the queue
+        (("x",), slots("a", "pq", "rs"), 3),  # behind r and s
+        (("x",), slots("a", "xq", "rs"), 2),  # x already runs: the queue is r, s (x joins the batch)
+        (("x",), slots("a", "pq", "x"), 1),  # x already queued: no extra place
+        (("x", "y"), slots("a", "p"), 1),  # composed: two new slots wanted, one free
+        ((), slots("a", "pq", "rs"), 0),  # base model needs no slot
+    ],
+)
+def test_slots_over(adapters, endpoint, expected):
+    assert endpoint.slots_over(adapters) == expected
+
+
+@pytest.mark.parametrize(
+    ("eps", "max_over", "expected"),
+    [
+        ([slots("a", "pq", "rst"), slots("b", "p")], 3, ["b"]),  # a: x would be 4th over the limit
+        ([slots("a", "pq", "rs"), slots("b", "p")], 3, ["a", "b"]),  # a: 3rd, within the bound
+        ([slots("a", "pq", "rs"), slots("b", "p")], 0, ["b"]),
+        ([slots("a", "xq", "rstu"), slots("b", "p")], 0, ["a", "b"]),  # x runs on a: joins the batch
+        ([slots("a", "pq", "rstu"), slots("b", "pq", "rstu")], 3, ["a", "b"]),  # saturated: keep all
+    ],
+)
+def test_slot_queue(eps, max_over, expected):
+    assert run(SlotQueue(max_over), REQ, eps) == expected

@@ -57,13 +57,68 @@ def test_hot_adapter_spills_past_the_bound():
     assert d.endpoint.name != "r0" and d.reason == "cold"
 
 
-def test_rare_adapter_stays_home_under_moderate_imbalance():
-    home = rendezvous_order("rare", NAMES)[0]
-    loads = {n: {"inflight": 30 if n == home else 16} for n in NAMES}
+def test_rare_adapter_stays_where_resident_under_moderate_imbalance():
+    holder = rendezvous_order("rare", NAMES)[0]
+    loads = {n: {"inflight": 30 if n == holder else 16} for n in NAMES}
+    loads[holder]["cpu"] = frozenset({"rare"})
     d = lorafleet_policy().schedule(RequestInfo("base", ("rare",)), fleet(**loads))
-    assert d.endpoint.name == home  # 31 ≤ ⌈2.0 × 79/4⌉ = 40; plain CHWBL (⌈1.25 × 79/4⌉ = 25) would move it
+    assert d.endpoint.name == holder  # 31 ≤ ⌈2.0 × 79/4⌉ = 40; plain CHWBL (⌈1.25 × 79/4⌉ = 25) would move it
     chwbl = POLICIES["chwbl"]().schedule(RequestInfo("base", ("rare",)), fleet(**loads))
-    assert chwbl.endpoint.name != home
+    assert chwbl.endpoint.name != holder
+
+
+def busy(n_active: int, queued: int = 0, **kw) -> dict:
+    """A replica whose GPU slots (max_loras=4) run `n_active` other adapters, `queued` more waiting."""
+    active = frozenset(f"a{i}" for i in range(n_active))
+    waiting = frozenset(f"w{i}" for i in range(queued))
+    return {"active": active, "waiting_adapters": waiting, "max_loras": 4, **kw}
+
+
+@pytest.mark.parametrize(
+    ("per", "replica", "reason", "transient"),
+    [
+        # Cold adapter: the replica with most free GPU slots, not the rendezvous home.
+        ({"r0": busy(3), "r1": busy(1), "r2": busy(3), "r3": busy(2)}, "r1", "cold", False),
+        # Warm on r0, whose slots are full with 2 adapters already waiting (x would be 3rd over): stays.
+        ({"r0": busy(4, 2, cpu=frozenset({"x"}))}, "r0", "warm", None),
+        # 3 already waiting (x would be 4th over the limit): spills, and the spill copy is transient.
+        (
+            {"r0": busy(4, 3, cpu=frozenset({"x"})), "r1": busy(2), "r2": busy(3), "r3": busy(3)},
+            "r1",
+            "cold",
+            True,
+        ),
+        # Running on r0: joins the batch however long the slot queue there.
+        (
+            {"r0": busy(4, 5, cpu=frozenset({"x"}), active=frozenset({"x", "a1", "a2", "a3"}))},
+            "r0",
+            "warm",
+            None,
+        ),
+        # Every replica saturated: no spill, it waits at home.
+        (
+            {n: busy(4, 5, cpu=frozenset({"x"}) if n == "r2" else frozenset()) for n in NAMES},
+            "r2",
+            "warm",
+            None,
+        ),
+    ],
+)
+def test_lorafleet_slot_queue(per, replica, reason, transient):
+    d = lorafleet_policy().schedule(RequestInfo("base", ("x",)), fleet(**per))
+    assert (d.endpoint.name, d.reason) == (replica, reason)
+    if transient is not None:
+        assert d.admission.admit is not transient
+
+
+def test_hot_adapter_spill_copy_is_admitted():
+    """Hot adapters may keep several homes: their spill copies go through admission as usual."""
+    policy = lorafleet_policy()
+    for _ in range(200):
+        policy.frequency.add("x")
+    eps = fleet(r0=busy(4, 3, cpu=frozenset({"x"})), r1=busy(2), r2=busy(3), r3=busy(3))
+    d = policy.schedule(RequestInfo("base", ("x",)), eps)
+    assert d.endpoint.name == "r1" and d.admission.admit
 
 
 def test_unavailable_fleet_raises():

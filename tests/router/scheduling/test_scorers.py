@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from lorafleet.router.scheduling.hashing import rendezvous_order
-from lorafleet.router.scheduling.scorers import HashAffinity, Load, LoraAffinity, Residency, SlotFree
+from lorafleet.router.scheduling.scorers import (
+    HashAffinity,
+    Load,
+    LoraAffinity,
+    Residency,
+    SlotFree,
+    SlotHeadroom,
+)
 from lorafleet.router.scheduling.types import EndpointView, FleetStats, RequestInfo
 
 STATS = FleetStats(0, 1)
@@ -88,3 +95,19 @@ def test_hash_affinity_ranks_like_rendezvous(key):
 def test_slot_free(adapters, active, max_loras, expected):
     e = EndpointView("e", active=frozenset(active), max_loras=max_loras)
     assert SlotFree()(RequestInfo("base", adapters), e, STATS) == expected
+
+
+@pytest.mark.parametrize(
+    ("adapters", "active", "waiting", "max_loras", "expected"),
+    [
+        (("x",), set(), set(), 4, 0.75),  # x takes one of 4
+        (("x",), {"p"}, {"q"}, 4, 0.25),  # a queued adapter counts as taking a slot
+        (("x",), {"p", "q"}, {"r"}, 2, 0.0),  # clamped: over the limit
+        (("x",), {"x", "q"}, {"r"}, 2, 1.0),  # x runs already: needs nothing
+        (("x", "y"), {"x"}, set(), 4, 0.5),
+        ((), {"p", "q"}, set(), 2, 1.0),  # base model needs no slot
+    ],
+)
+def test_slot_headroom(adapters, active, waiting, max_loras, expected):
+    e = EndpointView("e", active=frozenset(active), waiting_adapters=frozenset(waiting), max_loras=max_loras)
+    assert SlotHeadroom()(RequestInfo("base", adapters), e, STATS) == pytest.approx(expected)
