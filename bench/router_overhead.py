@@ -9,7 +9,9 @@ mode, in-process placement) in front of it — a load generator (raw HTTP/1.1 ke
 2. Throughput: closed loop with C concurrent clients for a few seconds, through the router: req/s.
    The router process is pinned to one core (`taskset`, when present) so the figure is per core.
 
-Usage: python bench/router_overhead.py [--rate 500] [--seconds 10] [--out bench/results/router_overhead.json]
+Usage: taskset -c 1 python bench/router_overhead.py [--rate 500] [--seconds 10] [--out bench/results/router_overhead.json]
+(the router on core 0, the load generator and the upstream on core 1: on a two-core machine they
+would otherwise take the router's core).
 """
 
 from __future__ import annotations
@@ -145,6 +147,20 @@ async def closed_loop(port: int, concurrency: int, seconds: float) -> float:
     return done / (time.perf_counter() - start)
 
 
+def server_stack() -> dict[str, str]:
+    """What uvicorn picks for the router (its "auto" choice) and the upstream client it uses."""
+    import importlib.util
+
+    def have(name: str) -> bool:
+        return importlib.util.find_spec(name) is not None
+
+    return {
+        "http_parser": "httptools" if have("httptools") else "h11",
+        "event_loop": "uvloop" if have("uvloop") else "asyncio",
+        "upstream_client": "aiohttp",
+    }
+
+
 def pct(xs: list[float], p: float) -> float:
     return float(np.percentile(np.array(xs) * 1000, p))
 
@@ -207,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         "router_max_rps_one_core": rps,
         "direct_max_rps": rps_direct,
         "concurrency": args.concurrency,
+        "router_stack": server_stack(),
         "targets": {"added_p50_ms": 1.0, "added_p99_ms": 5.0, "router_max_rps_one_core": 1000},
         "machine": {
             "cpus": os.cpu_count(),

@@ -36,12 +36,25 @@ class Replica:
     inflight: int = 0
     inflight_by_adapter: Counter[str] = field(default_factory=Counter)
     transient: set[str] = field(default_factory=set)  # loaded but not admitted: unload when idle
+    # residency() is read several times per request and changes only on a poll, a note or a store
+    # sync: cached, and dropped by those three.
+    _residency: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         if not self.admin_url:
             self.admin_url = self.url
 
     def residency(self) -> dict[str, str]:
+        """adapter -> tier ("gpu" | "cpu"); shared, do not mutate."""
+        if self._residency is None:
+            self._residency = self._compute_residency()
+        return self._residency
+
+    def set_shared(self, adapters: Mapping[str, str]) -> None:
+        self.shared = adapters
+        self._residency = None
+
+    def _compute_residency(self) -> dict[str, str]:
         tiers: dict[str, str] = dict(self.shared)
         if self.inventory is not None:
             tiers.update({a.name: a.tier for a in self.inventory.adapters if a.tier in ("gpu", "cpu")})
@@ -57,9 +70,11 @@ class Replica:
         self.polled_at = started_at
         self.reachable = True
         self.overlay = {k: v for k, v in self.overlay.items() if v[1] > started_at}
+        self._residency = None
 
     def note(self, adapter: str, tier: str | None, now: float) -> None:
         self.overlay[adapter] = (tier, now)
+        self._residency = None
 
     def view(self, now: float, capacity: int) -> EndpointView:
         inv = self.inventory

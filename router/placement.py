@@ -122,7 +122,7 @@ class PlacementSync:
         for name, placement in snapshot.items():
             replica = self.fleet.replicas.get(name)
             if replica is not None:
-                replica.shared = dict(placement.adapters)
+                replica.set_shared(dict(placement.adapters))
 
     def adopt_catalog(self, shared: Mapping[str, str]) -> None:
         """The catalog is the static entries plus the store's; what left the store leaves the catalog."""

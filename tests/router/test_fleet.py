@@ -41,7 +41,7 @@ def inventory(**tiers: str) -> AdapterInventory:
 def test_view_merges_poll_overlay_and_store():
     r = Replica("r0", "http://r0")
     r.apply_poll(inventory(a="gpu", b="cpu", c="disk"), started_at=10.0)
-    r.shared = {"s": "cpu"}
+    r.set_shared({"s": "cpu"})
     r.note("n", "cpu", 11.0)
     r.note("b", None, 11.0)
     v = r.view(now=12.0, capacity=64)

@@ -24,16 +24,16 @@ class Clock:
     ],
 )
 def test_upstream_headers_strip_keys_and_internal(client, kept):
-    out = upstream_headers(client, {"x-lorafleet-tenant": "acme"})
+    asgi = [(k.lower().encode(), v.encode()) for k, v in client.items()]  # as the ASGI scope has them
+    out = upstream_headers(asgi, {"x-lorafleet-tenant": "acme"})
     assert set(out) == kept | {"x-lorafleet-tenant"}
     assert out["x-lorafleet-tenant"] == "acme"
 
 
 def test_downstream_headers():
-    out = downstream_headers(
-        {"content-length": "5", "content-type": "application/json"}, {"x-lorafleet-replica": "r0"}
-    )
-    assert out == {"content-type": "application/json", "x-lorafleet-replica": "r0"}
+    raw = ((b"Content-Length", b"5"), (b"Content-Type", b"application/json"), (b"Content-Encoding", b"gzip"))
+    out = downstream_headers(raw, {"x-lorafleet-replica": "r0"})
+    assert out == [(b"content-type", b"application/json"), (b"x-lorafleet-replica", b"r0")]
 
 
 def test_sse_error_is_an_sse_event():

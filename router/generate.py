@@ -1,0 +1,336 @@
+"""The proxied routes, `/v1/completions` and `/v1/chat/completions`, as a pure-ASGI fast path.
+
+Request path: authenticate → read and cap the body → resolve model/adapters and check the tenant may
+use them → tenant limits → schedule (pure policy) → load if cold (single flight) → forward (retry
+before the first byte) → relay.
+
+`ProxyRoutes` sits in front of FastAPI's router and takes these two routes straight from the ASGI
+scope: no routing table, dependency injection or Request/Response objects on the hot path (together
+several times the router's own work per request). Everything else (`/v1/models`, `/metrics`, ...)
+goes on to FastAPI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from lorafleet.protocol import (
+    HEADER_REPLICA,
+    HEADER_ROUTE_REASON,
+    HEADER_TENANT,
+    ErrorResponse,
+    LoraAdapterRef,
+)
+from lorafleet.router.fleet import Replica
+from lorafleet.router.loader import LoadFailed
+from lorafleet.router.proxy import (
+    StreamBroken,
+    UpstreamFailed,
+    downstream_headers,
+    relay_stream,
+    send_once,
+    upstream_headers,
+)
+from lorafleet.router.ratelimit import Lease, Limited
+from lorafleet.router.scheduling.types import Decision, NoEndpoint, RequestInfo
+from lorafleet.router.settings import RouterSettings
+from lorafleet.router.tenants import Tenant
+
+if TYPE_CHECKING:
+    from lorafleet.router.api import Gateway
+
+log = logging.getLogger("lorafleet.router")
+
+PROXIED = frozenset({"/v1/completions", "/v1/chat/completions"})
+_JSON = (b"content-type", b"application/json")
+
+
+class ProxyRoutes:
+    """ASGI middleware: POSTs to the proxied paths are served here, the rest by `app`."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] in PROXIED and scope["method"] == "POST":
+            await generate(scope["app"].state.gateway, scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+
+# ---- responses ---------------------------------------------------------------------------------
+
+
+async def respond(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    headers.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def respond_error(
+    send: Send,
+    status: int,
+    message: str,
+    type_: str,
+    code: str | int | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> None:
+    body = json.dumps(ErrorResponse.of(message, type_, code, param).model_dump()).encode()
+    extra = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
+    await respond(send, status, body, [_JSON, *extra])
+
+
+async def model_not_found(send: Send, model: object) -> None:
+    await respond_error(
+        send,
+        404,
+        f"The model `{model}` does not exist or you do not have access to it.",
+        "invalid_request_error",
+        "model_not_found",
+    )
+
+
+# ---- parsing -----------------------------------------------------------------------------------
+
+
+def header(scope: Scope, name: bytes) -> str | None:
+    for k, v in scope["headers"]:
+        if k == name:  # ASGI servers lower-case header names
+            return v.decode("latin-1")
+    return None
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes | None:
+    """The request body, or None when it is larger than `limit` (declared or actual)."""
+    declared = header(scope, b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return None
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was read."""
+
+
+def check_caps(payload: dict[str, Any], s: RouterSettings) -> str | None:
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = payload.get(name)
+        if value is not None and (not isinstance(value, int) or value < 0 or value > s.max_tokens_cap):
+            return f"`{name}` must be an integer in [0, {s.max_tokens_cap}]"
+    n = payload.get("n")
+    if n is not None and (not isinstance(n, int) or n < 1 or n > s.max_n):
+        return f"`n` must be an integer in [1, {s.max_n}]"
+    return None
+
+
+def resolve(payload: dict[str, Any], gw: Gateway) -> tuple[str, tuple[str, ...]] | None:
+    """(base model, adapters) for the request's `model` / `lora_adapters`, or None if unknown.
+
+    Raises ValidationError for a malformed `lora_adapters` (only composed requests pay for pydantic).
+    """
+    model = payload.get("model")
+    if not isinstance(model, str):
+        return None
+    bases = gw.fleet.base_models()
+    if model in bases:
+        refs = [LoraAdapterRef.model_validate(r) for r in payload.get("lora_adapters") or []]
+        adapters = tuple(dict.fromkeys(r.name for r in refs))
+        return (model, adapters) if all(gw.sync.known(a) for a in adapters) else None
+    if not gw.sync.known(model):
+        return None
+    base = next(
+        (r.inventory.model for r in gw.fleet.replicas.values() if r.inventory and model in r.residency()),
+        None,
+    )
+    return (base if base is not None else (min(bases) if bases else "")), (model,)
+
+
+# ---- the request -------------------------------------------------------------------------------
+
+
+async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> None:
+    started = time.perf_counter()
+    tenant = gw.tenants.authenticate(header(scope, b"authorization"))
+    if tenant is None:
+        return await respond_error(send, 401, "Invalid API key.", "invalid_request_error", "invalid_api_key")
+    limit = gw.settings.max_body_bytes
+    try:
+        body = await read_body(scope, receive, limit)
+    except ClientGone:
+        return
+    if body is None:
+        return await respond_error(
+            send, 413, f"Request body larger than {limit} bytes.", "invalid_request_error"
+        )
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        payload = None
+    if not isinstance(payload, dict):
+        return await respond_error(send, 400, "Request body must be a JSON object.", "invalid_request_error")
+    problem = check_caps(payload, gw.settings)
+    if problem:
+        return await respond_error(send, 400, problem, "invalid_request_error")
+    try:
+        resolved = resolve(payload, gw)
+    except ValidationError as exc:
+        message = f"invalid `lora_adapters`: {exc.errors()[0]['msg']}"
+        return await respond_error(send, 400, message, "invalid_request_error", param="lora_adapters")
+    if resolved is None:
+        return await model_not_found(send, payload.get("model"))
+    base, adapters = resolved
+    # Another tenant's adapter answers exactly like an unknown one: no existence oracle.
+    if not tenant.may_use_model(base) or not all(tenant.may_use_adapter(a) for a in adapters):
+        return await model_not_found(send, payload.get("model"))
+    adapter_label = "+".join(adapters) or "(base)"
+    try:
+        lease = await gw.limiter.acquire(tenant)
+    except Limited as exc:
+        gw.metrics.requests.labels(tenant.name, adapter_label, "429").inc()
+        return await respond_error(
+            send,
+            429,
+            f"Tenant limit reached: {exc.limit}.",
+            "rate_limit_error",
+            headers={"Retry-After": str(exc.retry_after_s)},
+        )
+    for a in adapters:
+        gw.sync.demand[a] += 1
+    gw.budget.deposit()
+    req = RequestInfo(base, adapters)
+    stream = bool(payload.get("stream"))
+    path = scope["path"]
+    excluded: set[str] = set()
+    waited = 0.0  # load waits and upstream time are not the router's own latency
+    last = "no replica available"
+    for attempt in range(gw.settings.max_attempts):
+        if attempt > 0 and not gw.budget.try_spend():
+            last = "retry budget exhausted"
+            break
+        try:
+            decision = gw.policy.schedule(req, gw.fleet.views(exclude=excluded))
+        except NoEndpoint as exc:
+            last = str(exc)
+            break
+        replica = gw.fleet.replicas[decision.endpoint.name]
+        gw.metrics.routes.labels(decision.reason).inc()
+        claim(replica, adapters)
+        t0 = time.perf_counter()
+        try:
+            await prepare(gw, replica, decision, adapters)
+            headers = upstream_headers(scope["headers"], {HEADER_TENANT: tenant.name})
+            upstream = await send_once(gw.upstream, replica.url + path, body, headers, stream)
+        except (LoadFailed, UpstreamFailed) as exc:
+            waited += time.perf_counter() - t0
+            release(gw, replica, adapters)
+            if gw.fleet.record_failure(replica.name, exc.unreachable):
+                gw.metrics.ejections.labels(replica.name).inc()
+                log.warning(
+                    "ejected replica %s after %d failures", replica.name, gw.settings.eject_after_failures
+                )
+            excluded.add(replica.name)
+            last = f"{replica.name}: {exc}"
+            gw.metrics.retries.labels(getattr(exc, "reason", "load")).inc()
+            continue
+        gw.fleet.record_success(replica.name)
+        waited += time.perf_counter() - t0
+        out_headers = downstream_headers(
+            upstream.raw_headers, {HEADER_REPLICA: replica.name, HEADER_ROUTE_REASON: decision.reason}
+        )
+        status = str(upstream.status)
+        gw.metrics.added_latency.observe(max(0.0, time.perf_counter() - started - waited))
+        if upstream.response is None:
+            await finish(gw, replica, adapters, lease, tenant, adapter_label, status)
+            return await respond(send, upstream.status, upstream.body, out_headers)
+        ok = False
+        try:
+            if not upstream.content_type:
+                out_headers.append((b"content-type", b"text/event-stream"))
+            await send({"type": "http.response.start", "status": upstream.status, "headers": out_headers})
+            async for chunk in relay_stream(upstream.response):
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+            ok = True
+        except (StreamBroken, OSError):  # upstream broke (the client got an SSE error) or the client left
+            pass
+        finally:
+            upstream.response.close()
+            await finish(
+                gw, replica, adapters, lease, tenant, adapter_label, status if ok else "stream_error"
+            )
+        return
+    await lease.release()
+    gw.metrics.requests.labels(tenant.name, adapter_label, "503").inc()
+    await respond_error(
+        send,
+        503,
+        f"No replica could serve the request ({last}).",
+        "service_unavailable",
+        headers={"Retry-After": "1"},
+    )
+
+
+def claim(replica: Replica, adapters: tuple[str, ...]) -> None:
+    replica.inflight += 1
+    for a in adapters:
+        replica.inflight_by_adapter[a] += 1
+
+
+def release(gw: Gateway, replica: Replica, adapters: tuple[str, ...]) -> None:
+    replica.inflight = max(0, replica.inflight - 1)
+    for a in adapters:
+        replica.inflight_by_adapter[a] -= 1
+        if replica.inflight_by_adapter[a] <= 0:
+            del replica.inflight_by_adapter[a]
+            if a in replica.transient and a not in replica.loading:
+                replica.transient.discard(a)  # not admitted to the cache: give the slot back
+                asyncio.get_running_loop().create_task(gw.loader.unload(replica, a))
+
+
+async def prepare(gw: Gateway, replica: Replica, decision: Decision, adapters: tuple[str, ...]) -> None:
+    """Make room (admission victims), then load what is missing — or join a load under way."""
+    pending = tuple(a for a in adapters if a in decision.needs_load or a in replica.loading)
+    if not pending:
+        return
+    victims = [v for v in decision.admission.unload_before if replica.inflight_by_adapter.get(v, 0) == 0]
+    if victims:
+        await asyncio.gather(*(gw.loader.unload(replica, v) for v in victims))
+    for a in decision.needs_load:
+        if decision.admission.admit:
+            replica.transient.discard(a)
+        else:
+            replica.transient.add(a)
+    await gw.loader.ensure(replica, pending)
+
+
+async def finish(
+    gw: Gateway,
+    replica: Replica,
+    adapters: tuple[str, ...],
+    lease: Lease,
+    tenant: Tenant,
+    adapter_label: str,
+    status: str,
+) -> None:
+    release(gw, replica, adapters)
+    await lease.release()
+    gw.metrics.requests.labels(tenant.name, adapter_label, status).inc()
