@@ -33,6 +33,7 @@ class Replica:
     overlay: dict[str, tuple[str | None, float]] = field(default_factory=dict)
     shared: Mapping[str, str] = field(default_factory=dict)  # from the placement store
     loading: dict[str, asyncio.Future[None]] = field(default_factory=dict)
+    unloading: dict[str, asyncio.Future[None]] = field(default_factory=dict)  # done when the unload is
     inflight: int = 0
     inflight_by_adapter: Counter[str] = field(default_factory=Counter)
     transient: set[str] = field(default_factory=set)  # loaded but not admitted: unload when idle

@@ -71,6 +71,9 @@ class AdapterLoader:
         self.loads_started += 1
         self.metrics.cold_loads.labels(replica.name).inc()
         try:
+            unloading = replica.unloading.get(name)
+            if unloading is not None:
+                await asyncio.shield(unloading)
             path = self.catalog.get(name)
             if path is None:
                 raise LoadFailed(f"adapter {name!r} is not in the catalog")
@@ -101,17 +104,33 @@ class AdapterLoader:
             replica.loading.pop(name, None)
 
     async def unload(self, replica: Replica, name: str) -> None:
-        """Best effort: a failed unload leaves the worker's own LRU to reclaim the slot."""
-        body = UnloadLoraAdapterRequest(lora_name=name).model_dump(exclude_none=True)
+        """Best effort: a failed unload leaves the worker's own LRU to reclaim the slot.
+
+        The adapter stops counting as resident when the unload starts, not when it is done: a
+        request routed there meanwhile would reach a worker that is dropping it (a 404). A load of
+        the same adapter waits for the unload (`_load`), so the two never race on the worker.
+        """
+        done = asyncio.get_running_loop().create_future()
+        previous = replica.unloading.get(name)
+        replica.unloading[name] = done
+        replica.note(name, None, self.sync.fleet.clock())
         try:
-            resp = await self.http.post(
-                f"{replica.admin_url}/v1/unload_lora_adapter",
-                json=body,
-                headers=self.tokens.headers(replica.pool),
-                timeout=10.0,
-            )
-        except httpx.HTTPError:
-            return
-        if resp.status_code in (200, 404):
-            self.metrics.unloads.labels(replica.name).inc()
-            await self.sync.write_through(replica, name, None)
+            if previous is not None:
+                await asyncio.shield(previous)
+            body = UnloadLoraAdapterRequest(lora_name=name).model_dump(exclude_none=True)
+            try:
+                resp = await self.http.post(
+                    f"{replica.admin_url}/v1/unload_lora_adapter",
+                    json=body,
+                    headers=self.tokens.headers(replica.pool),
+                    timeout=10.0,
+                )
+            except httpx.HTTPError:
+                return
+            if resp.status_code in (200, 404):
+                self.metrics.unloads.labels(replica.name).inc()
+                await self.sync.write_through(replica, name, None)
+        finally:
+            done.set_result(None)
+            if replica.unloading.get(name) is done:
+                del replica.unloading[name]
