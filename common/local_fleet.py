@@ -38,7 +38,7 @@ from lorafleet.local_preflight import (
     pick_worker_ports,
     seed_adapter_volume,
 )
-from lorafleet.local_router import RouterServer, admin_token_hook
+from lorafleet.local_router import RouterServer
 from lorafleet.process_group import Child
 from lorafleet.run_dir import DEFAULT_RUN_DIR, FleetState, RunDir, WorkerEntry
 
@@ -303,11 +303,6 @@ class _Fleet:
         app = create_app(settings, store=memory)
         self.router = RouterServer(app, o.host, o.port, o.log_level)
         await self.router.start()
-        # Workaround for the router as committed: it polls each worker's GET /v1/adapters without the admin
-        # token the worker requires there. The hook adds it to those requests only, and only when absent,
-        # so it is a no-op once the router sends the token itself; then delete it.
-        http = app.state.gateway.http
-        http.event_hooks = {**http.event_hooks, "request": [*http.event_hooks.get("request", []), admin_token_hook(self.token)]}
 
     async def wait_placed(self, controller, stopped: asyncio.Event) -> None:
         """Until every demo adapter is Ready and the router routes to the workers and lists them."""

@@ -9,9 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
-
-import httpx
 
 from lorafleet.local_preflight import FleetError
 
@@ -49,13 +46,3 @@ class RouterServer:
             self.task.cancel()
             with contextlib.suppress(BaseException):
                 await self.task
-
-
-def admin_token_hook(token: str) -> Callable[[httpx.Request], object]:
-    """Adds the admin token to the router's inventory polls (see `start_router`)."""
-
-    async def hook(request: httpx.Request) -> None:
-        if request.url.path == "/v1/adapters" and "authorization" not in request.headers:
-            request.headers["Authorization"] = f"Bearer {token}"
-
-    return hook

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from lorafleet.operator.spec import API_VERSION, AdapterSpec, SpecError, parse_adapter
 
 KIND = "LoraAdapter"
