@@ -14,8 +14,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from bench.engine import SEED_SHAPE, random_adapter, random_weights, sync
 from lorafleet.worker.config import EngineConfig, ModelConfig
 from lorafleet.worker.demo_assets import build_tokenizer

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
 from lorafleet.kernels.lora_ops import LoraMeta, _check_shapes
 
 BLOCK_R = 16  # rank block: tl.dot's smallest K / N

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from lorafleet.kernels.lora_ops import LoraMeta, add_lora_reference, build_lora_meta, max_chunks_for
 
 

@@ -17,6 +17,7 @@ if "TRITON_INTERPRET" not in os.environ:
 
 import pytest
 import torch
+
 from lorafleet.kernels.lora_ops import add_lora, build_lora_meta
 from lorafleet.kernels.triton_lora import LoraKernelConfig
 
