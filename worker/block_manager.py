@@ -58,7 +58,6 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.block_table:
             return 0
         candidates = (len(seq) - 1) // self.block_size
-        self.prefix_queries += len(seq)
         hashes = self._chain(seq, candidates)
         for h in hashes:
             block = self._block_of.get(h)
@@ -72,8 +71,12 @@ class BlockManager:
         seq.block_hashes = hashes[:matched]
         seq.num_hashed_blocks = matched
         seq.num_computed = matched * self.block_size
-        self.prefix_hits += seq.num_computed
         return seq.num_computed
+
+    def record_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
+        """Count a prefix lookup once its sequence was admitted (an undone admission does not count)."""
+        self.prefix_queries += queried_tokens
+        self.prefix_hits += hit_tokens
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Publish the sequence's newly filled blocks in the prefix cache."""

@@ -131,13 +131,16 @@ class Scheduler:
             if len(in_batch) + len(new) > cfg.max_loras or (starving and names and not names <= starving):
                 batch.deferred.append(seq)
                 continue
-            if not seq.block_table:
-                self.blocks.match_prefix(seq)
+            hit = None if seq.block_table else self.blocks.match_prefix(seq)
             n = min(seq.num_uncomputed, budget)
             if not self.blocks.allocate(seq, seq.num_computed + n):
                 self.blocks.free(seq)
                 seq.num_computed = 0
-                break  # out of KV blocks: later requests would only be bigger losers
+                # Out of KV blocks: stop here rather than let smaller requests behind overtake it, so
+                # a long request is not starved of memory by a stream of short ones (FCFS for KV).
+                break
+            if hit is not None:
+                self.blocks.record_lookup(len(seq), hit)
             in_batch.update(names)
             admitted.append(seq)
             batch.seqs.append(seq)

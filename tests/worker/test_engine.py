@@ -128,3 +128,23 @@ def test_abort_frees_blocks_and_adapter(engine):
     assert not engine.has_unfinished()
     assert engine.registry.entries["sql"].in_flight == 0
     assert engine.blocks.usage() == 0.0 or engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_pinned_adapters_do_not_block_other_adapters(demo_model, modules):
+    # Two pinned adapters fill both GPU slots; a request for a third must still run.
+    eng = LLMEngine(demo_model, EngineConfig(max_loras=2, max_cpu_loras=8, pinned_adapters=("chat", "code")),
+                    lora_modules=modules)
+    eng.generate(["hi", "hi"], GREEDY, [(("chat", 1.0),), (("code", 1.0),)])
+    out = eng.generate(["hi"], GREEDY, [(("legal", 1.0),)])[0]
+    assert len(out.token_ids) == GREEDY.max_tokens
+    assert {"chat", "code"} <= set(eng.registry.cpu)
+
+
+def test_prefix_counters_count_admitted_lookups_only(demo_model, modules):
+    # A KV cache too small for both prompts at once: the second admission is undone and retried.
+    eng = LLMEngine(demo_model, EngineConfig(max_loras=2, block_size=8, num_kv_blocks=8, enable_prefix_caching=True),
+                    lora_modules=modules)
+    prompts = [[5 + i for i in range(40)], [90 + i for i in range(40)]]
+    eng.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert eng.blocks.prefix_queries <= sum(len(p) for p in prompts) * 2  # each admitted at most ~once
+    assert eng.blocks.prefix_hits <= eng.blocks.prefix_queries

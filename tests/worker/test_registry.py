@@ -114,3 +114,39 @@ def test_prefetch_uses_only_free_or_idle_slots(make_registry, demo_adapters):
     reg.activate(["sql"], {"sql"})
     assert reg.prefetch(["chat", "poem"], protected={"sql"}) == ["chat"]  # poem: only sql's slot, protected
     assert sorted(reg.gpu_resident()) == ["chat", "sql"]
+
+
+def test_pinned_adapters_give_up_gpu_slots_when_a_batch_needs_them(make_registry, demo_adapters):
+    reg = make_registry(max_loras=2, max_cpu_loras=4)
+    register(reg, demo_adapters, "sql", "chat", pinned=True)
+    register(reg, demo_adapters, "poem")
+    reg.activate(["sql"], {"sql"})
+    reg.activate(["chat"], {"chat"})
+    # Prefetch is optional: it never takes a pinned adapter's slot.
+    assert reg.prefetch(["poem"], protected=set()) == []
+    # A batch the scheduler admitted must run: the least recently used pinned slot is given up.
+    slots = reg.activate(["poem"], {"poem"})
+    assert set(reg.gpu_resident()) == {"chat", "poem"} and slots["poem"] == 0
+    assert "sql" in reg.cpu  # pinning keeps it in host memory for good
+    for name in ("code", "legal"):
+        register(reg, demo_adapters, name)
+    assert "sql" in reg.cpu and "chat" in reg.cpu
+
+
+def test_reloading_a_draining_name(make_registry, demo_adapters):
+    reg = make_registry()
+    register(reg, demo_adapters, "sql")
+    reg.acquire(["sql"])
+    reg.unregister("sql")
+    # Different content while requests still run with the old weights: refused, nothing changes.
+    with pytest.raises(AdapterConflict) as info:
+        reg.register("sql", reg.read(str(demo_adapters["chat"])))
+    assert info.value.reason == "draining"
+    assert reg.entries["sql"].in_flight == 1 and reg.entries["sql"].removed
+    # The same content takes the unload back.
+    _, created = reg.register("sql", reg.read(str(demo_adapters["sql"])))
+    assert not created and reg.get("sql").in_flight == 1
+    reg.release(["sql"])
+    assert reg.get("sql").in_flight == 0
+    with pytest.raises(RuntimeError, match="released more often"):
+        reg.release(["sql"])

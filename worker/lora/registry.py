@@ -97,8 +97,17 @@ class AdapterRegistry:
                 )
             old.pinned = old.pinned or pinned
             return old, False
-        if old is not None:  # re-registered while the old version drains: forget the old weights
-            self._drop(name)
+        if old is not None:  # the old version still drains requests in flight
+            if old.digest == weights.digest:
+                old.removed = False  # same content: simply take the unload back
+                old.pinned = old.pinned or pinned
+                return old, False
+            # Its running requests must finish with the old weights, under this name: a second
+            # version would share the name's slot and counters. Refuse until they are done.
+            raise AdapterConflict(
+                "draining", f"adapter {name!r} was unloaded and {old.in_flight} request(s) still run with its old "
+                "weights; retry when they finish, or load the new version under a new name",
+            )
         entry = AdapterEntry(name=name, path=weights.path, digest=weights.digest, rank=weights.max_rank,
                              alpha=weights.alpha, pinned=pinned)
         self.entries[name] = entry
@@ -152,6 +161,8 @@ class AdapterRegistry:
             entry = self.entries.get(name)
             if entry is None:
                 continue
+            if entry.in_flight <= 0:
+                raise RuntimeError(f"adapter {name!r} released more often than acquired")
             entry.in_flight -= 1
             if entry.removed and entry.in_flight == 0:
                 self._drop(name)
@@ -213,27 +224,31 @@ class AdapterRegistry:
             if entry is None or entry.removed or entry.slot is not None or name not in self.cpu:
                 continue
             keep = protected | set(done)  # never evict what this call just prefetched
-            if self._free_slot(keep) is None:
+            if self._free_slot(keep, allow_pinned=False) is None:
                 break
-            self._ensure_slot(name, keep)
+            self._ensure_slot(name, keep, allow_pinned=False)
             done.append(name)
         return done
 
-    def _free_slot(self, protected: set[str]) -> int | None:
+    def _free_slot(self, protected: set[str], allow_pinned: bool) -> int | None:
+        """A slot to use: free, else the least recently used one outside `protected`, preferring
+        adapters with nothing in flight, and taking a pinned adapter's slot only if `allow_pinned`
+        (pinning keeps an adapter in the CPU cache for good; its GPU slot is given up when a batch
+        needs it, since the scheduler admits up to `max_loras` adapters regardless of pins)."""
         for slot, owner in enumerate(self._slot_owner):
             if owner is None:
                 return slot
-        for owner in self._gpu_lru:
-            entry = self.entries[owner]
-            if owner not in protected and not entry.pinned and entry.in_flight == 0:
-                return entry.slot
-        for owner in self._gpu_lru:  # in flight but not in this batch (waiting): still evictable
-            entry = self.entries[owner]
-            if owner not in protected and not entry.pinned:
-                return entry.slot
+        tiers = [lambda e: not e.pinned and e.in_flight == 0, lambda e: not e.pinned]
+        if allow_pinned:
+            tiers.append(lambda e: True)
+        for acceptable in tiers:
+            for owner in self._gpu_lru:
+                entry = self.entries[owner]
+                if owner not in protected and acceptable(entry):
+                    return entry.slot
         return None
 
-    def _ensure_slot(self, name: str, protected: set[str]) -> int:
+    def _ensure_slot(self, name: str, protected: set[str], allow_pinned: bool = True) -> int:
         entry = self._entry(name)
         if entry.slot is not None:
             self.stats.gpu_hits += 1
@@ -241,7 +256,7 @@ class AdapterRegistry:
             return entry.slot
         self.stats.gpu_misses += 1
         weights = self.ensure_cpu(name)
-        slot = self._free_slot(protected)
+        slot = self._free_slot(protected, allow_pinned)
         if slot is None:
             raise RuntimeError(f"no GPU slot for adapter {name!r}: all {len(self._slot_owner)} are protected")
         self._vacate(slot)

@@ -56,6 +56,10 @@ class LoraSlots:
     def fill(self, slot: int, weights: LoraWeights) -> None:
         """Copy an adapter into `slot` (asynchronously on CUDA; call `wait` before using it)."""
         stream = self._copy_stream
+        if stream is not None:
+            # The slot's old contents may still be read by steps queued on the compute stream, and
+            # `clear` zeroed its ranks there: order the copy after both.
+            stream.wait_stream(torch.cuda.current_stream(self.device))
         ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
         with ctx:
             for layer_idx, layer in enumerate(self.layers):
