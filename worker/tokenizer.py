@@ -75,16 +75,38 @@ def _token_text(value: object) -> str | None:
 
 
 class IncrementalDetokenizer:
-    """Text deltas for streamed tokens; holds back a trailing partial UTF-8 character."""
+    """Text deltas for streamed tokens.
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    Decodes with the last few prompt tokens in front, so tokenizers that mark word starts on the
+    token (SentencePiece's "▁") keep the first generated word's leading space; holds back a
+    trailing partial UTF-8 character until it completes (or the request ends).
+    """
+
+    CONTEXT_TOKENS = 4
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.prefix = list(prompt_ids or [])[-self.CONTEXT_TOKENS :]
+        self.prefix_text = tokenizer.decode(self.prefix) if self.prefix else ""
         self.text = ""
 
+    def _decode(self, output_ids: list[int]) -> str:
+        if not self.prefix:
+            return self.tokenizer.decode(output_ids)
+        full = self.tokenizer.decode(self.prefix + output_ids)
+        if full.startswith(self.prefix_text):
+            return full[len(self.prefix_text) :]
+        return self.tokenizer.decode(output_ids)
+
     def update(self, output_ids: list[int]) -> str:
-        text = self.tokenizer.decode(output_ids)
+        text = self._decode(output_ids)
         if text.endswith("\ufffd"):
             return ""
         delta = text[len(self.text):] if text.startswith(self.text) else text
         self.text = text
         return delta
+
+    def finish(self, output_ids: list[int]) -> str:
+        """The final text, a trailing partial character included (as U+FFFD)."""
+        self.text = self._decode(output_ids)
+        return self.text
