@@ -1,20 +1,28 @@
-"""Paged attention over a block-table KV cache: the torch path (CPU, and CUDA until a kernel lands).
+"""Paged attention over a block-table KV cache.
 
 Each layer's cache is `[num_blocks, block_size, num_kv_heads, head_dim]` for keys and for values. A
 sequence's tokens live in the blocks its block table names, in order; `slot_mapping` says where each
 new token's key and value are written (`block * block_size + offset`).
+
+Backends for decode-only steps (`EngineConfig.attention_backend`): "torch" (default) gathers each
+sequence's blocks into a tensor padded to the step's longest context and calls SDPA; "triton" runs
+`lorafleet.kernels.paged_attention`, whose shapes do not depend on the context lengths (what CUDA
+graphs need; off by default until its GPU tests pass on the H200). Prefill chunks always use torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import os
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from lorafleet.worker.config import ConfigError
+
+ATTENTION_BACKENDS = ("torch", "triton")
 _CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -42,16 +50,31 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """Check a backend name against the device; the Triton kernel runs on CPU only in the interpreter."""
+    if name not in ATTENTION_BACKENDS:
+        raise ConfigError(f"attention_backend must be one of {'|'.join(ATTENTION_BACKENDS)}, got {name!r}")
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("the triton attention backend needs --device cuda (or TRITON_INTERPRET=1)")
+    return name
+
+
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    backend: str = "torch",
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its cached context.
 
-    q: `[T, heads, head_dim]` -> `[T, heads, head_dim]`. Decode-only steps run as one padded batch;
-    other sequences (prefill chunks) run one at a time with an offset causal mask.
+    q: `[T, heads, head_dim]` -> `[T, heads, head_dim]`. Decode-only steps run as one batch through
+    `decode_attention`; other sequences (prefill chunks) run one at a time with an offset causal mask.
     """
     if meta.all_decode:
-        return _decode_batch(q, k_cache, v_cache, meta, scale)
+        return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens_t, scale, backend,
+                                max_context=max(meta.context_lens))
     out = torch.empty_like(q)
     block_size = k_cache.shape[1]
     for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
@@ -68,17 +91,34 @@ def paged_attention(
     return out
 
 
-def _decode_batch(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    backend: str = "torch",
+    max_context: int | None = None,
 ) -> torch.Tensor:
+    """One query token per sequence: q `[B, heads, head_dim]` -> `[B, heads, head_dim]`.
+
+    block_tables: `[B, max_blocks]` int32; context_lens: `[B]` int32 on q's device. `max_context`
+    (host) trims the torch path's gather to the longest context; without it the torch path pads to
+    the table width. The triton path never needs it: its shapes depend on the table width only.
+    """
+    if backend == "triton":
+        from lorafleet.kernels.paged_attention import paged_decode_attention
+
+        return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
     block_size = k_cache.shape[1]
-    max_ctx = max(meta.context_lens)
+    max_ctx = block_tables.shape[1] * block_size if max_context is None else max_context
     nblocks = (max_ctx + block_size - 1) // block_size
-    tables = meta.block_tables[:, :nblocks].long()  # [B, nblocks]
+    tables = block_tables[:, :nblocks].long()  # [B, nblocks]
     k = k_cache[tables].flatten(1, 2)[:, :max_ctx]  # [B, max_ctx, kv_heads, head_dim]
     v = v_cache[tables].flatten(1, 2)[:, :max_ctx]
     positions = torch.arange(max_ctx, device=q.device).unsqueeze(0)
-    mask = (positions < meta.context_lens_t.unsqueeze(1)).unsqueeze(1)  # [B, 1, max_ctx]
+    mask = (positions < context_lens.unsqueeze(1)).unsqueeze(1)  # [B, 1, max_ctx]
     return _sdpa(q.unsqueeze(1), k, v, mask, scale).squeeze(1)
 
 

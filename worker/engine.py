@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from lorafleet.worker.attention import resolve_attention_backend
 from lorafleet.worker.block_manager import BlockManager
 from lorafleet.worker.config import ConfigError, EngineConfig, ModelConfig
 from lorafleet.worker.lora.adapter import AdapterError
@@ -96,6 +97,7 @@ class LLMEngine:
         self.model = LlamaModel(self.model_config, self.device, self.dtype, self.max_model_len)
         self.model.load_weights(weights if weights is not None else iter_checkpoint(str(model_dir)))
         self.model.lora_backend = _resolve_backend(config.lora_backend, self.device)
+        self.model.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         self.slots = LoraSlots(self.model_config, config.max_loras, config.max_lora_rank, self.device, self.dtype)
         self.model.lora = self.slots
         self.registry = AdapterRegistry(self.model_config, config, self.slots, self.dtype)

@@ -55,6 +55,7 @@ class LlamaModel:
         self.rotary = Rotary(config, max_positions, device)
         self.lora: LoraSlots | None = None
         self.lora_backend = "torch"
+        self.attention_backend = "torch"
 
     # -- loading -------------------------------------------------------------------------------
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -131,7 +132,7 @@ class LlamaModel:
             v = v.reshape(-1, c.num_kv_heads, c.head_dim)
             k_cache, v_cache = kv_caches[i]
             write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
-            o = paged_attention(q, k_cache, v_cache, attn, scale).reshape(-1, c.q_size)
+            o = paged_attention(q, k_cache, v_cache, attn, scale, self.attention_backend).reshape(-1, c.q_size)
             h = h + self._linear(o, i, "o_proj", lora_meta)
             x = rms_norm(h, w[p + "post_norm"], c.rms_norm_eps)
             gate, up = self._linear(x, i, "gate_up_proj", lora_meta).chunk(2, dim=-1)
