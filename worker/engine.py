@@ -110,6 +110,8 @@ class LLMEngine:
             self.blocks,
             adapter_ready=self.registry.on_cpu,
         )
+        self._eos_ids = frozenset(self.model_config.eos_token_ids or (
+            (self.tokenizer.eos_id,) if self.tokenizer.eos_id is not None else ()))
         self._ids = itertools.count()
         self._tracked: dict[int, _Tracked] = {}
         self.logits_hook: LogitsHook | None = None
@@ -205,7 +207,7 @@ class LLMEngine:
         salt = "|".join(f"{n}@{self.registry.entries[n].digest}*{s!r}" for n, s in adapters)
         seq = Sequence(seq_id=next(self._ids), prompt_ids=ids, sampling=sampling, adapters=adapters,
                        cache_salt=salt, arrival=time.monotonic())
-        self._tracked[seq.seq_id] = _Tracked(seq, IncrementalDetokenizer(self.tokenizer))
+        self._tracked[seq.seq_id] = _Tracked(seq, IncrementalDetokenizer(self.tokenizer, ids))
         self.scheduler.add(seq)
         return seq.seq_id
 
@@ -236,7 +238,8 @@ class LLMEngine:
         tokens, logprobs = self.runner.run(batch, slot_of, sampled, self.logits_hook)
         self.scheduler.postprocess(batch)
         # Warm the slots for adapters next in line while their requests wait (S-LoRA's prefetch).
-        self.registry.prefetch(sorted(self.scheduler.waiting_adapters() - protected), protected)
+        running = self.scheduler.running_adapters()
+        self.registry.prefetch(self._next_adapters(running), protected | running)
         self.steps += 1
         outputs = []
         for seq, token, lp in zip(sampled, tokens, logprobs):
@@ -247,21 +250,23 @@ class LLMEngine:
         tracked = self._tracked[seq.seq_id]
         if tracked.ttft is None:
             tracked.ttft = time.monotonic() - seq.arrival
+        sp = seq.sampling
+        if token < 0:  # the model's logits were not finite for this request (sampling.sample)
+            log.warning("request %d: non-finite logits; ending it with finish_reason=error", seq.seq_id)
+            return self._finish(seq, tracked, "", "error", [], [])
         seq.output_ids.append(token)
         self.generated_tokens += 1
-        sp = seq.sampling
         reason = None
-        eos = self.model_config.eos_token_ids or ((self.tokenizer.eos_id,) if self.tokenizer.eos_id is not None else ())
-        if not sp.ignore_eos and token in eos:
+        stop_token = (not sp.ignore_eos and token in self._eos_ids) or token in sp.stop_token_ids
+        if stop_token:
             reason = "stop"
-        elif token in sp.stop_token_ids:
-            reason = "stop"
-        elif len(seq.output_ids) >= sp.max_tokens:
+        elif len(seq.output_ids) >= sp.max_tokens or len(seq) >= self.max_model_len:
             reason = "length"
-        elif len(seq) >= self.max_model_len:
-            reason = "length"
-        tracked.detok.update(seq.output_ids)
-        text = tracked.detok.text
+        if reason is None:
+            tracked.detok.update(seq.output_ids)
+            text = tracked.detok.text
+        else:  # the final text: a held-back partial character flushed, a stop token's own text left out
+            text = tracked.detok.finish(seq.output_ids[:-1] if stop_token else seq.output_ids)
         if sp.stop:
             hit = _find_stop(text, sp.stop, tracked.emitted, sp.include_stop_str_in_output)
             if hit is not None:
@@ -271,14 +276,31 @@ class LLMEngine:
         delta = text[tracked.emitted:safe]
         tracked.emitted = safe
         if reason is not None:
-            self.scheduler.finish(seq, reason)
-            self._release(seq)
-            self._tracked.pop(seq.seq_id, None)
+            return self._finish(seq, tracked, delta, reason, [token], [lp] if lp is not None else [])
         return RequestOutput(
-            request_id=seq.seq_id, new_token_ids=[token], text_delta=delta, finished=reason is not None,
-            finish_reason=reason, num_prompt_tokens=len(seq.prompt_ids), num_generated=len(seq.output_ids),
+            request_id=seq.seq_id, new_token_ids=[token], text_delta=delta, finished=False, finish_reason=None,
+            num_prompt_tokens=len(seq.prompt_ids), num_generated=len(seq.output_ids),
             logprobs=[lp] if lp is not None else [],
         )
+
+    def _finish(self, seq: Sequence, tracked: _Tracked, delta: str, reason: str, tokens: list[int],
+                logprobs: list[TokenLogprobs]) -> RequestOutput:
+        self.scheduler.finish(seq, reason)
+        self._release(seq)
+        self._tracked.pop(seq.seq_id, None)
+        return RequestOutput(
+            request_id=seq.seq_id, new_token_ids=tokens, text_delta=delta, finished=True, finish_reason=reason,
+            num_prompt_tokens=len(seq.prompt_ids), num_generated=len(seq.output_ids), logprobs=logprobs,
+        )
+
+    def _next_adapters(self, exclude: set[str]) -> list[str]:
+        """Adapters of waiting requests in queue order (the next to need a slot first)."""
+        seen: dict[str, None] = {}
+        for seq in self.scheduler.waiting:
+            for name, _ in seq.adapters:
+                if name not in exclude:
+                    seen.setdefault(name, None)
+        return list(seen)
 
     def _release(self, seq: Sequence) -> None:
         self.registry.release(seq.adapter_names)

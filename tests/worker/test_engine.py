@@ -148,3 +148,21 @@ def test_prefix_counters_count_admitted_lookups_only(demo_model, modules):
     eng.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert eng.blocks.prefix_queries <= sum(len(p) for p in prompts) * 2  # each admitted at most ~once
     assert eng.blocks.prefix_hits <= eng.blocks.prefix_queries
+
+
+def test_non_finite_logits_end_only_that_request(engine):
+    poisoned = []
+
+    def poison(seqs, logits):
+        if not poisoned:
+            poisoned.append(seqs[0].seq_id)
+            logits[0].fill_(float("nan"))
+
+    engine.logits_hook = poison
+    try:
+        outs = engine.generate(["Hello world", "Roses are red"], GREEDY, [(("sql", 1.0),), ()])
+    finally:
+        engine.logits_hook = None
+    assert outs[0].finish_reason == "error" and outs[0].token_ids == []
+    assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == GREEDY.max_tokens
+    assert engine.registry.entries["sql"].in_flight == 0 and not engine.has_unfinished()

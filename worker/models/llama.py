@@ -35,10 +35,13 @@ class Rotary:
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, head_dim]
         self.cos, self.sin = emb.cos(), emb.sin()
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for the step's positions, `[T, 1, head_dim]` each (gathered once per step)."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: `[T, heads, head_dim]`."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
@@ -122,13 +125,14 @@ class LlamaModel:
         c, w = self.config, self.weights
         h = F.embedding(input_ids, w["embed"])  # [T, hidden]
         scale = c.head_dim**-0.5
+        cos, sin = self.rotary.at(positions, h.dtype)
         for i in range(c.num_layers):
             p = f"layers.{i}."
             x = rms_norm(h, w[p + "in_norm"], c.rms_norm_eps)
             qkv = self._linear(x, i, "qkv_proj", lora_meta)
             q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-            q = self.rotary.apply(q.reshape(-1, c.num_heads, c.head_dim), positions)
-            k = self.rotary.apply(k.reshape(-1, c.num_kv_heads, c.head_dim), positions)
+            q = Rotary.apply(q.reshape(-1, c.num_heads, c.head_dim), cos, sin)
+            k = Rotary.apply(k.reshape(-1, c.num_kv_heads, c.head_dim), cos, sin)
             v = v.reshape(-1, c.num_kv_heads, c.head_dim)
             k_cache, v_cache = kv_caches[i]
             write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
