@@ -156,11 +156,11 @@ class LLMEngine:
         log.info(
             "memory plan on %s (%s): weights %.3f GiB | %d LoRA slots reserved at max rank %d: %.3f GiB "
             "(%.1f MiB each; kernels read each adapter at its own rank) | KV cache %d blocks x %d tokens = %d tokens, "
-            "%.3f GiB | LoRA backend %s",
+            "%.3f GiB | LoRA backend %s, attention backend %s",
             self.device, str(self.dtype).removeprefix("torch."), p["weights_bytes"] / gib, self.config.max_loras,
             self.config.max_lora_rank, p["lora_slot_bytes"] / gib, p["lora_slot_bytes"] / self.config.max_loras / mib,
             num_blocks, self.config.block_size, num_blocks * self.config.block_size, p["kv_bytes"] / gib,
-            self.model.lora_backend,
+            self.model.lora_backend, self.model.attention_backend,
         )
         for name, nbytes in adapters.items():
             log.info("adapter %s: rank %d, %.2f MiB at its rank", name, self.registry.entries[name].rank, nbytes / mib)

@@ -27,7 +27,7 @@ def engine(demo_model, modules):
 
 def test_preemption_and_resume_give_the_same_tokens(demo_model, modules, engine):
     want = [o.token_ids for o in engine.generate(PROMPTS, GREEDY, ADAPTERS)]
-    # 5 blocks of 4 tokens cannot hold four growing requests: some are preempted and recomputed.
+    # 7 blocks of 8 tokens cannot hold four growing requests: some are preempted and recomputed.
     tight = LLMEngine(demo_model, EngineConfig(max_loras=4, max_cpu_loras=8, block_size=8, num_kv_blocks=7,
                                                enable_prefix_caching=False), lora_modules=modules)
     got = [o.token_ids for o in tight.generate(PROMPTS, GREEDY, ADAPTERS)]
