@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from lorafleet.operator.reconciler import Fleet, PoolReconciler, ReconcilerSettings
+from lorafleet.operator.fleet import Fleet
+from lorafleet.operator.reconciler import PoolReconciler, ReconcilerSettings
 from lorafleet.operator.spec import parse_adapter
 from lorafleet.placement_store import MemoryPlacementStore
 
