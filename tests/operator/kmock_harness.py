@@ -1,7 +1,8 @@
 """kmock's KubernetesEmulator, patched where kopf and kubectl need a more faithful API server.
 
 Gaps covered (kmock 0.8):
-- `GET /api/v1/namespaces[/<name>]` crashes its path parser: namespaces are served here.
+- `GET /api/v1/namespaces[/<name>]` (and its watch) crashes its path parser: namespaces are served
+  here, so kopf's namespace scanning works too.
 - objects get no uid/resourceVersion/creationTimestamp/generation: set on create, bumped on writes
   (generation only when `spec` changes, as for CRDs with a status subresource).
 - create answers 200: 201 here. PUT (replace) is served. JSON-patch lists and merge patches both.
@@ -11,9 +12,10 @@ Gaps covered (kmock 0.8):
 - a `default` Namespace exists; CRDs from crds/ are registered for discovery (kind, short names,
   namespaced, verbs, status subresource) and their printer columns are rendered as server-side
   Tables for `kubectl get`.
-Not covered: watch streams keep kmock's octet-stream content type (kopf does not mind); watching
-namespaces (run kopf with `settings.scanning.disabled = True` and exact namespace names); no
-admission (CEL, schema) — the CRD schema is tested separately.
+Not covered: watch streams keep kmock's octet-stream content type (kopf does not mind); namespaces
+added after the start are not announced on the namespace watch (in-process tests run kopf with
+`settings.scanning.disabled = True` and exact namespace names); no admission (CEL, schema) — the
+CRD schema is tested separately.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from kmock._internal import dicts, enums, rendering
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_DIR = ROOT / "crds"
+
+# A watch with no events notices a hung-up client only by looking; this often.
+_DISCONNECT_POLL_S = 0.5
 
 ALL_VERBS = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
 
@@ -175,7 +180,24 @@ class PatchedEmulator(kmock.KubernetesEmulator):
         m = re.fullmatch(r"/api/v1/namespaces(?:/([^/]+))?/?", raw.path)
         if m and raw.method == "GET" and raw.query.get("watch") != "true":
             return self._serve_namespaces(m.group(1))
+        if m and raw.method == "GET" and m.group(1) is None:
+            return await self._watch_namespaces(raw)
         return await kmock.KubernetesEmulator.__call__(self, raw)
+
+    async def _watch_namespaces(self, raw: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        """Namespaces never change here: ADDED for each (unless resumed from a version), then quiet."""
+        response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(raw)
+        if not raw.query.get("resourceVersion"):
+            for ns in list(self._namespaces.values()):
+                await response.write(json.dumps({"type": "ADDED", "object": ns}).encode() + b"\n")
+        deadline = asyncio.get_running_loop().time() + float(raw.query.get("timeoutSeconds") or 3600)
+        try:
+            while asyncio.get_running_loop().time() < deadline and not _gone(raw):
+                await asyncio.sleep(_DISCONNECT_POLL_S)
+        except asyncio.CancelledError:
+            pass
+        return response
 
     def _serve_namespaces(self, name: str | None) -> aiohttp.web.Response:
         if name is None:
@@ -326,12 +348,12 @@ class PatchedEmulator(kmock.KubernetesEmulator):
                 async with self._changed:
                     while pos >= len(self._log):
                         left = deadline - asyncio.get_running_loop().time()
-                        if left <= 0:
+                        if left <= 0 or _gone(request._raw_request):
                             return response
                         try:
-                            await asyncio.wait_for(self._changed.wait(), timeout=left)
+                            await asyncio.wait_for(self._changed.wait(), timeout=min(left, _DISCONNECT_POLL_S))
                         except asyncio.TimeoutError:
-                            return response
+                            pass
                     batch, pos = self._log[pos:], len(self._log)
                 for _, r, event in batch:
                     if r == res and wanted(event["object"]):
@@ -426,6 +448,12 @@ class PatchedEmulator(kmock.KubernetesEmulator):
             refs = dep.raw["metadata"].get("ownerReferences") or []
             if any(r.get("uid") == uid for r in refs):
                 await self._delete(dep_key[0], dep_key)
+
+
+def _gone(request: aiohttp.web.BaseRequest) -> bool:
+    """The client hung up (e.g. a SIGKILLed operator): end its watch, or the server's shutdown waits 60 s."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 def _matches(obj: dict[str, Any], selector: str) -> bool:
