@@ -385,6 +385,12 @@ class PoolReconciler:
                 try:
                     await self.kube.patch(path, {"status": new})
                     record.status = new
+                    # An upsert during the write (kopf's resume handler on restart, say) replaced the
+                    # record with one built from the event's older status: the object has `new` all
+                    # the same, so remember it there too, or the status is never rewritten.
+                    current = self.adapters.get(record.spec.name)
+                    if current is not None and current is not record:
+                        current.status = new
                 except NotFound:
                     pass  # deleted meanwhile
                 except (KubeError, OSError) as exc:

@@ -221,10 +221,6 @@ async def test_sigkilled_mid_unloads_then_mid_loads_converges(
         raise
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "PoolReconciler.upsert_adapter (kopf resuming an adapter) replaces the AdapterRecord while the "
-    "first round's status write for it is in flight; the write then lands on the orphaned record, "
-    "the new one keeps the stale 'Ready' and the 'Pending' written at startup is never corrected"))
 async def test_sigkilled_mid_unloads_converges(
     api: PatchedEmulator, kubectl: Kubectl, kubelet: Kubelet, operator_process: OperatorProcess, tmp_path: Path
 ) -> None:
