@@ -52,8 +52,10 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def resolve_attention_backend(name: str, device: torch.device) -> str:
     """Check a backend name against the device; the Triton kernel runs on CPU only in the interpreter."""
+    if name == "auto":  # the Triton kernel on CUDA (validated on the H200, 2026-11-30), torch on CPU
+        return "triton" if device.type == "cuda" else "torch"
     if name not in ATTENTION_BACKENDS:
-        raise ConfigError(f"attention_backend must be one of {'|'.join(ATTENTION_BACKENDS)}, got {name!r}")
+        raise ConfigError(f"attention_backend must be auto|{'|'.join(ATTENTION_BACKENDS)}, got {name!r}")
     if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError("the triton attention backend needs --device cuda (or TRITON_INTERPRET=1)")
     return name

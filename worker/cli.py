@@ -49,8 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory-fraction", type=float, default=d.kv_cache_memory_fraction)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching)
     p.add_argument("--lora-backend", default=d.lora_backend, choices=["auto", "torch", "triton"])
-    p.add_argument("--attention-backend", default=d.attention_backend, choices=["torch", "triton"],
-                   help="decode attention: torch (default) or the Triton paged kernel (not yet validated on a GPU)")
+    p.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "triton"],
+                   help="decode attention: auto = the Triton paged kernel on CUDA, torch on CPU")
     p.add_argument("--pinned-lora-modules", nargs="+", action="extend", default=[], metavar="NAME",
                    help="start-up adapters never evicted from the GPU")
     p.add_argument("--seed", type=int, default=d.seed)

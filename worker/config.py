@@ -193,9 +193,8 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     lora_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
-    # Decode attention: torch (gather + SDPA) | triton (paged kernel, fixed shapes; issue 9). Stays
-    # torch until the kernel's GPU tests pass on the H200.
-    attention_backend: str = "torch"
+    # Decode attention: auto (the Triton paged kernel on CUDA, torch on CPU) | torch | triton.
+    attention_backend: str = "auto"
     pinned_adapters: tuple[str, ...] = field(default_factory=tuple)
     seed: int = 0
 
@@ -213,7 +212,7 @@ class EngineConfig:
             (self.device in ("cpu", "cuda") or self.device.startswith("cuda:"), "device must be cpu or cuda[:N]"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype must be auto|float32|bfloat16|float16"),
             (self.lora_backend in ("auto", "torch", "triton"), "lora_backend must be auto|torch|triton"),
-            (self.attention_backend in ("torch", "triton"), "attention_backend must be torch|triton"),
+            (self.attention_backend in ("auto", "torch", "triton"), "attention_backend must be auto|torch|triton"),
         ]
         for ok, message in checks:
             if not ok:

@@ -273,7 +273,9 @@ def test_prefill_steps_keep_the_torch_path() -> None:
 
 
 def test_backend_switch_is_validated(monkeypatch) -> None:
-    assert EngineConfig().attention_backend == "torch"
+    assert EngineConfig().attention_backend == "auto"
+    assert resolve_attention_backend("auto", torch.device("cpu")) == "torch"
+    assert resolve_attention_backend("auto", torch.device("cuda")) == "triton"
     with pytest.raises(ConfigError, match="attention_backend"):
         EngineConfig(attention_backend="flash")
     with pytest.raises(ConfigError, match="attention_backend"):
