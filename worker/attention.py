@@ -37,6 +37,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
     context_lens_t: torch.Tensor  # [num_seqs] int32 on device
     all_decode: bool  # every sequence has exactly one new token
+    # A CUDA-graph step (`worker/cuda_graphs.py`): shapes follow the table width, never the host lists.
+    fixed_shapes: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -76,7 +78,7 @@ def paged_attention(
     """
     if meta.all_decode:
         return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens_t, scale, backend,
-                                max_context=max(meta.context_lens))
+                                max_context=None if meta.fixed_shapes else max(meta.context_lens))
     out = torch.empty_like(q)
     block_size = k_cache.shape[1]
     for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):

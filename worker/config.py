@@ -195,6 +195,9 @@ class EngineConfig:
     lora_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
     # Decode attention: auto (the Triton paged kernel on CUDA, torch on CPU) | torch | triton.
     attention_backend: str = "auto"
+    # Decode steps replay a CUDA graph per batch-size bucket (worker/cuda_graphs.py); off until
+    # validated on the H200. Needs the Triton attention and LoRA backends on CUDA.
+    cuda_graphs: bool = False
     pinned_adapters: tuple[str, ...] = field(default_factory=tuple)
     seed: int = 0
 

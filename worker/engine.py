@@ -20,6 +20,7 @@ import torch
 from lorafleet.worker.attention import resolve_attention_backend
 from lorafleet.worker.block_manager import BlockManager
 from lorafleet.worker.config import ConfigError, EngineConfig, ModelConfig
+from lorafleet.worker.cuda_graphs import DecodeGraphs
 from lorafleet.worker.lora.adapter import AdapterError
 from lorafleet.worker.lora.registry import AdapterRegistry
 from lorafleet.worker.lora.slots import LoraSlots
@@ -105,6 +106,8 @@ class LLMEngine:
         num_blocks = self._plan_kv_blocks()
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.max_loras, config.max_loras_per_request)
+        if config.cuda_graphs:
+            self.runner.graphs = self._decode_graphs()
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_loras, config.aging_steps),
             self.blocks,
@@ -138,6 +141,21 @@ class LLMEngine:
             return blocks
         return CPU_DEFAULT_KV_BLOCKS
 
+    def _decode_graphs(self) -> DecodeGraphs:
+        """CUDA graphs on CUDA; on CPU the same padded static-buffer path runs without capture (tests)."""
+        capture = self.device.type == "cuda"
+        if capture and (self.model.attention_backend != "triton" or self.model.lora_backend != "triton"):
+            raise ConfigError(
+                "--cuda-graphs needs the triton attention and LoRA backends on CUDA (got attention "
+                f"{self.model.attention_backend}, LoRA {self.model.lora_backend}): the torch paths read host lists"
+            )
+        return DecodeGraphs(
+            self.model, self.runner.kv_caches, block_size=self.config.block_size, max_model_len=self.max_model_len,
+            max_batch=self.config.max_num_seqs, max_loras=self.config.max_loras,
+            max_loras_per_request=self.config.max_loras_per_request, sink_slot=self.runner.sink_slot,
+            capture=capture,
+        )
+
     def _log_memory_plan(self, num_blocks: int) -> None:
         """Log where memory goes, in the seed guide's terms: weights, adapter slots, KV blocks."""
         mib, gib = 1 << 20, 1 << 30
@@ -156,11 +174,12 @@ class LLMEngine:
         log.info(
             "memory plan on %s (%s): weights %.3f GiB | %d LoRA slots reserved at max rank %d: %.3f GiB "
             "(%.1f MiB each; kernels read each adapter at its own rank) | KV cache %d blocks x %d tokens = %d tokens, "
-            "%.3f GiB | LoRA backend %s, attention backend %s",
+            "%.3f GiB | LoRA backend %s, attention backend %s, CUDA graphs %s",
             self.device, str(self.dtype).removeprefix("torch."), p["weights_bytes"] / gib, self.config.max_loras,
             self.config.max_lora_rank, p["lora_slot_bytes"] / gib, p["lora_slot_bytes"] / self.config.max_loras / mib,
             num_blocks, self.config.block_size, num_blocks * self.config.block_size, p["kv_bytes"] / gib,
             self.model.lora_backend, self.model.attention_backend,
+            "off" if self.runner.graphs is None else f"buckets {self.runner.graphs.buckets}",
         )
         for name, nbytes in adapters.items():
             log.info("adapter %s: rank %d, %.2f MiB at its rank", name, self.registry.entries[name].rank, nbytes / mib)

@@ -8,6 +8,7 @@ import torch
 
 from lorafleet.kernels.lora_ops import LoraMeta, build_lora_meta
 from lorafleet.worker.attention import AttentionMetadata
+from lorafleet.worker.cuda_graphs import DecodeGraphs
 from lorafleet.worker.models.llama import LlamaModel
 from lorafleet.worker.sampling import TokenLogprobs, sample
 from lorafleet.worker.scheduler import ScheduledBatch
@@ -24,12 +25,16 @@ class ModelRunner:
         self.max_loras = max_loras
         self.k = max_loras_per_request
         c = model.config
-        shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        # One block more than the block manager hands out: the sink, where padding rows of a CUDA
+        # graph bucket write their K/V (never read, never part of a sequence).
+        self.sink_slot = num_blocks * block_size
+        shape = (num_blocks + 1, block_size, c.num_kv_heads, c.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=model.dtype, device=self.device), torch.zeros(shape, dtype=model.dtype, device=self.device))
             for _ in range(c.num_layers)
         ]
         self._generators: dict[int, torch.Generator] = {}
+        self.graphs: DecodeGraphs | None = None  # set by the engine when EngineConfig.cuda_graphs is on
 
     @staticmethod
     def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
@@ -112,8 +117,11 @@ class ModelRunner:
         self, batch: ScheduledBatch, slot_of: dict[str, int], sampled: list[Sequence], hook: LogitsHook | None = None
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Forward the batch; sample one token for each sequence in `sampled` (prefill done or decode)."""
-        input_ids, positions, attn, lora_meta, logits_rows = self.prepare(batch, slot_of)
-        logits = self.model.forward(input_ids, positions, attn, self.kv_caches, lora_meta, logits_rows)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            logits = self.graphs.run(batch, slot_of)  # every sequence is sampled: rows match `sampled`
+        else:
+            input_ids, positions, attn, lora_meta, logits_rows = self.prepare(batch, slot_of)
+            logits = self.model.forward(input_ids, positions, attn, self.kv_caches, lora_meta, logits_rows)
         if hook is not None:
             hook(sampled, logits)
         if not sampled:

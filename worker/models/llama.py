@@ -102,11 +102,12 @@ class LlamaModel:
         return total
 
     # -- forward -------------------------------------------------------------------------------
-    def _linear(self, x: torch.Tensor, layer: int, fused: str, meta: LoraMeta | None) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, layer: int, fused: str, meta: LoraMeta | None, graph: bool = False) -> torch.Tensor:
         w = self.weights
         key = f"layers.{layer}.{fused.removesuffix('_proj')}"
         y = F.linear(x, w[key], w.get(key + "_bias"))
-        if meta is not None and not meta.empty and self.lora is not None:
+        # In a graph, whether a token has an adapter is data: launch even for an empty meta.
+        if meta is not None and (graph or not meta.empty) and self.lora is not None:
             s = self.lora.layers[layer].get(fused)
             if s is not None:
                 add_lora(y, x, s.lora_a, s.lora_b, s.ranks, s.ranks_device, meta, self.lora_backend)
@@ -120,8 +121,13 @@ class LlamaModel:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         lora_meta: LoraMeta | None,
         logits_indices: torch.Tensor,  # [N] rows of the step whose logits are wanted
+        graph: bool = False,
     ) -> torch.Tensor:
-        """One engine step over all scheduled tokens -> float32 logits `[N, vocab]`."""
+        """One engine step over all scheduled tokens -> float32 logits `[N, vocab]`.
+
+        graph: the step runs in (or is captured into) a CUDA graph (`worker/cuda_graphs.py`): no
+        host checks may skip a launch, and `attn` must have fixed shapes.
+        """
         c, w = self.config, self.weights
         h = F.embedding(input_ids, w["embed"])  # [T, hidden]
         scale = c.head_dim**-0.5
@@ -129,7 +135,7 @@ class LlamaModel:
         for i in range(c.num_layers):
             p = f"layers.{i}."
             x = rms_norm(h, w[p + "in_norm"], c.rms_norm_eps)
-            qkv = self._linear(x, i, "qkv_proj", lora_meta)
+            qkv = self._linear(x, i, "qkv_proj", lora_meta, graph)
             q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
             q = Rotary.apply(q.reshape(-1, c.num_heads, c.head_dim), cos, sin)
             k = Rotary.apply(k.reshape(-1, c.num_kv_heads, c.head_dim), cos, sin)
@@ -137,10 +143,10 @@ class LlamaModel:
             k_cache, v_cache = kv_caches[i]
             write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, attn, scale, self.attention_backend).reshape(-1, c.q_size)
-            h = h + self._linear(o, i, "o_proj", lora_meta)
+            h = h + self._linear(o, i, "o_proj", lora_meta, graph)
             x = rms_norm(h, w[p + "post_norm"], c.rms_norm_eps)
-            gate, up = self._linear(x, i, "gate_up_proj", lora_meta).chunk(2, dim=-1)
-            h = h + self._linear(F.silu(gate) * up, i, "down_proj", lora_meta)
+            gate, up = self._linear(x, i, "gate_up_proj", lora_meta, graph).chunk(2, dim=-1)
+            h = h + self._linear(F.silu(gate) * up, i, "down_proj", lora_meta, graph)
         h = rms_norm(h.index_select(0, logits_indices), w["norm"], c.rms_norm_eps)
         return F.linear(h, w["lm_head"]).float()
 

@@ -1,0 +1,310 @@
+"""Decode steps from per-bucket static buffers (`worker/cuda_graphs.py`) against the eager path.
+
+CPU: bucket choice, the padded inputs against `ModelRunner.prepare`, and whole engines run
+through the static-buffer path without capture (padding rows, the KV sink, LoRA metadata copied
+into the bucket's buffers) against eager engines. GPU (`-m gpu`, the H200): the same comparisons
+with real graph capture and replay, and a check that the captured path is the one that ran.
+
+Tolerance graphs vs eager: fp32 max |Δ| / max |eager| <= 1e-5 and the same greedy tokens (not
+bitwise: a graph launches the attention and LoRA kernels with the bucket's split configuration,
+and the eager step with its own, so sums are ordered differently); bf16: ‖Δ‖/‖eager‖ <= 1e-2 on
+the first decode step (later steps may follow different tokens).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lorafleet.worker.config import EngineConfig
+from lorafleet.worker.cuda_graphs import bucket_for, decode_inputs, graph_buckets, is_graphable
+from lorafleet.worker.engine import LLMEngine
+from lorafleet.worker.scheduler import ScheduledBatch
+from lorafleet.worker.sequence import SamplingParams, Sequence
+
+from .peft_oracle import rel_err, rel_norm_err, run_engine_with_logits
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+# Mixed adapters, base-only, a composed request; different lengths, so the batch shrinks across
+# bucket boundaries (9 -> 16-bucket, then 8, 4, 2, 1) as requests finish.
+REQUESTS = [
+    ("Hello world", (), 3),
+    ("SELECT name FROM students", (("sql", 1.0),), 4),
+    ("The router sends each request to a worker", (("chat", 1.0),), 5),
+    ("Roses are red", (("poem", 1.0),), 6),
+    ("def add(a, b):", (("code", 1.0),), 7),
+    ("Hello world", (("sql", 1.0),), 8),
+    ("Once upon a time " * 6, (), 9),
+    ("Every institute uses the same printed textbook", (("sql", 0.7), ("poem", 0.5)), 10),
+    ("A tenant sends a request", (("legal", 1.0),), 12),
+]
+
+
+@pytest.mark.parametrize(
+    "max_batch, want",
+    [
+        (1, [1]),
+        (2, [1, 2]),
+        (8, [1, 2, 4, 8]),
+        (12, [1, 2, 4, 8, 12]),
+        (20, [1, 2, 4, 8, 16, 20]),
+        (64, [1, 2, 4, 8, 16, 32, 48, 64]),
+        (100, [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 100]),
+    ],
+)
+def test_graph_buckets(max_batch, want):
+    assert graph_buckets(max_batch) == want
+
+
+@pytest.mark.parametrize("size, want", [(1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (16, 16), (17, 32), (64, 64), (65, None)])
+def test_bucket_for(size, want):
+    assert bucket_for(size, graph_buckets(64)) == want
+
+
+def _seq(seq_id: int, prompt: list[int], outputs: list[int], table: list[int], adapters=()) -> Sequence:
+    seq = Sequence(seq_id=seq_id, prompt_ids=prompt, sampling=GREEDY, adapters=adapters)
+    seq.output_ids = list(outputs)
+    seq.num_computed = len(seq) - 1
+    seq.block_table = list(table)
+    return seq
+
+
+def test_is_graphable():
+    decode = _seq(0, [5, 6, 7], [8], [3])
+    assert is_graphable(ScheduledBatch([decode], [1]))
+    chunk = _seq(1, list(range(10, 30)), [], [4, 5])
+    chunk.num_computed = 4  # a one-token prefill chunk in the middle of the prompt: nothing sampled
+    assert not is_graphable(ScheduledBatch([decode, chunk], [1, 1]))
+    chunk.num_computed = 0
+    assert not is_graphable(ScheduledBatch([decode, chunk], [1, 20]))
+    assert not is_graphable(ScheduledBatch([], []))
+
+
+@pytest.fixture(scope="module")
+def modules(demo_adapters):
+    return {n: str(p) for n, p in demo_adapters.items()}
+
+
+def test_decode_inputs_match_prepare_and_pad(demo_model, modules):
+    engine = LLMEngine(demo_model, EngineConfig(max_loras=4, max_cpu_loras=8, block_size=8, num_kv_blocks=64),
+                       lora_modules=modules)
+    runner = engine.runner
+    slot_of = {"sql": 0, "chat": 2, "poem": 3}
+    seqs = [
+        _seq(0, list(range(11, 19)), [19, 20], [7, 9]),  # position 9: block 9, offset 1
+        _seq(1, [21, 22, 23, 24, 25, 26, 27], [28], [5], (("sql", 1.0),)),  # position 7: last slot of block 5
+        _seq(2, [31] * 16, [32], [1, 2, 8], (("chat", 0.5), ("poem", 0.25))),  # composed, 3 blocks
+    ]
+    batch = ScheduledBatch(seqs, [1, 1, 1])
+    ids, positions, attn, meta, rows = runner.prepare(batch, slot_of)
+    bucket, width, k = 4, 2048 // 8, runner.k
+    got = decode_inputs(batch, slot_of, bucket, width, 8, k, runner.sink_slot)
+    n = len(seqs)
+    assert got.num_seqs == n and got.has_adapters
+    assert torch.equal(got.input_ids[:n], ids)
+    assert torch.equal(got.positions[:n], positions)
+    assert torch.equal(got.slot_mapping[:n], attn.slot_mapping)
+    assert got.slot_mapping[:n].tolist() == [9 * 8 + 1, 5 * 8 + 7, 8 * 8 + 0]
+    assert torch.equal(got.block_tables[:n, : attn.block_tables.shape[1]], attn.block_tables)
+    assert not got.block_tables[:, attn.block_tables.shape[1]:].any()
+    assert torch.equal(got.context_lens[:n], attn.context_lens_t)
+    assert torch.equal(got.token_slots[:n], meta.token_slots)
+    assert torch.equal(got.token_scales[:n], meta.token_scales)
+    assert rows.tolist() == list(range(n))
+    # The padding row: token 0 at position 0, context 0, no adapter, K/V into the sink.
+    assert runner.sink_slot == 64 * 8 and runner.kv_caches[0][0].shape[0] == 64 + 1
+    assert (got.input_ids[n], got.positions[n], got.context_lens[n]) == (0, 0, 0)
+    assert got.slot_mapping[n] == runner.sink_slot
+    assert not got.block_tables[n].any()
+    assert got.token_slots[n].tolist() == [-1] * k and not got.token_scales[n].any()
+    with pytest.raises(ValueError):
+        decode_inputs(batch, slot_of, 2, width, 8, k, runner.sink_slot)
+    base_only = decode_inputs(ScheduledBatch(seqs[:1], [1]), slot_of, 1, width, 8, k, runner.sink_slot)
+    assert not base_only.has_adapters
+
+
+def _engine(demo_model, modules, device: str, graphs: bool, **kw) -> LLMEngine:
+    config = EngineConfig(max_cpu_loras=8, device=device, cuda_graphs=graphs, **{"max_loras": 6, "num_kv_blocks": 256, **kw})
+    return LLMEngine(demo_model, config, lora_modules=modules)
+
+
+def _run(engine: LLMEngine, requests) -> dict:
+    """run_engine_with_logits with per-request max_tokens."""
+    steps: dict[int, list[torch.Tensor]] = {}
+
+    def hook(seqs, logits):
+        for seq, row in zip(seqs, logits):
+            steps.setdefault(seq.seq_id, []).append(row.float().cpu().clone())
+
+    engine.logits_hook = hook
+    ids = [engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), a)
+           for p, a, n in requests]
+    seqs = {rid: engine._tracked[rid].seq for rid in ids}
+    while engine.has_unfinished():
+        engine.step()
+    engine.logits_hook = None
+    return {"ids": ids, "seqs": seqs, "steps": steps}
+
+
+def _compare(eager: dict, graph: dict, tolerance: float) -> None:
+    for rid_e, rid_g in zip(eager["ids"], graph["ids"]):
+        assert graph["seqs"][rid_g].output_ids == eager["seqs"][rid_e].output_ids, f"request {rid_e}"
+        for step, (g, e) in enumerate(zip(graph["steps"][rid_g], eager["steps"][rid_e])):
+            err = rel_err(g, e)
+            assert err <= tolerance, f"request {rid_e} step {step}: {err:.2e}"
+
+
+def _kv_matches(a: LLMEngine, b: LLMEngine) -> None:
+    """Every block the block manager hands out holds the same K/V: padding rows wrote only the sink."""
+    n = a.blocks.num_blocks
+    for (ka, va), (kb, vb) in zip(a.runner.kv_caches, b.runner.kv_caches):
+        torch.testing.assert_close(kb[:n], ka[:n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(vb[:n], va[:n], rtol=1e-5, atol=1e-5)
+
+
+def _buckets_used(engine: LLMEngine) -> set[int]:
+    return {bucket for bucket, _ in engine.runner.graphs._graphs}
+
+
+def test_static_buffers_match_eager_on_cpu(demo_model, modules):
+    """The whole bucketed path on CPU (no capture): mixed, base-only and composed requests."""
+    eager = _engine(demo_model, modules, "cpu", graphs=False, enable_prefix_caching=False)
+    graph = _engine(demo_model, modules, "cpu", graphs=True, enable_prefix_caching=False)
+    assert graph.runner.graphs is not None and not graph.runner.graphs.capture
+    want, got = _run(eager, REQUESTS), _run(graph, REQUESTS)
+    _compare(want, got, 1e-5)
+    stats = graph.runner.graphs.stats
+    assert stats.replays >= 8 and stats.captures == 0
+    assert {16, 8, 4, 2, 1} <= _buckets_used(graph)  # the batch shrank across buckets
+    assert {lora for _, lora in graph.runner.graphs._graphs} == {True}  # the last request has an adapter
+    _kv_matches(eager, graph)
+
+
+def test_base_only_steps_use_the_graph_without_lora(demo_model, modules):
+    graph = _engine(demo_model, modules, "cpu", graphs=True)
+    graph.generate(["Hello world", "Roses are red", "A tenant"], GREEDY)
+    assert graph.runner.graphs.stats.replays > 0
+    assert {lora for _, lora in graph.runner.graphs._graphs} == {False}
+
+
+def test_adapters_swapped_between_replays_on_cpu(demo_model, modules):
+    """Two slots, four adapters: slots are refilled between replays of the same bucket."""
+    requests = [("Hello world", ((name, 1.0),), 5) for name in ("sql", "chat", "poem", "code")] * 2
+    eager = _engine(demo_model, modules, "cpu", graphs=False, max_loras=2)
+    graph = _engine(demo_model, modules, "cpu", graphs=True, max_loras=2)
+    _compare(_run(eager, requests), _run(graph, requests), 1e-5)
+    assert graph.registry.stats.gpu_misses >= 4
+    assert graph.runner.graphs.stats.replays > 0
+
+
+def test_preemption_with_static_buffers(demo_model, modules):
+    prompts = ["Hello world", "The router sends each request", "Roses are red", "SELECT name FROM students"]
+    adapters = [(), (("sql", 1.0),), (("chat", 1.0),), (("poem", 0.8), ("sql", 0.5))]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    eager = _engine(demo_model, modules, "cpu", graphs=False, max_loras=4)
+    want = [o.token_ids for o in eager.generate(prompts, sp, adapters)]
+    tight = _engine(demo_model, modules, "cpu", graphs=True, max_loras=4, block_size=8, num_kv_blocks=7,
+                    enable_prefix_caching=False)
+    got = [o.token_ids for o in tight.generate(prompts, sp, adapters)]
+    assert tight.scheduler.preempted_total > 0
+    assert tight.runner.graphs.stats.replays > 0
+    assert got == want
+
+
+def test_graphs_can_be_switched_off_at_run_time(demo_model, modules):
+    graph = _engine(demo_model, modules, "cpu", graphs=True)
+    graph.runner.graphs.enabled = False
+    graph.generate(["Hello world"], GREEDY)
+    assert graph.runner.graphs.stats.replays == 0
+
+
+def test_cuda_graphs_flag_reaches_the_engine_config():
+    from lorafleet.worker.cli import build_parser, settings_from_args
+
+    args = build_parser().parse_args(["--model", "m", "--cuda-graphs"])
+    assert settings_from_args(args).engine.cuda_graphs
+    assert not settings_from_args(build_parser().parse_args(["--model", "m"])).engine.cuda_graphs
+
+
+# -- GPU: real capture and replay (run on the H200) ---------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graph_replay_matches_eager_fp32_on_cuda(demo_model, modules):
+    eager = _engine(demo_model, modules, "cuda", graphs=False, dtype="float32", enable_prefix_caching=False)
+    graph = _engine(demo_model, modules, "cuda", graphs=True, dtype="float32", enable_prefix_caching=False)
+    want, got = _run(eager, REQUESTS), _run(graph, REQUESTS)
+    _compare(want, got, 1e-5)
+    stats = graph.runner.graphs.stats
+    assert stats.captures >= 5 and stats.replays >= 8  # the captured path ran (one graph per bucket used)
+    assert all(c.graph is not None for c in graph.runner.graphs._graphs.values())
+    assert {16, 8, 4, 2, 1} <= _buckets_used(graph)
+    _kv_matches(eager, graph)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graph_replay_matches_eager_bf16_first_decode_step(demo_model, modules):
+    eager = _engine(demo_model, modules, "cuda", graphs=False, dtype="bfloat16")
+    graph = _engine(demo_model, modules, "cuda", graphs=True, dtype="bfloat16")
+    want, got = _run(eager, REQUESTS), _run(graph, REQUESTS)
+    for rid_e, rid_g in zip(want["ids"], got["ids"]):
+        first_decode_g, first_decode_e = got["steps"][rid_g][1], want["steps"][rid_e][1]
+        assert rel_norm_err(first_decode_g, first_decode_e) <= 1e-2
+        assert torch.isfinite(first_decode_g).all()
+    assert graph.runner.graphs.stats.captures >= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_adapters_swapped_between_replays_on_cuda(demo_model, modules):
+    requests = [("Hello world", ((name, 1.0),), 5) for name in ("sql", "chat", "poem", "code")] * 2
+    eager = _engine(demo_model, modules, "cuda", graphs=False, dtype="float32", max_loras=2)
+    graph = _engine(demo_model, modules, "cuda", graphs=True, dtype="float32", max_loras=2)
+    _compare(_run(eager, requests), _run(graph, requests), 1e-5)
+    assert graph.registry.stats.gpu_misses >= 4
+    # Slots changed contents between replays without a new capture: one graph per bucket used.
+    stats = graph.runner.graphs.stats
+    assert stats.captures == len(graph.runner.graphs._graphs) and stats.replays > stats.captures
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_preemption_with_graphs_on_cuda(demo_model, modules):
+    prompts = ["Hello world", "The router sends each request", "Roses are red", "SELECT name FROM students"]
+    adapters = [(), (("sql", 1.0),), (("chat", 1.0),), (("poem", 0.8), ("sql", 0.5))]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    eager = _engine(demo_model, modules, "cuda", graphs=False, dtype="float32", max_loras=4)
+    want = [o.token_ids for o in eager.generate(prompts, sp, adapters)]
+    tight = _engine(demo_model, modules, "cuda", graphs=True, dtype="float32", max_loras=4, block_size=8,
+                    num_kv_blocks=7, enable_prefix_caching=False)
+    got = [o.token_ids for o in tight.generate(prompts, sp, adapters)]
+    assert tight.scheduler.preempted_total > 0 and tight.runner.graphs.stats.replays > 0
+    assert got == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_oracle_batch_with_graphs_matches_peft(demo_model, demo_adapters):
+    """The engine oracle's mixed batch with graphs on: transformers + PEFT within 1e-4 (fp32)."""
+    pytest.importorskip("peft")
+    from .peft_oracle import load_hf_base
+    from .test_engine_oracle import REQUESTS as ORACLE_REQUESTS
+    from .test_engine_oracle import check_against_oracle
+
+    config = EngineConfig(max_loras=6, max_cpu_loras=8, max_num_batched_tokens=48, device="cuda", dtype="float32",
+                          num_kv_blocks=256, cuda_graphs=True)
+    engine = LLMEngine(demo_model, config, lora_modules={n: str(p) for n, p in demo_adapters.items()})
+    run = run_engine_with_logits(engine, ORACLE_REQUESTS, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert engine.runner.graphs.stats.replays > 0
+    check_against_oracle(run, load_hf_base(demo_model), demo_adapters, ORACLE_REQUESTS, 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graphs_need_the_triton_backends(demo_model):
+    from lorafleet.worker.config import ConfigError
+
+    with pytest.raises(ConfigError, match="triton"):
+        LLMEngine(demo_model, EngineConfig(device="cuda", cuda_graphs=True, attention_backend="torch"))

@@ -1,0 +1,284 @@
+"""CUDA graphs for decode steps, one per batch-size bucket (issue 9: the decode step is host-bound).
+
+A decode step at the seed shape launches ~1,550 kernels; replaying them from a captured graph
+costs one launch. Shapes inside a graph are fixed, so every decode step is padded to the smallest
+bucket that holds it:
+
+    bucket  = bucket_for(len(batch), buckets)        # 1, 2, 4, 8, 16, 32, 48, 64, ... max_num_seqs
+    inputs  = decode_inputs(batch, ...)              # host tensors padded to the bucket (pure)
+    static  <- inputs                                # copies into the graph's input buffers
+    graph.replay()                                   # captured lazily on a bucket's first use
+    logits  = static_logits[:len(batch)]             # sampled outside the graph
+
+Padding rows have token 0, position 0, context 0 (the paged kernel reads nothing for them), no
+adapter (slot -1), and write their K/V into the *sink*: one KV block past the block manager's
+blocks, never handed out and never read, so padding cannot touch a real sequence's cache.
+
+Inside a graph nothing may depend on the step's host values: block tables are as wide as the
+model's context (`ceil(max_model_len / block_size)`), the LoRA metadata is built for the bucket's
+T with k = max_loras_per_request and max_slots = max_loras, and every LoRA op launches even when
+no token has an adapter (whether a token has one, and each slot's rank, is data on the device, so
+adapters entering and leaving slots need no re-capture). A step with adapters and one without use
+different graphs (the base one skips the LoRA launches altogether).
+
+On CPU (tests) nothing is captured: `capture=False` runs the model eagerly on the same static
+buffers, which checks the padding, the sink and the buffer fills against the eager path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lorafleet.kernels.lora_ops import LoraMeta, build_lora_meta
+from lorafleet.worker.attention import AttentionMetadata
+from lorafleet.worker.models.llama import LlamaModel
+from lorafleet.worker.scheduler import ScheduledBatch
+
+log = logging.getLogger("lorafleet.cuda_graphs")
+
+SMALL_BUCKETS = (1, 2, 4, 8)
+BUCKET_STEP = 16
+
+
+def graph_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 below `max_batch`, then `max_batch` itself."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    sizes = {b for b in SMALL_BUCKETS if b < max_batch} | set(range(BUCKET_STEP, max_batch, BUCKET_STEP))
+    return sorted(sizes | {max_batch})
+
+
+def bucket_for(batch_size: int, buckets: list[int]) -> int | None:
+    """The smallest bucket holding `batch_size` sequences; None when it is larger than all of them."""
+    for b in buckets:
+        if b >= batch_size:
+            return b
+    return None
+
+
+def is_graphable(batch: ScheduledBatch) -> bool:
+    """Every sequence decodes one token and samples it (a 1-token prefill chunk samples nothing)."""
+    return bool(batch.seqs) and all(
+        n == 1 and seq.num_computed + 1 == len(seq) for seq, n in zip(batch.seqs, batch.num_new_tokens)
+    )
+
+
+@dataclass(slots=True)
+class DecodeInputs:
+    """One decode step's inputs on the host, padded to a bucket (rows past `num_seqs` are padding)."""
+
+    num_seqs: int
+    input_ids: torch.Tensor  # [bucket] int64
+    positions: torch.Tensor  # [bucket] int64
+    slot_mapping: torch.Tensor  # [bucket] int64; padding rows -> the sink slot
+    block_tables: torch.Tensor  # [bucket, width] int32, padded with 0
+    context_lens: torch.Tensor  # [bucket] int32; padding rows 0
+    token_slots: torch.Tensor  # [bucket, k] int32; -1 = no adapter
+    token_scales: torch.Tensor  # [bucket, k] float32
+
+    @property
+    def has_adapters(self) -> bool:
+        return bool((self.token_slots >= 0).any())
+
+
+def decode_inputs(
+    batch: ScheduledBatch,
+    slot_of: dict[str, int],
+    bucket: int,
+    width: int,
+    block_size: int,
+    k: int,
+    sink_slot: int,
+) -> DecodeInputs:
+    """The padded host inputs of an all-decode batch; rows match `ModelRunner.prepare`'s."""
+    n = len(batch.seqs)
+    if n > bucket:
+        raise ValueError(f"{n} sequences do not fit bucket {bucket}")
+    ids = np.zeros(bucket, dtype=np.int64)
+    positions = np.zeros(bucket, dtype=np.int64)
+    slots = np.full(bucket, sink_slot, dtype=np.int64)
+    tables = np.zeros((bucket, width), dtype=np.int32)
+    ctx = np.zeros(bucket, dtype=np.int32)
+    token_slots = np.full((bucket, k), -1, dtype=np.int32)
+    token_scales = np.zeros((bucket, k), dtype=np.float32)
+    for i, seq in enumerate(batch.seqs):
+        pos = seq.num_computed
+        ids[i] = seq.tokens[pos]
+        positions[i] = pos
+        slots[i] = seq.block_table[pos // block_size] * block_size + pos % block_size
+        if len(seq.block_table) > width:
+            raise ValueError(f"sequence {seq.seq_id} has {len(seq.block_table)} blocks, the graph's tables {width}")
+        tables[i, : len(seq.block_table)] = seq.block_table
+        ctx[i] = pos + 1
+        for j, (name, scale) in enumerate(seq.adapters):
+            token_slots[i, j] = slot_of[name]
+            token_scales[i, j] = scale
+    return DecodeInputs(
+        num_seqs=n,
+        input_ids=torch.from_numpy(ids),
+        positions=torch.from_numpy(positions),
+        slot_mapping=torch.from_numpy(slots),
+        block_tables=torch.from_numpy(tables),
+        context_lens=torch.from_numpy(ctx),
+        token_slots=torch.from_numpy(token_slots),
+        token_scales=torch.from_numpy(token_scales),
+    )
+
+
+@dataclass(slots=True)
+class _Captured:
+    bucket: int
+    attn: AttentionMetadata  # views of the static buffers
+    lora_meta: LoraMeta | None  # the bucket's own device buffers; each step's meta is copied in
+    graph: torch.cuda.CUDAGraph | None  # None when not capturing (CPU)
+    logits: torch.Tensor | None  # [bucket, vocab] float32, the graph's output
+
+
+@dataclass(slots=True)
+class GraphStats:
+    captures: int = 0
+    replays: int = 0  # decode steps run from a bucket's buffers (graph replays on CUDA)
+    capture_s: float = 0.0
+
+
+class DecodeGraphs:
+    """Static input buffers and one captured forward per (bucket, with adapters or not)."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        block_size: int,
+        max_model_len: int,
+        max_batch: int,
+        max_loras: int,
+        max_loras_per_request: int,
+        sink_slot: int,
+        capture: bool,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.width = -(-max_model_len // block_size)  # table width: the longest context the model takes
+        self.buckets = graph_buckets(max_batch)
+        self.max_loras = max_loras
+        self.k = max_loras_per_request
+        self.sink_slot = sink_slot
+        self.capture = capture
+        self.enabled = True  # benchmarks flip this to time both modes on one engine
+        self.stats = GraphStats()
+        dev = model.device
+        top = self.buckets[-1]
+        # Allocated once, outside any graph's pool; each bucket captures views of their first rows.
+        self.input_ids = torch.zeros(top, dtype=torch.int64, device=dev)  # [top]
+        self.positions = torch.zeros(top, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((top,), sink_slot, dtype=torch.int64, device=dev)
+        self.block_tables = torch.zeros(top, self.width, dtype=torch.int32, device=dev)  # [top, width]
+        self.context_lens = torch.zeros(top, dtype=torch.int32, device=dev)
+        self.logits_rows = torch.arange(top, dtype=torch.int64, device=dev)
+        self._graphs: dict[tuple[int, bool], _Captured] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+
+    def can_run(self, batch: ScheduledBatch) -> bool:
+        return self.enabled and len(batch.seqs) <= self.buckets[-1] and is_graphable(batch)
+
+    def run(self, batch: ScheduledBatch, slot_of: dict[str, int]) -> torch.Tensor:
+        """Forward an all-decode batch from its bucket's graph -> float32 logits `[num_seqs, vocab]`.
+
+        The logits are a view of the graph's output buffer: valid until the next `run`.
+        """
+        bucket = bucket_for(len(batch.seqs), self.buckets)
+        assert bucket is not None and is_graphable(batch)
+        inputs = decode_inputs(batch, slot_of, bucket, self.width, self.block_size, self.k, self.sink_slot)
+        with_lora = self.model.lora is not None and inputs.has_adapters
+        captured = self._graphs.get((bucket, with_lora))
+        if captured is None:
+            captured = self._graphs[(bucket, with_lora)] = self._capture(bucket, with_lora)
+        self._fill(captured, inputs)
+        if captured.graph is not None:
+            captured.graph.replay()
+            logits = captured.logits
+        else:
+            logits = self._forward(captured)
+        self.stats.replays += 1
+        assert logits is not None
+        return logits[: inputs.num_seqs]
+
+    # -- internals -----------------------------------------------------------------------------
+    def _fill(self, captured: _Captured, inputs: DecodeInputs) -> None:
+        """Copy a step's inputs into the static buffers (queued on the stream, before the replay)."""
+        b = captured.bucket
+        for dst, src in (
+            (self.input_ids, inputs.input_ids),
+            (self.positions, inputs.positions),
+            (self.slot_mapping, inputs.slot_mapping),
+            (self.block_tables, inputs.block_tables),
+            (self.context_lens, inputs.context_lens),
+        ):
+            dst[:b].copy_(src, non_blocking=True)
+        if captured.lora_meta is not None:
+            step_meta = build_lora_meta(inputs.token_slots, inputs.token_scales, self.max_loras, "cpu")
+            captured.lora_meta.copy_(step_meta)
+
+    def _pad(self, bucket: int) -> None:
+        """Every row a padding row: what the warm-up and capture run on (their K/V go to the sink)."""
+        self.input_ids[:bucket].zero_()
+        self.positions[:bucket].zero_()
+        self.slot_mapping[:bucket].fill_(self.sink_slot)
+        self.block_tables[:bucket].zero_()
+        self.context_lens[:bucket].zero_()
+
+    def _forward(self, captured: _Captured) -> torch.Tensor:
+        b = captured.bucket
+        return self.model.forward(
+            self.input_ids[:b], self.positions[:b], captured.attn, self.kv_caches, captured.lora_meta,
+            self.logits_rows[:b], graph=True,
+        )
+
+    def _capture(self, bucket: int, with_lora: bool) -> _Captured:
+        attn = AttentionMetadata(
+            query_lens=[1] * bucket,
+            context_lens=[0] * bucket,  # host copies are not read in a graph (fixed_shapes)
+            query_start=list(range(bucket + 1)),
+            slot_mapping=self.slot_mapping[:bucket],
+            block_tables=self.block_tables[:bucket],
+            context_lens_t=self.context_lens[:bucket],
+            all_decode=True,
+            fixed_shapes=True,
+        )
+        meta = None
+        if with_lora:
+            meta = build_lora_meta(
+                torch.full((bucket, self.k), -1, dtype=torch.int32),
+                torch.zeros((bucket, self.k), dtype=torch.float32),
+                self.max_loras,
+                self.model.device,
+            )
+        captured = _Captured(bucket=bucket, attn=attn, lora_meta=meta, graph=None, logits=None)
+        if not self.capture:
+            return captured
+        t0 = time.perf_counter()
+        self._pad(bucket)
+        dev = self.model.device
+        # Warm-up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture.
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            self._forward(captured)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the server pins adapter weights in another thread while a bucket captures.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            captured.logits = self._forward(captured)
+        captured.graph = graph
+        self.stats.captures += 1
+        self.stats.capture_s += time.perf_counter() - t0
+        log.info("captured the decode graph for batch bucket %d (%s adapters) in %.2f s", bucket,
+                 "with" if with_lora else "without", time.perf_counter() - t0)
+        return captured
