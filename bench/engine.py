@@ -1,12 +1,14 @@
 """Engine decode throughput on a GPU at the seed guide's 7.8B shape (issue 9's benchmark).
 
     python bench/engine.py [--quick] [--adapters 1,8,32,64,128] [--prompt-lens 128,512] [--new-tokens 128]
+                           [--cuda-graphs]
 
 Random bf16 weights are built directly on the GPU and loaded through the engine's own loading
 path; adapters are random rank-16 on all 7 projections. Prints a table and writes
 bench/results/engine-h200.json with rows {workload, adapters, prompt_len, tokens_per_s, ttft_ms,
 ceiling_tokens_per_s, ...}. The ceiling is weight bytes per decode step over the copy bandwidth
-measured in the same run.
+measured in the same run. With --cuda-graphs the engine is built with decode graphs and every
+workload is measured twice on it, eagerly and from the graphs (rows carry "mode": eager | graphs).
 """
 
 from __future__ import annotations
@@ -129,6 +131,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="build the engine with decode CUDA graphs and measure every workload eager and with graphs")
     ap.add_argument("--tiny", action="store_true", help="tiny shape on CPU: checks the script, measures nothing")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "engine-h200.json")
     args = ap.parse_args()
@@ -146,7 +150,8 @@ def main() -> None:
     n_slots = min(n_slots, args.batch) if n_slots > args.batch else n_slots
     config = EngineConfig(max_loras=max(n_slots, 1), max_cpu_loras=max(adapter_counts + [1]) + 8, max_lora_rank=args.rank,
                           max_num_seqs=args.batch, max_num_batched_tokens=8192, device=device, dtype="bfloat16",
-                          max_loras_per_request=1, num_kv_blocks=512 if args.tiny else None)
+                          max_loras_per_request=1, num_kv_blocks=512 if args.tiny else None,
+                          cuda_graphs=args.cuda_graphs)
     t0 = time.perf_counter()
     engine = LLMEngine(folder, config, weights=random_weights(model_config, device))
     load_s = time.perf_counter() - t0
@@ -171,29 +176,42 @@ def main() -> None:
     if names:
         decode_run(engine, [((names[r % len(names)], 1.0),) for r in range(args.batch)], 16, 4)
     rows = []
-    for plen in prompt_lens:
-        workloads = [("base-only", 0)] + [(f"{d} adapters", d) for d in adapter_counts]
-        for label, d in workloads:
-            sets = [()] * args.batch if d == 0 else [((names[r % d], 1.0),) for r in range(args.batch)]
-            decode_run(engine, sets, plen, min(args.new_tokens, 16))  # JIT and allocator warm-up at this mix
-            res = decode_run(engine, sets, plen, args.new_tokens)
-            row = {"workload": label, "adapters": d, "prompt_len": plen, "batch": args.batch, "new_tokens": args.new_tokens,
-                   **res, "ceiling_tokens_per_s": round(ceiling, 1)}
-            rows.append(row)
-            print(f"{label:<14} prompt {plen:>4}: {res['tokens_per_s']:>9,.0f} tok/s  step {res['decode_step_ms']:>7} ms")
+    modes = ["eager", "graphs"] if args.cuda_graphs else ["eager"]
+    for mode in modes:
+        if engine.runner.graphs is not None:
+            engine.runner.graphs.enabled = mode == "graphs"
+        for plen in prompt_lens:
+            workloads = [("base-only", 0)] + [(f"{d} adapters", d) for d in adapter_counts]
+            for label, d in workloads:
+                sets = [()] * args.batch if d == 0 else [((names[r % d], 1.0),) for r in range(args.batch)]
+                decode_run(engine, sets, plen, min(args.new_tokens, 16))  # JIT, allocator and graph capture
+                res = decode_run(engine, sets, plen, args.new_tokens)
+                row = {"workload": label, "mode": mode, "adapters": d, "prompt_len": plen, "batch": args.batch,
+                       "new_tokens": args.new_tokens, **res, "ceiling_tokens_per_s": round(ceiling, 1)}
+                rows.append(row)
+                print(f"{label:<14} {mode:<6} prompt {plen:>4}: {res['tokens_per_s']:>9,.0f} tok/s  "
+                      f"step {res['decode_step_ms']:>7} ms")
     ttft_ms = [ttft(engine, 512) for _ in range(3)]
-    base = {r["prompt_len"]: r["tokens_per_s"] for r in rows if r["adapters"] == 0}
+    base = {(r["mode"], r["prompt_len"]): r["tokens_per_s"] for r in rows if r["adapters"] == 0}
     for r in rows:
-        r["vs_base"] = round(r["tokens_per_s"] / base[r["prompt_len"]], 3)
+        r["vs_base"] = round(r["tokens_per_s"] / base[(r["mode"], r["prompt_len"])], 3)
+    graphs = engine.runner.graphs
     result = {
         "machine": torch.cuda.get_device_name() if device == "cuda" else "cpu (--tiny smoke run)", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
         "copy_bandwidth_tb_s": round(bw / 1e12, 3), "weight_gib": round(weight_bytes / 2**30, 3),
         "ceiling_tokens_per_s": round(ceiling, 1), "ttft_ms_512": round(sorted(ttft_ms)[1], 2),
-        "lora_backend": engine.model.lora_backend, "rows": rows,
+        "lora_backend": engine.model.lora_backend, "attention_backend": engine.model.attention_backend,
+        "cuda_graphs": None if graphs is None else {
+            "buckets": graphs.buckets, "captures": graphs.stats.captures, "replays": graphs.stats.replays,
+            "capture_s": round(graphs.stats.capture_s, 2)},
+        "rows": rows,
     }
-    print(f"\n{'workload':<14} {'prompt':>6} {'tok/s':>10} {'vs base':>8} {'ceiling':>10}")
+    print(f"\n{'workload':<14} {'mode':<6} {'prompt':>6} {'tok/s':>10} {'vs base':>8} {'ceiling':>10}")
     for r in rows:
-        print(f"{r['workload']:<14} {r['prompt_len']:>6} {r['tokens_per_s']:>10,.0f} {r['vs_base']:>8} {r['ceiling_tokens_per_s']:>10,.0f}")
+        print(f"{r['workload']:<14} {r['mode']:<6} {r['prompt_len']:>6} {r['tokens_per_s']:>10,.0f} {r['vs_base']:>8} "
+              f"{r['ceiling_tokens_per_s']:>10,.0f}")
+    if graphs is not None:
+        print(f"CUDA graphs: {result['cuda_graphs']}")
     print(f"time to first token, one 512-token prompt: {result['ttft_ms_512']} ms")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

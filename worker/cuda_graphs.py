@@ -107,8 +107,8 @@ def decode_inputs(
     token_slots = np.full((bucket, k), -1, dtype=np.int32)
     token_scales = np.zeros((bucket, k), dtype=np.float32)
     for i, seq in enumerate(batch.seqs):
-        pos = seq.num_computed
-        ids[i] = seq.tokens[pos]
+        pos = seq.num_computed  # == len(seq) - 1: the newest token (not `seq.tokens`, which copies)
+        ids[i] = seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1]
         positions[i] = pos
         slots[i] = seq.block_table[pos // block_size] * block_size + pos % block_size
         if len(seq.block_table) > width:
@@ -183,7 +183,7 @@ class DecodeGraphs:
         self.context_lens = torch.zeros(top, dtype=torch.int32, device=dev)
         self.logits_rows = torch.arange(top, dtype=torch.int64, device=dev)
         self._graphs: dict[tuple[int, bool], _Captured] = {}
-        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._pool = None  # one memory pool shared by every bucket's graph (made at the first capture)
 
     def can_run(self, batch: ScheduledBatch) -> bool:
         return self.enabled and len(batch.seqs) <= self.buckets[-1] and is_graphable(batch)
@@ -266,16 +266,19 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         self._pad(bucket)
         dev = self.model.device
-        # Warm-up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture.
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            self._forward(captured)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the server pins adapter weights in another thread while a bucket captures.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            captured.logits = self._forward(captured)
+        with torch.cuda.device(dev):
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            # Warm-up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture.
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                self._forward(captured)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: the server pins adapter weights in another thread while a bucket captures.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                captured.logits = self._forward(captured)
         captured.graph = graph
         self.stats.captures += 1
         self.stats.capture_s += time.perf_counter() - t0
