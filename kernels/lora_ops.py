@@ -14,7 +14,10 @@ The adapter's own alpha/r (or alpha/sqrt(r) for rsLoRA) is folded into B when a 
 `scale` is the request's static scale (1.0 for a plain single-adapter request).
 
 Layouts: A_s `[S, r_max, in]`, B_s `[S, out_s, r_max]`, `ranks` `[n_slices, S]` int32. Work and
-bytes read follow each slot's true rank, never `r_max`.
+bytes read follow each slot's true rank, never `r_max`. B_s is indexed as `[S, out_s, r_max]`, but
+its memory may be out-major (contiguous) or rank-major (`new_lora_b`: `[S, r_max, out_s]` storage,
+what the slot pool uses): rank-major keeps a slot's true-rank rows contiguous, so a rank-8 adapter
+in a rank-64 pool reads 8 full rows instead of 16 bytes out of every 128-byte row.
 
 The torch reference here is the CPU path and the oracle for the Triton kernels in
 `lorafleet.kernels.triton_lora`, which take the same arguments.
@@ -176,6 +179,29 @@ def build_lora_meta(
         num_chunks=num_chunks,
         max_chunks=max_chunks,
     )
+
+
+def new_lora_b(
+    num_slots: int, out: int, r_max: int, *, device: torch.device | str, dtype: torch.dtype
+) -> torch.Tensor:
+    """A zeroed B stack indexed `[S, out, r_max]` with rank-major memory (`[S, r_max, out]` storage).
+
+    A slot's rank-r rows are then one contiguous block of r·out values; write them through the
+    view (`b[slot, :, :r].copy_(m.b)`) or the storage (`b.transpose(1, 2)[slot, :r].copy_(m.b.T)`).
+    """
+    return torch.zeros(num_slots, r_max, out, device=device, dtype=dtype).transpose(1, 2)
+
+
+def lora_b_layout(b: torch.Tensor) -> str | None:
+    """"out_major" (contiguous `[S, out, r_max]`), "rank_major" (`new_lora_b`), or None (other strides)."""
+    _, out, r_max = b.shape
+    if b.stride(0) != out * r_max:
+        return None
+    if b.stride(1) == 1 and b.stride(2) == out:
+        return "rank_major"
+    if b.stride(2) == 1 and b.stride(1) == r_max:
+        return "out_major"
+    return None
 
 
 def add_lora_reference(

@@ -1,5 +1,8 @@
 """Triton kernels for the multi-LoRA side path: a segmented shrink then a segmented expand.
 
+`add_lora_triton` dispatches decode-sized steps to the fused one-launch kernel in
+`lorafleet.kernels.lora_fused` (`use_fused`) and prefill-sized steps to the two launches below.
+
 Semantics (same as `lora_ops.add_lora_reference`):
 
     for each chunk c (<= chunk_size (token, entry) pairs of one slot, from LoraMeta):
@@ -14,7 +17,8 @@ Two launches per projection group (all slices in each):
   fp32 without atomics; the expand sums them (deterministic, no zeroing launch).
 - expand: grid (max_chunks, column groups of all slices). Sums the partials once, applies each
   pair's scale, then for each BLOCK_N tile of its group multiplies by B's true-rank columns
-  (masked loads: the pool's padding is never read) and adds into y. With k = 1 every token is in exactly
+  (masked loads: the pool's padding is never read; with rank-major B the rows past the true rank
+  are not even in the same sectors) and adds into y. With k = 1 every token is in exactly
   one chunk, so a plain read-modify-write is race-free; with k > 1 two chunks can own the same
   row, so the add is atomic.
 
@@ -32,7 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lorafleet.kernels.lora_ops import LoraMeta, _check_shapes
+from lorafleet.kernels.lora_fused import FusedConfig, launch_fused, use_fused
+from lorafleet.kernels.lora_ops import LoraMeta, _check_shapes, lora_b_layout
 
 BLOCK_R = 16  # rank block: tl.dot's smallest K / N
 
@@ -182,6 +187,7 @@ def _lora_expand_kernel(
     R_MAX: tl.constexpr,
     R_PAD: tl.constexpr,
     R_BLOCK: tl.constexpr,
+    B_RANK_MAJOR: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     N_PER_PROG: tl.constexpr,
@@ -193,7 +199,8 @@ def _lora_expand_kernel(
 
     One program: one chunk × N_PER_PROG columns of one slice, in BLOCK_N tiles, so the chunk's
     rank-r activations are summed over the splits once and reused for every tile.
-    y `[T, Σout]` (unit stride in columns); B_s `[S, OUT_s, R_MAX]` contiguous.
+    y `[T, Σout]` (unit stride in columns); B_s indexed `[S, OUT_s, R_MAX]`: rank-major memory
+    (stride 1 along n, OUT_s along r) when B_RANK_MAJOR, else contiguous.
     """
     pid_c = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -228,12 +235,15 @@ def _lora_expand_kernel(
     m_mask = offs_m < end
     tok = tl.load(sorted_token_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
     scale = tl.load(sorted_scale_ptr + offs_m, mask=m_mask, other=0.0)
-    # Loads stop at the true rank rounded up to 8 (16 bytes, one vector): B's padding columns past
-    # that are never read; the few inside it (odd ranks) share the sector and are zeroed below.
+    # Out-major B: loads stop at the true rank rounded up to 8 (16 bytes, one vector): B's padding
+    # columns past that are never read; the few inside it (odd ranks) share the sector and are
+    # zeroed below. Rank-major B: rows past the true rank are simply not loaded.
     offs_r = tl.arange(0, R_BLOCK)
-    rank8 = (rank + 7) // 8 * 8
-    r_load = offs_r < rank8
     r_mask = offs_r < rank
+    if B_RANK_MAJOR:
+        r_load = r_mask
+    else:
+        r_load = offs_r < (rank + 7) // 8 * 8
     p = part_ptr + offs_m[:, None].to(tl.int64) * stride_pm + s * R_PAD + offs_r[None, :]
     h = tl.zeros((BLOCK_M, R_BLOCK), dtype=tl.float32)
     for sp in range(0, SPLIT_K):
@@ -243,13 +253,22 @@ def _lora_expand_kernel(
         h = h.to(b0_ptr.dtype.element_ty)
 
     n_hi = tl.minimum(n_lo + N_PER_PROG, out)
-    b_base = b_ptr + slot.to(tl.int64) * out * R_MAX + offs_r[:, None]  # [R_BLOCK, 1]
+    b_slot = b_ptr + slot.to(tl.int64) * out * R_MAX
+    if B_RANK_MAJOR:
+        b_base = b_slot + offs_r[:, None].to(tl.int64) * out  # [R_BLOCK, 1]
+    else:
+        b_base = b_slot + offs_r[:, None]
     y_rows = y_ptr + tok[:, None] * stride_yt + col0  # [BLOCK_M, 1]
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < n_hi
-        bt = tl.load(b_base + offs_n[None, :] * R_MAX, mask=r_load[:, None] & n_mask[None, :], other=0.0)
-        bt = tl.where(r_mask[:, None], bt, 0.0)  # padding may hold anything, even NaN
+        if B_RANK_MAJOR:
+            b_ptrs = b_base + offs_n[None, :]
+        else:
+            b_ptrs = b_base + offs_n[None, :] * R_MAX
+        bt = tl.load(b_ptrs, mask=r_load[:, None] & n_mask[None, :], other=0.0)
+        if not B_RANK_MAJOR:
+            bt = tl.where(r_mask[:, None], bt, 0.0)  # padding may hold anything, even NaN
         if UPCAST:
             bt = bt.to(tl.float32)
         if IEEE:
@@ -272,13 +291,18 @@ def add_lora_triton(
     lora_b: Sequence[torch.Tensor],
     ranks_device: torch.Tensor,
     meta: LoraMeta,
-    config: LoraKernelConfig | None = None,
+    config: LoraKernelConfig | FusedConfig | None = None,
+    path: str = "auto",
 ) -> None:
-    """y[:, slices] += Σ scale · B(A x), in place; two launches for all slices.
+    """y[:, slices] += Σ scale · B(A x), in place; one fused launch (decode) or two (prefill).
 
-    y: `[T, Σ out_s]`; x: `[T, in]`; lora_a[s]: `[S, r_max, in]`; lora_b[s]: `[S, out_s, r_max]`;
-    ranks_device: `[n_slices, S]` int32 on y's device. Launches even when no token has an adapter
-    (the programs exit at once), so a graph captured on any step replays correctly on the next.
+    y: `[T, Σ out_s]`; x: `[T, in]`; lora_a[s]: `[S, r_max, in]`; lora_b[s]: indexed
+    `[S, out_s, r_max]`, out-major or rank-major memory (`lora_ops.new_lora_b`); ranks_device:
+    `[n_slices, S]` int32 on y's device. Launches even when no token has an adapter (the programs
+    exit at once), so a graph captured on any step replays correctly on the next.
+    path: "auto" (`use_fused` on the host-side meta), "fused" or "two_launch"; a `config` of either
+    kind picks its path. Both paths accept any meta of the same shapes, so a graph captured with
+    one step's choice replays correctly with another step's metadata.
     """
     # (1) check shapes
     _check_shapes(y, x, lora_a, lora_b)
@@ -301,20 +325,38 @@ def add_lora_triton(
     if x.stride(1) != 1 or y.stride(1) != 1:
         raise ValueError("x and y need unit stride along features")
     lora_a = [a if a.is_contiguous() else a.contiguous() for a in lora_a]
-    lora_b = [b if b.is_contiguous() else b.contiguous() for b in lora_b]
+    layouts = {lora_b_layout(b) for b in lora_b}
+    if layouts not in ({"rank_major"}, {"out_major"}):  # mixed or odd strides: copy (slow path)
+        lora_b = [b.contiguous() for b in lora_b]
+        layouts = {"out_major"}
+    b_rank_major = layouts == {"rank_major"}
     ranks_device = ranks_device.to(torch.int32).contiguous()
+    interp = _interpreting()
+    upcast = interp or x.dtype == torch.float32
+    ieee = x.dtype == torch.float32 and not interp
+
+    if path not in ("auto", "fused", "two_launch"):
+        raise ValueError(f"unknown path {path!r} (auto | fused | two_launch)")
+    if isinstance(config, FusedConfig):
+        path = "fused"
+    elif isinstance(config, LoraKernelConfig):
+        path = "two_launch"
+    elif path == "auto":
+        path = "fused" if use_fused(meta.num_chunks, in_features, n_slices, meta.chunk_size) else "two_launch"
+    if path == "fused":
+        fused_cfg = config if isinstance(config, FusedConfig) else None
+        launch_fused(y, x, lora_a, lora_b, ranks_device, meta, b_rank_major, upcast, ieee, fused_cfg)
+        return
 
     # (2) allocate: fp32 split-K partials, indexed by sorted pair
     num_pairs = num_tokens * k
-    cfg = config or pick_config(meta.num_chunks, n_slices, in_features, meta.chunk_size)
+    cfg = config if isinstance(config, LoraKernelConfig) else pick_config(
+        meta.num_chunks, n_slices, in_features, meta.chunk_size
+    )
     r_blocks = triton.cdiv(r_max, BLOCK_R)
     r_pad = r_blocks * BLOCK_R
     part = torch.empty((cfg.split_k, num_pairs, n_slices * r_pad), dtype=torch.float32, device=x.device)
     k_per_split = triton.cdiv(triton.cdiv(in_features, cfg.split_k), cfg.block_k) * cfg.block_k
-
-    interp = _interpreting()
-    upcast = interp or x.dtype == torch.float32
-    ieee = x.dtype == torch.float32 and not interp
     a_ptrs = list(lora_a) + [lora_a[0]] * (3 - n_slices)
     b_ptrs = list(lora_b) + [lora_b[0]] * (3 - n_slices)
     outs = [b.shape[1] for b in lora_b] + [0] * (3 - n_slices)
@@ -373,6 +415,7 @@ def add_lora_triton(
         R_MAX=r_max,
         R_PAD=r_pad,
         R_BLOCK=r_pad if r_pad & (r_pad - 1) == 0 else triton.next_power_of_2(r_pad),
+        B_RANK_MAJOR=b_rank_major,
         BLOCK_M=meta.chunk_size,
         BLOCK_N=cfg.block_n,
         N_PER_PROG=n_per_prog,

@@ -1,5 +1,8 @@
 """GPU slot stacks: per layer and fused projection, A `[S, r_max, in]` and B `[S, out, r_max]` per slice.
 
+B is indexed `[S, out, r_max]` but stored rank-major (`lora_ops.new_lora_b`: `[S, r_max, out]`
+memory), so a slot's true-rank rows are one contiguous block and the kernels read exactly those.
+
 Filling a slot copies an adapter in at its true rank (the slot's rank table says how many rows
 are live), folds alpha/r into B, and sets rank 0 for slices the adapter does not target, so the
 kernels do no work there. On CUDA the copy runs on a side stream from pinned memory and the step
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lorafleet.kernels.lora_ops import new_lora_b
 from lorafleet.worker.config import FUSED_SLICES, ModelConfig
 from lorafleet.worker.lora.adapter import LoraWeights
 
@@ -20,7 +24,7 @@ from lorafleet.worker.lora.adapter import LoraWeights
 @dataclass(slots=True)
 class FusedSlots:
     lora_a: list[torch.Tensor]  # per slice: [S, r_max, in]
-    lora_b: list[torch.Tensor]  # per slice: [S, out, r_max]
+    lora_b: list[torch.Tensor]  # per slice: [S, out, r_max] view of rank-major [S, r_max, out] memory
     ranks: list[list[int]]  # per slice: [S] true ranks on the host (0 = untargeted)
     ranks_device: torch.Tensor  # [n_slices, S] int32
 
@@ -37,7 +41,7 @@ class LoraSlots:
                 sizes = config.slice_sizes(fused)
                 layer[fused] = FusedSlots(
                     lora_a=[torch.zeros(num_slots, max_rank, i, device=device, dtype=dtype) for i, _ in sizes],
-                    lora_b=[torch.zeros(num_slots, o, max_rank, device=device, dtype=dtype) for _, o in sizes],
+                    lora_b=[new_lora_b(num_slots, o, max_rank, device=device, dtype=dtype) for _, o in sizes],
                     ranks=[[0] * num_slots for _ in names],
                     ranks_device=torch.zeros(len(names), num_slots, dtype=torch.int32, device=device),
                 )
@@ -70,7 +74,9 @@ class LoraSlots:
                         r = 0 if m is None else m.rank
                         if m is not None:
                             s.lora_a[j][slot, :r].copy_(m.a, non_blocking=True)
-                            s.lora_b[j][slot, :, :r].copy_(m.b if m.scaling == 1.0 else m.b * m.scaling, non_blocking=True)
+                            b = m.b if m.scaling == 1.0 else m.b * m.scaling  # [out, r]
+                            # The slot's first r rows of the rank-major storage: one contiguous block.
+                            s.lora_b[j].transpose(1, 2)[slot, :r].copy_(b.T, non_blocking=True)
                         s.ranks[j][slot] = r
                     s.ranks_device[:, slot].copy_(
                         torch.tensor([s.ranks[j][slot] for j in range(len(names))], dtype=torch.int32),
