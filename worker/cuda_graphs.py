@@ -18,8 +18,11 @@ Inside a graph nothing may depend on the step's host values: block tables are as
 model's context (`ceil(max_model_len / block_size)`), the LoRA metadata is built for the bucket's
 T with k = max_loras_per_request and max_slots = max_loras, and every LoRA op launches even when
 no token has an adapter (whether a token has one, and each slot's rank, is data on the device, so
-adapters entering and leaving slots need no re-capture). A step with adapters and one without use
-different graphs (the base one skips the LoRA launches altogether).
+adapters entering and leaving slots need no re-capture). A step without adapters has its own
+graph (no LoRA launches at all); steps with adapters are keyed by a *chunk class* as well: the
+LoRA kernels pick their launch configuration (fused or two-launch path, columns per program) from
+the number of active chunks on the host, and a graph keeps the one it was captured with, so each
+class (up to 4, 16, 64, ... active chunks) is captured with the class's bound as its count.
 
 On CPU (tests) nothing is captured: `capture=False` runs the model eagerly on the same static
 buffers, which checks the padding, the sink and the buffer fills against the eager path.
@@ -59,6 +62,16 @@ def bucket_for(batch_size: int, buckets: list[int]) -> int | None:
         if b >= batch_size:
             return b
     return None
+
+
+def chunk_class(num_chunks: int, max_chunks: int) -> int:
+    """0 for a step without adapters, else the power of 4 bounding its active LoRA chunks (<= max)."""
+    if num_chunks <= 0:
+        return 0
+    cls = 1
+    while cls < num_chunks:
+        cls *= 4
+    return min(cls, max_chunks)
 
 
 def is_graphable(batch: ScheduledBatch) -> bool:
@@ -134,7 +147,7 @@ def decode_inputs(
 class _Captured:
     bucket: int
     attn: AttentionMetadata  # views of the static buffers
-    lora_meta: LoraMeta | None  # the bucket's own device buffers; each step's meta is copied in
+    lora_meta: LoraMeta | None  # this graph's own device buffers; each step's meta is copied in
     graph: torch.cuda.CUDAGraph | None  # None when not capturing (CPU)
     logits: torch.Tensor | None  # [bucket, vocab] float32, the graph's output
 
@@ -147,7 +160,7 @@ class GraphStats:
 
 
 class DecodeGraphs:
-    """Static input buffers and one captured forward per (bucket, with adapters or not)."""
+    """Static input buffers and one captured forward per (bucket, chunk class)."""
 
     def __init__(
         self,
@@ -182,7 +195,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(top, self.width, dtype=torch.int32, device=dev)  # [top, width]
         self.context_lens = torch.zeros(top, dtype=torch.int32, device=dev)
         self.logits_rows = torch.arange(top, dtype=torch.int64, device=dev)
-        self._graphs: dict[tuple[int, bool], _Captured] = {}
+        self._graphs: dict[tuple[int, int], _Captured] = {}  # (bucket, chunk class) -> graph
         self._pool = None  # one memory pool shared by every bucket's graph (made at the first capture)
 
     def can_run(self, batch: ScheduledBatch) -> bool:
@@ -196,11 +209,14 @@ class DecodeGraphs:
         bucket = bucket_for(len(batch.seqs), self.buckets)
         assert bucket is not None and is_graphable(batch)
         inputs = decode_inputs(batch, slot_of, bucket, self.width, self.block_size, self.k, self.sink_slot)
-        with_lora = self.model.lora is not None and inputs.has_adapters
-        captured = self._graphs.get((bucket, with_lora))
+        step_meta = None
+        if self.model.lora is not None and inputs.has_adapters:
+            step_meta = build_lora_meta(inputs.token_slots, inputs.token_scales, self.max_loras, "cpu")
+        cls = 0 if step_meta is None else chunk_class(step_meta.num_chunks, step_meta.max_chunks)
+        captured = self._graphs.get((bucket, cls))
         if captured is None:
-            captured = self._graphs[(bucket, with_lora)] = self._capture(bucket, with_lora)
-        self._fill(captured, inputs)
+            captured = self._graphs[(bucket, cls)] = self._capture(bucket, cls)
+        self._fill(captured, inputs, step_meta)
         if captured.graph is not None:
             captured.graph.replay()
             logits = captured.logits
@@ -211,7 +227,7 @@ class DecodeGraphs:
         return logits[: inputs.num_seqs]
 
     # -- internals -----------------------------------------------------------------------------
-    def _fill(self, captured: _Captured, inputs: DecodeInputs) -> None:
+    def _fill(self, captured: _Captured, inputs: DecodeInputs, step_meta: LoraMeta | None) -> None:
         """Copy a step's inputs into the static buffers (queued on the stream, before the replay)."""
         b = captured.bucket
         for dst, src in (
@@ -223,7 +239,7 @@ class DecodeGraphs:
         ):
             dst[:b].copy_(src, non_blocking=True)
         if captured.lora_meta is not None:
-            step_meta = build_lora_meta(inputs.token_slots, inputs.token_scales, self.max_loras, "cpu")
+            assert step_meta is not None
             captured.lora_meta.copy_(step_meta)
 
     def _pad(self, bucket: int) -> None:
@@ -241,7 +257,7 @@ class DecodeGraphs:
             self.logits_rows[:b], graph=True,
         )
 
-    def _capture(self, bucket: int, with_lora: bool) -> _Captured:
+    def _capture(self, bucket: int, cls: int) -> _Captured:
         attn = AttentionMetadata(
             query_lens=[1] * bucket,
             context_lens=[0] * bucket,  # host copies are not read in a graph (fixed_shapes)
@@ -253,13 +269,14 @@ class DecodeGraphs:
             fixed_shapes=True,
         )
         meta = None
-        if with_lora:
+        if cls:
             meta = build_lora_meta(
                 torch.full((bucket, self.k), -1, dtype=torch.int32),
                 torch.zeros((bucket, self.k), dtype=torch.float32),
                 self.max_loras,
                 self.model.device,
             )
+            meta.num_chunks = cls  # what the kernels size their launch for (see the module docstring)
         captured = _Captured(bucket=bucket, attn=attn, lora_meta=meta, graph=None, logits=None)
         if not self.capture:
             return captured
@@ -282,6 +299,6 @@ class DecodeGraphs:
         captured.graph = graph
         self.stats.captures += 1
         self.stats.capture_s += time.perf_counter() - t0
-        log.info("captured the decode graph for batch bucket %d (%s adapters) in %.2f s", bucket,
-                 "with" if with_lora else "without", time.perf_counter() - t0)
+        log.info("captured the decode graph for batch bucket %d, LoRA chunk class %d in %.2f s", bucket, cls,
+                 time.perf_counter() - t0)
         return captured

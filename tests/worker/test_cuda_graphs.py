@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from lorafleet.worker.config import EngineConfig
-from lorafleet.worker.cuda_graphs import bucket_for, decode_inputs, graph_buckets, is_graphable
+from lorafleet.worker.cuda_graphs import bucket_for, chunk_class, decode_inputs, graph_buckets, is_graphable
 from lorafleet.worker.engine import LLMEngine
 from lorafleet.worker.scheduler import ScheduledBatch
 from lorafleet.worker.sequence import SamplingParams, Sequence
@@ -59,6 +59,14 @@ def test_graph_buckets(max_batch, want):
 @pytest.mark.parametrize("size, want", [(1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (16, 16), (17, 32), (64, 64), (65, None)])
 def test_bucket_for(size, want):
     assert bucket_for(size, graph_buckets(64)) == want
+
+
+@pytest.mark.parametrize(
+    "num_chunks, max_chunks, want",
+    [(0, 20, 0), (1, 20, 1), (2, 20, 4), (4, 20, 4), (5, 20, 16), (16, 20, 16), (17, 20, 20), (70, 128, 128)],
+)
+def test_chunk_class(num_chunks, max_chunks, want):
+    assert chunk_class(num_chunks, max_chunks) == want
 
 
 def _seq(seq_id: int, prompt: list[int], outputs: list[int], table: list[int], adapters=()) -> Sequence:
@@ -176,7 +184,7 @@ def test_static_buffers_match_eager_on_cpu(demo_model, modules):
     stats = graph.runner.graphs.stats
     assert stats.replays >= 8 and stats.captures == 0
     assert {16, 8, 4, 2, 1} <= _buckets_used(graph)  # the batch shrank across buckets
-    assert {lora for _, lora in graph.runner.graphs._graphs} == {True}  # the last request has an adapter
+    assert all(cls > 0 for _, cls in graph.runner.graphs._graphs)  # the last request has an adapter
     _kv_matches(eager, graph)
 
 
@@ -184,7 +192,7 @@ def test_base_only_steps_use_the_graph_without_lora(demo_model, modules):
     graph = _engine(demo_model, modules, "cpu", graphs=True)
     graph.generate(["Hello world", "Roses are red", "A tenant"], GREEDY)
     assert graph.runner.graphs.stats.replays > 0
-    assert {lora for _, lora in graph.runner.graphs._graphs} == {False}
+    assert {cls for _, cls in graph.runner.graphs._graphs} == {0}
 
 
 def test_adapters_swapped_between_replays_on_cpu(demo_model, modules):
