@@ -99,6 +99,8 @@ class LLMEngine:
         self.model.load_weights(weights if weights is not None else iter_checkpoint(str(model_dir)))
         self.model.lora_backend = _resolve_backend(config.lora_backend, self.device)
         self.model.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        if config.cuda_graphs:
+            self._check_graph_backends()  # before the KV cache takes the GPU's memory
         self.slots = LoraSlots(self.model_config, config.max_loras, config.max_lora_rank, self.device, self.dtype)
         self.model.lora = self.slots
         self.registry = AdapterRegistry(self.model_config, config, self.slots, self.dtype)
@@ -141,14 +143,16 @@ class LLMEngine:
             return blocks
         return CPU_DEFAULT_KV_BLOCKS
 
-    def _decode_graphs(self) -> DecodeGraphs:
-        """CUDA graphs on CUDA; on CPU the same padded static-buffer path runs without capture (tests)."""
-        capture = self.device.type == "cuda"
-        if capture and (self.model.attention_backend != "triton" or self.model.lora_backend != "triton"):
+    def _check_graph_backends(self) -> None:
+        if self.device.type == "cuda" and (self.model.attention_backend != "triton" or self.model.lora_backend != "triton"):
             raise ConfigError(
                 "--cuda-graphs needs the triton attention and LoRA backends on CUDA (got attention "
                 f"{self.model.attention_backend}, LoRA {self.model.lora_backend}): the torch paths read host lists"
             )
+
+    def _decode_graphs(self) -> DecodeGraphs:
+        """CUDA graphs on CUDA; on CPU the same padded static-buffer path runs without capture (tests)."""
+        capture = self.device.type == "cuda"
         return DecodeGraphs(
             self.model, self.runner.kv_caches, block_size=self.config.block_size, max_model_len=self.max_model_len,
             max_batch=self.config.max_num_seqs, max_loras=self.config.max_loras,

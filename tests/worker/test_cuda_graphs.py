@@ -315,4 +315,4 @@ def test_cuda_graphs_need_the_triton_backends(demo_model):
     from lorafleet.worker.config import ConfigError
 
     with pytest.raises(ConfigError, match="triton"):
-        LLMEngine(demo_model, EngineConfig(device="cuda", cuda_graphs=True, attention_backend="torch"))
+        LLMEngine(demo_model, EngineConfig(device="cuda", cuda_graphs=True, attention_backend="torch", num_kv_blocks=64))
