@@ -1,17 +1,23 @@
 """Benchmark the Triton LoRA kernels on a CUDA GPU against the memory floor and torch baselines.
 
-    python bench/kernels.py [--out bench/results/kernels-h200.json] [--quick] [--sweep FILE]
+    python bench/kernels.py [--out bench/results/kernels-h200.json] [--quick] [--no-baselines] [--sweep FILE]
 
 For the seed model shape (hidden 4096, kv 1024, mlp 14336; modules qkv, o, gate_up, down), bf16,
 rank 16, tokens in {1, 16, 64, 256}, distinct adapters in {1, 8, 64, 128} (never more than tokens),
-plus rank 8 in a rank-64 pool vs a rank-8 pool, and k = 2 adapters per token. Each row:
+plus rank 8 in a rank-64 pool vs a rank-8 pool (B rank-major as the slot pool stores it, and a few
+rows out-major), and k = 2 adapters per token. Each row:
 
-- lora_us: `add_lora(..., backend="triton")`.
-- floor_us: bytes the op must move (each distinct adapter's A and B at its true rank, x read once, y
-  read and written once) over the device-to-device copy bandwidth measured in this run.
+- lora_us: `add_lora(..., backend="triton")`, i.e. the path `use_fused` picks (`path` says which).
+- fused_us / two_launch_us: `add_lora_triton` forced onto the fused decode kernel / the split-K
+  shrink + expand, each with its default config, so the table shows which wins where.
+- floor_us: bytes the op must move (each distinct adapter's A of every slice and B at its true rank,
+  x read once, y read and written once) over the device-to-device copy bandwidth measured in this
+  run. (Before the fused kernel the floor counted A once per module, not once per slice: q/k/v and
+  gate/up each have their own A, so those floors were too low.)
 - gather_us: torch gather-bmm (each token gathers its own A and B, padded to the pool rank).
 - loop_us: per-adapter torch loop (one bf16 matmul pair per segment and slice, index_add into y).
 - base_us: the base GEMM x @ W.T for the same module.
+  (`--no-baselines` skips gather/loop/base: they take most of the run time.)
 
 Timing: every op is captured in a CUDA graph (as the engine's decode step will be) that runs it over
 `n_sets` copies of the weights and activations in turn, so successive calls do not hit in L2;
@@ -35,7 +41,8 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from lorafleet.kernels.lora_ops import LoraMeta, add_lora, build_lora_meta, default_chunk_size
+from lorafleet.kernels.lora_fused import FusedConfig, pick_fused_config, use_fused
+from lorafleet.kernels.lora_ops import LoraMeta, add_lora, build_lora_meta, default_chunk_size, new_lora_b
 from lorafleet.kernels.triton_lora import LoraKernelConfig, add_lora_triton, pick_config
 
 HIDDEN, KV, MLP = 4096, 1024, 14336
@@ -59,6 +66,7 @@ class Case:
     rank: int
     pool_rank: int
     k: int = 1
+    b_layout: str = "rank_major"  # as worker/lora/slots.py stores B; "out_major" = contiguous [S, out, r]
 
 
 def main_cases(quick: bool) -> list[Case]:
@@ -73,6 +81,8 @@ def main_cases(quick: bool) -> list[Case]:
         for tokens, adapters in [(64, 8), (64, 64), (256, 64)]:
             cases.append(Case(module, tokens, adapters, 8, 8))
             cases.append(Case(module, tokens, adapters, 8, 64))
+            if tokens == 64:
+                cases.append(Case(module, tokens, adapters, 8, 64, b_layout="out_major"))
             cases.append(Case(module, tokens, adapters, 16, 16, k=2))
     if quick:
         cases = [c for c in cases if c.tokens in (16, 64) and c.module in ("qkv", "down")]
@@ -119,7 +129,7 @@ def make_case_inputs(
 ) -> tuple[list[Inputs], torch.Tensor, torch.Tensor, list[list[int]]]:
     d_in, outs = MODULES[case.module]
     slots = case.adapters
-    active_bytes = case.adapters * case.rank * (d_in + sum(outs)) * BYTES
+    active_bytes = adapter_bytes(case)
     act_bytes = case.tokens * (d_in + sum(outs)) * BYTES
     n_sets = max(2, min(32, math.ceil(L2_FLUSH_BYTES / (active_bytes + act_bytes))))
     sets = []
@@ -130,6 +140,8 @@ def make_case_inputs(
         lora_b = [
             torch.randn(slots, o, case.pool_rank, device=DEVICE, dtype=DTYPE) / case.rank**0.5 for o in outs
         ]
+        if case.b_layout == "rank_major":
+            lora_b = [store_rank_major(b) for b in lora_b]
         x = torch.randn(case.tokens, d_in, device=DEVICE, dtype=DTYPE)
         y = torch.randn(case.tokens, sum(outs), device=DEVICE, dtype=DTYPE)
         sets.append(Inputs(x, y, lora_a, lora_b))
@@ -142,6 +154,19 @@ def make_case_inputs(
     token_scales = torch.rand(case.tokens, case.k, generator=g) + 0.5
     ranks = [[case.rank] * slots for _ in outs]
     return sets, token_slots, token_scales, ranks
+
+
+def adapter_bytes(case: Case) -> int:
+    """Each distinct adapter's A (one per slice) and B, at its true rank."""
+    d_in, outs = MODULES[case.module]
+    return case.adapters * case.rank * (len(outs) * d_in + sum(outs)) * BYTES
+
+
+def store_rank_major(b: torch.Tensor) -> torch.Tensor:
+    """The same values in the slot pool's layout (`new_lora_b`: rank-major memory)."""
+    stored = new_lora_b(b.shape[0], b.shape[1], b.shape[2], device=b.device, dtype=b.dtype)
+    stored.copy_(b)
+    return stored
 
 
 def gather_bmm(inp: Inputs, slots_dev: torch.Tensor, scales_dev: torch.Tensor) -> None:
@@ -171,39 +196,62 @@ def segment_loop(inp: Inputs, meta: LoraMeta, ranks: list[list[int]]) -> None:
             col += out
 
 
+def check_and_time(
+    sets: list[Inputs],
+    ranks: list[list[int]],
+    ranks_dev: torch.Tensor,
+    meta: LoraMeta,
+    path: str,
+    config: LoraKernelConfig | FusedConfig | None,
+) -> tuple[float, float]:
+    """(µs per call, ‖Δtriton − Δref‖ / ‖Δref‖ on the first set) for one path of `add_lora_triton`."""
+    inp = sets[0]
+    y0 = inp.y.clone()
+    ref = inp.y.clone()
+    add_lora(ref, inp.x, inp.lora_a, inp.lora_b, ranks, ranks_dev, meta, backend="torch")
+    add_lora_triton(inp.y, inp.x, inp.lora_a, inp.lora_b, ranks_dev, meta, config=config, path=path)
+    d_ref, d_tri = (ref.double() - y0.double()), (inp.y.double() - y0.double())
+    rel_err = float((d_tri - d_ref).norm() / d_ref.norm())
+    inp.y.copy_(y0)
+    us = time_graph(
+        [
+            lambda s=s: add_lora_triton(s.y, s.x, s.lora_a, s.lora_b, ranks_dev, meta, config=config, path=path)
+            for s in sets
+        ]
+    )
+    return us, rel_err
+
+
 def run_case(
-    case: Case, bandwidth: float, g: torch.Generator, config: LoraKernelConfig | None = None
+    case: Case,
+    bandwidth: float,
+    g: torch.Generator,
+    config: LoraKernelConfig | FusedConfig | None = None,
+    baselines: bool = True,
 ) -> dict:
     d_in, outs = MODULES[case.module]
     sets, token_slots, token_scales, ranks = make_case_inputs(case, g)
     meta = build_lora_meta(token_slots, token_scales, case.adapters, DEVICE)
     ranks_dev = torch.tensor(ranks, dtype=torch.int32, device=DEVICE)
-
-    # Correctness on the first set, before timing: ‖Δtriton − Δref‖ / ‖Δref‖.
-    inp = sets[0]
-    y0 = inp.y.clone()
-    ref = inp.y.clone()
-    add_lora(ref, inp.x, inp.lora_a, inp.lora_b, ranks, ranks_dev, meta, backend="torch")
-    add_lora_triton(inp.y, inp.x, inp.lora_a, inp.lora_b, ranks_dev, meta, config=config)
-    d_ref, d_tri = (ref.double() - y0.double()), (inp.y.double() - y0.double())
-    rel_err = float((d_tri - d_ref).norm() / d_ref.norm())
-
-    lora_us = time_graph(
-        [
-            lambda s=s: add_lora_triton(s.y, s.x, s.lora_a, s.lora_b, ranks_dev, meta, config=config)
-            for s in sets
-        ]
-    )
     row = dict(asdict(case))
-    weight_bytes = case.adapters * case.rank * (d_in + sum(outs)) * BYTES
     act_bytes = case.tokens * (d_in + 2 * sum(outs)) * BYTES
+    row.update(floor_us=round((adapter_bytes(case) + act_bytes) / bandwidth * 1e6, 2), n_sets=len(sets))
+    if config is not None:  # a sweep row: one config on its own path
+        us, err = check_and_time(sets, ranks, ranks_dev, meta, "auto", config)
+        row.update(lora_us=round(us, 2), rel_err=float(f"{err:.2e}"))
+        return row
+
+    auto = "fused" if use_fused(meta.num_chunks, d_in, len(outs), meta.chunk_size) else "two_launch"
+    timed = {p: check_and_time(sets, ranks, ranks_dev, meta, p, None) for p in ("fused", "two_launch")}
     row.update(
-        lora_us=round(lora_us, 2),
-        floor_us=round((weight_bytes + act_bytes) / bandwidth * 1e6, 2),
-        rel_err=float(f"{rel_err:.2e}"),
-        n_sets=len(sets),
+        path=auto,
+        lora_us=round(timed[auto][0], 2),
+        fused_us=round(timed["fused"][0], 2),
+        two_launch_us=round(timed["two_launch"][0], 2),
+        rel_err=float(f"{max(e for _, e in timed.values()):.2e}"),
     )
-    if config is not None:
+    if not baselines:
+        row.update(gather_us=None, loop_us=None, base_us=None)
         return row
     slots_dev, scales_dev = meta.token_slots, meta.token_scales
     row["gather_us"] = round(time_graph([lambda s=s: gather_bmm(s, slots_dev, scales_dev) for s in sets]), 2)
@@ -245,49 +293,77 @@ def sweep(bandwidth: float, g: torch.Generator) -> list[dict]:
                 configs.add(replace(default, split_k=split_k))
             configs.add(replace(default, expand_warps=8))
             configs.add(replace(default, shrink_warps=2))
+            fused_default = pick_fused_config(num_chunks, n_slices, d_in, outs)
+            fused_configs = {fused_default}
+            for n_per_prog in (256, 512, 1024, 2048):
+                for split_k in (1, 2, 4):
+                    fused_configs.add(replace(fused_default, n_per_prog=n_per_prog, split_k=split_k))
+            fused_configs.add(replace(fused_default, num_warps=8))
+            fused_configs.add(replace(fused_default, block_k=64))
             case_rows = []
             for cfg in sorted(configs, key=lambda c: (c.split_k, c.n_per_prog, c.block_n, c.expand_warps)):
                 row = run_case(case, bandwidth, g, config=cfg)
-                row.update(asdict(cfg), default=cfg == default)
+                row.update(asdict(cfg), path="two_launch", default=cfg == default)
                 case_rows.append(row)
-            best = min(case_rows, key=lambda r: r["lora_us"])
-            default_us = next(r["lora_us"] for r in case_rows if r["default"])
-            print(
-                f"sweep {module:8s} T={tokens:4d} A={adapters:4d}: default {default_us} µs, best {best['lora_us']} µs "
-                f"(split_k={best['split_k']}, n_per_prog={best['n_per_prog']}, block_n={best['block_n']}, "
-                f"expand_warps={best['expand_warps']})",
-                flush=True,
-            )
+            for cfg in sorted(fused_configs, key=lambda c: (c.split_k, c.n_per_prog, c.block_k, c.num_warps)):
+                row = run_case(case, bandwidth, g, config=cfg)
+                row.update(asdict(cfg), path="fused", default=cfg == fused_default)
+                case_rows.append(row)
+            for path in ("two_launch", "fused"):
+                mine = [r for r in case_rows if r["path"] == path]
+                best = min(mine, key=lambda r: r["lora_us"])
+                default_us = next(r["lora_us"] for r in mine if r["default"])
+                knobs = {k: best[k] for k in ("split_k", "n_per_prog", "block_n", "block_k") if k in best}
+                print(
+                    f"sweep {path:10s} {module:8s} T={tokens:4d} A={adapters:4d}: default {default_us} µs, "
+                    f"best {best['lora_us']} µs {knobs}",
+                    flush=True,
+                )
             rows += case_rows
     return rows
 
 
+def _us(v: float | None, width: int, digits: int = 2) -> str:
+    return f"{'-':>{width}s}" if v is None else f"{v:{width}.{digits}f}"
+
+
 def print_table(rows: list[dict]) -> None:
-    head = f"{'module':8s} {'T':>4s} {'A':>4s} {'r':>3s} {'pool':>4s} {'k':>2s} {'lora':>8s} {'floor':>7s} {'target':>7s} {'gather':>8s} {'loop':>9s} {'base':>8s} {'err':>8s}"
+    head = (
+        f"{'module':8s} {'T':>4s} {'A':>4s} {'r':>3s} {'pool':>4s} {'B':>5s} {'k':>2s} {'path':>10s} {'lora':>8s} "
+        f"{'fused':>8s} {'2-launch':>8s} {'floor':>7s} {'target':>7s} {'gather':>8s} {'loop':>9s} {'base':>8s} "
+        f"{'err':>8s}"
+    )
     print(head)
     for r in rows:
         target = 1.3 * r["floor_us"] + 3
         mark = "" if r["tokens"] < 16 else (" ok" if r["lora_us"] <= target else " MISS")
         print(
-            f"{r['module']:8s} {r['tokens']:4d} {r['adapters']:4d} {r['rank']:3d} {r['pool_rank']:4d} {r['k']:2d} "
-            f"{r['lora_us']:8.2f} {r['floor_us']:7.2f} {target:7.2f} {r['gather_us']:8.2f} {r['loop_us']:9.2f} "
-            f"{r['base_us']:8.2f} {r['rel_err']:8.1e}{mark}"
+            f"{r['module']:8s} {r['tokens']:4d} {r['adapters']:4d} {r['rank']:3d} {r['pool_rank']:4d} "
+            f"{r['b_layout'][:5]:>5s} {r['k']:2d} {r['path']:>10s} {r['lora_us']:8.2f} {r['fused_us']:8.2f} "
+            f"{r['two_launch_us']:8.2f} {r['floor_us']:7.2f} {target:7.2f} {_us(r['gather_us'], 8)} "
+            f"{_us(r['loop_us'], 9)} {_us(r['base_us'], 8)} {r['rel_err']:8.1e}{mark}"
         )
 
 
 def markdown_table(rows: list[dict]) -> str:
     """The rows as a markdown table, with the tokens >= 16 target checked."""
     lines = [
-        "| module | T | adapters | rank | pool | k | lora µs | floor µs | 1.3·floor+3 | gather µs | loop µs | base µs |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| module | T | adapters | rank | pool | B | k | path | lora µs | fused µs | 2-launch µs | floor µs "
+        "| 1.3·floor+3 | gather µs | loop µs | base µs |",
+        "|---|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+
+    def cell(v: float | None) -> str:
+        return "–" if v is None else f"{v:.1f}"
+
     for r in rows:
         target = 1.3 * r["floor_us"] + 3
         mark = "" if r["tokens"] < 16 else (" ✓" if r["lora_us"] <= target else " ✗")
         lines.append(
-            f"| {r['module']} | {r['tokens']} | {r['adapters']} | {r['rank']} | {r['pool_rank']} | {r['k']} | "
-            f"{r['lora_us']:.1f}{mark} | {r['floor_us']:.1f} | {target:.1f} | {r['gather_us']:.1f} | "
-            f"{r['loop_us']:.1f} | {r['base_us']:.1f} |"
+            f"| {r['module']} | {r['tokens']} | {r['adapters']} | {r['rank']} | {r['pool_rank']} | "
+            f"{r.get('b_layout', 'out_major')} | {r['k']} | {r.get('path', 'two_launch')} | {r['lora_us']:.1f}{mark} | "
+            f"{cell(r.get('fused_us'))} | {cell(r.get('two_launch_us'))} | {r['floor_us']:.1f} | {target:.1f} | "
+            f"{cell(r['gather_us'])} | {cell(r['loop_us'])} | {cell(r['base_us'])} |"
         )
     return "\n".join(lines)
 
@@ -296,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results/kernels-h200.json")
     parser.add_argument("--quick", action="store_true", help="a few cases only")
+    parser.add_argument(
+        "--no-baselines", action="store_true", help="skip the torch gather/loop and base GEMM timings"
+    )
     parser.add_argument("--sweep", default=None, help="also time launch configs; write them to this file")
     parser.add_argument("--markdown", default=None, help="print a results file as a markdown table and exit")
     args = parser.parse_args(argv)
@@ -311,9 +390,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     rows = []
     for case in main_cases(args.quick):
-        rows.append(run_case(case, bandwidth, g))
+        rows.append(run_case(case, bandwidth, g, baselines=not args.no_baselines))
         r = rows[-1]
-        print(f"  {case}: lora {r['lora_us']} µs floor {r['floor_us']} µs err {r['rel_err']}", flush=True)
+        print(
+            f"  {case}: {r['path']} {r['lora_us']} µs (fused {r['fused_us']}, two-launch {r['two_launch_us']}) "
+            f"floor {r['floor_us']} µs err {r['rel_err']}",
+            flush=True,
+        )
         torch.cuda.empty_cache()
     print(
         f"machine {torch.cuda.get_device_name()}, date {datetime.date.today().isoformat()}, torch {torch.__version__}, "
