@@ -25,11 +25,13 @@ mostly idle GPU) are the columns cut finer, where the extra L2 reads buy paralle
 in = 4096, r = 16, 16 rows, one chunk, N = 256: 24 programs each read 256 KiB of x and A (mostly L2)
 and 8 KiB of B; at 64 chunks with N = 2048 (4 groups): A is read 4x per chunk from L2, once from HBM.
 
-SPLIT_K > 1 (for wide inputs such as down_proj, in = 14336) cuts the shrink's K range so one
-program's serial load chain stays short: each split multiplies its partial h by B and adds into y,
-since (Σ_k h_k) B = Σ_k h_k B. It re-reads B SPLIT_K times (from L2) and needs atomic adds into y,
-as does k > 1 (two chunks can own the same row); otherwise each row of y has exactly one writer per
-column and a plain read-modify-write is race-free.
+SPLIT_K > 1 (a config option, not the default) cuts the shrink's K range so one program's serial
+load chain stays short for wide inputs such as down_proj (in = 14336: 16 rows + r = 16 read 896 KiB
+per program unsplit): each split multiplies its partial h by B and adds into y, since
+(Σ_k h_k) B = Σ_k h_k B. It re-reads B SPLIT_K times (from L2) and needs atomic adds into y, each of
+which rounds y to bf16 once more, and the order of the adds varies from run to run. k > 1 needs
+atomics anyway (two chunks can own the same row); with k = 1 and SPLIT_K = 1 each element of y has
+exactly one writer and a plain read-modify-write is race-free and deterministic.
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ from lorafleet.kernels.lora_ops import LoraMeta
 
 # Few pairs per chunk: LoraMeta's decode chunk size. Prefill-sized chunks (64 rows) re-read too much.
 FUSED_MAX_CHUNK_SIZE = 16
-# A K range per program above this makes the shrink's serial load chain the critical path.
-FUSED_MAX_K_PER_PROG = 4096
+# Widest input the fused kernel takes by default: past it one program's unsplit shrink (a serial
+# chain over in_features) is likely the critical path, and SPLIT_K would need atomics into y.
+FUSED_MAX_IN_FEATURES = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,21 +69,27 @@ def use_fused(num_chunks: int, in_features: int, n_slices: int, chunk_size: int)
 
     Decode-sized = LoraMeta cut the step into chunks of at most 16 pairs (<= 512 pairs in all). The
     fused kernel re-reads x and A once per column group, which is cheap for 16-row chunks and not
-    for 64-row prefill chunks; the two-launch path reads them once. `in_features` and `n_slices`
-    enter through the fused config (SPLIT_K for wide inputs), and `num_chunks` bounds the re-reads:
-    past 1024 chunk-slices the two-launch path's single read of A wins. Not yet timed on the GPU:
-    `bench/kernels.py` prints both paths side by side to set this rule.
+    for 64-row prefill chunks; the two-launch path reads them once. Past 1024 chunk-slices the grid
+    is full with one column group per slice anyway and the two launches' split-K shrink is as good;
+    past FUSED_MAX_IN_FEATURES (down_proj) each program's unsplit K loop is too long. Not yet timed
+    on the GPU: `bench/kernels.py` prints both paths side by side (and `--sweep` fused configs with
+    SPLIT_K) to set this rule.
     """
-    del in_features  # wide inputs are handled by SPLIT_K, not by falling back
-    return chunk_size <= FUSED_MAX_CHUNK_SIZE and num_chunks * n_slices <= 1024
+    return (
+        chunk_size <= FUSED_MAX_CHUNK_SIZE
+        and num_chunks * n_slices <= 1024
+        and in_features <= FUSED_MAX_IN_FEATURES
+    )
 
 
 def pick_fused_config(num_chunks: int, n_slices: int, in_features: int, outs: Sequence[int]) -> FusedConfig:
-    """Columns per program from the active chunks; SPLIT_K from the input width.
+    """Columns per program from the active chunks; SPLIT_K = 1 (no atomics with k = 1).
 
-    ~132 SMs: with few active chunk-slices, cut the columns finely so ~100+ programs run; with many,
+    ~132 SMs: with few active chunk-slices, cut the columns finely so more programs run; with many,
     use wide column groups (fewer re-reads of x and A). See the module docstring for the bytes.
+    `in_features` is for the sweep's SPLIT_K rule once the GPU numbers say whether it pays.
     """
+    del in_features
     work = max(1, num_chunks * n_slices)
     if work <= 4:
         n_per_prog = 256
@@ -91,8 +100,7 @@ def pick_fused_config(num_chunks: int, n_slices: int, in_features: int, outs: Se
     else:
         n_per_prog = 2048
     n_per_prog = min(n_per_prog, triton.next_power_of_2(max(outs)))
-    split_k = max(1, -(-in_features // FUSED_MAX_K_PER_PROG))
-    return FusedConfig(split_k=split_k, n_per_prog=max(n_per_prog, 128), block_n=min(128, max(16, n_per_prog)))
+    return FusedConfig(split_k=1, n_per_prog=max(n_per_prog, 128), block_n=128)
 
 
 @triton.jit
@@ -188,6 +196,8 @@ def _lora_fused_kernel(
     a_rows = a_ptr + slot.to(tl.int64) * stride_as + offs_r[None, :] * stride_ar  # [1, R_BLOCK]
     h = tl.zeros((BLOCK_M, R_BLOCK), dtype=tl.float32)
     k_lo = pid_k * K_PER_SPLIT
+    if k_lo >= K:  # an empty split (small inputs): nothing to add
+        return
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)

@@ -95,7 +95,7 @@ def test_compiles_for_hopper() -> None:
     [
         (1, 4096, 3, 16, True),  # one adapter, decode
         (64, 4096, 3, 16, True),  # 64 adapters, decode
-        (64, 14336, 1, 16, True),  # down_proj: split K instead of falling back
+        (64, 14336, 1, 16, False),  # down_proj: one program's unsplit K loop is too long
         (342, 4096, 3, 16, False),  # too many chunk-slices: the two-launch path reads A once
         (8, 4096, 2, 64, False),  # prefill-sized chunks
     ],
@@ -128,7 +128,7 @@ def test_pick_fused_config() -> None:
     down = pick_fused_config(8, 1, 14336, [4096])
     small = pick_fused_config(2, 1, 40, [24])
     assert qkv_one.split_k == 1 and qkv_one.n_per_prog < qkv_many.n_per_prog  # few chunks: finer columns
-    assert down.split_k == 4  # a K range of at most 4096 per program
+    assert down.split_k == 1  # no atomics into y with k = 1 unless a config asks for SPLIT_K
     assert small.split_k == 1 and small.n_per_prog >= small.block_n
     for cfg in (qkv_one, qkv_many, down, small):
         assert cfg.n_per_prog % cfg.block_n == 0 and cfg.block_n >= 16
@@ -150,7 +150,12 @@ def test_pick_fused_config() -> None:
     ids=["n256", "split2-n1024", "split4-n2048-w8"],
 )
 def test_bf16_fused_configs(module: str, config: FusedConfig) -> None:
-    """Configs the sweep may pick (split K = atomic bf16 adds into y even with k = 1) stay within 1e-2."""
+    """Configs the sweep may pick, forced onto the fused path (also for down_proj), on rank-major B.
+
+    Tolerance on the LoRA delta: 1e-2 unsplit (as test_bf16_real_shapes: the bf16 rank-r
+    intermediate gives ~3e-3); 2e-2 with split K, where every split's atomic add rounds the bf16 y
+    once more (y ~ 1, delta ~ 0.5 here: ~2e-3 of |y| per add over 2-4 adds).
+    """
     d_in, outs = MODULES[module]
     slots, tokens = 32, 48
     ranks = [[[16, 8, 64, 0][(s + i) % 4] for s in range(slots)] for i in range(len(outs))]
@@ -161,4 +166,4 @@ def test_bf16_fused_configs(module: str, config: FusedConfig) -> None:
         layout="rank_major",
     )
     err = rel_err(y_tri.float() - y0.float(), y_ref.float() - y0.float())
-    assert err < 1e-2, err
+    assert err < (1e-2 if config.split_k == 1 else 2e-2), err

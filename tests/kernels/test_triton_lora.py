@@ -222,6 +222,7 @@ FUSED_CONFIGS = {
     "n-loop-k2": FusedConfig(split_k=2, block_k=32, block_n=32, n_per_prog=64),
     "r64-qkv-fp16": FusedConfig(split_k=1, block_k=16, block_n=16, n_per_prog=32),
     "mixed-rank-pool64": FusedConfig(split_k=2, block_k=64, block_n=16, n_per_prog=16),
+    "r1-k1-1slice": FusedConfig(split_k=3, block_k=32, block_n=16, n_per_prog=16),  # the third split is empty
 }
 
 
