@@ -258,6 +258,7 @@ def add_lora(
     ranks_device: torch.Tensor | None,
     meta: LoraMeta,
     backend: str = "torch",
+    path: str = "two_launch",
 ) -> None:
     """Dispatch to the torch reference or the Triton kernels (same semantics).
 
@@ -269,6 +270,6 @@ def add_lora(
     elif backend == "triton":
         from lorafleet.kernels.triton_lora import add_lora_triton
 
-        add_lora_triton(y, x, lora_a, lora_b, ranks_device, meta)
+        add_lora_triton(y, x, lora_a, lora_b, ranks_device, meta, path=path)
     else:
         raise ValueError(f"unknown LoRA backend {backend!r} (torch | triton)")

@@ -101,7 +101,9 @@ class LLMEngine:
         self.model.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         if config.cuda_graphs:
             self._check_graph_backends()  # before the KV cache takes the GPU's memory
-        self.slots = LoraSlots(self.model_config, config.max_loras, config.max_lora_rank, self.device, self.dtype)
+        self.slots = LoraSlots(self.model_config, config.max_loras, config.max_lora_rank, self.device, self.dtype,
+                               rank_major_b=config.experimental_lora_kernels)
+        self.model.lora_path = "auto" if config.experimental_lora_kernels else "two_launch"
         self.model.lora = self.slots
         self.registry = AdapterRegistry(self.model_config, config, self.slots, self.dtype)
 

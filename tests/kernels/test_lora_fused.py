@@ -118,8 +118,11 @@ def test_auto_path_follows_the_rule(monkeypatch) -> None:
     for chunk_size, want in [(16, ["fused"]), (64, [])]:
         calls.clear()
         meta = build_lora_meta(slots, torch.ones(20, 1), 2, device=DEVICE, chunk_size=chunk_size)
-        add_lora(y, x, lora_a, lora_b, ranks, ranks_dev, meta, "triton")
+        add_lora(y, x, lora_a, lora_b, ranks, ranks_dev, meta, "triton", path="auto")
         assert calls == want
+        calls.clear()
+        add_lora(y, x, lora_a, lora_b, ranks, ranks_dev, meta, "triton")  # the default: the validated path
+        assert calls == []
 
 
 def test_pick_fused_config() -> None:
