@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from types import MappingProxyType
 
+from lorafleet.cli import lora_module_arg
 from lorafleet.router.discovery import parse_worker
 from lorafleet.router.scheduling.policies import POLICIES
 from lorafleet.router.settings import RouterSettings
@@ -15,13 +16,7 @@ from lorafleet.router.tenants import hash_api_key
 
 
 def parse_lora_modules(items: list[str]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in items:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise argparse.ArgumentTypeError(f"--lora-modules expects name=path, got {item!r}")
-        out[name] = path
-    return out
+    return dict(lora_module_arg(item) for item in items)
 
 
 def build_parser() -> argparse.ArgumentParser:
