@@ -16,6 +16,7 @@ from lorafleet.router.scheduling.filters import Available, BoundedLoad, ServesMo
 from lorafleet.router.scheduling.frequency import FrequencySketch
 from lorafleet.router.scheduling.pickers import MaxScore, RoundRobin
 from lorafleet.router.scheduling.scorers import (
+    CacheVictim,
     HashAffinity,
     Load,
     LoraAffinity,
@@ -102,9 +103,11 @@ def reason_for(req: RequestInfo, endpoint: EndpointView) -> Reason:
 def lorafleet_policy(
     load_factor: float = 1.25,
     cold_load_factor: float = 2.0,
-    hot_share: float = 0.02,
-    scratch_slots: int = 1,
+    hot_share: float = 0.04,
+    scratch_slots: int = 0,
     max_slots_over: int = 3,
+    victim_weight: float = 0.2,
+    admission_margin: float = 1.5,
 ) -> Policy:
     """Ours: residency first, within a load bound and a GPU-slot queue bound.
 
@@ -114,14 +117,19 @@ def lorafleet_policy(
     more than `max_slots_over` adapters is dropped while another can take it (`SlotQueue`): past
     that, a cold load elsewhere is the faster path, and such a spill copy is transient.
 
-    Weights make the order lexicographic in residency: CPU beats a cold load (0.7 > 0.4495), GPU
-    beats CPU where the GPU copy can join the batch (0.3 > 0.1 + 0.049 + 0.0005). Within a tier: a
-    replica where the adapters join the next batch without waiting for a slot (0.3), then the most
-    free slots (≤ 0.1: a cold adapter goes where it adds least slot pressure), then spare capacity
+    Weights make the order lexicographic in residency: CPU beats a cold load (0.7 > 0.6495), GPU
+    beats CPU where the GPU copy can join the batch (0.3 > 0.1 + 0.049 + 0.0005; `CacheVictim`
+    is 1 for both). Within a tier: a replica where the adapters join the next batch without waiting
+    for a slot (0.3), then, for a cold adapter, the replica whose CPU cache loses the least
+    popular adapter to the load (`victim_weight`: fleet-wide LFU instead of per replica), then the
+    most free slots (≤ 0.1: a cold adapter goes where it adds least slot pressure), then spare capacity
     (≤ 0.049), then the rendezvous order (≤ 0.0005, below one request of load: ties only, so an
     idle fleet still places a key on its rendezvous home). Cache admission keeps rare adapters
-    from evicting popular ones.
+    from evicting popular ones; a newcomer must be `admission_margin` × as popular as its victim
+    (noisy counts of similar adapters otherwise swap places), and no scratch slot is reserved
+    (`scratch_slots`=0): a load that is not admitted evicts the least popular idle resident.
     """
+    frequency = FrequencySketch()
     return Policy(
         "lorafleet",
         (
@@ -133,12 +141,14 @@ def lorafleet_policy(
         (
             (1.0, Residency()),
             (0.3, SlotFree()),
+            (victim_weight, CacheVictim(frequency.estimate, scratch_slots)),
             (0.1, SlotHeadroom()),
             (0.049, Load()),
             (0.0005, HashAffinity()),
         ),
         MaxScore(),
-        admission=FrequencyAdmission(scratch_slots=scratch_slots),
+        admission=FrequencyAdmission(scratch_slots=scratch_slots, margin=admission_margin),
+        frequency=frequency,
         replicate_share=hot_share,
     )
 

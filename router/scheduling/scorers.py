@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from lorafleet.router.scheduling.hashing import weight
@@ -111,3 +112,43 @@ class SlotHeadroom:
             return 1.0
         taken = len(endpoint.active | endpoint.waiting_adapters | frozenset(req.adapters))
         return max(0.0, (endpoint.max_loras - taken) / max(1, endpoint.max_loras))
+
+
+def _never_seen(adapter: str) -> float:
+    return 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class CacheVictim:
+    """How little a cold load here would cost the CPU cache: fleet-wide LFU placement of cold adapters.
+
+    1 if the request's adapters are all resident, or if they fit while `scratch_slots` stay free.
+    Otherwise the load must evict: f / (f + v), where f is the least popular missing adapter's
+    frequency and v the frequency of the most popular idle resident that must go (the `need`
+    least popular idle residents, as `FrequencyAdmission` would pick them); 0 if too few are idle.
+    Maximising it sends a cold adapter to the replica whose cache loses the least, so admission
+    evicts the fleet's least popular adapter instead of one replica's, and a popular newcomer is
+    admitted rather than loaded into a scratch slot and dropped.
+    """
+
+    frequency: Callable[[str], float] = _never_seen
+    scratch_slots: int = 1
+    name: str = "cache-victim"
+
+    def __call__(self, req: RequestInfo, endpoint: EndpointView, stats: FleetStats) -> float:
+        resident = endpoint.resident
+        missing = [a for a in req.adapters if a not in resident]
+        if not missing:
+            return 1.0
+        need = self.scratch_slots + len(missing) - (endpoint.max_cpu_loras - len(resident))
+        if need <= 0:
+            return 1.0
+        busy = endpoint.active | endpoint.waiting_adapters | endpoint.pinned | set(req.adapters)
+        idle = sorted(self.frequency(a) for a in resident if a not in busy)
+        if len(idle) < need:
+            return 0.0
+        v = idle[need - 1]
+        f = min(self.frequency(a) for a in missing)
+        if f + v <= 0:
+            return 1.0
+        return f / (f + v)

@@ -148,3 +148,20 @@ def test_gie_prefers_active_then_free_slot():
     policy = POLICIES["gie-lora-affinity"]()
     assert policy.schedule(RequestInfo("base", ("x",)), eps).endpoint.name == "r1"
     assert policy.schedule(RequestInfo("base", ("y",)), eps).endpoint.name == "r2"
+
+
+def test_cold_adapter_goes_where_the_cache_loses_least():
+    """Fleet-wide LFU: among replicas with equal slot room, the one whose least popular idle
+    resident is least popular takes the load, and the newcomer is admitted over that victim."""
+    policy = lorafleet_policy()
+    for key, n in {"x": 10, "popular": 50, "rare": 1}.items():
+        for _ in range(n):
+            policy.frequency.add(key)
+    full = {"max_cpu_loras": 1}
+    home = rendezvous_order("x", NAMES)[0]
+    victim_of = {n: "rare" if n != home else "popular" for n in NAMES}
+    # The home holds only a popular adapter; every other replica a rare one.
+    eps = fleet(**{n: {**full, "cpu": frozenset({victim_of[n]})} for n in NAMES})
+    d = policy.schedule(RequestInfo("base", ("x",)), eps)
+    assert d.endpoint.name != home and d.reason == "cold"
+    assert d.admission.admit and d.admission.unload_before == ("rare",)

@@ -6,6 +6,7 @@ import pytest
 
 from lorafleet.router.scheduling.hashing import rendezvous_order
 from lorafleet.router.scheduling.scorers import (
+    CacheVictim,
     HashAffinity,
     Load,
     LoraAffinity,
@@ -111,3 +112,41 @@ def test_slot_free(adapters, active, max_loras, expected):
 def test_slot_headroom(adapters, active, waiting, max_loras, expected):
     e = EndpointView("e", active=frozenset(active), waiting_adapters=frozenset(waiting), max_loras=max_loras)
     assert SlotHeadroom()(RequestInfo("base", adapters), e, STATS) == pytest.approx(expected)
+
+
+FREQ = {"x": 6.0, "y": 2.0, "p": 1.0, "q": 3.0, "r": 12.0}
+
+
+@pytest.mark.parametrize(
+    ("adapters", "cpu", "active", "max_cpu", "scratch", "expected"),
+    [
+        (("x",), {"x"}, set(), 2, 0, 1.0),  # resident: nothing to evict
+        (("x",), {"p"}, set(), 2, 0, 1.0),  # a free slot
+        (("x",), {"p"}, set(), 2, 1, 6.0 / 7.0),  # the free slot is the scratch reserve: p must go
+        (("x",), {"p", "q"}, set(), 2, 0, 6.0 / 7.0),  # full: the least popular idle resident (p)
+        (("x",), {"p", "q"}, {"p"}, 2, 0, 6.0 / 9.0),  # p is running: q must go
+        (("x",), {"r", "q"}, {"q"}, 2, 0, 6.0 / 18.0),  # only a more popular one to lose
+        (("x",), {"p", "q"}, {"p", "q"}, 2, 0, 0.0),  # nothing idle to evict
+        (
+            ("x", "y"),
+            {"p", "q"},
+            set(),
+            3,
+            0,
+            2.0 / 3.0,
+        ),  # two missing, one free slot: p goes; f = least popular missing (y)
+        (("z",), {"p", "q"}, set(), 2, 0, 0.0),  # never seen (f = 0) against a known victim
+    ],
+)
+def test_cache_victim(adapters, cpu, active, max_cpu, scratch, expected):
+    e = EndpointView("e", cpu=frozenset(cpu), active=frozenset(active), max_cpu_loras=max_cpu)
+    scorer = CacheVictim(lambda a: FREQ.get(a, 0.0), scratch)
+    assert scorer(RequestInfo("base", adapters), e, STATS) == pytest.approx(expected)
+
+
+def test_cache_victim_orders_replicas_by_what_they_lose():
+    scorer = CacheVictim(lambda a: FREQ.get(a, 0.0), scratch_slots=0)
+    req = RequestInfo("base", ("x",))
+    loses_p = EndpointView("a", cpu=frozenset({"p", "r"}), max_cpu_loras=2)
+    loses_q = EndpointView("b", cpu=frozenset({"q", "r"}), max_cpu_loras=2)
+    assert scorer(req, loses_p, STATS) > scorer(req, loses_q, STATS)
