@@ -71,7 +71,6 @@ class _Tracked:
     seq: Sequence
     detok: IncrementalDetokenizer
     emitted: int = 0  # characters of text already returned
-    ttft: float | None = None
 
 
 class LLMEngine:
@@ -273,8 +272,6 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> RequestOutput:
         tracked = self._tracked[seq.seq_id]
-        if tracked.ttft is None:
-            tracked.ttft = time.monotonic() - seq.arrival
         sp = seq.sampling
         if token < 0:  # the model's logits were not finite for this request (sampling.sample)
             log.warning("request %d: non-finite logits; ending it with finish_reason=error", seq.seq_id)
@@ -330,10 +327,6 @@ class LLMEngine:
     def _release(self, seq: Sequence) -> None:
         self.registry.release(seq.adapter_names)
         self.runner.forget(seq)
-
-    def ttft(self, request_id: int) -> float | None:
-        tracked = self._tracked.get(request_id)
-        return None if tracked is None else tracked.ttft
 
     # -- offline API ---------------------------------------------------------------------------
     def generate(

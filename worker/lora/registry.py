@@ -9,7 +9,7 @@ through `load_adapter`, then `insert_cpu` on the loop).
 from __future__ import annotations
 
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -290,8 +290,6 @@ class AdapterRegistry:
         del self.entries[name]
         self.cpu.pop(name, None)
 
-    def in_flight_counts(self) -> Counter[str]:
-        return Counter({n: e.in_flight for n, e in self.entries.items() if e.in_flight})
 
 
 def _prepare(weights: LoraWeights, dtype: torch.dtype, pin: bool) -> None:
