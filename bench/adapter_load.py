@@ -377,7 +377,7 @@ def main() -> None:
         "shape": "tiny" if args.tiny else "seed 7.8B", "adapter_rank": RANK,
         "engine": {"max_loras": engine.config.max_loras, "max_lora_rank": engine.config.max_lora_rank,
                    "lora_backend": engine.model.lora_backend,
-                   "experimental_lora_kernels": engine.config.experimental_lora_kernels},
+                   "b_layout": "rank_major"},
         "rows": rows,
     }
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -7,13 +7,10 @@ rank 16, tokens in {1, 16, 64, 256}, distinct adapters in {1, 8, 64, 128} (never
 plus rank 8 in a rank-64 pool vs a rank-8 pool (B rank-major as the slot pool stores it, and a few
 rows out-major), and k = 2 adapters per token. Each row:
 
-- lora_us: `add_lora(..., backend="triton")`, i.e. the path `use_fused` picks (`path` says which).
-- fused_us / two_launch_us: `add_lora_triton` forced onto the fused decode kernel / the split-K
-  shrink + expand, each with its default config, so the table shows which wins where.
+- lora_us: `add_lora(..., backend="triton")`: the split-K shrink + expand with `pick_config`.
 - floor_us: bytes the op must move (each distinct adapter's A of every slice and B at its true rank,
   x read once, y read and written once) over the device-to-device copy bandwidth measured in this
-  run. (Before the fused kernel the floor counted A once per module, not once per slice: q/k/v and
-  gate/up each have their own A, so those floors were too low.)
+  run.
 - gather_us: torch gather-bmm (each token gathers its own A and B, padded to the pool rank).
 - loop_us: per-adapter torch loop (one bf16 matmul pair per segment and slice, index_add into y).
 - base_us: the base GEMM x @ W.T for the same module.
@@ -41,7 +38,6 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from lorafleet.kernels.lora_fused import FusedConfig, pick_fused_config, use_fused
 from lorafleet.kernels.lora_ops import LoraMeta, add_lora, build_lora_meta, default_chunk_size, new_lora_b
 from lorafleet.kernels.triton_lora import LoraKernelConfig, add_lora_triton, pick_config
 
@@ -201,21 +197,20 @@ def check_and_time(
     ranks: list[list[int]],
     ranks_dev: torch.Tensor,
     meta: LoraMeta,
-    path: str,
-    config: LoraKernelConfig | FusedConfig | None,
+    config: LoraKernelConfig | None,
 ) -> tuple[float, float]:
-    """(µs per call, ‖Δtriton − Δref‖ / ‖Δref‖ on the first set) for one path of `add_lora_triton`."""
+    """(µs per call, ‖Δtriton − Δref‖ / ‖Δref‖ on the first set) of `add_lora_triton`."""
     inp = sets[0]
     y0 = inp.y.clone()
     ref = inp.y.clone()
     add_lora(ref, inp.x, inp.lora_a, inp.lora_b, ranks, ranks_dev, meta, backend="torch")
-    add_lora_triton(inp.y, inp.x, inp.lora_a, inp.lora_b, ranks_dev, meta, config=config, path=path)
+    add_lora_triton(inp.y, inp.x, inp.lora_a, inp.lora_b, ranks_dev, meta, config=config)
     d_ref, d_tri = (ref.double() - y0.double()), (inp.y.double() - y0.double())
     rel_err = float((d_tri - d_ref).norm() / d_ref.norm())
     inp.y.copy_(y0)
     us = time_graph(
         [
-            lambda s=s: add_lora_triton(s.y, s.x, s.lora_a, s.lora_b, ranks_dev, meta, config=config, path=path)
+            lambda s=s: add_lora_triton(s.y, s.x, s.lora_a, s.lora_b, ranks_dev, meta, config=config)
             for s in sets
         ]
     )
@@ -226,7 +221,7 @@ def run_case(
     case: Case,
     bandwidth: float,
     g: torch.Generator,
-    config: LoraKernelConfig | FusedConfig | None = None,
+    config: LoraKernelConfig | None = None,
     baselines: bool = True,
 ) -> dict:
     d_in, outs = MODULES[case.module]
@@ -236,21 +231,9 @@ def run_case(
     row = dict(asdict(case))
     act_bytes = case.tokens * (d_in + 2 * sum(outs)) * BYTES
     row.update(floor_us=round((adapter_bytes(case) + act_bytes) / bandwidth * 1e6, 2), n_sets=len(sets))
-    if config is not None:  # a sweep row: one config on its own path
-        us, err = check_and_time(sets, ranks, ranks_dev, meta, "auto", config)
-        row.update(lora_us=round(us, 2), rel_err=float(f"{err:.2e}"))
-        return row
-
-    auto = "fused" if use_fused(meta.num_chunks, d_in, len(outs), meta.chunk_size) else "two_launch"
-    timed = {p: check_and_time(sets, ranks, ranks_dev, meta, p, None) for p in ("fused", "two_launch")}
-    row.update(
-        path=auto,
-        lora_us=round(timed[auto][0], 2),
-        fused_us=round(timed["fused"][0], 2),
-        two_launch_us=round(timed["two_launch"][0], 2),
-        rel_err=float(f"{max(e for _, e in timed.values()):.2e}"),
-    )
-    if not baselines:
+    us, err = check_and_time(sets, ranks, ranks_dev, meta, config)
+    row.update(lora_us=round(us, 2), rel_err=float(f"{err:.2e}"))
+    if config is not None or not baselines:
         row.update(gather_us=None, loop_us=None, base_us=None)
         return row
     slots_dev, scales_dev = meta.token_slots, meta.token_scales
@@ -293,32 +276,19 @@ def sweep(bandwidth: float, g: torch.Generator) -> list[dict]:
                 configs.add(replace(default, split_k=split_k))
             configs.add(replace(default, expand_warps=8))
             configs.add(replace(default, shrink_warps=2))
-            fused_default = pick_fused_config(num_chunks, n_slices, d_in, outs)
-            fused_configs = {fused_default}
-            for n_per_prog in (256, 512, 1024, 2048):
-                for split_k in (1, 2, 4):
-                    fused_configs.add(replace(fused_default, n_per_prog=n_per_prog, split_k=split_k))
-            fused_configs.add(replace(fused_default, num_warps=8))
-            fused_configs.add(replace(fused_default, block_k=64))
             case_rows = []
             for cfg in sorted(configs, key=lambda c: (c.split_k, c.n_per_prog, c.block_n, c.expand_warps)):
                 row = run_case(case, bandwidth, g, config=cfg)
-                row.update(asdict(cfg), path="two_launch", default=cfg == default)
+                row.update(asdict(cfg), default=cfg == default)
                 case_rows.append(row)
-            for cfg in sorted(fused_configs, key=lambda c: (c.split_k, c.n_per_prog, c.block_k, c.num_warps)):
-                row = run_case(case, bandwidth, g, config=cfg)
-                row.update(asdict(cfg), path="fused", default=cfg == fused_default)
-                case_rows.append(row)
-            for path in ("two_launch", "fused"):
-                mine = [r for r in case_rows if r["path"] == path]
-                best = min(mine, key=lambda r: r["lora_us"])
-                default_us = next(r["lora_us"] for r in mine if r["default"])
-                knobs = {k: best[k] for k in ("split_k", "n_per_prog", "block_n", "block_k") if k in best}
-                print(
-                    f"sweep {path:10s} {module:8s} T={tokens:4d} A={adapters:4d}: default {default_us} µs, "
-                    f"best {best['lora_us']} µs {knobs}",
-                    flush=True,
-                )
+            best = min(case_rows, key=lambda r: r["lora_us"])
+            default_us = next(r["lora_us"] for r in case_rows if r["default"])
+            knobs = {k: best[k] for k in ("split_k", "n_per_prog", "block_n", "block_k")}
+            print(
+                f"sweep {module:8s} T={tokens:4d} A={adapters:4d}: default {default_us} µs, "
+                f"best {best['lora_us']} µs {knobs}",
+                flush=True,
+            )
             rows += case_rows
     return rows
 
@@ -329,8 +299,8 @@ def _us(v: float | None, width: int, digits: int = 2) -> str:
 
 def print_table(rows: list[dict]) -> None:
     head = (
-        f"{'module':8s} {'T':>4s} {'A':>4s} {'r':>3s} {'pool':>4s} {'B':>5s} {'k':>2s} {'path':>10s} {'lora':>8s} "
-        f"{'fused':>8s} {'2-launch':>8s} {'floor':>7s} {'target':>7s} {'gather':>8s} {'loop':>9s} {'base':>8s} "
+        f"{'module':8s} {'T':>4s} {'A':>4s} {'r':>3s} {'pool':>4s} {'B':>5s} {'k':>2s} {'lora':>8s} "
+        f"{'floor':>7s} {'target':>7s} {'gather':>8s} {'loop':>9s} {'base':>8s} "
         f"{'err':>8s}"
     )
     print(head)
@@ -339,8 +309,7 @@ def print_table(rows: list[dict]) -> None:
         mark = "" if r["tokens"] < 16 else (" ok" if r["lora_us"] <= target else " MISS")
         print(
             f"{r['module']:8s} {r['tokens']:4d} {r['adapters']:4d} {r['rank']:3d} {r['pool_rank']:4d} "
-            f"{r['b_layout'][:5]:>5s} {r['k']:2d} {r['path']:>10s} {r['lora_us']:8.2f} {r['fused_us']:8.2f} "
-            f"{r['two_launch_us']:8.2f} {r['floor_us']:7.2f} {target:7.2f} {_us(r['gather_us'], 8)} "
+            f"{r['b_layout'][:5]:>5s} {r['k']:2d} {r['lora_us']:8.2f} {r['floor_us']:7.2f} {target:7.2f} {_us(r['gather_us'], 8)} "
             f"{_us(r['loop_us'], 9)} {_us(r['base_us'], 8)} {r['rel_err']:8.1e}{mark}"
         )
 
@@ -348,9 +317,9 @@ def print_table(rows: list[dict]) -> None:
 def markdown_table(rows: list[dict]) -> str:
     """The rows as a markdown table, with the tokens >= 16 target checked."""
     lines = [
-        "| module | T | adapters | rank | pool | B | k | path | lora µs | fused µs | 2-launch µs | floor µs "
-        "| 1.3·floor+3 | gather µs | loop µs | base µs |",
-        "|---|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| module | T | adapters | rank | pool | B | k | lora µs | floor µs | 1.3·floor+3 | gather µs | loop µs "
+        "| base µs |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def cell(v: float | None) -> str:
@@ -361,8 +330,8 @@ def markdown_table(rows: list[dict]) -> str:
         mark = "" if r["tokens"] < 16 else (" ✓" if r["lora_us"] <= target else " ✗")
         lines.append(
             f"| {r['module']} | {r['tokens']} | {r['adapters']} | {r['rank']} | {r['pool_rank']} | "
-            f"{r.get('b_layout', 'out_major')} | {r['k']} | {r.get('path', 'two_launch')} | {r['lora_us']:.1f}{mark} | "
-            f"{cell(r.get('fused_us'))} | {cell(r.get('two_launch_us'))} | {r['floor_us']:.1f} | {target:.1f} | "
+            f"{r.get('b_layout', 'out_major')} | {r['k']} | {r['lora_us']:.1f}{mark} | "
+            f"{r['floor_us']:.1f} | {target:.1f} | "
             f"{cell(r['gather_us'])} | {cell(r['loop_us'])} | {cell(r['base_us'])} |"
         )
     return "\n".join(lines)
@@ -393,8 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(run_case(case, bandwidth, g, baselines=not args.no_baselines))
         r = rows[-1]
         print(
-            f"  {case}: {r['path']} {r['lora_us']} µs (fused {r['fused_us']}, two-launch {r['two_launch_us']}) "
-            f"floor {r['floor_us']} µs err {r['rel_err']}",
+            f"  {case}: {r['lora_us']} µs floor {r['floor_us']} µs err {r['rel_err']}",
             flush=True,
         )
         torch.cuda.empty_cache()

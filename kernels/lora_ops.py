@@ -258,7 +258,6 @@ def add_lora(
     ranks_device: torch.Tensor | None,
     meta: LoraMeta,
     backend: str = "torch",
-    path: str = "two_launch",
 ) -> None:
     """Dispatch to the torch reference or the Triton kernels (same semantics).
 
@@ -270,6 +269,6 @@ def add_lora(
     elif backend == "triton":
         from lorafleet.kernels.triton_lora import add_lora_triton
 
-        add_lora_triton(y, x, lora_a, lora_b, ranks_device, meta, path=path)
+        add_lora_triton(y, x, lora_a, lora_b, ranks_device, meta)
     else:
         raise ValueError(f"unknown LoRA backend {backend!r} (torch | triton)")

@@ -1,8 +1,5 @@
 """Triton kernels for the multi-LoRA side path: a segmented shrink then a segmented expand.
 
-`add_lora_triton` dispatches decode-sized steps to the fused one-launch kernel in
-`lorafleet.kernels.lora_fused` (`use_fused`) and prefill-sized steps to the two launches below.
-
 Semantics (same as `lora_ops.add_lora_reference`):
 
     for each chunk c (<= chunk_size (token, entry) pairs of one slot, from LoraMeta):
@@ -36,7 +33,6 @@ import torch
 import triton
 import triton.language as tl
 
-from lorafleet.kernels.lora_fused import FusedConfig, launch_fused, use_fused
 from lorafleet.kernels.lora_ops import LoraMeta, _check_shapes, lora_b_layout
 
 BLOCK_R = 16  # rank block: tl.dot's smallest K / N
@@ -291,18 +287,17 @@ def add_lora_triton(
     lora_b: Sequence[torch.Tensor],
     ranks_device: torch.Tensor,
     meta: LoraMeta,
-    config: LoraKernelConfig | FusedConfig | None = None,
-    path: str = "auto",
+    config: LoraKernelConfig | None = None,
 ) -> None:
-    """y[:, slices] += Σ scale · B(A x), in place; one fused launch (decode) or two (prefill).
+    """y[:, slices] += Σ scale · B(A x), in place: a shrink launch, then an expand launch.
 
     y: `[T, Σ out_s]`; x: `[T, in]`; lora_a[s]: `[S, r_max, in]`; lora_b[s]: indexed
     `[S, out_s, r_max]`, out-major or rank-major memory (`lora_ops.new_lora_b`); ranks_device:
     `[n_slices, S]` int32 on y's device. Launches even when no token has an adapter (the programs
     exit at once), so a graph captured on any step replays correctly on the next.
-    path: "auto" (`use_fused` on the host-side meta), "fused" or "two_launch"; a `config` of either
-    kind picks its path. Both paths accept any meta of the same shapes, so a graph captured with
-    one step's choice replays correctly with another step's metadata.
+    config: launch parameters; default `pick_config` on the host-side meta. Any config accepts any
+    meta of the same shapes, so a graph captured with one step's choice replays correctly with
+    another step's metadata.
     """
     # (1) check shapes
     _check_shapes(y, x, lora_a, lora_b)
@@ -335,24 +330,9 @@ def add_lora_triton(
     upcast = interp or x.dtype == torch.float32
     ieee = x.dtype == torch.float32 and not interp
 
-    if path not in ("auto", "fused", "two_launch"):
-        raise ValueError(f"unknown path {path!r} (auto | fused | two_launch)")
-    if isinstance(config, FusedConfig):
-        path = "fused"
-    elif isinstance(config, LoraKernelConfig):
-        path = "two_launch"
-    elif path == "auto":
-        path = "fused" if use_fused(meta.num_chunks, in_features, n_slices, meta.chunk_size) else "two_launch"
-    if path == "fused":
-        fused_cfg = config if isinstance(config, FusedConfig) else None
-        launch_fused(y, x, lora_a, lora_b, ranks_device, meta, b_rank_major, upcast, ieee, fused_cfg)
-        return
-
     # (2) allocate: fp32 split-K partials, indexed by sorted pair
     num_pairs = num_tokens * k
-    cfg = config if isinstance(config, LoraKernelConfig) else pick_config(
-        meta.num_chunks, n_slices, in_features, meta.chunk_size
-    )
+    cfg = config or pick_config(meta.num_chunks, n_slices, in_features, meta.chunk_size)
     r_blocks = triton.cdiv(r_max, BLOCK_R)
     r_pad = r_blocks * BLOCK_R
     part = torch.empty((cfg.split_k, num_pairs, n_slices * r_pad), dtype=torch.float32, device=x.device)

@@ -49,12 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory-fraction", type=float, default=d.kv_cache_memory_fraction)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching)
     p.add_argument("--lora-backend", default=d.lora_backend, choices=["auto", "torch", "triton"])
-    p.add_argument("--experimental-lora-kernels", action="store_true",
-                   help="fused decode LoRA kernel + rank-major slots (CPU-tested, not yet validated on a GPU)")
     p.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "triton"],
                    help="decode attention: auto = the Triton paged kernel on CUDA, torch on CPU")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=d.cuda_graphs,
-                   help="replay decode steps from a CUDA graph per batch-size bucket (needs the triton backends)")
+                   help="replay decode steps from a CUDA graph per batch-size bucket (default: on for CUDA "
+                        "with the triton backends)")
+    p.add_argument("--enforce-eager", dest="cuda_graphs", action="store_false",
+                   help="no CUDA graphs (vLLM's name for --no-cuda-graphs)")
     p.add_argument("--pinned-lora-modules", nargs="+", action="extend", default=[], metavar="NAME",
                    help="start-up adapters never evicted from the GPU")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -70,7 +71,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         device=args.device, dtype=args.dtype, lora_backend=args.lora_backend,
-        attention_backend=args.attention_backend, experimental_lora_kernels=args.experimental_lora_kernels, cuda_graphs=args.cuda_graphs,
+        attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs,
         pinned_adapters=tuple(args.pinned_lora_modules), seed=args.seed,
     )
     return WorkerSettings(

@@ -193,14 +193,12 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     lora_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
-    # The fused decode LoRA kernel and rank-major B slots (kernels/lora_fused.py): tested on CPU
-    # (interpreter, sm_90 compile) but not yet on a GPU, so off until the H200 run validates them.
-    experimental_lora_kernels: bool = False
     # Decode attention: auto (the Triton paged kernel on CUDA, torch on CPU) | torch | triton.
     attention_backend: str = "auto"
-    # Decode steps replay a CUDA graph per batch-size bucket (worker/cuda_graphs.py); off until
-    # validated on the H200. Needs the Triton attention and LoRA backends on CUDA.
-    cuda_graphs: bool = False
+    # Decode steps replay a CUDA graph per batch-size bucket (worker/cuda_graphs.py). None: on for
+    # CUDA when the attention and LoRA backends are Triton, off otherwise; True on CUDA needs them.
+    # (True on CPU runs the graphs' padded static-buffer path without capture: tests.)
+    cuda_graphs: bool | None = None
     pinned_adapters: tuple[str, ...] = field(default_factory=tuple)
     seed: int = 0
 

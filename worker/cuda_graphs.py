@@ -20,7 +20,7 @@ T with k = max_loras_per_request and max_slots = max_loras, and every LoRA op la
 no token has an adapter (whether a token has one, and each slot's rank, is data on the device, so
 adapters entering and leaving slots need no re-capture). A step without adapters has its own
 graph (no LoRA launches at all); steps with adapters are keyed by a *chunk class* as well: the
-LoRA kernels pick their launch configuration (fused or two-launch path, columns per program) from
+LoRA kernels pick their launch configuration (split K, columns per program) from
 the number of active chunks on the host, and a graph keeps the one it was captured with, so each
 class (up to 4, 16, 64, ... active chunks) is captured with the class's bound as its count.
 

@@ -98,18 +98,15 @@ class LLMEngine:
         self.model.load_weights(weights if weights is not None else iter_checkpoint(str(model_dir)))
         self.model.lora_backend = _resolve_backend(config.lora_backend, self.device)
         self.model.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
-        if config.cuda_graphs:
-            self._check_graph_backends()  # before the KV cache takes the GPU's memory
-        self.slots = LoraSlots(self.model_config, config.max_loras, config.max_lora_rank, self.device, self.dtype,
-                               rank_major_b=config.experimental_lora_kernels)
-        self.model.lora_path = "auto" if config.experimental_lora_kernels else "two_launch"
+        self.use_graphs = self._want_graphs()  # before the KV cache takes the GPU's memory
+        self.slots = LoraSlots(self.model_config, config.max_loras, config.max_lora_rank, self.device, self.dtype)
         self.model.lora = self.slots
         self.registry = AdapterRegistry(self.model_config, config, self.slots, self.dtype)
 
         num_blocks = self._plan_kv_blocks()
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.max_loras, config.max_loras_per_request)
-        if config.cuda_graphs:
+        if self.use_graphs:
             self.runner.graphs = self._decode_graphs()
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_loras, config.aging_steps),
@@ -144,12 +141,17 @@ class LLMEngine:
             return blocks
         return CPU_DEFAULT_KV_BLOCKS
 
-    def _check_graph_backends(self) -> None:
-        if self.device.type == "cuda" and (self.model.attention_backend != "triton" or self.model.lora_backend != "triton"):
+    def _want_graphs(self) -> bool:
+        """EngineConfig.cuda_graphs resolved: None = on for CUDA with the Triton backends."""
+        triton_paths = self.model.attention_backend == "triton" and self.model.lora_backend == "triton"
+        if self.config.cuda_graphs is None:
+            return self.device.type == "cuda" and triton_paths
+        if self.config.cuda_graphs and self.device.type == "cuda" and not triton_paths:
             raise ConfigError(
                 "--cuda-graphs needs the triton attention and LoRA backends on CUDA (got attention "
                 f"{self.model.attention_backend}, LoRA {self.model.lora_backend}): the torch paths read host lists"
             )
+        return self.config.cuda_graphs
 
     def _decode_graphs(self) -> DecodeGraphs:
         """CUDA graphs on CUDA; on CPU the same padded static-buffer path runs without capture (tests)."""

@@ -3,9 +3,7 @@
 Without CUDA the kernels run in the Triton interpreter (conftest.py sets TRITON_INTERPRET=1), on
 small shapes in fp32 / fp16. With CUDA the same cases run compiled on the GPU, plus the
 `@pytest.mark.gpu` cases: bf16 at the seed model's shapes, and CUDA-graph replay with new metadata.
-Every case runs both paths of `add_lora_triton` (the fused decode kernel and the two launches) and
-both B layouts (out-major, and rank-major as the slot pool stores it); `test_lora_fused.py` has the
-fused kernel's own checks (sm_90 compile, dispatch rule, its configs on the GPU).
+Every case runs both B layouts (out-major, and rank-major as the slot pool stores it).
 """
 
 from __future__ import annotations
@@ -21,11 +19,9 @@ if "TRITON_INTERPRET" not in os.environ:
 import pytest
 import torch
 
-from lorafleet.kernels.lora_fused import FusedConfig
 from lorafleet.kernels.lora_ops import add_lora, build_lora_meta, lora_b_layout, new_lora_b
 from lorafleet.kernels.triton_lora import LoraKernelConfig, add_lora_triton
 
-PATHS = ["fused", "two_launch"]
 LAYOUTS = ["out_major", "rank_major"]
 
 HAS_CUDA = torch.cuda.is_available()
@@ -76,9 +72,8 @@ def run_both(
     token_slots: torch.Tensor,
     dtype: torch.dtype,
     chunk_size: int | None = None,
-    config: LoraKernelConfig | FusedConfig | None = None,
+    config: LoraKernelConfig | None = None,
     device: str = DEVICE,
-    path: str = "auto",
     layout: str = "out_major",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (y before, y after the reference, y after Triton)."""
@@ -92,10 +87,10 @@ def run_both(
     y_ref, y_tri = y0.clone(), y0.clone()
     ranks_dev = torch.tensor(ranks, dtype=torch.int32, device=device)
     add_lora(y_ref, x, lora_a, lora_b, ranks, ranks_dev, meta, backend="torch")
-    if config is None and path == "auto":
+    if config is None:
         add_lora(y_tri, x, lora_a, lora_b, ranks, ranks_dev, meta, backend="triton")
     else:
-        add_lora_triton(y_tri, x, lora_a, lora_b, ranks_dev, meta, config=config, path=path)
+        add_lora_triton(y_tri, x, lora_a, lora_b, ranks_dev, meta, config=config)
     return y0, y_ref, y_tri
 
 
@@ -215,33 +210,19 @@ CASES = [
     ("chunk64-prefill", 70, 1, 72, [24, 24], [[8, 16]] * 2, "one_adapter", torch.float16, 64, None),
 ]
 
-# The fused path's counterparts of the explicit two-launch configs: split K (atomic adds into y even
-# with k = 1), several column tiles per program, several column groups per slice.
-FUSED_CONFIGS = {
-    "chunk32-split3": FusedConfig(split_k=3, block_k=32, block_n=16, n_per_prog=48),
-    "n-loop-k2": FusedConfig(split_k=2, block_k=32, block_n=32, n_per_prog=64),
-    "r64-qkv-fp16": FusedConfig(split_k=1, block_k=16, block_n=16, n_per_prog=32),
-    "mixed-rank-pool64": FusedConfig(split_k=2, block_k=64, block_n=16, n_per_prog=16),
-    "r1-k1-1slice": FusedConfig(split_k=3, block_k=32, block_n=16, n_per_prog=16),  # the third split is empty
-}
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(
     "case_id,tokens,k,d_in,outs,ranks,kind,dtype,chunk_size,config",
     CASES,
     ids=[c[0] for c in CASES],
 )
 def test_triton_matches_reference(
-    case_id, tokens, k, d_in, outs, ranks, kind, dtype, chunk_size, config, path, layout
+    case_id, tokens, k, d_in, outs, ranks, kind, dtype, chunk_size, config, layout
 ) -> None:
     g = torch.Generator().manual_seed(tokens + 7 * k + d_in)
     token_slots = mapping(kind, g, tokens, k, len(ranks[0]))
-    if path == "fused":
-        config = FUSED_CONFIGS.get(case_id)
     _, y_ref, y_tri = run_both(
-        tokens, tokens, k, d_in, outs, ranks, token_slots, dtype, chunk_size, config, path=path, layout=layout
+        tokens, tokens, k, d_in, outs, ranks, token_slots, dtype, chunk_size, config, layout=layout
     )
     assert not torch.isnan(y_tri).any()
     torch.testing.assert_close(y_tri.float(), y_ref.float(), **TOL[dtype])
@@ -256,11 +237,10 @@ def test_mixed_b_layouts_fall_back_to_a_copy() -> None:
     meta = build_lora_meta(torch.randint(-1, 3, (9, 1), generator=g).int(), torch.rand(9, 1), 3, device=DEVICE)
     x, y = torch.randn(9, 40, generator=g).to(DEVICE), torch.randn(9, 44, generator=g).to(DEVICE)
     ranks_dev = torch.tensor(ranks, dtype=torch.int32, device=DEVICE)
-    for path in PATHS:
-        y_ref, y_tri = y.clone(), y.clone()
-        add_lora(y_ref, x, lora_a, lora_b, ranks, ranks_dev, meta, "torch")
-        add_lora_triton(y_tri, x, lora_a, lora_b, ranks_dev, meta, path=path)
-        torch.testing.assert_close(y_tri, y_ref, **TOL[torch.float32])
+    y_ref, y_tri = y.clone(), y.clone()
+    add_lora(y_ref, x, lora_a, lora_b, ranks, ranks_dev, meta, "torch")
+    add_lora_triton(y_tri, x, lora_a, lora_b, ranks_dev, meta)
+    torch.testing.assert_close(y_tri, y_ref, **TOL[torch.float32])
 
 
 def test_triton_rejects_mismatched_meta() -> None:
@@ -300,8 +280,8 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 @gpu
 @pytest.mark.parametrize("module", sorted(MODULES))
 @pytest.mark.parametrize("tokens,k,adapters", [(1, 1, 1), (64, 1, 64), (64, 2, 16), (300, 1, 8)])
-@pytest.mark.parametrize("path,layout", [("auto", "rank_major"), ("fused", "out_major"), ("two_launch", "rank_major")])
-def test_bf16_real_shapes(module: str, tokens: int, k: int, adapters: int, path: str, layout: str) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bf16_real_shapes(module: str, tokens: int, k: int, adapters: int, layout: str) -> None:
     """bf16 at real shapes: ‖Δtriton − Δref‖ / ‖Δref‖ ≤ 1e-2 on the LoRA delta (Δ = y_after − y_before).
 
     The reference accumulates in fp32 from the same bf16 weights; the kernel rounds the rank-r
@@ -318,7 +298,7 @@ def test_bf16_real_shapes(module: str, tokens: int, k: int, adapters: int, path:
     if k > 1:  # a token never lists the same adapter twice
         token_slots[:, 1] = torch.where(token_slots[:, 1] == token_slots[:, 0], -1, token_slots[:, 1])
     y0, y_ref, y_tri = run_both(
-        7, tokens, k, d_in, outs, ranks, token_slots, torch.bfloat16, device="cuda", path=path, layout=layout
+        7, tokens, k, d_in, outs, ranks, token_slots, torch.bfloat16, device="cuda", layout=layout
     )
     err = rel_err(y_tri.float() - y0.float(), y_ref.float() - y0.float())
     assert err < 1e-2, err
@@ -326,8 +306,7 @@ def test_bf16_real_shapes(module: str, tokens: int, k: int, adapters: int, path:
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("path", PATHS)
-def test_cuda_graph_replay_with_new_metadata(path: str) -> None:
+def test_cuda_graph_replay_with_new_metadata() -> None:
     """Capture once, then replay with other steps' metadata copied into the captured buffers."""
     tokens, k, slots, d_in, outs = 64, 2, 16, 4096, [4096, 1024, 1024]
     ranks = [[16] * slots, [8] * slots, [16 if s % 2 else 0 for s in range(slots)]]
@@ -347,11 +326,11 @@ def test_cuda_graph_replay_with_new_metadata(path: str) -> None:
         )
 
     static = step_meta(0)
-    add_lora_triton(y, x, lora_a, lora_b, ranks_dev, static, path=path)  # compile outside the capture
+    add_lora_triton(y, x, lora_a, lora_b, ranks_dev, static)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        add_lora_triton(y, x, lora_a, lora_b, ranks_dev, static, path=path)
+        add_lora_triton(y, x, lora_a, lora_b, ranks_dev, static)
     for seed in (1, 2, 3):
         meta = step_meta(seed)
         static.copy_(meta)

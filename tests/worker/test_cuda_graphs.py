@@ -229,9 +229,16 @@ def test_graphs_can_be_switched_off_at_run_time(demo_model, modules):
 def test_cuda_graphs_flag_reaches_the_engine_config():
     from lorafleet.worker.cli import build_parser, settings_from_args
 
-    args = build_parser().parse_args(["--model", "m", "--cuda-graphs"])
-    assert settings_from_args(args).engine.cuda_graphs
-    assert not settings_from_args(build_parser().parse_args(["--model", "m"])).engine.cuda_graphs
+    def graphs(*flags: str) -> bool | None:
+        return settings_from_args(build_parser().parse_args(["--model", "m", *flags])).engine.cuda_graphs
+
+    assert graphs() is None  # auto: on for CUDA with the triton backends
+    assert graphs("--cuda-graphs") is True
+    assert graphs("--no-cuda-graphs") is False and graphs("--enforce-eager") is False
+
+
+def test_graphs_default_off_on_cpu(demo_model):
+    assert LLMEngine(demo_model, EngineConfig(num_kv_blocks=64)).runner.graphs is None
 
 
 # -- GPU: real capture and replay (run on the H200) ---------------------------------------------
@@ -316,3 +323,11 @@ def test_cuda_graphs_need_the_triton_backends(demo_model):
 
     with pytest.raises(ConfigError, match="triton"):
         LLMEngine(demo_model, EngineConfig(device="cuda", cuda_graphs=True, attention_backend="torch", num_kv_blocks=64))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graphs_on_by_default_on_cuda_unless_a_torch_backend(demo_model):
+    assert LLMEngine(demo_model, EngineConfig(device="cuda", num_kv_blocks=64)).runner.graphs is not None
+    eager = LLMEngine(demo_model, EngineConfig(device="cuda", attention_backend="torch", num_kv_blocks=64))
+    assert eager.runner.graphs is None

@@ -168,16 +168,8 @@ def test_non_finite_logits_end_only_that_request(engine):
     assert engine.registry.entries["sql"].in_flight == 0 and not engine.has_unfinished()
 
 
-def test_experimental_lora_kernels_are_opt_in(demo_model, modules):
+def test_slots_store_b_rank_major(demo_model, modules):
     from lorafleet.kernels.lora_ops import lora_b_layout
 
-    plain = LLMEngine(demo_model, EngineConfig(max_loras=2), lora_modules={"sql": modules["sql"]})
-    b = plain.slots.layers[0]["qkv_proj"].lora_b[0]
-    assert plain.model.lora_path == "two_launch" and lora_b_layout(b) == "out_major"
-    new = LLMEngine(demo_model, EngineConfig(max_loras=2, experimental_lora_kernels=True),
-                    lora_modules={"sql": modules["sql"]})
-    assert new.model.lora_path == "auto"
-    assert lora_b_layout(new.slots.layers[0]["qkv_proj"].lora_b[0]) == "rank_major"
-    # The slot layout does not change the function.
-    out = [e.generate(["Hello world"], GREEDY, [(("sql", 1.0),)])[0].token_ids for e in (plain, new)]
-    assert out[0] == out[1]
+    engine = LLMEngine(demo_model, EngineConfig(max_loras=2), lora_modules={"sql": modules["sql"]})
+    assert lora_b_layout(engine.slots.layers[0]["qkv_proj"].lora_b[0]) == "rank_major"

@@ -1,8 +1,8 @@
 """GPU slot stacks: per layer and fused projection, A `[S, r_max, in]` and B `[S, out, r_max]` per slice.
 
-B is indexed `[S, out, r_max]`; with `rank_major_b` it is stored rank-major (`lora_ops.new_lora_b`:
-`[S, r_max, out]` memory), so a slot's true-rank rows are one contiguous block and the kernels read
-exactly those (EngineConfig.experimental_lora_kernels, until validated on a GPU).
+B is indexed `[S, out, r_max]` but stored rank-major (`lora_ops.new_lora_b`: `[S, r_max, out]`
+memory), so a slot's true-rank rows are one contiguous block and the kernels read exactly those
+(on the H200 a rank-8 adapter in a rank-64 pool ran 10-20% faster than with out-major B).
 
 Filling a slot copies an adapter in at its true rank (the slot's rank table says how many rows
 are live), folds alpha/r into B, and sets rank 0 for slices the adapter does not target, so the
@@ -32,8 +32,7 @@ class FusedSlots:
 
 class LoraSlots:
     def __init__(
-        self, config: ModelConfig, num_slots: int, max_rank: int, device: torch.device, dtype: torch.dtype,
-        rank_major_b: bool = False,
+        self, config: ModelConfig, num_slots: int, max_rank: int, device: torch.device, dtype: torch.dtype
     ) -> None:
         self.num_slots = num_slots
         self.max_rank = max_rank
@@ -45,11 +44,7 @@ class LoraSlots:
                 sizes = config.slice_sizes(fused)
                 layer[fused] = FusedSlots(
                     lora_a=[torch.zeros(num_slots, max_rank, i, device=device, dtype=dtype) for i, _ in sizes],
-                    lora_b=[
-                        new_lora_b(num_slots, o, max_rank, device=device, dtype=dtype) if rank_major_b
-                        else torch.zeros(num_slots, o, max_rank, device=device, dtype=dtype)
-                        for _, o in sizes
-                    ],
+                    lora_b=[new_lora_b(num_slots, o, max_rank, device=device, dtype=dtype) for _, o in sizes],
                     ranks=[[0] * num_slots for _ in names],
                     ranks_device=torch.zeros(len(names), num_slots, dtype=torch.int32, device=device),
                 )

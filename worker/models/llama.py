@@ -58,7 +58,6 @@ class LlamaModel:
         self.rotary = Rotary(config, max_positions, device)
         self.lora: LoraSlots | None = None
         self.lora_backend = "torch"
-        self.lora_path = "two_launch"  # Triton: two_launch (validated) | auto (fused for decode-sized steps)
         self.attention_backend = "torch"
 
     # -- loading -------------------------------------------------------------------------------
@@ -111,7 +110,7 @@ class LlamaModel:
         if meta is not None and (graph or not meta.empty) and self.lora is not None:
             s = self.lora.layers[layer].get(fused)
             if s is not None:
-                add_lora(y, x, s.lora_a, s.lora_b, s.ranks, s.ranks_device, meta, self.lora_backend, self.lora_path)
+                add_lora(y, x, s.lora_a, s.lora_b, s.ranks, s.ranks_device, meta, self.lora_backend)
         return y
 
     def forward(
