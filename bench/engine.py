@@ -1,14 +1,23 @@
 """Engine decode throughput on a GPU at the seed guide's 7.8B shape (issue 9's benchmark).
 
-    python bench/engine.py [--quick] [--adapters 1,8,32,64,128] [--prompt-lens 128,512] [--new-tokens 128]
-                           [--cuda-graphs]
+    python -m bench.engine [--adapters 1,8,32,64] [--prompt-lens 128,512] [--new-tokens 128]
+                           [--modes graphs,eager] [--peers] [--adapter-load 10] [--breakdown 8,64]
 
 Random bf16 weights are built directly on the GPU and loaded through the engine's own loading
 path; adapters are random rank-16 on all 7 projections. Prints a table and writes
-bench/results/engine-h200.json with rows {workload, adapters, prompt_len, tokens_per_s, ttft_ms,
-ceiling_tokens_per_s, ...}. The ceiling is weight bytes per decode step over the copy bandwidth
-measured in the same run. With --cuda-graphs the engine is built with decode graphs and every
-workload is measured twice on it, eagerly and from the graphs (rows carry "mode": eager | graphs).
+bench/results/engine-h200.json: {machine, copy bandwidth, ceiling, ttft, rows, breakdown,
+peers, adapter_load}. Rows are {workload, mode, adapters, prompt_len, tokens_per_s,
+decode_step_ms, ceiling_tokens_per_s, vs_base}; the ceiling is weight bytes per decode step over
+the copy bandwidth measured in the same run. `mode` is graphs (the engine's default on CUDA) or
+eager (--modes graphs,eager: the same engine with its graphs switched off).
+
+--breakdown: for each listed adapter count, where a decode step's time goes: the GPU kernels of a
+few eager steps under torch.profiler, summed per class (base matmuls, LoRA, attention, other)
+by kernel name; the graph replay alone (CUDA events); and the whole step (host included).
+--peers: transformers `generate` and PEFT's mixed-adapter batch on the same shape and batch
+(bench/engine_peers.py), run first, before the engine takes the GPU's memory.
+--adapter-load N: cold adapter loads (bench/adapter_load.py) on this engine, N repeats.
+A step holds at most `--batch` distinct adapters, so counts above the batch are not run.
 """
 
 from __future__ import annotations
@@ -124,40 +133,131 @@ def ttft(engine: LLMEngine, prompt_len: int) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--adapters", default="1,8,32,64,128")
-    ap.add_argument("--prompt-lens", default="128,512")
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--cuda-graphs", action="store_true",
-                    help="build the engine with decode CUDA graphs and measure every workload eager and with graphs")
-    ap.add_argument("--tiny", action="store_true", help="tiny shape on CPU: checks the script, measures nothing")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "engine-h200.json")
-    args = ap.parse_args()
-    device = "cpu" if args.tiny else "cuda"
-    adapter_counts = [int(x) for x in args.adapters.split(",") if x]
-    prompt_lens = [int(x) for x in args.prompt_lens.split(",") if x]
+KERNEL_CLASSES = (  # (class, substrings of CUDA kernel names), first match wins
+    ("lora", ("_lora_shrink", "_lora_expand")),
+    ("attention", ("paged", "attention", "attn", "flash", "fmha", "sdpa")),
+    ("base matmul", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "matmul")),
+)
 
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    for cls, keys in KERNEL_CLASSES:
+        if any(k in low for k in keys):
+            return cls
+    return "other"
+
+
+def start_decode(engine: LLMEngine, adapter_sets, prompt_len: int, new_tokens: int) -> None:
+    """Queue the batch and run its prefill steps, so every later step is an all-decode step."""
+    sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    vocab = engine.model_config.vocab_size
+    for r, adapters in enumerate(adapter_sets):
+        engine.add_request([(r * 7919 + j * 31) % (vocab - 10) + 10 for j in range(prompt_len)], sp, adapters)
+    while engine.scheduler.waiting or any(s.num_uncomputed > 1 for s in engine.scheduler.running):
+        engine.step()
+
+
+def step_breakdown(engine: LLMEngine, adapter_sets, prompt_len: int, steps: int = 6) -> dict:
+    """Per decode step: GPU kernel time by class (eager, profiled), graph replay alone, whole step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = engine.runner.graphs
+    start_decode(engine, adapter_sets, prompt_len, 4 * steps + 8)
+    if graphs is not None:
+        graphs.enabled = False
+    engine.step()
+    sync()
+    activity = ProfilerActivity.CUDA if engine.device.type == "cuda" else ProfilerActivity.CPU  # CPU: smoke run
+    with profile(activities=[activity]) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync()
+    per_class = {cls: 0.0 for cls, _ in KERNEL_CLASSES} | {"other": 0.0}
+    launches = 0
+    for avg in prof.key_averages():
+        us = avg.self_device_time_total if activity == ProfilerActivity.CUDA else avg.self_cpu_time_total
+        if us > 0:
+            per_class[kernel_class(avg.key)] += us
+            launches += avg.count
+    result = {f"{cls}_ms": round(us / 1e3 / steps, 3) for cls, us in per_class.items()}
+    result["kernels_ms"] = round(sum(per_class.values()) / 1e3 / steps, 3)
+    result["launches_per_step"] = round(launches / steps)
+    if graphs is not None and graphs.capture:
+        graphs.enabled = True
+        for _ in range(2):
+            engine.step()  # capture, then a plain replay
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync()
+        result["graph_step_ms"] = round((time.perf_counter() - t0) * 1e3 / steps, 3)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):  # same inputs again: rewrites the same K/V, so harmless
+            graphs.last.graph.replay()
+        end.record()
+        sync()
+        result["graph_replay_ms"] = round(start.elapsed_time(end) / steps, 3)
+        result["host_ms"] = round(result["graph_step_ms"] - result["graph_replay_ms"], 3)
+    while engine.has_unfinished():
+        engine.step()
+    return result
+
+
+def build_engine(args, device: str, n_slots: int) -> tuple[LLMEngine, ModelConfig, float]:
     folder = Path(tempfile.mkdtemp())
     (folder / "config.json").write_text(json.dumps(TINY_SHAPE if args.tiny else SEED_SHAPE))
     from lorafleet.worker.demo_assets import build_tokenizer
 
     build_tokenizer(folder)  # only to satisfy the folder layout: the benchmark feeds token ids
     model_config = ModelConfig.from_folder(folder)
-    n_slots = max(adapter_counts + [1])
-    n_slots = min(n_slots, args.batch) if n_slots > args.batch else n_slots
-    config = EngineConfig(max_loras=max(n_slots, 1), max_cpu_loras=max(adapter_counts + [1]) + 8, max_lora_rank=args.rank,
+    config = EngineConfig(max_loras=max(n_slots, 1), max_cpu_loras=n_slots + 8, max_lora_rank=args.rank,
                           max_num_seqs=args.batch, max_num_batched_tokens=8192, device=device, dtype="bfloat16",
                           max_loras_per_request=1, num_kv_blocks=512 if args.tiny else None,
-                          cuda_graphs=args.cuda_graphs)
+                          cuda_graphs=None if device == "cuda" else "graphs" in args.modes)
     t0 = time.perf_counter()
     engine = LLMEngine(folder, config, weights=random_weights(model_config, device))
-    load_s = time.perf_counter() - t0
+    return engine, model_config, time.perf_counter() - t0
+
+
+def adapter_sets(names: list[str], d: int, batch: int):
+    return [()] * batch if d == 0 else [((names[r % d], 1.0),) for r in range(batch)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--adapters", default="1,8,32,64")
+    ap.add_argument("--prompt-lens", default="128,512")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--modes", default="graphs", help="graphs, eager or both (graphs,eager)")
+    ap.add_argument("--breakdown", default="0,8,64", help="adapter counts to break a decode step down for ('' = none)")
+    ap.add_argument("--peers", action="store_true", help="also run transformers generate and PEFT's mixed batch")
+    ap.add_argument("--peft-adapters", default="1,8")
+    ap.add_argument("--adapter-load", type=int, default=0, metavar="N", help="cold adapter load timings, N repeats")
+    ap.add_argument("--tiny", action="store_true", help="tiny shape on CPU: checks the script, measures nothing")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "engine-h200.json")
+    args = ap.parse_args()
+    device = "cpu" if args.tiny else "cuda"
+    modes = [m for m in args.modes.split(",") if m]
+    adapter_counts = [d for d in (int(x) for x in args.adapters.split(",") if x) if d <= args.batch]
+    prompt_lens = [int(x) for x in args.prompt_lens.split(",") if x]
+    breakdown_counts = [int(x) for x in args.breakdown.split(",") if x]
+
+    peers = []
+    if args.peers:
+        from bench.engine_peers import peer_rows
+
+        peers = peer_rows(TINY_SHAPE if args.tiny else SEED_SHAPE, device, args.batch, prompt_lens[0],
+                          args.new_tokens, [int(x) for x in args.peft_adapters.split(",") if x], 32)
+    n_slots = max(adapter_counts + breakdown_counts + [1])
+    engine, model_config, load_s = build_engine(args, device, n_slots)
     weight_bytes = engine.model.weight_bytes()
     names = []
-    for k in range(max(adapter_counts + [0])):
+    for k in range(n_slots):
         name = f"a{k}"
         engine.registry.register(name, random_adapter(model_config, args.rank, seed=k))
         names.append(name)
@@ -173,29 +273,39 @@ def main() -> None:
     # allocator and kernel selection (seen: a cold first workload ran 2.4x slower), and Triton JITs.
     for plen in prompt_lens:
         decode_run(engine, [()] * args.batch, plen, args.new_tokens)
-    if names:
-        decode_run(engine, [((names[r % len(names)], 1.0),) for r in range(args.batch)], 16, 4)
+    decode_run(engine, adapter_sets(names, len(names), args.batch), 16, 4)
     rows = []
-    modes = ["eager", "graphs"] if args.cuda_graphs else ["eager"]
+    graphs = engine.runner.graphs
     for mode in modes:
-        if engine.runner.graphs is not None:
-            engine.runner.graphs.enabled = mode == "graphs"
+        if graphs is not None:
+            graphs.enabled = mode == "graphs"
         for plen in prompt_lens:
-            workloads = [("base-only", 0)] + [(f"{d} adapters", d) for d in adapter_counts]
-            for label, d in workloads:
-                sets = [()] * args.batch if d == 0 else [((names[r % d], 1.0),) for r in range(args.batch)]
+            for d in [0] + adapter_counts:
+                label = "base-only" if d == 0 else f"{d} adapters"
+                sets = adapter_sets(names, d, args.batch)
                 decode_run(engine, sets, plen, min(args.new_tokens, 16))  # JIT, allocator and graph capture
                 res = decode_run(engine, sets, plen, args.new_tokens)
                 row = {"workload": label, "mode": mode, "adapters": d, "prompt_len": plen, "batch": args.batch,
                        "new_tokens": args.new_tokens, **res, "ceiling_tokens_per_s": round(ceiling, 1)}
                 rows.append(row)
                 print(f"{label:<14} {mode:<6} prompt {plen:>4}: {res['tokens_per_s']:>9,.0f} tok/s  "
-                      f"step {res['decode_step_ms']:>7} ms")
+                      f"step {res['decode_step_ms']:>7} ms", flush=True)
+    if graphs is not None:
+        graphs.enabled = "graphs" in modes
     ttft_ms = [ttft(engine, 512) for _ in range(3)]
+    breakdown = []
+    for d in breakdown_counts:
+        sets = adapter_sets(names, d, args.batch)
+        breakdown.append({"adapters": d, "prompt_len": prompt_lens[0], **step_breakdown(engine, sets, prompt_lens[0])})
+        print(f"breakdown {d} adapters: {breakdown[-1]}", flush=True)
+    load = []
+    if args.adapter_load:
+        from bench.adapter_load import load_rows
+
+        load = load_rows(engine, model_config, device, args.adapter_load)
     base = {(r["mode"], r["prompt_len"]): r["tokens_per_s"] for r in rows if r["adapters"] == 0}
     for r in rows:
         r["vs_base"] = round(r["tokens_per_s"] / base[(r["mode"], r["prompt_len"])], 3)
-    graphs = engine.runner.graphs
     result = {
         "machine": torch.cuda.get_device_name() if device == "cuda" else "cpu (--tiny smoke run)", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
         "copy_bandwidth_tb_s": round(bw / 1e12, 3), "weight_gib": round(weight_bytes / 2**30, 3),
@@ -204,12 +314,17 @@ def main() -> None:
         "cuda_graphs": None if graphs is None else {
             "buckets": graphs.buckets, "captures": graphs.stats.captures, "replays": graphs.stats.replays,
             "capture_s": round(graphs.stats.capture_s, 2)},
-        "rows": rows,
+        "memory_plan": engine.memory_plan,
+        "rows": rows, "breakdown": breakdown, "peers": peers, "adapter_load": load,
     }
     print(f"\n{'workload':<14} {'mode':<6} {'prompt':>6} {'tok/s':>10} {'vs base':>8} {'ceiling':>10}")
     for r in rows:
         print(f"{r['workload']:<14} {r['mode']:<6} {r['prompt_len']:>6} {r['tokens_per_s']:>10,.0f} {r['vs_base']:>8} "
               f"{r['ceiling_tokens_per_s']:>10,.0f}")
+    for p in peers:
+        print(f"{p['workload']:<32} adapters {p['adapters']:>3}: {p['tokens_per_s']:>9,.0f} tok/s")
+    for r in load:
+        print(f"adapter load {r['case']:<40} {r['ms_median']} ms (p90 {r['ms_p90']})")
     if graphs is not None:
         print(f"CUDA graphs: {result['cuda_graphs']}")
     print(f"time to first token, one 512-token prompt: {result['ttft_ms_512']} ms")

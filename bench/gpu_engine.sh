@@ -15,6 +15,6 @@ if ! python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/instal
 fi
 python3 -c "import lorafleet.worker.engine, lorafleet.kernels.triton_lora" || exit 1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-timeout 240 python3 -m pytest -q -m gpu tests/worker/test_engine_gpu.py tests/worker/test_cuda_graphs.py tests/kernels -p no:cacheprovider \
+timeout 240 python3 -m pytest -q -m gpu tests/worker/test_engine_gpu.py tests/worker/test_cuda_graphs.py tests/kernels -p no:cacheprovider -rf \
   2>&1 | tee "$OUT/engine_gpu_tests.log" | tail -n 25
-timeout 330 python3 bench/engine.py --out "$OUT/engine-h200.json" "$@" 2>&1 | tee "$OUT/engine_bench.log" | tail -n 30
+timeout 420 python3 -m bench.engine --out "$OUT/engine-h200.json" "$@" 2>&1 | tee "$OUT/engine_bench.log" | tail -n 30

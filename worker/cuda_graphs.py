@@ -196,6 +196,7 @@ class DecodeGraphs:
         self.context_lens = torch.zeros(top, dtype=torch.int32, device=dev)
         self.logits_rows = torch.arange(top, dtype=torch.int64, device=dev)
         self._graphs: dict[tuple[int, int], _Captured] = {}  # (bucket, chunk class) -> graph
+        self.last: _Captured | None = None  # the last step's graph (benchmarks time its replay alone)
         self._pool = None  # one memory pool shared by every bucket's graph (made at the first capture)
 
     def can_run(self, batch: ScheduledBatch) -> bool:
@@ -217,6 +218,7 @@ class DecodeGraphs:
         if captured is None:
             captured = self._graphs[(bucket, cls)] = self._capture(bucket, cls)
         self._fill(captured, inputs, step_meta)
+        self.last = captured
         if captured.graph is not None:
             captured.graph.replay()
             logits = captured.logits
