@@ -75,38 +75,44 @@ def _token_text(value: object) -> str | None:
 
 
 class IncrementalDetokenizer:
-    """Text deltas for streamed tokens.
+    """Text deltas for streamed tokens, decoding a short window per token (O(1) per step, not O(n)).
 
-    Decodes with the last few prompt tokens in front, so tokenizers that mark word starts on the
-    token (SentencePiece's "▁") keep the first generated word's leading space; holds back a
-    trailing partial UTF-8 character until it completes (or the request ends).
+    The window starts a few tokens before the new ones (the last prompt tokens at first), so
+    tokenizers that mark word starts on the token (SentencePiece's "▁") keep the spaces between
+    words; a trailing partial UTF-8 character is held back until it completes (or the request ends).
+    `text` is the sum of the deltas so far.
     """
 
     CONTEXT_TOKENS = 4
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None) -> None:
         self.tokenizer = tokenizer
-        self.prefix = list(prompt_ids or [])[-self.CONTEXT_TOKENS :]
-        self.prefix_text = tokenizer.decode(self.prefix) if self.prefix else ""
+        self._ids = list(prompt_ids or [])[-self.CONTEXT_TOKENS :]  # context, then the outputs seen
+        self._consumed = 0  # output ids in _ids
+        self._prefix = 0  # _ids[_prefix:_read] is already text; the window starts there
+        self._read = len(self._ids)
         self.text = ""
 
-    def _decode(self, output_ids: list[int]) -> str:
-        if not self.prefix:
-            return self.tokenizer.decode(output_ids)
-        full = self.tokenizer.decode(self.prefix + output_ids)
-        if full.startswith(self.prefix_text):
-            return full[len(self.prefix_text) :]
-        return self.tokenizer.decode(output_ids)
+    def _window(self, output_ids: list[int]) -> tuple[str, str]:
+        if len(output_ids) < self._consumed:
+            raise ValueError("output ids only grow")
+        self._ids.extend(output_ids[self._consumed :])
+        self._consumed = len(output_ids)
+        done = self.tokenizer.decode(self._ids[self._prefix : self._read])
+        return done, self.tokenizer.decode(self._ids[self._prefix :])
 
     def update(self, output_ids: list[int]) -> str:
-        text = self._decode(output_ids)
-        if text.endswith("\ufffd"):
+        done, new = self._window(output_ids)
+        if len(new) <= len(done) or new.endswith("\ufffd"):
             return ""
-        delta = text[len(self.text):] if text.startswith(self.text) else text
-        self.text = text
+        delta = new[len(done) :]
+        self.text += delta
+        self._prefix, self._read = self._read, len(self._ids)
         return delta
 
     def finish(self, output_ids: list[int]) -> str:
         """The final text, a trailing partial character included (as U+FFFD)."""
-        self.text = self._decode(output_ids)
+        done, new = self._window(output_ids)
+        self.text += new[len(done) :]
+        self._prefix, self._read = self._read, len(self._ids)
         return self.text

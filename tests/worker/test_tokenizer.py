@@ -52,3 +52,22 @@ def test_partial_utf8_is_held_back_then_flushed(demo_model):
     if len(byte_tokens) > 1:  # a character split over byte tokens: nothing until it completes
         assert cut.update(byte_tokens[:1]) == ""
         assert cut.finish(byte_tokens[:1]) == "\ufffd"
+
+
+@pytest.mark.parametrize("which", ["metaspace", "byte_level"])
+def test_streamed_text_equals_one_decode_over_long_outputs(which, metaspace_tokenizer, demo_model):
+    """Random token streams (byte pieces, spaces, unicode): the deltas, then finish, add up to a
+    single decode of the whole output — the windowed decode loses nothing over 300 tokens."""
+    import random
+
+    tok = metaspace_tokenizer if which == "metaspace" else Tokenizer(demo_model)
+    vocab = tok.encode(" ".join(CORPUS) + " ünïcode ☃ 語", add_special_tokens=False)
+    rng = random.Random(7)
+    for _ in range(5):
+        prompt = [rng.choice(vocab) for _ in range(6)]
+        output = [rng.choice(vocab) for _ in range(300)]
+        detok = IncrementalDetokenizer(tok, prompt)
+        streamed = stream(detok, output)
+        final = detok.finish(output)
+        assert final.startswith(streamed) and final == detok.text
+        assert tok.decode(prompt) + final == tok.decode(prompt + output)
