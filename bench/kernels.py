@@ -5,9 +5,12 @@
 For the seed model shape (hidden 4096, kv 1024, mlp 14336; modules qkv, o, gate_up, down), bf16,
 rank 16, tokens in {1, 16, 64, 256}, distinct adapters in {1, 8, 64, 128} (never more than tokens),
 plus rank 8 in a rank-64 pool vs a rank-8 pool (B rank-major as the slot pool stores it, and a few
-rows out-major), and k = 2 adapters per token. Each row:
+rows out-major), and k = 2 adapters per token. The meta's rank bound is the case's true rank, as
+the engine sets it from the step's slots. Each row:
 
-- lora_us: `add_lora(..., backend="triton")`: the split-K shrink + expand with `pick_config`.
+- lora_us: `add_lora(..., backend="triton")`: the split-K shrink + expand with `pick_config`,
+  the expand launched with programmatic dependent launch where supported (`pdl`);
+  no_pdl_us: the same without it.
 - floor_us: bytes the op must move (each distinct adapter's A of every slice and B at its true rank,
   x read once, y read and written once) over the device-to-device copy bandwidth measured in this
   run.
@@ -39,7 +42,7 @@ import triton
 from triton.testing import do_bench
 
 from lorafleet.kernels.lora_ops import LoraMeta, add_lora, build_lora_meta, default_chunk_size, new_lora_b
-from lorafleet.kernels.triton_lora import LoraKernelConfig, add_lora_triton, pick_config
+from lorafleet.kernels.triton_lora import LoraKernelConfig, add_lora_triton, pdl_supported, pick_config
 
 HIDDEN, KV, MLP = 4096, 1024, 14336
 MODULES: dict[str, tuple[int, list[int]]] = {
@@ -198,22 +201,30 @@ def check_and_time(
     ranks_dev: torch.Tensor,
     meta: LoraMeta,
     config: LoraKernelConfig | None,
+    pdl: bool | None = None,
 ) -> tuple[float, float]:
-    """(µs per call, ‖Δtriton − Δref‖ / ‖Δref‖ on the first set) of `add_lora_triton`."""
+    """(µs per call, ‖Δtriton − Δref‖ / ‖Δref‖ on the first set) of `add_lora_triton`.
+
+    Every set's y is restored afterwards (timing adds the delta into it thousands of times), so
+    the next call's error is measured on the original values.
+    """
     inp = sets[0]
+    saved = [s.y.clone() for s in sets]
     y0 = inp.y.clone()
     ref = inp.y.clone()
     add_lora(ref, inp.x, inp.lora_a, inp.lora_b, ranks, ranks_dev, meta, backend="torch")
-    add_lora_triton(inp.y, inp.x, inp.lora_a, inp.lora_b, ranks_dev, meta, config=config)
+    add_lora_triton(inp.y, inp.x, inp.lora_a, inp.lora_b, ranks_dev, meta, config=config, pdl=pdl)
     d_ref, d_tri = (ref.double() - y0.double()), (inp.y.double() - y0.double())
     rel_err = float((d_tri - d_ref).norm() / d_ref.norm())
     inp.y.copy_(y0)
     us = time_graph(
         [
-            lambda s=s: add_lora_triton(s.y, s.x, s.lora_a, s.lora_b, ranks_dev, meta, config=config)
+            lambda s=s: add_lora_triton(s.y, s.x, s.lora_a, s.lora_b, ranks_dev, meta, config=config, pdl=pdl)
             for s in sets
         ]
     )
+    for s, y in zip(sets, saved, strict=True):
+        s.y.copy_(y)
     return us, rel_err
 
 
@@ -227,13 +238,19 @@ def run_case(
     d_in, outs = MODULES[case.module]
     sets, token_slots, token_scales, ranks = make_case_inputs(case, g)
     meta = build_lora_meta(token_slots, token_scales, case.adapters, DEVICE)
+    meta.rank_bound = case.rank  # as ModelRunner sets it: the step's largest true rank
     ranks_dev = torch.tensor(ranks, dtype=torch.int32, device=DEVICE)
     row = dict(asdict(case))
     act_bytes = case.tokens * (d_in + 2 * sum(outs)) * BYTES
     row.update(floor_us=round((adapter_bytes(case) + act_bytes) / bandwidth * 1e6, 2), n_sets=len(sets))
     us, err = check_and_time(sets, ranks, ranks_dev, meta, config)
-    row.update(lora_us=round(us, 2), rel_err=float(f"{err:.2e}"))
-    if config is not None or not baselines:
+    row.update(lora_us=round(us, 2), rel_err=float(f"{err:.2e}"), pdl=pdl_supported(torch.cuda.current_device()))
+    if config is not None:
+        return row
+    if row["pdl"]:
+        us, err = check_and_time(sets, ranks, ranks_dev, meta, config, pdl=False)
+        row.update(no_pdl_us=round(us, 2), rel_err=max(row["rel_err"], float(f"{err:.2e}")))
+    if not baselines:
         row.update(gather_us=None, loop_us=None, base_us=None)
         return row
     slots_dev, scales_dev = meta.token_slots, meta.token_scales
@@ -299,7 +316,7 @@ def _us(v: float | None, width: int, digits: int = 2) -> str:
 
 def print_table(rows: list[dict]) -> None:
     head = (
-        f"{'module':8s} {'T':>4s} {'A':>4s} {'r':>3s} {'pool':>4s} {'B':>5s} {'k':>2s} {'lora':>8s} "
+        f"{'module':8s} {'T':>4s} {'A':>4s} {'r':>3s} {'pool':>4s} {'B':>5s} {'k':>2s} {'lora':>8s} {'no-pdl':>8s} "
         f"{'floor':>7s} {'target':>7s} {'gather':>8s} {'loop':>9s} {'base':>8s} "
         f"{'err':>8s}"
     )
@@ -309,7 +326,7 @@ def print_table(rows: list[dict]) -> None:
         mark = "" if r["tokens"] < 16 else (" ok" if r["lora_us"] <= target else " MISS")
         print(
             f"{r['module']:8s} {r['tokens']:4d} {r['adapters']:4d} {r['rank']:3d} {r['pool_rank']:4d} "
-            f"{r['b_layout'][:5]:>5s} {r['k']:2d} {r['lora_us']:8.2f} {r['floor_us']:7.2f} {target:7.2f} {_us(r['gather_us'], 8)} "
+            f"{r['b_layout'][:5]:>5s} {r['k']:2d} {r['lora_us']:8.2f} {_us(r.get('no_pdl_us'), 8)} {r['floor_us']:7.2f} {target:7.2f} {_us(r['gather_us'], 8)} "
             f"{_us(r['loop_us'], 9)} {_us(r['base_us'], 8)} {r['rel_err']:8.1e}{mark}"
         )
 

@@ -58,6 +58,10 @@ class LoraMeta:
     chunk_end: torch.Tensor | None = None  # [max_chunks] int32: one past its last pair
     num_chunks: int = 0
     max_chunks: int = 0
+    # Host: no slot of this step has a true rank above this (None: up to the pool's r_max). The
+    # Triton kernels size their rank tiles by it, so rank-8 adapters in a rank-64 pool do rank-8
+    # work; whoever sets it must make sure it holds (ModelRunner: the slots' largest ranks).
+    rank_bound: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -25,6 +25,7 @@ once. No host syncs, so a decode step can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -69,6 +70,19 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.cache
+def pdl_supported(device_index: int) -> bool:
+    """Programmatic dependent launch: Hopper or newer, and a Triton that can launch with it."""
+    if _interpreting() or not torch.cuda.is_available():
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    has_option = "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+    return has_option and hasattr(tl.extra.cuda, "gdc_wait") and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
 @triton.jit
 def _lora_shrink_kernel(
     # pointers
@@ -101,11 +115,14 @@ def _lora_shrink_kernel(
     BLOCK_RANK: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """part[split, pair, s*R_PAD + r] = Σ_{k in split} x[token(pair), k] · A_s[slot, r, k].
 
     x `[T, K]` (unit stride in K); A_s `[S, R_MAX, K]` (unit stride in K); part fp32.
     """
+    if PDL:  # every program has started: the expand may launch and run its prologue meanwhile
+        tl.extra.cuda.gdc_launch_dependents()
     pid_c = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_sr = tl.program_id(2)
@@ -114,7 +131,7 @@ def _lora_shrink_kernel(
         return
     s = pid_sr // R_BLOCKS
     r0 = (pid_sr % R_BLOCKS) * BLOCK_RANK
-    rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + slot), R_MAX)
+    rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + slot), tl.minimum(R_MAX, R_PAD))
     if r0 >= rank:
         return
     if s == 0:
@@ -190,6 +207,7 @@ def _lora_expand_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     ATOMIC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """y[token(pair), col_s + n] += scale(pair) · Σ_r part[:, pair, s*R_PAD + r] · B_s[slot, n, r].
 
@@ -222,7 +240,7 @@ def _lora_expand_kernel(
         out = OUT2
         col0 = OUT0 + OUT1
         b_ptr = b2_ptr
-    rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + slot), R_MAX)
+    rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + slot), tl.minimum(R_MAX, R_PAD))
     if rank == 0:
         return
     start = tl.load(chunk_start_ptr + pid_c)
@@ -241,6 +259,8 @@ def _lora_expand_kernel(
     else:
         r_load = offs_r < (rank + 7) // 8 * 8
     p = part_ptr + offs_m[:, None].to(tl.int64) * stride_pm + s * R_PAD + offs_r[None, :]
+    if PDL:  # launched early (programmatic dependent launch): wait for the shrink's partials
+        tl.extra.cuda.gdc_wait()
     h = tl.zeros((BLOCK_M, R_BLOCK), dtype=tl.float32)
     for sp in range(0, SPLIT_K):
         h += tl.load(p + sp * stride_ps, mask=m_mask[:, None] & r_load[None, :], other=0.0)
@@ -288,6 +308,7 @@ def add_lora_triton(
     ranks_device: torch.Tensor,
     meta: LoraMeta,
     config: LoraKernelConfig | None = None,
+    pdl: bool | None = None,
 ) -> None:
     """y[:, slices] += Σ scale · B(A x), in place: a shrink launch, then an expand launch.
 
@@ -298,6 +319,8 @@ def add_lora_triton(
     config: launch parameters; default `pick_config` on the host-side meta. Any config accepts any
     meta of the same shapes, so a graph captured with one step's choice replays correctly with
     another step's metadata.
+    pdl: launch the expand with programmatic dependent launch (it starts while the shrink runs
+    and waits for the partials with `gdc_wait`); None = where supported (`pdl_supported`).
     """
     # (1) check shapes
     _check_shapes(y, x, lora_a, lora_b)
@@ -329,11 +352,15 @@ def add_lora_triton(
     interp = _interpreting()
     upcast = interp or x.dtype == torch.float32
     ieee = x.dtype == torch.float32 and not interp
+    if pdl is None:
+        pdl = x.is_cuda and pdl_supported(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
     # (2) allocate: fp32 split-K partials, indexed by sorted pair
     num_pairs = num_tokens * k
     cfg = config or pick_config(meta.num_chunks, n_slices, in_features, meta.chunk_size)
-    r_blocks = triton.cdiv(r_max, BLOCK_R)
+    # Rank tiles cover the step's largest true rank (meta.rank_bound), not the pool's r_max.
+    r_eff = r_max if meta.rank_bound is None else max(1, min(r_max, meta.rank_bound))
+    r_blocks = triton.cdiv(r_eff, BLOCK_R)
     r_pad = r_blocks * BLOCK_R
     part = torch.empty((cfg.split_k, num_pairs, n_slices * r_pad), dtype=torch.float32, device=x.device)
     k_per_split = triton.cdiv(triton.cdiv(in_features, cfg.split_k), cfg.block_k) * cfg.block_k
@@ -369,6 +396,7 @@ def add_lora_triton(
         BLOCK_RANK=BLOCK_R,
         UPCAST=upcast,
         IEEE=ieee,
+        PDL=pdl,
         num_warps=cfg.shrink_warps,
         num_stages=cfg.num_stages,
     )
@@ -402,6 +430,8 @@ def add_lora_triton(
         UPCAST=upcast,
         IEEE=ieee,
         ATOMIC=k > 1,
+        PDL=pdl,
         num_warps=cfg.expand_warps,
         num_stages=cfg.num_stages,
+        **({"launch_pdl": True} if pdl else {}),
     )

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from lorafleet.kernels.lora_ops import add_lora, build_lora_meta, lora_b_layout, new_lora_b
-from lorafleet.kernels.triton_lora import LoraKernelConfig, add_lora_triton
+from lorafleet.kernels.triton_lora import LoraKernelConfig, add_lora_triton, pdl_supported
 
 LAYOUTS = ["out_major", "rank_major"]
 
@@ -306,8 +306,12 @@ def test_bf16_real_shapes(module: str, tokens: int, k: int, adapters: int, layou
 
 @pytest.mark.gpu
 @gpu
-def test_cuda_graph_replay_with_new_metadata() -> None:
-    """Capture once, then replay with other steps' metadata copied into the captured buffers."""
+@pytest.mark.parametrize("pdl", [True, False])
+def test_cuda_graph_replay_with_new_metadata(pdl: bool) -> None:
+    """Capture once, then replay with other steps' metadata copied into the captured buffers;
+    with and without programmatic dependent launch (the expand starts while the shrink runs)."""
+    if pdl and not pdl_supported(torch.cuda.current_device()):
+        pytest.skip("no programmatic dependent launch here (needs sm_90+ and a Triton with launch_pdl)")
     tokens, k, slots, d_in, outs = 64, 2, 16, 4096, [4096, 1024, 1024]
     ranks = [[16] * slots, [8] * slots, [16 if s % 2 else 0 for s in range(slots)]]
     g = torch.Generator().manual_seed(3)
@@ -326,11 +330,11 @@ def test_cuda_graph_replay_with_new_metadata() -> None:
         )
 
     static = step_meta(0)
-    add_lora_triton(y, x, lora_a, lora_b, ranks_dev, static)  # compile outside the capture
+    add_lora_triton(y, x, lora_a, lora_b, ranks_dev, static, pdl=pdl)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        add_lora_triton(y, x, lora_a, lora_b, ranks_dev, static)
+        add_lora_triton(y, x, lora_a, lora_b, ranks_dev, static, pdl=pdl)
     for seed in (1, 2, 3):
         meta = step_meta(seed)
         static.copy_(meta)
@@ -339,3 +343,24 @@ def test_cuda_graph_replay_with_new_metadata() -> None:
         ref = torch.zeros_like(y)
         add_lora(ref, x, lora_a, lora_b, ranks, ranks_dev, meta, "torch")
         assert rel_err(y.float(), ref.float()) < 1e-2
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("k", [1, 2])
+def test_rank_bound_sizes_tiles_to_the_step_not_the_pool(layout: str, k: int) -> None:
+    """A rank-64 pool whose active slots have ranks <= 7 (or <= 16): with meta.rank_bound set to
+    that bound the kernels compute rank-bound tiles and still match the reference."""
+    g = torch.Generator().manual_seed(11 + k)
+    for bound, ranks in ((7, [[7, 3, 0, 1], [5, 7, 2, 0]]), (16, [[16, 9, 1, 16], [8, 16, 0, 3]])):
+        slots = len(ranks[0])
+        lora_a, lora_b = make_weights(g, slots, 64, 48, [40, 24], ranks, torch.float32, DEVICE, layout)
+        token_slots = mapping("random_with_none", g, 21, k, slots)
+        meta = build_lora_meta(token_slots.to(torch.int32), torch.rand(21, k, generator=g) + 0.25, slots, device=DEVICE)
+        meta.rank_bound = bound
+        x = torch.randn(21, 48, generator=g).to(DEVICE)
+        y = torch.randn(21, 64, generator=g).to(DEVICE)
+        ranks_dev = torch.tensor(ranks, dtype=torch.int32, device=DEVICE)
+        y_ref, y_tri = y.clone(), y.clone()
+        add_lora(y_ref, x, lora_a, lora_b, ranks, ranks_dev, meta, "torch")
+        add_lora_triton(y_tri, x, lora_a, lora_b, ranks_dev, meta)
+        torch.testing.assert_close(y_tri, y_ref, **TOL[torch.float32])
