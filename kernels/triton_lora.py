@@ -19,8 +19,14 @@ Two launches per projection group (all slices in each):
   one chunk, so a plain read-modify-write is race-free; with k > 1 two chunks can own the same
   row, so the add is atomic.
 
-Grids depend only on (T, k, max_slots) and the weight shapes; padding chunks (slot -1) exit at
-once. No host syncs, so a decode step can be captured in a CUDA graph.
+Rank tiles cover `meta.rank_bound` (the step's largest true rank, set by the caller), not the
+pool's r_max, so a step of rank-8 adapters in a rank-64 pool computes and sums rank-8 tiles.
+On Hopper and newer the expand is launched with programmatic dependent launch: it starts while
+the shrink's programs run, does its prologue (chunk, slot, rank, tokens, scales), and waits for
+the partials with `gdc_wait`.
+
+Grids depend only on (T, k, max_slots), the rank bound and the weight shapes; padding chunks
+(slot -1) exit at once. No host syncs, so a decode step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
