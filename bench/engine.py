@@ -158,21 +158,17 @@ def start_decode(engine: LLMEngine, adapter_sets, prompt_len: int, new_tokens: i
         engine.step()
 
 
-def step_breakdown(engine: LLMEngine, adapter_sets, prompt_len: int, steps: int = 6) -> dict:
-    """Per decode step: GPU kernel time by class (eager, profiled), graph replay alone, whole step."""
+def profiled(engine: LLMEngine, run, steps: int) -> dict:
+    """Kernel time per step by class while `run()` does `steps` steps (CPU op time on CPU: smoke)."""
     from torch.profiler import ProfilerActivity, profile
 
-    graphs = engine.runner.graphs
-    start_decode(engine, adapter_sets, prompt_len, 4 * steps + 8)
-    if graphs is not None:
-        graphs.enabled = False
-    engine.step()
+    activity = ProfilerActivity.CUDA if engine.device.type == "cuda" else ProfilerActivity.CPU
     sync()
-    activity = ProfilerActivity.CUDA if engine.device.type == "cuda" else ProfilerActivity.CPU  # CPU: smoke run
+    t0 = time.perf_counter()
     with profile(activities=[activity]) as prof:
-        for _ in range(steps):
-            engine.step()
+        run()
         sync()
+    wall = time.perf_counter() - t0
     per_class = {cls: 0.0 for cls, _ in KERNEL_CLASSES} | {"other": 0.0}
     launches = 0
     for avg in prof.key_averages():
@@ -183,6 +179,19 @@ def step_breakdown(engine: LLMEngine, adapter_sets, prompt_len: int, steps: int 
     result = {f"{cls}_ms": round(us / 1e3 / steps, 3) for cls, us in per_class.items()}
     result["kernels_ms"] = round(sum(per_class.values()) / 1e3 / steps, 3)
     result["launches_per_step"] = round(launches / steps)
+    result["profiled_wall_ms"] = round(wall * 1e3 / steps, 3)
+    return result
+
+
+def step_breakdown(engine: LLMEngine, adapter_sets, prompt_len: int, steps: int = 6) -> dict:
+    """Per decode step: GPU kernel time by class (eager, profiled), graph replay alone, whole step."""
+    graphs = engine.runner.graphs
+    start_decode(engine, adapter_sets, prompt_len, 4 * steps + 8)
+    if graphs is not None:
+        graphs.enabled = False
+    engine.step()
+    sync()
+    result = profiled(engine, lambda: [engine.step() for _ in range(steps)], steps)
     if graphs is not None and graphs.capture:
         graphs.enabled = True
         for _ in range(2):
@@ -293,6 +302,8 @@ def main() -> None:
     if graphs is not None:
         graphs.enabled = "graphs" in modes
     ttft_ms = [ttft(engine, 512) for _ in range(3)]
+    ttft_breakdown = profiled(engine, lambda: ttft(engine, 512), 1)
+    print(f"time to first token, 512 tokens, by kernel class: {ttft_breakdown}", flush=True)
     breakdown = []
     for d in breakdown_counts:
         sets = adapter_sets(names, d, args.batch)
@@ -310,6 +321,7 @@ def main() -> None:
         "machine": torch.cuda.get_device_name() if device == "cuda" else "cpu (--tiny smoke run)", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
         "copy_bandwidth_tb_s": round(bw / 1e12, 3), "weight_gib": round(weight_bytes / 2**30, 3),
         "ceiling_tokens_per_s": round(ceiling, 1), "ttft_ms_512": round(sorted(ttft_ms)[1], 2),
+        "ttft_breakdown": ttft_breakdown,
         "lora_backend": engine.model.lora_backend, "attention_backend": engine.model.attention_backend,
         "cuda_graphs": None if graphs is None else {
             "buckets": graphs.buckets, "captures": graphs.stats.captures, "replays": graphs.stats.replays,
