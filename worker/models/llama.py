@@ -3,6 +3,10 @@
 q/k/v and gate/up are fused into one base matmul each; every fused projection then adds each
 token's LoRA deltas through `lorafleet.kernels.lora_ops.add_lora` (torch reference on CPU, Triton
 on CUDA), reading the step's LoRA metadata that was built once for all layers.
+
+Between the matmuls, `attention_backend` picks the elementwise path too: "torch" (the CPU path,
+and the oracle) or "triton", which fuses each layer's norms, residual adds, RoPE, K/V writes and
+SiLU into 4 launches (`lorafleet.kernels.fused_ops`), where a decode step is launch-bound.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ class Rotary:
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, head_dim]
         self.cos, self.sin = emb.cos(), emb.sin()
+        # [P, head_dim]: cos | sin of each rotary pair, the layout `fused_ops.rope_write_kv` reads.
+        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for the step's positions, `[T, 1, head_dim]` each (gathered once per step)."""
@@ -58,7 +64,7 @@ class LlamaModel:
         self.rotary = Rotary(config, max_positions, device)
         self.lora: LoraSlots | None = None
         self.lora_backend = "torch"
-        self.attention_backend = "torch"
+        self.attention_backend = "torch"  # also picks the elementwise ops: torch | triton (fused_ops)
 
     # -- loading -------------------------------------------------------------------------------
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -128,8 +134,25 @@ class LlamaModel:
         graph: the step runs in (or is captured into) a CUDA graph (`worker/cuda_graphs.py`): no
         host checks may skip a launch, and `attn` must have fixed shapes.
         """
+        h = F.embedding(input_ids, self.weights["embed"])  # [T, hidden]
+        if self.attention_backend == "triton":
+            h = self._layers_fused(h, positions, attn, kv_caches, lora_meta, logits_indices, graph)
+        else:
+            h = self._layers_torch(h, positions, attn, kv_caches, lora_meta, logits_indices, graph)
+        return F.linear(h, self.weights["lm_head"]).float()
+
+    def _layers_torch(
+        self,
+        h: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        lora_meta: LoraMeta | None,
+        logits_indices: torch.Tensor,
+        graph: bool,
+    ) -> torch.Tensor:
+        """The decoder layers and the final norm in plain torch ops -> `[N, hidden]` at logits_indices."""
         c, w = self.config, self.weights
-        h = F.embedding(input_ids, w["embed"])  # [T, hidden]
         scale = c.head_dim**-0.5
         cos, sin = self.rotary.at(positions, h.dtype)
         for i in range(c.num_layers):
@@ -147,8 +170,40 @@ class LlamaModel:
             x = rms_norm(h, w[p + "post_norm"], c.rms_norm_eps)
             gate, up = self._linear(x, i, "gate_up_proj", lora_meta, graph).chunk(2, dim=-1)
             h = h + self._linear(F.silu(gate) * up, i, "down_proj", lora_meta, graph)
-        h = rms_norm(h.index_select(0, logits_indices), w["norm"], c.rms_norm_eps)
-        return F.linear(h, w["lm_head"]).float()
+        return rms_norm(h.index_select(0, logits_indices), w["norm"], c.rms_norm_eps)
+
+    def _layers_fused(
+        self,
+        h: torch.Tensor,  # [T, hidden], the residual stream: updated in place
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        lora_meta: LoraMeta | None,
+        logits_indices: torch.Tensor,
+        graph: bool,
+    ) -> torch.Tensor:
+        """The same with the Triton elementwise kernels: each residual add fused into the next norm.
+
+        Per layer: qkv linear -> rope_write_kv -> attention -> o linear -> add_rms_norm -> gate_up
+        linear -> silu_mul -> down linear -> add_rms_norm (the next layer's input norm, or the
+        final norm, taken over all T rows before the logits rows are picked).
+        """
+        from lorafleet.kernels import fused_ops
+
+        c, w = self.config, self.weights
+        eps, scale = c.rms_norm_eps, c.head_dim**-0.5
+        x = fused_ops.rms_norm(h, w["layers.0.in_norm"], eps)
+        for i in range(c.num_layers):
+            p = f"layers.{i}."
+            qkv = self._linear(x, i, "qkv_proj", lora_meta, graph)  # [T, q_size + 2 kv_size]
+            k_cache, v_cache = kv_caches[i]
+            q = fused_ops.rope_write_kv(qkv, positions, self.rotary.cos_sin, k_cache, v_cache, attn.slot_mapping)
+            o = paged_attention(q, k_cache, v_cache, attn, scale, self.attention_backend).reshape(-1, c.q_size)
+            x = fused_ops.add_rms_norm(self._linear(o, i, "o_proj", lora_meta, graph), h, w[p + "post_norm"], eps)
+            act = fused_ops.silu_mul(self._linear(x, i, "gate_up_proj", lora_meta, graph))  # [T, intermediate]
+            next_norm = w[f"layers.{i + 1}.in_norm"] if i + 1 < c.num_layers else w["norm"]
+            x = fused_ops.add_rms_norm(self._linear(act, i, "down_proj", lora_meta, graph), h, next_norm, eps)
+        return x.index_select(0, logits_indices)
 
 
 def _short_name(name: str) -> str | None:

@@ -1,0 +1,398 @@
+"""Fused elementwise ops of the decoder layer in Triton: one launch each where torch takes several.
+
+A decode step is launch-bound: at batch 64 on the seed shape a step replayed from a CUDA graph
+launches ~1,550 kernels, most of them tiny elementwise torch ops at ~2 µs each even in a graph.
+Counted per layer in bf16 (aten ops under a dispatch mode), the torch path launches 32 besides
+the 4 matmuls and attention: two RMSNorms (8 each: float, pow, mean, add, rsqrt, mul, cast, mul),
+two residual adds, RoPE on q and k (5 each: mul, neg, cat, mul, add), two K/V `index_copy_`, SiLU
+and the product. With these ops a layer takes 4: `rope_write_kv`, `silu_mul` and two
+`add_rms_norm` (each residual add fused into the norm after it), plus one plain `rms_norm` per step.
+
+Semantics (same as the `*_reference` functions, the oracles; math in fp32, one rounding to the
+activation dtype wherever the torch path of `worker/models/llama.py` rounds):
+
+    add_rms_norm(x, residual, w, eps):              # x, residual: [T, hidden]
+        residual[:] = residual + x                      # in place, rounded to the dtype
+        return rms_norm(residual, w, eps)
+    rms_norm(x, w, eps):                            # HF's LlamaRMSNorm order
+        return w * (x / sqrt(mean(x², -1) + eps)).to(dtype)
+    rope_write_kv(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping):
+        q, k, v = qkv.split([H·D, KVH·D, KVH·D], -1)   # heads of D; q rotated in place
+        c, s = cos_sin[positions, :D/2], cos_sin[positions, D/2:]
+        rot(x) = cat(x1·c - x2·s, x2·c + x1·s)          # x1, x2 = halves of each head (rotate-half)
+        q[:] = rot(q); cache_k[slot_mapping] = rot(k); cache_v[slot_mapping] = v
+        return q.view(T, H, D)
+    silu_mul(gate_up):                              # [T, 2I] -> [T, I]
+        gate, up = gate_up.chunk(2, -1)
+        return silu(gate).to(dtype) * up
+
+Every launch's grid and arguments follow from tensor shapes only and nothing syncs with the host
+(positions and slots are read on the device), so all of them can be captured in a CUDA graph.
+Padding rows of a graph's batch bucket carry the *sink* slot (a KV block never handed out) and are
+written there like any other row.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _num_warps(block: int) -> int:
+    """About 16 elements per thread, 4 to 16 warps."""
+    return min(16, max(4, block // 512))
+
+
+# -- RMSNorm (with the residual add) ---------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_kernel(
+    # pointers
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    # sizes
+    hidden,
+    eps,
+    # strides
+    stride_x,
+    stride_r,
+    stride_o,
+    # meta-parameters
+    BLOCK: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
+):
+    """One row per program. x, residual, out `[T, hidden]` (unit stride in hidden); weight `[hidden]`."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < hidden
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if ADD_RESIDUAL:
+        r_ptrs = residual_ptr + row * stride_r + offs
+        r = tl.load(r_ptrs, mask=mask, other=0.0)
+        # Rounded before it is stored and normalised, as torch's `h = h + x` then rms_norm(h).
+        x = (r.to(tl.float32) + x.to(tl.float32)).to(r.dtype)
+        tl.store(r_ptrs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, 0) / hidden + eps)  # padding lanes are 0: they add nothing
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    y = (xf * rstd).to(x.dtype).to(tl.float32) * w.to(tl.float32)  # HF: cast, then scale
+    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_norm_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dim() != 2 or weight.shape != (x.shape[1],):
+        raise ValueError(f"x must be [T, hidden] and weight [hidden]; got {tuple(x.shape)}, {tuple(weight.shape)}")
+    if x.dtype not in FLOAT_DTYPES or weight.dtype != x.dtype:
+        raise ValueError(f"x ({x.dtype}) and weight ({weight.dtype}) must share a float16/bfloat16/float32 dtype")
+    if x.stride(1) != 1 or weight.stride(0) != 1:
+        raise ValueError("x and weight need unit stride in hidden")
+
+
+def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [T, hidden]
+    tokens, hidden = x.shape
+    block = triton.next_power_of_2(hidden)
+    res = x if residual is None else residual  # not read without ADD_RESIDUAL
+    _rms_norm_kernel[(tokens,)](
+        x,
+        res,
+        weight,
+        out,
+        hidden,
+        eps,
+        x.stride(0),
+        res.stride(0),
+        out.stride(0),
+        BLOCK=block,
+        ADD_RESIDUAL=residual is not None,
+        num_warps=_num_warps(block),
+    )
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row of x `[T, hidden]` -> a new `[T, hidden]` tensor in x's dtype."""
+    _check_norm_inputs(x, weight)
+    return _launch_rms_norm(x, None, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`residual += x` in place, then RMSNorm of the new residual -> a new `[T, hidden]` tensor.
+
+    x, residual: `[T, hidden]` in one dtype; weight `[hidden]` in that dtype too.
+    """
+    _check_norm_inputs(x, weight)
+    if residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1:
+        raise ValueError(f"residual must be {tuple(x.shape)} {x.dtype} with unit stride in hidden, got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
+    return _launch_rms_norm(x, residual, weight, eps)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    residual.add_(x)
+    return rms_norm_reference(residual, weight, eps)
+
+
+# -- RoPE + KV-cache write -----------------------------------------------------------------------
+
+
+@triton.jit
+def _rotate_heads(
+    src,
+    dst,
+    dst_stride_h,
+    num_heads,
+    cos,
+    sin,
+    offs_d,
+    d_mask,
+    HALF: tl.constexpr,
+    H_PAD: tl.constexpr,
+):
+    """Rotate `num_heads` contiguous heads of one token at `src` and store them at `dst` (may be src).
+
+    cos, sin: `[1, HALF_PAD]` fp32; a head's halves are x[:HALF] and x[HALF:].
+    """
+    offs_h = tl.arange(0, H_PAD)
+    mask = (offs_h < num_heads)[:, None] & d_mask[None, :]
+    s = src + offs_h[:, None] * (2 * HALF) + offs_d[None, :]  # [H_PAD, HALF_PAD]
+    x1 = tl.load(s, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(s + HALF, mask=mask, other=0.0).to(tl.float32)
+    d = dst + offs_h[:, None] * dst_stride_h + offs_d[None, :]
+    tl.store(d, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
+    tl.store(d + HALF, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_write_kv_kernel(
+    # pointers
+    qkv_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    slot_mapping_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    # sizes
+    num_heads,
+    num_kv_heads,
+    # strides
+    stride_qkv,
+    stride_cs,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    # meta-parameters
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    H_PAD: tl.constexpr,
+    KVH_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """One token per program, all its heads at once.
+
+    qkv `[T, (H + 2·KVH)·D]` (unit stride in features), positions and slot_mapping `[T]`,
+    cos_sin `[P, D]` fp32 (cos | sin of each rotary pair), caches `[blocks, BLOCK_SIZE, KVH, D]`
+    (unit stride in D), D = 2·HALF.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    offs_d = tl.arange(0, HALF_PAD)
+    d_mask = offs_d < HALF
+    table = cos_sin_ptr + pos * stride_cs
+    cos = tl.load(table + offs_d, mask=d_mask, other=0.0)[None, :]
+    sin = tl.load(table + HALF + offs_d, mask=d_mask, other=0.0)[None, :]
+
+    q = qkv_ptr + t * stride_qkv
+    _rotate_heads(q, q, 2 * HALF, num_heads, cos, sin, offs_d, d_mask, HALF, H_PAD)
+
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    block = slot // BLOCK_SIZE
+    in_block = slot % BLOCK_SIZE
+    k = q + num_heads * (2 * HALF)
+    k_dst = k_cache_ptr + block * stride_kb + in_block * stride_ks
+    _rotate_heads(k, k_dst, stride_kh, num_kv_heads, cos, sin, offs_d, d_mask, HALF, KVH_PAD)
+
+    v = k + num_kv_heads * (2 * HALF)
+    offs_h = tl.arange(0, KVH_PAD)
+    mask = (offs_h < num_kv_heads)[:, None] & d_mask[None, :]
+    v_src = v + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+    v_dst = v_cache_ptr + block * stride_vb + in_block * stride_vs + offs_h[:, None] * stride_vh + offs_d[None, :]
+    for half in tl.static_range(2):
+        x = tl.load(v_src + half * HALF, mask=mask, other=0.0)
+        tl.store(v_dst + half * HALF, x.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_rope_inputs(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[int, int, int]:
+    """-> (heads, kv_heads, head_dim), read off the cache and qkv's width."""
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"the caches must be [blocks, block_size, KVH, D] alike, got {tuple(k_cache.shape)}, "
+                         f"{tuple(v_cache.shape)}")
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if qkv.dim() != 2 or head_dim % 2 or (qkv.shape[1] - 2 * kv_heads * head_dim) % head_dim:
+        raise ValueError(f"qkv must be [T, (H + 2·{kv_heads})·{head_dim}] with an even head_dim, got {tuple(qkv.shape)}")
+    heads = (qkv.shape[1] - 2 * kv_heads * head_dim) // head_dim
+    if heads < 1:
+        raise ValueError(f"qkv {tuple(qkv.shape)} leaves no query heads beside {kv_heads} KV heads of {head_dim}")
+    tokens = qkv.shape[0]
+    if positions.shape != (tokens,) or slot_mapping.shape != (tokens,):
+        raise ValueError(f"positions and slot_mapping must be [{tokens}], got {tuple(positions.shape)}, "
+                         f"{tuple(slot_mapping.shape)}")
+    if positions.is_floating_point() or slot_mapping.is_floating_point():
+        raise ValueError("positions and slot_mapping must be integer tensors")
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim or cos_sin_cache.dtype != torch.float32:
+        raise ValueError(f"cos_sin_cache must be [positions, {head_dim}] float32, got {tuple(cos_sin_cache.shape)} "
+                         f"{cos_sin_cache.dtype}")
+    if qkv.dtype not in FLOAT_DTYPES or k_cache.dtype not in FLOAT_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"qkv ({qkv.dtype}) and the caches ({k_cache.dtype}, {v_cache.dtype}) must be float16, "
+                         "bfloat16 or float32, the caches alike")
+    tensors = (positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    if any(t.device != qkv.device for t in tensors):
+        raise ValueError("qkv, positions, cos_sin_cache, the caches and slot_mapping must be on one device")
+    if qkv.stride(1) != 1 or cos_sin_cache.stride(1) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("qkv, cos_sin_cache and the caches need unit stride in their last dimension")
+    return heads, kv_heads, head_dim
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotate q in place, rotate k, store k and v at their cache slots -> q `[T, H, D]` (a view of qkv).
+
+    qkv: `[T, (H + 2·KVH)·D]`, the fused projection's output; positions, slot_mapping: `[T]` int
+    (slots not checked: that would sync; each must name a slot of the cache, the sink included);
+    cos_sin_cache: `[P, D]` float32, cos then sin of each rotary pair (`Rotary.cos_sin`), positions
+    below P; k_cache, v_cache: `[num_blocks, block_size, KVH, D]`.
+    """
+    heads, kv_heads, head_dim = _check_rope_inputs(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    half = head_dim // 2
+    _rope_write_kv_kernel[(qkv.shape[0],)](
+        qkv,
+        positions,
+        cos_sin_cache,
+        slot_mapping,
+        k_cache,
+        v_cache,
+        heads,
+        kv_heads,
+        qkv.stride(0),
+        cos_sin_cache.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        HALF=half,
+        HALF_PAD=triton.next_power_of_2(half),
+        H_PAD=triton.next_power_of_2(heads),
+        KVH_PAD=triton.next_power_of_2(kv_heads),
+        BLOCK_SIZE=k_cache.shape[1],
+        num_warps=_num_warps(triton.next_power_of_2(heads) * triton.next_power_of_2(half)),
+    )
+    return qkv[:, : heads * head_dim].unflatten(1, (heads, head_dim))
+
+
+def rope_write_kv_reference(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    heads = qkv.shape[1] // head_dim - 2 * kv_heads
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    cos, sin = cos_sin_cache[positions.long()].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    q = q.unflatten(1, (heads, head_dim))
+    q.copy_(rotate(q))
+    slots = slot_mapping.long()
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, rotate(k.unflatten(1, (kv_heads, head_dim))).to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v.unflatten(1, (kv_heads, head_dim)).to(v_cache.dtype))
+    return q
+
+
+# -- SiLU and multiply ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _silu_mul_kernel(
+    # pointers
+    gate_up_ptr,
+    out_ptr,
+    # sizes
+    inter,
+    # strides
+    stride_in,
+    stride_out,
+    # meta-parameters
+    BLOCK: tl.constexpr,
+):
+    """Grid (T, cdiv(I, BLOCK)). gate_up `[T, 2I]`, out `[T, I]` (unit stride in features)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    row = gate_up_ptr + t * stride_in
+    gate = tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(row + inter + offs, mask=mask, other=0.0)
+    act = (gate * tl.sigmoid(gate)).to(up.dtype)  # torch rounds silu(gate) before the product
+    out = act.to(tl.float32) * up.to(tl.float32)
+    tl.store(out_ptr + t * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up of gate_up `[T, 2I]` (gate columns first) -> a new `[T, I]` tensor."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be [T, 2·I], got {tuple(gate_up.shape)}")
+    if gate_up.dtype not in FLOAT_DTYPES or gate_up.stride(1) != 1:
+        raise ValueError(f"gate_up must be float16, bfloat16 or float32 with unit stride in features, got {gate_up.dtype}")
+    tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((tokens, inter), dtype=gate_up.dtype, device=gate_up.device)  # [T, I]
+    block = min(1024, triton.next_power_of_2(inter))
+    _silu_mul_kernel[(tokens, triton.cdiv(inter, block))](
+        gate_up,
+        out,
+        inter,
+        gate_up.stride(0),
+        out.stride(0),
+        BLOCK=block,
+        num_warps=4,
+    )
+    return out
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
