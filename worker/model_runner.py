@@ -42,15 +42,13 @@ class ModelRunner:
         return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * torch.finfo(model.dtype).bits // 8
 
     def generator_for(self, seq: Sequence) -> torch.Generator | None:
-        if seq.sampling.greedy:
+        # Only seeded requests own a generator; the others draw from sampling's shared one, in one call.
+        if seq.sampling.greedy or seq.sampling.seed is None:
             return None
         gen = self._generators.get(seq.seq_id)
         if gen is None:
             gen = torch.Generator(device=self.device)
-            if seq.sampling.seed is not None:
-                gen.manual_seed(seq.sampling.seed)
-            else:
-                gen.seed()
+            gen.manual_seed(seq.sampling.seed)
             self._generators[seq.seq_id] = gen
         return gen
 

@@ -1,10 +1,23 @@
-"""Turn a step's logits into tokens: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+"""Turn a step's logits into tokens: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+
+Every row goes through one batched pass on the logits' device, whatever the mix of knobs: the
+per-row knobs travel in one small host-to-device copy, top-k / top-p become one threshold per row
+(one sort of the batch's rows, or one `topk` when no row asks for top-p), and the token is drawn
+with the exponential race: `argmax(probs / E) == argmax(log probs - log E)` with `E ~ Exp(1)`
+i.i.d. per vocabulary entry is an exact sample from `probs` (greedy rows take `E = 1`: the argmax).
+A seeded row draws its `E` from its own generator (one kernel for that row), so its tokens depend
+only on its seed and its logits, never on the rest of the batch; the other sampled rows draw theirs
+from one shared generator in one call. The host syncs once per step: tokens and logprobs are
+gathered on the device and copied back together.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 
 from lorafleet.worker.sequence import SamplingParams
 
@@ -16,55 +29,188 @@ class TokenLogprobs:
     top: list[tuple[int, float]]  # the `logprobs` most likely tokens with their logprobs
 
 
+# Unseeded rows draw their noise from one generator per device, seeded from the OS on first use.
+_shared_generators: dict[torch.device, torch.Generator] = {}
+
+
+def shared_generator(device: torch.device) -> torch.Generator:
+    gen = _shared_generators.get(device)
+    if gen is None:
+        gen = torch.Generator(device=device)
+        gen.seed()
+        _shared_generators[device] = gen
+    return gen
+
+
 def sample(
     logits: torch.Tensor,  # [N, vocab] float32
     params: list[SamplingParams],
-    generators: list[torch.Generator | None],
+    generators: list[torch.Generator | None],  # a row's own generator (seeded requests), else None
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """One token per row. Rows with temperature 0 (or top_k 1) take the argmax.
 
-    A row whose logits are not finite (an overflow in half precision) gets token -1: the engine
-    ends that request with an error instead of failing the whole batch. The step syncs with the
-    host once, when the tokens are read.
+    A sampled row with a generator draws from it; one without draws from the device's shared
+    generator. A row whose logits are not finite (an overflow in half precision) gets token -1:
+    the engine ends that request with an error instead of failing the whole batch. The step syncs
+    with the host once, when tokens (and logprobs) are read.
     """
-    n = logits.shape[0]
-    finite = torch.isfinite(logits).all(dim=-1)  # [N]
-    safe = torch.where(finite.unsqueeze(1), logits, torch.zeros_like(logits))
-    tokens = safe.argmax(dim=-1)  # [N]
-    for i, p in enumerate(params):
-        if not p.greedy:
-            tokens[i] = _sample_row(safe[i], p, generators[i])
-    tokens = torch.where(finite, tokens, torch.full_like(tokens, -1))
-    token_list = tokens.tolist()
+    n, vocab = logits.shape
+    if n == 0:
+        return [], []
+    dev = logits.device
+    # inf / nan anywhere in a row makes its sum inf / nan: one reduction instead of a mask pass.
+    # (Finite logits overflow a float32 sum only past ~1e33 each, far beyond any model's.)
+    # Non-finite rows are sampled like the others and their results dropped: no copy to sanitise.
+    finite = torch.isfinite(logits.sum(dim=-1))
+    lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    subset = 0 < len(lp_rows) < n
+    knobs = _Knobs(params, vocab)
+    uploaded = _upload(knobs.values + (lp_rows if subset else []), dev) if knobs.any_sampled or subset else None
+
+    if knobs.any_sampled:
+        tokens = _sample_rows(logits, uploaded[: 4 * n].view(4, n), knobs, generators)
+    else:
+        tokens = logits.argmax(dim=-1)
+    shown = torch.where(finite, tokens, -1)
+    if not lp_rows:
+        return shown.tolist(), [None] * n
+
+    # Logprobs are the model's distribution, before the sampling knobs.
+    if subset:
+        idx = uploaded[len(knobs.values) :].long()
+        rows_logits, rows_tokens = logits.index_select(0, idx), tokens.index_select(0, idx)
+    else:
+        rows_logits, rows_tokens = logits, tokens
+    logp = torch.log_softmax(rows_logits, dim=-1)
+    parts = [shown.double(), logp.gather(1, rows_tokens.unsqueeze(1)).view(-1)]
+    k_max = min(max(params[i].logprobs or 0 for i in lp_rows), vocab)
+    if k_max:
+        top = torch.topk(logp, k_max, dim=-1)
+        parts += [top.values.reshape(-1), top.indices.reshape(-1)]
+    host = torch.cat(parts).tolist()  # float64 holds token ids and float32 logprobs exactly; the one sync
+
+    m = len(lp_rows)
+    token_list = [int(t) for t in host[:n]]
+    chosen = host[n : n + m]
+    top_values = host[n + m : n + m + m * k_max]
+    top_ids = host[n + m + m * k_max :]
     out: list[TokenLogprobs | None] = [None] * n
-    want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None and token_list[i] >= 0]
-    if want_logprobs:
-        logp = torch.log_softmax(safe[want_logprobs], dim=-1)  # the model's distribution, before sampling knobs
-        chosen = logp[torch.arange(len(want_logprobs)), [token_list[i] for i in want_logprobs]].tolist()
-        k_max = max(params[i].logprobs or 0 for i in want_logprobs)
-        top_values, top_ids = (torch.topk(logp, k_max) if k_max else (None, None))
-        top_values = top_values.tolist() if k_max else None
-        top_ids = top_ids.tolist() if k_max else None
-        for row, i in enumerate(want_logprobs):
-            k = params[i].logprobs or 0
-            top = list(zip(top_ids[row][:k], top_values[row][:k])) if k else []
-            out[i] = TokenLogprobs(token_id=token_list[i], logprob=chosen[row], top=top)
+    for row, i in enumerate(lp_rows):
+        if token_list[i] < 0:
+            continue
+        k = min(params[i].logprobs or 0, k_max)
+        base = row * k_max
+        top_list = [(int(top_ids[base + j]), top_values[base + j]) for j in range(k)]
+        out[i] = TokenLogprobs(token_id=token_list[i], logprob=chosen[row], top=top_list)
     return token_list, out
 
 
-def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """Sample one token on the device (no host sync): a 0-d tensor."""
-    scaled = logits / p.temperature
-    if p.top_k and p.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, p.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        cumulative = sorted_probs.cumsum(-1)
-        # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
-        drop = cumulative - sorted_probs >= p.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        probs = probs / probs.sum()
-    return torch.multinomial(probs, 1, generator=generator)[0]
+class _Knobs:
+    """The rows' knobs as four float rows (temperature, k-th position, top_p, greedy), built on the host.
+
+    Greedy rows get neutral knobs (their noise is 1: the argmax). A row without top-k points at the
+    last sorted position and a row without top-p gets a mass it never reaches, so both thresholds
+    fall on the row's minimum and mask nothing.
+    """
+
+    def __init__(self, params: list[SamplingParams], vocab: int) -> None:
+        temperature, k_index, top_p, greedy = [], [], [], []
+        self.k_max, self.any_p, self.n_greedy = 0, False, 0
+        for p in params:
+            on = not p.greedy
+            k = p.top_k if on and 0 < p.top_k < vocab else 0
+            self.k_max = max(self.k_max, k)
+            self.any_p = self.any_p or (on and p.top_p < 1.0)
+            self.n_greedy += not on
+            temperature.append(p.temperature if on else 1.0)
+            k_index.append(k - 1 if k else vocab - 1)
+            top_p.append(p.top_p if on and p.top_p < 1.0 else 2.0)
+            greedy.append(0.0 if on else 1.0)
+        self.params = params
+        self.any_sampled = self.n_greedy < len(params)
+        self.values = temperature + k_index + top_p + greedy if self.any_sampled else []
+
+
+def _upload(values: list[float], device: torch.device) -> torch.Tensor:
+    """float32 values on `device` in one asynchronous copy (exact for integers below 2**24).
+
+    From pageable memory, as ModelRunner.prepare does: on an H200 the host did not wait for queued
+    GPU work, and a pinned buffer (fresh or reused) was no faster for a few hundred floats.
+    """
+    return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
+
+
+def _sample_rows(
+    logits: torch.Tensor, knobs_t: torch.Tensor, knobs: _Knobs, generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """A token for every row in one batched pass (greedy rows: the argmax); on the device."""
+    scaled = logits / knobs_t[0].unsqueeze(1)
+    if knobs.k_max or knobs.any_p:
+        k_index = knobs_t[1].long().unsqueeze(1)
+        threshold = _threshold(scaled, k_index, knobs_t[2].unsqueeze(1), knobs.k_max, knobs.any_p)
+        scaled.masked_fill_(scaled < threshold, float("-inf"))
+
+    params = knobs.params
+    noise = torch.empty_like(scaled)
+    seeded = [(i, g) for i, (p, g) in enumerate(zip(params, generators)) if g is not None and not p.greedy]
+    if len(seeded) + knobs.n_greedy < len(params):
+        noise.exponential_(generator=shared_generator(noise.device))  # every row at once
+    for i, gen in seeded:
+        noise[i].exponential_(generator=gen)  # seeded rows redrawn from their own generator
+    # E == 0 (possible on CPU) would make a masked token's score -inf + inf = nan: clamp first.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    if knobs.n_greedy:
+        noise.masked_fill_(knobs_t[3].unsqueeze(1) > 0, 1.0)  # log 1 = 0: greedy rows keep their argmax
+    return scaled.sub_(noise.log_()).argmax(dim=-1)
+
+
+def _threshold(
+    scaled: torch.Tensor,  # [N, vocab] logits / temperature
+    k_index: torch.Tensor,  # [N, 1] int64: position of the k-th best token (vocab - 1: no top-k)
+    top_p: torch.Tensor,  # [N, 1]: nucleus mass (> 1: no top-p)
+    k_max: int,
+    any_p: bool,
+) -> torch.Tensor:
+    """[N, 1]: the smallest scaled logit each row keeps after top-k, then top-p.
+
+    Tokens tied with the threshold are all kept. A row's threshold is the same whichever path the
+    batch takes (sort or topk), so seeded rows do not depend on their neighbours' knobs.
+    """
+    if not any_p:
+        best = scaled.topk(k_max, dim=-1).values  # [N, k_max], descending
+        kth = best.gather(1, k_index.clamp(max=k_max - 1))
+        return kth.masked_fill_(k_index >= k_max, float("-inf"))
+    vocab = scaled.shape[-1]
+    desc = scaled.sort(dim=-1, descending=True).values
+    kth = desc.gather(1, k_index)
+    probs = torch.softmax(desc.masked_fill(desc < kth, float("-inf")) if k_max else desc, dim=-1)
+    # The smallest prefix whose mass reaches top_p: the c tokens whose running mass stays below
+    # top_p, plus the one that crosses it (position c). The running mass only grows, so a count is
+    # a position; a row without top-p never crosses and lands on its last (smallest) token.
+    below = _count_cumsum_below(probs, top_p)
+    return torch.maximum(kth, desc.gather(1, below.clamp_(max=vocab - 1)))
+
+
+@lru_cache(maxsize=16)
+def _chunk(vocab: int) -> int:
+    """A chunk width near 1024 that divides `vocab` (no padding), else 1024."""
+    divisors = [b for b in range(512, 4097) if vocab % b == 0]
+    return min(divisors, key=lambda b: abs(b - 1024)) if divisors else 1024
+
+
+def _count_cumsum_below(probs: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """[N, 1] int64: how many entries of each row's running sum are < bound ([N, 1]).
+
+    torch's scan along a few long rows keeps few blocks busy (212 us for 64 x 128k on an H200), so
+    rows are scanned in chunks, and each chunk compares against the bound minus the chunk's carry.
+    """
+    n, vocab = probs.shape
+    b = _chunk(vocab)
+    if vocab <= 2 * b:
+        return (probs.cumsum(dim=-1) < bound).sum(dim=-1, keepdim=True)
+    if vocab % b:
+        probs = F.pad(probs, (0, b - vocab % b))  # zeros: the running sum stays flat there
+    chunks = probs.view(n, -1, b).cumsum(dim=-1)  # [N, C, b]: running sum within each chunk
+    totals = chunks[:, :, -1]
+    carry = totals.cumsum(dim=-1) - totals  # [N, C]: mass of the chunks before
+    return (chunks < (bound - carry).unsqueeze(-1)).sum(dim=(1, 2)).unsqueeze(1)
