@@ -8,12 +8,14 @@ written as a real PEFT folder (adapter_config.json + adapter_model.safetensors, 
 names). Everything goes through the registry's own methods; nothing about loading is reimplemented:
 
   disk->gpu    a fresh folder per repeat: registry.read + registry.register (what
-               LLMEngine.load_adapter does: validate, read, digest, fold the scaling, pin) and
-               registry.activate, then a device sync. Target <= 50 ms. The file is fsynced and
+               LLMEngine.load_adapter does: read validates, digests and packs the adapter into
+               the slot layout, pinned, and checks it for NaN/Inf on the GPU; register files it)
+               and registry.activate, then a device sync. Target <= 50 ms. The file is fsynced and
                dropped from the page cache (posix_fadvise DONTNEED, no root needed) and mincore
                says how much of it was still cached when the read began (`cached_fraction`).
   disk->gpu, page cache warm    the same on a freshly written folder left in the page cache.
-  sha256 digest    adapter_digest alone on a cached file (a part of every read).
+  sha256 digest    adapter_digest alone on a cached file (inside every read it runs in a thread,
+               over the same mapped bytes, while the file is parsed, packed and checked).
   cpu->gpu     an adapter already registered (pinned in the CPU cache on CUDA): registry.activate
                + sync. Target <= 5 ms.
   decode step, no load / decode step, prefetch each step    32 running decode requests (on one
@@ -31,10 +33,10 @@ One untimed load first pays for one-time costs (imports, pinned-allocator growth
 medians and p90s of the repeats: {case, ms_median, ms_p90, adapter_mib, repeats, ...}. Writes
 bench/results/adapter-load-h200.json (with --tiny, a CPU smoke run, /tmp/adapter-load-tiny.json).
 
-Slots are as wide as bench/engine.py makes them (max rank 16, the adapter's own rank); with
---max-lora-rank 64 (the server's default) a slot row is wider than the adapter's B, so
-`LoraSlots.fill`'s B copies are no longer one contiguous block on both sides and PyTorch copies
-them through a pageable host temporary (Copy.cu, copy_requires_temporaries): run both to see it.
+Slots are as wide as bench/engine.py makes them (max rank 16, the adapter's own rank);
+--max-lora-rank 64 is the server's default. Either way `LoraSlots.fill` copies each A block and
+each rank-major B block as one contiguous pinned block (the CPU cache holds the adapter in the
+slot layout), so the slot rank changes only the GPU memory reserved.
 """
 
 from __future__ import annotations

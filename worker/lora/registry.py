@@ -3,7 +3,12 @@
 Invariants: an adapter on a GPU slot is also in the CPU cache; an adapter with requests in flight
 or pinned is never evicted from either; validation of a new adapter finishes before anything is
 evicted. Single-threaded by design: the engine loop owns it (disk reads can run in a thread
-through `load_adapter`, then `insert_cpu` on the loop).
+through `read`, then `insert_cpu` on the loop).
+
+`read` does all the per-adapter host work, off the loop: validation, the digest, and the adapter's
+CPU-cache copy in exactly the slot layout (`slots.pack_weights`: pinned on CUDA, B pre-scaled and
+rank-major, in the slot dtype), checked for NaN/Inf on the GPU when the slots are there. Filling a
+slot is then only plain copies, and `insert_cpu` only files the adapter.
 """
 
 from __future__ import annotations
@@ -16,8 +21,14 @@ from dataclasses import dataclass, field
 import torch
 
 from lorafleet.worker.config import EngineConfig, ModelConfig
-from lorafleet.worker.lora.adapter import AdapterError, LoraWeights, load_adapter
-from lorafleet.worker.lora.slots import LoraSlots
+from lorafleet.worker.lora.adapter import (
+    AdapterError,
+    LoraWeights,
+    all_finite,
+    load_adapter,
+    non_finite_module,
+)
+from lorafleet.worker.lora.slots import SLICE_ORDER, LoraSlots, PackedLora, pack_weights
 
 
 class AdapterConflict(AdapterError):
@@ -80,11 +91,48 @@ class AdapterRegistry:
         self._gpu_lru: OrderedDict[str, None] = OrderedDict()
         self.stats = TierStats()
         self._pin = slots is not None and slots.device.type == "cuda"
+        # `read`'s NaN/Inf check copies the packed adapter through a small staging buffer on this
+        # stream (never the compute stream) and waits for it alone.
+        self._check_stream = torch.cuda.Stream(slots.device) if self._pin else None
 
     # -- catalogue -----------------------------------------------------------------------------
     def read(self, path: str) -> LoraWeights:
-        """Validate and read an adapter folder (pure I/O, safe to run in a thread)."""
-        return load_adapter(path, self.model, self.engine.max_lora_rank, self.engine.max_adapter_bytes)
+        """Validate, read and prepare an adapter folder (safe to run in a thread: touches no registry state).
+
+        The weights come back laid out for the slots (`weights.packed`) and checked for NaN/Inf in
+        that layout (so an overflow to Inf in the slot dtype is refused too), while the digest is
+        computed over the same bytes in a thread.
+        """
+        return load_adapter(path, self.model, self.engine.max_lora_rank, self.engine.max_adapter_bytes,
+                            prepare=self._pack_checked)
+
+    def _pack_checked(self, weights: LoraWeights) -> None:
+        packed = pack_weights(weights, self.model.num_layers, self.dtype, self._pin)
+        if not self._all_finite(packed):
+            where = non_finite_module(weights)
+            if where is not None:
+                raise AdapterError("bad_weights", f"{where}: weights contain NaN or Inf")
+            raise AdapterError("bad_weights", f"{_non_finite_block(packed)}: weights overflow {self.dtype} once "
+                               "alpha/r is folded in")
+        weights.packed = packed
+
+    def _all_finite(self, packed: PackedLora) -> bool:
+        if not packed.chunks:
+            return True
+        if self._check_stream is None:
+            return all(all_finite(chunk) for chunk in packed.chunks)
+        device = self.slots.device
+        with torch.cuda.device(device), torch.cuda.stream(self._check_stream):
+            try:
+                staging = torch.empty(max(c.numel() for c in packed.chunks), dtype=packed.dtype, device=device)
+            except torch.cuda.OutOfMemoryError:  # no room for one chunk: check on the host instead
+                return all(all_finite(chunk) for chunk in packed.chunks)
+            flags = []
+            for chunk in packed.chunks:
+                part = staging[: chunk.numel()]
+                part.copy_(chunk, non_blocking=True)
+                flags.append(torch.isfinite(part).all())
+            return bool(torch.stack(flags).all().item())  # waits for this stream only
 
     def register(self, name: str, weights: LoraWeights, pinned: bool = False) -> tuple[AdapterEntry, bool]:
         """Add a validated adapter; returns (entry, created). Same content again is a no-op."""
@@ -169,8 +217,8 @@ class AdapterRegistry:
 
     # -- CPU tier ------------------------------------------------------------------------------
     def insert_cpu(self, name: str, weights: LoraWeights) -> None:
-        """Put validated weights into the CPU cache (prepared for fast slot copies), evicting LRU."""
-        _prepare(weights, self.dtype, self._pin)
+        """Put validated weights into the CPU cache (in the slot layout), evicting LRU."""
+        self._prepare(weights)
         self.cpu[name] = weights
         self.cpu.move_to_end(name)
         self._evict_cpu(keep=name)
@@ -290,14 +338,18 @@ class AdapterRegistry:
         del self.entries[name]
         self.cpu.pop(name, None)
 
+    def _prepare(self, weights: LoraWeights) -> None:
+        """Keep only the slot-layout copy: `read` made it; weights built elsewhere are packed here."""
+        packed = weights.packed
+        if (packed is None or packed.dtype != self.dtype or packed.pinned != self._pin
+                or packed.ranks.shape[0] != self.model.num_layers):
+            packed = weights.packed = pack_weights(weights, self.model.num_layers, self.dtype, self._pin)
+        weights.modules = packed.views  # the originals (file mapping, unpinned tensors) go
 
 
-def _prepare(weights: LoraWeights, dtype: torch.dtype, pin: bool) -> None:
-    """Fold the scaling into B and convert once, so filling a slot is a plain (pinned) copy."""
-    for m in weights.modules.values():
-        if m.scaling != 1.0 or m.a.dtype != dtype:
-            m.b = (m.b.float() * m.scaling).to(dtype)
-            m.a = m.a.to(dtype)
-            m.scaling = 1.0
-        if pin and not m.a.is_pinned():
-            m.a, m.b = m.a.pin_memory(), m.b.pin_memory()
+def _non_finite_block(packed: PackedLora) -> str:
+    n = len(SLICE_ORDER)
+    for k, _r, a, b in packed.blocks:
+        if not (all_finite(a) and all_finite(b)):
+            return f"layer {k // n} {SLICE_ORDER[k % n]}"
+    return "a module"
