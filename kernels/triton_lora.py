@@ -78,8 +78,9 @@ def _interpreting() -> bool:
 
 @functools.cache
 def pdl_supported(device_index: int) -> bool:
-    """Programmatic dependent launch: Hopper or newer, and a Triton that can launch with it."""
-    if _interpreting() or not torch.cuda.is_available():
+    """Programmatic dependent launch: Hopper or newer, a Triton that can launch with it, and not
+    turned off with LORAFLEET_PDL=0."""
+    if _interpreting() or not torch.cuda.is_available() or os.environ.get("LORAFLEET_PDL", "1") == "0":
         return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions

@@ -22,7 +22,9 @@ adapters entering and leaving slots need no re-capture). A step without adapters
 graph (no LoRA launches at all); steps with adapters are keyed by a *chunk class* as well: the
 LoRA kernels pick their launch configuration (split K, columns per program) from
 the number of active chunks on the host, and a graph keeps the one it was captured with, so each
-class (up to 4, 16, 64, ... active chunks) is captured with the class's bound as its count.
+class (up to 4, 16, 64, ... active chunks) is captured with the class's bound as its count. The
+third key is the *rank class* (16, 32, 64, ... up to max_lora_rank) bounding the largest true rank
+among the step's slots: the kernels' rank tiles are captured that wide (LoraMeta.rank_bound).
 
 On CPU (tests) nothing is captured: `capture=False` runs the model eagerly on the same static
 buffers, which checks the padding, the sink and the buffer fills against the eager path.
@@ -72,6 +74,14 @@ def chunk_class(num_chunks: int, max_chunks: int) -> int:
     while cls < num_chunks:
         cls *= 4
     return min(cls, max_chunks)
+
+
+def rank_class(bound: int, r_max: int) -> int:
+    """The rank tile a graph is captured for: 16, 32, 64, ... bounding `bound`, at most r_max."""
+    cls = 16
+    while cls < bound:
+        cls *= 2
+    return min(cls, r_max)
 
 
 def is_graphable(batch: ScheduledBatch) -> bool:
@@ -195,7 +205,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(top, self.width, dtype=torch.int32, device=dev)  # [top, width]
         self.context_lens = torch.zeros(top, dtype=torch.int32, device=dev)
         self.logits_rows = torch.arange(top, dtype=torch.int64, device=dev)
-        self._graphs: dict[tuple[int, int], _Captured] = {}  # (bucket, chunk class) -> graph
+        self._graphs: dict[tuple[int, int, int], _Captured] = {}  # (bucket, chunk class, rank class) -> graph
         self.last: _Captured | None = None  # the last step's graph (benchmarks time its replay alone)
         self._pool = None  # one memory pool shared by every bucket's graph (made at the first capture)
 
@@ -213,10 +223,14 @@ class DecodeGraphs:
         step_meta = None
         if self.model.lora is not None and inputs.has_adapters:
             step_meta = build_lora_meta(inputs.token_slots, inputs.token_scales, self.max_loras, "cpu")
-        cls = 0 if step_meta is None else chunk_class(step_meta.num_chunks, step_meta.max_chunks)
-        captured = self._graphs.get((bucket, cls))
+        key = (bucket, 0, 0)
+        if step_meta is not None:
+            bound = self.model.lora.rank_bound(inputs.token_slots)
+            key = (bucket, chunk_class(step_meta.num_chunks, step_meta.max_chunks),
+                   rank_class(bound, self.model.lora.max_rank))
+        captured = self._graphs.get(key)
         if captured is None:
-            captured = self._graphs[(bucket, cls)] = self._capture(bucket, cls)
+            captured = self._graphs[key] = self._capture(*key)
         self._fill(captured, inputs, step_meta)
         self.last = captured
         if captured.graph is not None:
@@ -259,7 +273,7 @@ class DecodeGraphs:
             self.logits_rows[:b], graph=True,
         )
 
-    def _capture(self, bucket: int, cls: int) -> _Captured:
+    def _capture(self, bucket: int, cls: int, rank_cls: int) -> _Captured:
         attn = AttentionMetadata(
             query_lens=[1] * bucket,
             context_lens=[0] * bucket,  # host copies are not read in a graph (fixed_shapes)
@@ -279,6 +293,7 @@ class DecodeGraphs:
                 self.model.device,
             )
             meta.num_chunks = cls  # what the kernels size their launch for (see the module docstring)
+            meta.rank_bound = rank_cls  # their rank tiles likewise
         captured = _Captured(bucket=bucket, attn=attn, lora_meta=meta, graph=None, logits=None)
         if not self.capture:
             return captured
@@ -301,6 +316,6 @@ class DecodeGraphs:
         captured.graph = graph
         self.stats.captures += 1
         self.stats.capture_s += time.perf_counter() - t0
-        log.info("captured the decode graph for batch bucket %d, LoRA chunk class %d in %.2f s", bucket, cls,
-                 time.perf_counter() - t0)
+        log.info("captured the decode graph for batch bucket %d, LoRA chunk class %d, rank class %d in %.2f s",
+                 bucket, cls, rank_cls, time.perf_counter() - t0)
         return captured

@@ -96,12 +96,10 @@ class ModelRunner:
         )
         lora_meta: LoraMeta | None = None
         if any(seq.adapters for seq in batch.seqs):
-            lora_meta = build_lora_meta(
-                torch.tensor(token_slots, dtype=torch.int32),
-                torch.tensor(token_scales, dtype=torch.float32),
-                self.max_loras,
-                dev,
-            )
+            slots_t = torch.tensor(token_slots, dtype=torch.int32)
+            lora_meta = build_lora_meta(slots_t, torch.tensor(token_scales, dtype=torch.float32), self.max_loras, dev)
+            if self.model.lora is not None:  # rank tiles as wide as this step's largest true rank
+                lora_meta.rank_bound = max(1, self.model.lora.rank_bound(slots_t))
         return (
             torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
             torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
