@@ -231,6 +231,20 @@ def build_engine(args, device: str, n_slots: int) -> tuple[LLMEngine, ModelConfi
     return engine, model_config, time.perf_counter() - t0
 
 
+def guarded(label: str, run) -> list[dict]:
+    """run() -> rows; a failure becomes one error row, so one broken part does not lose the run."""
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001 - recorded in the results and printed
+        import traceback
+
+        traceback.print_exc()
+        print(f"{label} failed: {exc!r}", flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return [{"error": f"{label}: {exc!r}"}]
+
+
 def adapter_sets(names: list[str], d: int, batch: int):
     return [()] * batch if d == 0 else [((names[r % d], 1.0),) for r in range(batch)]
 
@@ -260,8 +274,9 @@ def main() -> None:
     if args.peers:
         from bench.engine_peers import peer_rows
 
-        peers = peer_rows(TINY_SHAPE if args.tiny else SEED_SHAPE, device, args.batch, prompt_lens[0],
-                          args.new_tokens, [int(x) for x in args.peft_adapters.split(",") if x], 32)
+        peers = guarded("peers", lambda: peer_rows(
+            TINY_SHAPE if args.tiny else SEED_SHAPE, device, args.batch, prompt_lens[0], args.new_tokens,
+            [int(x) for x in args.peft_adapters.split(",") if x], 32))
     n_slots = max(adapter_counts + breakdown_counts + [1])
     engine, model_config, load_s = build_engine(args, device, n_slots)
     weight_bytes = engine.model.weight_bytes()
@@ -307,13 +322,14 @@ def main() -> None:
     breakdown = []
     for d in breakdown_counts:
         sets = adapter_sets(names, d, args.batch)
-        breakdown.append({"adapters": d, "prompt_len": prompt_lens[0], **step_breakdown(engine, sets, prompt_lens[0])})
+        parts = guarded(f"breakdown {d}", lambda sets=sets: [step_breakdown(engine, sets, prompt_lens[0])])
+        breakdown.append({"adapters": d, "prompt_len": prompt_lens[0], **parts[0]})
         print(f"breakdown {d} adapters: {breakdown[-1]}", flush=True)
     load = []
     if args.adapter_load:
         from bench.adapter_load import load_rows
 
-        load = load_rows(engine, model_config, device, args.adapter_load)
+        load = guarded("adapter load", lambda: load_rows(engine, model_config, device, args.adapter_load))
     base = {(r["mode"], r["prompt_len"]): r["tokens_per_s"] for r in rows if r["adapters"] == 0}
     for r in rows:
         r["vs_base"] = round(r["tokens_per_s"] / base[(r["mode"], r["prompt_len"])], 3)
@@ -334,9 +350,9 @@ def main() -> None:
         print(f"{r['workload']:<14} {r['mode']:<6} {r['prompt_len']:>6} {r['tokens_per_s']:>10,.0f} {r['vs_base']:>8} "
               f"{r['ceiling_tokens_per_s']:>10,.0f}")
     for p in peers:
-        print(f"{p['workload']:<32} adapters {p['adapters']:>3}: {p['tokens_per_s']:>9,.0f} tok/s")
+        print(f"{p.get('workload', 'peer')}: {p}")
     for r in load:
-        print(f"adapter load {r['case']:<40} {r['ms_median']} ms (p90 {r['ms_p90']})")
+        print(f"adapter load {r.get('case', '?'):<40} {r.get('ms_median')} ms (p90 {r.get('ms_p90')})")
     if graphs is not None:
         print(f"CUDA graphs: {result['cuda_graphs']}")
     print(f"time to first token, one 512-token prompt: {result['ttft_ms_512']} ms")
