@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -62,6 +63,8 @@ class LoraMeta:
     # Triton kernels size their rank tiles by it, so rank-8 adapters in a rank-64 pool do rank-8
     # work; whoever sets it must make sure it holds (ModelRunner: the slots' largest ranks).
     rank_bound: int | None = None
+    # The device buffers every tensor above is a view of (build_lora_meta): (int32, float32).
+    packed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -81,11 +84,15 @@ class LoraMeta:
         other_keys = (other.num_tokens, other.token_slots.shape[1], other.max_slots, other.chunk_size, other.max_chunks)
         if shape_keys != other_keys:
             raise ValueError(f"meta shapes differ: {shape_keys} vs {other_keys}")
-        for name in (
-            "token_slots", "token_scales", "sorted_token", "sorted_scale", "seg_slot", "seg_start",
-            "chunk_slot", "chunk_start", "chunk_end",
-        ):
-            getattr(self, name).copy_(getattr(other, name), non_blocking=True)
+        if self.packed is not None and other.packed is not None:  # same layout: two copies
+            for dst, src in zip(self.packed, other.packed, strict=True):
+                dst.copy_(src, non_blocking=True)
+        else:
+            for name in (
+                "token_slots", "token_scales", "sorted_token", "sorted_scale", "seg_slot", "seg_start",
+                "chunk_slot", "chunk_start", "chunk_end",
+            ):
+                getattr(self, name).copy_(getattr(other, name), non_blocking=True)
         self.num_segments = other.num_segments
         self.num_entries = other.num_entries
         self.segments = list(other.segments)
@@ -115,73 +122,78 @@ def build_lora_meta(
 
     token_slots: `[T, k]` int (CPU), -1 = none; token_scales: `[T, k]` float (CPU).
     chunk_size: pairs per Triton program (a power of two >= 16); default from T*k.
+    Host work is numpy (a decode step's host time is what the GPU waits for); the device tensors
+    are views of one int32 and one float32 buffer, each moved in a single copy.
     """
     if token_slots.shape != token_scales.shape or token_slots.dim() != 2:
         raise ValueError(f"token_slots {tuple(token_slots.shape)} and token_scales {tuple(token_scales.shape)} must both be [T, k]")
-    slots = token_slots.to(torch.int64).reshape(-1)
-    if slots.numel() and int(slots.max()) >= max_slots:
+    num_tokens, k = token_slots.shape
+    slots = token_slots.numpy().astype(np.int64).reshape(-1)
+    scales = token_scales.numpy().astype(np.float32).reshape(-1)
+    if slots.size and int(slots.max()) >= max_slots:
         raise ValueError(f"slot {int(slots.max())} out of range for {max_slots} slots")
-    k = token_slots.shape[1]
     # Invalid pairs sort last; a stable sort keeps tokens in order inside a segment.
-    keys = torch.where(slots >= 0, slots, torch.full_like(slots, max_slots))
-    order = torch.sort(keys, stable=True).indices
+    keys = np.where(slots >= 0, slots, max_slots)
+    order = np.argsort(keys, kind="stable")
     sorted_keys = keys[order]
-    num_entries = int((sorted_keys < max_slots).sum())
-    sorted_token = (order // max(k, 1)).to(torch.int32)
-    sorted_scale = token_scales.reshape(-1).to(torch.float32)[order]
-
-    active, counts = torch.unique_consecutive(sorted_keys[:num_entries], return_counts=True)
-    num_segments = active.numel()
-    seg_slot = torch.full((max_slots,), -1, dtype=torch.int32)
-    seg_slot[:num_segments] = active.to(torch.int32)
-    seg_start = torch.full((max_slots + 1,), num_entries, dtype=torch.int32)
+    num_entries = int(np.count_nonzero(sorted_keys < max_slots))
+    valid = sorted_keys[:num_entries]
+    firsts = np.flatnonzero(np.diff(valid, prepend=-1)) if num_entries else np.zeros(0, dtype=np.int64)
+    active = valid[firsts]
+    counts = np.diff(np.append(firsts, num_entries))
+    num_segments = active.size
+    seg_start = np.full(max_slots + 1, num_entries, dtype=np.int64)
     seg_start[0] = 0
-    if num_segments:
-        seg_start[1 : num_segments + 1] = torch.cumsum(counts, 0).to(torch.int32)
-    starts = seg_start[: num_segments + 1].tolist()
-    segments = [(int(active[i]), starts[i], starts[i + 1]) for i in range(num_segments)]
+    seg_start[1 : num_segments + 1] = np.cumsum(counts)
+    segments = [(int(active[i]), int(seg_start[i]), int(seg_start[i + 1])) for i in range(num_segments)]
 
-    num_pairs = slots.numel()
+    num_pairs = slots.size
     chunk_size = chunk_size or default_chunk_size(num_pairs)
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size {chunk_size} must be a power of two >= 16")
     max_chunks = max_chunks_for(num_pairs, max_slots, chunk_size)
     # Chunk c of segment i covers pairs [seg_start[i] + c*chunk_size, min(+chunk_size, seg_end)).
-    per_seg = (counts + chunk_size - 1) // chunk_size  # [num_segments]
+    per_seg = (counts + chunk_size - 1) // chunk_size
     num_chunks = int(per_seg.sum())
-    chunk_seg = torch.repeat_interleave(torch.arange(num_segments), per_seg)
-    first_chunk = torch.cumsum(per_seg, 0) - per_seg
-    within = torch.arange(num_chunks) - first_chunk[chunk_seg]
-    seg_begin = seg_start[:num_segments].to(torch.int64)
-    seg_end = seg_start[1 : num_segments + 1].to(torch.int64)
-    chunk_slot = torch.full((max_chunks,), -1, dtype=torch.int32)
-    chunk_start = torch.zeros((max_chunks,), dtype=torch.int32)
-    chunk_end = torch.zeros((max_chunks,), dtype=torch.int32)
-    begin = seg_begin[chunk_seg] + within * chunk_size
-    chunk_slot[:num_chunks] = active[chunk_seg].to(torch.int32)
-    chunk_start[:num_chunks] = begin.to(torch.int32)
-    chunk_end[:num_chunks] = torch.minimum(begin + chunk_size, seg_end[chunk_seg]).to(torch.int32)
+    chunk_seg = np.repeat(np.arange(num_segments), per_seg)
+    within = np.arange(num_chunks) - (np.cumsum(per_seg) - per_seg)[chunk_seg]
+    begin = seg_start[:num_segments][chunk_seg] + within * chunk_size
 
-    def put(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device, non_blocking=True)
-
+    # One int32 buffer: token_slots | sorted_token | seg_slot | seg_start | chunk_slot | chunk_start | chunk_end
+    sizes = [num_pairs, num_pairs, max_slots, max_slots + 1, max_chunks, max_chunks, max_chunks]
+    ints = np.zeros(sum(sizes), dtype=np.int32)
+    parts = np.split(ints, np.cumsum(sizes)[:-1])
+    parts[0][:] = slots
+    parts[1][:] = order // max(k, 1)
+    parts[2][:] = -1
+    parts[2][:num_segments] = active
+    parts[3][:] = seg_start
+    parts[4][:] = -1
+    parts[4][:num_chunks] = active[chunk_seg]
+    parts[5][:num_chunks] = begin
+    parts[6][:num_chunks] = np.minimum(begin + chunk_size, seg_start[1 : num_segments + 1][chunk_seg])
+    floats = np.concatenate([scales, scales[order]])
+    ints_d = torch.from_numpy(ints).to(device, non_blocking=True)
+    floats_d = torch.from_numpy(floats).to(device, non_blocking=True)
+    views = torch.split(ints_d, sizes)
     return LoraMeta(
-        token_slots=put(token_slots.to(torch.int32)),
-        token_scales=put(token_scales.to(torch.float32)),
-        sorted_token=put(sorted_token),
-        sorted_scale=put(sorted_scale),
-        seg_slot=put(seg_slot),
-        seg_start=put(seg_start),
+        token_slots=views[0].view(num_tokens, k),
+        token_scales=floats_d[:num_pairs].view(num_tokens, k),
+        sorted_token=views[1],
+        sorted_scale=floats_d[num_pairs:],
+        seg_slot=views[2],
+        seg_start=views[3],
         num_segments=num_segments,
         num_entries=num_entries,
         max_slots=max_slots,
         segments=segments,
         chunk_size=chunk_size,
-        chunk_slot=put(chunk_slot),
-        chunk_start=put(chunk_start),
-        chunk_end=put(chunk_end),
+        chunk_slot=views[4],
+        chunk_start=views[5],
+        chunk_end=views[6],
         num_chunks=num_chunks,
         max_chunks=max_chunks,
+        packed=(ints_d, floats_d),
     )
 
 

@@ -217,8 +217,8 @@ class DecodeGraphs:
 
         The logits are a view of the graph's output buffer: valid until the next `run`.
         """
-        bucket = bucket_for(len(batch.seqs), self.buckets)
-        assert bucket is not None and is_graphable(batch)
+        bucket = bucket_for(len(batch.seqs), self.buckets)  # the caller checked `can_run`
+        assert bucket is not None
         inputs = decode_inputs(batch, slot_of, bucket, self.width, self.block_size, self.k, self.sink_slot)
         step_meta = None
         if self.model.lora is not None and inputs.has_adapters:
