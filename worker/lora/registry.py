@@ -257,9 +257,11 @@ class AdapterRegistry:
 
         `protected` are adapters the running batch uses: never evicted to make room.
         """
+        names = list(names)
+        keep = protected | set(names)
         result: dict[str, int] = {}
         for name in names:
-            result[name] = self._ensure_slot(name, protected | set(names))
+            result[name] = self._ensure_slot(name, keep)
         if self.slots is not None:
             self.slots.wait(list(result.values()))
         return result
