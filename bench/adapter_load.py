@@ -34,9 +34,11 @@ medians and p90s of the repeats: {case, ms_median, ms_p90, adapter_mib, repeats,
 bench/results/adapter-load-h200.json (with --tiny, a CPU smoke run, /tmp/adapter-load-tiny.json).
 
 Slots are as wide as bench/engine.py makes them (max rank 16, the adapter's own rank);
---max-lora-rank 64 is the server's default. Either way `LoraSlots.fill` copies each A block and
-each rank-major B block as one contiguous pinned block (the CPU cache holds the adapter in the
-slot layout), so the slot rank changes only the GPU memory reserved.
+--max-lora-rank 64 is the server's default. Either way `LoraSlots.fill` issues one copy per piece
+(per column and A|B, all layers at once, plus one per pinned-buffer cut inside a piece: 18 at the
+seed shape) and one for the rank table, from the CPU cache's copy already in the slot layout, so
+the slot rank changes only the GPU memory reserved. The cpu->gpu row reports that count
+(`fill_copies`).
 """
 
 from __future__ import annotations
@@ -209,9 +211,11 @@ def register_from(engine: LLMEngine, folder: Path, name: str) -> bool:
 def cpu_case(engine: LLMEngine, folder: Path, repeats: int, mib: float) -> dict:
     reg = engine.registry
     totals, hosts, pinned, evictions = [], [], False, reg.stats.gpu_evictions
+    copies = None
     for k in range(repeats):
         name = f"{PREFIX}cpu-{k}"
         pinned = register_from(engine, folder, name)
+        copies = len(reg.cpu[name].packed.sources) + 1  # LoraSlots.fill: one per piece + the rank table
         sync()
         t0 = time.perf_counter()
         reg.activate([name], {name})
@@ -221,7 +225,7 @@ def cpu_case(engine: LLMEngine, folder: Path, repeats: int, mib: float) -> dict:
         hosts.append(t1 - t0)
         engine.unload_adapter(name)
     return row("cpu->gpu", totals, mib, pinned=pinned, activate_host_ms_median=round(1e3 * statistics.median(hosts), 3),
-               gpu_evictions=reg.stats.gpu_evictions - evictions)
+               fill_copies=copies, gpu_evictions=reg.stats.gpu_evictions - evictions)
 
 
 # -- overlap with decode ------------------------------------------------------------------------

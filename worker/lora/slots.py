@@ -1,19 +1,37 @@
 """GPU slot stacks: per layer and fused projection, A `[S, r_max, in]` and B `[S, out, r_max]` per slice.
 
-B is indexed `[S, out, r_max]` but stored rank-major (`lora_ops.new_lora_b`: `[S, r_max, out]`
-memory), so a slot's true-rank rows are one contiguous block and the kernels read exactly those
-(on the H200 a rank-8 adapter in a rank-64 pool ran 10-20% faster than with out-major B).
+Storage. Each slice column (SLICE_ORDER: q, k, v, o, gate, up, down) owns one A tensor
+`[L, S, r_max, in]` and one B tensor `[L, S, r_max, out]` for all L layers. Layer l's stacks are
+views of them: `lora_a[j]` = A[l], a contiguous `[S, r_max, in]`, and `lora_b[j]` =
+`B[l].transpose(1, 2)`, indexed `[S, out, r_max]` with rank-major memory, the strides
+`lora_ops.new_lora_b` gives (`lora_b_layout` == "rank_major"). So the kernels see exactly what
+per-layer tensors gave them, and a slot's true-rank rows are one contiguous block per layer (on the
+H200 a rank-8 adapter in a rank-64 pool ran 10-20% faster than with out-major B).
 
 Filling a slot copies an adapter in at its true rank (the slot's rank table says how many rows
 are live), folds alpha/r into B, and sets rank 0 for slices the adapter does not target, so the
-kernels do no work there. On CUDA the copy runs on a side stream from pinned memory and the step
-that first uses the slot waits on its event, so a prefetch overlaps the running batch.
+kernels do no work there (rows past a layer's rank are never read, so stale ones are harmless).
+On CUDA the copy runs on a side stream from pinned memory and the step that first uses the slot
+waits on its event, so a prefetch overlaps the running batch.
 
 The host side is prepared once per adapter (`pack_weights`, called by `AdapterRegistry.read` off
-the engine loop): every module's A rows and B's rank-major rows, pre-scaled and in the slot dtype,
-back to back in a few flat buffers (pinned on CUDA), plus the adapter's rank table for every layer.
-A fill is then only plain contiguous copies, one per A block and one per B block (issued by one
-`_foreach_copy_`), and one copy of the rank table into the pool's `[layers, slices, S]` table.
+the engine loop), pre-scaled and in the slot dtype, in the storage's order. Per column, the layers
+the adapter targets form runs of consecutive layers at one rank (a uniform adapter: one run of all
+L layers; a rank_pattern that changes the rank, or a skipped layer, starts a new run); a run is one
+contiguous piece `[n, r, in]` of A rows and one `[n, r, out]` of B's rank-major rows, so nothing
+is padded. Pieces sit back to back in a few flat buffers (pinned on CUDA, each at most 16 MiB,
+cut at a layer where one is full). A fill is one copy per piece, into the strided 3-D view
+`A[l:l+n, slot, :r]` / `B[l:l+n, slot, :r]` (all in one `_foreach_copy_`), plus one copy of the
+rank table into the pool's `[layers, slices, S]` table. For a uniform adapter on all 7 targets
+that is 14 pieces plus one per buffer cut inside a piece, whatever the number of layers (7.8B seed
+shape, rank 16: 18 pieces + 1 = 19 copies, was 2 x 7 x 32 + 1 = 449).
+
+A CPU -> CUDA copy into a non-contiguous tensor is staged by PyTorch itself: one cudaMemcpyAsync
+into a contiguous temporary from the caching allocator, then one device copy kernel into the
+view, both on the current (here the side) stream. A fill so needs one piece's bytes of extra GPU
+memory (at most one pinned buffer), which the allocator then keeps cached for the side stream; if
+even that cannot be allocated, the pieces go layer by layer into the contiguous per-layer rows
+instead, with no temporary.
 """
 
 from __future__ import annotations
@@ -23,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lorafleet.kernels.lora_ops import lora_b_layout, new_lora_b
+from lorafleet.kernels.lora_ops import lora_b_layout
 from lorafleet.worker.config import FUSED_SLICES, ModelConfig
 from lorafleet.worker.lora.adapter import LoraWeights, ModuleWeights
 
@@ -36,6 +54,7 @@ PINNED_CHUNK_BYTES = 16 << 20
 # dtypes whose elementwise ops compute in float32 (opmath), so `b * s` in that dtype rounds exactly
 # like `(b.float() * s).to(dtype)`.
 _FLOAT32_OPMATH = (torch.bfloat16, torch.float16, torch.float32)
+_A, _B = 0, 1  # a piece's half
 
 
 @dataclass(slots=True)
@@ -44,20 +63,21 @@ class PackedLora:
 
     dtype: torch.dtype
     pinned: bool
-    chunks: list[torch.Tensor]  # flat buffers holding every block below
-    # (k, rank, A rows [r*in], B rank-major rows [r*out]): k = layer * len(SLICE_ORDER) + column.
+    chunks: list[torch.Tensor]  # flat buffers holding every piece below, back to back
+    # Per module, sorted by k = layer * len(SLICE_ORDER) + column: (k, rank, A rows [r*in], B
+    # rank-major rows [r*out]), views into the pieces (for checks and error messages).
     blocks: list[tuple[int, int, torch.Tensor, torch.Tensor]]
     ranks: torch.Tensor  # [num_layers, len(SLICE_ORDER)] int32, 0 = untargeted (pinned with the chunks)
     # The modules as views of the blocks (A [r, in], B [out, r] scaled, scaling 1): what the CPU cache keeps.
     views: dict[tuple[int, str], ModuleWeights] = field(default_factory=dict)
-    # (k, A elements, B elements) per block: adapters of one shape share it, and the slots reuse the
-    # copy targets they built for it.
-    layout: tuple[tuple[int, int, int], ...] = ()
-    sources: list[torch.Tensor] = field(default_factory=list)  # A0, B0, A1, B1, ... in block order
+    # (column, half (_A/_B), first layer, layers, rank) per piece: adapters of one shape share it,
+    # and the slots reuse the copy targets they built for it.
+    layout: tuple[tuple[int, int, int, int, int], ...] = ()
+    sources: list[torch.Tensor] = field(default_factory=list)  # per piece: [layers, rank, in | out]
 
     @property
     def nbytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for _, _, a, b in self.blocks)
+        return sum(c.numel() * c.element_size() for c in self.chunks)
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -89,68 +109,98 @@ def _scaled_b_into(m: ModuleWeights, dst: torch.Tensor) -> None:
         dst.copy_(b.T.float() * s)  # (b.float() * s).to(dtype)
 
 
+def _runs(ranks: list[int]) -> list[tuple[int, int, int]]:
+    """(first layer, layers, rank) of each run of consecutive layers sharing one non-zero rank."""
+    runs: list[tuple[int, int, int]] = []
+    for layer, r in enumerate(ranks):
+        if r and runs and runs[-1][2] == r and sum(runs[-1][:2]) == layer:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1, r)
+        elif r:
+            runs.append((layer, 1, r))
+    return runs
+
+
+def _place(pieces: list[tuple[int, int, int, int, int, int]], cap: int) -> tuple[list, list[int]]:
+    """Cut (column, half, layer, layers, rank, row elements) pieces into buffers of at most `cap`
+    elements (0: one buffer), at layer boundaries. Returns ((buffer, offset, *piece) ..., sizes)."""
+    placed, sizes = [], [0]
+    for col, half, layer, count, r, per in pieces:
+        while count:
+            take = count if not cap else min(count, (cap - sizes[-1]) // per)
+            if take <= 0:
+                if sizes[-1]:
+                    sizes.append(0)
+                    continue
+                take = 1  # one layer's rows exceed a buffer: it gets one of its own
+            placed.append((len(sizes) - 1, sizes[-1], col, half, layer, take, r, per))
+            sizes[-1] += take * per
+            layer, count = layer + take, count - take
+    return placed, sizes if placed else []
+
+
 def pack_weights(
     weights: LoraWeights, num_layers: int, dtype: torch.dtype, pin: bool, chunk_bytes: int | None = None
 ) -> PackedLora:
-    """Lay `weights` out in slot order, in `dtype`, B transposed to rank-major and pre-scaled.
+    """Lay `weights` out as the slot storage holds it, in `dtype`, B transposed to rank-major and pre-scaled.
 
-    Pinned buffers are cut into chunks of at most `chunk_bytes` (default PINNED_CHUNK_BYTES); an
-    unpinned layout is one flat buffer. A module's blocks never straddle two chunks: a chunk holds
-    its modules' A blocks, then their B blocks, so B blocks with one scaling are scaled by one op.
-    Weights already in `dtype` are copied (B transposed) as bits by numpy, then B is scaled in place
-    in `dtype`, which rounds exactly as `(b.float() * s).to(dtype)`; other weights go through torch.
+    Pieces (see the module docstring) go in order: every column's A pieces, then every column's B
+    pieces, so B rows with one scaling are mostly one span, scaled by one op. Pinned buffers hold
+    at most `chunk_bytes` (default PINNED_CHUNK_BYTES) unless one layer's rows are larger; an
+    unpinned layout is one flat buffer. Weights already in `dtype` are copied (B transposed) as
+    bits by numpy, then B is scaled in place in `dtype`, which rounds exactly as
+    `(b.float() * s).to(dtype)`; other weights go through torch.
     """
     if chunk_bytes is None:
         chunk_bytes = PINNED_CHUNK_BYTES if pin else 0
     cap = chunk_bytes // torch.empty((), dtype=dtype).element_size() if chunk_bytes else 0
     n = len(SLICE_ORDER)
-    mods = sorted(
-        ((layer * n + _COLUMN[target], m) for (layer, target), m in weights.modules.items()), key=lambda km: km[0]
-    )
-    groups: list[list[tuple[int, ModuleWeights]]] = []  # the modules of each chunk
-    sizes: list[int] = []  # chunk sizes, elements
-    for k, m in mods:
-        need = m.a.numel() + m.b.numel()
-        if not groups or (cap and sizes[-1] + need > cap):
-            groups.append([])
-            sizes.append(0)
-        groups[-1].append((k, m))
-        sizes[-1] += need
+    table = [[0] * n for _ in range(num_layers)]
+    dims = {}  # column -> (in, out)
+    for (layer, target), m in weights.modules.items():
+        table[layer][_COLUMN[target]] = m.a.shape[0]
+        dims[_COLUMN[target]] = (m.a.shape[1], m.b.shape[0])
+    ranks = torch.tensor(table, dtype=torch.int32).reshape(num_layers, n)
+    if pin:
+        ranks = ranks.pin_memory()
+    runs = {c: _runs([row[c] for row in table]) for c in sorted(dims)}
+    pieces = [(c, half, layer, count, r, r * dims[c][half])
+              for half in (_A, _B) for c, col_runs in runs.items() for layer, count, r in col_runs]
+    placed, sizes = _place(pieces, cap)
     chunks = [torch.empty(size, dtype=dtype, pin_memory=pin) for size in sizes]
-    ranks = torch.zeros(num_layers, n, dtype=torch.int32, pin_memory=pin)
-    blocks = []
-    for chunk, group in zip(chunks, groups):
-        a_off, b_off = 0, sum(m.a.numel() for _, m in group)
-        scale_runs: list[list] = []  # [begin, end, scaling] over this chunk's B blocks
-        for k, m in group:
-            r, in_dim = m.a.shape
-            out_dim = m.b.shape[0]
-            a = chunk[a_off : a_off + r * in_dim]
-            b = chunk[b_off : b_off + r * out_dim]
-            if _bitwise_ok(m, dtype):
-                _raw(a).reshape(r, in_dim)[...] = _raw(m.a)
-                _raw(b).reshape(r, out_dim)[...] = _raw(m.b).T
+    halves: dict[int, list] = {}  # k -> [A rows, B rows]
+    layout, sources = [], []
+    scale_runs: list[list] = []  # [chunk, begin, end, scaling] over B rows still to scale in place
+    for ci, off, col, half, layer, count, r, per in placed:
+        chunk = chunks[ci]
+        sources.append(chunk[off : off + count * per].view(count, r, per // r))
+        layout.append((col, half, layer, count, r))
+        for i in range(count):
+            k, m = (layer + i) * n + col, weights.modules[(layer + i, SLICE_ORDER[col])]
+            begin = off + i * per
+            rows = chunk[begin : begin + per]
+            halves.setdefault(k, [None, None])[half] = rows
+            if half == _A:
+                if _bitwise_ok(m, dtype):
+                    _raw(rows).reshape(r, -1)[...] = _raw(m.a)
+                else:
+                    rows.view(r, -1).copy_(m.a)
+            elif _bitwise_ok(m, dtype):
+                _raw(rows).reshape(r, -1)[...] = _raw(m.b).T
                 if m.scaling != 1.0:
-                    if scale_runs and scale_runs[-1][2] == m.scaling and scale_runs[-1][1] == b_off:
-                        scale_runs[-1][1] = b_off + b.numel()
+                    last = scale_runs[-1] if scale_runs else None
+                    if last and last[0] == ci and last[2] == begin and last[3] == m.scaling:
+                        last[2] = begin + per
                     else:
-                        scale_runs.append([b_off, b_off + b.numel(), m.scaling])
+                        scale_runs.append([ci, begin, begin + per, m.scaling])
             else:
-                a.view(r, in_dim).copy_(m.a)
-                _scaled_b_into(m, b.view(r, out_dim))
-            ranks[k // n, k % n] = r
-            blocks.append((k, r, a, b))
-            a_off += a.numel()
-            b_off += b.numel()
-        for begin, end, scaling in scale_runs:
-            chunk[begin:end].mul_(scaling)
+                _scaled_b_into(m, rows.view(r, -1))
+    for ci, begin, end, scaling in scale_runs:
+        chunks[ci][begin:end].mul_(scaling)
+    blocks = [(k, table[k // n][k % n], a, b) for k, (a, b) in sorted(halves.items())]
     views = {(k // n, SLICE_ORDER[k % n]): ModuleWeights(a=a.view(r, -1), b=b.view(r, -1).T, scaling=1.0)
              for k, r, a, b in blocks}
-    return PackedLora(
-        dtype=dtype, pinned=pin, chunks=chunks, blocks=blocks, ranks=ranks, views=views,
-        layout=tuple((k, a.numel(), b.numel()) for k, _r, a, b in blocks),
-        sources=[t for _k, _r, a, b in blocks for t in (a, b)],
-    )
+    return PackedLora(dtype=dtype, pinned=pin, chunks=chunks, blocks=blocks, ranks=ranks, views=views,
+                      layout=tuple(layout), sources=sources)
 
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
@@ -162,6 +212,8 @@ def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         try:
             foreach(dst, src, non_blocking=True)
             return
+        except torch.cuda.OutOfMemoryError:
+            raise  # no room to stage a strided copy: the caller decides
         except (RuntimeError, TypeError, NotImplementedError):  # an older torch: the plain loop (idempotent)
             pass
     for d, s in zip(dst, src):
@@ -170,7 +222,7 @@ def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
 
 @dataclass(slots=True)
 class FusedSlots:
-    lora_a: list[torch.Tensor]  # per slice: [S, r_max, in]
+    lora_a: list[torch.Tensor]  # per slice: [S, r_max, in] (a view of the column's [L, S, r_max, in])
     lora_b: list[torch.Tensor]  # per slice: [S, out, r_max] view of rank-major [S, r_max, out] memory
     ranks: list[list[int]]  # per slice: [S] true ranks on the host (0 = untargeted)
     ranks_device: torch.Tensor  # [n_slices, S] int32 (a view of LoraSlots.ranks_device)
@@ -189,57 +241,48 @@ class LoraSlots:
         # updates one slot's column everywhere with one copy. Each FusedSlots sees its [n_slices, S] rows.
         self.ranks_device = torch.zeros(config.num_layers, len(SLICE_ORDER), num_slots, dtype=torch.int32,
                                         device=device)
+        # Per column (SLICE_ORDER): A [L, S, r_max, in] and B [L, S, r_max, out] (rank-major B), all layers.
+        dims = [size for fused in FUSED_SLICES for size in config.slice_sizes(fused)]
+        self._storage: list[tuple[torch.Tensor, torch.Tensor]] = [
+            tuple(torch.zeros(config.num_layers, num_slots, max_rank, d, device=device, dtype=dtype) for d in io)
+            for io in dims
+        ]
         self.layers: list[dict[str, FusedSlots]] = []
+        self._host_ranks: list[list[int]] = []  # per layer, in SLICE_ORDER (index k): the slice's host ranks
         for layer_idx in range(config.num_layers):
             layer: dict[str, FusedSlots] = {}
             for fused, names in FUSED_SLICES.items():
-                sizes = config.slice_sizes(fused)
-                col = _COLUMN[names[0]]
-                layer[fused] = FusedSlots(
-                    lora_a=[torch.zeros(num_slots, max_rank, i, device=device, dtype=dtype) for i, _ in sizes],
-                    lora_b=[new_lora_b(num_slots, o, max_rank, device=device, dtype=dtype) for _, o in sizes],
+                cols = [_COLUMN[t] for t in names]
+                s = layer[fused] = FusedSlots(
+                    lora_a=[self._storage[c][0][layer_idx] for c in cols],
+                    lora_b=[self._storage[c][1][layer_idx].transpose(1, 2) for c in cols],
                     ranks=[[0] * num_slots for _ in names],
-                    ranks_device=self.ranks_device[layer_idx, col : col + len(names)],
+                    ranks_device=self.ranks_device[layer_idx, cols[0] : cols[0] + len(names)],
                 )
+                for a, b in zip(s.lora_a, s.lora_b):  # what new_lora_b / torch.zeros would have given
+                    if lora_b_layout(b) != "rank_major" or not a.is_contiguous():
+                        raise ValueError(f"LoraSlots views lost their layout: B {lora_b_layout(b)}, A {a.stride()}")
+                self._host_ranks += s.ranks
             self.layers.append(layer)
-        # In SLICE_ORDER per layer (index k): the slice's stacks as [S, r_max*in] / [S, r_max*out]
-        # (B's rank-major storage), and its host rank list.
-        self._flat: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._host_ranks: list[list[int]] = []
-        for layer in self.layers:
-            for fused, names in FUSED_SLICES.items():
-                s = layer[fused]
-                for j in range(len(names)):
-                    if lora_b_layout(s.lora_b[j]) != "rank_major":  # a slot's [:r] rows must be one block
-                        raise ValueError(f"LoraSlots needs rank-major B stacks, got {lora_b_layout(s.lora_b[j])}")
-                    self._flat.append((s.lora_a[j].view(num_slots, -1), s.lora_b[j].transpose(1, 2).view(num_slots, -1)))
-                    self._host_ranks.append(s.ranks[j])
         self._targets_cache: dict[int, tuple[tuple, list[torch.Tensor]]] = {}
         self.slot_max_rank = [0] * num_slots  # largest true rank over a slot's slices (0 = empty)
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ready: dict[int, torch.cuda.Event] = {}
 
     def nbytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size()
-            for layer in self.layers
-            for s in layer.values()
-            for t in (*s.lora_a, *s.lora_b)
-        )
+        return sum(t.numel() * t.element_size() for pair in self._storage for t in pair)
 
     def pack(self, weights: LoraWeights, pin: bool | None = None) -> PackedLora:
         """`weights` in this pool's layout (pinned on CUDA unless `pin` says otherwise)."""
         return pack_weights(weights, self.num_layers, self.dtype, self.device.type == "cuda" if pin is None else pin)
 
     def _targets(self, slot: int, packed: PackedLora) -> list[torch.Tensor]:
-        """The slot regions `packed.sources` go to (cached per slot for the last layout seen there)."""
+        """Where `packed.sources` go: [layers, rank, dim] views of the storage at `slot` (cached per
+        slot for the last layout seen there)."""
         cached = self._targets_cache.get(slot)
         if cached is not None and cached[0] == packed.layout:
             return cached[1]
-        dst = []
-        for k, na, nb in packed.layout:
-            a, b = self._flat[k]
-            dst += (a[slot, :na], b[slot, :nb])
+        dst = [self._storage[col][half][layer : layer + count, slot, :r] for col, half, layer, count, r in packed.layout]
         self._targets_cache[slot] = (packed.layout, dst)
         return dst
 
@@ -265,7 +308,10 @@ class LoraSlots:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
         with ctx:
-            _copy_all(dst, src)
+            try:
+                _copy_all(dst, src)
+            except torch.cuda.OutOfMemoryError:  # no room to stage a strided piece: layer by layer, in place
+                _copy_all([t for d in dst for t in d.unbind(0)], [t for s in src for t in s.unbind(0)])
             self.ranks_device[:, :, slot].copy_(packed.ranks, non_blocking=True)
         if stream is not None:
             event = torch.cuda.Event()
