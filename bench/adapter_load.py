@@ -192,6 +192,15 @@ def disk_case(engine: LLMEngine, work: Path, tensors: dict, repeats: int, drop_c
     return row(label, [s["total"] for s in samples], samples[0]["mib"], **extra)
 
 
+def reread_case(engine: LLMEngine, folder: Path, repeats: int) -> dict:
+    """The same unchanged folder read again (an adapter evicted from the CPU cache coming back):
+    its digest comes from `adapter.DIGEST_CACHE`, so no sha256; page cache warm."""
+    samples = [disk_to_gpu(engine, folder, f"{PREFIX}reread-{k}") for k in range(repeats)]
+    extra = medians_ms(samples, ("read", "register", "activate", "activate_host"))
+    return row("disk->gpu, re-read of an unchanged folder (digest cached)", [s["total"] for s in samples],
+               samples[0]["mib"], **extra)
+
+
 def digest_case(folder: Path, repeats: int, mib: float) -> dict:
     times = []
     for _ in range(repeats):
@@ -325,6 +334,7 @@ def load_rows(engine: LLMEngine, model_config: ModelConfig, device: str, repeats
         return [
             disk_case(engine, work, tensors, repeats, drop_cache=True),
             disk_case(engine, work, tensors, repeats, drop_cache=False),
+            reread_case(engine, warm, repeats),
             digest_case(warm, repeats, mib),
             cpu_case(engine, warm, repeats, mib),
             *decode_cases(engine, warm, repeats, mib),

@@ -4,7 +4,9 @@ Only safetensors are read (a pickled `.bin`/`.pt` is refused, never unpickled). 
 `AdapterError` whose `reason` is a stable code (for metrics, HTTP errors, CR conditions) and whose
 message says what to fix.
 
-The weights file is read once: it is mapped (copy-on-write, so the tensors are zero-copy views of
+A digest is reused, without hashing, when the same files are read again unchanged (same device,
+inode, size, mtime and ctime before and after the read: `DIGEST_CACHE`), as when an adapter
+evicted from the CPU cache comes back. The weights file is read once: it is mapped (copy-on-write, so the tensors are zero-copy views of
 the page cache and never segfault on a write), its sha256 runs in a thread over the same mapping
 (hashlib releases the GIL) while the header is validated, the tensors are checked against the
 model and `prepare` (the registry lays them out for the GPU slots and checks them there) runs. The
@@ -201,6 +203,47 @@ class _Sha256:
         return self._hash.hexdigest()
 
 
+class _DigestCache:
+    """Digests of adapter folders by file identity: a re-read of unchanged files skips the hash.
+
+    The key is each file's (device, inode, size, mtime, ctime), taken before the read and checked
+    again after it (as git's index does); writing a file changes its ctime, which user space
+    cannot set back, so changed content always misses. Bounded LRU, shared by the process.
+    """
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self._items: dict[tuple, str] = {}
+        self._lock = threading.Lock()
+        self.capacity = capacity
+        self.hits = 0
+
+    @staticmethod
+    def key(*paths: Path) -> tuple:
+        out = []
+        for path in paths:
+            st = path.stat()
+            out.append((str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+        return tuple(out)
+
+    def get(self, key: tuple) -> str | None:
+        with self._lock:
+            digest = self._items.pop(key, None)
+            if digest is not None:
+                self._items[key] = digest  # most recent last
+                self.hits += 1
+            return digest
+
+    def put(self, key: tuple, digest: str) -> None:
+        with self._lock:
+            self._items.pop(key, None)
+            self._items[key] = digest
+            while len(self._items) > self.capacity:
+                self._items.pop(next(iter(self._items)))
+
+
+DIGEST_CACHE = _DigestCache()
+
+
 def _map_file(path: Path) -> mmap.mmap | bytes:
     """The whole file, copy-on-write mapped (writes to views stay private); b"" if it is empty."""
     with open(path, "rb") as f:
@@ -333,13 +376,16 @@ def load_adapter(
         if pickled:
             raise AdapterError("pickle", f"{pickled[0]} is a pickle; only {WEIGHTS_FILE} is accepted (pickles can run code)")
         raise AdapterError("missing_weights", f"{folder} has no {WEIGHTS_FILE}")
+    identity = DIGEST_CACHE.key(folder / CONFIG_FILE, weights_path)  # before the bytes are read
+    cached = DIGEST_CACHE.get(identity)
     size = weights_path.stat().st_size
     if size > max_bytes:
         raise AdapterError("too_large", f"adapter weights are {size} bytes, over the {max_bytes}-byte cap")
     buf = _map_file(weights_path)
     if len(buf) > max_bytes:  # grew since the stat
         raise AdapterError("too_large", f"adapter weights are {len(buf)} bytes, over the {max_bytes}-byte cap")
-    sha = _Sha256((config_bytes, b"\0", buf, b"\0"))  # the same bytes that are parsed: one read
+    # The same bytes that are parsed: one read. Skipped when unchanged files were hashed before.
+    sha = None if cached is not None else _Sha256((config_bytes, b"\0", buf, b"\0"))
     try:
         out, runs = _read_weights(folder, buf, cfg, model)
         if prepare is not None:
@@ -348,7 +394,12 @@ def load_adapter(
             _check_finite_raw(out, runs)
         del runs
     finally:
-        digest = "sha256:" + sha.hexdigest()  # joined before anything can unmap the file
+        digest = cached if sha is None else "sha256:" + sha.hexdigest()  # joined before the file is unmapped
+    unchanged = DIGEST_CACHE.key(folder / CONFIG_FILE, weights_path) == identity
+    if sha is None and not unchanged:  # changed between the lookup and the read: hash what was read
+        digest = "sha256:" + _Sha256((config_bytes, b"\0", buf, b"\0")).hexdigest()
+    elif sha is not None and unchanged:
+        DIGEST_CACHE.put(identity, digest)
     out.digest = digest
     return out
 
