@@ -89,6 +89,9 @@ def paged_attention(
         k = k_cache[blocks].flatten(0, 1)[:ctx]  # [ctx, kv_heads, head_dim]
         v = v_cache[blocks].flatten(0, 1)[:ctx]
         qi = q[start : start + n]
+        if n == ctx:  # no cached prefix: plain causal attention (SDPA's flash kernel takes no mask)
+            out[start : start + n] = _sdpa(qi.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, scale)[0]
+            continue
         # Query j sits at absolute position ctx - n + j and sees keys 0..that position.
         qpos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
         kpos = torch.arange(ctx, device=q.device).unsqueeze(0)
@@ -128,8 +131,10 @@ def decode_attention(
     return _sdpa(q.unsqueeze(1), k, v, mask, scale).squeeze(1)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q `[B, n, H, D]`, k/v `[B, ctx, KVH, D]`, mask `[B or 1, n, ctx]` -> `[B, n, H, D]` (GQA)."""
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q `[B, n, H, D]`, k/v `[B, ctx, KVH, D]`, mask `[B or 1, n, ctx]` -> `[B, n, H, D]` (GQA).
+
+    mask None: causal, query j seeing keys 0..j (n == ctx)."""
     heads, kv_heads = q.shape[2], k.shape[2]
     grouped = heads != kv_heads
     if grouped and not _SDPA_GQA:
@@ -142,7 +147,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
     with ctx:
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-            attn_mask=mask.unsqueeze(1) if mask.dim() == 3 else mask, scale=scale, **extra,
+            attn_mask=None if mask is None else mask.unsqueeze(1) if mask.dim() == 3 else mask,
+            is_causal=mask is None, scale=scale, **extra,
         )
     return out.transpose(1, 2)
 
