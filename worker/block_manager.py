@@ -73,6 +73,21 @@ class BlockManager:
         seq.num_computed = matched * self.block_size
         return seq.num_computed
 
+    def admission_cost(self, seq: Sequence, budget: int) -> int:
+        """Free blocks admitting `seq` with a token budget would use up: a read-only mirror of
+        `match_prefix` (cached blocks nobody holds leave the free pool) and `allocate`."""
+        matched = evictable = 0
+        if self.enable_prefix_caching and not seq.block_table:
+            for h in self._chain(seq, (len(seq) - 1) // self.block_size):
+                block = self._block_of.get(h)
+                if block is None:
+                    break
+                matched += 1
+                evictable += self._refs[block] == 0
+        computed = matched * self.block_size if matched else seq.num_computed
+        total = -(-(computed + min(len(seq) - computed, budget)) // self.block_size)
+        return total - max(matched, len(seq.block_table)) + evictable
+
     def record_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
         """Count a prefix lookup once its sequence was admitted (an undone admission does not count)."""
         self.prefix_queries += queried_tokens

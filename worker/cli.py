@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "with the triton backends)")
     p.add_argument("--enforce-eager", dest="cuda_graphs", action="store_false",
                    help="no CUDA graphs (vLLM's name for --no-cuda-graphs)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
+                   help="launch each decode step before reading the previous one's tokens, overlapping the "
+                        "host's work with the GPU (needs the CUDA graph path; default off)")
     p.add_argument("--pinned-lora-modules", nargs="+", action="extend", default=[], metavar="NAME",
                    help="start-up adapters never evicted from the GPU")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -71,7 +74,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         device=args.device, dtype=args.dtype, lora_backend=args.lora_backend,
-        attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs,
+        attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs, async_scheduling=args.async_scheduling,
         pinned_adapters=tuple(args.pinned_lora_modules), seed=args.seed,
     )
     return WorkerSettings(

@@ -199,6 +199,10 @@ class EngineConfig:
     # CUDA when the attention and LoRA backends are Triton, off otherwise; True on CUDA needs them.
     # (True on CPU runs the graphs' padded static-buffer path without capture: tests.)
     cuda_graphs: bool | None = None
+    # Launch each steady-state decode step before reading the previous one's tokens, so the host's
+    # bookkeeping overlaps the GPU (worker/async_step.py; vLLM's --async-scheduling). Needs the
+    # graph path; everything else (prefill, admissions, preemption) runs synchronously.
+    async_scheduling: bool = False
     pinned_adapters: tuple[str, ...] = field(default_factory=tuple)
     seed: int = 0
 

@@ -118,7 +118,12 @@ def decode_inputs(
     k: int,
     sink_slot: int,
 ) -> DecodeInputs:
-    """The padded host inputs of an all-decode batch; rows match `ModelRunner.prepare`'s."""
+    """The padded host inputs of an all-decode batch; rows match `ModelRunner.prepare`'s.
+
+    Each row decodes at position `seq.num_computed`. That is `len(seq) - 1` (the newest token), or,
+    for async scheduling's next step, `len(seq)`: the token there is still on the device and the
+    row's host id is replaced (`DecodeGraphs.run(input_ids=...)`); the block table must hold it.
+    """
     n = len(batch.seqs)
     if n > bucket:
         raise ValueError(f"{n} sequences do not fit bucket {bucket}")
@@ -130,7 +135,7 @@ def decode_inputs(
     token_slots = np.full((bucket, k), -1, dtype=np.int32)
     token_scales = np.zeros((bucket, k), dtype=np.float32)
     for i, seq in enumerate(batch.seqs):
-        pos = seq.num_computed  # == len(seq) - 1: the newest token (not `seq.tokens`, which copies)
+        pos = seq.num_computed  # the newest token (not `seq.tokens`, which copies); see above
         ids[i] = seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1]
         positions[i] = pos
         slots[i] = seq.block_table[pos // block_size] * block_size + pos % block_size
@@ -212,9 +217,11 @@ class DecodeGraphs:
     def can_run(self, batch: ScheduledBatch) -> bool:
         return self.enabled and len(batch.seqs) <= self.buckets[-1] and is_graphable(batch)
 
-    def run(self, batch: ScheduledBatch, slot_of: dict[str, int]) -> torch.Tensor:
+    def run(self, batch: ScheduledBatch, slot_of: dict[str, int], input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Forward an all-decode batch from its bucket's graph -> float32 logits `[num_seqs, vocab]`.
 
+        `input_ids` (`[num_seqs]` on the device), when given, replaces the rows' host input tokens:
+        async scheduling feeds the previous step's sampled tokens before the host has read them.
         The logits are a view of the graph's output buffer: valid until the next `run`.
         """
         bucket = bucket_for(len(batch.seqs), self.buckets)  # the caller checked `can_run`
@@ -232,6 +239,8 @@ class DecodeGraphs:
         if captured is None:
             captured = self._graphs[key] = self._capture(*key)
         self._fill(captured, inputs, step_meta)
+        if input_ids is not None:
+            self.input_ids[: inputs.num_seqs].copy_(input_ids, non_blocking=True)  # queued after the fill
         self.last = captured
         if captured.graph is not None:
             captured.graph.replay()

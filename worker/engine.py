@@ -2,7 +2,9 @@
 
 The loop reads like a sentence: `batch = scheduler.schedule(); slots = registry.activate(...);
 tokens = runner.run(batch); scheduler.postprocess(batch)`; then outputs are appended, stop
-conditions checked and finished requests release their blocks and adapters.
+conditions checked and finished requests release their blocks and adapters. With
+`EngineConfig.async_scheduling`, steady-state decode steps are launched one ahead of the host's
+reading of their tokens instead (worker/async_step.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from lorafleet.worker.async_step import AsyncStepper
 from lorafleet.worker.attention import resolve_attention_backend
 from lorafleet.worker.block_manager import BlockManager
 from lorafleet.worker.config import ConfigError, EngineConfig, ModelConfig
@@ -123,6 +126,9 @@ class LLMEngine:
         self.steps = 0
         # The server turns this off and reads adapters from disk in a thread (see async_engine.py).
         self.read_adapters_inline = True
+        self.async_steps = AsyncStepper(self)  # the step in flight under async scheduling
+        if config.async_scheduling and self.runner.graphs is None:
+            log.warning("--async-scheduling needs the decode graph path (--cuda-graphs): every step runs synchronously")
         for name, path in (lora_modules or {}).items():
             self.load_adapter(name, path, pinned=name in config.pinned_adapters)
         self._log_memory_plan(num_blocks)
@@ -242,11 +248,18 @@ class LLMEngine:
         tracked = self._tracked.pop(request_id, None)
         if tracked is None:
             return
-        self.scheduler.abort(tracked.seq)
+        held = self.async_steps.holds(tracked.seq)  # a step in flight still writes its K/V
+        self.scheduler.abort(tracked.seq, free=not held)
+        if held:
+            self.async_steps.free_later(tracked.seq)
         self._release(tracked.seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self.async_steps.inflight is not None
+
+    def drain(self) -> list[RequestOutput]:
+        """Read the step in flight (async scheduling) without launching another; [] if none."""
+        return self.async_steps.drain()
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -256,11 +269,21 @@ class LLMEngine:
             for name in seq.adapter_names:
                 if not self.registry.on_cpu(name):
                     self.registry.ensure_cpu(name)
+        outputs = []
+        if self.async_steps.inflight is not None:
+            outputs = self.async_steps.advance()  # launches the next step, or drains to the sync one
+            if self.async_steps.inflight is not None:
+                return outputs
+        return outputs + self._scheduled_step()
+
+    def _scheduled_step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if not batch:
             return []
         protected = batch.adapters
         slot_of = self.registry.activate(sorted(protected), protected)
+        if self.async_steps.eligible(batch):
+            return self.async_steps.enter(batch, slot_of)
         sampled = [s for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed + n == len(s)]
         tokens, logprobs = self.runner.run(batch, slot_of, sampled, self.logits_hook)
         self.scheduler.postprocess(batch)
@@ -310,7 +333,10 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, tracked: _Tracked, delta: str, reason: str, tokens: list[int],
                 logprobs: list[TokenLogprobs]) -> RequestOutput:
-        self.scheduler.finish(seq, reason)
+        held = self.async_steps.holds(seq)  # its row in the step in flight is discarded, blocks kept till then
+        self.scheduler.finish(seq, reason, free=not held)
+        if held:
+            self.async_steps.free_later(seq)
         self._release(seq)
         self._tracked.pop(seq.seq_id, None)
         return RequestOutput(
@@ -358,6 +384,8 @@ class LLMEngine:
                 lps[rid].extend(out.logprobs)
                 if out.finished:
                     results[rid] = Completion(prompt_ids[rid], tokens[rid], "".join(texts[rid]), out.finish_reason or "stop", lps[rid])
+        if not self.scheduler.has_work:
+            self.drain()  # a step in flight holding only finished requests: free their blocks now
         return [results[rid] for rid in ids]
 
 

@@ -10,7 +10,7 @@ from lorafleet.kernels.lora_ops import LoraMeta, build_lora_meta
 from lorafleet.worker.attention import AttentionMetadata
 from lorafleet.worker.cuda_graphs import DecodeGraphs
 from lorafleet.worker.models.llama import LlamaModel
-from lorafleet.worker.sampling import TokenLogprobs, sample
+from lorafleet.worker.sampling import SampledTokens, TokenLogprobs, sample, sample_on_device
 from lorafleet.worker.scheduler import ScheduledBatch
 from lorafleet.worker.sequence import Sequence
 
@@ -123,3 +123,17 @@ class ModelRunner:
         if not sampled:
             return [], []
         return sample(logits, [s.sampling for s in sampled], [self.generator_for(s) for s in sampled])
+
+    @torch.inference_mode()
+    def launch(
+        self, batch: ScheduledBatch, slot_of: dict[str, int], input_ids: torch.Tensor | None = None
+    ) -> SampledTokens:
+        """An all-decode step from the graph path, left in flight (async scheduling): inputs copied,
+        graph replayed, sampling queued and its host copy started; nothing is read on the host.
+
+        `input_ids` (on the device, one per sequence) replaces the sequences' newest host tokens.
+        """
+        assert self.graphs is not None
+        logits = self.graphs.run(batch, slot_of, input_ids)
+        seqs = batch.seqs
+        return sample_on_device(logits, [s.sampling for s in seqs], [self.generator_for(s) for s in seqs]).start_copy()

@@ -44,6 +44,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-lora-rank", type=int, default=64)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--async-scheduling", action="store_true", help="overlap decode steps' host work (CUDA graphs)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -53,7 +54,8 @@ def main(argv: list[str]) -> int:
         if len(adapter_sets) != len(args.prompt):
             p.error("more --adapter than --prompt")
         config = EngineConfig(max_loras=args.max_loras, max_cpu_loras=max(args.max_loras, len(modules)),
-                              max_lora_rank=args.max_lora_rank, device=args.device, dtype=args.dtype)
+                              max_lora_rank=args.max_lora_rank, device=args.device, dtype=args.dtype,
+                              async_scheduling=args.async_scheduling)
         engine = LLMEngine(args.model, config, lora_modules=modules)
         sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         outs = engine.generate(args.prompt, sp, adapter_sets)

@@ -8,7 +8,9 @@ i.i.d. per vocabulary entry is an exact sample from `probs` (greedy rows take `E
 A seeded row draws its `E` from its own generator (one kernel for that row), so its tokens depend
 only on its seed and its logits, never on the rest of the batch; the other sampled rows draw theirs
 from one shared generator in one call. The host syncs once per step: tokens and logprobs are
-gathered on the device and copied back together.
+gathered on the device and copied back together. `sample_on_device` stops before that read and
+returns the device tensors (`SampledTokens`), so async scheduling (worker/async_step.py) can feed
+the tokens to the next step first; `sample` is `sample_on_device(...).read()`.
 """
 
 from __future__ import annotations
@@ -54,9 +56,54 @@ def sample(
     the engine ends that request with an error instead of failing the whole batch. The step syncs
     with the host once, when tokens (and logprobs) are read.
     """
-    n, vocab = logits.shape
-    if n == 0:
+    if logits.shape[0] == 0:
         return [], []
+    return sample_on_device(logits, params, generators).read()
+
+
+@dataclass(slots=True)
+class SampledTokens:
+    """One step's sampled tokens, still on the device: `read()` is the step's one host sync.
+
+    `token_ids` can feed the next step before the host has seen them (async scheduling): it holds
+    every row's sampled id, a valid vocabulary index even for a row with non-finite logits (those
+    rows read as -1). `start_copy()` queues the device-to-host copy into pinned memory behind the
+    sampling kernels (CUDA), so `read()` then waits for that copy only, not for later work.
+    """
+
+    token_ids: torch.Tensor  # [N] int64 on the logits' device
+    packed: torch.Tensor  # what the host reads: tokens (-1: not finite), then any logprobs data
+    params: list[SamplingParams]
+    lp_rows: list[int]  # rows that asked for logprobs
+    k_max: int  # top logprobs gathered per such row
+    _host: torch.Tensor | None = None  # pinned copy of `packed` (CUDA, after start_copy)
+    _ready: torch.cuda.Event | None = None
+
+    def start_copy(self) -> SampledTokens:
+        if self.packed.device.type == "cuda" and self._host is None:
+            host = torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True)
+            host.copy_(self.packed, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record(torch.cuda.current_stream(self.packed.device))
+            self._host = host
+        return self
+
+    def read(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Host lists: one token per row (-1: logits not finite) and each row's logprobs (or None)."""
+        if self._host is not None:
+            assert self._ready is not None
+            self._ready.synchronize()
+            values = self._host.tolist()
+        else:
+            values = self.packed.tolist()  # float64 holds token ids and float32 logprobs exactly
+        return _unpack(values, self.params, self.lp_rows, self.k_max)
+
+
+def sample_on_device(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> SampledTokens:
+    """`sample`'s kernels, queued; nothing is read on the host (see SampledTokens)."""
+    n, vocab = logits.shape
     dev = logits.device
     # inf / nan anywhere in a row makes its sum inf / nan: one reduction instead of a mask pass.
     # (Finite logits overflow a float32 sum only past ~1e33 each, far beyond any model's.)
@@ -73,7 +120,7 @@ def sample(
         tokens = logits.argmax(dim=-1)
     shown = torch.where(finite, tokens, -1)
     if not lp_rows:
-        return shown.tolist(), [None] * n
+        return SampledTokens(tokens, shown, params, lp_rows, 0)
 
     # Logprobs are the model's distribution, before the sampling knobs.
     if subset:
@@ -87,8 +134,16 @@ def sample(
     if k_max:
         top = torch.topk(logp, k_max, dim=-1)
         parts += [top.values.reshape(-1), top.indices.reshape(-1)]
-    host = torch.cat(parts).tolist()  # float64 holds token ids and float32 logprobs exactly; the one sync
+    return SampledTokens(tokens, torch.cat(parts), params, lp_rows, k_max)
 
+
+def _unpack(
+    host: list, params: list[SamplingParams], lp_rows: list[int], k_max: int
+) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """SampledTokens.packed, read on the host, back into tokens and per-row logprobs."""
+    n = len(params)
+    if not lp_rows:
+        return host, [None] * n
     m = len(lp_rows)
     token_list = [int(t) for t in host[:n]]
     chosen = host[n : n + m]

@@ -67,18 +67,22 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
 
-    def abort(self, seq: Sequence) -> None:
+    def abort(self, seq: Sequence, free: bool = True) -> None:
+        """`free=False`: a step still in flight writes the sequence's K/V; the caller frees its
+        blocks once that step is done (async scheduling)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.free(seq)
+        if free:
+            self.blocks.free(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = seq.finish_reason or "abort"
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: str, free: bool = True) -> None:
         self.running.remove(seq)
-        self.blocks.free(seq)
+        if free:
+            self.blocks.free(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
 
@@ -123,14 +127,11 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) + len(admitted) >= cfg.max_num_seqs:
                 break
+            verdict = self._verdict(seq, in_batch, starving)
+            if verdict is not None:
+                (batch.not_ready if verdict == "not_ready" else batch.deferred).append(seq)
+                continue
             names = seq.adapter_names
-            if not all(self.adapter_ready(name) for name in names):
-                batch.not_ready.append(seq)
-                continue
-            new = names - in_batch.keys()
-            if len(in_batch) + len(new) > cfg.max_loras or (starving and names and not names <= starving):
-                batch.deferred.append(seq)
-                continue
             hit = None if seq.block_table else self.blocks.match_prefix(seq)
             n = min(seq.num_uncomputed, budget)
             if not self.blocks.allocate(seq, seq.num_computed + n):
@@ -155,6 +156,44 @@ class Scheduler:
             seq.deferred_steps += 1
         self.deferred_total += len(batch.deferred)
         return batch
+
+    def _verdict(self, seq: Sequence, in_batch: Counter[str], starving: set[str]) -> str | None:
+        """Why a waiting request cannot join now ("not_ready", "deferred"), else None."""
+        names = seq.adapter_names
+        if not all(self.adapter_ready(name) for name in names):
+            return "not_ready"
+        new = names - in_batch.keys()
+        if len(in_batch) + len(new) > self.config.max_loras or (starving and names and not names <= starving):
+            return "deferred"
+        return None
+
+    def hold_admission(self, decoding: list[Sequence], free_blocks: int) -> bool:
+        """True when `schedule()` would admit no waiting request (async scheduling skips it then).
+
+        A dry run of `schedule()`'s admission with `decoding` as the running batch (one token each)
+        and `free_blocks` left after their blocks. When it holds, the deferred requests are counted
+        as `schedule()` counts them, so aging advances while steps skip the scheduler.
+        """
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens - len(decoding)
+        in_batch: Counter[str] = Counter(name for seq in decoding for name in seq.adapter_names)
+        starving = self._starving_adapters()
+        deferred = []
+        for seq in self.waiting:
+            if budget <= 0 or len(decoding) >= cfg.max_num_seqs:
+                break
+            verdict = self._verdict(seq, in_batch, starving)
+            if verdict == "deferred":
+                deferred.append(seq)
+            if verdict is not None:
+                continue
+            if self.blocks.admission_cost(seq, budget) <= free_blocks:
+                return False
+            break  # out of KV blocks: FCFS, as in schedule()
+        for seq in deferred:
+            seq.deferred_steps += 1
+        self.deferred_total += len(deferred)
+        return True
 
     def _starving_adapters(self) -> set[str]:
         """Adapters of waiting requests deferred for too long (empty when none starve)."""

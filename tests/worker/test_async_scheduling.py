@@ -1,0 +1,508 @@
+"""Async scheduling (`EngineConfig.async_scheduling`, worker/async_step.py) against the synchronous engine.
+
+CPU, through the graph path's static buffers (`cuda_graphs=True` runs them without capture): the
+same RequestOutputs, in the same order per request, for mixed adapters, stop strings and stop
+token ids, per-request max_tokens, seeded sampling, logprobs, aborts, preemption and requests
+arriving mid-decode; no block leaked; and the overlap itself: step n+1 is launched before step
+n's tokens are read (an event hook, not timing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from lorafleet.worker.config import EngineConfig
+from lorafleet.worker.engine import LLMEngine, RequestOutput
+from lorafleet.worker.sampling import sample, sample_on_device
+from lorafleet.worker.sequence import SamplingParams
+
+MIXED = [
+    ("Hello world", ()),
+    ("SELECT name FROM students", (("sql", 1.0),)),
+    ("The router sends each request to a worker", (("chat", 1.0),)),
+    ("Roses are red", (("poem", 1.0),)),
+    ("def add(a, b):", (("code", 1.0),)),
+    ("Once upon a time " * 3, ()),
+    ("Every institute uses the same printed textbook", (("sql", 0.7), ("poem", 0.5))),
+    ("A tenant sends a request", (("legal", 1.0),)),
+]
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def modules(demo_adapters):
+    return {n: str(p) for n, p in demo_adapters.items()}
+
+
+def _engine(demo_model, modules, asynchronous: bool, **kw) -> LLMEngine:
+    config = EngineConfig(**{"max_loras": 6, "max_cpu_loras": 8, "num_kv_blocks": 256, "cuda_graphs": True,
+                             "async_scheduling": asynchronous, **kw})
+    return LLMEngine(demo_model, config, lora_modules=modules)
+
+
+def _key(out: RequestOutput) -> tuple:
+    lps = [(lp.token_id, round(lp.logprob, 4), [(t, round(v, 4)) for t, v in lp.top]) for lp in out.logprobs]
+    return (out.new_token_ids, out.text_delta, out.finished, out.finish_reason, out.num_generated, lps)
+
+
+def _drive(engine: LLMEngine, requests, arrivals: dict[int, list] | None = None, on_step=None) -> list[list[tuple]]:
+    """Run to idle; `arrivals[k]`: requests added before the k-th step call. Per request (in the
+    order added), the RequestOutputs it received, in order."""
+    arrivals = {0: list(requests), **(arrivals or {})}
+    ids: list[int] = []
+    got: dict[int, list[tuple]] = {}
+    calls = 0
+    while engine.has_unfinished() or any(k >= calls for k in arrivals):
+        for prompt, sp, adapters in arrivals.pop(calls, []):
+            ids.append(engine.add_request(prompt, sp, adapters))
+        if on_step is not None:
+            on_step(engine, calls, ids)
+        for out in engine.step():
+            got.setdefault(out.request_id, []).append(_key(out))
+        calls += 1
+    return [got.get(rid, []) for rid in ids]
+
+
+def _both(demo_model, modules, requests, arrivals=None, on_step=None, **kw):
+    sync, asyn = _engine(demo_model, modules, False, **kw), _engine(demo_model, modules, True, **kw)
+    free = asyn.blocks.num_free
+    want = _drive(sync, requests, dict(arrivals or {}), on_step)
+    got = _drive(asyn, requests, dict(arrivals or {}), on_step)
+    assert asyn.blocks.num_free == free, "blocks leaked"
+    assert not asyn.has_unfinished() and asyn.async_steps.inflight is None
+    return want, got, sync, asyn
+
+
+def _texts(outputs: list[list[tuple]]) -> list[tuple[list[int], str, str | None]]:
+    return [([t for o in outs for t in o[0]], "".join(o[1] for o in outs), outs[-1][3]) for outs in outputs]
+
+
+# -- equality with the synchronous engine ------------------------------------------------------
+
+
+def test_mixed_batch_same_outputs_and_steps_overlap(demo_model, modules):
+    requests = [(p, greedy(3 + 2 * i), a) for i, (p, a) in enumerate(MIXED)]  # leave at different steps
+    events: list[tuple[str, int]] = []
+
+    def hook(engine, call, ids):
+        engine.async_steps.on_event = lambda kind, n: events.append((kind, n))
+
+    want, got, sync, asyn = _both(demo_model, modules, requests, on_step=hook)
+    assert got == want
+    assert all(len(outs) == 3 + 2 * i for i, outs in enumerate(got))  # one output per token, as sync
+    stats = asyn.async_steps.stats
+    assert stats.overlapped >= 10 and asyn.runner.graphs.stats.replays > 0
+    # Step n+1 was launched before step n's tokens were read, every time the path continued.
+    order = {event: i for i, event in enumerate(events)}
+    ahead = [n for kind, n in events if kind == "read" and order.get(("launch", n + 1), 1 << 30) < order[("read", n)]]
+    assert len(ahead) == stats.overlapped
+    assert sync.async_steps.stats.launched == 0
+    assert asyn.steps >= sync.steps  # discarded rows aside, the same steps ran
+
+
+def test_offline_generate_same_completions(demo_model, modules):
+    prompts = [p for p, _ in MIXED]
+    adapters = [a for _, a in MIXED]
+    params = [greedy(2 + i) for i in range(len(MIXED))]
+    sync, asyn = _engine(demo_model, modules, False), _engine(demo_model, modules, True)
+    free = asyn.blocks.num_free
+    want, got = sync.generate(prompts, params, adapters), asyn.generate(prompts, params, adapters)
+    assert [(c.token_ids, c.text, c.finish_reason) for c in got] == [(c.token_ids, c.text, c.finish_reason) for c in want]
+    assert asyn.async_steps.stats.overlapped > 0
+    assert not asyn.has_unfinished() and asyn.blocks.num_free == free
+
+
+def test_stop_strings_and_stop_tokens_mid_batch(demo_model, modules):
+    base = [(p, greedy(12), a) for p, a in MIXED[:6]]
+    plain = _texts(_drive(_engine(demo_model, modules, False), base))
+    # Stops that fire mid-batch: a token id request 1 emits at its 3rd step, a string request 3
+    # produces a few tokens in, an include_stop_str variant on request 4; the rest run to length.
+    stop_token = plain[1][0][2]
+    text3 = plain[3][1]
+    stop_str = text3[len(text3) // 3 : len(text3) // 3 + 2] if len(text3) >= 6 else text3[-2:]
+    text4 = plain[4][1]
+    stop_incl = text4[len(text4) // 2 : len(text4) // 2 + 2] if len(text4) >= 4 else text4
+    assert stop_str and stop_incl
+    requests = list(base)
+    requests[1] = (base[1][0], greedy(12, stop_token_ids=(stop_token,)), base[1][2])
+    requests[3] = (base[3][0], greedy(12, stop=(stop_str,)), base[3][2])
+    requests[4] = (base[4][0], greedy(12, stop=(stop_incl,), include_stop_str_in_output=True), base[4][2])
+    held: list[int] = []
+
+    def check_held(engine, call, ids):
+        # A request that stopped while its next row was in flight keeps its blocks until that is read.
+        for seq in engine.async_steps._zombies:
+            assert seq.finished and seq.block_table and engine.async_steps.holds(seq)
+            held.append(seq.seq_id)
+
+    want, got, _, asyn = _both(demo_model, modules, requests, on_step=check_held)
+    assert got == want
+    reasons = [outs[-1][3] for outs in got]
+    assert reasons[1] == reasons[3] == reasons[4] == "stop"
+    assert len(got[1]) == 3 and reasons.count("length") >= 2  # others kept decoding after the stops
+    stats = asyn.async_steps.stats
+    assert stats.overlapped > 0 and stats.discarded >= 3 and len(set(held)) >= 3
+
+
+def test_seeded_sampling_same_tokens(demo_model, modules):
+    knobs = [dict(temperature=0.8), dict(temperature=1.0, top_k=20), dict(temperature=0.7, top_p=0.9),
+             dict(temperature=1.2, top_k=50, top_p=0.8), dict(temperature=0.0)]
+    requests = [(p, SamplingParams(max_tokens=10 + i, seed=100 + i, ignore_eos=True, **knobs[i % len(knobs)]), a)
+                for i, (p, a) in enumerate(MIXED)]
+    want, got, _, asyn = _both(demo_model, modules, requests)
+    assert got == want
+    assert asyn.async_steps.stats.overlapped > 0
+
+
+def test_logprobs_equal(demo_model, modules):
+    requests = [(p, greedy(6, logprobs=[None, 0, 3, 5][i % 4]), a) for i, (p, a) in enumerate(MIXED)]
+    want, got, _, asyn = _both(demo_model, modules, requests)
+    assert got == want  # _key rounds logprobs to 1e-4
+    assert any(o[5] for outs in got for o in outs)
+    assert asyn.async_steps.stats.overlapped > 0
+
+
+def test_sample_on_device_reads_like_sample():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50)
+    logits[3, 7] = float("inf")
+    params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, logprobs=0), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, logprobs=4)]
+    sampled = sample_on_device(logits, params, [None] * 5).start_copy()
+    assert sampled.read() == sample(logits, params, [None] * 5)
+    tokens, _ = sampled.read()
+    assert tokens[3] == -1 and 0 <= int(sampled.token_ids[3]) < 50  # the device ids stay valid to feed
+
+
+# -- the admission dry run (torch-free) ------------------------------------------------------------
+
+
+def _scheduler_state(rng, prefix_caching: bool):
+    """A scheduler mid-decode: running requests one token behind, waiting ones (some sharing cached
+    prompt blocks, some for adapters that are not ready), KV blocks from plenty to scarce."""
+    from lorafleet.worker.block_manager import BlockManager
+    from lorafleet.worker.scheduler import Scheduler, SchedulerConfig
+    from lorafleet.worker.sequence import Sequence
+
+    bs = 4
+    blocks = BlockManager(rng.randint(12, 60), bs, prefix_caching)
+    ready = {"a", "b", "c", "x"} - {rng.choice(["c", "x", "none"])}
+    sched = Scheduler(SchedulerConfig(rng.randint(2, 8), rng.choice([8, 64]), rng.randint(1, 3), aging_steps=2),
+                      blocks, adapter_ready=lambda name: name in ready)
+    shared = [rng.randint(1, 50) for _ in range(3 * bs)]
+    ids = iter(range(1000))
+
+    def make(adapters):
+        prompt = shared[: rng.choice([0, bs, 2 * bs, 3 * bs])] + [rng.randint(1, 50) for _ in range(rng.randint(1, 9))]
+        return Sequence(seq_id=next(ids), prompt_ids=prompt, sampling=SamplingParams(max_tokens=50),
+                        adapters=tuple((n, 1.0) for n in adapters), cache_salt="+".join(adapters))
+
+    names = [(), ("a",), ("b",), ("c",), ("x",), ("a", "b")]
+    for _ in range(rng.randint(1, 4)):
+        sched.add(make(rng.choice(names)))
+    batch = sched.schedule()  # admit and prefill some: they register cached blocks
+    for q in sched.postprocess(batch):
+        q.output_ids.append(rng.randint(1, 50))
+    for q in list(sched.running):
+        if q.num_uncomputed > 1 or rng.random() < 0.3:
+            sched.finish(q, "length")  # mid-prompt ones out (not a decode batch); some freed to the cache
+    for _ in range(rng.randint(0, 5)):
+        sched.add(make(rng.choice(names)))
+    for q in list(sched.waiting)[: rng.randint(0, 2)]:
+        q.deferred_steps = rng.randint(0, 3)  # some starving
+    return sched
+
+
+def test_admission_dry_run_agrees_with_schedule():
+    import copy
+    import random
+
+    rng = random.Random(0)
+    held = admitted = 0
+    for case in range(400):
+        sched = _scheduler_state(rng, prefix_caching=case % 3 != 0)
+        free = sched.blocks.num_free - sum(sched.blocks.blocks_needed(q, len(q)) for q in sched.running)
+        if free < 0:
+            continue  # the engine falls back before the dry run (preemption)
+        real = copy.deepcopy(sched)
+        before = sched.blocks.num_free
+        hold = sched.hold_admission(list(sched.running), free)
+        assert sched.blocks.num_free == before and not any(q.block_table for q in sched.waiting)  # read-only
+        running = {q.seq_id for q in sched.running}
+        new = [q for q in real.schedule().seqs if q.seq_id not in running]
+        assert hold == (not new), f"case {case}"
+        if hold:
+            assert sched.deferred_total == real.deferred_total  # aging counted as schedule() counts
+            assert [q.deferred_steps for q in sched.waiting] == [q.deferred_steps for q in real.waiting]
+        held += hold
+        admitted += not hold
+    assert held > 50 and admitted > 50  # both outcomes exercised
+
+
+def test_admission_cost_is_what_admission_takes():
+    from lorafleet.worker.block_manager import BlockManager
+    from lorafleet.worker.sequence import Sequence
+
+    blocks = BlockManager(32, 4)
+    first = Sequence(0, list(range(1, 14)), SamplingParams(), cache_salt="s")
+    assert blocks.admission_cost(first, 64) == 4
+    blocks.allocate(first, 13)
+    first.num_computed = 13
+    blocks.register_full_blocks(first)  # 3 full blocks cached
+    same = Sequence(1, list(range(1, 14)) + [99], SamplingParams(), cache_salt="s")
+    other_salt = Sequence(2, list(range(1, 14)), SamplingParams(), cache_salt="t")
+    assert blocks.admission_cost(same, 64) == 1  # 3 blocks shared, 1 new (held by `first`: not free)
+    assert blocks.admission_cost(other_salt, 64) == 4
+    assert blocks.admission_cost(same, 2) == 1  # 12 cached + 2 tokens of budget: one block
+    blocks.free(first)  # now the cached blocks are evictable: attaching them takes them from the pool
+    for seq, budget in ((same, 64), (other_salt, 64), (same, 1)):
+        cost, before = blocks.admission_cost(seq, budget), blocks.num_free
+        blocks.match_prefix(seq)
+        assert blocks.allocate(seq, seq.num_computed + min(seq.num_uncomputed, budget))
+        assert before - blocks.num_free == cost
+        blocks.free(seq)
+        seq.num_computed = 0
+
+
+# -- requests leaving and joining --------------------------------------------------------------
+
+
+def test_abort_while_in_flight_frees_every_block(demo_model, modules):
+    engine = _engine(demo_model, modules, True)
+    start = engine.blocks.num_free
+    ids = [engine.add_request(p, greedy(20), a) for p, a in MIXED[:5]]
+    seen: dict[int, list[int]] = {rid: [] for rid in ids}
+    aborted = False
+    while engine.has_unfinished():
+        for out in engine.step():
+            seen[out.request_id].extend(out.new_token_ids)
+        if not aborted and engine.async_steps.inflight is not None and len(seen[ids[1]]) >= 3:
+            assert engine.async_steps.holds(engine._tracked[ids[1]].seq)
+            victims = [engine._tracked[ids[i]].seq for i in (1, 3)]
+            engine.abort(ids[1])
+            engine.abort(ids[3])
+            aborted = True
+            stop_at = {rid: len(seen[rid]) for rid in (ids[1], ids[3])}
+            assert all(seq.block_table for seq in victims)  # kept: the step in flight writes them
+            for out in engine.step():
+                seen[out.request_id].extend(out.new_token_ids)
+            assert not any(seq.block_table for seq in victims)  # freed once that step was read
+    assert aborted
+    assert {rid: len(seen[rid]) for rid in (ids[1], ids[3])} == stop_at  # nothing after the abort
+    assert all(len(seen[rid]) == 20 for rid in (ids[0], ids[2], ids[4]))
+    assert engine.blocks.num_free == start and not engine.has_unfinished()
+    assert engine.async_steps.stats.discarded >= 2
+
+
+def test_preemption_falls_back_and_matches(demo_model, modules):
+    prompts = ["Hello world", "The router sends each request", "Roses are red", "SELECT name FROM students"]
+    adapters = [(), (("sql", 1.0),), (("chat", 1.0),), (("poem", 0.8), ("sql", 0.5))]
+    requests = [(p, greedy(12), a) for p, a in zip(prompts, adapters)]
+    want, got, sync, asyn = _both(demo_model, modules, requests, max_loras=4, block_size=8, num_kv_blocks=7,
+                                  enable_prefix_caching=False)
+    assert got == want
+    assert asyn.scheduler.preempted_total > 0 and sync.scheduler.preempted_total > 0
+    stats = asyn.async_steps.stats
+    assert stats.fallbacks["preemption"] > 0 and stats.overlapped > 0
+
+
+def test_requests_arriving_mid_decode_are_admitted_through_the_sync_step(demo_model, modules):
+    first = [(p, greedy(14), a) for p, a in MIXED[:4]]
+    later = [(p, greedy(6), a) for p, a in MIXED[4:]]
+    want, got, _, asyn = _both(demo_model, modules, first, arrivals={5: later[:2], 9: later[2:]})
+    assert got == want
+    stats = asyn.async_steps.stats
+    assert stats.fallbacks["admission"] >= 2 and stats.overlapped > 0
+
+
+def test_deferred_requests_age_while_steps_skip_the_scheduler(demo_model, modules):
+    """max_loras=2: requests for a third adapter wait (deferred, counted) while two adapters decode."""
+    requests = [("Hello world", greedy(10), (("sql", 1.0),)), ("Roses are red", greedy(14), (("poem", 1.0),)),
+                ("Hi there", greedy(5), (("chat", 1.0),)), ("Once upon", greedy(5), (("code", 1.0),))]
+    want, got, sync, asyn = _both(demo_model, modules, requests, max_loras=2, max_cpu_loras=8)
+    assert got == want
+    assert asyn.scheduler.deferred_total > 0 and asyn.async_steps.stats.overlapped > 0
+    assert asyn.scheduler.deferred_total == sync.scheduler.deferred_total
+
+
+def test_max_num_seqs_holds_waiting_requests_in_async(demo_model, modules):
+    requests = [(p, greedy(4 + i), a) for i, (p, a) in enumerate(MIXED)]
+    want, got, _, asyn = _both(demo_model, modules, requests, max_num_seqs=3)
+    assert got == want
+    assert asyn.async_steps.stats.overlapped > 0
+
+
+def test_error_token_ends_only_its_request(demo_model, modules, monkeypatch):
+    """A row whose logits are not finite reads -1 (sampling.sample): that request ends with
+    finish_reason=error while its extra row in the step in flight is discarded."""
+    import lorafleet.worker.model_runner as model_runner
+
+    requests = [(p, greedy(8), a) for p, a in MIXED[:4]]
+    want = _drive(_engine(demo_model, modules, False), requests)
+    engine = _engine(demo_model, modules, True)
+    victim: list[int] = []
+    real = model_runner.sample_on_device
+
+    def poisoned(logits, params, generators):
+        out = real(logits, params, generators)
+        if engine.async_steps.stats.launched == 3 and not victim:  # the 4th launched step
+            victim.append(1)
+            out.packed[1] = -1  # what a non-finite row reads as
+        return out
+
+    monkeypatch.setattr(model_runner, "sample_on_device", poisoned)
+    start = engine.blocks.num_free
+    got = _drive(engine, requests)
+    assert got[1][-1][3] == "error" and got[1][:-1] == want[1][: len(got[1]) - 1]
+    assert [got[i] for i in (0, 2, 3)] == [want[i] for i in (0, 2, 3)]
+    assert engine.blocks.num_free == start
+
+
+def test_prefix_cache_hashes_only_real_tokens(demo_model, modules):
+    """With prefix caching on, async registers exactly the blocks (same hashes) sync registers."""
+    requests = [(p, greedy(21), a) for p, a in MIXED[:5]] + [(MIXED[0][0], greedy(21), ())]
+    want, got, sync, asyn = _both(demo_model, modules, requests, block_size=8)
+    assert got == want
+    assert set(asyn.blocks._block_of) == set(sync.blocks._block_of) and sync.blocks._block_of
+    # Prompt + generated tokens again: hits blocks whose hashes cover tokens the async path appended.
+    again = [(sync.tokenizer.encode(p) + tokens[:16], greedy(3), a)
+             for (p, _, a), (tokens, _, _) in zip(requests[:3], _texts(want))]
+    hits = asyn.blocks.prefix_hits
+    assert _drive(asyn, again) == _drive(sync, again)
+    assert asyn.blocks.prefix_hits == sync.blocks.prefix_hits >= hits + 3 * 16
+
+
+# -- when it does not apply ----------------------------------------------------------------------
+
+
+def test_without_graphs_or_with_a_logits_hook_steps_stay_synchronous(demo_model, modules):
+    eager = _engine(demo_model, modules, True, cuda_graphs=False)
+    eager.generate(["Hello world"], greedy(5))
+    assert eager.async_steps.stats.launched == 0
+    hooked = _engine(demo_model, modules, True)
+    hooked.logits_hook = lambda seqs, logits: None
+    hooked.generate(["Hello world", "Roses are red"], greedy(5))
+    assert hooked.async_steps.stats.launched == 0
+    hooked.logits_hook = None
+    hooked.runner.graphs.enabled = False
+    hooked.generate(["Hello world"], greedy(5))
+    assert hooked.async_steps.stats.launched == 0
+
+
+def test_has_unfinished_while_a_step_is_in_flight(demo_model, modules):
+    plain = _engine(demo_model, modules, False).generate(["Hello world"], greedy(12))[0].token_ids
+    k = next(i for i in range(2, 12) if plain[i] not in plain[:i])  # a token first emitted by an async step
+    engine = _engine(demo_model, modules, True)
+    start = engine.blocks.num_free
+    rid = engine.add_request("Hello world", greedy(12, stop_token_ids=(plain[k],)), ())
+    outs: list[RequestOutput] = []
+    while not outs or not outs[-1].finished:
+        outs.extend(engine.step())
+    assert [o.new_token_ids[0] for o in outs] == plain[: k + 1] and outs[-1].finish_reason == "stop"
+    assert {o.request_id for o in outs} == {rid}
+    # The stop was read while the request's next row was in flight: still unfinished work.
+    assert engine.async_steps.inflight is not None and engine.has_unfinished()
+    assert engine.blocks.num_free < start
+    assert engine.step() == []
+    assert not engine.has_unfinished() and engine.blocks.num_free == start
+
+
+def test_async_scheduling_flag_reaches_the_engine_config():
+    from lorafleet.worker.cli import build_parser, settings_from_args
+
+    def flag(*flags: str) -> bool:
+        return settings_from_args(build_parser().parse_args(["--model", "m", *flags])).engine.async_scheduling
+
+    assert flag() is False
+    assert flag("--async-scheduling") is True
+    assert flag("--no-async-scheduling") is False
+
+
+def test_server_loop_with_async_scheduling(demo_model, modules):
+    """The engine thread (worker/async_engine.py) unchanged: streams equal offline generate."""
+    from lorafleet.worker.async_engine import AsyncEngine
+
+    served, offline = _engine(demo_model, modules, True), _engine(demo_model, modules, False)
+    cases = [(p, a) for p, a in MIXED[:5]]
+    free = served.blocks.num_free
+
+    async def one(engine, prompt, adapters, n):
+        stream = await engine.submit(prompt, greedy(n), adapters)
+        return "".join([out.text_delta async for out in stream])
+
+    async def main():
+        engine = AsyncEngine(served)
+        engine.start()
+        try:
+            texts = await asyncio.gather(*(one(engine, p, a, 4 + i) for i, (p, a) in enumerate(cases)))
+            assert not await engine.call(served.has_unfinished)
+            return texts, await engine.call(lambda: served.blocks.num_free)
+        finally:
+            await engine.stop()
+
+    texts, free_after = asyncio.run(main())
+    want = offline.generate([p for p, _ in cases], [greedy(4 + i) for i in range(len(cases))], [a for _, a in cases])
+    assert texts == [c.text for c in want]
+    assert free_after == free and served.async_steps.stats.overlapped > 0
+
+
+# -- GPU (run on the H200): the same comparisons with captured graphs, pinned copies and events -----
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_async_matches_sync_on_cuda(demo_model, modules):
+    """fp32: rows of different batch compositions agree to ~1e-6, so tokens are equal (as in
+    test_cuda_graphs); a step in flight also holds rows of requests that just ended."""
+    knobs = [dict(temperature=0.0), dict(temperature=0.8, seed=7), dict(temperature=1.0, top_k=20, seed=3)]
+    requests = [(p, SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True, logprobs=2 if i % 2 else None,
+                                   **knobs[i % 3]), a) for i, (p, a) in enumerate(MIXED)]
+    kw = dict(device="cuda", dtype="float32")
+    want, got, sync, asyn = _both(demo_model, modules, requests, arrivals={4: requests[:2]}, **kw)
+    assert _texts(got) == _texts(want)
+    stats = asyn.async_steps.stats
+    assert stats.overlapped > 0 and asyn.runner.graphs.stats.captures > 0
+
+
+def test_failing_launch_fails_its_requests_and_the_server_recovers(demo_model, modules):
+    from lorafleet.worker.async_engine import AsyncEngine, EngineFailure
+
+    served, offline = _engine(demo_model, modules, True), _engine(demo_model, modules, False)
+    real = served.runner.launch
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # a launch from the device, with a step in flight
+            raise RuntimeError("boom")
+        return real(*args, **kwargs)
+
+    async def run(engine, prompt):
+        stream = await engine.submit(prompt, greedy(8), ())
+        return "".join([out.text_delta async for out in stream])
+
+    async def main():
+        engine = AsyncEngine(served)
+        engine.start()
+        try:
+            with pytest.raises(EngineFailure, match="boom"):
+                await run(engine, "Hello world")
+            assert engine.alive and await engine.call(served.blocks.usage) == 0.0
+            assert not await engine.call(served.has_unfinished)
+            return await run(engine, "Hello world")
+        finally:
+            await engine.stop()
+
+    served.runner.launch = broken
+    try:
+        text = asyncio.run(main())
+    finally:
+        del served.runner.launch
+    assert text == offline.generate(["Hello world"], greedy(8))[0].text
