@@ -1,15 +1,17 @@
 """Engine decode throughput on a GPU at the seed guide's 7.8B shape (issue 9's benchmark).
 
     python -m bench.engine [--adapters 1,8,32,64] [--prompt-lens 128,512] [--new-tokens 128]
-                           [--modes graphs,eager] [--peers] [--adapter-load 10] [--breakdown 8,64]
+                           [--modes graphs,async,eager] [--peers] [--adapter-load 10] [--breakdown 8,64]
 
 Random bf16 weights are built directly on the GPU and loaded through the engine's own loading
 path; adapters are random rank-16 on all 7 projections. Prints a table and writes
 bench/results/engine-h200.json: {machine, copy bandwidth, ceiling, ttft, rows, breakdown,
 peers, adapter_load}. Rows are {workload, mode, adapters, prompt_len, tokens_per_s,
 decode_step_ms, ceiling_tokens_per_s, vs_base}; the ceiling is weight bytes per decode step over
-the copy bandwidth measured in the same run. `mode` is graphs (the engine's default on CUDA) or
-eager (--modes graphs,eager: the same engine with its graphs switched off).
+the copy bandwidth measured in the same run. `mode` is graphs (the engine's default on CUDA: synchronous steps from
+CUDA graphs), async (the same with async scheduling, `worker/async_step.py`: the next step is
+launched before this one's tokens are read) or eager (graphs off); each listed mode is timed on
+the same engine (--modes, default graphs,async).
 
 --breakdown: for each listed adapter count, where a decode step's time goes: the GPU kernels of a
 few eager steps under torch.profiler, summed per class (base matmuls, LoRA, attention, other)
@@ -106,19 +108,20 @@ def decode_run(engine: LLMEngine, adapter_sets, prompt_len: int, new_tokens: int
     vocab = engine.model_config.vocab_size
     for r, adapters in enumerate(adapter_sets):
         engine.add_request([(r * 7919 + j * 31) % (vocab - 10) + 10 for j in range(prompt_len)], sp, adapters)
-    decode_tokens, decode_time, steps = 0, 0.0, 0
+    # Timed as one phase, from the first all-decode step to idle, without a sync per step: with
+    # async scheduling a step's outputs come from the step launched before it, and a sync after
+    # each step() would stall the pipeline. (num_uncomputed is 0 for a token still in flight.)
+    decode_tokens, t0 = 0, None
     while engine.has_unfinished():
-        all_decode = bool(engine.scheduler.running) and not engine.scheduler.waiting and all(
-            s.num_uncomputed == 1 for s in engine.scheduler.running)
-        sync()
-        t0 = time.perf_counter()
+        if t0 is None and engine.scheduler.running and not engine.scheduler.waiting and all(
+                s.num_uncomputed <= 1 for s in engine.scheduler.running):
+            sync()
+            t0 = time.perf_counter()
         outs = engine.step()
-        sync()
-        dt = time.perf_counter() - t0
-        steps += 1
-        if all_decode:
+        if t0 is not None:
             decode_tokens += len(outs)
-            decode_time += dt
+    sync()
+    decode_time = time.perf_counter() - t0
     return {"tokens_per_s": round(decode_tokens / decode_time, 1), "decode_step_ms": round(1e3 * decode_time / max(1, decode_tokens / len(adapter_sets)), 2)}
 
 
@@ -186,7 +189,7 @@ def profiled(engine: LLMEngine, run, steps: int) -> dict:
 def step_breakdown(engine: LLMEngine, adapter_sets, prompt_len: int, steps: int = 6) -> dict:
     """Per decode step: GPU kernel time by class (eager, profiled), graph replay alone, whole step."""
     graphs = engine.runner.graphs
-    start_decode(engine, adapter_sets, prompt_len, 4 * steps + 8)
+    start_decode(engine, adapter_sets, prompt_len, 5 * steps + 8)
     if graphs is not None:
         graphs.enabled = False
     engine.step()
@@ -210,6 +213,15 @@ def step_breakdown(engine: LLMEngine, adapter_sets, prompt_len: int, steps: int 
         sync()
         result["graph_replay_ms"] = round(start.elapsed_time(end) / steps, 3)
         result["host_ms"] = round(result["graph_step_ms"] - result["graph_replay_ms"], 3)
+        engine.async_steps.enabled = True  # the same steps pipelined: host work behind the GPU's
+        engine.step()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync()
+        engine.async_steps.enabled = False
+        result["async_step_ms"] = round((time.perf_counter() - t0) * 1e3 / steps, 3)
     while engine.has_unfinished():
         engine.step()
     return result
@@ -225,7 +237,7 @@ def build_engine(args, device: str, n_slots: int) -> tuple[LLMEngine, ModelConfi
     config = EngineConfig(max_loras=max(n_slots, 1), max_cpu_loras=n_slots + 8, max_lora_rank=args.rank,
                           max_num_seqs=args.batch, max_num_batched_tokens=8192, device=device, dtype="bfloat16",
                           max_loras_per_request=1, num_kv_blocks=512 if args.tiny else None,
-                          cuda_graphs=None if device == "cuda" else "graphs" in args.modes)
+                          cuda_graphs=None if device == "cuda" else "eager" not in args.modes.split(","))
     t0 = time.perf_counter()
     engine = LLMEngine(folder, config, weights=random_weights(model_config, device))
     return engine, model_config, time.perf_counter() - t0
@@ -256,7 +268,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--modes", default="graphs", help="graphs, eager or both (graphs,eager)")
+    ap.add_argument("--modes", default="graphs,async",
+                    help="comma-separated, each timed on the same engine: graphs (synchronous steps), async "
+                         "(graphs + async scheduling), eager")
     ap.add_argument("--breakdown", default="0,8,64", help="adapter counts to break a decode step down for ('' = none)")
     ap.add_argument("--peers", action="store_true", help="also run transformers generate and PEFT's mixed batch")
     ap.add_argument("--peft-adapters", default="1,8")
@@ -302,7 +316,8 @@ def main() -> None:
     graphs = engine.runner.graphs
     for mode in modes:
         if graphs is not None:
-            graphs.enabled = mode == "graphs"
+            graphs.enabled = mode in ("graphs", "async")
+        engine.async_steps.enabled = mode == "async"
         for plen in prompt_lens:
             for d in [0] + adapter_counts:
                 label = "base-only" if d == 0 else f"{d} adapters"
@@ -315,7 +330,8 @@ def main() -> None:
                 print(f"{label:<14} {mode:<6} prompt {plen:>4}: {res['tokens_per_s']:>9,.0f} tok/s  "
                       f"step {res['decode_step_ms']:>7} ms", flush=True)
     if graphs is not None:
-        graphs.enabled = "graphs" in modes
+        graphs.enabled = modes != ["eager"]
+    engine.async_steps.enabled = False  # TTFT and the breakdown time synchronous steps (and async_step_ms)
     ttft_ms = [ttft(engine, 512) for _ in range(3)]
     ttft_breakdown = profiled(engine, lambda: ttft(engine, 512), 1)
     print(f"time to first token, 512 tokens, by kernel class: {ttft_breakdown}", flush=True)
@@ -343,6 +359,9 @@ def main() -> None:
             "buckets": graphs.buckets, "captures": graphs.stats.captures, "replays": graphs.stats.replays,
             "capture_s": round(graphs.stats.capture_s, 2)},
         "memory_plan": engine.memory_plan,
+        "async_scheduling": {
+            "launched": engine.async_steps.stats.launched, "overlapped": engine.async_steps.stats.overlapped,
+            "fallbacks": dict(engine.async_steps.stats.fallbacks)},
         "rows": rows, "breakdown": breakdown, "peers": peers, "adapter_load": load,
     }
     print(f"\n{'workload':<14} {'mode':<6} {'prompt':>6} {'tok/s':>10} {'vs base':>8} {'ceiling':>10}")

@@ -94,6 +94,9 @@ class AsyncStepper:
         self.inflight: InFlight | None = None
         self._zombies: list[Sequence] = []  # finished while in flight: blocks freed after it is read
         self.stats = AsyncStats()
+        # EngineConfig.async_scheduling; benchmarks flip it between workloads (the engine idle) to
+        # time both ways on one engine, as with DecodeGraphs.enabled.
+        self.enabled = engine.config.async_scheduling
         # Tests: called with ("launch" | "read", step number) as steps are launched and read.
         self.on_event: Callable[[str, int], None] | None = None
 
@@ -143,7 +146,7 @@ class AsyncStepper:
     # -- the next step ---------------------------------------------------------------------------
     def _enabled(self) -> bool:
         graphs = self.engine.runner.graphs
-        return (self.engine.config.async_scheduling and graphs is not None and graphs.enabled
+        return (self.enabled and graphs is not None and graphs.enabled
                 and self.engine.logits_hook is None)
 
     def _launch_next(self, step: InFlight) -> InFlight | None:
