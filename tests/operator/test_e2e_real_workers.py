@@ -85,7 +85,9 @@ def condition(api: PatchedEmulator, adapter: str, kind: str) -> dict[str, Any]:
 async def complete(worker: RealWorker, model: str) -> httpx.Response:
     async with httpx.AsyncClient(timeout=30.0) as http:
         return await http.post(f"{worker.url}/v1/completions",
-                               json={"model": model, "prompt": "SELECT name FROM", "max_tokens": 4})
+                               # ignore_eos: a sampled EOS must not end the request before its 4 tokens
+                               json={"model": model, "prompt": "SELECT name FROM", "max_tokens": 4,
+                                     "ignore_eos": True})
 
 
 async def test_real_workers_load_serve_refuse_and_unload(
