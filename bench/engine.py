@@ -7,7 +7,7 @@ Random bf16 weights are built directly on the GPU and loaded through the engine'
 path; adapters are random rank-16 on all 7 projections. Prints a table and writes
 bench/results/engine-h200.json: {machine, copy bandwidth, ceiling, ttft, rows, breakdown,
 peers, adapter_load}. Rows are {workload, mode, adapters, prompt_len, tokens_per_s,
-decode_step_ms, ceiling_tokens_per_s, vs_base}; the ceiling is weight bytes per decode step over
+decode_step_ms, batch_ttft_ms_median / _max (all requests submitted at once), ceiling_tokens_per_s, vs_base}; the ceiling is weight bytes per decode step over
 the copy bandwidth measured in the same run. `mode` is graphs (the engine's default on CUDA: synchronous steps from
 CUDA graphs), async (the same with async scheduling, `worker/async_step.py`: the next step is
 launched before this one's tokens are read) or eager (graphs off); each listed mode is timed on
@@ -106,8 +106,11 @@ def copy_bandwidth(device: str) -> float:
 def decode_run(engine: LLMEngine, adapter_sets, prompt_len: int, new_tokens: int) -> dict:
     sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     vocab = engine.model_config.vocab_size
+    sync()
+    submitted = time.perf_counter()
     for r, adapters in enumerate(adapter_sets):
         engine.add_request([(r * 7919 + j * 31) % (vocab - 10) + 10 for j in range(prompt_len)], sp, adapters)
+    first: dict[int, float] = {}  # request -> seconds from submission to its first token on the host
     # Timed as one phase, from the first all-decode step to idle, without a sync per step: with
     # async scheduling a step's outputs come from the step launched before it, and a sync after
     # each step() would stall the pipeline. (num_uncomputed is 0 for a token still in flight.)
@@ -118,11 +121,18 @@ def decode_run(engine: LLMEngine, adapter_sets, prompt_len: int, new_tokens: int
             sync()
             t0 = time.perf_counter()
         outs = engine.step()
+        now = time.perf_counter()
+        for out in outs:
+            first.setdefault(out.request_id, now - submitted)
         if t0 is not None:
             decode_tokens += len(outs)
     sync()
     decode_time = time.perf_counter() - t0
-    return {"tokens_per_s": round(decode_tokens / decode_time, 1), "decode_step_ms": round(1e3 * decode_time / max(1, decode_tokens / len(adapter_sets)), 2)}
+    firsts = sorted(first.values())
+    return {"tokens_per_s": round(decode_tokens / decode_time, 1),
+            "decode_step_ms": round(1e3 * decode_time / max(1, decode_tokens / len(adapter_sets)), 2),
+            # the whole batch submitted at once: its prefill steps, then the first sampled tokens
+            "batch_ttft_ms_median": round(1e3 * firsts[len(firsts) // 2], 2), "batch_ttft_ms_max": round(1e3 * firsts[-1], 2)}
 
 
 def ttft(engine: LLMEngine, prompt_len: int) -> float:
