@@ -175,8 +175,8 @@ def test_invalid_safetensors_are_bad_weights(corrupt, model, demo_adapters, tmp_
 
 def test_misaligned_tensor_bytes_are_copied(model):
     base = torch.arange(64, dtype=torch.uint8)
-    info = adapter_mod._TensorInfo("x", torch.float32, (2, 3), 2, 26)
-    got = adapter_mod._view(base, info)
+    info = adapter_mod.TensorInfo("x", torch.float32, (2, 3), 2, 26)
+    got = adapter_mod.tensor_view(base, info)
     assert torch.equal(got, base[2:26].clone().view(torch.float32).view(2, 3))
 
 
@@ -578,8 +578,8 @@ def test_digest_reused_for_unchanged_files_and_recomputed_after_a_change(tmp_pat
     folder = tmp_path / "a"
     shutil.copytree(next(iter(demo_adapters.values())), folder)
     hashed = []
-    real = adapter_mod._Sha256
-    monkeypatch.setattr(adapter_mod, "_Sha256", lambda parts: hashed.append(1) or real(parts))
+    real = adapter_mod.Sha256Thread
+    monkeypatch.setattr(adapter_mod, "Sha256Thread", lambda parts: hashed.append(1) or real(parts))
     first = adapter_mod.load_adapter(folder, model, 64, 1 << 30)
     second = adapter_mod.load_adapter(folder, model, 64, 1 << 30)
     assert len(hashed) == 1 and second.digest == first.digest == adapter_mod.adapter_digest(folder)

@@ -4,15 +4,11 @@ Only safetensors are read (a pickled `.bin`/`.pt` is refused, never unpickled). 
 `AdapterError` whose `reason` is a stable code (for metrics, HTTP errors, CR conditions) and whose
 message says what to fix.
 
-A digest is reused, without hashing, when the same files are read again unchanged (same device,
-inode, size, mtime and ctime before and after the read: `DIGEST_CACHE`), as when an adapter
-evicted from the CPU cache comes back. The weights file is read once: it is mapped (copy-on-write, so the tensors are zero-copy views of
-the page cache and never segfault on a write), its sha256 runs in a thread over the same mapping
-(hashlib releases the GIL) while the header is validated, the tensors are checked against the
-model and `prepare` (the registry lays them out for the GPU slots and checks them there) runs. The
-safetensors header is validated here with the same rules as the safetensors library
-(`Metadata::validate`): offsets contiguous from 0 to the end of the file, sizes matching
-dtype x shape, a bounded UTF-8 JSON header.
+The weights file is read once (`safetensors_view`): mapped copy-on-write, so the tensors are
+zero-copy views of the page cache and never segfault on a write, its header validated with the
+safetensors library's rules. Its sha256 runs in a thread over the same mapping (`digest`) while the
+tensors are checked against the model and `prepare` (the registry lays them out for the GPU slots
+and checks them there) runs; an unchanged folder read again reuses its digest (`DIGEST_CACHE`).
 """
 
 from __future__ import annotations
@@ -22,8 +18,7 @@ import json
 import math
 import mmap
 import re
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,6 +26,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from lorafleet.worker.config import LORA_TARGETS, ModelConfig
+from lorafleet.worker.lora.digest import DIGEST_CACHE, Sha256Thread
+from lorafleet.worker.lora.errors import AdapterError
+from lorafleet.worker.lora.safetensors_view import TensorInfo, map_file, parse_safetensors, tensor_view
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -50,23 +48,8 @@ _UNSUPPORTED_FLAGS = {
     "trainable_token_indices": "trainable token indices are not supported",
     "modules_to_save": "modules_to_save (fully trained extra modules) is not supported",
 }
-# safetensors dtype names -> torch (those torch has); any other name is refused as bad_weights.
-_ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
-}
-_MAX_HEADER = 100_000_000  # the safetensors library's cap
-
 if TYPE_CHECKING:
     from lorafleet.worker.lora.slots import PackedLora
-
-
-class AdapterError(ValueError):
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 @dataclass(slots=True)
@@ -179,157 +162,6 @@ def parse_adapter_config(raw: bytes, max_lora_rank: int) -> dict:
 
 
 
-# -- reading the weights file once -----------------------------------------------------------------
-class _Sha256:
-    """sha256 of `parts` in a thread (hashlib releases the GIL on large buffers); `hexdigest` joins it."""
-
-    def __init__(self, parts: Sequence) -> None:
-        self._hash = hashlib.sha256()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(parts,), name="adapter-sha256", daemon=True)
-        self._thread.start()
-
-    def _run(self, parts: Sequence) -> None:
-        try:
-            for part in parts:
-                self._hash.update(part)
-        except BaseException as exc:  # noqa: BLE001 - re-raised by hexdigest on the caller's thread
-            self._error = exc
-
-    def hexdigest(self) -> str:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._hash.hexdigest()
-
-
-class _DigestCache:
-    """Digests of adapter folders by file identity: a re-read of unchanged files skips the hash.
-
-    The key is each file's (device, inode, size, mtime, ctime), taken before the read and checked
-    again after it (as git's index does); writing a file changes its ctime, which user space
-    cannot set back, so changed content always misses. Bounded LRU, shared by the process.
-    """
-
-    def __init__(self, capacity: int = 4096) -> None:
-        self._items: dict[tuple, str] = {}
-        self._lock = threading.Lock()
-        self.capacity = capacity
-        self.hits = 0
-
-    @staticmethod
-    def key(*paths: Path) -> tuple:
-        out = []
-        for path in paths:
-            st = path.stat()
-            out.append((str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
-        return tuple(out)
-
-    def get(self, key: tuple) -> str | None:
-        with self._lock:
-            digest = self._items.pop(key, None)
-            if digest is not None:
-                self._items[key] = digest  # most recent last
-                self.hits += 1
-            return digest
-
-    def put(self, key: tuple, digest: str) -> None:
-        with self._lock:
-            self._items.pop(key, None)
-            self._items[key] = digest
-            while len(self._items) > self.capacity:
-                self._items.pop(next(iter(self._items)))
-
-
-DIGEST_CACHE = _DigestCache()
-
-
-def _map_file(path: Path) -> mmap.mmap | bytes:
-    """The whole file, copy-on-write mapped (writes to views stay private); b"" if it is empty."""
-    with open(path, "rb") as f:
-        try:
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        except ValueError:  # an empty file cannot be mapped
-            return b""
-    if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
-        mapped.madvise(mmap.MADV_WILLNEED)  # start readahead of a cold file while the hash begins
-    return mapped
-
-
-@dataclass(frozen=True, slots=True)
-class _TensorInfo:
-    name: str
-    dtype: torch.dtype | None  # None: a safetensors dtype torch has no type for
-    shape: tuple[int, ...]
-    begin: int  # absolute byte offsets into the file
-    end: int
-
-
-def _parse_safetensors(buf: mmap.mmap | bytes) -> list[_TensorInfo]:
-    """The header's tensors in file order, validated as safetensors validates it (`Metadata::validate`)."""
-
-    def bad(why: str) -> AdapterError:
-        return AdapterError("bad_weights", f"{WEIGHTS_FILE} is not a valid safetensors file: {why}")
-
-    size = len(buf)
-    if size < 8:
-        raise bad("shorter than the 8-byte header length")
-    n = int.from_bytes(buf[:8], "little")
-    if n > _MAX_HEADER:
-        raise bad(f"header of {n} bytes is over the {_MAX_HEADER}-byte limit")
-    if 8 + n > size:
-        raise bad(f"header length {n} runs past the end of the file ({size} bytes)")
-    try:
-        text = bytes(buf[8 : 8 + n]).decode("utf-8")
-    except UnicodeDecodeError:
-        raise bad("the header is not UTF-8") from None
-    if not text.startswith("{"):
-        raise bad("the header is not a JSON object")
-    try:
-        header = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise bad(f"the header is not valid JSON ({exc})") from None
-    meta = header.pop("__metadata__", None)
-    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
-        raise bad("__metadata__ must map strings to strings")
-
-    def is_uint(v) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-    infos = []
-    for name, info in header.items():
-        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
-            raise bad(f"tensor {name!r} needs dtype, shape and data_offsets")
-        dtype_name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        if not isinstance(dtype_name, str) or not dtype_name.isupper():
-            raise bad(f"tensor {name!r} has an unknown dtype {dtype_name!r}")
-        if not isinstance(shape, list) or not all(is_uint(d) for d in shape):
-            raise bad(f"tensor {name!r} has a bad shape {shape!r}")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_uint(o) for o in offsets)):
-            raise bad(f"tensor {name!r} has bad data_offsets {offsets!r}")
-        infos.append((tuple(offsets), name, _ST_DTYPES.get(dtype_name), tuple(shape)))
-    infos.sort(key=lambda t: t[0])
-    out, start = [], 0
-    for (begin, end), name, dtype, shape in infos:
-        if begin != start or end < begin:
-            raise bad(f"tensor {name!r} has data_offsets [{begin}, {end}], expected to start at {start}")
-        start = end
-        if dtype is not None and end - begin != math.prod(shape) * dtype.itemsize:
-            raise bad(f"tensor {name!r}: {end - begin} bytes do not hold {dtype} {list(shape)}")
-        out.append(_TensorInfo(name, dtype, shape, 8 + n + begin, 8 + n + end))
-    if 8 + n + start != size:
-        raise bad(f"the tensors end at byte {8 + n + start} but the file has {size}")
-    return out
-
-
-def _view(base: torch.Tensor, info: _TensorInfo) -> torch.Tensor:
-    """Zero-copy view of a tensor's bytes (copied only if its offset is misaligned for its dtype)."""
-    raw = base[info.begin : info.end]
-    if info.begin % info.dtype.itemsize:
-        raw = raw.clone()
-    return raw.view(info.dtype).view(info.shape)
-
-
 def all_finite(t: torch.Tensor) -> bool:
     """No NaN or Inf in `t`: one vectorized pass (min/max propagate NaN), any device."""
     if t.numel() == 0 or not t.is_floating_point():
@@ -381,11 +213,11 @@ def load_adapter(
     size = weights_path.stat().st_size
     if size > max_bytes:
         raise AdapterError("too_large", f"adapter weights are {size} bytes, over the {max_bytes}-byte cap")
-    buf = _map_file(weights_path)
+    buf = map_file(weights_path)
     if len(buf) > max_bytes:  # grew since the stat
         raise AdapterError("too_large", f"adapter weights are {len(buf)} bytes, over the {max_bytes}-byte cap")
     # The same bytes that are parsed: one read. Skipped when unchanged files were hashed before.
-    sha = None if cached is not None else _Sha256((config_bytes, b"\0", buf, b"\0"))
+    sha = None if cached is not None else Sha256Thread((config_bytes, b"\0", buf, b"\0"))
     try:
         out, runs = _read_weights(folder, buf, cfg, model)
         if prepare is not None:
@@ -397,7 +229,7 @@ def load_adapter(
         digest = cached if sha is None else "sha256:" + sha.hexdigest()  # joined before the file is unmapped
     unchanged = DIGEST_CACHE.key(folder / CONFIG_FILE, weights_path) == identity
     if sha is None and not unchanged:  # changed between the lookup and the read: hash what was read
-        digest = "sha256:" + _Sha256((config_bytes, b"\0", buf, b"\0")).hexdigest()
+        digest = "sha256:" + Sha256Thread((config_bytes, b"\0", buf, b"\0")).hexdigest()
     elif sha is not None and unchanged:
         DIGEST_CACHE.put(identity, digest)
     out.digest = digest
@@ -407,7 +239,7 @@ def load_adapter(
 def _read_weights(
     folder: Path, buf: mmap.mmap | bytes, cfg: dict, model: ModelConfig
 ) -> tuple[LoraWeights, list[torch.Tensor]]:
-    infos = _parse_safetensors(buf)
+    infos = parse_safetensors(buf, WEIGHTS_FILE)
     base = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
     rslora = bool(cfg.get("use_rslora", False))
     rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
@@ -425,7 +257,7 @@ def _read_weights(
             raise AdapterError("shape_mismatch", f"tensor {name!r}: the base model has {model.num_layers} layers")
         if info.dtype is None:
             raise AdapterError("bad_weights", f"tensor {name!r}: weights must be floating point")
-        halves.setdefault((layer, target), {})[half] = _view(base, info)
+        halves.setdefault((layer, target), {})[half] = tensor_view(base, info)
     if not halves:
         raise AdapterError("bad_weights", f"{WEIGHTS_FILE} holds no LoRA tensors")
 
@@ -451,7 +283,7 @@ def _read_weights(
     return out, _runs(base, infos)
 
 
-def _runs(base: torch.Tensor, infos: list[_TensorInfo]) -> list[torch.Tensor]:
+def _runs(base: torch.Tensor, infos: list[TensorInfo]) -> list[torch.Tensor]:
     """The data section as few flat views as possible: one per run of adjacent same-dtype tensors."""
     runs: list[tuple[torch.dtype, int, int]] = []
     for info in infos:  # file order: contiguous
@@ -459,7 +291,7 @@ def _runs(base: torch.Tensor, infos: list[_TensorInfo]) -> list[torch.Tensor]:
             runs[-1] = (info.dtype, runs[-1][1], info.end)
         else:
             runs.append((info.dtype, info.begin, info.end))
-    return [_view(base, _TensorInfo("", dtype, ((end - begin) // dtype.itemsize,), begin, end))
+    return [tensor_view(base, TensorInfo("", dtype, ((end - begin) // dtype.itemsize,), begin, end))
             for dtype, begin, end in runs]
 
 

@@ -1,0 +1,111 @@
+"""A safetensors file read in place: mapped copy-on-write, its header validated with the same rules as
+the safetensors library (`Metadata::validate`: offsets contiguous from 0 to the end of the file,
+sizes matching dtype x shape, a bounded UTF-8 JSON header), tensors as zero-copy views."""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lorafleet.worker.lora.errors import AdapterError
+
+# safetensors dtype names -> torch (those torch has); any other name is refused as bad_weights.
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
+}
+_MAX_HEADER = 100_000_000  # the safetensors library's cap
+
+
+def map_file(path: Path) -> mmap.mmap | bytes:
+    """The whole file, copy-on-write mapped (writes to views stay private); b"" if it is empty."""
+    with open(path, "rb") as f:
+        try:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except ValueError:  # an empty file cannot be mapped
+            return b""
+    if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
+        mapped.madvise(mmap.MADV_WILLNEED)  # start readahead of a cold file while the hash begins
+    return mapped
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    name: str
+    dtype: torch.dtype | None  # None: a safetensors dtype torch has no type for
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offsets into the file
+    end: int
+
+
+def parse_safetensors(buf: mmap.mmap | bytes, file_name: str) -> list[TensorInfo]:
+    """The header's tensors in file order, validated as safetensors validates it; `file_name` is
+    for the error messages (AdapterError "bad_weights")."""
+
+    def bad(why: str) -> AdapterError:
+        return AdapterError("bad_weights", f"{file_name} is not a valid safetensors file: {why}")
+
+    size = len(buf)
+    if size < 8:
+        raise bad("shorter than the 8-byte header length")
+    n = int.from_bytes(buf[:8], "little")
+    if n > _MAX_HEADER:
+        raise bad(f"header of {n} bytes is over the {_MAX_HEADER}-byte limit")
+    if 8 + n > size:
+        raise bad(f"header length {n} runs past the end of the file ({size} bytes)")
+    try:
+        text = bytes(buf[8 : 8 + n]).decode("utf-8")
+    except UnicodeDecodeError:
+        raise bad("the header is not UTF-8") from None
+    if not text.startswith("{"):
+        raise bad("the header is not a JSON object")
+    try:
+        header = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise bad(f"the header is not valid JSON ({exc})") from None
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise bad("__metadata__ must map strings to strings")
+
+    def is_uint(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    infos = []
+    for name, info in header.items():
+        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+            raise bad(f"tensor {name!r} needs dtype, shape and data_offsets")
+        dtype_name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if not isinstance(dtype_name, str) or not dtype_name.isupper():
+            raise bad(f"tensor {name!r} has an unknown dtype {dtype_name!r}")
+        if not isinstance(shape, list) or not all(is_uint(d) for d in shape):
+            raise bad(f"tensor {name!r} has a bad shape {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_uint(o) for o in offsets)):
+            raise bad(f"tensor {name!r} has bad data_offsets {offsets!r}")
+        infos.append((tuple(offsets), name, _ST_DTYPES.get(dtype_name), tuple(shape)))
+    infos.sort(key=lambda t: t[0])
+    out, start = [], 0
+    for (begin, end), name, dtype, shape in infos:
+        if begin != start or end < begin:
+            raise bad(f"tensor {name!r} has data_offsets [{begin}, {end}], expected to start at {start}")
+        start = end
+        if dtype is not None and end - begin != math.prod(shape) * dtype.itemsize:
+            raise bad(f"tensor {name!r}: {end - begin} bytes do not hold {dtype} {list(shape)}")
+        out.append(TensorInfo(name, dtype, shape, 8 + n + begin, 8 + n + end))
+    if 8 + n + start != size:
+        raise bad(f"the tensors end at byte {8 + n + start} but the file has {size}")
+    return out
+
+
+def tensor_view(base: torch.Tensor, info: TensorInfo) -> torch.Tensor:
+    """Zero-copy view of a tensor's bytes (copied only if its offset is misaligned for its dtype)."""
+    raw = base[info.begin : info.end]
+    if info.begin % info.dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(info.dtype).view(info.shape)
