@@ -98,7 +98,7 @@ async def _ensure_token(kube: KubeClient, pool: Any, owner: kopf.Body) -> str:
     return builders.read_token(secret)
 
 
-def _pod_state(body: kopf.Body) -> PodState:
+def _pod_state(body: kopf.Body | dict[str, Any]) -> PodState:
     conditions = body.get("status", {}).get("conditions") or []
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
     return PodState(
@@ -182,6 +182,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         fleet: Fleet = memo.fleet
         reconciler = fleet.pool(namespace, name)
         await _adopt_existing_adapters(fleet, namespace, name, logger)
+        await _adopt_existing_pods(fleet, namespace, name, logger)
         reconciler.wake(resync=True)
         await reconciler.run()
 
@@ -238,6 +239,33 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
             reconciler.observe_pod(_pod_state(body))
 
 
+async def _list(fleet: Fleet, path: str, what: str, logger: logging.Logger) -> list[dict[str, Any]] | None:
+    """A collection's items, a few tries; None if the API server does not answer."""
+    assert fleet.kube is not None
+    for attempt in range(5):
+        try:
+            return (await fleet.kube.get(path)).get("items", [])
+        except (KubeError, OSError) as exc:
+            logger.warning(f"listing {what} failed ({exc}); retrying")
+            await asyncio.sleep(1 + attempt)
+    return None
+
+
+async def _adopt_existing_pods(fleet: Fleet, namespace: str, pool: str, logger: logging.Logger) -> None:
+    """Observe the pool's existing worker pods before the first round.
+
+    After an operator restart the pod watch may not have delivered them yet; a round without them
+    would count no replicas and write Ready adapters as Pending until the next round.
+    """
+    if fleet.kube is None:
+        return
+    items = await _list(fleet, KubeClient.path("v1", "pods", namespace), "pods", logger)
+    reconciler = fleet.pool(namespace, pool)
+    for item in items or []:
+        if (item.get("metadata", {}).get("labels") or {}).get(POOL_LABEL) == pool:
+            reconciler.observe_pod(_pod_state(item))
+
+
 async def _adopt_existing_adapters(fleet: Fleet, namespace: str, pool: str, logger: logging.Logger) -> None:
     """Register every existing adapter of the pool before the first round.
 
@@ -246,17 +274,8 @@ async def _adopt_existing_adapters(fleet: Fleet, namespace: str, pool: str, logg
     """
     if fleet.kube is None:
         return
-    path = KubeClient.path(f"{GROUP}/{VERSION}", "loraadapters", namespace)
-    for attempt in range(5):
-        try:
-            listing = await fleet.kube.get(path)
-            break
-        except (KubeError, OSError) as exc:
-            logger.warning(f"listing adapters failed ({exc}); retrying")
-            await asyncio.sleep(1 + attempt)
-    else:
-        return
-    for item in listing.get("items", []):
+    items = await _list(fleet, KubeClient.path(f"{GROUP}/{VERSION}", "loraadapters", namespace), "adapters", logger)
+    for item in items or []:
         meta = item.get("metadata", {})
         if meta.get("deletionTimestamp") or (item.get("spec") or {}).get("pool") != pool:
             continue

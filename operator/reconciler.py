@@ -93,6 +93,9 @@ class PoolReconciler:
     url_of: UrlOf = pod_url
     pool: PoolSpec | None = None
     token: str | None = None
+    # set_pool has been called in this process (a None pool then means deleted or invalid); before
+    # that, after an operator restart, rounds write no statuses (they would read "PoolNotFound").
+    pool_known: bool = False
     adapters: dict[str, AdapterRecord] = field(default_factory=dict)
     pods: dict[str, PodState] = field(default_factory=dict)
     inventories: dict[str, AdapterInventory] = field(default_factory=dict)
@@ -106,7 +109,7 @@ class PoolReconciler:
     # ---- inputs from the handlers -------------------------------------------------------------
 
     def set_pool(self, pool: PoolSpec | None, token: str | None) -> None:
-        self.pool, self.token = pool, token
+        self.pool, self.token, self.pool_known = pool, token, True
         self.wake(resync=True)
 
     def upsert_adapter(self, spec: AdapterSpec, generation: int | None, status: Mapping[str, Any] | None) -> None:
@@ -199,7 +202,8 @@ class PoolReconciler:
     async def _reconcile_once(self) -> RoundResult:
         result = RoundResult()
         if self.pool is None or self.token is None:
-            await self._write_statuses(None, set(), reason="PoolNotFound", message=f"LoraPool {self.name} not found")
+            if self.pool_known:  # deleted or invalid; unknown yet: the pool handler has not run
+                await self._write_statuses(None, set(), reason="PoolNotFound", message=f"LoraPool {self.name} not found")
             return result
         pool = self.pool
         live = [p for p in self.pods.values() if p.ip and (p.ready or p.draining)]

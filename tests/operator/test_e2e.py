@@ -195,3 +195,28 @@ async def test_operator_killed_mid_reconcile_converges(
     await eventually(lambda: all(status(api, n).get("phase") == "Ready" for n in names[5:]), timeout=20)
     loaded = sorted(n for p in kubelet.pods.values() for n in p.worker.state.adapters)
     assert loaded == sorted(names[5:])  # no orphaned loads, nothing twice
+
+
+async def test_operator_restart_keeps_ready_adapters_ready(
+    api: PatchedEmulator, kubectl: Kubectl, kubelet: Kubelet, operator: OperatorRunner, tmp_path: Path
+) -> None:
+    """After a restart the operator lists the pool's pods before its first round, so adapters that
+    are Ready stay Ready: no status write shows them Pending while the pod watch catches up."""
+    names = ["r1", "r2", "r3"]
+    for n in names:
+        write_adapter(tmp_path, n)
+    await apply(kubectl, tmp_path, pool_manifest(tmp_path), *(adapter_manifest(n) for n in names))
+    await eventually(lambda: all(status(api, n).get("phase") == "Ready" for n in names), timeout=30)
+    await operator.kill()
+    seen = len(api._requests)
+    await operator.start()
+    await asyncio.sleep(3)  # several rounds and the resync
+    writes = [
+        (r.name, (r.data or {}).get("status") or {})
+        for r in api._requests[seen:]
+        if r.resource is not None and r.resource.plural == "loraadapters" and str(r.method).endswith("PATCH")
+    ]
+    flickers = [(name, st.get("phase"), [(c["type"], c["reason"]) for c in st.get("conditions") or []])
+                for name, st in writes if st.get("phase") not in (None, "Ready")]
+    assert not flickers, flickers
+    assert all(status(api, n).get("phase") == "Ready" for n in names)
