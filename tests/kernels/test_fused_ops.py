@@ -42,6 +42,7 @@ from lorafleet.worker.attention import AttentionMetadata, write_kv
 from lorafleet.worker.config import EngineConfig, ModelConfig
 from lorafleet.worker.models import llama
 from lorafleet.worker.models.llama import LlamaModel, Rotary
+from tests.kernels.hopper_compile import run_hopper_compile
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -336,35 +337,25 @@ def test_engine_with_fused_ops_matches_torch_path(demo_model, demo_adapters) -> 
 # divisibility-by-16 hints the JIT derives from real sizes, strides and pointers: what the interpreter lets
 # through (dtype mixes, unsupported ops) fails here without a GPU.
 HOPPER_COMPILE = r"""
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from lorafleet.kernels import fused_ops as ops
 
-SIZES = ("hidden", "inter")  # 4096 and 14336 at the seed shape: the JIT marks them divisible by 16
-
-def compile_(fn, sig, const):
-    sig = {**sig, **{k: "constexpr" for k in const}}
-    names = list(sig)
-    div = [i for i, (n, t) in enumerate(sig.items()) if t.startswith("*") or n.startswith("stride") or n in SIZES]
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
-                    attrs={(i,): [["tt.divisibility", 16]] for i in div})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+SIZES = ("hidden", "inter")  # 4096 and 14336 at the seed shape
 
 for dt in ("bf16", "fp16", "fp32"):
     p = "*" + dt
     norm = {"x_ptr": p, "residual_ptr": p, "weight_ptr": p, "out_ptr": p, "hidden": "i32", "eps": "fp32",
             "stride_x": "i32", "stride_r": "i32", "stride_o": "i32"}
     for add in (False, True):
-        k = compile_(ops._rms_norm_kernel, norm, dict(BLOCK=4096, ADD_RESIDUAL=add))
+        k = compile_(ops._rms_norm_kernel, norm, dict(BLOCK=4096, ADD_RESIDUAL=add), divisible=SIZES)
         assert "ld.global.v4" in k.asm["ptx"], "rms_norm loads are not vectorised"
     rope = {"qkv_ptr": p, "positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_mapping_ptr": "*i64",
             "k_cache_ptr": p, "v_cache_ptr": p, "num_heads": "i32", "num_kv_heads": "i32",
             **{s: "i32" for s in ("stride_qkv", "stride_cs", "stride_kb", "stride_ks", "stride_kh", "stride_vb",
                                   "stride_vs", "stride_vh")}}
-    compile_(ops._rope_write_kv_kernel, rope, dict(HALF=64, HALF_PAD=64, H_PAD=32, KVH_PAD=8, BLOCK_SIZE=16))
+    compile_(ops._rope_write_kv_kernel, rope, dict(HALF=64, HALF_PAD=64, H_PAD=32, KVH_PAD=8, BLOCK_SIZE=16),
+             divisible=SIZES)
     silu = {"gate_up_ptr": p, "out_ptr": p, "inter": "i32", "stride_in": "i32", "stride_out": "i32"}
-    k = compile_(ops._silu_mul_kernel, silu, dict(BLOCK=1024))
+    k = compile_(ops._silu_mul_kernel, silu, dict(BLOCK=1024), divisible=SIZES)
     assert "ld.global.v4" in k.asm["ptx"], "silu_mul loads are not vectorised"
 print("ok")
 """
@@ -372,18 +363,7 @@ print("ok")
 
 def test_compiles_for_hopper() -> None:
     """Every kernel compiles to sm_90 cubins (no GPU needed); skipped where this Triton lacks the API."""
-    import subprocess
-    import sys
-
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-    except ImportError:
-        pytest.skip("this Triton has no ASTSource/GPUTarget compile API")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    run_hopper_compile(HOPPER_COMPILE)
 
 
 # -- on the GPU (run on the H200) -------------------------------------------------------------

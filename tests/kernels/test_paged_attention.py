@@ -32,6 +32,7 @@ from lorafleet.worker.attention import (
     resolve_attention_backend,
 )
 from lorafleet.worker.config import ConfigError, EngineConfig
+from tests.kernels.hopper_compile import run_hopper_compile
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -184,18 +185,7 @@ def test_pick_config_depends_on_table_width_only() -> None:
 # divisibility-by-16 hints the JIT derives from real strides and pointers. This catches what the
 # interpreter lets through (tl.dot below 16, dtype mixes in dot, ...) without a GPU.
 HOPPER_COMPILE = r"""
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from lorafleet.kernels import paged_attention as pa
-
-def compile_(fn, sig, const, warps=4, stages=2):
-    sig = {**sig, **{k: "constexpr" for k in const}}
-    names = list(sig)
-    div = [i for i, (n, t) in enumerate(sig.items()) if t.startswith("*") or n.startswith("stride")]
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
-                    attrs={(i,): [["tt.divisibility", 16]] for i in div})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 strides = ["stride_qb", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_vb", "stride_vt", "stride_vh",
            "stride_tb", "stride_ob", "stride_oh"]
@@ -206,29 +196,18 @@ for dt, group, block_n, splits in [("bf16", 4, 64, 1), ("bf16", 8, 32, 8), ("fp1
            "num_heads": "i32", "qk_scale": "fp32", **{s: "i32" for s in strides}}
     const = dict(HEAD_DIM=128, D_PAD=128, GROUP=group, G_PAD=max(16, group), BLOCK_SIZE=16, BLOCK_N=block_n,
                  NUM_SPLITS=splits, UPCAST=dt == "fp32", IEEE=dt == "fp32")
-    k = compile_(pa._paged_decode_kernel, sig, const)
+    k = compile_(pa._paged_decode_kernel, sig, const, stages=2)
     assert "ld.global.v4" in k.asm["ptx"], "K/V loads are not vectorised"
     red = {"part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "out_ptr": p, "num_heads": "i32",
            "stride_ob": "i32", "stride_oh": "i32"}
-    compile_(pa._reduce_splits_kernel, red, dict(HEAD_DIM=128, D_PAD=128, NUM_SPLITS=max(2, splits)))
+    compile_(pa._reduce_splits_kernel, red, dict(HEAD_DIM=128, D_PAD=128, NUM_SPLITS=max(2, splits)), stages=2)
 print("ok")
 """
 
 
 def test_compiles_for_hopper() -> None:
     """Both kernels compile to sm_90 cubins (no GPU needed); skipped where this Triton lacks the API."""
-    import subprocess
-    import sys
-
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-    except ImportError:
-        pytest.skip("this Triton has no ASTSource/GPUTarget compile API")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    run_hopper_compile(HOPPER_COMPILE)
 
 
 # -- the engine's attention module --------------------------------------------------------------
