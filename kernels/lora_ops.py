@@ -84,15 +84,10 @@ class LoraMeta:
         other_keys = (other.num_tokens, other.token_slots.shape[1], other.max_slots, other.chunk_size, other.max_chunks)
         if shape_keys != other_keys:
             raise ValueError(f"meta shapes differ: {shape_keys} vs {other_keys}")
-        if self.packed is not None and other.packed is not None:  # same layout: two copies
-            for dst, src in zip(self.packed, other.packed, strict=True):
-                dst.copy_(src, non_blocking=True)
-        else:
-            for name in (
-                "token_slots", "token_scales", "sorted_token", "sorted_scale", "seg_slot", "seg_start",
-                "chunk_slot", "chunk_start", "chunk_end",
-            ):
-                getattr(self, name).copy_(getattr(other, name), non_blocking=True)
+        if self.packed is None or other.packed is None:
+            raise ValueError("copy_ needs metas made by build_lora_meta (their two packed buffers)")
+        for dst, src in zip(self.packed, other.packed, strict=True):  # same layout: two copies
+            dst.copy_(src, non_blocking=True)
         self.num_segments = other.num_segments
         self.num_entries = other.num_entries
         self.segments = list(other.segments)
