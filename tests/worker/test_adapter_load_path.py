@@ -113,6 +113,33 @@ def test_digest_is_the_sha256_of_config_and_weights(model, demo_adapters):
         assert reg.read(str(folder)).digest == want, name
 
 
+def test_digest_reused_for_unchanged_files_and_recomputed_after_a_change(tmp_path, model, demo_adapters, monkeypatch):
+    """A second read of the same unchanged folder skips sha256; rewriting the weights (even with
+    the same size and the old mtime put back) changes the ctime, so the new content is hashed."""
+    import os
+    import shutil
+
+    from lorafleet.worker.lora import adapter as adapter_mod
+
+    folder = tmp_path / "a"
+    shutil.copytree(next(iter(demo_adapters.values())), folder)
+    hashed = []
+    real = adapter_mod.Sha256Thread
+    monkeypatch.setattr(adapter_mod, "Sha256Thread", lambda parts: hashed.append(1) or real(parts))
+    first = adapter_mod.load_adapter(folder, model, 64, 1 << 30)
+    second = adapter_mod.load_adapter(folder, model, 64, 1 << 30)
+    assert len(hashed) == 1 and second.digest == first.digest == adapter_mod.adapter_digest(folder)
+
+    weights = folder / adapter_mod.WEIGHTS_FILE
+    st = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01  # same size: flip a bit in the last tensor's bytes
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))  # the old mtime back; ctime moves on
+    third = adapter_mod.load_adapter(folder, model, 64, 1 << 30)
+    assert len(hashed) == 2 and third.digest == adapter_mod.adapter_digest(folder) != first.digest
+
+
 def test_read_matches_the_safetensors_library(model, tmp_path):
     """Zero-copy views of the mapped file hold exactly what safetensors loads (two dtypes in one file)."""
     folder = write_adapter(tmp_path / "a", model, torch.bfloat16, r=4)
@@ -565,30 +592,3 @@ def test_cuda_strided_piece_copies_equal_the_reference_pool(dtype, model):
         torch.cuda.synchronize()
         ref.fill(slot, reference_slot(weights, m, dtype))
         assert_pool_equals(slots, ref)
-
-
-def test_digest_reused_for_unchanged_files_and_recomputed_after_a_change(tmp_path, model, demo_adapters, monkeypatch):
-    """A second read of the same unchanged folder skips sha256; rewriting the weights (even with
-    the same size and the old mtime put back) changes the ctime, so the new content is hashed."""
-    import os
-    import shutil
-
-    from lorafleet.worker.lora import adapter as adapter_mod
-
-    folder = tmp_path / "a"
-    shutil.copytree(next(iter(demo_adapters.values())), folder)
-    hashed = []
-    real = adapter_mod.Sha256Thread
-    monkeypatch.setattr(adapter_mod, "Sha256Thread", lambda parts: hashed.append(1) or real(parts))
-    first = adapter_mod.load_adapter(folder, model, 64, 1 << 30)
-    second = adapter_mod.load_adapter(folder, model, 64, 1 << 30)
-    assert len(hashed) == 1 and second.digest == first.digest == adapter_mod.adapter_digest(folder)
-
-    weights = folder / adapter_mod.WEIGHTS_FILE
-    st = weights.stat()
-    data = bytearray(weights.read_bytes())
-    data[-1] ^= 0x01  # same size: flip a bit in the last tensor's bytes
-    weights.write_bytes(bytes(data))
-    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))  # the old mtime back; ctime moves on
-    third = adapter_mod.load_adapter(folder, model, 64, 1 << 30)
-    assert len(hashed) == 2 and third.digest == adapter_mod.adapter_digest(folder) != first.digest
