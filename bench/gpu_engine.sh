@@ -19,7 +19,8 @@ if ! python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/instal
 fi
 python3 -c "import lorafleet.worker.engine, lorafleet.kernels.triton_lora" || exit 1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-timeout 200 python3 -m pytest -q -m gpu tests/kernels tests/worker -p no:cacheprovider -rf \
+# --continue-on-collection-errors: the image lacks openai/uvicorn, which two CPU-only test files import.
+timeout 200 python3 -m pytest -q -m gpu tests/kernels tests/worker -p no:cacheprovider -rf --continue-on-collection-errors \
   2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
 # If PDL broke graph capture, measure without it (and say so in the log).
 if grep -q "FAILED.*new_metadata\[True\]" "$OUT/gpu_tests.log"; then export LORAFLEET_PDL=0; echo "PDL OFF"; fi

@@ -89,14 +89,14 @@ class AsyncStats:
 class AsyncStepper:
     """The engine's step in flight and the finished sequences whose blocks it still writes."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, enabled: bool) -> None:
         self.engine = engine
         self.inflight: InFlight | None = None
         self._zombies: list[Sequence] = []  # finished while in flight: blocks freed after it is read
         self.stats = AsyncStats()
-        # EngineConfig.async_scheduling; benchmarks flip it between workloads (the engine idle) to
-        # time both ways on one engine, as with DecodeGraphs.enabled.
-        self.enabled = engine.config.async_scheduling
+        # EngineConfig.async_scheduling, resolved by the engine; benchmarks flip it between
+        # workloads (the engine idle) to time both ways on one engine, as with DecodeGraphs.enabled.
+        self.enabled = enabled
         # Tests: called with ("launch" | "read", step number) as steps are launched and read.
         self.on_event: Callable[[str, int], None] | None = None
 

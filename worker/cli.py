@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no CUDA graphs (vLLM's name for --no-cuda-graphs)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                    help="launch each decode step before reading the previous one's tokens, overlapping the "
-                        "host's work with the GPU (needs the CUDA graph path; default off)")
+                        "host's work with the GPU (default: on where decode steps replay CUDA graphs)")
     p.add_argument("--pinned-lora-modules", nargs="+", action="extend", default=[], metavar="NAME",
                    help="start-up adapters never evicted from the GPU")
     p.add_argument("--seed", type=int, default=d.seed)

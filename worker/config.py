@@ -201,8 +201,9 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     # Launch each steady-state decode step before reading the previous one's tokens, so the host's
     # bookkeeping overlaps the GPU (worker/async_step.py; vLLM's --async-scheduling). Needs the
-    # graph path; everything else (prefill, admissions, preemption) runs synchronously.
-    async_scheduling: bool = False
+    # graph path; everything else (prefill, admissions, preemption) runs synchronously. None: on
+    # wherever decode steps replay captured CUDA graphs (measured on the H200: 10.6k -> 12.0k tok/s).
+    async_scheduling: bool | None = None
     pinned_adapters: tuple[str, ...] = field(default_factory=tuple)
     seed: int = 0
 

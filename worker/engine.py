@@ -126,7 +126,7 @@ class LLMEngine:
         self.steps = 0
         # The server turns this off and reads adapters from disk in a thread (see async_engine.py).
         self.read_adapters_inline = True
-        self.async_steps = AsyncStepper(self)  # the step in flight under async scheduling
+        self.async_steps = AsyncStepper(self, self._want_async())  # the step in flight under async scheduling
         if config.async_scheduling and self.runner.graphs is None:
             log.warning("--async-scheduling needs the decode graph path (--cuda-graphs): every step runs synchronously")
         for name, path in (lora_modules or {}).items():
@@ -159,6 +159,13 @@ class LLMEngine:
                 f"{self.model.attention_backend}, LoRA {self.model.lora_backend}): the torch paths read host lists"
             )
         return self.config.cuda_graphs
+
+    def _want_async(self) -> bool:
+        """EngineConfig.async_scheduling resolved: None = on where decode steps replay captured
+        CUDA graphs (on CPU the graph path runs uncaptured, for tests: off unless asked)."""
+        if self.config.async_scheduling is None:
+            return self.runner.graphs is not None and self.device.type == "cuda"
+        return self.config.async_scheduling
 
     def _decode_graphs(self) -> DecodeGraphs:
         """CUDA graphs on CUDA; on CPU the same padded static-buffer path runs without capture (tests)."""

@@ -44,7 +44,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-lora-rank", type=int, default=64)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--async-scheduling", action="store_true", help="overlap decode steps' host work (CUDA graphs)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap decode steps' host work (default: on with CUDA graphs)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
