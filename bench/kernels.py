@@ -43,6 +43,7 @@ from triton.testing import do_bench
 
 from lorafleet.kernels.lora_ops import LoraMeta, add_lora, build_lora_meta, default_chunk_size, new_lora_b
 from lorafleet.kernels.triton_lora import LoraKernelConfig, add_lora_triton, pdl_supported, pick_config
+from lorafleet.worker.cuda_graphs import chunk_class
 
 HIDDEN, KV, MLP = 4096, 1024, 14336
 MODULES: dict[str, tuple[int, list[int]]] = {
@@ -239,6 +240,7 @@ def run_case(
     sets, token_slots, token_scales, ranks = make_case_inputs(case, g)
     meta = build_lora_meta(token_slots, token_scales, case.adapters, DEVICE)
     meta.rank_bound = case.rank  # as ModelRunner sets it: the step's largest true rank
+    meta.launch_chunks = chunk_class(meta.num_chunks, meta.max_chunks)  # as a decode graph launches
     ranks_dev = torch.tensor(ranks, dtype=torch.int32, device=DEVICE)
     row = dict(asdict(case))
     act_bytes = case.tokens * (d_in + 2 * sum(outs)) * BYTES

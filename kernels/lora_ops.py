@@ -25,7 +25,7 @@ The torch reference here is the CPU path and the oracle for the Triton kernels i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,6 +59,12 @@ class LoraMeta:
     chunk_end: torch.Tensor | None = None  # [max_chunks] int32: one past its last pair
     num_chunks: int = 0
     max_chunks: int = 0
+    # Host: chunk rows the Triton kernels launch (active chunks come first). None: max_chunks, so a
+    # CUDA graph captured with this meta replays correctly with any meta of the same shapes. A
+    # one-off launch sets num_chunks; DecodeGraphs sets its chunk class, and `copy_` refuses a meta
+    # with more chunks than that. Padding programs exit at once but are not free: at 8 adapters in
+    # a 64-token step, max_chunks launches 4x the programs that do work.
+    launch_chunks: int | None = None
     # Host: no slot of this step has a true rank above this (None: up to the pool's r_max). The
     # Triton kernels size their rank tiles by it, so rank-8 adapters in a rank-64 pool do rank-8
     # work; whoever sets it must make sure it holds (ModelRunner: the slots' largest ranks).
@@ -74,6 +80,11 @@ class LoraMeta:
     def empty(self) -> bool:
         return self.num_entries == 0
 
+    @property
+    def grid_chunks(self) -> int:
+        """Chunk rows of the kernels' grids (see `launch_chunks`)."""
+        return self.max_chunks if self.launch_chunks is None else min(self.max_chunks, self.launch_chunks)
+
     def copy_(self, other: LoraMeta) -> None:
         """Copy `other`'s contents into this meta's device buffers, in place.
 
@@ -86,6 +97,8 @@ class LoraMeta:
             raise ValueError(f"meta shapes differ: {shape_keys} vs {other_keys}")
         if self.packed is None or other.packed is None:
             raise ValueError("copy_ needs metas made by build_lora_meta (their two packed buffers)")
+        if other.num_chunks > self.grid_chunks:
+            raise ValueError(f"{other.num_chunks} chunks, but this meta's launches cover {self.grid_chunks}")
         for dst, src in zip(self.packed, other.packed, strict=True):  # same layout: two copies
             dst.copy_(src, non_blocking=True)
         self.num_segments = other.num_segments
@@ -283,3 +296,43 @@ def add_lora(
         add_lora_triton(y, x, lora_a, lora_b, ranks_device, meta)
     else:
         raise ValueError(f"unknown LoRA backend {backend!r} (torch | triton)")
+
+
+def linear_with_lora(
+    base: Callable[[], torch.Tensor],
+    x: torch.Tensor,
+    lora_a: Sequence[torch.Tensor],
+    lora_b: Sequence[torch.Tensor],
+    ranks: Sequence[Sequence[int]],
+    ranks_device: torch.Tensor | None,
+    meta: LoraMeta,
+    backend: str = "torch",
+    side_stream: torch.cuda.Stream | None = None,
+) -> torch.Tensor:
+    """`base()` (the base projection of x) plus the LoRA side path -> y.
+
+    With the Triton backend and a side stream, the shrink (which needs only x) runs on the side
+    stream while the base GEMM runs, and the expand adds into y after both: in a decode step the
+    small, latency-bound shrink hides behind the GEMM's weight reads. CUDA-graph capture records
+    the fork and the join as graph edges. Otherwise: the GEMM, then `add_lora`.
+    """
+    if backend != "triton" or side_stream is None:
+        y = base()
+        add_lora(y, x, lora_a, lora_b, ranks, ranks_device, meta, backend)
+        return y
+    from lorafleet.kernels.triton_lora import launch_expand, launch_shrink, plan_lora_triton
+
+    # Planned (partials allocated) on the main stream, so the caching allocator never hands the
+    # partials to the side stream's next request while the expand still reads them. No PDL: the
+    # expand follows the GEMM and a cross-stream join, not the shrink.
+    plan = plan_lora_triton(x, lora_a, lora_b, ranks_device, meta, pdl=False)
+    if plan is None:
+        return base()
+    main = torch.cuda.current_stream(x.device)
+    side_stream.wait_stream(main)
+    with torch.cuda.stream(side_stream):
+        launch_shrink(plan)
+    y = base()
+    main.wait_stream(side_stream)
+    launch_expand(plan, y)
+    return y

@@ -8,11 +8,11 @@ Semantics (same as `lora_ops.add_lora_reference`):
             y[tokens(c), cols_s] += (scale(c) * h) @ B_s[slot, :, :r].T  # expand  [rows, out_s]
 
 Two launches per projection group (all slices in each):
-- shrink: grid (max_chunks, SPLIT_K, n_slices * rank_blocks). Each program reduces one K range of
+- shrink: grid (chunks, SPLIT_K, n_slices * rank_blocks). Each program reduces one K range of
   one 16-wide block of true rank; blocks past the slot's rank exit before loading anything, so a
   rank-8 adapter in a rank-64 pool reads rank 8. Partials go to `[SPLIT_K, T*k, n_slices*R_PAD]`
   fp32 without atomics; the expand sums them (deterministic, no zeroing launch).
-- expand: grid (max_chunks, column groups of all slices). Sums the partials once, applies each
+- expand: grid (chunks, column groups of all slices). Sums the partials once, applies each
   pair's scale, then for each BLOCK_N tile of its group multiplies by B's true-rank columns
   (masked loads: the pool's padding is never read; with rank-major B the rows past the true rank
   are not even in the same sectors) and adds into y. With k = 1 every token is in exactly
@@ -25,8 +25,9 @@ On Hopper and newer the expand is launched with programmatic dependent launch: i
 the shrink's programs run, does its prologue (chunk, slot, rank, tokens, scales), and waits for
 the partials with `gdc_wait`.
 
-Grids depend only on (T, k, max_slots), the rank bound and the weight shapes; padding chunks
-(slot -1) exit at once. No host syncs, so a decode step can be captured in a CUDA graph.
+Grids depend only on (T, k, max_slots), the rank bound, the weight shapes and the meta's launch
+bound on chunks (`LoraMeta.launch_chunks`: max_chunks unless the caller knows better); padding
+chunks (slot -1) exit at once. No host syncs, so a decode step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -307,6 +308,165 @@ def _lora_expand_kernel(
             tl.store(y_ptrs, (cur.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@dataclass(slots=True)
+class LoraLaunch:
+    """One projection group's LoRA launches, planned: `launch_shrink` then `launch_expand`.
+
+    The fp32 split-K partials are allocated on the stream that plans, so the shrink may run on a
+    side stream (overlapping the base GEMM, `lora_ops.linear_with_lora`) once that stream waits
+    for the planning one, and the expand back on the planning stream after it waits for the side.
+    """
+
+    x: torch.Tensor
+    lora_a: list[torch.Tensor]
+    lora_b: list[torch.Tensor]
+    ranks_device: torch.Tensor
+    meta: LoraMeta
+    cfg: LoraKernelConfig
+    part: torch.Tensor
+    r_max: int
+    r_pad: int
+    r_blocks: int
+    n_slices: int
+    b_rank_major: bool
+    upcast: bool
+    ieee: bool
+    pdl: bool
+
+
+def plan_lora_triton(
+    x: torch.Tensor,
+    lora_a: Sequence[torch.Tensor],
+    lora_b: Sequence[torch.Tensor],
+    ranks_device: torch.Tensor,
+    meta: LoraMeta,
+    config: LoraKernelConfig | None = None,
+    pdl: bool | None = None,
+) -> LoraLaunch | None:
+    """Check the inputs and allocate the partials; None when the meta has no chunk to launch for."""
+    n_slices = len(lora_a)
+    if n_slices > 3:
+        raise ValueError(f"at most 3 output slices, got {n_slices}")
+    if meta.chunk_slot is None:
+        raise ValueError("meta has no chunk list; build it with build_lora_meta")
+    num_tokens, in_features = x.shape
+    if meta.num_tokens != num_tokens:
+        raise ValueError(f"meta is for {meta.num_tokens} tokens, x has {num_tokens}")
+    if meta.grid_chunks == 0:
+        return None
+    r_max = lora_a[0].shape[1]
+    if any(a.shape[1] != r_max for a in lora_a) or r_max == 0:
+        raise ValueError("all slices need the same, non-zero r_max")
+    if ranks_device is None or tuple(ranks_device.shape) != (n_slices, lora_a[0].shape[0]):
+        raise ValueError(f"ranks_device must be [n_slices={n_slices}, S={lora_a[0].shape[0]}] int32")
+    if x.stride(1) != 1:
+        raise ValueError("x needs unit stride along features")
+    lora_a = [a if a.is_contiguous() else a.contiguous() for a in lora_a]
+    layouts = {lora_b_layout(b) for b in lora_b}
+    if layouts not in ({"rank_major"}, {"out_major"}):  # mixed or odd strides: copy (slow path)
+        lora_b = [b.contiguous() for b in lora_b]
+        layouts = {"out_major"}
+    interp = _interpreting()
+    if pdl is None:
+        pdl = x.is_cuda and pdl_supported(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    cfg = config or pick_config(meta.num_chunks, n_slices, in_features, meta.chunk_size)
+    # Rank tiles cover the step's largest true rank (meta.rank_bound), not the pool's r_max.
+    r_eff = r_max if meta.rank_bound is None else max(1, min(r_max, meta.rank_bound))
+    r_blocks = triton.cdiv(r_eff, BLOCK_R)
+    r_pad = r_blocks * BLOCK_R
+    num_pairs = num_tokens * meta.token_slots.shape[1]
+    part = torch.empty((cfg.split_k, num_pairs, n_slices * r_pad), dtype=torch.float32, device=x.device)
+    return LoraLaunch(
+        x=x, lora_a=lora_a, lora_b=list(lora_b), ranks_device=ranks_device.to(torch.int32).contiguous(),
+        meta=meta, cfg=cfg, part=part, r_max=r_max, r_pad=r_pad, r_blocks=r_blocks, n_slices=n_slices,
+        b_rank_major=layouts == {"rank_major"}, upcast=interp or x.dtype == torch.float32,
+        ieee=x.dtype == torch.float32 and not interp, pdl=pdl,
+    )
+
+
+def launch_shrink(plan: LoraLaunch) -> None:
+    """part[split, pair, s*R_PAD + r] = Σ_k x[token(pair), k] · A_s[slot, r, k] (on the current stream)."""
+    x, meta, cfg, a = plan.x, plan.meta, plan.cfg, plan.lora_a
+    in_features = x.shape[1]
+    k_per_split = triton.cdiv(triton.cdiv(in_features, cfg.split_k), cfg.block_k) * cfg.block_k
+    _lora_shrink_kernel[(meta.grid_chunks, cfg.split_k, plan.n_slices * plan.r_blocks)](
+        x,
+        *(a + [a[0]] * (3 - plan.n_slices)),
+        plan.ranks_device,
+        meta.chunk_slot,
+        meta.chunk_start,
+        meta.chunk_end,
+        meta.sorted_token,
+        plan.part,
+        in_features,
+        k_per_split,
+        x.stride(0),
+        a[0].stride(0),
+        a[0].stride(1),
+        plan.ranks_device.stride(0),
+        plan.part.stride(0),
+        plan.part.stride(1),
+        R_MAX=plan.r_max,
+        R_PAD=plan.r_pad,
+        R_BLOCKS=plan.r_blocks,
+        BLOCK_M=meta.chunk_size,
+        BLOCK_K=cfg.block_k,
+        BLOCK_RANK=BLOCK_R,
+        UPCAST=plan.upcast,
+        IEEE=plan.ieee,
+        PDL=plan.pdl,
+        num_warps=cfg.shrink_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def launch_expand(plan: LoraLaunch, y: torch.Tensor) -> None:
+    """y[token(pair), slice cols] += scale(pair) · B_s(Σ_splits part), in place (on the current stream)."""
+    _check_shapes(y, plan.x, plan.lora_a, plan.lora_b)
+    if y.stride(1) != 1:
+        raise ValueError("y needs unit stride along features")
+    meta, cfg, b = plan.meta, plan.cfg, plan.lora_b
+    outs = [t.shape[1] for t in b] + [0] * (3 - plan.n_slices)
+    n_per_prog = max(cfg.n_per_prog, cfg.block_n)
+    groups = [triton.cdiv(o, n_per_prog) for o in outs]
+    r_pad = plan.r_pad
+    _lora_expand_kernel[(meta.grid_chunks, sum(groups))](
+        y,
+        *(b + [b[0]] * (3 - plan.n_slices)),
+        plan.ranks_device,
+        meta.chunk_slot,
+        meta.chunk_start,
+        meta.chunk_end,
+        meta.sorted_token,
+        meta.sorted_scale,
+        plan.part,
+        outs[0],
+        outs[1],
+        outs[2],
+        groups[0],
+        groups[1],
+        cfg.split_k,
+        y.stride(0),
+        plan.ranks_device.stride(0),
+        plan.part.stride(0),
+        plan.part.stride(1),
+        R_MAX=plan.r_max,
+        R_PAD=r_pad,
+        R_BLOCK=r_pad if r_pad & (r_pad - 1) == 0 else triton.next_power_of_2(r_pad),
+        B_RANK_MAJOR=plan.b_rank_major,
+        BLOCK_M=meta.chunk_size,
+        BLOCK_N=cfg.block_n,
+        N_PER_PROG=n_per_prog,
+        UPCAST=plan.upcast,
+        IEEE=plan.ieee,
+        ATOMIC=meta.token_slots.shape[1] > 1,
+        PDL=plan.pdl,
+        num_warps=cfg.expand_warps,
+        num_stages=cfg.num_stages,
+        **({"launch_pdl": True} if plan.pdl else {}),
+    )
+
+
 def add_lora_triton(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -329,116 +489,8 @@ def add_lora_triton(
     pdl: launch the expand with programmatic dependent launch (it starts while the shrink runs
     and waits for the partials with `gdc_wait`); None = where supported (`pdl_supported`).
     """
-    # (1) check shapes
     _check_shapes(y, x, lora_a, lora_b)
-    n_slices = len(lora_a)
-    if n_slices > 3:
-        raise ValueError(f"at most 3 output slices, got {n_slices}")
-    if meta.chunk_slot is None:
-        raise ValueError("meta has no chunk list; build it with build_lora_meta")
-    num_tokens, in_features = x.shape
-    k = meta.token_slots.shape[1]
-    if meta.num_tokens != num_tokens:
-        raise ValueError(f"meta is for {meta.num_tokens} tokens, x has {num_tokens}")
-    if meta.max_chunks == 0:
-        return
-    r_max = lora_a[0].shape[1]
-    if any(a.shape[1] != r_max for a in lora_a) or r_max == 0:
-        raise ValueError("all slices need the same, non-zero r_max")
-    if ranks_device is None or tuple(ranks_device.shape) != (n_slices, lora_a[0].shape[0]):
-        raise ValueError(f"ranks_device must be [n_slices={n_slices}, S={lora_a[0].shape[0]}] int32")
-    if x.stride(1) != 1 or y.stride(1) != 1:
-        raise ValueError("x and y need unit stride along features")
-    lora_a = [a if a.is_contiguous() else a.contiguous() for a in lora_a]
-    layouts = {lora_b_layout(b) for b in lora_b}
-    if layouts not in ({"rank_major"}, {"out_major"}):  # mixed or odd strides: copy (slow path)
-        lora_b = [b.contiguous() for b in lora_b]
-        layouts = {"out_major"}
-    b_rank_major = layouts == {"rank_major"}
-    ranks_device = ranks_device.to(torch.int32).contiguous()
-    interp = _interpreting()
-    upcast = interp or x.dtype == torch.float32
-    ieee = x.dtype == torch.float32 and not interp
-    if pdl is None:
-        pdl = x.is_cuda and pdl_supported(x.device.index if x.device.index is not None else torch.cuda.current_device())
-
-    # (2) allocate: fp32 split-K partials, indexed by sorted pair
-    num_pairs = num_tokens * k
-    cfg = config or pick_config(meta.num_chunks, n_slices, in_features, meta.chunk_size)
-    # Rank tiles cover the step's largest true rank (meta.rank_bound), not the pool's r_max.
-    r_eff = r_max if meta.rank_bound is None else max(1, min(r_max, meta.rank_bound))
-    r_blocks = triton.cdiv(r_eff, BLOCK_R)
-    r_pad = r_blocks * BLOCK_R
-    part = torch.empty((cfg.split_k, num_pairs, n_slices * r_pad), dtype=torch.float32, device=x.device)
-    k_per_split = triton.cdiv(triton.cdiv(in_features, cfg.split_k), cfg.block_k) * cfg.block_k
-    a_ptrs = list(lora_a) + [lora_a[0]] * (3 - n_slices)
-    b_ptrs = list(lora_b) + [lora_b[0]] * (3 - n_slices)
-    outs = [b.shape[1] for b in lora_b] + [0] * (3 - n_slices)
-    n_per_prog = max(cfg.n_per_prog, cfg.block_n)
-    groups = [triton.cdiv(o, n_per_prog) for o in outs]
-
-    # (3) launch
-    _lora_shrink_kernel[(meta.max_chunks, cfg.split_k, n_slices * r_blocks)](
-        x,
-        *a_ptrs,
-        ranks_device,
-        meta.chunk_slot,
-        meta.chunk_start,
-        meta.chunk_end,
-        meta.sorted_token,
-        part,
-        in_features,
-        k_per_split,
-        x.stride(0),
-        lora_a[0].stride(0),
-        lora_a[0].stride(1),
-        ranks_device.stride(0),
-        part.stride(0),
-        part.stride(1),
-        R_MAX=r_max,
-        R_PAD=r_pad,
-        R_BLOCKS=r_blocks,
-        BLOCK_M=meta.chunk_size,
-        BLOCK_K=cfg.block_k,
-        BLOCK_RANK=BLOCK_R,
-        UPCAST=upcast,
-        IEEE=ieee,
-        PDL=pdl,
-        num_warps=cfg.shrink_warps,
-        num_stages=cfg.num_stages,
-    )
-    _lora_expand_kernel[(meta.max_chunks, sum(groups))](
-        y,
-        *b_ptrs,
-        ranks_device,
-        meta.chunk_slot,
-        meta.chunk_start,
-        meta.chunk_end,
-        meta.sorted_token,
-        meta.sorted_scale,
-        part,
-        outs[0],
-        outs[1],
-        outs[2],
-        groups[0],
-        groups[1],
-        cfg.split_k,
-        y.stride(0),
-        ranks_device.stride(0),
-        part.stride(0),
-        part.stride(1),
-        R_MAX=r_max,
-        R_PAD=r_pad,
-        R_BLOCK=r_pad if r_pad & (r_pad - 1) == 0 else triton.next_power_of_2(r_pad),
-        B_RANK_MAJOR=b_rank_major,
-        BLOCK_M=meta.chunk_size,
-        BLOCK_N=cfg.block_n,
-        N_PER_PROG=n_per_prog,
-        UPCAST=upcast,
-        IEEE=ieee,
-        ATOMIC=k > 1,
-        PDL=pdl,
-        num_warps=cfg.expand_warps,
-        num_stages=cfg.num_stages,
-        **({"launch_pdl": True} if pdl else {}),
-    )
+    plan = plan_lora_triton(x, lora_a, lora_b, ranks_device, meta, config, pdl)
+    if plan is not None:
+        launch_shrink(plan)
+        launch_expand(plan, y)

@@ -301,7 +301,8 @@ class DecodeGraphs:
                 self.max_loras,
                 self.model.device,
             )
-            meta.num_chunks = cls  # what the kernels size their launch for (see the module docstring)
+            meta.num_chunks = cls  # what the kernels pick their configuration for (module docstring)
+            meta.launch_chunks = cls  # and their grids: a step of this class has at most cls chunks
             meta.rank_bound = rank_cls  # their rank tiles likewise
         captured = _Captured(bucket=bucket, attn=attn, lora_meta=meta, graph=None, logits=None)
         if not self.capture:

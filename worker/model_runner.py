@@ -98,6 +98,7 @@ class ModelRunner:
         if any(seq.adapters for seq in batch.seqs):
             slots_t = torch.tensor(token_slots, dtype=torch.int32)
             lora_meta = build_lora_meta(slots_t, torch.tensor(token_scales, dtype=torch.float32), self.max_loras, dev)
+            lora_meta.launch_chunks = lora_meta.num_chunks  # an eager step: grids of its own chunks
             if self.model.lora is not None:  # rank tiles as wide as this step's largest true rank
                 lora_meta.rank_bound = max(1, self.model.lora.rank_bound(slots_t))
         return (

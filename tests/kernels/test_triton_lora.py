@@ -19,7 +19,7 @@ if "TRITON_INTERPRET" not in os.environ:
 import pytest
 import torch
 
-from lorafleet.kernels.lora_ops import add_lora, build_lora_meta, lora_b_layout, new_lora_b
+from lorafleet.kernels.lora_ops import add_lora, build_lora_meta, linear_with_lora, lora_b_layout, new_lora_b
 from lorafleet.kernels.triton_lora import LoraKernelConfig, add_lora_triton, pdl_supported
 
 LAYOUTS = ["out_major", "rank_major"]
@@ -261,6 +261,43 @@ def test_triton_rejects_mismatched_meta() -> None:
         )
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_launch_bound_on_chunks(k: int) -> None:
+    """A graph launches grids of its chunk class, not max_chunks: a meta captured that way gives
+    the reference's result for any step of the class, and `copy_` refuses a step with more chunks."""
+    g = torch.Generator().manual_seed(11)
+    tokens, slots, d_in, outs = 40, 12, 48, [24, 8]
+    ranks = [[8, 16, 1, 7, 0, 16, 8, 8, 16, 4, 8, 16], [16] * slots]
+    lora_a, lora_b = make_weights(g, slots, 16, d_in, outs, ranks, torch.float32, DEVICE, "rank_major")
+    ranks_dev = torch.tensor(ranks, dtype=torch.int32, device=DEVICE)
+    x = torch.randn(tokens, d_in, generator=g).to(DEVICE)
+
+    def step(adapters: int):
+        slots_t = torch.randint(0, adapters, (tokens, k), generator=g, dtype=torch.int32)
+        if k > 1:
+            slots_t[:, 1] = torch.where(slots_t[:, 1] == slots_t[:, 0], -1, slots_t[:, 1])
+        return build_lora_meta(slots_t, torch.rand(tokens, k, generator=g) + 0.5, slots, DEVICE)
+
+    static = step(3)
+    bound = static.launch_chunks = 4 * k
+    assert 3 <= static.num_chunks <= bound < static.max_chunks
+    for adapters in (1, 3, 5):
+        meta = step(adapters)
+        if meta.num_chunks > bound:
+            with pytest.raises(ValueError, match=f"launches cover {bound}"):
+                static.copy_(meta)
+            continue
+        static.copy_(meta)
+        y_ref, y_tri = torch.zeros(tokens, sum(outs), device=DEVICE), torch.zeros(tokens, sum(outs), device=DEVICE)
+        add_lora(y_ref, x, lora_a, lora_b, ranks, ranks_dev, meta, "torch")
+        add_lora_triton(y_tri, x, lora_a, lora_b, ranks_dev, static)
+        torch.testing.assert_close(y_tri, y_ref, **TOL[torch.float32])
+    too_many = step(slots)
+    assert too_many.num_chunks > bound
+    with pytest.raises(ValueError, match=f"launches cover {bound}"):
+        static.copy_(too_many)
+
+
 # ---- GPU only ---------------------------------------------------------------------------------------
 
 # Seed model shapes (hidden 4096, kv 1024, mlp 14336): (d_in, output slices).
@@ -343,6 +380,51 @@ def test_cuda_graph_replay_with_new_metadata(pdl: bool) -> None:
         ref = torch.zeros_like(y)
         add_lora(ref, x, lora_a, lora_b, ranks, ranks_dev, meta, "torch")
         assert rel_err(y.float(), ref.float()) < 1e-2
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("captured", [False, True])
+def test_shrink_on_a_side_stream_overlapping_the_gemm(captured: bool) -> None:
+    """`linear_with_lora` with a side stream (the engine's CUDA path): the shrink runs beside the
+    base GEMM and the expand adds after both. Eager, and captured once then replayed with other
+    steps' metadata: y = x Wᵀ + LoRA, against the GEMM plus the torch reference."""
+    tokens, k, slots, d_in, outs = 64, 1, 16, 4096, [4096, 1024, 1024]
+    ranks = [[16] * slots, [8] * slots, [16 if s % 2 else 0 for s in range(slots)]]
+    g = torch.Generator().manual_seed(5)
+    lora_a, lora_b = make_weights(g, slots, 16, d_in, outs, ranks, torch.bfloat16, "cuda", "rank_major")
+    ranks_dev = torch.tensor(ranks, dtype=torch.int32, device="cuda")
+    w = (torch.randn(sum(outs), d_in, generator=g) / d_in**0.5).to("cuda", torch.bfloat16)
+    x = torch.randn(tokens, d_in, generator=g).to("cuda", torch.bfloat16)
+    side = torch.cuda.Stream()
+
+    def step_meta(seed: int):
+        gg = torch.Generator().manual_seed(seed)
+        return build_lora_meta(torch.randint(-1, slots, (tokens, k), generator=gg),
+                               torch.rand(tokens, k, generator=gg) + 0.5, slots, "cuda")
+
+    def run(meta):
+        return linear_with_lora(lambda: x @ w.T, x, lora_a, lora_b, ranks, ranks_dev, meta, "triton", side)
+
+    static = step_meta(0)
+    out = run(static)  # compiles outside any capture
+    if captured:
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run(static)
+    for seed in (1, 2, 3):
+        meta = step_meta(seed)
+        if captured:
+            static.copy_(meta)
+            graph.replay()
+            got = out
+        else:
+            got = run(meta)
+        ref = x @ w.T
+        add_lora(ref, x, lora_a, lora_b, ranks, ranks_dev, meta, "torch")
+        base = x @ w.T
+        assert rel_err(got.float() - base.float(), ref.float() - base.float()) < 1e-2
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -1,7 +1,7 @@
 """Llama-family decoder (Llama, Mistral, Qwen2) with fused projections and a multi-LoRA side path.
 
 q/k/v and gate/up are fused into one base matmul each; every fused projection then adds each
-token's LoRA deltas through `lorafleet.kernels.lora_ops.add_lora` (torch reference on CPU, Triton
+token's LoRA deltas through `lorafleet.kernels.lora_ops.linear_with_lora` (torch reference on CPU, Triton
 on CUDA), reading the step's LoRA metadata that was built once for all layers.
 
 Between the matmuls, `attention_backend` picks the elementwise path too: "torch" (the CPU path,
@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from lorafleet.kernels.lora_ops import LoraMeta, add_lora
+from lorafleet.kernels.lora_ops import LoraMeta, linear_with_lora
 from lorafleet.worker.attention import AttentionMetadata, paged_attention, write_kv
 from lorafleet.worker.config import ModelConfig, rope_inv_freq
 from lorafleet.worker.lora.slots import LoraSlots
@@ -64,6 +64,8 @@ class LlamaModel:
         self.rotary = Rotary(config, max_positions, device)
         self.lora: LoraSlots | None = None
         self.lora_backend = "torch"
+        # Triton LoRA on CUDA: the shrinks run here, overlapping the base GEMMs (`linear_with_lora`).
+        self.lora_stream: torch.cuda.Stream | None = None
         self.attention_backend = "torch"  # also picks the elementwise ops: torch | triton (fused_ops)
 
     # -- loading -------------------------------------------------------------------------------
@@ -111,13 +113,16 @@ class LlamaModel:
     def _linear(self, x: torch.Tensor, layer: int, fused: str, meta: LoraMeta | None, graph: bool = False) -> torch.Tensor:
         w = self.weights
         key = f"layers.{layer}.{fused.removesuffix('_proj')}"
-        y = F.linear(x, w[key], w.get(key + "_bias"))
+        def base() -> torch.Tensor:
+            return F.linear(x, w[key], w.get(key + "_bias"))
+
         # In a graph, whether a token has an adapter is data: launch even for an empty meta.
         if meta is not None and (graph or not meta.empty) and self.lora is not None:
             s = self.lora.layers[layer].get(fused)
             if s is not None:
-                add_lora(y, x, s.lora_a, s.lora_b, s.ranks, s.ranks_device, meta, self.lora_backend)
-        return y
+                return linear_with_lora(base, x, s.lora_a, s.lora_b, s.ranks, s.ranks_device, meta,
+                                        self.lora_backend, self.lora_stream)
+        return base()
 
     def forward(
         self,
