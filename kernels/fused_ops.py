@@ -11,20 +11,26 @@ and the product. With these ops a layer takes 4: `rope_write_kv`, `silu_mul` and
 Semantics (same as the `*_reference` functions, the oracles; math in fp32, one rounding to the
 activation dtype wherever the torch path of `worker/models/llama.py` rounds):
 
-    add_rms_norm(x, residual, w, eps):              # x, residual: [T, hidden]
+    add_rms_norm(x, residual, w, eps, delta=None):  # x, residual, delta: [T, hidden]
+        x = x + delta                                   # if given, rounded to the dtype
         residual[:] = residual + x                      # in place, rounded to the dtype
         return rms_norm(residual, w, eps)
     rms_norm(x, w, eps):                            # HF's LlamaRMSNorm order
         return w * (x / sqrt(mean(x², -1) + eps)).to(dtype)
-    rope_write_kv(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping):
+    rope_write_kv(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, delta=None):
+        qkv' = qkv + delta                              # if given, rounded (qkv keeps its k, v)
         q, k, v = qkv.split([H·D, KVH·D, KVH·D], -1)   # heads of D; q rotated in place
         c, s = cos_sin[positions, :D/2], cos_sin[positions, D/2:]
         rot(x) = cat(x1·c - x2·s, x2·c + x1·s)          # x1, x2 = halves of each head (rotate-half)
         q[:] = rot(q); cache_k[slot_mapping] = rot(k); cache_v[slot_mapping] = v
         return q.view(T, H, D)
-    silu_mul(gate_up):                              # [T, 2I] -> [T, I]
-        gate, up = gate_up.chunk(2, -1)
+    silu_mul(gate_up, delta=None):                  # [T, 2I] -> [T, I]
+        gate, up = (gate_up + delta).chunk(2, -1)       # delta if given, the sum rounded
         return silu(gate).to(dtype) * up
+
+`delta` is the LoRA side path's output when it ran beside the base GEMM on another stream
+(`lora_ops.linear_lora_deferred`): adding it here, where the row is read anyway, saves the
+LoRA expand's read-modify-write of the projection's output on the main stream.
 
 Every launch's grid and arguments follow from tensor shapes only and nothing syncs with the host
 (positions and slots are read on the device), so all of them can be captured in a CUDA graph.
@@ -56,6 +62,7 @@ def _rms_norm_kernel(
     residual_ptr,
     weight_ptr,
     out_ptr,
+    delta_ptr,
     # sizes
     hidden,
     eps,
@@ -63,15 +70,20 @@ def _rms_norm_kernel(
     stride_x,
     stride_r,
     stride_o,
+    stride_d,
     # meta-parameters
     BLOCK: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
 ):
-    """One row per program. x, residual, out `[T, hidden]` (unit stride in hidden); weight `[hidden]`."""
+    """One row per program. x, residual, out, delta `[T, hidden]` (unit stride in hidden); weight `[hidden]`."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(delta_ptr + row * stride_d + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
     if ADD_RESIDUAL:
         r_ptrs = residual_ptr + row * stride_r + offs
         r = tl.load(r_ptrs, mask=mask, other=0.0)
@@ -94,23 +106,36 @@ def _check_norm_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError("x and weight need unit stride in hidden")
 
 
-def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _check_delta(delta: torch.Tensor | None, like: torch.Tensor, name: str) -> None:
+    if delta is not None and (delta.shape != like.shape or delta.dtype != like.dtype or delta.stride(-1) != 1
+                              or delta.device != like.device):
+        raise ValueError(f"delta must be {tuple(like.shape)} {like.dtype} like {name}, with unit stride in "
+                         f"features; got {tuple(delta.shape)} {delta.dtype}")
+
+
+def _launch_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [T, hidden]
     tokens, hidden = x.shape
     block = triton.next_power_of_2(hidden)
     res = x if residual is None else residual  # not read without ADD_RESIDUAL
+    dlt = x if delta is None else delta  # not read without HAS_DELTA
     _rms_norm_kernel[(tokens,)](
         x,
         res,
         weight,
         out,
+        dlt,
         hidden,
         eps,
         x.stride(0),
         res.stride(0),
         out.stride(0),
+        dlt.stride(0),
         BLOCK=block,
         ADD_RESIDUAL=residual is not None,
+        HAS_DELTA=delta is not None,
         num_warps=_num_warps(block),
     )
     return out
@@ -122,16 +147,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _launch_rms_norm(x, None, weight, eps)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`residual += x` in place, then RMSNorm of the new residual -> a new `[T, hidden]` tensor.
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`residual += x (+ delta)` in place, then RMSNorm of the new residual -> a new `[T, hidden]` tensor.
 
-    x, residual: `[T, hidden]` in one dtype; weight `[hidden]` in that dtype too.
+    x, residual, delta: `[T, hidden]` in one dtype; weight `[hidden]` in that dtype too.
     """
     _check_norm_inputs(x, weight)
     if residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1:
         raise ValueError(f"residual must be {tuple(x.shape)} {x.dtype} with unit stride in hidden, got "
                          f"{tuple(residual.shape)} {residual.dtype}")
-    return _launch_rms_norm(x, residual, weight, eps)
+    _check_delta(delta, x, "x")
+    return _launch_rms_norm(x, residual, weight, eps, delta)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -140,7 +168,11 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * xf.to(x.dtype)
 
 
-def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+) -> torch.Tensor:
+    if delta is not None:
+        x = x + delta
     residual.add_(x)
     return rms_norm_reference(residual, weight, eps)
 
@@ -149,8 +181,18 @@ def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torc
 
 
 @triton.jit
+def _load_plus(src, delta, mask, HAS_DELTA: tl.constexpr):
+    """src (+ delta, the sum rounded to src's dtype) as fp32."""
+    x = tl.load(src, mask=mask, other=0.0)
+    if HAS_DELTA:
+        x = (x.to(tl.float32) + tl.load(delta, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _rotate_heads(
     src,
+    delta,
     dst,
     dst_stride_h,
     num_heads,
@@ -160,16 +202,18 @@ def _rotate_heads(
     d_mask,
     HALF: tl.constexpr,
     H_PAD: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
 ):
-    """Rotate `num_heads` contiguous heads of one token at `src` and store them at `dst` (may be src).
+    """Rotate `num_heads` contiguous heads of one token at `src` (+ `delta`, laid out alike) and
+    store them at `dst` (may be src).
 
     cos, sin: `[1, HALF_PAD]` fp32; a head's halves are x[:HALF] and x[HALF:].
     """
     offs_h = tl.arange(0, H_PAD)
     mask = (offs_h < num_heads)[:, None] & d_mask[None, :]
-    s = src + offs_h[:, None] * (2 * HALF) + offs_d[None, :]  # [H_PAD, HALF_PAD]
-    x1 = tl.load(s, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(s + HALF, mask=mask, other=0.0).to(tl.float32)
+    offs = offs_h[:, None] * (2 * HALF) + offs_d[None, :]  # [H_PAD, HALF_PAD]
+    x1 = _load_plus(src + offs, delta + offs, mask, HAS_DELTA)
+    x2 = _load_plus(src + offs + HALF, delta + offs + HALF, mask, HAS_DELTA)
     d = dst + offs_h[:, None] * dst_stride_h + offs_d[None, :]
     tl.store(d, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
     tl.store(d + HALF, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=mask)
@@ -184,11 +228,13 @@ def _rope_write_kv_kernel(
     slot_mapping_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    delta_ptr,
     # sizes
     num_heads,
     num_kv_heads,
     # strides
     stride_qkv,
+    stride_d,
     stride_cs,
     stride_kb,
     stride_ks,
@@ -202,6 +248,7 @@ def _rope_write_kv_kernel(
     H_PAD: tl.constexpr,
     KVH_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
 ):
     """One token per program, all its heads at once.
 
@@ -218,22 +265,23 @@ def _rope_write_kv_kernel(
     sin = tl.load(table + HALF + offs_d, mask=d_mask, other=0.0)[None, :]
 
     q = qkv_ptr + t * stride_qkv
-    _rotate_heads(q, q, 2 * HALF, num_heads, cos, sin, offs_d, d_mask, HALF, H_PAD)
+    dq = delta_ptr + t * stride_d
+    _rotate_heads(q, dq, q, 2 * HALF, num_heads, cos, sin, offs_d, d_mask, HALF, H_PAD, HAS_DELTA)
 
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     block = slot // BLOCK_SIZE
     in_block = slot % BLOCK_SIZE
     k = q + num_heads * (2 * HALF)
+    dk = dq + num_heads * (2 * HALF)
     k_dst = k_cache_ptr + block * stride_kb + in_block * stride_ks
-    _rotate_heads(k, k_dst, stride_kh, num_kv_heads, cos, sin, offs_d, d_mask, HALF, KVH_PAD)
+    _rotate_heads(k, dk, k_dst, stride_kh, num_kv_heads, cos, sin, offs_d, d_mask, HALF, KVH_PAD, HAS_DELTA)
 
-    v = k + num_kv_heads * (2 * HALF)
     offs_h = tl.arange(0, KVH_PAD)
     mask = (offs_h < num_kv_heads)[:, None] & d_mask[None, :]
-    v_src = v + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+    v_offs = num_kv_heads * (2 * HALF) + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
     v_dst = v_cache_ptr + block * stride_vb + in_block * stride_vs + offs_h[:, None] * stride_vh + offs_d[None, :]
     for half in tl.static_range(2):
-        x = tl.load(v_src + half * HALF, mask=mask, other=0.0)
+        x = _load_plus(k + v_offs + half * HALF, dk + v_offs + half * HALF, mask, HAS_DELTA)
         tl.store(v_dst + half * HALF, x.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
@@ -282,16 +330,20 @@ def rope_write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    delta: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q in place, rotate k, store k and v at their cache slots -> q `[T, H, D]` (a view of qkv).
 
     qkv: `[T, (H + 2·KVH)·D]`, the fused projection's output; positions, slot_mapping: `[T]` int
     (slots not checked: that would sync; each must name a slot of the cache, the sink included);
     cos_sin_cache: `[P, D]` float32, cos then sin of each rotary pair (`Rotary.cos_sin`), positions
-    below P; k_cache, v_cache: `[num_blocks, block_size, KVH, D]`.
+    below P; k_cache, v_cache: `[num_blocks, block_size, KVH, D]`; delta: None or like qkv,
+    added first (q, k and v are those of qkv + delta; qkv's k and v columns are left as they are).
     """
     heads, kv_heads, head_dim = _check_rope_inputs(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    _check_delta(delta, qkv, "qkv")
     half = head_dim // 2
+    dlt = qkv if delta is None else delta  # not read without HAS_DELTA
     _rope_write_kv_kernel[(qkv.shape[0],)](
         qkv,
         positions,
@@ -299,9 +351,11 @@ def rope_write_kv(
         slot_mapping,
         k_cache,
         v_cache,
+        dlt,
         heads,
         kv_heads,
         qkv.stride(0),
+        dlt.stride(0),
         cos_sin_cache.stride(0),
         k_cache.stride(0),
         k_cache.stride(1),
@@ -314,6 +368,7 @@ def rope_write_kv(
         H_PAD=triton.next_power_of_2(heads),
         KVH_PAD=triton.next_power_of_2(kv_heads),
         BLOCK_SIZE=k_cache.shape[1],
+        HAS_DELTA=delta is not None,
         num_warps=_num_warps(triton.next_power_of_2(heads) * triton.next_power_of_2(half)),
     )
     return qkv[:, : heads * head_dim].unflatten(1, (heads, head_dim))
@@ -326,22 +381,24 @@ def rope_write_kv_reference(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    delta: torch.Tensor | None = None,
 ) -> torch.Tensor:
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     heads = qkv.shape[1] // head_dim - 2 * kv_heads
-    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    src = qkv if delta is None else qkv + delta
+    q, k, v = src.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     cos, sin = cos_sin_cache[positions.long()].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
-    q = q.unflatten(1, (heads, head_dim))
-    q.copy_(rotate(q))
+    out_q = qkv[:, : heads * head_dim].unflatten(1, (heads, head_dim))
+    out_q.copy_(rotate(q.unflatten(1, (heads, head_dim))))
     slots = slot_mapping.long()
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, rotate(k.unflatten(1, (kv_heads, head_dim))).to(k_cache.dtype))
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v.unflatten(1, (kv_heads, head_dim)).to(v_cache.dtype))
-    return q
+    return out_q
 
 
 # -- SiLU and multiply ---------------------------------------------------------------------------
@@ -352,47 +409,57 @@ def _silu_mul_kernel(
     # pointers
     gate_up_ptr,
     out_ptr,
+    delta_ptr,
     # sizes
     inter,
     # strides
     stride_in,
     stride_out,
+    stride_d,
     # meta-parameters
     BLOCK: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
 ):
-    """Grid (T, cdiv(I, BLOCK)). gate_up `[T, 2I]`, out `[T, I]` (unit stride in features)."""
+    """Grid (T, cdiv(I, BLOCK)). gate_up, delta `[T, 2I]`, out `[T, I]` (unit stride in features)."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
     row = gate_up_ptr + t * stride_in
-    gate = tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(row + inter + offs, mask=mask, other=0.0)
-    act = (gate * tl.sigmoid(gate)).to(up.dtype)  # torch rounds silu(gate) before the product
-    out = act.to(tl.float32) * up.to(tl.float32)
+    drow = delta_ptr + t * stride_d
+    gate = _load_plus(row + offs, drow + offs, mask, HAS_DELTA)
+    up = _load_plus(row + inter + offs, drow + inter + offs, mask, HAS_DELTA)
+    act = (gate * tl.sigmoid(gate)).to(gate_up_ptr.dtype.element_ty)  # torch rounds silu(gate) first
+    out = act.to(tl.float32) * up
     tl.store(out_ptr + t * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) · up of gate_up `[T, 2I]` (gate columns first) -> a new `[T, I]` tensor."""
+def silu_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) · up of gate_up `[T, 2I]` (gate columns first; plus delta, laid out alike, if
+    given) -> a new `[T, I]` tensor."""
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must be [T, 2·I], got {tuple(gate_up.shape)}")
     if gate_up.dtype not in FLOAT_DTYPES or gate_up.stride(1) != 1:
         raise ValueError(f"gate_up must be float16, bfloat16 or float32 with unit stride in features, got {gate_up.dtype}")
     tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((tokens, inter), dtype=gate_up.dtype, device=gate_up.device)  # [T, I]
+    _check_delta(delta, gate_up, "gate_up")
     block = min(1024, triton.next_power_of_2(inter))
+    dlt = gate_up if delta is None else delta  # not read without HAS_DELTA
     _silu_mul_kernel[(tokens, triton.cdiv(inter, block))](
         gate_up,
         out,
+        dlt,
         inter,
         gate_up.stride(0),
         out.stride(0),
+        dlt.stride(0),
         BLOCK=block,
+        HAS_DELTA=delta is not None,
         num_warps=4,
     )
     return out
 
 
-def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
+def silu_mul_reference(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+    gate, up = (gate_up if delta is None else gate_up + delta).chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up

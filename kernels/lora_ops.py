@@ -298,7 +298,7 @@ def add_lora(
         raise ValueError(f"unknown LoRA backend {backend!r} (torch | triton)")
 
 
-def linear_with_lora(
+def linear_lora_deferred(
     base: Callable[[], torch.Tensor],
     x: torch.Tensor,
     lora_a: Sequence[torch.Tensor],
@@ -308,31 +308,36 @@ def linear_with_lora(
     meta: LoraMeta,
     backend: str = "torch",
     side_stream: torch.cuda.Stream | None = None,
-) -> torch.Tensor:
-    """`base()` (the base projection of x) plus the LoRA side path -> y.
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`base()` (the base projection of x) and the LoRA side path -> (y, delta).
 
-    With the Triton backend and a side stream, the shrink (which needs only x) runs on the side
-    stream while the base GEMM runs, and the expand adds into y after both: in a decode step the
-    small, latency-bound shrink hides behind the GEMM's weight reads. CUDA-graph capture records
-    the fork and the join as graph edges. Otherwise: the GEMM, then `add_lora`.
+    With the Triton backend and a side stream, the whole side path runs on the side stream while
+    the base GEMM runs: zero a delta buffer, shrink, expand into the delta. The current stream
+    waits for the side stream before returning, and the caller adds the delta where it reads y
+    anyway (the fused row kernels' `delta` argument), so in a decode step the small,
+    latency-bound LoRA launches hide behind the GEMM's weight reads instead of following it.
+    CUDA-graph capture records the fork and the join as graph edges.
+    Otherwise the LoRA is added into y in place and delta is None.
     """
     if backend != "triton" or side_stream is None:
         y = base()
         add_lora(y, x, lora_a, lora_b, ranks, ranks_device, meta, backend)
-        return y
+        return y, None
     from lorafleet.kernels.triton_lora import launch_expand, launch_shrink, plan_lora_triton
 
-    # Planned (partials allocated) on the main stream, so the caching allocator never hands the
-    # partials to the side stream's next request while the expand still reads them. No PDL: the
-    # expand follows the GEMM and a cross-stream join, not the shrink.
-    plan = plan_lora_triton(x, lora_a, lora_b, ranks_device, meta, pdl=False)
+    plan = plan_lora_triton(x, lora_a, lora_b, ranks_device, meta)
     if plan is None:
-        return base()
+        return base(), None
+    # Allocated on the current stream, so the caching allocator never hands these buffers to the
+    # side stream's next request while the current stream still reads them.
+    delta = torch.empty((x.shape[0], sum(b.shape[1] for b in lora_b)), dtype=x.dtype, device=x.device)
     main = torch.cuda.current_stream(x.device)
     side_stream.wait_stream(main)
     with torch.cuda.stream(side_stream):
+        delta.zero_()
         launch_shrink(plan)
+        launch_expand(plan, delta)  # programmatic dependent launch after the shrink where supported
     y = base()
     main.wait_stream(side_stream)
-    launch_expand(plan, y)
-    return y
+    return y, delta
+

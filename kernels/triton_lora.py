@@ -312,9 +312,9 @@ def _lora_expand_kernel(
 class LoraLaunch:
     """One projection group's LoRA launches, planned: `launch_shrink` then `launch_expand`.
 
-    The fp32 split-K partials are allocated on the stream that plans, so the shrink may run on a
-    side stream (overlapping the base GEMM, `lora_ops.linear_with_lora`) once that stream waits
-    for the planning one, and the expand back on the planning stream after it waits for the side.
+    The fp32 split-K partials are allocated on the stream that plans, so both launches may run on
+    a side stream (beside the base GEMM, `lora_ops.linear_lora_deferred`) once that stream waits
+    for the planning one, which waits for the side stream before it frees them.
     """
 
     x: torch.Tensor

@@ -101,7 +101,10 @@ class LLMEngine:
         self.model = LlamaModel(self.model_config, self.device, self.dtype, self.max_model_len)
         self.model.load_weights(weights if weights is not None else iter_checkpoint(str(model_dir)))
         self.model.lora_backend = _resolve_backend(config.lora_backend, self.device)
-        if self.model.lora_backend == "triton" and self.device.type == "cuda" and os.environ.get("LORAFLEET_LORA_OVERLAP", "1") != "0":
+        # The LoRA side path beside the base GEMMs on a second stream (linear_lora_deferred);
+        # LORAFLEET_LORA_OVERLAP=0 runs it after each GEMM on the main stream (benchmarks compare).
+        overlap = os.environ.get("LORAFLEET_LORA_OVERLAP", "1") != "0"
+        if self.model.lora_backend == "triton" and self.device.type == "cuda" and overlap:
             self.model.lora_stream = torch.cuda.Stream(self.device)
         self.model.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         self.use_graphs = self._want_graphs()  # before the KV cache takes the GPU's memory

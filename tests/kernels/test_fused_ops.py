@@ -82,12 +82,15 @@ def test_rms_norm_matches_reference(dtype, tokens: int, hidden: int) -> None:
 
 @DTYPES
 @pytest.mark.parametrize("tokens, hidden", NORM_SHAPES)
-def test_add_rms_norm_updates_the_residual_in_place(dtype, tokens: int, hidden: int) -> None:
+@pytest.mark.parametrize("with_delta", [False, True], ids=["", "delta"])
+def test_add_rms_norm_updates_the_residual_in_place(dtype, tokens: int, hidden: int, with_delta: bool) -> None:
+    """With a delta (the LoRA side path's output), x + delta is rounded before the residual add."""
     x, residual, weight = norm_case(1, tokens, hidden, dtype)
+    delta = torch.randn_like(x) if with_delta else None
     ref_residual = residual.clone()
-    ref = add_rms_norm_reference(x, ref_residual, weight, 1e-6)
-    out = add_rms_norm(x, residual, weight, 1e-6)
-    assert torch.equal(residual, ref_residual)  # the same rounded add, element by element
+    ref = add_rms_norm_reference(x, ref_residual, weight, 1e-6, delta)
+    out = add_rms_norm(x, residual, weight, 1e-6, delta)
+    assert torch.equal(residual, ref_residual)  # the same rounded adds, element by element
     torch.testing.assert_close(out, ref, **TOLERANCE[dtype])
 
 
@@ -133,12 +136,17 @@ def rope_case(seed: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.
 
 @DTYPES
 @pytest.mark.parametrize("heads, kv_heads, head_dim", HEAD_SHAPES)
-def test_rope_write_kv_matches_reference(dtype, heads: int, kv_heads: int, head_dim: int) -> None:
+@pytest.mark.parametrize("with_delta", [False, True], ids=["", "delta"])
+def test_rope_write_kv_matches_reference(dtype, heads: int, kv_heads: int, head_dim: int, with_delta: bool) -> None:
     qkv, positions, k_cache, v_cache, slots = rope_case(2, heads, kv_heads, head_dim, dtype)
+    delta = None
+    if with_delta:  # the same on padding rows, as their qkv (see rope_case)
+        delta = torch.randn_like(qkv)
+        delta[-2:] = delta[-2]
     cos_sin = rotary(head_dim, 100_000).cos_sin
     ref_qkv, ref_k, ref_v = qkv.clone(), k_cache.clone(), v_cache.clone()
-    ref_q = rope_write_kv_reference(ref_qkv, positions, cos_sin, ref_k, ref_v, slots)
-    q = rope_write_kv(qkv, positions, cos_sin, k_cache, v_cache, slots)
+    ref_q = rope_write_kv_reference(ref_qkv, positions, cos_sin, ref_k, ref_v, slots, delta)
+    q = rope_write_kv(qkv, positions, cos_sin, k_cache, v_cache, slots, delta)
     assert q.shape == (len(POSITIONS), heads, head_dim) and q.data_ptr() == qkv.data_ptr()  # a view
     torch.testing.assert_close(q, ref_q, **TOLERANCE[dtype])
     torch.testing.assert_close(qkv, ref_qkv, **TOLERANCE[dtype])  # k and v columns untouched
@@ -209,12 +217,14 @@ def test_rope_write_kv_rejects_bad_inputs() -> None:
 
 @DTYPES
 @pytest.mark.parametrize("tokens, inter", [(1, 1), (3, 45), (2, 1500)])
-def test_silu_mul_matches_reference(dtype, tokens: int, inter: int) -> None:
+@pytest.mark.parametrize("with_delta", [False, True], ids=["", "delta"])
+def test_silu_mul_matches_reference(dtype, tokens: int, inter: int, with_delta: bool) -> None:
     g = torch.Generator().manual_seed(7)
     gate_up = (torch.randn(tokens, 2 * inter, generator=g) * 6.0).to(DEVICE, dtype)  # sigmoid's tails too
-    out = silu_mul(gate_up)
+    delta = (torch.randn(tokens, 2 * inter, generator=g) * 2.0).to(DEVICE, dtype) if with_delta else None
+    out = silu_mul(gate_up, delta)
     assert out.shape == (tokens, inter) and out.dtype == dtype
-    torch.testing.assert_close(out, silu_mul_reference(gate_up), **TOLERANCE[dtype])
+    torch.testing.assert_close(out, silu_mul_reference(gate_up, delta), **TOLERANCE[dtype])
 
 
 def test_fused_ops_reject_bad_inputs() -> None:
@@ -227,6 +237,10 @@ def test_fused_ops_reject_bad_inputs() -> None:
         add_rms_norm(x, residual.half(), weight, 1e-5)
     with pytest.raises(ValueError, match="2·I"):
         silu_mul(torch.zeros(2, 5, device=DEVICE))
+    with pytest.raises(ValueError, match="delta must be"):
+        add_rms_norm(x, residual, weight, 1e-5, delta=x[:1])
+    with pytest.raises(ValueError, match="delta must be"):
+        silu_mul(torch.zeros(2, 8, device=DEVICE), delta=torch.zeros(2, 8, device=DEVICE, dtype=torch.float16))
 
 
 # -- the model: both elementwise paths ---------------------------------------------------------
@@ -343,20 +357,23 @@ SIZES = ("hidden", "inter")  # 4096 and 14336 at the seed shape
 
 for dt in ("bf16", "fp16", "fp32"):
     p = "*" + dt
-    norm = {"x_ptr": p, "residual_ptr": p, "weight_ptr": p, "out_ptr": p, "hidden": "i32", "eps": "fp32",
-            "stride_x": "i32", "stride_r": "i32", "stride_o": "i32"}
-    for add in (False, True):
-        k = compile_(ops._rms_norm_kernel, norm, dict(BLOCK=4096, ADD_RESIDUAL=add), divisible=SIZES)
-        assert "ld.global.v4" in k.asm["ptx"], "rms_norm loads are not vectorised"
+    norm = {"x_ptr": p, "residual_ptr": p, "weight_ptr": p, "out_ptr": p, "delta_ptr": p, "hidden": "i32",
+            "eps": "fp32", "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_d": "i32"}
     rope = {"qkv_ptr": p, "positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_mapping_ptr": "*i64",
-            "k_cache_ptr": p, "v_cache_ptr": p, "num_heads": "i32", "num_kv_heads": "i32",
-            **{s: "i32" for s in ("stride_qkv", "stride_cs", "stride_kb", "stride_ks", "stride_kh", "stride_vb",
-                                  "stride_vs", "stride_vh")}}
-    compile_(ops._rope_write_kv_kernel, rope, dict(HALF=64, HALF_PAD=64, H_PAD=32, KVH_PAD=8, BLOCK_SIZE=16),
-             divisible=SIZES)
-    silu = {"gate_up_ptr": p, "out_ptr": p, "inter": "i32", "stride_in": "i32", "stride_out": "i32"}
-    k = compile_(ops._silu_mul_kernel, silu, dict(BLOCK=1024), divisible=SIZES)
-    assert "ld.global.v4" in k.asm["ptx"], "silu_mul loads are not vectorised"
+            "k_cache_ptr": p, "v_cache_ptr": p, "delta_ptr": p, "num_heads": "i32", "num_kv_heads": "i32",
+            **{s: "i32" for s in ("stride_qkv", "stride_d", "stride_cs", "stride_kb", "stride_ks", "stride_kh",
+                                  "stride_vb", "stride_vs", "stride_vh")}}
+    silu = {"gate_up_ptr": p, "out_ptr": p, "delta_ptr": p, "inter": "i32", "stride_in": "i32",
+            "stride_out": "i32", "stride_d": "i32"}
+    for delta in (False, True):  # with the LoRA delta of the side stream added, and without
+        for add in (False, True):
+            k = compile_(ops._rms_norm_kernel, norm, dict(BLOCK=4096, ADD_RESIDUAL=add, HAS_DELTA=delta),
+                         divisible=SIZES)
+            assert "ld.global.v4" in k.asm["ptx"], "rms_norm loads are not vectorised"
+        compile_(ops._rope_write_kv_kernel, rope,
+                 dict(HALF=64, HALF_PAD=64, H_PAD=32, KVH_PAD=8, BLOCK_SIZE=16, HAS_DELTA=delta), divisible=SIZES)
+        k = compile_(ops._silu_mul_kernel, silu, dict(BLOCK=1024, HAS_DELTA=delta), divisible=SIZES)
+        assert "ld.global.v4" in k.asm["ptx"], "silu_mul loads are not vectorised"
 print("ok")
 """
 

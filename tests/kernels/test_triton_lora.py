@@ -19,7 +19,13 @@ if "TRITON_INTERPRET" not in os.environ:
 import pytest
 import torch
 
-from lorafleet.kernels.lora_ops import add_lora, build_lora_meta, linear_with_lora, lora_b_layout, new_lora_b
+from lorafleet.kernels.lora_ops import (
+    add_lora,
+    build_lora_meta,
+    linear_lora_deferred,
+    lora_b_layout,
+    new_lora_b,
+)
 from lorafleet.kernels.triton_lora import LoraKernelConfig, add_lora_triton, pdl_supported
 
 LAYOUTS = ["out_major", "rank_major"]
@@ -385,10 +391,10 @@ def test_cuda_graph_replay_with_new_metadata(pdl: bool) -> None:
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("captured", [False, True])
-def test_shrink_on_a_side_stream_overlapping_the_gemm(captured: bool) -> None:
-    """`linear_with_lora` with a side stream (the engine's CUDA path): the shrink runs beside the
-    base GEMM and the expand adds after both. Eager, and captured once then replayed with other
-    steps' metadata: y = x Wᵀ + LoRA, against the GEMM plus the torch reference."""
+def test_lora_on_a_side_stream_beside_the_gemm(captured: bool) -> None:
+    """`linear_lora_deferred` with a side stream (the engine's CUDA path): zero, shrink and expand
+    into a delta run beside the base GEMM. Eager, and captured once then replayed with other
+    steps' metadata: y + delta = x Wᵀ + LoRA, against the GEMM plus the torch reference."""
     tokens, k, slots, d_in, outs = 64, 1, 16, 4096, [4096, 1024, 1024]
     ranks = [[16] * slots, [8] * slots, [16 if s % 2 else 0 for s in range(slots)]]
     g = torch.Generator().manual_seed(5)
@@ -404,7 +410,9 @@ def test_shrink_on_a_side_stream_overlapping_the_gemm(captured: bool) -> None:
                                torch.rand(tokens, k, generator=gg) + 0.5, slots, "cuda")
 
     def run(meta):
-        return linear_with_lora(lambda: x @ w.T, x, lora_a, lora_b, ranks, ranks_dev, meta, "triton", side)
+        y, delta = linear_lora_deferred(lambda: x @ w.T, x, lora_a, lora_b, ranks, ranks_dev, meta, "triton", side)
+        assert delta is not None
+        return y + delta
 
     static = step_meta(0)
     out = run(static)  # compiles outside any capture

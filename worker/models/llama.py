@@ -1,7 +1,7 @@
 """Llama-family decoder (Llama, Mistral, Qwen2) with fused projections and a multi-LoRA side path.
 
 q/k/v and gate/up are fused into one base matmul each; every fused projection then adds each
-token's LoRA deltas through `lorafleet.kernels.lora_ops.linear_with_lora` (torch reference on CPU, Triton
+token's LoRA deltas through `lorafleet.kernels.lora_ops.linear_lora_deferred` (torch reference on CPU, Triton
 on CUDA), reading the step's LoRA metadata that was built once for all layers.
 
 Between the matmuls, `attention_backend` picks the elementwise path too: "torch" (the CPU path,
@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from lorafleet.kernels.lora_ops import LoraMeta, linear_with_lora
+from lorafleet.kernels.lora_ops import LoraMeta, linear_lora_deferred
 from lorafleet.worker.attention import AttentionMetadata, paged_attention, write_kv
 from lorafleet.worker.config import ModelConfig, rope_inv_freq
 from lorafleet.worker.lora.slots import LoraSlots
@@ -64,7 +64,7 @@ class LlamaModel:
         self.rotary = Rotary(config, max_positions, device)
         self.lora: LoraSlots | None = None
         self.lora_backend = "torch"
-        # Triton LoRA on CUDA: the shrinks run here, overlapping the base GEMMs (`linear_with_lora`).
+        # Triton LoRA on CUDA: the side paths run here, beside the base GEMMs (`linear_lora_deferred`).
         self.lora_stream: torch.cuda.Stream | None = None
         self.attention_backend = "torch"  # also picks the elementwise ops: torch | triton (fused_ops)
 
@@ -111,8 +111,17 @@ class LlamaModel:
 
     # -- forward -------------------------------------------------------------------------------
     def _linear(self, x: torch.Tensor, layer: int, fused: str, meta: LoraMeta | None, graph: bool = False) -> torch.Tensor:
+        y, delta = self._linear_deferred(x, layer, fused, meta, graph)
+        return y if delta is None else y.add_(delta)
+
+    def _linear_deferred(
+        self, x: torch.Tensor, layer: int, fused: str, meta: LoraMeta | None, graph: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The fused projection -> (y, LoRA delta or None): the delta, when the side path ran on
+        `lora_stream` beside the GEMM, is for the next fused row kernel to add (`linear_lora_deferred`)."""
         w = self.weights
         key = f"layers.{layer}.{fused.removesuffix('_proj')}"
+
         def base() -> torch.Tensor:
             return F.linear(x, w[key], w.get(key + "_bias"))
 
@@ -120,9 +129,9 @@ class LlamaModel:
         if meta is not None and (graph or not meta.empty) and self.lora is not None:
             s = self.lora.layers[layer].get(fused)
             if s is not None:
-                return linear_with_lora(base, x, s.lora_a, s.lora_b, s.ranks, s.ranks_device, meta,
-                                        self.lora_backend, self.lora_stream)
-        return base()
+                return linear_lora_deferred(base, x, s.lora_a, s.lora_b, s.ranks, s.ranks_device, meta,
+                                            self.lora_backend, self.lora_stream)
+        return base(), None
 
     def forward(
         self,
@@ -200,14 +209,17 @@ class LlamaModel:
         x = fused_ops.rms_norm(h, w["layers.0.in_norm"], eps)
         for i in range(c.num_layers):
             p = f"layers.{i}."
-            qkv = self._linear(x, i, "qkv_proj", lora_meta, graph)  # [T, q_size + 2 kv_size]
+            qkv, d = self._linear_deferred(x, i, "qkv_proj", lora_meta, graph)  # [T, q_size + 2 kv_size]
             k_cache, v_cache = kv_caches[i]
-            q = fused_ops.rope_write_kv(qkv, positions, self.rotary.cos_sin, k_cache, v_cache, attn.slot_mapping)
+            q = fused_ops.rope_write_kv(qkv, positions, self.rotary.cos_sin, k_cache, v_cache, attn.slot_mapping, d)
             o = paged_attention(q, k_cache, v_cache, attn, scale, self.attention_backend).reshape(-1, c.q_size)
-            x = fused_ops.add_rms_norm(self._linear(o, i, "o_proj", lora_meta, graph), h, w[p + "post_norm"], eps)
-            act = fused_ops.silu_mul(self._linear(x, i, "gate_up_proj", lora_meta, graph))  # [T, intermediate]
+            o, d = self._linear_deferred(o, i, "o_proj", lora_meta, graph)
+            x = fused_ops.add_rms_norm(o, h, w[p + "post_norm"], eps, d)
+            gate_up, d = self._linear_deferred(x, i, "gate_up_proj", lora_meta, graph)
+            act = fused_ops.silu_mul(gate_up, d)  # [T, intermediate]
             next_norm = w[f"layers.{i + 1}.in_norm"] if i + 1 < c.num_layers else w["norm"]
-            x = fused_ops.add_rms_norm(self._linear(act, i, "down_proj", lora_meta, graph), h, next_norm, eps)
+            down, d = self._linear_deferred(act, i, "down_proj", lora_meta, graph)
+            x = fused_ops.add_rms_norm(down, h, next_norm, eps, d)
         return x.index_select(0, logits_indices)
 
 
