@@ -24,8 +24,8 @@ timeout 200 python3 -m pytest -q -m gpu tests/kernels tests/worker -p no:cachepr
   2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
 # If PDL broke graph capture, measure without it (and say so in the log).
 if grep -q "FAILED.*new_metadata\[True\]" "$OUT/gpu_tests.log"; then export LORAFLEET_PDL=0; echo "PDL OFF"; fi
-timeout 240 python3 -m bench.engine --adapters 1,8,64 --prompt-lens 128 --new-tokens 64 --breakdown 0,8,64 \
+timeout "${ENGINE_TIMEOUT:-240}" python3 -m bench.engine --adapters 1,8,64 --prompt-lens 128 --new-tokens 64 --breakdown 0,8,64 \
   --peers --peft-adapters 8 --adapter-load 5 --out "$OUT/engine-h200.json" "$@" \
-  2>&1 | tee "$OUT/engine.log" | grep -v "^\s*$" | tail -n 30
+  2>&1 | tee "$OUT/engine.log" | grep -v "^\s*$" | tail -n 45
 timeout 80 python3 bench/kernels.py --quick --no-baselines --out "$OUT/kernels-quick.json" \
   2>&1 | tee "$OUT/kernels.log" | tail -n 28
