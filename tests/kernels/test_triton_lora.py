@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from lorafleet.kernels.lora_ops import (
+    OVERLAP_MAX_CHUNKS,
     add_lora,
     build_lora_meta,
     linear_lora_deferred,
@@ -391,11 +392,13 @@ def test_cuda_graph_replay_with_new_metadata(pdl: bool) -> None:
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("captured", [False, True])
-def test_lora_on_a_side_stream_beside_the_gemm(captured: bool) -> None:
-    """`linear_lora_deferred` with a side stream (the engine's CUDA path): zero, shrink and expand
-    into a delta run beside the base GEMM. Eager, and captured once then replayed with other
-    steps' metadata: y + delta = x Wᵀ + LoRA, against the GEMM plus the torch reference."""
-    tokens, k, slots, d_in, outs = 64, 1, 16, 4096, [4096, 1024, 1024]
+@pytest.mark.parametrize("slots", [8, 32])
+def test_lora_on_a_side_stream_beside_the_gemm(captured: bool, slots: int) -> None:
+    """`linear_lora_deferred` with a side stream (the engine's CUDA path): with few chunks, zero,
+    shrink and expand into a delta run beside the base GEMM; with more than OVERLAP_MAX_CHUNKS the
+    LoRA is added after the GEMM (no delta). Eager, and captured once then replayed with other
+    steps' metadata: y (+ delta) = x Wᵀ + LoRA, against the GEMM plus the torch reference."""
+    tokens, k, d_in, outs = 64, 1, 4096, [4096, 1024, 1024]  # slots 8: max_chunks 12; 32: 36
     ranks = [[16] * slots, [8] * slots, [16 if s % 2 else 0 for s in range(slots)]]
     g = torch.Generator().manual_seed(5)
     lora_a, lora_b = make_weights(g, slots, 16, d_in, outs, ranks, torch.bfloat16, "cuda", "rank_major")
@@ -411,10 +414,11 @@ def test_lora_on_a_side_stream_beside_the_gemm(captured: bool) -> None:
 
     def run(meta):
         y, delta = linear_lora_deferred(lambda: x @ w.T, x, lora_a, lora_b, ranks, ranks_dev, meta, "triton", side)
-        assert delta is not None
-        return y + delta
+        assert (delta is not None) == (meta.grid_chunks <= OVERLAP_MAX_CHUNKS)
+        return y if delta is None else y + delta
 
     static = step_meta(0)
+    assert (static.grid_chunks <= OVERLAP_MAX_CHUNKS) == (slots == 8)
     out = run(static)  # compiles outside any capture
     if captured:
         torch.cuda.synchronize()
