@@ -25,6 +25,7 @@ A step holds at most `--batch` distinct adapters, so counts above the batch are 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import tempfile
 import time
@@ -103,13 +104,27 @@ def copy_bandwidth(device: str) -> float:
     return 2 * n / times[len(times) // 2]
 
 
+_PROMPTS = itertools.count()  # every prompt of a run differs from all others: no prefix-cache hits
+
+
+def fresh_prompt(engine: LLMEngine, prompt_len: int) -> list[int]:
+    """A prompt no earlier request shared a block with (its first token differs)."""
+    vocab = engine.model_config.vocab_size - 10
+    n = next(_PROMPTS)
+    return [(n * 7919 + j * 31 + (j == 0) * n) % vocab + 10 for j in range(prompt_len)]
+
+
+def prefix_hits(engine: LLMEngine) -> int:
+    return engine.blocks.prefix_hits
+
+
 def decode_run(engine: LLMEngine, adapter_sets, prompt_len: int, new_tokens: int) -> dict:
     sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    vocab = engine.model_config.vocab_size
+    hits0 = prefix_hits(engine)
     sync()
     submitted = time.perf_counter()
-    for r, adapters in enumerate(adapter_sets):
-        engine.add_request([(r * 7919 + j * 31) % (vocab - 10) + 10 for j in range(prompt_len)], sp, adapters)
+    for adapters in adapter_sets:
+        engine.add_request(fresh_prompt(engine, prompt_len), sp, adapters)
     first: dict[int, float] = {}  # request -> seconds from submission to its first token on the host
     # Timed as one phase, from the first all-decode step to idle, without a sync per step: with
     # async scheduling a step's outputs come from the step launched before it, and a sync after
@@ -132,18 +147,24 @@ def decode_run(engine: LLMEngine, adapter_sets, prompt_len: int, new_tokens: int
     return {"tokens_per_s": round(decode_tokens / decode_time, 1),
             "decode_step_ms": round(1e3 * decode_time / max(1, decode_tokens / len(adapter_sets)), 2),
             # the whole batch submitted at once: its prefill steps, then the first sampled tokens
-            "batch_ttft_ms_median": round(1e3 * firsts[len(firsts) // 2], 2), "batch_ttft_ms_max": round(1e3 * firsts[-1], 2)}
+            "batch_ttft_ms_median": round(1e3 * firsts[len(firsts) // 2], 2), "batch_ttft_ms_max": round(1e3 * firsts[-1], 2),
+            "prefix_hit_tokens": prefix_hits(engine) - hits0}
 
 
 def ttft(engine: LLMEngine, prompt_len: int) -> float:
+    """ms from submitting one new prompt (nothing of it cached) to its first token on the host."""
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    engine.add_request([(j * 13) % (engine.model_config.vocab_size - 10) + 10 for j in range(prompt_len)], sp)
+    hits0 = prefix_hits(engine)
+    engine.add_request(fresh_prompt(engine, prompt_len), sp)
     sync()
     t0 = time.perf_counter()
     while engine.has_unfinished():
         engine.step()
     sync()
-    return (time.perf_counter() - t0) * 1e3
+    elapsed = (time.perf_counter() - t0) * 1e3
+    if prefix_hits(engine) != hits0:  # (the earlier benchmark re-sent one prompt: a cached prefill)
+        raise RuntimeError("a TTFT prompt hit the prefix cache")
+    return elapsed
 
 
 KERNEL_CLASSES = (  # (class, substrings of CUDA kernel names), first match wins
