@@ -111,7 +111,7 @@ def fresh_prompt(engine: LLMEngine, prompt_len: int) -> list[int]:
     """A prompt no earlier request shared a block with (its first token differs)."""
     vocab = engine.model_config.vocab_size - 10
     n = next(_PROMPTS)
-    return [(n * 7919 + j * 31 + (j == 0) * n) % vocab + 10 for j in range(prompt_len)]
+    return [10 + (n if j == 0 else n * 7919 + j * 31) % vocab for j in range(prompt_len)]
 
 
 def prefix_hits(engine: LLMEngine) -> int:
