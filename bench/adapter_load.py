@@ -354,7 +354,8 @@ def build_engine(tiny: bool, max_lora_rank: int) -> tuple[LLMEngine, ModelConfig
     model_config = ModelConfig.from_folder(folder)
     config = EngineConfig(max_loras=4, max_cpu_loras=8, max_lora_rank=max_lora_rank, max_num_seqs=BATCH,
                           max_num_batched_tokens=8192, device=device, dtype="bfloat16", max_loras_per_request=1,
-                          num_kv_blocks=512 if tiny else None)
+                          num_kv_blocks=512 if tiny else None,
+                          async_scheduling=False)  # its step timings are of synchronous steps
     engine = LLMEngine(folder, config, weights=random_weights(model_config, device))
     return engine, model_config, device
 

@@ -108,10 +108,12 @@ _PROMPTS = itertools.count()  # every prompt of a run differs from all others: n
 
 
 def fresh_prompt(engine: LLMEngine, prompt_len: int) -> list[int]:
-    """A prompt no earlier request shared a block with (its first token differs)."""
+    """A prompt no earlier one of this process shares a block with: its first three tokens spell a
+    running count in base `vocab`."""
     vocab = engine.model_config.vocab_size - 10
     n = next(_PROMPTS)
-    return [10 + (n if j == 0 else n * 7919 + j * 31) % vocab for j in range(prompt_len)]
+    digits = [(n // vocab**i) % vocab for i in range(3)]  # n in base `vocab`: unique below vocab**3
+    return [10 + (digits[j] if j < 3 else n * 7919 + j * 31) % vocab for j in range(prompt_len)]
 
 
 def prefix_hits(engine: LLMEngine) -> int:
@@ -185,9 +187,8 @@ def kernel_class(name: str) -> str:
 def start_decode(engine: LLMEngine, adapter_sets, prompt_len: int, new_tokens: int) -> None:
     """Queue the batch and run its prefill steps, so every later step is an all-decode step."""
     sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    vocab = engine.model_config.vocab_size
-    for r, adapters in enumerate(adapter_sets):
-        engine.add_request([(r * 7919 + j * 31) % (vocab - 10) + 10 for j in range(prompt_len)], sp, adapters)
+    for adapters in adapter_sets:
+        engine.add_request(fresh_prompt(engine, prompt_len), sp, adapters)
     while engine.scheduler.waiting or any(s.num_uncomputed > 1 for s in engine.scheduler.running):
         engine.step()
 

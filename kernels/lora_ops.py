@@ -340,11 +340,13 @@ def linear_lora_deferred(
     delta = torch.empty((x.shape[0], sum(b.shape[1] for b in lora_b)), dtype=x.dtype, device=x.device)
     main = torch.cuda.current_stream(x.device)
     side_stream.wait_stream(main)
-    with torch.cuda.stream(side_stream):
-        delta.zero_()
-        launch_shrink(plan)
-        launch_expand(plan, delta)  # programmatic dependent launch after the shrink where supported
-    y = base()
-    main.wait_stream(side_stream)
+    try:
+        with torch.cuda.stream(side_stream):
+            delta.zero_()
+            launch_shrink(plan)
+            launch_expand(plan, delta)  # programmatic dependent launch after the shrink where supported
+        y = base()
+    finally:  # joined even when a launch or the GEMM raises: the buffers must not be reused early
+        main.wait_stream(side_stream)
     return y, delta
 

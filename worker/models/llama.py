@@ -111,14 +111,15 @@ class LlamaModel:
 
     # -- forward -------------------------------------------------------------------------------
     def _linear(self, x: torch.Tensor, layer: int, fused: str, meta: LoraMeta | None, graph: bool = False) -> torch.Tensor:
-        y, delta = self._linear_deferred(x, layer, fused, meta, graph)
-        return y if delta is None else y.add_(delta)
+        """The fused projection with its LoRA added in place (the torch path: no row kernel takes a delta)."""
+        return self._linear_deferred(x, layer, fused, meta, graph, beside=False)[0]
 
     def _linear_deferred(
-        self, x: torch.Tensor, layer: int, fused: str, meta: LoraMeta | None, graph: bool = False
+        self, x: torch.Tensor, layer: int, fused: str, meta: LoraMeta | None, graph: bool = False, beside: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The fused projection -> (y, LoRA delta or None): the delta, when the side path ran on
-        `lora_stream` beside the GEMM, is for the next fused row kernel to add (`linear_lora_deferred`)."""
+        `lora_stream` beside the GEMM (`beside`), is for the next fused row kernel to add
+        (`linear_lora_deferred`)."""
         w = self.weights
         key = f"layers.{layer}.{fused.removesuffix('_proj')}"
 
@@ -130,7 +131,7 @@ class LlamaModel:
             s = self.lora.layers[layer].get(fused)
             if s is not None:
                 return linear_lora_deferred(base, x, s.lora_a, s.lora_b, s.ranks, s.ranks_device, meta,
-                                            self.lora_backend, self.lora_stream)
+                                            self.lora_backend, self.lora_stream if beside else None)
         return base(), None
 
     def forward(
