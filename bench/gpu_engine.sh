@@ -4,7 +4,8 @@
 #      references, CUDA-graph replay vs eager, the engine vs transformers + PEFT, the load path;
 #   2. bench/engine.py (throughput, per-step breakdown, TTFT, peers, cold adapter loads), with any
 #      extra arguments given to this script appended;
-#   3. bench/kernels.py --quick (the LoRA kernels against the memory floor, PDL on/off).
+#   3. bench/prefill.py (a burst of fresh prompts; one prompt joining a running batch);
+#   4. bench/kernels.py --quick (the LoRA kernels against the memory floor, PDL on/off).
 # Usage on the GPU machine, from the repo root: bash bench/gpu_engine.sh [bench/engine.py args...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -27,5 +28,6 @@ if grep -q "FAILED.*new_metadata\[True\]" "$OUT/gpu_tests.log"; then export LORA
 timeout "${ENGINE_TIMEOUT:-240}" python3 -m bench.engine --adapters 1,8,64 --prompt-lens 128 --new-tokens 64 --breakdown 0,8,64 \
   --peers --peft-adapters 8 --adapter-load 5 --out "$OUT/engine-h200.json" "$@" \
   2>&1 | tee "$OUT/engine.log" | grep -v "^\s*$" | tail -n 45
+timeout 100 python3 -m bench.prefill --out "$OUT/prefill-cuda.json" 2>&1 | tee "$OUT/prefill.log" | tail -n 6
 timeout 80 python3 bench/kernels.py --quick --no-baselines --out "$OUT/kernels-quick.json" \
   2>&1 | tee "$OUT/kernels.log" | tail -n 28

@@ -1,5 +1,6 @@
-"""bench/engine.py end to end on CPU (`--tiny`): the script runs, writes its JSON, and measures what
-it says it measures (every prompt prefilled from scratch, no part lost to an error row).
+"""bench/engine.py and bench/prefill.py end to end on CPU (`--tiny`): the scripts run, write their
+JSON, and measure what they say they measure (every prompt prefilled from scratch, no part lost to
+an error row).
 
 The GPU numbers come from the same script (`bash bench/gpu_engine.sh`), so a broken or misleading
 benchmark shows here first: a TTFT that re-sent one prompt once read a prefix-cache hit as a prefill.
@@ -18,18 +19,25 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
-def test_tiny_engine_benchmark(tmp_path: Path) -> None:
-    out = tmp_path / "engine.json"
-    cmd = [sys.executable, "-m", "bench.engine", "--tiny", "--adapters", "1,2", "--prompt-lens", "16",
-           "--new-tokens", "4", "--breakdown", "2", "--out", str(out)]
+def run_bench(tmp_path: Path, module: str, *args: str) -> dict:
+    """`python -m bench.<module> --tiny ... --out F` in a subprocess -> the JSON it wrote."""
+    out = tmp_path / f"{module}.json"
     # `bench` importable without the repo root on sys.path (its operator/ would shadow the stdlib's).
-    (tmp_path / "path").mkdir()
-    (tmp_path / "path" / "bench").symlink_to(ROOT / "bench")
-    env = {**os.environ, "PYTHONPATH": str(tmp_path / "path"), "PYTHONSAFEPATH": "1"}
+    path = tmp_path / "path"
+    if not path.exists():
+        path.mkdir()
+        (path / "bench").symlink_to(ROOT / "bench")
+    env = {**os.environ, "PYTHONPATH": str(path), "PYTHONSAFEPATH": "1"}
+    cmd = [sys.executable, "-m", f"bench.{module}", "--tiny", *args, "--out", str(out)]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_tiny_engine_benchmark(tmp_path: Path) -> None:
+    data = run_bench(tmp_path, "engine", "--adapters", "1,2", "--prompt-lens", "16", "--new-tokens", "4",
+                     "--breakdown", "2")
     rows = data["rows"]
     assert {(r["mode"], r["adapters"]) for r in rows} == {(m, d) for m in ("graphs", "async") for d in (0, 1, 2)}
     assert all(r["tokens_per_s"] > 0 and r["prefix_hit_tokens"] == 0 for r in rows)
@@ -38,3 +46,12 @@ def test_tiny_engine_benchmark(tmp_path: Path) -> None:
     assert data["ttft_host"] and data["breakdown"] and "error" not in data["breakdown"][0]
     assert data["async_scheduling"]["overlapped"] > 0  # the async mode really pipelined steps
 
+
+
+@pytest.mark.slow
+def test_tiny_prefill_benchmark(tmp_path: Path) -> None:
+    """bench/prefill.py: a burst of fresh prompts and one prompt joining running decodes, per length
+    (it raises if any prompt hit the prefix cache)."""
+    data = run_bench(tmp_path, "prefill", "--batch", "8", "--prompt-lens", "16,150", "--repeats", "1")
+    assert [r["prompt_len"] for r in data["rows"]] == [16, 150]
+    assert all(r["burst_ms"] > 0 and r["join_ms"] > 0 for r in data["rows"])

@@ -1,0 +1,102 @@
+"""Prefill attention (`worker.attention.paged_attention` on steps that are not all decode): the
+step's sequences batched into padded SDPA calls against an independent oracle, plain causal
+attention over each sequence's full context computed with explicit softmax in float64."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lorafleet.worker.attention import AttentionMetadata, group_prefill, paged_attention
+
+BLOCK = 4
+
+
+def oracle(q, keys, values, n, scale):
+    """q `[n, H, D]` (the last n positions), keys/values `[ctx, KVH, D]` -> `[n, H, D]` in float64."""
+    ctx, heads, kv_heads = keys.shape[0], q.shape[1], keys.shape[1]
+    k = keys.double().repeat_interleave(heads // kv_heads, dim=1)
+    v = values.double().repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("nhd,chd->hnc", q.double(), k) * scale
+    qpos = torch.arange(ctx - n, ctx).view(1, -1, 1)
+    scores = scores.masked_fill(torch.arange(ctx).view(1, 1, -1) > qpos, -math.inf)
+    return torch.einsum("hnc,chd->nhd", scores.softmax(-1), v)
+
+
+def prefill_case(seed: int, query_lens: list[int], context_lens: list[int], heads: int = 4, kv_heads: int = 2,
+                 head_dim: int = 8, dtype=torch.float32):
+    """Caches with every sequence's context in shuffled blocks; every other block holds NaN."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per = [-(-c // BLOCK) for c in context_lens]
+    num_blocks = sum(blocks_per) + 3
+    k_cache = torch.full((num_blocks, BLOCK, kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = k_cache.clone()
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.zeros(len(query_lens), max(blocks_per), dtype=torch.int32)
+    keys, values = [], []
+    for i, (ctx, nb) in enumerate(zip(context_lens, blocks_per)):
+        ids = [order.pop() for _ in range(nb)]
+        tables[i, :nb] = torch.tensor(ids, dtype=torch.int32)
+        k = torch.randn(ctx, kv_heads, head_dim, generator=g).to(dtype)
+        v = torch.randn(ctx, kv_heads, head_dim, generator=g).to(dtype)
+        for t in range(ctx):
+            k_cache[ids[t // BLOCK], t % BLOCK] = k[t]
+            v_cache[ids[t // BLOCK], t % BLOCK] = v[t]
+        keys.append(k)
+        values.append(v)
+    q = torch.randn(sum(query_lens), heads, head_dim, generator=g).to(dtype)
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(
+        query_lens=query_lens, context_lens=context_lens, query_start=starts, slot_mapping=torch.zeros(0),
+        block_tables=tables, context_lens_t=torch.tensor(context_lens, dtype=torch.int32), all_decode=False,
+    )
+    return q, k_cache, v_cache, meta, keys, values
+
+
+@pytest.mark.parametrize("query_lens, context_lens", [
+    ([5, 3, 7, 1], [5, 3, 7, 9]),          # new prompts of different lengths, and a decode row (cached 8)
+    ([4, 6, 2], [10, 6, 13]),              # cached prefixes (chunked prefill), one fresh prompt
+    ([16] * 6, [16] * 6),                  # equal prompts: one call
+    ([3], [11]),                           # one sequence, with a prefix: the masked single path
+    ([9], [9]),                            # one fresh prompt: SDPA's causal kernel
+    ([1] * 5 + [140], [30, 7, 19, 4, 12, 140]),  # a mixed step: decode rows batched, a long prompt alone
+])
+def test_batched_prefill_matches_per_sequence_oracle(query_lens, context_lens) -> None:
+    q, k_cache, v_cache, meta, keys, values = prefill_case(1, query_lens, context_lens)
+    out = paged_attention(q, k_cache, v_cache, meta, 0.3)
+    assert torch.isfinite(out).all()  # NaN in other sequences' blocks and the padding never leaks
+    for i, n in enumerate(query_lens):
+        start = meta.query_start[i]
+        want = oracle(q[start : start + n], keys[i], values[i], n, 0.3)
+        torch.testing.assert_close(out[start : start + n].double(), want, atol=1e-5, rtol=1e-5)
+    assert meta.prefill_plan is not None  # made by the first layer, kept for the others
+    assert sorted(i for g in meta.prefill_plan for i in g.seqs) == list(range(len(query_lens)))
+
+
+def test_plan_is_reused_across_layers() -> None:
+    q, k_cache, v_cache, meta, keys, values = prefill_case(2, [3, 5], [3, 5])
+    first = paged_attention(q, k_cache, v_cache, meta, 0.5)
+    plan = meta.prefill_plan
+    again = paged_attention(q, k_cache, v_cache, meta, 0.5)
+    assert meta.prefill_plan is plan and torch.equal(first, again)
+
+
+def test_groups_respect_the_budget() -> None:
+    # Sorted by context; a sequence that alone exceeds the budget is a group of one.
+    assert group_prefill([4, 4, 4], [4, 4, 4], budget=1000) == [[0, 1, 2]]
+    assert group_prefill([4, 200, 1], [4, 200, 900], budget=1 << 20) == [[1], [2, 0]]  # long query runs alone
+    assert group_prefill([4, 4, 4], [4, 4, 4], budget=32) == [[0, 1], [2]]
+    assert group_prefill([100, 2, 2], [100, 2, 2], budget=64) == [[1, 2], [0]]
+    assert group_prefill([1, 64, 1], [30, 64, 20], budget=1 << 20) == [[2, 0, 1]]  # sorted by (new, context)
+    assert group_prefill([1, 64, 1], [30, 64, 20], budget=3 * 64 * 64 - 1) == [[2, 0], [1]]
+    # 63 decode rows and a 128-token prompt: padding the rows to 128 queries would be waste.
+    assert group_prefill([1] * 63 + [128], [300] * 63 + [128]) == [list(range(63)), [63]]
+    groups = group_prefill([8, 1, 8, 1], [8, 40, 8, 40], budget=200)
+    assert sorted(sum(groups, [])) == [0, 1, 2, 3]
+    for g in groups:
+        n, ctx = max([8, 1, 8, 1][i] for i in g), max([8, 40, 8, 40][i] for i in g)
+        assert len(g) == 1 or len(g) * n * ctx <= 200
