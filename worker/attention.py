@@ -106,6 +106,9 @@ def paged_attention(
 PREFILL_BATCH_QUERY = 128
 PREFILL_BATCH_PAIRS = 1 << 22
 PREFILL_SMALL_CALL = 1 << 16  # padded pairs below which padding waste does not matter
+# And at most this many context tokens gathered from the cache per call (count × longest context):
+# the gathered K and V are a copy, 256 MiB per layer at the seed shape (8 KV heads of 128, bf16).
+PREFILL_GATHER_TOKENS = 1 << 16
 
 
 @dataclass(slots=True)
@@ -120,16 +123,21 @@ class PrefillGroup:
     dst: torch.Tensor | None = None  # [tokens] int64: the same rows in the padded [B * n_max] layout
     tables: torch.Tensor | None = None  # [B, blocks] int64: block tables cut to ctx_max
     mask: torch.Tensor | None = None  # [B, n_max, ctx_max] bool: query sees key
-    key_valid: torch.Tensor | None = None  # [B, ctx_max, 1, 1] bool: key inside the sequence's context
+    key_invalid: torch.Tensor | None = None  # [B, ctx_max, 1, 1] bool: key past the sequence's context
 
 
 def group_prefill(
-    query_lens: list[int], context_lens: list[int], budget: int = PREFILL_BATCH_PAIRS, max_query: int = PREFILL_BATCH_QUERY
+    query_lens: list[int],
+    context_lens: list[int],
+    budget: int = PREFILL_BATCH_PAIRS,
+    max_query: int = PREFILL_BATCH_QUERY,
+    max_gather: int = PREFILL_GATHER_TOKENS,
 ) -> list[list[int]]:
     """Sequences with more than `max_query` new tokens alone; the others sorted by new tokens,
     then context, and cut into runs whose padded call (count × longest new tokens × longest
     context) stays within `budget` and, past small calls, within twice the pairs its sequences
-    need (so a prompt's chunk does not pad a group of decode rows to its length)."""
+    need (so a prompt's chunk does not pad a group of decode rows to its length), and whose
+    gathered context (count × longest context) stays within `max_gather` tokens."""
     groups: list[list[int]] = [[i] for i, n in enumerate(query_lens) if n > max_query]
     current: list[int] = []
     n_max = ctx_max = needed = 0
@@ -138,7 +146,8 @@ def group_prefill(
         n, ctx = max(n_max, query_lens[i]), max(ctx_max, context_lens[i])
         need = needed + query_lens[i] * context_lens[i]
         padded = (len(current) + 1) * n * ctx
-        if current and (padded > budget or (padded > PREFILL_SMALL_CALL and padded > 2 * need)):
+        gathered = (len(current) + 1) * ctx
+        if current and (padded > budget or gathered > max_gather or (padded > PREFILL_SMALL_CALL and padded > 2 * need)):
             groups.append(current)
             current, n, ctx, need = [], query_lens[i], context_lens[i], query_lens[i] * context_lens[i]
         current.append(i)
@@ -170,7 +179,7 @@ def plan_prefill(meta: AttentionMetadata, block_size: int, device: torch.device)
         plan.append(PrefillGroup(
             seqs=seqs, n_max=n_max, ctx_max=ctx_max, src=src.to(device), dst=dst.to(device), tables=tables,
             mask=(kpos.view(1, 1, -1) <= qpos.unsqueeze(2)).to(device),
-            key_valid=(kpos.unsqueeze(0) < ctxs.unsqueeze(1)).view(len(seqs), ctx_max, 1, 1).to(device),
+            key_invalid=(kpos.unsqueeze(0) >= ctxs.unsqueeze(1)).view(len(seqs), ctx_max, 1, 1).to(device),
         ))
     return plan
 
@@ -186,9 +195,10 @@ def _padded_batch(
     k = k_cache[group.tables].flatten(1, 2)[:, : group.ctx_max]  # [B, ctx_max, kv_heads, head_dim]
     v = v_cache[group.tables].flatten(1, 2)[:, : group.ctx_max]
     # Keys past a sequence's context come from other sequences' blocks (or padding's block 0):
-    # masked, but zeroed too, so a NaN left there cannot reach this sequence through 0 · NaN.
-    zero = k.new_zeros(())
-    k, v = torch.where(group.key_valid, k, zero), torch.where(group.key_valid, v, zero)
+    # masked, but zeroed too (in the gathered copy), so a NaN left there cannot reach this
+    # sequence through 0 · NaN.
+    k.masked_fill_(group.key_invalid, 0)
+    v.masked_fill_(group.key_invalid, 0)
     res = _sdpa(qp.view(batch, group.n_max, heads, head_dim), k, v, group.mask, scale)
     out.index_copy_(0, group.src, res.reshape(batch * group.n_max, heads, head_dim).index_select(0, group.dst))
 

@@ -93,6 +93,8 @@ def test_groups_respect_the_budget() -> None:
     assert group_prefill([100, 2, 2], [100, 2, 2], budget=64) == [[1, 2], [0]]
     assert group_prefill([1, 64, 1], [30, 64, 20], budget=1 << 20) == [[2, 0, 1]]  # sorted by (new, context)
     assert group_prefill([1, 64, 1], [30, 64, 20], budget=3 * 64 * 64 - 1) == [[2, 0], [1]]
+    # Long contexts: at most max_gather context tokens gathered per call.
+    assert group_prefill([1] * 4, [30, 30, 30, 30], max_gather=64) == [[0, 1], [2, 3]]
     # 63 decode rows and a 128-token prompt: padding the rows to 128 queries would be waste.
     assert group_prefill([1] * 63 + [128], [300] * 63 + [128]) == [list(range(63)), [63]]
     groups = group_prefill([8, 1, 8, 1], [8, 40, 8, 40], budget=200)
@@ -100,3 +102,34 @@ def test_groups_respect_the_budget() -> None:
     for g in groups:
         n, ctx = max([8, 1, 8, 1][i] for i in g), max([8, 40, 8, 40][i] for i in g)
         assert len(g) == 1 or len(g) * n * ctx <= 200
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_steps_under_any_grouping(seed: int, monkeypatch) -> None:
+    """Random mixes of decode rows, fresh prompts and cached prefixes, GQA ratios 1-3, and random
+    group limits (so calls of one, a few and all sequences all occur), against the oracle."""
+    import random
+
+    from lorafleet.worker import attention
+
+    r = random.Random(seed)
+    limits = dict(budget=r.choice([64, 500, 5000, 1 << 22]), max_query=r.choice([4, 16, 128]),
+                  max_gather=r.choice([40, 200, 1 << 16]))
+    monkeypatch.setattr(attention, "group_prefill", lambda q, c, grouping=attention.group_prefill: grouping(q, c, **limits))
+    query_lens, context_lens = [], []
+    for _ in range(r.randint(2, 10)):
+        kind = r.random()
+        n = 1 if kind < 0.35 else r.randint(1, 40)
+        query_lens.append(n)
+        context_lens.append(r.randint(1, 70) if n == 1 else n if kind < 0.7 else n + r.randint(1, 50))
+    query_lens[0] = max(2, query_lens[0])  # not an all-decode step
+    context_lens[0] = max(context_lens[0], query_lens[0])
+    kv_heads = r.choice([1, 2, 4])
+    q, k_cache, v_cache, meta, keys, values = prefill_case(seed, query_lens, context_lens, kv_heads * r.choice([1, 2, 3]),
+                                                           kv_heads)
+    out = paged_attention(q, k_cache, v_cache, meta, 0.3)
+    assert torch.isfinite(out).all()
+    for i, n in enumerate(query_lens):
+        start = meta.query_start[i]
+        torch.testing.assert_close(out[start : start + n].double(), oracle(q[start : start + n], keys[i], values[i], n, 0.3),
+                                   atol=1e-5, rtol=1e-5)
