@@ -153,11 +153,13 @@ def decode_run(engine: LLMEngine, adapter_sets, prompt_len: int, new_tokens: int
             "prefix_hit_tokens": prefix_hits(engine) - hits0}
 
 
-def ttft(engine: LLMEngine, prompt_len: int) -> float:
-    """ms from submitting one new prompt (nothing of it cached) to its first token on the host."""
+def ttft(engine: LLMEngine, prompt_len: int, count: int = 1) -> float:
+    """ms from submitting `count` new prompts at once (nothing of them cached) to the last one's
+    first token on the host."""
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     hits0 = prefix_hits(engine)
-    engine.add_request(fresh_prompt(engine, prompt_len), sp)
+    for _ in range(count):
+        engine.add_request(fresh_prompt(engine, prompt_len), sp)
     sync()
     t0 = time.perf_counter()
     while engine.has_unfinished():

@@ -25,21 +25,9 @@ from pathlib import Path
 
 import torch
 
-from bench.engine import build_engine, fresh_prompt, prefix_hits, sync
+from bench.engine import build_engine, fresh_prompt, prefix_hits, sync, ttft
 from lorafleet.worker.engine import LLMEngine
 from lorafleet.worker.sequence import SamplingParams
-
-
-def burst(engine: LLMEngine, batch: int, prompt_len: int) -> float:
-    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request(fresh_prompt(engine, prompt_len), sp)
-    sync()
-    t0 = time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
-    sync()
-    return (time.perf_counter() - t0) * 1e3
 
 
 def join(engine: LLMEngine, batch: int, prompt_len: int) -> float:
@@ -78,9 +66,9 @@ def main() -> None:
     hits0 = prefix_hits(engine)
     rows = []
     for plen in (int(x) for x in args.prompt_lens.split(",") if x):
-        burst(engine, args.batch, plen)  # warm-up at this shape
+        ttft(engine, plen, args.batch)  # warm-up at this shape
         join(engine, args.batch, plen)
-        b = [burst(engine, args.batch, plen) for _ in range(args.repeats)]
+        b = [ttft(engine, plen, args.batch) for _ in range(args.repeats)]  # the burst
         j = [join(engine, args.batch, plen) for _ in range(args.repeats)]
         rows.append({"prompt_len": plen, "batch": args.batch, "burst_ms": round(statistics.median(b), 2),
                      "burst_ms_min": round(min(b), 2), "join_ms": round(statistics.median(j), 2),
