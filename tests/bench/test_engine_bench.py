@@ -55,3 +55,4 @@ def test_tiny_prefill_benchmark(tmp_path: Path) -> None:
     data = run_bench(tmp_path, "prefill", "--batch", "8", "--prompt-lens", "16,150", "--repeats", "1")
     assert [r["prompt_len"] for r in data["rows"]] == [16, 150]
     assert all(r["burst_ms"] > 0 and r["join_ms"] > 0 for r in data["rows"])
+    assert data["ttft_512_first_ms"] > 0 and data["ttft_512_then_ms"] > 0
