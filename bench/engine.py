@@ -116,13 +116,9 @@ def fresh_prompt(engine: LLMEngine, prompt_len: int) -> list[int]:
     return [10 + (digits[j] if j < 3 else n * 7919 + j * 31) % vocab for j in range(prompt_len)]
 
 
-def prefix_hits(engine: LLMEngine) -> int:
-    return engine.blocks.prefix_hits
-
-
 def decode_run(engine: LLMEngine, adapter_sets, prompt_len: int, new_tokens: int) -> dict:
     sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    hits0 = prefix_hits(engine)
+    hits0 = engine.blocks.prefix_hits
     sync()
     submitted = time.perf_counter()
     for adapters in adapter_sets:
@@ -150,14 +146,14 @@ def decode_run(engine: LLMEngine, adapter_sets, prompt_len: int, new_tokens: int
             "decode_step_ms": round(1e3 * decode_time / max(1, decode_tokens / len(adapter_sets)), 2),
             # the whole batch submitted at once: its prefill steps, then the first sampled tokens
             "batch_ttft_ms_median": round(1e3 * firsts[len(firsts) // 2], 2), "batch_ttft_ms_max": round(1e3 * firsts[-1], 2),
-            "prefix_hit_tokens": prefix_hits(engine) - hits0}
+            "prefix_hit_tokens": engine.blocks.prefix_hits - hits0}
 
 
 def ttft(engine: LLMEngine, prompt_len: int, count: int = 1) -> float:
     """ms from submitting `count` new prompts at once (nothing of them cached) to the last one's
     first token on the host."""
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    hits0 = prefix_hits(engine)
+    hits0 = engine.blocks.prefix_hits
     for _ in range(count):
         engine.add_request(fresh_prompt(engine, prompt_len), sp)
     sync()
@@ -166,7 +162,7 @@ def ttft(engine: LLMEngine, prompt_len: int, count: int = 1) -> float:
         engine.step()
     sync()
     elapsed = (time.perf_counter() - t0) * 1e3
-    if prefix_hits(engine) != hits0:  # (the earlier benchmark re-sent one prompt: a cached prefill)
+    if engine.blocks.prefix_hits != hits0:  # (the earlier benchmark re-sent one prompt: a cached prefill)
         raise RuntimeError("a TTFT prompt hit the prefix cache")
     return elapsed
 

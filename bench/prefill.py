@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from bench.engine import build_engine, fresh_prompt, prefix_hits, sync, ttft
+from bench.engine import build_engine, fresh_prompt, sync, ttft
 from lorafleet.worker.engine import LLMEngine
 from lorafleet.worker.sequence import SamplingParams
 
@@ -64,7 +64,7 @@ def main() -> None:
     args.rank, args.modes = 16, "graphs"  # what build_engine reads
     engine, _config, _ = build_engine(args, device, 1)
     engine.async_steps.enabled = False  # time the steps themselves
-    hits0 = prefix_hits(engine)
+    hits0 = engine.blocks.prefix_hits
     # The process's first long prefill, before anything else ran at that shape (what a freshly
     # started worker's first request pays: the engine does no warm-up prefill), then a warm one.
     cold = ttft(engine, 512)
@@ -82,7 +82,7 @@ def main() -> None:
         r = rows[-1]
         print(f"prompt {plen:>5}: burst of {args.batch} {r['burst_ms']:>9.2f} ms   join a batch of {args.batch - 1} "
               f"decodes {r['join_ms']:>8.2f} ms", flush=True)
-    if prefix_hits(engine) != hits0:
+    if engine.blocks.prefix_hits != hits0:
         raise RuntimeError("a prompt hit the prefix cache")
     out = args.out or Path(__file__).parent / "results" / f"prefill-{device}.json"
     machine = torch.cuda.get_device_name() if device == "cuda" else f"{platform.processor() or 'cpu'} ({torch.get_num_threads()} threads)"

@@ -489,8 +489,9 @@ def add_lora_triton(
     pdl: launch the expand with programmatic dependent launch (it starts while the shrink runs
     and waits for the partials with `gdc_wait`); None = where supported (`pdl_supported`).
     """
-    _check_shapes(y, x, lora_a, lora_b)
     plan = plan_lora_triton(x, lora_a, lora_b, ranks_device, meta, config, pdl)
-    if plan is not None:
-        launch_shrink(plan)
-        launch_expand(plan, y)
+    if plan is None:  # nothing to launch; the shapes are still checked (launch_expand does it otherwise)
+        _check_shapes(y, x, lora_a, lora_b)
+        return
+    launch_shrink(plan)
+    launch_expand(plan, y)
