@@ -8,18 +8,7 @@
 #   4. bench/kernels.py --quick (the LoRA kernels against the memory floor, PDL on/off).
 # Usage on the GPU machine, from the repo root: bash bench/gpu_engine.sh [bench/engine.py args...]
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/lorafleet-out}
-mkdir -p "$OUT"
-# The image has torch/triton/transformers/peft but no network: install the project alone, or shim it.
-if ! python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1; then
-  shim=/tmp/lorafleet-shim/lorafleet
-  rm -rf "$shim" && mkdir -p "$shim" && cp common/*.py "$shim"/
-  for d in worker kernels router operator; do ln -s "$PWD/$d" "$shim/$d"; done
-  export PYTHONPATH=/tmp/lorafleet-shim
-fi
-python3 -c "import lorafleet.worker.engine, lorafleet.kernels.triton_lora" || exit 1
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+source "$(dirname "$0")/gpu_env.sh" || exit 1
 # --continue-on-collection-errors: the image lacks openai/uvicorn, which two CPU-only test files import.
 timeout 200 python3 -m pytest -q -m gpu tests/kernels tests/worker -p no:cacheprovider -rf --continue-on-collection-errors \
   2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15

@@ -278,34 +278,40 @@ def base_gemm_us(module: str, tokens: int) -> float:
     return _BASE_CACHE[key]
 
 
-def sweep(bandwidth: float, g: torch.Generator) -> list[dict]:
-    """Time launch configs on representative cases, to tune `pick_config`."""
+SWEEP_CASES = [(16, 1), (64, 8), (64, 64), (256, 128)]
+
+
+def sweep(bandwidth: float, g: torch.Generator, cases: list[tuple[int, int]] = SWEEP_CASES) -> list[dict]:
+    """Time launch configs on representative (tokens, adapters) cases, to tune `pick_config`."""
     rows = []
     for module, (d_in, outs) in MODULES.items():
         n_slices = len(outs)
-        for tokens, adapters in [(16, 1), (64, 8), (64, 64), (256, 128)]:
+        for tokens, adapters in cases:
             case = Case(module, tokens, adapters, 16, 16)
             num_chunks = adapters * -(-(tokens // adapters) // default_chunk_size(tokens))
             default = pick_config(num_chunks, n_slices, d_in, default_chunk_size(tokens))
             configs = {default}
-            for n_per_prog in (128, 256, 512):
-                for block_n in (64, 128):
-                    configs.add(replace(default, n_per_prog=n_per_prog, block_n=block_n))
-            for split_k in (max(1, default.split_k // 2), default.split_k * 2):
+            for n_per_prog in (128, 256, 512, 1024, 2048, 4096):
+                for block_n in (64, 128, 256):
+                    if block_n <= n_per_prog:
+                        configs.add(replace(default, n_per_prog=n_per_prog, block_n=block_n))
+            for split_k in (1, max(1, default.split_k // 2), default.split_k * 2):
                 configs.add(replace(default, split_k=split_k))
+            for block_k in (64, 128, 256):
+                configs.add(replace(default, block_k=block_k))
             configs.add(replace(default, expand_warps=8))
             configs.add(replace(default, shrink_warps=2))
             case_rows = []
             for cfg in sorted(configs, key=lambda c: (c.split_k, c.n_per_prog, c.block_n, c.expand_warps)):
-                row = run_case(case, bandwidth, g, config=cfg)
+                row = run_case(case, bandwidth, g, config=cfg, baselines=False)
                 row.update(asdict(cfg), default=cfg == default)
                 case_rows.append(row)
             best = min(case_rows, key=lambda r: r["lora_us"])
             default_us = next(r["lora_us"] for r in case_rows if r["default"])
-            knobs = {k: best[k] for k in ("split_k", "n_per_prog", "block_n", "block_k")}
+            knobs = {k: best[k] for k in ("split_k", "n_per_prog", "block_n", "block_k", "shrink_warps", "expand_warps")}
             print(
                 f"sweep {module:8s} T={tokens:4d} A={adapters:4d}: default {default_us} µs, "
-                f"best {best['lora_us']} µs {knobs}",
+                f"best {best['lora_us']} µs {knobs}, floor {best['floor_us']} µs",
                 flush=True,
             )
             rows += case_rows
@@ -364,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         "--no-baselines", action="store_true", help="skip the torch gather/loop and base GEMM timings"
     )
     parser.add_argument("--sweep", default=None, help="also time launch configs; write them to this file")
+    parser.add_argument("--sweep-cases", default=None, help="TOKENS:ADAPTERS,... for --sweep (default: a few)")
+    parser.add_argument("--sweep-only", action="store_true", help="skip the main table")
     parser.add_argument("--markdown", default=None, help="print a results file as a markdown table and exit")
     args = parser.parse_args(argv)
     if args.markdown:
@@ -377,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = measure_copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     rows = []
-    for case in main_cases(args.quick):
+    for case in [] if args.sweep_only else main_cases(args.quick):
         rows.append(run_case(case, bandwidth, g, baselines=not args.no_baselines))
         r = rows[-1]
         print(
@@ -389,11 +397,13 @@ def main(argv: list[str] | None = None) -> int:
         f"machine {torch.cuda.get_device_name()}, date {datetime.date.today().isoformat()}, torch {torch.__version__}, "
         f"triton {triton.__version__}, python {platform.python_version()}, copy bandwidth {bandwidth / 1e12:.3f} TB/s"
     )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rows, indent=1))
-    print_table(rows)
+    if rows:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+        print_table(rows)
     if args.sweep:
-        Path(args.sweep).write_text(json.dumps(sweep(bandwidth, g), indent=1))
+        cases = [tuple(int(v) for v in c.split(":")) for c in args.sweep_cases.split(",")] if args.sweep_cases else SWEEP_CASES
+        Path(args.sweep).write_text(json.dumps(sweep(bandwidth, g, cases), indent=1))
     return 0
 
 

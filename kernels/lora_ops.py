@@ -25,7 +25,9 @@ The torch reference here is the CPU path and the oracle for the Triton kernels i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -298,8 +300,31 @@ def add_lora(
         raise ValueError(f"unknown LoRA backend {backend!r} (torch | triton)")
 
 
-# Beside the GEMM up to this many chunks (a decode graph's chunk classes are 1, 4, 16, 64, ...).
-OVERLAP_MAX_CHUNKS = 16
+# The side path runs beside the GEMM up to this many chunks (default: always), and a decode-sized
+# GEMM beside it (at most CARVEOUT_MAX_TOKENS rows: memory-bound, so it keeps its bandwidth on fewer
+# SMs) leaves GEMM_SM_CARVEOUT SMs free for the LoRA kernels (cuBLASLt's SM count target; cuBLAS
+# ignores it). Measured on the H200 at batch 64 (docs/benchmarks.md): without the carveout the LoRA
+# kernels wait for the GEMM's last CTAs, and beside the GEMM lost to after it with 64 adapters
+# (0.617 vs 0.645 of base-only); with 32 SMs left free it won (0.66), and 8 adapters went 0.893 -> 0.90.
+OVERLAP_MAX_CHUNKS = int(os.environ.get("LORAFLEET_OVERLAP_MAX_CHUNKS", str(1 << 30)))
+GEMM_SM_CARVEOUT = int(os.environ.get("LORAFLEET_GEMM_SM_CARVEOUT", "32"))
+CARVEOUT_MAX_TOKENS = 128
+
+
+@contextlib.contextmanager
+def gemm_sm_carveout(sms: int) -> Iterator[None]:
+    """cuBLASLt GEMMs issued inside leave `sms` SMs free for kernels on other streams (no-op for 0
+    or where torch lacks the setting). A captured graph keeps the GEMM kernel chosen then."""
+    setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    if sms <= 0 or setter is None:
+        yield
+        return
+    before = torch._C._get_sm_carveout_experimental()
+    setter(sms)
+    try:
+        yield
+    finally:
+        setter(before)
 
 
 def linear_lora_deferred(
@@ -320,10 +345,9 @@ def linear_lora_deferred(
     shrink, expand into the delta. The current stream waits for the side stream before returning,
     and the caller adds the delta where it reads y anyway (the fused row kernels' `delta`
     argument), so in a decode step the small, latency-bound LoRA launches hide behind the GEMM's
-    weight reads instead of following it. CUDA-graph capture records the fork and the join as
-    graph edges. With more chunks the LoRA reads enough adapter weights to compete with the GEMM
-    for memory bandwidth, and beside it is slower than after it (H200, 64 adapters in a 64-token
-    step: 7,845 -> 7,294 tok/s; 8 adapters: 9,710 -> 10,171).
+    weight reads instead of following it. A decode-sized GEMM leaves GEMM_SM_CARVEOUT SMs to
+    them (a GEMM that fills every SM makes them wait for its last CTAs). CUDA-graph capture
+    records the fork and the join as graph edges.
     Otherwise the LoRA is added into y in place and delta is None.
     """
     if backend != "triton" or side_stream is None or meta.grid_chunks > OVERLAP_MAX_CHUNKS:
@@ -345,7 +369,8 @@ def linear_lora_deferred(
             delta.zero_()
             launch_shrink(plan)
             launch_expand(plan, delta)  # programmatic dependent launch after the shrink where supported
-        y = base()
+        with gemm_sm_carveout(GEMM_SM_CARVEOUT if x.shape[0] <= CARVEOUT_MAX_TOKENS else 0):
+            y = base()
     finally:  # joined even when a launch or the GEMM raises: the buffers must not be reused early
         main.wait_stream(side_stream)
     return y, delta

@@ -103,7 +103,8 @@ def paged_attention(
 # sequence and layer costs more host time than the attention itself. Longer query runs go alone:
 # a masked padded call is slower than SDPA's causal kernel on one fresh prompt (on CPU, a batch of
 # 64 512-token prompts: 138 ms one by one, 183 ms batched; 64 32-token prompts: 12.4 -> 8.4 ms).
-PREFILL_BATCH_QUERY = 128
+# LORAFLEET_PREFILL_BATCH_QUERY=0 turns batching off (one call per sequence, for A/B runs).
+PREFILL_BATCH_QUERY = int(os.environ.get("LORAFLEET_PREFILL_BATCH_QUERY", "128"))
 PREFILL_BATCH_PAIRS = 1 << 22
 PREFILL_SMALL_CALL = 1 << 16  # padded pairs below which padding waste does not matter
 # And at most this many context tokens gathered from the cache per call (count × longest context):

@@ -109,6 +109,16 @@ class BlockManager:
         seq.block_hashes = hashes
         seq.num_hashed_blocks = full
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (vLLM's reset_prefix_cache); only while no sequence holds one."""
+        if any(self._refs):
+            raise RuntimeError("cannot reset the prefix cache while sequences hold blocks")
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+        self._hash_of.clear()
+        self._block_of.clear()
+        self._evictable.clear()
+        self.prefix_hits = self.prefix_queries = 0
+
     # -- allocation ----------------------------------------------------------------------------
     def _take_block(self) -> int:
         if self._free:

@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                    help="launch each decode step before reading the previous one's tokens, overlapping the "
                         "host's work with the GPU (default: on where decode steps replay CUDA graphs)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=d.warmup,
+                   help="before serving, run warm-up prompts and capture the decode graphs, so the first "
+                        "requests do not pay compiles and captures (default: on for CUDA)")
     p.add_argument("--pinned-lora-modules", nargs="+", action="extend", default=[], metavar="NAME",
                    help="start-up adapters never evicted from the GPU")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -75,6 +78,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         device=args.device, dtype=args.dtype, lora_backend=args.lora_backend,
         attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs, async_scheduling=args.async_scheduling,
+        warmup=args.warmup,
         pinned_adapters=tuple(args.pinned_lora_modules), seed=args.seed,
     )
     return WorkerSettings(

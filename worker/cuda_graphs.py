@@ -251,6 +251,14 @@ class DecodeGraphs:
         assert logits is not None
         return logits[: inputs.num_seqs]
 
+    def capture_base(self) -> int:
+        """Capture the no-adapter graph of every bucket not captured yet (start-up warm-up; graphs with
+        adapters, one per chunk and rank class, are captured on first use) -> graphs captured."""
+        missing = [b for b in self.buckets if (b, 0, 0) not in self._graphs]
+        for bucket in missing:
+            self._graphs[(bucket, 0, 0)] = self._capture(bucket, 0, 0)
+        return len(missing)
+
     # -- internals -----------------------------------------------------------------------------
     def _fill(self, captured: _Captured, inputs: DecodeInputs, step_meta: LoraMeta | None) -> None:
         """Copy a step's inputs into the static buffers (queued on the stream, before the replay)."""

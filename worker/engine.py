@@ -98,6 +98,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
 
+        if self.device.type == "cuda":
+            _prefer_blas(os.environ.get("LORAFLEET_BLAS", "cublaslt"))
         self.model = LlamaModel(self.model_config, self.device, self.dtype, self.max_model_len)
         self.model.load_weights(weights if weights is not None else iter_checkpoint(str(model_dir)))
         self.model.lora_backend = _resolve_backend(config.lora_backend, self.device)
@@ -137,6 +139,8 @@ class LLMEngine:
         for name, path in (lora_modules or {}).items():
             self.load_adapter(name, path, pinned=name in config.pinned_adapters)
         self._log_memory_plan(num_blocks)
+        if config.warmup or (config.warmup is None and self.device.type == "cuda"):
+            self.warm_up()
 
     # -- setup ---------------------------------------------------------------------------------
     def _plan_kv_blocks(self) -> int:
@@ -219,6 +223,37 @@ class LLMEngine:
 
     def unload_adapter(self, name: str) -> None:
         self.registry.unregister(name)
+
+    def warm_up(self) -> float:
+        """Run what the first requests would otherwise pay for, then forget it -> seconds taken.
+
+        A long prompt (up to 512 tokens) and a short one, the short one with the first registered
+        adapter if there is one, through prefill and a few decode steps on the normal path (Triton
+        compiles, cuBLAS kernel choice, the allocator's first growth, one LoRA decode graph); then
+        the base decode graph of every batch bucket. Afterwards nothing of it remains: no request,
+        no KV block, no prefix-cache entry, no token counted."""
+        if self.has_unfinished():
+            raise RuntimeError("warm_up runs before any request")
+        t0 = time.perf_counter()
+        vocab = self.model_config.vocab_size
+        long_len = max(1, min(512, self.max_model_len - 4, self.config.max_num_batched_tokens - 16,
+                              (self.blocks.num_blocks // 2 - 1) * self.config.block_size))
+        sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        adapter = self.registry.names()[:1]
+        ids = [self.add_request([(7919 * i + 13) % vocab for i in range(long_len)], sp)]
+        if long_len + 16 + 2 * sp.max_tokens <= self.config.max_num_batched_tokens:
+            ids.append(self.add_request([(104729 * i + 7) % vocab for i in range(16)], sp, [(n, 1.0) for n in adapter]))
+        while self.has_unfinished():
+            self.step()
+        captured = self.runner.graphs.capture_base() if self.runner.graphs is not None else 0
+        for request_id in ids:
+            self._tracked.pop(request_id, None)
+        self.blocks.reset_prefix_cache()
+        self.generated_tokens = 0
+        elapsed = time.perf_counter() - t0
+        log.info("warm-up: prompts of %d and 16 tokens%s, %d decode graphs captured, %.2f s", long_len,
+                 f" (adapter {adapter[0]})" if adapter else "", captured, elapsed)
+        return elapsed
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(
@@ -433,6 +468,15 @@ def _resolve_backend(name: str, device: torch.device) -> str:
     if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError("the triton LoRA backend needs --device cuda (or TRITON_INTERPRET=1)")
     return name
+
+
+def _prefer_blas(name: str) -> None:
+    """The cuBLAS API torch's matmuls go through (process-wide). cuBLASLt by default: on the H200 its
+    decode GEMMs at batch 64 are faster (mlp down 36.5 -> 32.1 µs, gate_up 61.4 -> 58.7 µs; qkv the
+    same) and it honours an SM carveout; LORAFLEET_BLAS=cublas keeps torch's default."""
+    if name not in ("cublas", "cublaslt"):
+        raise ConfigError(f"LORAFLEET_BLAS must be cublas or cublaslt, got {name!r}")
+    torch.backends.cuda.preferred_blas_library(name)
 
 
 def _triton_ready() -> bool:

@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from lorafleet.kernels.lora_ops import (
-    OVERLAP_MAX_CHUNKS,
     add_lora,
     build_lora_meta,
     linear_lora_deferred,
@@ -393,11 +392,28 @@ def test_cuda_graph_replay_with_new_metadata(pdl: bool) -> None:
 @gpu
 @pytest.mark.parametrize("captured", [False, True])
 @pytest.mark.parametrize("slots", [8, 32])
-def test_lora_on_a_side_stream_beside_the_gemm(captured: bool, slots: int) -> None:
+@pytest.mark.parametrize("blas, carveout", [("cublas", 0), ("cublaslt", 32)])
+def test_lora_on_a_side_stream_beside_the_gemm(captured: bool, slots: int, blas: str, carveout: int,
+                                               monkeypatch) -> None:
     """`linear_lora_deferred` with a side stream (the engine's CUDA path): with few chunks, zero,
-    shrink and expand into a delta run beside the base GEMM; with more than OVERLAP_MAX_CHUNKS the
-    LoRA is added after the GEMM (no delta). Eager, and captured once then replayed with other
-    steps' metadata: y (+ delta) = x Wᵀ + LoRA, against the GEMM plus the torch reference."""
+    shrink and expand into a delta run beside the base GEMM (which leaves `carveout` SMs free);
+    with more than OVERLAP_MAX_CHUNKS (16 here) the LoRA is added after the GEMM (no delta).
+    Eager, and captured once then replayed with other steps' metadata: y (+ delta) = x Wᵀ + LoRA,
+    against the GEMM plus the torch reference."""
+    from lorafleet.kernels import lora_ops
+
+    monkeypatch.setattr(lora_ops, "OVERLAP_MAX_CHUNKS", 16)
+    monkeypatch.setattr(lora_ops, "GEMM_SM_CARVEOUT", carveout)
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(blas)
+    try:
+        _side_stream_case(captured, slots)
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+    assert torch._C._get_sm_carveout_experimental() in (None, 0)  # restored after each GEMM
+
+
+def _side_stream_case(captured: bool, slots: int, max_chunks: int = 16) -> None:
     tokens, k, d_in, outs = 64, 1, 4096, [4096, 1024, 1024]  # slots 8: max_chunks 12; 32: 36
     ranks = [[16] * slots, [8] * slots, [16 if s % 2 else 0 for s in range(slots)]]
     g = torch.Generator().manual_seed(5)
@@ -414,11 +430,11 @@ def test_lora_on_a_side_stream_beside_the_gemm(captured: bool, slots: int) -> No
 
     def run(meta):
         y, delta = linear_lora_deferred(lambda: x @ w.T, x, lora_a, lora_b, ranks, ranks_dev, meta, "triton", side)
-        assert (delta is not None) == (meta.grid_chunks <= OVERLAP_MAX_CHUNKS)
+        assert (delta is not None) == (meta.grid_chunks <= max_chunks)
         return y if delta is None else y + delta
 
     static = step_meta(0)
-    assert (static.grid_chunks <= OVERLAP_MAX_CHUNKS) == (slots == 8)
+    assert (static.grid_chunks <= max_chunks) == (slots == 8)
     out = run(static)  # compiles outside any capture
     if captured:
         torch.cuda.synchronize()

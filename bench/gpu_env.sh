@@ -1,0 +1,13 @@
+# Sourced on the GPU machine, from the repo root: make `lorafleet` importable there. The image has
+# torch/triton/transformers/peft but no network: install the project alone, or shim it.
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/lorafleet-out}
+mkdir -p "$OUT"
+if ! python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1; then
+  shim=/tmp/lorafleet-shim/lorafleet
+  rm -rf "$shim" && mkdir -p "$shim" && cp common/*.py "$shim"/
+  for d in worker kernels router operator; do ln -s "$PWD/$d" "$shim/$d"; done
+  export PYTHONPATH=/tmp/lorafleet-shim
+fi
+python3 -c "import lorafleet.worker.engine, lorafleet.kernels.triton_lora" || return 1 2>/dev/null || exit 1
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader

@@ -1,0 +1,84 @@
+"""Decode throughput with the LoRA side path placed differently, on one engine (an H200 experiment).
+
+    python -m bench.overlap_sweep [--adapters 0,1,8,64] [--new-tokens 64] [--out FILE]
+
+Each variant picks the BLAS library torch's matmuls use (cuBLAS or cuBLASLt), sets
+`lora_ops.OVERLAP_MAX_CHUNKS` (up to how many chunks the side path runs beside the base GEMM on a
+second stream rather than after it) and `lora_ops.GEMM_SM_CARVEOUT` (SMs the GEMM beside it leaves
+free for the LoRA kernels; only cuBLASLt honours it), then drops the captured decode graphs and
+times async decode at batch 64 on the seed shape, as `bench/engine.py` does. Rows: variant, adapters, tok/s,
+ratio to the same variant's base-only run (or the first variant's where it has none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from bench.engine import adapter_sets, build_engine, decode_run, random_adapter
+from lorafleet.kernels import lora_ops
+
+VARIANTS = [  # (name, BLAS library, overlap max chunks, carveout beside the LoRA)
+    ("cublas (before)", "cublas", 16, 0),
+    ("cublaslt", "cublaslt", 16, 0),
+    ("cublaslt, carveout 16", "cublaslt", 16, 16),
+    ("cublaslt, carveout 32", "cublaslt", 16, 32),
+    ("cublaslt, beside always", "cublaslt", 64, 0),
+    ("cublaslt, beside always, carveout 32", "cublaslt", 64, 32),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--adapters", default="0,1,8,64")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--variants", default="", help="comma-separated indices into VARIANTS ('' = all)")
+    ap.add_argument("--repeats", type=int, default=1, help="run the variant list this many times (noise)")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/overlap-sweep-h200.json"))
+    args = ap.parse_args()
+    counts = [int(x) for x in args.adapters.split(",") if x]
+    picked = [VARIANTS[int(i)] for i in args.variants.split(",") if i] or VARIANTS
+    bargs = argparse.Namespace(tiny=False, rank=16, batch=args.batch, modes="async")
+    engine, model_config, _ = build_engine(bargs, "cuda", max(counts + [1]))
+    names = [f"a{k}" for k in range(max(counts + [1]))]
+    for k, name in enumerate(names):
+        engine.registry.register(name, random_adapter(model_config, 16, seed=k))
+    graphs = engine.runner.graphs
+    assert graphs is not None and engine.async_steps.enabled
+    decode_run(engine, adapter_sets(names, len(names), args.batch), 16, 4)  # JIT and allocator
+    rows = []
+    for rep, (name, blas, max_chunks, beside_carveout) in ((i // len(picked), v) for i, v in enumerate(picked * args.repeats)):
+        lora_ops.OVERLAP_MAX_CHUNKS, lora_ops.GEMM_SM_CARVEOUT = max_chunks, beside_carveout
+        torch.backends.cuda.preferred_blas_library(blas)
+        graphs._graphs.clear()  # recapture under this variant's settings
+        torch.cuda.synchronize()
+        for d in counts:
+            sets = adapter_sets(names, d, args.batch)
+            decode_run(engine, sets, args.prompt_len, 8)  # captures
+            res = decode_run(engine, sets, args.prompt_len, args.new_tokens)
+            rows.append({"variant": name, "pass": rep, "blas": blas, "overlap_max_chunks": max_chunks,
+                         "beside_carveout": beside_carveout, "adapters": d, **res})
+            print(f"{name:<28} {d:>3} adapters: {res['tokens_per_s']:>9,.0f} tok/s  step {res['decode_step_ms']} ms",
+                  flush=True)
+    first_base = next((r["tokens_per_s"] for r in rows if r["adapters"] == 0), None)
+    for r in rows:
+        own = next((q["tokens_per_s"] for q in rows if q["variant"] == r["variant"] and q["pass"] == r["pass"] and q["adapters"] == 0), None)
+        base = own or first_base
+        r["vs_base"] = round(r["tokens_per_s"] / base, 3) if base else None
+    print(f"\n{'variant':<38} {'pass':>4} {'adapters':>8} {'tok/s':>9} {'vs base':>8}")
+    for r in rows:
+        print(f"{r['variant']:<38} {r['pass']:>4} {r['adapters']:>8} {r['tokens_per_s']:>9,.0f} {r['vs_base']!s:>8}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                    "date": time.strftime("%Y-%m-%d"), "prompt_len": args.prompt_len,
+                                    "new_tokens": args.new_tokens, "batch": args.batch, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

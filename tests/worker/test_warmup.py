@@ -1,0 +1,68 @@
+"""Start-up warm-up (`LLMEngine.warm_up`, `--warmup`): it runs prompts through the real path and
+leaves nothing behind, so an engine that warmed up answers exactly like one that did not."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorafleet.worker.block_manager import BlockManager
+from lorafleet.worker.config import EngineConfig
+from lorafleet.worker.engine import LLMEngine
+from lorafleet.worker.sequence import SamplingParams
+
+PROMPTS = ["Hello there", "SELECT name FROM users", "A poem about the sea"]
+
+
+def engine(demo_model, demo_adapters, warmup: bool, **kw) -> LLMEngine:
+    config = EngineConfig(max_loras=2, max_cpu_loras=4, num_kv_blocks=128, max_num_batched_tokens=256,
+                          warmup=warmup, **kw)
+    return LLMEngine(demo_model, config, lora_modules={n: str(p) for n, p in list(demo_adapters.items())[:2]})
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_warm_engine_answers_like_a_cold_one(demo_model, demo_adapters, graphs: bool) -> None:
+    warm, cold = (engine(demo_model, demo_adapters, w, cuda_graphs=graphs) for w in (True, False))
+    # Nothing of the warm-up remains: requests, KV blocks, prefix-cache entries, counters.
+    assert not warm.has_unfinished() and not warm._tracked
+    assert warm.blocks.num_free == warm.blocks.num_blocks and not warm.blocks._block_of
+    assert warm.blocks.prefix_hits == warm.blocks.prefix_queries == warm.generated_tokens == 0
+    if graphs:  # every bucket's base graph is ready (uncaptured on CPU: the same static-buffer path)
+        assert {(b, 0, 0) for b in warm.runner.graphs.buckets} <= set(warm.runner.graphs._graphs)
+    names = list(demo_adapters)[:2]
+    adapters = [(), ((names[0], 1.0),), ((names[1], 1.0),)]
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    got, want = (e.generate(PROMPTS, sp, adapters) for e in (warm, cold))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert warm.blocks.prefix_hits == 0  # the warm-up's prompts left no cached prefix to hit
+
+
+def test_warmup_is_off_on_cpu_by_default(demo_model, demo_adapters, monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(LLMEngine, "warm_up", lambda self: calls.append(self) or 0.0)
+    engine(demo_model, demo_adapters, None)
+    assert calls == []
+    engine(demo_model, demo_adapters, True)
+    assert len(calls) == 1
+
+
+def test_warm_up_refuses_a_busy_engine(demo_model, demo_adapters) -> None:
+    e = engine(demo_model, demo_adapters, False)
+    e.add_request("Hello", SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="before any request"):
+        e.warm_up()
+
+
+def test_reset_prefix_cache_needs_idle_blocks() -> None:
+    from lorafleet.worker.sequence import Sequence
+
+    bm = BlockManager(8, 4)
+    seq = Sequence(seq_id=0, prompt_ids=list(range(9)), sampling=SamplingParams(), adapters=(), cache_salt="", arrival=0.0)
+    assert bm.allocate(seq, 9)
+    seq.num_computed = 9  # two full blocks computed
+    bm.register_full_blocks(seq)
+    with pytest.raises(RuntimeError, match="hold blocks"):
+        bm.reset_prefix_cache()
+    bm.free(seq)
+    assert bm._block_of  # freed blocks stay cached (evictable) ...
+    bm.reset_prefix_cache()
+    assert not bm._block_of and bm.num_free == 8 and sorted(bm._free) == list(range(8))  # ... until reset
