@@ -139,8 +139,9 @@ class LLMEngine:
         for name, path in (lora_modules or {}).items():
             self.load_adapter(name, path, pinned=name in config.pinned_adapters)
         self._log_memory_plan(num_blocks)
+        self.warmup_s: float | None = None
         if config.warmup or (config.warmup is None and self.device.type == "cuda"):
-            self.warm_up()
+            self.warmup_s = self.warm_up()
 
     # -- setup ---------------------------------------------------------------------------------
     def _plan_kv_blocks(self) -> int:
