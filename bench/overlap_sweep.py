@@ -29,6 +29,7 @@ VARIANTS = [  # (name, BLAS library, overlap max chunks, carveout beside the LoR
     ("cublaslt, carveout 32", "cublaslt", 16, 32),
     ("cublaslt, beside always", "cublaslt", 64, 0),
     ("cublaslt, beside always, carveout 32", "cublaslt", 64, 32),
+    ("now (beside always, carveout 32)", "cublaslt", 1 << 30, 32),
 ]
 
 
