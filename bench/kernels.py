@@ -289,7 +289,7 @@ def sweep(bandwidth: float, g: torch.Generator, cases: list[tuple[int, int]] = S
         for tokens, adapters in cases:
             case = Case(module, tokens, adapters, 16, 16)
             num_chunks = adapters * -(-(tokens // adapters) // default_chunk_size(tokens))
-            default = pick_config(num_chunks, n_slices, d_in, default_chunk_size(tokens), max(outs))
+            default = pick_config(num_chunks, n_slices, d_in, default_chunk_size(tokens))
             configs = {default}
             for n_per_prog in (128, 256, 512, 1024, 2048, 4096):
                 for block_n in (64, 128, 256):

@@ -59,21 +59,17 @@ class LoraKernelConfig:
     num_stages: int = 3
 
 
-def pick_config(
-    num_chunks: int, n_slices: int, in_features: int, chunk_size: int, max_out: int = 0
-) -> LoraKernelConfig:
+def pick_config(num_chunks: int, n_slices: int, in_features: int, chunk_size: int) -> LoraKernelConfig:
     """Aim the shrink at ~512 programs: split K finely when few chunks are active (decode with few
     adapters), little when many are; likewise give each expand program fewer columns when few
-    chunks are active, and many when many chunks meet a wide slice (max_out, the widest slice's
-    outputs: the MLP's gate/up), where the expand's per-program prologue would otherwise dominate.
-    Tuned on the H200 with `bench/kernels.py --sweep` (64 tokens on 64 adapters, gate_up:
-    38.8 µs at 256 columns a program, 34.6 µs at 2048)."""
+    chunks are active. Tuned on the H200 with `bench/kernels.py --sweep`. (Many columns a program
+    when many chunks meet gate/up's wide slices, 2048, was faster alone in the sweep, 38.8 -> 34.6 µs
+    at 64 tokens on 64 adapters, and slower in the engine, where the expand runs beside the GEMM on
+    the SMs it leaves free: 64 adapters 8,175 -> 7,830 tok/s. Not used.)"""
     block_k = 128 if chunk_size <= 16 else 64
     by_chunks = triton.next_power_of_2(max(1, -(-512 // max(1, num_chunks * n_slices))))
     split_k = max(1, min(-(-in_features // 512), by_chunks))
     n_per_prog = 128 if num_chunks <= 4 else 256 if num_chunks * n_slices < 256 else 512
-    if num_chunks >= 32 and max_out >= 8192:
-        n_per_prog = 2048
     block_n = 128 if chunk_size <= 16 else 64
     return LoraKernelConfig(
         split_k=split_k, block_k=block_k, block_n=block_n, n_per_prog=max(n_per_prog, block_n)
@@ -376,8 +372,7 @@ def plan_lora_triton(
     interp = _interpreting()
     if pdl is None:
         pdl = x.is_cuda and pdl_supported(x.device.index if x.device.index is not None else torch.cuda.current_device())
-    cfg = config or pick_config(meta.num_chunks, n_slices, in_features, meta.chunk_size,
-                                max(b.shape[1] for b in lora_b))
+    cfg = config or pick_config(meta.num_chunks, n_slices, in_features, meta.chunk_size)
     # Rank tiles cover the step's largest true rank (meta.rank_bound), not the pool's r_max.
     r_eff = r_max if meta.rank_bound is None else max(1, min(r_max, meta.rank_bound))
     r_blocks = triton.cdiv(r_eff, BLOCK_R)
