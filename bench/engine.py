@@ -405,7 +405,7 @@ def main() -> None:
         "ceiling_tokens_per_s": round(ceiling, 1), "ttft_ms_512": round(sorted(ttft_ms)[len(ttft_ms) // 2], 2),
         "ttft_ms_512_runs": [round(t, 2) for t in ttft_ms], "ttft_breakdown": ttft_breakdown, "ttft_host": ttft_host,
         "lora_backend": engine.model.lora_backend, "attention_backend": engine.model.attention_backend,
-        "blas": str(torch.backends.cuda.preferred_blas_library()) if device == "cuda" else None,
+        "blas": torch.backends.cuda.preferred_blas_library().name.lower() if device == "cuda" else None,
         "lora_overlap_max_chunks": lora_ops.OVERLAP_MAX_CHUNKS, "gemm_sm_carveout": lora_ops.GEMM_SM_CARVEOUT,
         "warmup_s": None if engine.warmup_s is None else round(engine.warmup_s, 2),
         "cuda_graphs": None if graphs is None else {
