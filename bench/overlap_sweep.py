@@ -5,7 +5,8 @@
 Each variant picks the BLAS library torch's matmuls use (cuBLAS or cuBLASLt), sets
 `lora_ops.OVERLAP_MAX_CHUNKS` (up to how many chunks the side path runs beside the base GEMM on a
 second stream rather than after it) and `lora_ops.GEMM_SM_CARVEOUT` (SMs the GEMM beside it leaves
-free for the LoRA kernels; only cuBLASLt honours it), then drops the captured decode graphs and
+free for the LoRA kernels; only cuBLASLt honours it) and `lora_ops.ZERO_IN_SHRINK` (the shrink
+zeroes the delta rather than a memset launch), then drops the captured decode graphs and
 times async decode at batch 64 on the seed shape, as `bench/engine.py` does. Rows: variant, adapters, tok/s,
 ratio to the same variant's base-only run (or the first variant's where it has none).
 """
@@ -22,14 +23,16 @@ import torch
 from bench.engine import adapter_sets, build_engine, decode_run, random_adapter
 from lorafleet.kernels import lora_ops
 
-VARIANTS = [  # (name, BLAS library, overlap max chunks, carveout beside the LoRA)
-    ("cublas (before)", "cublas", 16, 0),
-    ("cublaslt", "cublaslt", 16, 0),
-    ("cublaslt, carveout 16", "cublaslt", 16, 16),
-    ("cublaslt, carveout 32", "cublaslt", 16, 32),
-    ("cublaslt, beside always", "cublaslt", 64, 0),
-    ("cublaslt, beside always, carveout 32", "cublaslt", 64, 32),
-    ("now (beside always, carveout 32)", "cublaslt", 1 << 30, 32),
+VARIANTS = [  # (name, BLAS library, overlap max chunks, carveout beside the LoRA, shrink zeroes the delta)
+    ("cublas (third session)", "cublas", 16, 0, False),
+    ("cublaslt", "cublaslt", 16, 0, False),
+    ("cublaslt, carveout 16", "cublaslt", 16, 16, False),
+    ("cublaslt, carveout 32", "cublaslt", 16, 32, False),
+    ("cublaslt, beside always", "cublaslt", 64, 0, False),
+    ("cublaslt, beside always, carveout 32", "cublaslt", 64, 32, False),
+    ("beside always, carveout 32, memset", "cublaslt", 1 << 30, 32, False),
+    ("beside always, carveout 32, shrink zeroes", "cublaslt", 1 << 30, 32, True),
+    ("beside always, carveout 48, shrink zeroes", "cublaslt", 1 << 30, 48, True),
 ]
 
 
@@ -54,8 +57,9 @@ def main() -> None:
     assert graphs is not None and engine.async_steps.enabled
     decode_run(engine, adapter_sets(names, len(names), args.batch), 16, 4)  # JIT and allocator
     rows = []
-    for rep, (name, blas, max_chunks, beside_carveout) in ((i // len(picked), v) for i, v in enumerate(picked * args.repeats)):
+    for rep, (name, blas, max_chunks, beside_carveout, zero_in_shrink) in ((i // len(picked), v) for i, v in enumerate(picked * args.repeats)):
         lora_ops.OVERLAP_MAX_CHUNKS, lora_ops.GEMM_SM_CARVEOUT = max_chunks, beside_carveout
+        lora_ops.ZERO_IN_SHRINK = zero_in_shrink
         torch.backends.cuda.preferred_blas_library(blas)
         graphs._graphs.clear()  # recapture under this variant's settings
         torch.cuda.synchronize()
@@ -64,7 +68,7 @@ def main() -> None:
             decode_run(engine, sets, args.prompt_len, 8)  # captures
             res = decode_run(engine, sets, args.prompt_len, args.new_tokens)
             rows.append({"variant": name, "pass": rep, "blas": blas, "overlap_max_chunks": max_chunks,
-                         "beside_carveout": beside_carveout, "adapters": d, **res})
+                         "beside_carveout": beside_carveout, "zero_in_shrink": zero_in_shrink, "adapters": d, **res})
             print(f"{name:<28} {d:>3} adapters: {res['tokens_per_s']:>9,.0f} tok/s  step {res['decode_step_ms']} ms",
                   flush=True)
     first_base = next((r["tokens_per_s"] for r in rows if r["adapters"] == 0), None)

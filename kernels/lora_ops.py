@@ -309,6 +309,7 @@ def add_lora(
 OVERLAP_MAX_CHUNKS = int(os.environ.get("LORAFLEET_OVERLAP_MAX_CHUNKS", str(1 << 30)))
 GEMM_SM_CARVEOUT = int(os.environ.get("LORAFLEET_GEMM_SM_CARVEOUT", "32"))
 CARVEOUT_MAX_TOKENS = 128
+ZERO_IN_SHRINK = True  # the shrink zeroes the delta (False: a memset launch first; benchmarks compare)
 
 
 @contextlib.contextmanager
@@ -341,10 +342,10 @@ def linear_lora_deferred(
     """`base()` (the base projection of x) and the LoRA side path -> (y, delta).
 
     With the Triton backend, a side stream and at most OVERLAP_MAX_CHUNKS chunks to launch for,
-    the whole side path runs on the side stream while the base GEMM runs: zero a delta buffer,
-    shrink, expand into the delta. The current stream waits for the side stream before returning,
-    and the caller adds the delta where it reads y anyway (the fused row kernels' `delta`
-    argument), so in a decode step the small, latency-bound LoRA launches hide behind the GEMM's
+    the whole side path runs on the side stream while the base GEMM runs: shrink (whose programs
+    also zero a delta buffer), expand into the delta. The current stream waits for the side stream
+    before returning, and the caller adds the delta where it reads y anyway (the fused row
+    kernels' `delta` argument), so in a decode step the small, latency-bound LoRA launches hide behind the GEMM's
     weight reads instead of following it. A decode-sized GEMM leaves GEMM_SM_CARVEOUT SMs to
     them (a GEMM that fills every SM makes them wait for its last CTAs). CUDA-graph capture
     records the fork and the join as graph edges.
@@ -366,8 +367,9 @@ def linear_lora_deferred(
     side_stream.wait_stream(main)
     try:
         with torch.cuda.stream(side_stream):
-            delta.zero_()
-            launch_shrink(plan)
+            if not ZERO_IN_SHRINK:
+                delta.zero_()
+            launch_shrink(plan, zero=delta if ZERO_IN_SHRINK else None)  # one launch fewer on the side path
             launch_expand(plan, delta)  # programmatic dependent launch after the shrink where supported
         with gemm_sm_carveout(GEMM_SM_CARVEOUT if x.shape[0] <= CARVEOUT_MAX_TOKENS else 0):
             y = base()

@@ -107,9 +107,11 @@ def _lora_shrink_kernel(
     chunk_end_ptr,
     sorted_token_ptr,
     part_ptr,
+    zero_ptr,
     # sizes
     K,
     K_PER_SPLIT,
+    ZERO_NUMEL,
     # strides
     stride_xt,
     stride_as,
@@ -127,16 +129,29 @@ def _lora_shrink_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
+    ZERO: tl.constexpr,
+    ZERO_BLOCK: tl.constexpr,
 ):
     """part[split, pair, s*R_PAD + r] = Σ_{k in split} x[token(pair), k] · A_s[slot, r, k].
 
     x `[T, K]` (unit stride in K); A_s `[S, R_MAX, K]` (unit stride in K); part fp32.
+    ZERO: first, every program (padding ones too) zeroes its share of the contiguous buffer at
+    zero_ptr (ZERO_NUMEL elements): the expand's output when it accumulates into a fresh delta,
+    which then needs no memset launch of its own.
     """
     if PDL:  # every program has started: the expand may launch and run its prologue meanwhile
         tl.extra.cuda.gdc_launch_dependents()
     pid_c = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_sr = tl.program_id(2)
+    if ZERO:
+        n_prog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        pid = (pid_c * tl.num_programs(1) + pid_k) * tl.num_programs(2) + pid_sr
+        share = tl.cdiv(tl.cdiv(ZERO_NUMEL, n_prog), ZERO_BLOCK) * ZERO_BLOCK
+        zeros = tl.zeros((ZERO_BLOCK,), dtype=zero_ptr.dtype.element_ty)
+        for z0 in range(pid * share, tl.minimum(pid * share + share, ZERO_NUMEL), ZERO_BLOCK):
+            offs_z = z0 + tl.arange(0, ZERO_BLOCK)
+            tl.store(zero_ptr + offs_z, zeros, mask=offs_z < ZERO_NUMEL)
     slot = tl.load(chunk_slot_ptr + pid_c)
     if slot < 0:
         return
@@ -387,8 +402,14 @@ def plan_lora_triton(
     )
 
 
-def launch_shrink(plan: LoraLaunch) -> None:
-    """part[split, pair, s*R_PAD + r] = Σ_k x[token(pair), k] · A_s[slot, r, k] (on the current stream)."""
+def launch_shrink(plan: LoraLaunch, zero: torch.Tensor | None = None) -> None:
+    """part[split, pair, s*R_PAD + r] = Σ_k x[token(pair), k] · A_s[slot, r, k] (on the current stream).
+
+    zero: a contiguous buffer the same launch fills with zeros first (the delta `launch_expand`
+    will accumulate into), instead of a memset launch before it.
+    """
+    if zero is not None and not zero.is_contiguous():
+        raise ValueError("the buffer to zero must be contiguous")
     x, meta, cfg, a = plan.x, plan.meta, plan.cfg, plan.lora_a
     in_features = x.shape[1]
     k_per_split = triton.cdiv(triton.cdiv(in_features, cfg.split_k), cfg.block_k) * cfg.block_k
@@ -401,8 +422,10 @@ def launch_shrink(plan: LoraLaunch) -> None:
         meta.chunk_end,
         meta.sorted_token,
         plan.part,
+        plan.part if zero is None else zero,
         in_features,
         k_per_split,
+        0 if zero is None else zero.numel(),
         x.stride(0),
         a[0].stride(0),
         a[0].stride(1),
@@ -418,6 +441,8 @@ def launch_shrink(plan: LoraLaunch) -> None:
         UPCAST=plan.upcast,
         IEEE=plan.ieee,
         PDL=plan.pdl,
+        ZERO=zero is not None,
+        ZERO_BLOCK=1024,
         num_warps=cfg.shrink_warps,
         num_stages=cfg.num_stages,
     )

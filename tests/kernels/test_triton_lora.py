@@ -304,6 +304,37 @@ def test_launch_bound_on_chunks(k: int) -> None:
         static.copy_(too_many)
 
 
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("launch_bound", [None, 8])
+def test_shrink_zeroes_the_delta_it_expands_into(k: int, launch_bound: int | None) -> None:
+    """The side path's delta is not memset: the shrink's programs (padding chunks' too) zero it,
+    then the expand accumulates into it. A NaN-poisoned buffer, tokens without an adapter, a slot
+    that leaves a slice untargeted (rank 0), and more elements than one block per program."""
+    from lorafleet.kernels.triton_lora import launch_expand, launch_shrink, plan_lora_triton
+
+    g = torch.Generator().manual_seed(3 + k)
+    tokens, slots, d_in, outs = 40, 5, 48, [700, 300]
+    ranks = [[8, 16, 0, 4, 16], [16, 1, 8, 0, 16]]
+    lora_a, lora_b = make_weights(g, slots, 16, d_in, outs, ranks, torch.float32, DEVICE, "rank_major")
+    ranks_dev = torch.tensor(ranks, dtype=torch.int32, device=DEVICE)
+    token_slots = torch.randint(-1, slots, (tokens, k), generator=g, dtype=torch.int32)
+    meta = build_lora_meta(token_slots, torch.rand(tokens, k, generator=g) + 0.5, slots, DEVICE)
+    if launch_bound is not None:
+        meta.launch_chunks = max(launch_bound, meta.num_chunks)  # padding chunks in the grid
+    x = torch.randn(tokens, d_in, generator=g).to(DEVICE)
+    delta = torch.full((tokens, sum(outs)), float("nan"), device=DEVICE)
+    plan = plan_lora_triton(x, lora_a, lora_b, ranks_dev, meta)
+    assert plan is not None
+    launch_shrink(plan, zero=delta)
+    launch_expand(plan, delta)
+    ref = torch.zeros_like(delta)
+    add_lora(ref, x, lora_a, lora_b, ranks, ranks_dev, meta, "torch")
+    assert (token_slots < 0).all(1).any()  # some rows get no LoRA at all: they must read 0
+    torch.testing.assert_close(delta, ref, **TOL[torch.float32])
+    with pytest.raises(ValueError, match="contiguous"):
+        launch_shrink(plan, zero=delta.t())
+
+
 # ---- GPU only ---------------------------------------------------------------------------------------
 
 # Seed model shapes (hidden 4096, kv 1024, mlp 14336): (d_in, output slices).
