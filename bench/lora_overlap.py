@@ -58,7 +58,7 @@ def run(module: str, tokens: int, adapters: int, side: torch.cuda.Stream, g: tor
         return [lambda s=s, w=weights[i % len(weights)]: body(s, w) for i, s in enumerate(sets * 3)]
 
     def gemm(s, w):
-        with gemm_sm_carveout(lora_ops.GEMM_SM_CARVEOUT):  # what the GEMM beside the LoRA runs with
+        with gemm_sm_carveout(lora_ops.GEMM_SM_CARVEOUT[0]):  # what the GEMM beside the LoRA runs with
             return F.linear(s.x, w)
 
     def lora(s, w):
@@ -101,7 +101,7 @@ def main() -> None:
     for blas in args.blas.split(","):
         torch.backends.cuda.preferred_blas_library("cublas" if blas == "default" else blas)
         for carveout in (int(x) for x in args.carveouts.split(",")):
-            lora_ops.GEMM_SM_CARVEOUT = carveout
+            lora_ops.GEMM_SM_CARVEOUT = (carveout, carveout)
             for module in args.modules.split(","):
                 for d in (int(x) for x in args.adapters.split(",") if x):
                     r = {"blas": blas, "carveout": carveout, **run(module, args.tokens, d, side, g)}

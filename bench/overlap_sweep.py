@@ -5,8 +5,9 @@
 Each variant picks the BLAS library torch's matmuls use (cuBLAS or cuBLASLt), sets
 `lora_ops.OVERLAP_MAX_CHUNKS` (up to how many chunks the side path runs beside the base GEMM on a
 second stream rather than after it) and `lora_ops.GEMM_SM_CARVEOUT` (SMs the GEMM beside it leaves
-free for the LoRA kernels; only cuBLASLt honours it) and `lora_ops.ZERO_IN_SHRINK` (the shrink
-zeroes the delta rather than a memset launch), then drops the captured decode graphs and
+free for the LoRA kernels, with at most and above `lora_ops.FEW_CHUNKS` chunks; only cuBLASLt honours
+it) and where the shrink zeroes the delta rather than a memset launch (`lora_ops.ZERO_IN_SHRINK`:
+never, always, or above FEW_CHUNKS as the engine does), then drops the captured decode graphs and
 times async decode at batch 64 on the seed shape, as `bench/engine.py` does. Rows: variant, adapters, tok/s,
 ratio to the same variant's base-only run (or the first variant's where it has none).
 """
@@ -23,17 +24,20 @@ import torch
 from bench.engine import adapter_sets, build_engine, decode_run, random_adapter
 from lorafleet.kernels import lora_ops
 
-VARIANTS = [  # (name, BLAS library, overlap max chunks, carveout beside the LoRA, shrink zeroes the delta)
-    ("cublas (third session)", "cublas", 16, 0, False),
-    ("cublaslt", "cublaslt", 16, 0, False),
-    ("cublaslt, carveout 16", "cublaslt", 16, 16, False),
-    ("cublaslt, carveout 32", "cublaslt", 16, 32, False),
-    ("cublaslt, beside always", "cublaslt", 64, 0, False),
-    ("cublaslt, beside always, carveout 32", "cublaslt", 64, 32, False),
-    ("beside always, carveout 32, memset", "cublaslt", 1 << 30, 32, False),
-    ("beside always, carveout 32, shrink zeroes", "cublaslt", 1 << 30, 32, True),
-    ("beside always, carveout 48, shrink zeroes", "cublaslt", 1 << 30, 48, True),
-]
+# name -> (BLAS library, overlap max chunks, carveout beside the LoRA (<= 16 chunks, more), where the
+# shrink zeroes the delta: "never" (a memset), "always", "many" (above lora_ops.FEW_CHUNKS))
+VARIANTS = {
+    "cublas (third session)": ("cublas", 16, (0, 0), "never"),
+    "cublaslt": ("cublaslt", 16, (0, 0), "never"),
+    "cublaslt, carveout 16": ("cublaslt", 16, (16, 16), "never"),
+    "cublaslt, carveout 32": ("cublaslt", 16, (32, 32), "never"),
+    "cublaslt, beside always": ("cublaslt", 64, (0, 0), "never"),
+    "cublaslt, beside always, carveout 32": ("cublaslt", 64, (32, 32), "never"),
+    "beside always, carveout 32, memset": ("cublaslt", 1 << 30, (32, 32), "never"),
+    "beside always, carveout 32, shrink zeroes": ("cublaslt", 1 << 30, (32, 32), "always"),
+    "beside always, carveout 48, shrink zeroes": ("cublaslt", 1 << 30, (48, 48), "always"),
+    "now: carveout 32 / 48, shrink zeroes above 16 chunks": ("cublaslt", 1 << 30, (32, 48), "many"),
+}
 
 
 def main() -> None:
@@ -42,12 +46,13 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--variants", default="", help="comma-separated indices into VARIANTS ('' = all)")
+    ap.add_argument("--variants", default="", help="comma-separated indices into VARIANTS, in order ('' = all)")
     ap.add_argument("--repeats", type=int, default=1, help="run the variant list this many times (noise)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/overlap-sweep-h200.json"))
     args = ap.parse_args()
     counts = [int(x) for x in args.adapters.split(",") if x]
-    picked = [VARIANTS[int(i)] for i in args.variants.split(",") if i] or VARIANTS
+    names = list(VARIANTS)
+    picked = [names[int(i)] for i in args.variants.split(",") if i] or names
     bargs = argparse.Namespace(tiny=False, rank=16, batch=args.batch, modes="async")
     engine, model_config, _ = build_engine(bargs, "cuda", max(counts + [1]))
     names = [f"a{k}" for k in range(max(counts + [1]))]
@@ -57,9 +62,12 @@ def main() -> None:
     assert graphs is not None and engine.async_steps.enabled
     decode_run(engine, adapter_sets(names, len(names), args.batch), 16, 4)  # JIT and allocator
     rows = []
-    for rep, (name, blas, max_chunks, beside_carveout, zero_in_shrink) in ((i // len(picked), v) for i, v in enumerate(picked * args.repeats)):
+    few_chunks = lora_ops.FEW_CHUNKS
+    for rep, name in ((i // len(picked), v) for i, v in enumerate(picked * args.repeats)):
+        blas, max_chunks, beside_carveout, zero = VARIANTS[name]
         lora_ops.OVERLAP_MAX_CHUNKS, lora_ops.GEMM_SM_CARVEOUT = max_chunks, beside_carveout
-        lora_ops.ZERO_IN_SHRINK = zero_in_shrink
+        lora_ops.ZERO_IN_SHRINK = zero != "never"
+        lora_ops.FEW_CHUNKS = 0 if zero == "always" else few_chunks
         torch.backends.cuda.preferred_blas_library(blas)
         graphs._graphs.clear()  # recapture under this variant's settings
         torch.cuda.synchronize()
@@ -68,7 +76,7 @@ def main() -> None:
             decode_run(engine, sets, args.prompt_len, 8)  # captures
             res = decode_run(engine, sets, args.prompt_len, args.new_tokens)
             rows.append({"variant": name, "pass": rep, "blas": blas, "overlap_max_chunks": max_chunks,
-                         "beside_carveout": beside_carveout, "zero_in_shrink": zero_in_shrink, "adapters": d, **res})
+                         "beside_carveout": list(beside_carveout), "zero_in_shrink": zero, "adapters": d, **res})
             print(f"{name:<28} {d:>3} adapters: {res['tokens_per_s']:>9,.0f} tok/s  step {res['decode_step_ms']} ms",
                   flush=True)
     first_base = next((r["tokens_per_s"] for r in rows if r["adapters"] == 0), None)

@@ -300,16 +300,35 @@ def add_lora(
         raise ValueError(f"unknown LoRA backend {backend!r} (torch | triton)")
 
 
-# The side path runs beside the GEMM up to this many chunks (default: always), and a decode-sized
-# GEMM beside it (at most CARVEOUT_MAX_TOKENS rows: memory-bound, so it keeps its bandwidth on fewer
-# SMs) leaves GEMM_SM_CARVEOUT SMs free for the LoRA kernels (cuBLASLt's SM count target; cuBLAS
-# ignores it). Measured on the H200 at batch 64 (docs/benchmarks.md): without the carveout the LoRA
-# kernels wait for the GEMM's last CTAs, and beside the GEMM lost to after it with 64 adapters
-# (0.617 vs 0.645 of base-only); with 32 SMs left free it won (0.66), and 8 adapters went 0.893 -> 0.90.
+# The side path runs beside the GEMM up to OVERLAP_MAX_CHUNKS chunks (default: always), and a
+# decode-sized GEMM beside it (at most CARVEOUT_MAX_TOKENS rows: memory-bound, so it keeps its
+# bandwidth on fewer SMs) leaves SMs free for the LoRA kernels (cuBLASLt's SM count target; cuBLAS
+# ignores it): GEMM_SM_CARVEOUT[0] for a launch of at most FEW_CHUNKS chunks, [1] above. Above
+# FEW_CHUNKS the shrink's programs also zero the delta instead of a memset launch before them.
+# Measured on the H200 at batch 64 (docs/benchmarks.md, tokens/s vs base-only): without a carveout
+# the LoRA kernels wait for the GEMM's last CTAs, and beside the GEMM lost to after it with 64
+# adapters (0.617 vs 0.645); with 32 SMs free it won (0.66) and 8 adapters went 0.893 -> 0.90. Then
+# with 64 adapters the zeroing shrink took 0.653 -> 0.674 and 48 SMs 0.689, while for 8 adapters
+# both lost (0.893 -> 0.861 and 0.853): hence the split at FEW_CHUNKS (8 adapters in a 64-token
+# step launch 16 chunks, 64 adapters 64).
 OVERLAP_MAX_CHUNKS = int(os.environ.get("LORAFLEET_OVERLAP_MAX_CHUNKS", str(1 << 30)))
-GEMM_SM_CARVEOUT = int(os.environ.get("LORAFLEET_GEMM_SM_CARVEOUT", "32"))
+FEW_CHUNKS = 16
+
+
+def _carveouts(text: str) -> tuple[int, int]:
+    """LORAFLEET_GEMM_SM_CARVEOUT: "few,many" SMs ("32,48"), or one number for both."""
+    try:
+        parts = [int(v) for v in text.split(",")]
+    except ValueError:
+        parts = []
+    if not 1 <= len(parts) <= 2 or min(parts) < 0:
+        raise ValueError(f"LORAFLEET_GEMM_SM_CARVEOUT must be N or N,M (SMs >= 0), got {text!r}")
+    return parts[0], parts[-1]
+
+
+GEMM_SM_CARVEOUT = _carveouts(os.environ.get("LORAFLEET_GEMM_SM_CARVEOUT", "32,48"))
 CARVEOUT_MAX_TOKENS = 128
-ZERO_IN_SHRINK = True  # the shrink zeroes the delta (False: a memset launch first; benchmarks compare)
+ZERO_IN_SHRINK = True  # above FEW_CHUNKS (False: always a memset launch; benchmarks compare)
 
 
 @contextlib.contextmanager
@@ -342,8 +361,8 @@ def linear_lora_deferred(
     """`base()` (the base projection of x) and the LoRA side path -> (y, delta).
 
     With the Triton backend, a side stream and at most OVERLAP_MAX_CHUNKS chunks to launch for,
-    the whole side path runs on the side stream while the base GEMM runs: shrink (whose programs
-    also zero a delta buffer), expand into the delta. The current stream waits for the side stream
+    the whole side path runs on the side stream while the base GEMM runs: zero a delta buffer
+    (a memset, or the shrink's programs above FEW_CHUNKS), shrink, expand into the delta. The current stream waits for the side stream
     before returning, and the caller adds the delta where it reads y anyway (the fused row
     kernels' `delta` argument), so in a decode step the small, latency-bound LoRA launches hide behind the GEMM's
     weight reads instead of following it. A decode-sized GEMM leaves GEMM_SM_CARVEOUT SMs to
@@ -366,12 +385,14 @@ def linear_lora_deferred(
     main = torch.cuda.current_stream(x.device)
     side_stream.wait_stream(main)
     try:
+        many = meta.grid_chunks > FEW_CHUNKS
         with torch.cuda.stream(side_stream):
-            if not ZERO_IN_SHRINK:
+            zero_in_shrink = ZERO_IN_SHRINK and many
+            if not zero_in_shrink:
                 delta.zero_()
-            launch_shrink(plan, zero=delta if ZERO_IN_SHRINK else None)  # one launch fewer on the side path
+            launch_shrink(plan, zero=delta if zero_in_shrink else None)
             launch_expand(plan, delta)  # programmatic dependent launch after the shrink where supported
-        with gemm_sm_carveout(GEMM_SM_CARVEOUT if x.shape[0] <= CARVEOUT_MAX_TOKENS else 0):
+        with gemm_sm_carveout(GEMM_SM_CARVEOUT[many] if x.shape[0] <= CARVEOUT_MAX_TOKENS else 0):
             y = base()
     finally:  # joined even when a launch or the GEMM raises: the buffers must not be reused early
         main.wait_stream(side_stream)

@@ -134,3 +134,24 @@ def test_reference_matches_dense_loop() -> None:
     torch.testing.assert_close(
         y.double(), dense_lora(x, token_slots, scales, lora_a, lora_b, ranks), rtol=1e-5, atol=1e-5
     )
+
+
+def test_gemm_sm_carveout_setting() -> None:
+    """LORAFLEET_GEMM_SM_CARVEOUT: "few,many" or one number for both; anything else is refused."""
+    from lorafleet.kernels.lora_ops import _carveouts
+
+    assert _carveouts("32,48") == (32, 48) and _carveouts("16") == (16, 16) and _carveouts("0") == (0, 0)
+    for bad in ("", "x", "1,2,3", "-4", "8,-1"):
+        with pytest.raises(ValueError, match="LORAFLEET_GEMM_SM_CARVEOUT"):
+            _carveouts(bad)
+
+
+def test_gemm_sm_carveout_context_restores_the_setting() -> None:
+    from lorafleet.kernels.lora_ops import gemm_sm_carveout
+
+    before = torch._C._get_sm_carveout_experimental()
+    with gemm_sm_carveout(24):
+        assert torch._C._get_sm_carveout_experimental() == 24
+    assert torch._C._get_sm_carveout_experimental() == before
+    with gemm_sm_carveout(0):  # 0: nothing set
+        assert torch._C._get_sm_carveout_experimental() == before
