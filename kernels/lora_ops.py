@@ -26,6 +26,7 @@ The torch reference here is the CPU path and the oracle for the Triton kernels i
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -304,7 +305,9 @@ def add_lora(
 # decode-sized GEMM beside it (at most CARVEOUT_MAX_TOKENS rows: memory-bound, so it keeps its
 # bandwidth on fewer SMs) leaves SMs free for the LoRA kernels (cuBLASLt's SM count target; cuBLAS
 # ignores it): GEMM_SM_CARVEOUT[0] for a launch of at most FEW_CHUNKS chunks, [1] above. Above
-# FEW_CHUNKS the shrink's programs also zero the delta instead of a memset launch before them.
+# FEW_CHUNKS the shrink's programs also zero the delta instead of a memset launch before them, and
+# the side path runs beside only decode-sized GEMMs (prefill steps with many chunks: after the GEMM,
+# as measured before). Carveouts are capped at 3/8 of the GPU's SMs.
 # Measured on the H200 at batch 64 (docs/benchmarks.md, tokens/s vs base-only): without a carveout
 # the LoRA kernels wait for the GEMM's last CTAs, and beside the GEMM lost to after it with 64
 # adapters (0.617 vs 0.645); with 32 SMs free it won (0.66) and 8 adapters went 0.893 -> 0.90. Then
@@ -329,6 +332,17 @@ def _carveouts(text: str) -> tuple[int, int]:
 GEMM_SM_CARVEOUT = _carveouts(os.environ.get("LORAFLEET_GEMM_SM_CARVEOUT", "32,48"))
 CARVEOUT_MAX_TOKENS = 128
 ZERO_IN_SHRINK = True  # above FEW_CHUNKS (False: always a memset launch; benchmarks compare)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _carveout(device: torch.device, many: bool) -> int:
+    """GEMM_SM_CARVEOUT (tuned on the H200's 132 SMs), at most 3/8 of this GPU's SMs: a smaller
+    GPU keeps most of its SMs for the GEMM."""
+    return min(GEMM_SM_CARVEOUT[many], _sm_count(device) * 3 // 8)
 
 
 @contextlib.contextmanager
@@ -370,7 +384,9 @@ def linear_lora_deferred(
     records the fork and the join as graph edges.
     Otherwise the LoRA is added into y in place and delta is None.
     """
-    if backend != "triton" or side_stream is None or meta.grid_chunks > OVERLAP_MAX_CHUNKS:
+    beside = meta.grid_chunks <= OVERLAP_MAX_CHUNKS and (
+        meta.grid_chunks <= FEW_CHUNKS or x.shape[0] <= CARVEOUT_MAX_TOKENS)  # many chunks: decode steps only
+    if backend != "triton" or side_stream is None or not beside:
         y = base()
         add_lora(y, x, lora_a, lora_b, ranks, ranks_device, meta, backend)
         return y, None
@@ -392,7 +408,7 @@ def linear_lora_deferred(
                 delta.zero_()
             launch_shrink(plan, zero=delta if zero_in_shrink else None)
             launch_expand(plan, delta)  # programmatic dependent launch after the shrink where supported
-        with gemm_sm_carveout(GEMM_SM_CARVEOUT[many] if x.shape[0] <= CARVEOUT_MAX_TOKENS else 0):
+        with gemm_sm_carveout(_carveout(x.device, many) if x.shape[0] <= CARVEOUT_MAX_TOKENS else 0):
             y = base()
     finally:  # joined even when a launch or the GEMM raises: the buffers must not be reused early
         main.wait_stream(side_stream)

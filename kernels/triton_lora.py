@@ -146,6 +146,7 @@ def _lora_shrink_kernel(
     pid_sr = tl.program_id(2)
     if ZERO:
         n_prog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        # int32 offsets: launch_shrink refuses a buffer whose last share would pass 2**31
         pid = (pid_c * tl.num_programs(1) + pid_k) * tl.num_programs(2) + pid_sr
         share = tl.cdiv(tl.cdiv(ZERO_NUMEL, n_prog), ZERO_BLOCK) * ZERO_BLOCK
         zeros = tl.zeros((ZERO_BLOCK,), dtype=zero_ptr.dtype.element_ty)
@@ -413,7 +414,10 @@ def launch_shrink(plan: LoraLaunch, zero: torch.Tensor | None = None) -> None:
     x, meta, cfg, a = plan.x, plan.meta, plan.cfg, plan.lora_a
     in_features = x.shape[1]
     k_per_split = triton.cdiv(triton.cdiv(in_features, cfg.split_k), cfg.block_k) * cfg.block_k
-    _lora_shrink_kernel[(meta.grid_chunks, cfg.split_k, plan.n_slices * plan.r_blocks)](
+    grid = (meta.grid_chunks, cfg.split_k, plan.n_slices * plan.r_blocks)
+    if zero is not None and zero.numel() + grid[0] * grid[1] * grid[2] * 1024 >= 2**31:  # int32 offsets
+        raise ValueError(f"the buffer to zero is too large for one launch ({zero.numel()} elements)")
+    _lora_shrink_kernel[grid](
         x,
         *(a + [a[0]] * (3 - plan.n_slices)),
         plan.ranks_device,

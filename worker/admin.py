@@ -99,10 +99,13 @@ async def _read_and_register(runtime: WorkerRuntime, name: str, path: str, inpla
     registry = engine.engine.registry
     # Validate and read off the engine thread: nothing is evicted before this succeeds.
     weights: LoraWeights = await asyncio.to_thread(registry.read, path)
+    old = registry.entries.get(name)
+    if old is not None:  # comparing contents needs both digests: wait for them here, not on the engine thread
+        await asyncio.to_thread(lambda: (weights.digest.value, old.digest.value))
 
     def register() -> bool:
         old = registry.entries.get(name)
-        if inplace and old is not None and not old.removed and old.digest != weights.digest:
+        if inplace and old is not None and not old.removed and old.digest.value != weights.digest.value:
             if old.in_flight:
                 raise AdapterConflict("in_use", f"adapter {name!r} has {old.in_flight} requests in flight; "
                                       "load the new version under a new name")
@@ -112,7 +115,8 @@ async def _read_and_register(runtime: WorkerRuntime, name: str, path: str, inpla
 
     created = await engine.call(register)
     if created:
-        log.info("loaded adapter %s (rank %d, %s) from %s", name, weights.max_rank, weights.digest[:19], path)
+        shown = weights.digest.value[:19] if weights.digest.ready else "digest still hashing"
+        log.info("loaded adapter %s (rank %d, %s) from %s", name, weights.max_rank, shown, path)
     return created
 
 
@@ -143,7 +147,7 @@ async def adapters(runtime: Admin) -> AdapterInventory:
         reg = e.registry
         infos = [
             AdapterInfo(name=n, tier=reg.tier(n), rank=reg.entries[n].rank, alpha=reg.entries[n].alpha,
-                        digest=reg.entries[n].digest, path=reg.entries[n].path,
+                        digest=reg.entries[n].digest.value, path=reg.entries[n].path,
                         requests_in_flight=reg.entries[n].in_flight, pinned=reg.entries[n].pinned,
                         last_used=reg.entries[n].last_used)
             for n in reg.names()
@@ -155,4 +159,8 @@ async def adapters(runtime: Admin) -> AdapterInventory:
             kv_cache_usage=e.blocks.usage(), adapters=infos,
         )
 
+    # Digests still hashing (an adapter loaded in the last ~0.1 s) are waited for off the engine thread.
+    pending = await engine.call(lambda: [en.digest for en in engine.engine.registry.entries.values() if not en.digest.ready])
+    if pending:
+        await asyncio.to_thread(lambda: [d.value for d in pending])
     return await engine.call(inventory)

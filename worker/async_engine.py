@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from lorafleet.worker.engine import LLMEngine, RequestOutput
-from lorafleet.worker.lora.adapter import AdapterError
+from lorafleet.worker.lora.adapter import AdapterError, LoraWeights
+from lorafleet.worker.lora.registry import AdapterEntry, AdapterRegistry
 from lorafleet.worker.sequence import SamplingParams
 
 log = logging.getLogger("lorafleet.worker.async_engine")
@@ -248,20 +249,19 @@ class AsyncEngine:
                     continue
                 self._reading.add(name)
                 t0 = time.perf_counter()
-                future = self._pool.submit(registry.read, entry.path)
+                future = self._pool.submit(_read_with_digest, registry, entry)
                 future.add_done_callback(
-                    lambda f, n=name, d=entry.digest, t=t0: self.post(lambda: self._finish_read(n, d, f, t))
+                    lambda f, n=name, en=entry, t=t0: self.post(lambda: self._finish_read(n, en, f, t))
                 )
 
-    def _finish_read(self, name: str, digest: str, future: Future, t0: float) -> None:
+    def _finish_read(self, name: str, read_for: AdapterEntry, future: Future, t0: float) -> None:
         self._reading.discard(name)
         registry = self.engine.registry
-        entry = registry.entries.get(name)
-        if entry is None or entry.digest != digest:
+        if registry.entries.get(name) is not read_for:
             return  # unloaded or replaced while we read
         try:
             weights = future.result()
-            if weights.digest != digest:
+            if weights.digest.value != read_for.digest.value:
                 raise AdapterError("changed_on_disk", f"adapter {name!r} changed on disk since it was loaded; reload it")
         except Exception as exc:  # noqa: BLE001 - fail the requests that needed it, keep serving
             log.warning("re-reading adapter %s failed: %s", name, exc)
@@ -293,3 +293,11 @@ def _call_threadsafe(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # that event loop is closed: nobody is listening any more
         pass
+
+
+def _read_with_digest(registry: AdapterRegistry, entry: AdapterEntry) -> LoraWeights:
+    """Re-read an evicted adapter in a worker thread, digests included (compared on the engine thread)."""
+    weights = registry.read(entry.path)
+    for digest in (weights.digest, entry.digest):  # wait for both hashes here, not on the engine thread
+        digest.value  # noqa: B018
+    return weights

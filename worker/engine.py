@@ -228,32 +228,47 @@ class LLMEngine:
     def warm_up(self) -> float:
         """Run what the first requests would otherwise pay for, then forget it -> seconds taken.
 
-        A long prompt (up to 512 tokens) and a short one, the short one with the first registered
-        adapter if there is one, through prefill and a few decode steps on the normal path (Triton
-        compiles, cuBLAS kernel choice, the allocator's first growth, one LoRA decode graph); then
-        the base decode graph of every batch bucket. Afterwards nothing of it remains: no request,
-        no KV block, no prefix-cache entry, no token counted."""
+        A long prompt (up to 512 tokens, one step's budget) and a 16-token one, the short one with
+        the first registered adapter if there is one, through prefill and a few decode steps on the
+        normal path (Triton compiles, cuBLAS kernel choice, the allocator's first growth, one LoRA
+        decode graph); then the base decode graph of every batch bucket. A prompt that the model's
+        context or the KV cache cannot take is left out. Afterwards nothing of it remains: no
+        request, KV block or prefix-cache entry, and the counters the metrics report start at zero
+        (the decode graphs' capture count keeps the warm-up's captures: they are real).
+        """
         if self.has_unfinished():
             raise RuntimeError("warm_up runs before any request")
         t0 = time.perf_counter()
-        vocab = self.model_config.vocab_size
-        long_len = max(1, min(512, self.max_model_len - 4, self.config.max_num_batched_tokens - 16,
-                              (self.blocks.num_blocks // 2 - 1) * self.config.block_size))
+        vocab, bs = self.model_config.vocab_size, self.config.block_size
         sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+        def fits(n: int) -> bool:
+            return n >= 1 and n + sp.max_tokens <= self.max_model_len and -(-(n + sp.max_tokens) // bs) <= self.blocks.num_blocks
+
+        long_len = min(512, self.config.max_num_batched_tokens, self.max_model_len - sp.max_tokens,
+                       self.blocks.num_blocks * bs - sp.max_tokens)
         adapter = self.registry.names()[:1]
-        ids = [self.add_request([(7919 * i + 13) % vocab for i in range(long_len)], sp)]
-        if long_len + 16 + 2 * sp.max_tokens <= self.config.max_num_batched_tokens:
-            ids.append(self.add_request([(104729 * i + 7) % vocab for i in range(16)], sp, [(n, 1.0) for n in adapter]))
+        prompts = []
+        if fits(long_len):
+            prompts.append(([(7919 * i + 13) % vocab for i in range(long_len)], ()))
+        if fits(16):
+            prompts.append(([(104729 * i + 7) % vocab for i in range(16)], tuple((n, 1.0) for n in adapter)))
+        for ids, adapters in prompts:
+            self.add_request(ids, sp, adapters)
         while self.has_unfinished():
             self.step()
         captured = self.runner.graphs.capture_base() if self.runner.graphs is not None else 0
-        for request_id in ids:
-            self._tracked.pop(request_id, None)
+        self._tracked.clear()
         self.blocks.reset_prefix_cache()
         self.generated_tokens = 0
+        self._ids = itertools.count()
+        self.registry.stats = type(self.registry.stats)()
+        self.scheduler.preempted_total = self.scheduler.deferred_total = 0
+        self.async_steps.stats = type(self.async_steps.stats)()
         elapsed = time.perf_counter() - t0
-        log.info("warm-up: prompts of %d and 16 tokens%s, %d decode graphs captured, %.2f s", long_len,
-                 f" (adapter {adapter[0]})" if adapter else "", captured, elapsed)
+        log.info("warm-up: prompts of %s tokens%s, %d decode graphs captured, %.2f s",
+                 " and ".join(str(len(ids)) for ids, _ in prompts) or "no",
+                 f" (adapter {adapter[0]})" if adapter and fits(16) else "", captured, elapsed)
         return elapsed
 
     # -- requests ------------------------------------------------------------------------------
@@ -285,7 +300,8 @@ class LLMEngine:
                 f"{self.config.max_loras_per_request}"
             )
         self.registry.acquire(name for name, _ in adapters)  # raises AdapterNotFound
-        salt = "|".join(f"{n}@{self.registry.entries[n].digest}*{s!r}" for n, s in adapters)
+        # Keyed by registration, not digest: the digest may still be hashing (it is off the load's path).
+        salt = "|".join(f"{n}#{self.registry.entries[n].generation}*{s!r}" for n, s in adapters)
         seq = Sequence(seq_id=next(self._ids), prompt_ids=ids, sampling=sampling, adapters=adapters,
                        cache_salt=salt, arrival=time.monotonic())
         self._tracked[seq.seq_id] = _Tracked(seq, IncrementalDetokenizer(self.tokenizer, ids))

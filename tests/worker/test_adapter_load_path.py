@@ -109,8 +109,8 @@ def test_digest_is_the_sha256_of_config_and_weights(model, demo_adapters):
         raw = (folder / CONFIG).read_bytes() + b"\0" + (folder / WEIGHTS).read_bytes() + b"\0"
         want = "sha256:" + hashlib.sha256(raw).hexdigest()
         assert adapter_digest(folder) == want, name
-        assert load_adapter(folder, model, 64, 1 << 30).digest == want, name
-        assert reg.read(str(folder)).digest == want, name
+        assert load_adapter(folder, model, 64, 1 << 30).digest.value == want, name
+        assert reg.read(str(folder)).digest.value == want, name
 
 
 def test_digest_reused_for_unchanged_files_and_recomputed_after_a_change(tmp_path, model, demo_adapters, monkeypatch):
@@ -125,10 +125,11 @@ def test_digest_reused_for_unchanged_files_and_recomputed_after_a_change(tmp_pat
     shutil.copytree(next(iter(demo_adapters.values())), folder)
     hashed = []
     real = adapter_mod.Sha256Thread
-    monkeypatch.setattr(adapter_mod, "Sha256Thread", lambda parts: hashed.append(1) or real(parts))
+    monkeypatch.setattr(adapter_mod, "Sha256Thread", lambda parts, **kw: hashed.append(1) or real(parts, **kw))
     first = adapter_mod.load_adapter(folder, model, 64, 1 << 30)
+    first.digest.value  # noqa: B018 - the hash is complete (and cached) before the second read
     second = adapter_mod.load_adapter(folder, model, 64, 1 << 30)
-    assert len(hashed) == 1 and second.digest == first.digest == adapter_mod.adapter_digest(folder)
+    assert len(hashed) == 1 and second.digest.value == first.digest.value == adapter_mod.adapter_digest(folder)
 
     weights = folder / adapter_mod.WEIGHTS_FILE
     st = weights.stat()
@@ -137,7 +138,47 @@ def test_digest_reused_for_unchanged_files_and_recomputed_after_a_change(tmp_pat
     weights.write_bytes(bytes(data))
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))  # the old mtime back; ctime moves on
     third = adapter_mod.load_adapter(folder, model, 64, 1 << 30)
-    assert len(hashed) == 2 and third.digest == adapter_mod.adapter_digest(folder) != first.digest
+    assert len(hashed) == 2 and third.digest.value == adapter_mod.adapter_digest(folder) != first.digest.value
+
+
+def test_a_load_does_not_wait_for_its_digest(tmp_path, demo_model, demo_adapters, monkeypatch):
+    """The adapter serves while its sha256 is still running (the hash is held back here); what
+    needs the value (a second load under the same name) gets the right one once it is done."""
+    import threading
+
+    from lorafleet.worker.engine import LLMEngine
+    from lorafleet.worker.lora.registry import AdapterConflict
+    from lorafleet.worker.sequence import SamplingParams
+
+    gate = threading.Event()
+    real = adapter_mod.Sha256Thread
+
+    class HeldBack(real):
+        def _run(self, parts):
+            gate.wait(60)
+            super()._run(parts)
+
+    monkeypatch.setattr(adapter_mod, "Sha256Thread", HeldBack)
+    monkeypatch.setattr(adapter_mod, "DIGEST_CACHE", type(adapter_mod.DIGEST_CACHE)())  # no earlier digests
+    names = list(demo_adapters)
+    a, other = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(demo_adapters[names[0]], a)
+    shutil.copytree(demo_adapters[names[1]], other)
+    engine = LLMEngine(demo_model, EngineConfig(max_loras=2, max_cpu_loras=4, num_kv_blocks=64))
+    served = []
+    worker = threading.Thread(target=lambda: served.append(
+        (engine.load_adapter("a", str(a)),
+         engine.generate(["Hello"], SamplingParams(max_tokens=3, ignore_eos=True), [(("a", 1.0),)]))))
+    worker.start()
+    worker.join(60)
+    assert served and served[0][0] is True and len(served[0][1][0].token_ids) == 3  # loaded and served ...
+    entry = engine.registry.entries["a"]
+    assert not entry.digest.ready  # ... with the hash still held back
+    gate.set()
+    assert entry.digest.value == adapter_digest(a)
+    assert engine.load_adapter("a", str(a)) is False  # same content: a no-op
+    with pytest.raises(AdapterConflict):
+        engine.load_adapter("a", str(other))
 
 
 def test_read_matches_the_safetensors_library(model, tmp_path):

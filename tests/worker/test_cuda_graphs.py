@@ -134,7 +134,8 @@ def test_decode_inputs_match_prepare_and_pad(demo_model, modules):
 
 
 def _engine(demo_model, modules, device: str, graphs: bool, **kw) -> LLMEngine:
-    config = EngineConfig(max_cpu_loras=8, device=device, cuda_graphs=graphs, **{"max_loras": 6, "num_kv_blocks": 256, **kw})
+    config = EngineConfig(max_cpu_loras=8, device=device, cuda_graphs=graphs,
+                          **{"max_loras": 6, "num_kv_blocks": 256, "warmup": False, **kw})  # counts below are the test's own
     return LLMEngine(demo_model, config, lora_modules=modules)
 
 

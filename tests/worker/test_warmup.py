@@ -26,14 +26,29 @@ def test_warm_engine_answers_like_a_cold_one(demo_model, demo_adapters, graphs: 
     assert not warm.has_unfinished() and not warm._tracked
     assert warm.blocks.num_free == warm.blocks.num_blocks and not warm.blocks._block_of
     assert warm.blocks.prefix_hits == warm.blocks.prefix_queries == warm.generated_tokens == 0
-    if graphs:  # every bucket's base graph is ready (uncaptured on CPU: the same static-buffer path)
-        assert {(b, 0, 0) for b in warm.runner.graphs.buckets} <= set(warm.runner.graphs._graphs)
+    stats = warm.registry.stats
+    assert stats.gpu_hits == stats.gpu_misses == stats.cpu_hits == stats.cpu_misses == 0
+    assert not any(stats.load_seconds.values()) and warm.scheduler.preempted_total == 0
+    if graphs:  # every bucket's base graph is ready (uncaptured on CPU: the same static-buffer path),
+        keys = set(warm.runner.graphs._graphs)
+        assert {(b, 0, 0) for b in warm.runner.graphs.buckets} <= keys
+        assert any(cls > 0 for _, cls, _ in keys)  # and the short prompt's adapter ran a LoRA decode step
     names = list(demo_adapters)[:2]
     adapters = [(), ((names[0], 1.0),), ((names[1], 1.0),)]
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     got, want = (e.generate(PROMPTS, sp, adapters) for e in (warm, cold))
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert warm.blocks.prefix_hits == 0  # the warm-up's prompts left no cached prefix to hit
+
+
+@pytest.mark.parametrize("kw", [dict(max_model_len=16), dict(max_model_len=4), dict(num_kv_blocks=1),
+                                dict(num_kv_blocks=2, max_model_len=64), dict(max_num_batched_tokens=16)])
+def test_warmup_fits_any_engine_that_starts(demo_model, demo_adapters, kw) -> None:
+    """Tiny contexts, caches and step budgets: the warm-up leaves out what cannot run, never fails."""
+    config = dict(max_loras=2, max_cpu_loras=4, num_kv_blocks=128, max_num_batched_tokens=256, warmup=True)
+    e = LLMEngine(demo_model, EngineConfig(**{**config, **kw}),
+                  lora_modules={n: str(p) for n, p in list(demo_adapters.items())[:1]})
+    assert not e.has_unfinished() and e.blocks.num_free == e.blocks.num_blocks
 
 
 def test_warmup_is_off_on_cpu_by_default(demo_model, demo_adapters, monkeypatch) -> None:

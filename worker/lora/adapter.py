@@ -8,7 +8,8 @@ The weights file is read once (`safetensors_view`): mapped copy-on-write, so the
 zero-copy views of the page cache and never segfault on a write, its header validated with the
 safetensors library's rules. Its sha256 runs in a thread over the same mapping (`digest`) while the
 tensors are checked against the model and `prepare` (the registry lays them out for the GPU slots
-and checks them there) runs; an unchanged folder read again reuses its digest (`DIGEST_CACHE`).
+and checks them there) runs, and the load returns without waiting for it (`Digest`); an unchanged
+folder read again reuses its digest (`DIGEST_CACHE`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lorafleet.worker.config import LORA_TARGETS, ModelConfig
-from lorafleet.worker.lora.digest import DIGEST_CACHE, Sha256Thread
+from lorafleet.worker.lora.digest import DIGEST_CACHE, Digest, Sha256Thread
 from lorafleet.worker.lora.errors import AdapterError
 from lorafleet.worker.lora.safetensors_view import TensorInfo, map_file, parse_safetensors, tensor_view
 
@@ -71,11 +72,16 @@ class LoraWeights:
     rank: int  # the config's `r` (modules may differ through rank_pattern)
     alpha: float
     use_rslora: bool
-    digest: str  # "sha256:<hex>" over config + weights
+    # "sha256:<hex>" over config, NUL, weights, NUL; may still be hashing (`Digest.value` waits).
+    digest: Digest
     modules: dict[tuple[int, str], ModuleWeights] = field(default_factory=dict)  # (layer, target) ->
     # The slot layout (`slots.pack_weights`): set by `AdapterRegistry.read`/`insert_cpu`. Once the
     # adapter is in the CPU cache, `modules` are views into it (B scaled, in the slot dtype).
     packed: PackedLora | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.digest, str):
+            self.digest = Digest(self.digest)
 
     @property
     def max_rank(self) -> int:
@@ -216,22 +222,23 @@ def load_adapter(
     buf = map_file(weights_path)
     if len(buf) > max_bytes:  # grew since the stat
         raise AdapterError("too_large", f"adapter weights are {len(buf)} bytes, over the {max_bytes}-byte cap")
-    # The same bytes that are parsed: one read. Skipped when unchanged files were hashed before.
-    sha = None if cached is not None else Sha256Thread((config_bytes, b"\0", buf, b"\0"))
-    try:
-        out, runs = _read_weights(folder, buf, cfg, model)
-        if prepare is not None:
-            prepare(out)
-        else:
-            _check_finite_raw(out, runs)
-        del runs
-    finally:
-        digest = cached if sha is None else "sha256:" + sha.hexdigest()  # joined before the file is unmapped
-    unchanged = DIGEST_CACHE.key(folder / CONFIG_FILE, weights_path) == identity
-    if sha is None and not unchanged:  # changed between the lookup and the read: hash what was read
-        digest = "sha256:" + Sha256Thread((config_bytes, b"\0", buf, b"\0")).hexdigest()
-    elif sha is not None and unchanged:
-        DIGEST_CACHE.put(identity, digest)
+    # The same bytes that are parsed: one read, hashed in a thread that the load does not wait for
+    # (`Digest`). Skipped when unchanged files were hashed before. The digest is cached only if the
+    # files are still unchanged once the hash is complete.
+    def remember(hexdigest: str) -> None:
+        if DIGEST_CACHE.key(folder / CONFIG_FILE, weights_path) == identity:
+            DIGEST_CACHE.put(identity, "sha256:" + hexdigest)
+
+    parts = (config_bytes, b"\0", buf, b"\0")
+    digest = Digest(cached) if cached is not None else Digest(Sha256Thread(parts, on_done=remember))
+    out, runs = _read_weights(folder, buf, cfg, model)
+    if prepare is not None:
+        prepare(out)
+    else:
+        _check_finite_raw(out, runs)
+    del runs
+    if cached is not None and DIGEST_CACHE.key(folder / CONFIG_FILE, weights_path) != identity:
+        digest = Digest(Sha256Thread(parts))  # changed between the lookup and the read: hash what was read
     out.digest = digest
     return out
 
@@ -261,7 +268,8 @@ def _read_weights(
     if not halves:
         raise AdapterError("bad_weights", f"{WEIGHTS_FILE} holds no LoRA tensors")
 
-    out = LoraWeights(path=str(folder), rank=cfg["r"], alpha=float(cfg["lora_alpha"]), use_rslora=rslora, digest="")
+    out = LoraWeights(path=str(folder), rank=cfg["r"], alpha=float(cfg["lora_alpha"]), use_rslora=rslora,
+                      digest=Digest(""))
     for (layer, target), pair in sorted(halves.items()):
         if set(pair) != {"A", "B"}:
             raise AdapterError("bad_weights", f"layer {layer} {target} has lora_{''.join(pair)} but not both A and B")

@@ -13,6 +13,7 @@ slot is then only plain copies, and `insert_cpu` only files the adapter.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -28,6 +29,7 @@ from lorafleet.worker.lora.adapter import (
     load_adapter,
     non_finite_module,
 )
+from lorafleet.worker.lora.digest import Digest
 from lorafleet.worker.lora.slots import SLICE_ORDER, LoraSlots, PackedLora, pack_weights
 
 
@@ -43,7 +45,7 @@ class AdapterNotFound(AdapterError):
 class AdapterEntry:
     name: str
     path: str
-    digest: str
+    digest: Digest  # may still be hashing: `digest.value` waits (off the engine thread where it can)
     rank: int
     alpha: float
     pinned: bool = False
@@ -51,6 +53,7 @@ class AdapterEntry:
     last_used: float | None = None
     slot: int | None = None
     removed: bool = False  # unloaded while requests were in flight: freed when the last one ends
+    generation: int = 0  # unique per registration: what the prefix cache keys this content by
 
 
 @dataclass(slots=True)
@@ -86,6 +89,7 @@ class AdapterRegistry:
         self.dtype = dtype
         self.clock = clock
         self.entries: dict[str, AdapterEntry] = {}
+        self._generations = itertools.count(1)
         self.cpu: OrderedDict[str, LoraWeights] = OrderedDict()  # LRU first
         self._slot_owner: list[str | None] = [None] * engine.max_loras
         self._gpu_lru: OrderedDict[str, None] = OrderedDict()
@@ -100,8 +104,8 @@ class AdapterRegistry:
         """Validate, read and prepare an adapter folder (safe to run in a thread: touches no registry state).
 
         The weights come back laid out for the slots (`weights.packed`) and checked for NaN/Inf in
-        that layout (so an overflow to Inf in the slot dtype is refused too), while the digest is
-        computed over the same bytes in a thread.
+        that layout (so an overflow to Inf in the slot dtype is refused too); the digest is computed
+        over the same bytes in a thread, which may still run when this returns (`Digest`).
         """
         return load_adapter(path, self.model, self.engine.max_lora_rank, self.engine.max_adapter_bytes,
                             prepare=self._pack_checked)
@@ -138,15 +142,15 @@ class AdapterRegistry:
         """Add a validated adapter; returns (entry, created). Same content again is a no-op."""
         old = self.entries.get(name)
         if old is not None and not old.removed:
-            if old.digest != weights.digest:
+            if old.digest.value != weights.digest.value:
                 raise AdapterConflict(
-                    "conflict", f"adapter {name!r} is already loaded with different content ({old.digest}); "
+                    "conflict", f"adapter {name!r} is already loaded with different content ({old.digest.value}); "
                     "unload it first or load the new version under a new name",
                 )
             old.pinned = old.pinned or pinned
             return old, False
         if old is not None:  # the old version still drains requests in flight
-            if old.digest == weights.digest:
+            if old.digest.value == weights.digest.value:
                 old.removed = False  # same content: simply take the unload back
                 old.pinned = old.pinned or pinned
                 return old, False
@@ -157,7 +161,7 @@ class AdapterRegistry:
                 "weights; retry when they finish, or load the new version under a new name",
             )
         entry = AdapterEntry(name=name, path=weights.path, digest=weights.digest, rank=weights.max_rank,
-                             alpha=weights.alpha, pinned=pinned)
+                             alpha=weights.alpha, pinned=pinned, generation=next(self._generations))
         self.entries[name] = entry
         self.insert_cpu(name, weights)
         return entry, True
@@ -233,7 +237,7 @@ class AdapterRegistry:
         self.stats.cpu_misses += 1
         t0 = time.perf_counter()
         weights = self.read(entry.path)
-        if weights.digest != entry.digest:
+        if weights.digest.value != entry.digest.value:
             raise AdapterConflict("changed_on_disk", f"adapter {name!r} changed on disk since it was loaded; reload it")
         self.insert_cpu(name, weights)
         self.stats.record_load("disk", time.perf_counter() - t0)
