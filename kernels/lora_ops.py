@@ -374,13 +374,14 @@ def linear_lora_deferred(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`base()` (the base projection of x) and the LoRA side path -> (y, delta).
 
-    With the Triton backend, a side stream and at most OVERLAP_MAX_CHUNKS chunks to launch for,
-    the whole side path runs on the side stream while the base GEMM runs: zero a delta buffer
-    (a memset, or the shrink's programs above FEW_CHUNKS), shrink, expand into the delta. The current stream waits for the side stream
-    before returning, and the caller adds the delta where it reads y anyway (the fused row
-    kernels' `delta` argument), so in a decode step the small, latency-bound LoRA launches hide behind the GEMM's
-    weight reads instead of following it. A decode-sized GEMM leaves GEMM_SM_CARVEOUT SMs to
-    them (a GEMM that fills every SM makes them wait for its last CTAs). CUDA-graph capture
+    With the Triton backend, a side stream and at most OVERLAP_MAX_CHUNKS chunks to launch for
+    (above FEW_CHUNKS, decode-sized steps only), the whole side path runs on the side stream while
+    the base GEMM runs: zero a delta buffer (a memset, or the shrink's programs above FEW_CHUNKS),
+    shrink, expand into the delta. The current stream waits for the side stream before
+    returning, and the caller adds the delta where it reads y anyway (the fused row kernels'
+    `delta` argument), so in a decode step the small, latency-bound LoRA launches hide behind the
+    GEMM's weight reads instead of following it. A decode-sized GEMM leaves GEMM_SM_CARVEOUT SMs
+    to them (a GEMM that fills every SM makes them wait for its last CTAs). CUDA-graph capture
     records the fork and the join as graph edges.
     Otherwise the LoRA is added into y in place and delta is None.
     """
