@@ -1,0 +1,141 @@
+"""Where a decode step's GPU time goes, on the kernel timeline (a diagnostic for the LoRA side path).
+
+    python -m bench.step_timeline [--adapters 0,8,64] [--steps 4] [--out FILE] [--tiny]
+
+For each adapter count: 64 requests (`--batch`) decoding on the seed shape, synchronous steps that
+replay the decode graph, profiled with torch.profiler (CUPTI sees the kernels inside a graph). The
+stream with the most kernel time is the main one (the base GEMMs); every other stream is a side
+stream (the LoRA side path). Per step:
+- span: first kernel start to last kernel end;
+- main_busy: kernel time on the main stream; gaps: the main stream idle between two of its kernels;
+- side_wait: the part of those gaps that ends after a side-stream kernel ends inside it (the main
+  stream waited for the LoRA: the join), the rest is launch and dependency latency;
+- side_busy and side_hidden: side-stream kernel time, and how much of it overlapped main-stream
+  kernels.
+The largest gaps are listed with the kernels around them. Raw events go to the JSON (`--out`).
+`--tiny` runs the demo shape on CPU, where there are no device kernels: it only checks the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from bench.engine import adapter_sets, build_engine, random_adapter, start_decode, sync
+
+
+def device_events(prof) -> list[dict]:
+    """Kernels and memsets on the device: name, stream, start and end in µs."""
+    out = []
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA or ev.time_range.elapsed_us() <= 0:
+            continue
+        out.append({"name": ev.name, "stream": ev.device_resource_id, "start": ev.time_range.start,
+                    "end": ev.time_range.end})
+    return sorted(out, key=lambda e: e["start"])
+
+
+def busy(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of intervals."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return total + (cur_e - cur_s if cur_e is not None else 0.0)
+
+
+def analyse(events: list[dict], steps: int, top: int = 8) -> dict:
+    if not events:
+        return {"note": "no device kernels recorded (CPU run)"}
+    per_stream: dict[int, float] = {}
+    for e in events:
+        per_stream[e["stream"]] = per_stream.get(e["stream"], 0.0) + e["end"] - e["start"]
+    main_id = max(per_stream, key=per_stream.get)
+    main = [e for e in events if e["stream"] == main_id]
+    side = [e for e in events if e["stream"] != main_id]
+    main_iv = [(e["start"], e["end"]) for e in main]
+    gaps, side_wait = [], 0.0
+    for prev, nxt in zip(main, main[1:]):
+        gap = nxt["start"] - prev["end"]
+        if gap <= 0:
+            continue
+        ends = [s["end"] for s in side if prev["end"] < s["end"] <= nxt["start"]]
+        waited = (max(ends) - prev["end"]) if ends else 0.0
+        side_wait += waited
+        gaps.append({"us": round(gap, 2), "waited_for_side_us": round(waited, 2), "after": prev["name"][:60],
+                     "before": nxt["name"][:60]})
+    side_iv = [(e["start"], e["end"]) for e in side]
+    side_busy = busy(side_iv)
+    side_hidden = side_busy + busy(main_iv) - busy(main_iv + side_iv)
+    span = events[-1]["end"] - events[0]["start"]
+    return {
+        "span_ms": round(span / 1e3 / steps, 3),
+        "main_busy_ms": round(busy(main_iv) / 1e3 / steps, 3),
+        "gaps_ms": round(sum(g["us"] for g in gaps) / 1e3 / steps, 3),
+        "side_wait_ms": round(side_wait / 1e3 / steps, 3),
+        "side_busy_ms": round(side_busy / 1e3 / steps, 3),
+        "side_hidden_ms": round(side_hidden / 1e3 / steps, 3),
+        "main_kernels_per_step": round(len(main) / steps),
+        "side_kernels_per_step": round(len(side) / steps),
+        "largest_gaps": sorted(gaps, key=lambda g: -g["us"])[:top],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--adapters", default="0,8,64")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--out", type=Path, default=None, help="default bench/results/step-timeline-h200.json "
+                                                             "(--tiny: /tmp/step-timeline-tiny.json)")
+    args = ap.parse_args()
+    from torch.profiler import ProfilerActivity, profile
+
+    device = "cpu" if args.tiny else "cuda"
+    counts = [int(x) for x in args.adapters.split(",") if x]
+    bargs = argparse.Namespace(tiny=args.tiny, rank=16, batch=args.batch, modes="graphs")
+    engine, model_config, _ = build_engine(bargs, device, max(counts + [1]))
+    names = [f"a{k}" for k in range(max(counts + [1]))]
+    for k, name in enumerate(names):
+        engine.registry.register(name, random_adapter(model_config, 16, seed=k))
+    engine.async_steps.enabled = False  # one step at a time: each profiled step is one replay
+    rows = []
+    for d in counts:
+        start_decode(engine, adapter_sets(names, d, args.batch), args.prompt_len, 3 * args.steps + 8)
+        for _ in range(2):
+            engine.step()  # capture (first use of this chunk class), then a plain replay
+        sync()
+        activities = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
+        with profile(activities=activities) as prof:
+            for _ in range(args.steps):
+                engine.step()
+            sync()
+        events = device_events(prof)
+        row = {"adapters": d, **analyse(events, args.steps), "events": events}
+        rows.append(row)
+        summary = {k: v for k, v in row.items() if k not in ("events", "largest_gaps")}
+        print(f"{d} adapters: {summary}", flush=True)
+        for g in row.get("largest_gaps", []):
+            print(f"    gap {g['us']:7.2f} us (waited for side {g['waited_for_side_us']:6.2f}) "
+                  f"after {g['after']} / before {g['before']}")
+        while engine.has_unfinished():
+            engine.step()
+    out = args.out or Path("/tmp/step-timeline-tiny.json" if args.tiny else "bench/results/step-timeline-h200.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": torch.cuda.get_device_name() if device == "cuda" else "cpu (--tiny)",
+                               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "rows": rows}))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
