@@ -84,6 +84,14 @@ def random_adapter(config: ModelConfig, rank: int, seed: int) -> LoraWeights:
     return w
 
 
+def register_random_adapters(engine: LLMEngine, config: ModelConfig, count: int, rank: int) -> list[str]:
+    """Register `count` random adapters a0, a1, ... (seeded by their index) -> their names."""
+    names = [f"a{k}" for k in range(count)]
+    for k, name in enumerate(names):
+        engine.registry.register(name, random_adapter(config, rank, seed=k))
+    return names
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -341,11 +349,7 @@ def main() -> None:
     n_slots = max(adapter_counts + breakdown_counts + [1])
     engine, model_config, load_s = build_engine(args, device, n_slots)
     weight_bytes = engine.model.weight_bytes()
-    names = []
-    for k in range(n_slots):
-        name = f"a{k}"
-        engine.registry.register(name, random_adapter(model_config, args.rank, seed=k))
-        names.append(name)
+    names = register_random_adapters(engine, model_config, n_slots, args.rank)
     bw = copy_bandwidth(device)
     # Bytes a decode step must read: every weight except the embedding table (only B rows are read).
     step_bytes = weight_bytes - model_config.vocab_size * model_config.hidden_size * 2

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bench.engine import adapter_sets, build_engine, decode_run, random_adapter
+from bench.engine import adapter_sets, build_engine, decode_run, register_random_adapters
 from lorafleet.kernels import lora_ops
 
 # name -> (BLAS library, overlap max chunks, carveout beside the LoRA (<= 16 chunks, more), where the
@@ -51,19 +51,17 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/results/overlap-sweep-h200.json"))
     args = ap.parse_args()
     counts = [int(x) for x in args.adapters.split(",") if x]
-    names = list(VARIANTS)
-    picked = [names[int(i)] for i in args.variants.split(",") if i] or names
+    variants = list(VARIANTS)
+    picked = [variants[int(i)] for i in args.variants.split(",") if i] or variants
     bargs = argparse.Namespace(tiny=False, rank=16, batch=args.batch, modes="async")
     engine, model_config, _ = build_engine(bargs, "cuda", max(counts + [1]))
-    names = [f"a{k}" for k in range(max(counts + [1]))]
-    for k, name in enumerate(names):
-        engine.registry.register(name, random_adapter(model_config, 16, seed=k))
+    names = register_random_adapters(engine, model_config, max(counts + [1]), 16)
     graphs = engine.runner.graphs
     assert graphs is not None and engine.async_steps.enabled
     decode_run(engine, adapter_sets(names, len(names), args.batch), 16, 4)  # JIT and allocator
     rows = []
     few_chunks = lora_ops.FEW_CHUNKS
-    for rep, name in ((i // len(picked), v) for i, v in enumerate(picked * args.repeats)):
+    for rep, name in ((rep, name) for rep in range(args.repeats) for name in picked):
         blas, max_chunks, beside_carveout, zero = VARIANTS[name]
         lora_ops.OVERLAP_MAX_CHUNKS, lora_ops.GEMM_SM_CARVEOUT = max_chunks, beside_carveout
         lora_ops.ZERO_IN_SHRINK = zero != "never"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bench.engine import adapter_sets, build_engine, random_adapter, start_decode, sync
+from bench.engine import adapter_sets, build_engine, register_random_adapters, start_decode, sync
 
 
 def device_events(prof) -> list[dict]:
@@ -105,9 +105,7 @@ def main() -> None:
     counts = [int(x) for x in args.adapters.split(",") if x]
     bargs = argparse.Namespace(tiny=args.tiny, rank=16, batch=args.batch, modes="graphs")
     engine, model_config, _ = build_engine(bargs, device, max(counts + [1]))
-    names = [f"a{k}" for k in range(max(counts + [1]))]
-    for k, name in enumerate(names):
-        engine.registry.register(name, random_adapter(model_config, 16, seed=k))
+    names = register_random_adapters(engine, model_config, max(counts + [1]), 16)
     engine.async_steps.enabled = False  # one step at a time: each profiled step is one replay
     rows = []
     for d in counts:

@@ -65,7 +65,8 @@ class Digest:
 
     @property
     def ready(self) -> bool:
-        return self._value is not None or self._thread is None or self._thread.done
+        thread = self._thread  # None once the value is set
+        return thread is None or thread.done
 
     @property
     def value(self) -> str:
