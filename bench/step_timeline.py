@@ -86,7 +86,17 @@ def analyse(events: list[dict], steps: int, top: int = 8) -> dict:
         "main_kernels_per_step": round(len(main) / steps),
         "side_kernels_per_step": round(len(side) / steps),
         "largest_gaps": sorted(gaps, key=lambda g: -g["us"])[:top],
+        "main_kernels_us": by_name(main, steps, top),
+        "side_kernels_us": by_name(side, steps, top),
     }
+
+
+def by_name(events: list[dict], steps: int, top: int) -> dict[str, float]:
+    """Kernel time per step by kernel name (first 60 characters), largest first."""
+    total: dict[str, float] = {}
+    for e in events:
+        total[e["name"][:60]] = total.get(e["name"][:60], 0.0) + e["end"] - e["start"]
+    return {k: round(v / steps, 1) for k, v in sorted(total.items(), key=lambda kv: -kv[1])[:top]}
 
 
 def main() -> None:
@@ -121,8 +131,12 @@ def main() -> None:
         events = device_events(prof)
         row = {"adapters": d, **analyse(events, args.steps), "events": events}
         rows.append(row)
-        summary = {k: v for k, v in row.items() if k not in ("events", "largest_gaps")}
+        summary = {k: v for k, v in row.items() if k not in ("events", "largest_gaps", "main_kernels_us",
+                                                                 "side_kernels_us")}
         print(f"{d} adapters: {summary}", flush=True)
+        for stream in ("main", "side"):
+            for name, us in row.get(f"{stream}_kernels_us", {}).items():
+                print(f"    {stream} {us:8.1f} us/step  {name}")
         for g in row.get("largest_gaps", []):
             print(f"    gap {g['us']:7.2f} us (waited for side {g['waited_for_side_us']:6.2f}) "
                   f"after {g['after']} / before {g['before']}")

@@ -233,8 +233,9 @@ class LLMEngine:
         normal path (Triton compiles, cuBLAS kernel choice, the allocator's first growth, one LoRA
         decode graph); then the base decode graph of every batch bucket. A prompt that the model's
         context or the KV cache cannot take is left out. Afterwards nothing of it remains: no
-        request, KV block or prefix-cache entry, and the counters the metrics report start at zero
-        (the decode graphs' capture count keeps the warm-up's captures: they are real).
+        request, KV block, prefix-cache entry or adapter in a GPU slot, and the counters the metrics
+        report start at zero (the decode graphs' capture count keeps the warm-up's captures: they
+        are real).
         """
         if self.has_unfinished():
             raise RuntimeError("warm_up runs before any request")
@@ -248,6 +249,7 @@ class LLMEngine:
         long_len = min(512, self.config.max_num_batched_tokens, self.max_model_len - sp.max_tokens,
                        self.blocks.num_blocks * bs - sp.max_tokens)
         adapter = self.registry.names()[:1]
+        resident = set(self.registry.gpu_resident())
         prompts = []
         if fits(long_len):
             prompts.append(([(7919 * i + 13) % vocab for i in range(long_len)], ()))
@@ -258,6 +260,8 @@ class LLMEngine:
         while self.has_unfinished():
             self.step()
         captured = self.runner.graphs.capture_base() if self.runner.graphs is not None else 0
+        for name in set(self.registry.gpu_resident()) - resident:
+            self.registry.offload(name)  # GPU slots as before: the first requests load what they use
         self._tracked.clear()
         self.blocks.reset_prefix_cache()
         self.generated_tokens = 0

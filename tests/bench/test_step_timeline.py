@@ -36,6 +36,8 @@ def test_gaps_waiting_for_the_side_stream_are_told_apart(timeline) -> None:
     assert r["side_hidden_ms"] == pytest.approx(0.007)  # shrink 2-8 and expand 9-10 under gemm_a
     assert r["main_kernels_per_step"] == 4 and r["side_kernels_per_step"] == 2
     assert r["largest_gaps"][0] == {"us": 5, "waited_for_side_us": 4, "after": "gemm_a", "before": "rope"}
+    assert r["main_kernels_us"] == {"gemm_a": 10, "gemm_b": 10, "rope": 2, "norm": 1}
+    assert r["side_kernels_us"] == {"shrink": 6, "expand": 5}
 
 
 def test_union_of_intervals(timeline) -> None:

@@ -29,6 +29,7 @@ def test_warm_engine_answers_like_a_cold_one(demo_model, demo_adapters, graphs: 
     stats = warm.registry.stats
     assert stats.gpu_hits == stats.gpu_misses == stats.cpu_hits == stats.cpu_misses == 0
     assert not any(stats.load_seconds.values()) and warm.scheduler.preempted_total == 0
+    assert warm.registry.gpu_resident() == cold.registry.gpu_resident() == []  # the adapter it ran went back
     if graphs:  # every bucket's base graph is ready (uncaptured on CPU: the same static-buffer path),
         keys = set(warm.runner.graphs._graphs)
         assert {(b, 0, 0) for b in warm.runner.graphs.buckets} <= keys

@@ -337,6 +337,12 @@ class AdapterRegistry:
     def gpu_resident(self) -> list[str]:
         return list(self._gpu_lru)
 
+    def offload(self, name: str) -> None:
+        """Free `name`'s GPU slot, if it has one; it stays registered (and on the CPU tier)."""
+        entry = self._entry(name)
+        if entry.slot is not None:
+            self._vacate(entry.slot, evicted=False)
+
     def _drop(self, name: str) -> None:
         entry = self.entries[name]
         if entry.slot is not None:
