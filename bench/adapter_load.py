@@ -15,7 +15,7 @@ names). Everything goes through the registry's own methods; nothing about loadin
                says how much of it was still cached when the read began (`cached_fraction`).
   disk->gpu, page cache warm    the same on a freshly written folder left in the page cache.
   sha256 digest    adapter_digest alone on a cached file (inside every read it runs in a thread,
-               over the same mapped bytes, while the file is parsed, packed and checked).
+               over the same mapped bytes, once the file is parsed, packed and checked).
   cpu->gpu     an adapter already registered (pinned in the CPU cache on CUDA): registry.activate
                + sync. Target <= 5 ms.
   decode step, no load / decode step, prefetch each step    32 running decode requests (on one

@@ -101,7 +101,7 @@ def main() -> None:
     for blas in args.blas.split(","):
         torch.backends.cuda.preferred_blas_library("cublas" if blas == "default" else blas)
         for carveout in (int(x) for x in args.carveouts.split(",")):
-            lora_ops.GEMM_SM_CARVEOUT = (carveout, carveout)
+            lora_ops.GEMM_SM_CARVEOUT = (carveout,) * 4
             for module in args.modules.split(","):
                 for d in (int(x) for x in args.adapters.split(",") if x):
                     r = {"blas": blas, "carveout": carveout, **run(module, args.tokens, d, side, g)}

@@ -24,8 +24,9 @@ import torch
 from bench.engine import adapter_sets, build_engine, decode_run, register_random_adapters
 from lorafleet.kernels import lora_ops
 
-# name -> (BLAS library, overlap max chunks, carveout beside the LoRA (<= 16 chunks, more), where the
-# shrink zeroes the delta: "never" (a memset), "always", "many" (above lora_ops.FEW_CHUNKS))
+# name -> (BLAS library, overlap max chunks, carveout beside the LoRA (<= 16 chunks, more; or those two
+# beside small GEMMs, then beside large ones: lora_ops.carveout_table), where the shrink zeroes the
+# delta: "never" (a memset), "always", "many" (above lora_ops.FEW_CHUNKS))
 VARIANTS = {
     "cublas (third session)": ("cublas", 16, (0, 0), "never"),
     "cublaslt": ("cublaslt", 16, (0, 0), "never"),
@@ -37,6 +38,13 @@ VARIANTS = {
     "beside always, carveout 32, shrink zeroes": ("cublaslt", 1 << 30, (32, 32), "always"),
     "beside always, carveout 48, shrink zeroes": ("cublaslt", 1 << 30, (48, 48), "always"),
     "now: carveout 32 / 48, shrink zeroes above 16 chunks": ("cublaslt", 1 << 30, (32, 48), "many"),
+    "large GEMMs: carveout 16 / 48": ("cublaslt", 1 << 30, (32, 48, 16, 48), "many"),
+    "large GEMMs: carveout 8 / 48": ("cublaslt", 1 << 30, (32, 48, 8, 48), "many"),
+    "large GEMMs: carveout 0 / 48": ("cublaslt", 1 << 30, (32, 48, 0, 48), "many"),
+    "large GEMMs: carveout 16 / 32": ("cublaslt", 1 << 30, (32, 48, 16, 32), "many"),
+    "small 16 / 48, large 16 / 48": ("cublaslt", 1 << 30, (16, 48, 16, 48), "many"),
+    "small 48 / 48, large 8 / 48": ("cublaslt", 1 << 30, (48, 48, 8, 48), "many"),
+    "small 0 / 48, large 0 / 48": ("cublaslt", 1 << 30, (0, 48, 0, 48), "many"),
 }
 
 
@@ -63,7 +71,7 @@ def main() -> None:
     few_chunks = lora_ops.FEW_CHUNKS
     for rep, name in ((rep, name) for rep in range(args.repeats) for name in picked):
         blas, max_chunks, beside_carveout, zero = VARIANTS[name]
-        lora_ops.OVERLAP_MAX_CHUNKS, lora_ops.GEMM_SM_CARVEOUT = max_chunks, beside_carveout
+        lora_ops.OVERLAP_MAX_CHUNKS, lora_ops.GEMM_SM_CARVEOUT = max_chunks, lora_ops.carveout_table(beside_carveout)
         lora_ops.ZERO_IN_SHRINK = zero != "never"
         lora_ops.FEW_CHUNKS = 0 if zero == "always" else few_chunks
         torch.backends.cuda.preferred_blas_library(blas)

@@ -304,7 +304,8 @@ def add_lora(
 # The side path runs beside the GEMM up to OVERLAP_MAX_CHUNKS chunks (default: always), and a
 # decode-sized GEMM beside it (at most CARVEOUT_MAX_TOKENS rows: memory-bound, so it keeps its
 # bandwidth on fewer SMs) leaves SMs free for the LoRA kernels (cuBLASLt's SM count target; cuBLAS
-# ignores it): GEMM_SM_CARVEOUT[0] for a launch of at most FEW_CHUNKS chunks, [1] above. Above
+# ignores it): GEMM_SM_CARVEOUT[0] for a launch of at most FEW_CHUNKS chunks, [1] above, beside a
+# GEMM under LARGE_GEMM_ELEMENTS weight elements; [2] and [3] likewise beside a larger one. Above
 # FEW_CHUNKS the shrink's programs also zero the delta instead of a memset launch before them, and
 # the side path runs beside only decode-sized GEMMs (prefill steps with many chunks: after the GEMM,
 # as measured before). Carveouts are capped at 3/8 of the GPU's SMs.
@@ -318,18 +319,31 @@ OVERLAP_MAX_CHUNKS = int(os.environ.get("LORAFLEET_OVERLAP_MAX_CHUNKS", str(1 <<
 FEW_CHUNKS = 16
 
 
-def _carveouts(text: str) -> tuple[int, int]:
-    """LORAFLEET_GEMM_SM_CARVEOUT: "few,many" SMs ("32,48"), or one number for both."""
+def _carveouts(text: str) -> tuple[int, int, int, int]:
+    """LORAFLEET_GEMM_SM_CARVEOUT: SMs for (few, many) chunks beside a small GEMM, then beside a
+    large one (LARGE_GEMM_ELEMENTS): "a,b,c,d"; "few,many" ("32,48") for both sizes; or one number."""
     try:
         parts = [int(v) for v in text.split(",")]
     except ValueError:
         parts = []
-    if not 1 <= len(parts) <= 2 or min(parts) < 0:
-        raise ValueError(f"LORAFLEET_GEMM_SM_CARVEOUT must be N or N,M (SMs >= 0), got {text!r}")
-    return parts[0], parts[-1]
+    if len(parts) not in (1, 2, 4) or min(parts) < 0:
+        raise ValueError(f"LORAFLEET_GEMM_SM_CARVEOUT must be N, N,M or A,B,C,D (SMs >= 0), got {text!r}")
+    return carveout_table(parts)
+
+
+def carveout_table(parts: Sequence[int]) -> tuple[int, int, int, int]:
+    """1, 2 or 4 carveouts -> (few small, many small, few large, many large)."""
+    if len(parts) == 1:
+        return (parts[0],) * 4
+    if len(parts) == 2:
+        return parts[0], parts[1], parts[0], parts[1]
+    if len(parts) == 4:
+        return tuple(parts)
+    raise ValueError(f"1, 2 or 4 carveouts, got {len(parts)}")
 
 
 GEMM_SM_CARVEOUT = _carveouts(os.environ.get("LORAFLEET_GEMM_SM_CARVEOUT", "32,48"))
+LARGE_GEMM_ELEMENTS = 1 << 25  # weight elements: at the seed shape gate_up and down are large, qkv and o small
 CARVEOUT_MAX_TOKENS = 128
 ZERO_IN_SHRINK = True  # above FEW_CHUNKS (False: always a memset launch; benchmarks compare)
 
@@ -339,10 +353,10 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _carveout(device: torch.device, many: bool) -> int:
+def _carveout(device: torch.device, many: bool, large: bool = False) -> int:
     """GEMM_SM_CARVEOUT (tuned on the H200's 132 SMs), at most 3/8 of this GPU's SMs: a smaller
     GPU keeps most of its SMs for the GEMM."""
-    return min(GEMM_SM_CARVEOUT[many], _sm_count(device) * 3 // 8)
+    return min(GEMM_SM_CARVEOUT[2 * large + many], _sm_count(device) * 3 // 8)
 
 
 @contextlib.contextmanager
@@ -409,7 +423,8 @@ def linear_lora_deferred(
                 delta.zero_()
             launch_shrink(plan, zero=delta if zero_in_shrink else None)
             launch_expand(plan, delta)  # programmatic dependent launch after the shrink where supported
-        with gemm_sm_carveout(_carveout(x.device, many) if x.shape[0] <= CARVEOUT_MAX_TOKENS else 0):
+        large = x.shape[1] * delta.shape[1] >= LARGE_GEMM_ELEMENTS
+        with gemm_sm_carveout(_carveout(x.device, many, large) if x.shape[0] <= CARVEOUT_MAX_TOKENS else 0):
             y = base()
     finally:  # joined even when a launch or the GEMM raises: the buffers must not be reused early
         main.wait_stream(side_stream)

@@ -22,8 +22,10 @@ Two launches per projection group (all slices in each):
 Rank tiles cover `meta.rank_bound` (the step's largest true rank, set by the caller), not the
 pool's r_max, so a step of rank-8 adapters in a rank-64 pool computes and sums rank-8 tiles.
 On Hopper and newer the expand is launched with programmatic dependent launch: it starts while
-the shrink's programs run, does its prologue (chunk, slot, rank, tokens, scales), and waits for
-the partials with `gdc_wait`.
+the shrink's programs run, does its prologue (chunk, slot, rank, tokens, scales, its first tile
+of B and, unless the shrink zeroes y, of y), and waits for the partials with `gdc_wait`. Both
+kernels issue their loads in as few dependent rounds as they can: these programs are bound by
+load latency, which grows when a GEMM beside them keeps memory busy.
 
 Grids depend only on (T, k, max_slots), the rank bound, the weight shapes and the meta's launch
 bound on chunks (`LoraMeta.launch_chunks`: max_chunks unless the caller knows better); padding
@@ -153,12 +155,20 @@ def _lora_shrink_kernel(
         for z0 in range(pid * share, tl.minimum(pid * share + share, ZERO_NUMEL), ZERO_BLOCK):
             offs_z = z0 + tl.arange(0, ZERO_BLOCK)
             tl.store(zero_ptr + offs_z, zeros, mask=offs_z < ZERO_NUMEL)
+    # Loads in as few dependent rounds as possible (latency, not bandwidth, bounds these programs,
+    # the more so beside a GEMM that keeps memory busy): chunk slot, start and end together; then
+    # the rank and the tokens; then x and A.
     slot = tl.load(chunk_slot_ptr + pid_c)
+    start = tl.load(chunk_start_ptr + pid_c)
+    end = tl.load(chunk_end_ptr + pid_c)
     if slot < 0:
         return
     s = pid_sr // R_BLOCKS
     r0 = (pid_sr % R_BLOCKS) * BLOCK_RANK
     rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + slot), tl.minimum(R_MAX, R_PAD))
+    offs_m = start + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < end
+    tok = tl.load(sorted_token_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
     if r0 >= rank:
         return
     if s == 0:
@@ -167,11 +177,6 @@ def _lora_shrink_kernel(
         a_ptr = a1_ptr
     else:
         a_ptr = a2_ptr
-    start = tl.load(chunk_start_ptr + pid_c)
-    end = tl.load(chunk_end_ptr + pid_c)
-    offs_m = start + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < end
-    tok = tl.load(sorted_token_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
     offs_r = r0 + tl.arange(0, BLOCK_RANK)
     r_mask = offs_r < rank
     x_rows = x_ptr + tok[:, None] * stride_xt  # [BLOCK_M, 1]
@@ -235,6 +240,7 @@ def _lora_expand_kernel(
     IEEE: tl.constexpr,
     ATOMIC: tl.constexpr,
     PDL: tl.constexpr,
+    Y_EARLY: tl.constexpr,
 ):
     """y[token(pair), col_s + n] += scale(pair) · Σ_r part[:, pair, s*R_PAD + r] · B_s[slot, n, r].
 
@@ -245,7 +251,9 @@ def _lora_expand_kernel(
     """
     pid_c = tl.program_id(0)
     pid_n = tl.program_id(1)
-    slot = tl.load(chunk_slot_ptr + pid_c)
+    slot = tl.load(chunk_slot_ptr + pid_c)  # with start and end: one round of loads (see the shrink)
+    start = tl.load(chunk_start_ptr + pid_c)
+    end = tl.load(chunk_end_ptr + pid_c)
     if slot < 0:
         return
     # Which slice this column group belongs to.
@@ -268,14 +276,12 @@ def _lora_expand_kernel(
         col0 = OUT0 + OUT1
         b_ptr = b2_ptr
     rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + slot), tl.minimum(R_MAX, R_PAD))
-    if rank == 0:
-        return
-    start = tl.load(chunk_start_ptr + pid_c)
-    end = tl.load(chunk_end_ptr + pid_c)
     offs_m = start + tl.arange(0, BLOCK_M)
     m_mask = offs_m < end
     tok = tl.load(sorted_token_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
     scale = tl.load(sorted_scale_ptr + offs_m, mask=m_mask, other=0.0)
+    if rank == 0:
+        return
     # Out-major B: loads stop at the true rank rounded up to 8 (16 bytes, one vector): B's padding
     # columns past that are never read; the few inside it (odd ranks) share the sector and are
     # zeroed below. Rank-major B: rows past the true rank are simply not loaded.
@@ -285,6 +291,21 @@ def _lora_expand_kernel(
         r_load = r_mask
     else:
         r_load = offs_r < (rank + 7) // 8 * 8
+    n_hi = tl.minimum(n_lo + N_PER_PROG, out)
+    b_slot = b_ptr + slot.to(tl.int64) * out * R_MAX
+    if B_RANK_MAJOR:
+        b_base = b_slot + offs_r[:, None].to(tl.int64) * out  # [R_BLOCK, 1]
+    else:
+        b_base = b_slot + offs_r[:, None]
+    y_rows = y_ptr + tok[:, None] * stride_yt + col0  # [BLOCK_M, 1]
+    # The first tile's B (weights, never written by the shrink) and, unless the shrink zeroes y
+    # (Y_EARLY false) or the add is atomic, its y rows are loaded before waiting for the partials.
+    offs_n = n_lo + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_hi
+    bt = _load_b_tile(b_base, offs_n, n_mask, r_mask, r_load, R_MAX, B_RANK_MAJOR, UPCAST)
+    mask = m_mask[:, None] & n_mask[None, :]
+    if Y_EARLY and not ATOMIC:
+        cur = tl.load(y_rows + offs_n[None, :], mask=mask, other=0.0)
     p = part_ptr + offs_m[:, None].to(tl.int64) * stride_pm + s * R_PAD + offs_r[None, :]
     if PDL:  # launched early (programmatic dependent launch): wait for the shrink's partials
         tl.extra.cuda.gdc_wait()
@@ -295,29 +316,18 @@ def _lora_expand_kernel(
     if not UPCAST:
         h = h.to(b0_ptr.dtype.element_ty)
 
-    n_hi = tl.minimum(n_lo + N_PER_PROG, out)
-    b_slot = b_ptr + slot.to(tl.int64) * out * R_MAX
-    if B_RANK_MAJOR:
-        b_base = b_slot + offs_r[:, None].to(tl.int64) * out  # [R_BLOCK, 1]
+    acc = _dot(h, bt, IEEE)
+    if ATOMIC:
+        tl.atomic_add(y_rows + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask, sem="relaxed")
     else:
-        b_base = b_slot + offs_r[:, None]
-    y_rows = y_ptr + tok[:, None] * stride_yt + col0  # [BLOCK_M, 1]
-    for n0 in range(n_lo, n_hi, BLOCK_N):
+        if not Y_EARLY:
+            cur = tl.load(y_rows + offs_n[None, :], mask=mask, other=0.0)
+        tl.store(y_rows + offs_n[None, :], (cur.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+    for n0 in range(n_lo + BLOCK_N, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < n_hi
-        if B_RANK_MAJOR:
-            b_ptrs = b_base + offs_n[None, :]
-        else:
-            b_ptrs = b_base + offs_n[None, :] * R_MAX
-        bt = tl.load(b_ptrs, mask=r_load[:, None] & n_mask[None, :], other=0.0)
-        if not B_RANK_MAJOR:
-            bt = tl.where(r_mask[:, None], bt, 0.0)  # padding may hold anything, even NaN
-        if UPCAST:
-            bt = bt.to(tl.float32)
-        if IEEE:
-            acc = tl.dot(h, bt, input_precision="ieee")
-        else:
-            acc = tl.dot(h, bt)
+        bt = _load_b_tile(b_base, offs_n, n_mask, r_mask, r_load, R_MAX, B_RANK_MAJOR, UPCAST)
+        acc = _dot(h, bt, IEEE)
         y_ptrs = y_rows + offs_n[None, :]
         mask = m_mask[:, None] & n_mask[None, :]
         if ATOMIC:
@@ -325,6 +335,29 @@ def _lora_expand_kernel(
         else:
             cur = tl.load(y_ptrs, mask=mask, other=0.0)
             tl.store(y_ptrs, (cur.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_b_tile(b_base, offs_n, n_mask, r_mask, r_load, R_MAX: tl.constexpr, B_RANK_MAJOR: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    """B's [R_BLOCK, BLOCK_N] tile at columns offs_n: true-rank rows only, padding zeroed."""
+    if B_RANK_MAJOR:
+        b_ptrs = b_base + offs_n[None, :]
+    else:
+        b_ptrs = b_base + offs_n[None, :] * R_MAX
+    bt = tl.load(b_ptrs, mask=r_load[:, None] & n_mask[None, :], other=0.0)
+    if not B_RANK_MAJOR:
+        bt = tl.where(r_mask[:, None], bt, 0.0)  # padding may hold anything, even NaN
+    if UPCAST:
+        bt = bt.to(tl.float32)
+    return bt
+
+
+@triton.jit
+def _dot(h, bt, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(h, bt, input_precision="ieee")
+    return tl.dot(h, bt)
 
 
 @dataclass(slots=True)
@@ -351,6 +384,7 @@ class LoraLaunch:
     upcast: bool
     ieee: bool
     pdl: bool
+    shrink_zeroes: bool = False  # set by launch_shrink(zero=...): the expand must not read y early
 
 
 def plan_lora_triton(
@@ -412,6 +446,7 @@ def launch_shrink(plan: LoraLaunch, zero: torch.Tensor | None = None) -> None:
     if zero is not None and not zero.is_contiguous():
         raise ValueError("the buffer to zero must be contiguous")
     x, meta, cfg, a = plan.x, plan.meta, plan.cfg, plan.lora_a
+    plan.shrink_zeroes = zero is not None
     in_features = x.shape[1]
     k_per_split = triton.cdiv(triton.cdiv(in_features, cfg.split_k), cfg.block_k) * cfg.block_k
     grid = (meta.grid_chunks, cfg.split_k, plan.n_slices * plan.r_blocks)
@@ -493,6 +528,7 @@ def launch_expand(plan: LoraLaunch, y: torch.Tensor) -> None:
         IEEE=plan.ieee,
         ATOMIC=meta.token_slots.shape[1] > 1,
         PDL=plan.pdl,
+        Y_EARLY=not plan.shrink_zeroes,
         num_warps=cfg.expand_warps,
         num_stages=cfg.num_stages,
         **({"launch_pdl": True} if plan.pdl else {}),

@@ -137,11 +137,13 @@ def test_reference_matches_dense_loop() -> None:
 
 
 def test_gemm_sm_carveout_setting() -> None:
-    """LORAFLEET_GEMM_SM_CARVEOUT: "few,many" or one number for both; anything else is refused."""
+    """LORAFLEET_GEMM_SM_CARVEOUT: (few, many) beside small then large GEMMs; "few,many" for both
+    sizes, one number for all four; anything else is refused."""
     from lorafleet.kernels.lora_ops import _carveouts
 
-    assert _carveouts("32,48") == (32, 48) and _carveouts("16") == (16, 16) and _carveouts("0") == (0, 0)
-    for bad in ("", "x", "1,2,3", "-4", "8,-1"):
+    assert _carveouts("32,48") == (32, 48, 32, 48) and _carveouts("16") == (16,) * 4 and _carveouts("0") == (0,) * 4
+    assert _carveouts("32,48,8,40") == (32, 48, 8, 40)
+    for bad in ("", "x", "1,2,3", "1,2,3,4,5", "-4", "8,-1"):
         with pytest.raises(ValueError, match="LORAFLEET_GEMM_SM_CARVEOUT"):
             _carveouts(bad)
 

@@ -436,7 +436,7 @@ def test_lora_on_a_side_stream_beside_the_gemm(captured: bool, slots: int, blas:
     from lorafleet.kernels import lora_ops
 
     monkeypatch.setattr(lora_ops, "OVERLAP_MAX_CHUNKS", max_chunks)
-    monkeypatch.setattr(lora_ops, "GEMM_SM_CARVEOUT", (carveout, carveout))
+    monkeypatch.setattr(lora_ops, "GEMM_SM_CARVEOUT", (carveout,) * 4)
     before = torch.backends.cuda.preferred_blas_library()
     torch.backends.cuda.preferred_blas_library(blas)
     try:

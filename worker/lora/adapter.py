@@ -6,10 +6,12 @@ message says what to fix.
 
 The weights file is read once (`safetensors_view`): mapped copy-on-write, so the tensors are
 zero-copy views of the page cache and never segfault on a write, its header validated with the
-safetensors library's rules. Its sha256 runs in a thread over the same mapping (`digest`) while the
-tensors are checked against the model and `prepare` (the registry lays them out for the GPU slots
-and checks them there) runs, and the load returns without waiting for it (`Digest`); an unchanged
-folder read again reuses its digest (`DIGEST_CACHE`).
+safetensors library's rules. Once the tensors are checked against the model and `prepare` has run
+(the registry lays them out for the GPU slots and checks them there), its sha256 starts in a thread
+over the same mapping (`digest`), and the load returns without waiting for it (`Digest`). Not
+before: on the H200 machine a hash running beside the packing slowed it by ~30 ms (the packing's
+multi-threaded torch ops wait for their slowest thread). An unchanged folder read again reuses its
+digest (`DIGEST_CACHE`).
 """
 
 from __future__ import annotations
@@ -230,15 +232,18 @@ def load_adapter(
             DIGEST_CACHE.put(identity, "sha256:" + hexdigest)
 
     parts = (config_bytes, b"\0", buf, b"\0")
-    digest = Digest(cached) if cached is not None else Digest(Sha256Thread(parts, on_done=remember))
     out, runs = _read_weights(folder, buf, cfg, model)
     if prepare is not None:
         prepare(out)
     else:
         _check_finite_raw(out, runs)
     del runs
-    if cached is not None and DIGEST_CACHE.key(folder / CONFIG_FILE, weights_path) != identity:
+    if cached is None:
+        digest = Digest(Sha256Thread(parts, on_done=remember))
+    elif DIGEST_CACHE.key(folder / CONFIG_FILE, weights_path) != identity:
         digest = Digest(Sha256Thread(parts))  # changed between the lookup and the read: hash what was read
+    else:
+        digest = Digest(cached)
     out.digest = digest
     return out
 

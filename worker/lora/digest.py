@@ -1,4 +1,4 @@
-"""Adapter digests: sha256 in a thread over the bytes being parsed, and a cache by file identity.
+"""Adapter digests: sha256 in a thread over the bytes that were read, and a cache by file identity.
 
 A load does not wait for its digest (`Digest`): the adapter serves as soon as its weights are read
 and checked, and whoever needs the value (a second load under the same name, the admin
