@@ -141,6 +141,31 @@ def test_digest_reused_for_unchanged_files_and_recomputed_after_a_change(tmp_pat
     assert len(hashed) == 2 and third.digest.value == adapter_mod.adapter_digest(folder) != first.digest.value
 
 
+def test_a_folder_removed_after_its_read_keeps_its_digest_out_of_the_cache(tmp_path, model, demo_adapters,
+                                                                         monkeypatch, caplog):
+    """An operator may delete a folder once it is loaded: the hash still completes (over the mapped
+    bytes) with the right value, nothing is logged as an error and nothing is cached for the path."""
+    from lorafleet.worker.lora.digest import Sha256Thread
+
+    held = []
+
+    class Deferred:  # runs the hash when the test says so, after the folder is gone
+        def __init__(self, parts, on_done=None):
+            held.append((parts, on_done))
+
+    monkeypatch.setattr(adapter_mod, "DIGEST_CACHE", type(adapter_mod.DIGEST_CACHE)())
+    folder = tmp_path / "a"
+    shutil.copytree(next(iter(demo_adapters.values())), folder)
+    want = adapter_digest(folder)
+    monkeypatch.setattr(adapter_mod, "Sha256Thread", Deferred)
+    adapter_mod.load_adapter(folder, model, 64, 1 << 30)
+    shutil.rmtree(folder)
+    (parts, on_done), = held
+    with caplog.at_level("ERROR"):
+        assert "sha256:" + Sha256Thread(parts, on_done=on_done).hexdigest() == want  # joins: on_done has run
+    assert not caplog.records and not adapter_mod.DIGEST_CACHE._items
+
+
 def test_a_load_does_not_wait_for_its_digest(tmp_path, demo_model, demo_adapters, monkeypatch):
     """The adapter serves while its sha256 is still running (the hash is held back here); what
     needs the value (a second load under the same name) gets the right one once it is done."""

@@ -227,8 +227,14 @@ def load_adapter(
     # The same bytes that are parsed: one read, hashed in a thread that the load does not wait for
     # (`Digest`). Skipped when unchanged files were hashed before. The digest is cached only if the
     # files are still unchanged once the hash is complete.
+    def unchanged() -> bool:
+        try:
+            return DIGEST_CACHE.key(folder / CONFIG_FILE, weights_path) == identity
+        except OSError:  # removed (or unreadable) since: the mapped bytes stay valid, the cache entry would not
+            return False
+
     def remember(hexdigest: str) -> None:
-        if DIGEST_CACHE.key(folder / CONFIG_FILE, weights_path) == identity:
+        if unchanged():
             DIGEST_CACHE.put(identity, "sha256:" + hexdigest)
 
     parts = (config_bytes, b"\0", buf, b"\0")
@@ -240,7 +246,7 @@ def load_adapter(
     del runs
     if cached is None:
         digest = Digest(Sha256Thread(parts, on_done=remember))
-    elif DIGEST_CACHE.key(folder / CONFIG_FILE, weights_path) != identity:
+    elif not unchanged():
         digest = Digest(Sha256Thread(parts))  # changed between the lookup and the read: hash what was read
     else:
         digest = Digest(cached)
