@@ -46,6 +46,12 @@ VARIANTS = {
     "small 48 / 48, large 8 / 48": ("cublaslt", 1 << 30, (48, 48, 8, 48), "many"),
     "small 0 / 48, large 0 / 48": ("cublaslt", 1 << 30, (0, 48, 0, 48), "many"),
 }
+# Variant names ending in these pick lora_ops.GEMM_FIRST (with at most, above FEW_CHUNKS chunks);
+# any other keeps the LoRA launched first.
+GEMM_FIRST_SUFFIXES = {", GEMM first above 16 chunks": (False, True), ", GEMM always first": (True, True)}
+for _name in ("now: carveout 32 / 48, shrink zeroes above 16 chunks",):
+    for _suffix in GEMM_FIRST_SUFFIXES:
+        VARIANTS[_name + _suffix] = VARIANTS[_name]
 
 
 def main() -> None:
@@ -73,6 +79,7 @@ def main() -> None:
         blas, max_chunks, beside_carveout, zero = VARIANTS[name]
         lora_ops.OVERLAP_MAX_CHUNKS, lora_ops.GEMM_SM_CARVEOUT = max_chunks, lora_ops.carveout_table(beside_carveout)
         lora_ops.ZERO_IN_SHRINK = zero != "never"
+        lora_ops.GEMM_FIRST = next((v for k, v in GEMM_FIRST_SUFFIXES.items() if name.endswith(k)), (False, False))
         lora_ops.FEW_CHUNKS = 0 if zero == "always" else few_chunks
         torch.backends.cuda.preferred_blas_library(blas)
         graphs._graphs.clear()  # recapture under this variant's settings

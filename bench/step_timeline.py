@@ -3,15 +3,17 @@
     python -m bench.step_timeline [--adapters 0,8,64] [--steps 4] [--out FILE] [--tiny]
 
 For each adapter count: 64 requests (`--batch`) decoding on the seed shape, synchronous steps that
-replay the decode graph, profiled with torch.profiler (CUPTI sees the kernels inside a graph). The
-stream with the most kernel time is the main one (the base GEMMs); every other stream is a side
-stream (the LoRA side path). Per step:
+replay the decode graph, profiled with torch.profiler (CUPTI sees the kernels inside a graph).
+Kernels are told apart by name, not stream (a replayed graph reports each branch as a stream of its
+own): the LoRA kernels (`_lora_` in the name) are the side path, everything else (the GEMMs, the
+attention, the row kernels, the delta's memset) the main path. Host-device copies bracket each
+step; only the kernels between them count, so the host's time between synchronous steps is left
+out. Per step:
 - span: first kernel start to last kernel end;
-- main_busy: kernel time on the main stream; gaps: the main stream idle between two of its kernels;
-- side_wait: the part of those gaps that ends after a side-stream kernel ends inside it (the main
-  stream waited for the LoRA: the join), the rest is launch and dependency latency;
-- side_busy and side_hidden: side-stream kernel time, and how much of it overlapped main-stream
-  kernels.
+- main_busy: main-path kernel time; gaps: the main path idle between two of its kernels;
+- side_wait: the part of those gaps that ends after a LoRA kernel ends inside it (the main path
+  waited for the LoRA: the join), the rest is launch and dependency latency;
+- side_busy and side_hidden: LoRA kernel time, and how much of it overlapped main-path kernels.
 The largest gaps are listed with the kernels around them. Raw events go to the JSON (`--out`).
 `--tiny` runs the demo shape on CPU, where there are no device kernels: it only checks the script.
 """
@@ -52,42 +54,66 @@ def busy(intervals: list[tuple[float, float]]) -> float:
     return total + (cur_e - cur_s if cur_e is not None else 0.0)
 
 
+def is_copy(event: dict) -> bool:
+    return event["name"].startswith("Memcpy")
+
+
+def is_side(event: dict) -> bool:
+    return "_lora_" in event["name"]
+
+
+def step_segments(events: list[dict]) -> list[list[dict]]:
+    """The kernels between host-device copies (one decode step's replay each), in time order."""
+    segments, cur = [], []
+    for e in events:
+        if is_copy(e):
+            if cur:
+                segments.append(cur)
+            cur = []
+        else:
+            cur.append(e)
+    return segments + [cur] if cur else segments
+
+
 def analyse(events: list[dict], steps: int, top: int = 8) -> dict:
     if not events:
         return {"note": "no device kernels recorded (CPU run)"}
-    per_stream: dict[int, float] = {}
-    for e in events:
-        per_stream[e["stream"]] = per_stream.get(e["stream"], 0.0) + e["end"] - e["start"]
-    main_id = max(per_stream, key=per_stream.get)
-    main = [e for e in events if e["stream"] == main_id]
-    side = [e for e in events if e["stream"] != main_id]
-    main_iv = [(e["start"], e["end"]) for e in main]
+    segments = step_segments(events)
     gaps, side_wait = [], 0.0
-    for prev, nxt in zip(main, main[1:]):
-        gap = nxt["start"] - prev["end"]
-        if gap <= 0:
-            continue
-        ends = [s["end"] for s in side if prev["end"] < s["end"] <= nxt["start"]]
-        waited = (max(ends) - prev["end"]) if ends else 0.0
-        side_wait += waited
-        gaps.append({"us": round(gap, 2), "waited_for_side_us": round(waited, 2), "after": prev["name"][:60],
-                     "before": nxt["name"][:60]})
-    side_iv = [(e["start"], e["end"]) for e in side]
-    side_busy = busy(side_iv)
-    side_hidden = side_busy + busy(main_iv) - busy(main_iv + side_iv)
-    span = events[-1]["end"] - events[0]["start"]
+    span = main_busy = side_busy = side_hidden = 0.0
+    main_all, side_all = [], []
+    for seg in segments:
+        main = [e for e in seg if not is_side(e)]
+        side = [e for e in seg if is_side(e)]
+        main_all += main
+        side_all += side
+        for prev, nxt in zip(main, main[1:]):
+            gap = nxt["start"] - prev["end"]
+            if gap <= 0:
+                continue
+            ends = [s["end"] for s in side if prev["end"] < s["end"] <= nxt["start"]]
+            waited = (max(ends) - prev["end"]) if ends else 0.0
+            side_wait += waited
+            gaps.append({"us": round(gap, 2), "waited_for_side_us": round(waited, 2), "after": prev["name"][:60],
+                         "before": nxt["name"][:60]})
+        main_iv = [(e["start"], e["end"]) for e in main]
+        side_iv = [(e["start"], e["end"]) for e in side]
+        span += max(e["end"] for e in seg) - seg[0]["start"]
+        main_busy += busy(main_iv)
+        side_busy += busy(side_iv)
+        side_hidden += busy(side_iv) + busy(main_iv) - busy(main_iv + side_iv)
     return {
         "span_ms": round(span / 1e3 / steps, 3),
-        "main_busy_ms": round(busy(main_iv) / 1e3 / steps, 3),
+        "main_busy_ms": round(main_busy / 1e3 / steps, 3),
         "gaps_ms": round(sum(g["us"] for g in gaps) / 1e3 / steps, 3),
         "side_wait_ms": round(side_wait / 1e3 / steps, 3),
         "side_busy_ms": round(side_busy / 1e3 / steps, 3),
         "side_hidden_ms": round(side_hidden / 1e3 / steps, 3),
-        "main_kernels_per_step": round(len(main) / steps),
-        "side_kernels_per_step": round(len(side) / steps),
+        "main_kernels_per_step": round(len(main_all) / steps),
+        "side_kernels_per_step": round(len(side_all) / steps),
         "largest_gaps": sorted(gaps, key=lambda g: -g["us"])[:top],
-        "main_kernels_us": by_name(main, steps, top),
-        "side_kernels_us": by_name(side, steps, top),
+        "main_kernels_us": by_name(main_all, steps, top),
+        "side_kernels_us": by_name(side_all, steps, top),
     }
 
 

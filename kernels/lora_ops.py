@@ -345,6 +345,11 @@ def carveout_table(parts: Sequence[int]) -> tuple[int, int, int, int]:
 GEMM_SM_CARVEOUT = _carveouts(os.environ.get("LORAFLEET_GEMM_SM_CARVEOUT", "32,48"))
 LARGE_GEMM_ELEMENTS = 1 << 25  # weight elements: at the seed shape gate_up and down are large, qkv and o small
 CARVEOUT_MAX_TOKENS = 128
+# Whether the GEMM is launched before the LoRA kernels beside it, with at most and above FEW_CHUNKS
+# chunks. LoRA kernels launched first fill every SM with their programs, and the GEMM's CTAs
+# wait for them to drain (the H200's step timeline at 64 adapters: ~1.1 ms a step of GEMMs
+# starting late); a GEMM launched first takes its SMs and leaves the carveout to the LoRA.
+GEMM_FIRST = (False, True)
 ZERO_IN_SHRINK = True  # above FEW_CHUNKS (False: always a memset launch; benchmarks compare)
 
 
@@ -414,18 +419,27 @@ def linear_lora_deferred(
     # side stream's next request while the current stream still reads them.
     delta = torch.empty((x.shape[0], sum(b.shape[1] for b in lora_b)), dtype=x.dtype, device=x.device)
     main = torch.cuda.current_stream(x.device)
-    side_stream.wait_stream(main)
+    many = meta.grid_chunks > FEW_CHUNKS
+    large = x.shape[1] * delta.shape[1] >= LARGE_GEMM_ELEMENTS
+    carveout = _carveout(x.device, many, large) if x.shape[0] <= CARVEOUT_MAX_TOKENS else 0
+    gemm_first = GEMM_FIRST[many]
+    inputs_ready = torch.cuda.Event()
+    inputs_ready.record(main)
+    y = None
     try:
-        many = meta.grid_chunks > FEW_CHUNKS
+        if gemm_first:  # launched (and, in a graph, made a node) first: its CTAs are placed before the LoRA's
+            with gemm_sm_carveout(carveout):
+                y = base()
+        side_stream.wait_event(inputs_ready)  # x, not the GEMM
         with torch.cuda.stream(side_stream):
             zero_in_shrink = ZERO_IN_SHRINK and many
             if not zero_in_shrink:
                 delta.zero_()
             launch_shrink(plan, zero=delta if zero_in_shrink else None)
             launch_expand(plan, delta)  # programmatic dependent launch after the shrink where supported
-        large = x.shape[1] * delta.shape[1] >= LARGE_GEMM_ELEMENTS
-        with gemm_sm_carveout(_carveout(x.device, many, large) if x.shape[0] <= CARVEOUT_MAX_TOKENS else 0):
-            y = base()
+        if not gemm_first:
+            with gemm_sm_carveout(carveout):
+                y = base()
     finally:  # joined even when a launch or the GEMM raises: the buffers must not be reused early
         main.wait_stream(side_stream)
     return y, delta

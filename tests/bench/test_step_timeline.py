@@ -22,22 +22,27 @@ def ev(name, stream, start, end):
     return {"name": name, "stream": stream, "start": start, "end": end}
 
 
-def test_gaps_waiting_for_the_side_stream_are_told_apart(timeline) -> None:
-    # One step. Main stream 7: gemm 0-10, rope 15-17 (gap 5: the LoRA on stream 9 ended at 14),
-    # gemm 20-30 (gap 3: nothing on the side ended in it), norm 30-31 (no gap).
-    events = [ev("gemm_a", 7, 0, 10), ev("shrink", 9, 2, 8), ev("expand", 9, 9, 14), ev("rope", 7, 15, 17),
-              ev("gemm_b", 7, 20, 30), ev("norm", 7, 30, 31)]
-    r = timeline.analyse(sorted(events, key=lambda e: e["start"]), steps=1)
-    assert r["span_ms"] == pytest.approx(0.031)
-    assert r["main_busy_ms"] == pytest.approx(0.023)
-    assert r["gaps_ms"] == pytest.approx(0.008)
-    assert r["side_wait_ms"] == pytest.approx(0.004)  # rope waited from 10 to 14 for the expand
-    assert r["side_busy_ms"] == pytest.approx(0.011)
-    assert r["side_hidden_ms"] == pytest.approx(0.007)  # shrink 2-8 and expand 9-10 under gemm_a
-    assert r["main_kernels_per_step"] == 4 and r["side_kernels_per_step"] == 2
-    assert r["largest_gaps"][0] == {"us": 5, "waited_for_side_us": 4, "after": "gemm_a", "before": "rope"}
-    assert r["main_kernels_us"] == {"gemm_a": 10, "gemm_b": 10, "rope": 2, "norm": 1}
-    assert r["side_kernels_us"] == {"shrink": 6, "expand": 5}
+def test_gaps_waiting_for_the_side_path_are_told_apart(timeline) -> None:
+    # Two steps, each bracketed by host-device copies (times in µs). Step one: gemm 0-100 (stream 7),
+    # the LoRA on streams 9 and 12 (a replayed graph reports branches as streams of their own), rope
+    # 150-170 (gap 50: the expand ended at 140), gemm 200-300 on stream 11 (gap 30: nothing of the
+    # LoRA ended in it), norm 300-310 (no gap). Step two, after a long host pause: one gemm; the
+    # pause is no gap.
+    events = [ev("Memcpy HtoD", 7, -50, -10), ev("gemm_a", 7, 0, 100), ev("_lora_shrink_kernel", 9, 20, 80),
+              ev("_lora_expand_kernel", 12, 90, 140), ev("rope", 7, 150, 170), ev("gemm_b", 11, 200, 300),
+              ev("norm", 7, 300, 310), ev("Memcpy DtoH", 7, 320, 330), ev("Memcpy HtoD", 7, 5000, 5010),
+              ev("gemm_a", 7, 5100, 5200), ev("Memcpy DtoH", 7, 5210, 5220)]
+    r = timeline.analyse(sorted(events, key=lambda e: e["start"]), steps=2)
+    assert r["span_ms"] == pytest.approx(0.205)  # (310 + 100) / 2 µs
+    assert r["main_busy_ms"] == pytest.approx(0.165)
+    assert r["gaps_ms"] == pytest.approx(0.04)
+    assert r["side_wait_ms"] == pytest.approx(0.02)  # rope waited from 100 to 140 for the expand
+    assert r["side_busy_ms"] == pytest.approx(0.055)
+    assert r["side_hidden_ms"] == pytest.approx(0.035)  # shrink 20-80 and expand 90-100 under gemm_a
+    assert r["main_kernels_per_step"] == 2 and r["side_kernels_per_step"] == 1  # 5 and 2 kernels over 2 steps
+    assert r["largest_gaps"][0] == {"us": 50, "waited_for_side_us": 40, "after": "gemm_a", "before": "rope"}
+    assert r["main_kernels_us"] == {"gemm_a": 100, "gemm_b": 50, "rope": 10, "norm": 5}
+    assert r["side_kernels_us"] == {"_lora_shrink_kernel": 30, "_lora_expand_kernel": 25}
 
 
 def test_union_of_intervals(timeline) -> None:

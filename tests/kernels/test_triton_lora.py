@@ -425,8 +425,9 @@ def test_cuda_graph_replay_with_new_metadata(pdl: bool) -> None:
 @pytest.mark.parametrize("slots", [8, 32])
 @pytest.mark.parametrize("blas, carveout", [("cublas", 0), ("cublaslt", 32)])
 @pytest.mark.parametrize("max_chunks", [16, 1 << 30])
+@pytest.mark.parametrize("gemm_first", [False, True])
 def test_lora_on_a_side_stream_beside_the_gemm(captured: bool, slots: int, blas: str, carveout: int,
-                                               max_chunks: int, monkeypatch) -> None:
+                                               max_chunks: int, gemm_first: bool, monkeypatch) -> None:
     """`linear_lora_deferred` with a side stream (the engine's CUDA path): with few chunks, zero,
     shrink and expand into a delta run beside the base GEMM (which leaves `carveout` SMs free);
     with more than OVERLAP_MAX_CHUNKS (16, or no limit) the LoRA is added after the GEMM (no
@@ -437,6 +438,7 @@ def test_lora_on_a_side_stream_beside_the_gemm(captured: bool, slots: int, blas:
 
     monkeypatch.setattr(lora_ops, "OVERLAP_MAX_CHUNKS", max_chunks)
     monkeypatch.setattr(lora_ops, "GEMM_SM_CARVEOUT", (carveout,) * 4)
+    monkeypatch.setattr(lora_ops, "GEMM_FIRST", (gemm_first, gemm_first))  # GEMM or LoRA launched first
     before = torch.backends.cuda.preferred_blas_library()
     torch.backends.cuda.preferred_blas_library(blas)
     try:
