@@ -348,7 +348,9 @@ CARVEOUT_MAX_TOKENS = 128
 # Whether the GEMM is launched before the LoRA kernels beside it, with at most and above FEW_CHUNKS
 # chunks. LoRA kernels launched first fill every SM with their programs, and the GEMM's CTAs
 # wait for them to drain (the H200's step timeline at 64 adapters: ~1.1 ms a step of GEMMs
-# starting late); a GEMM launched first takes its SMs and leaves the carveout to the LoRA.
+# starting late); a GEMM launched first takes its SMs and leaves the carveout to the LoRA. In one
+# A/B on the H200 that won little: 64 adapters 0.684 -> 0.689 of base-only, 8 adapters unchanged
+# within noise (bench/results/overlap-sweep-gemm-first-h200.json).
 GEMM_FIRST = (False, True)
 ZERO_IN_SHRINK = True  # above FEW_CHUNKS (False: always a memset launch; benchmarks compare)
 
