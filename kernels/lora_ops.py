@@ -427,12 +427,12 @@ def linear_lora_deferred(
     gemm_first = GEMM_FIRST[many]
     inputs_ready = torch.cuda.Event()
     inputs_ready.record(main)
+    side_stream.wait_event(inputs_ready)  # x, not the GEMM; before the try, so the join is well-formed
     y = None
     try:
         if gemm_first:  # launched (and, in a graph, made a node) first: its CTAs are placed before the LoRA's
             with gemm_sm_carveout(carveout):
                 y = base()
-        side_stream.wait_event(inputs_ready)  # x, not the GEMM
         with torch.cuda.stream(side_stream):
             zero_in_shrink = ZERO_IN_SHRINK and many
             if not zero_in_shrink:

@@ -45,6 +45,18 @@ def test_gaps_waiting_for_the_side_path_are_told_apart(timeline) -> None:
     assert r["side_kernels_us"] == {"_lora_shrink_kernel": 30, "_lora_expand_kernel": 25}
 
 
+def test_a_fill_inside_a_gemm_is_side_path_and_makes_no_gap(timeline) -> None:
+    """The delta's memset runs beside the GEMM; a main-path kernel nested in another one's span
+    does not open a gap either: idle time counts from the latest end so far."""
+    fill = "void at::native::vectorized_elementwise_kernel<8, at::native::FillFunctor<c10::BFloat16>, x>"
+    events = [ev("gemm", 7, 0, 100), ev(fill, 7, 2, 4), ev("_lora_shrink_kernel", 9, 5, 60),
+              ev("small", 11, 10, 20), ev("rope", 7, 101, 110)]
+    r = timeline.analyse(events, steps=1)
+    assert r["gaps_ms"] == pytest.approx(0.001) and r["side_wait_ms"] == 0  # 100 -> 101 only
+    assert r["largest_gaps"][0] == {"us": 1, "waited_for_side_us": 0, "after": "gemm", "before": "rope"}
+    assert r["side_kernels_per_step"] == 2 and r["main_kernels_per_step"] == 3
+
+
 def test_union_of_intervals(timeline) -> None:
     assert timeline.busy([(0, 2), (1, 3), (5, 6)]) == 4
     assert timeline.busy([]) == 0

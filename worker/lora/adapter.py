@@ -10,8 +10,9 @@ safetensors library's rules. Once the tensors are checked against the model and 
 (the registry lays them out for the GPU slots and checks them there), its sha256 starts in a thread
 over the same mapping (`digest`), and the load returns without waiting for it (`Digest`). Not
 before: on the H200 machine a hash running beside the packing slowed it by ~30 ms (the packing's
-multi-threaded torch ops wait for their slowest thread). An unchanged folder read again reuses its
-digest (`DIGEST_CACHE`).
+multi-threaded torch ops wait for their slowest thread); what waits for the value (a same-name
+load's conflict check) now waits for the packing plus the hash, not the longer of the two. An
+unchanged folder read again reuses its digest (`DIGEST_CACHE`).
 """
 
 from __future__ import annotations
