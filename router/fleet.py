@@ -16,6 +16,8 @@ from lorafleet.protocol import AdapterInventory
 from lorafleet.router.discovery import Endpoint
 from lorafleet.router.scheduling.types import EndpointView
 
+POLL_TIMEOUTS_UNREACHABLE = 3
+
 
 @dataclass(slots=True)
 class Replica:
@@ -26,6 +28,7 @@ class Replica:
     inventory: AdapterInventory | None = None
     polled_at: float = 0.0
     reachable: bool = False  # last poll answered (or a request just succeeded)
+    poll_timeouts: int = 0  # consecutive polls that timed out (a busy worker, not a dead one)
     failures: int = 0  # consecutive request failures
     ejected_until: float = 0.0
     # Residency learned after the last poll (our loads/unloads, other routers' via the store):
@@ -70,8 +73,17 @@ class Replica:
         self.inventory = inventory
         self.polled_at = started_at
         self.reachable = True
+        self.poll_timeouts = 0
         self.overlay = {k: v for k, v in self.overlay.items() if v[1] > started_at}
         self._residency = None
+
+    def poll_failed(self, timed_out: bool) -> None:
+        """A poll that got no inventory. Refused, reset or malformed: unreachable at once. Timed
+        out: a worker busy enough to answer slowly still serves its requests, so it stays in
+        rotation on its last inventory until POLL_TIMEOUTS_UNREACHABLE polls in a row time out."""
+        self.poll_timeouts = self.poll_timeouts + 1 if timed_out else 0
+        if not timed_out or self.poll_timeouts >= POLL_TIMEOUTS_UNREACHABLE:
+            self.reachable = False
 
     def note(self, adapter: str, tier: str | None, now: float) -> None:
         self.overlay[adapter] = (tier, now)

@@ -80,8 +80,10 @@ class PlacementSync:
             )
             resp.raise_for_status()
             replica.apply_poll(AdapterInventory.model_validate(resp.json()), started)
+        except httpx.TimeoutException:
+            replica.poll_failed(timed_out=True)
         except (httpx.HTTPError, ValueError):
-            replica.reachable = False
+            replica.poll_failed(timed_out=False)
 
     async def _probe(self, replica: Replica) -> None:
         """An ejected replica whose cooldown ran out comes back if /health answers."""

@@ -95,3 +95,22 @@ def test_set_endpoints_carries_admin_url_and_pool_and_replaces_a_moved_replica()
 
 def test_replica_admin_url_defaults_to_public_url():
     assert Replica("r0", "http://r0").admin_url == "http://r0"
+
+
+def test_slow_polls_keep_a_replica_in_rotation_until_three_in_a_row():
+    """A poll that times out (a worker busy on 2 CPU cores, say) keeps the replica on its last
+    inventory; three in a row take it out; a refused or malformed poll does at once."""
+    from lorafleet.router.fleet import POLL_TIMEOUTS_UNREACHABLE
+
+    r = Replica(name="r0", url="http://r0")
+    r.apply_poll(inventory(a="gpu"), started_at=1.0)
+    for _ in range(POLL_TIMEOUTS_UNREACHABLE - 1):
+        r.poll_failed(timed_out=True)
+        assert r.reachable and r.view(2.0, 4).healthy
+    r.poll_failed(timed_out=True)
+    assert not r.reachable and not r.view(2.0, 4).healthy
+    r.apply_poll(inventory(a="gpu"), started_at=3.0)  # answers again: back, and the count starts over
+    assert r.reachable and r.poll_timeouts == 0
+    r.poll_failed(timed_out=True)
+    r.poll_failed(timed_out=False)  # refused: out at once, and the timeouts' count resets
+    assert not r.reachable and r.poll_timeouts == 0
