@@ -26,7 +26,8 @@ from lorafleet.kernels import lora_ops
 
 # name -> (BLAS library, overlap max chunks, carveout beside the LoRA (<= 16 chunks, more; or those two
 # beside small GEMMs, then beside large ones: lora_ops.carveout_table), where the shrink zeroes the
-# delta: "never" (a memset), "always", "many" (above lora_ops.FEW_CHUNKS))
+# delta: "never" (a memset), "always", "many" (above lora_ops.FEW_CHUNKS), and optionally
+# lora_ops.GEMM_FIRST with at most, above FEW_CHUNKS chunks (default: the LoRA launched first))
 VARIANTS = {
     "cublas (third session)": ("cublas", 16, (0, 0), "never"),
     "cublaslt": ("cublaslt", 16, (0, 0), "never"),
@@ -45,13 +46,11 @@ VARIANTS = {
     "small 16 / 48, large 16 / 48": ("cublaslt", 1 << 30, (16, 48, 16, 48), "many"),
     "small 48 / 48, large 8 / 48": ("cublaslt", 1 << 30, (48, 48, 8, 48), "many"),
     "small 0 / 48, large 0 / 48": ("cublaslt", 1 << 30, (0, 48, 0, 48), "many"),
+    "now: carveout 32 / 48, shrink zeroes above 16 chunks, GEMM first above 16 chunks":
+        ("cublaslt", 1 << 30, (32, 48), "many", (False, True)),
+    "now: carveout 32 / 48, shrink zeroes above 16 chunks, GEMM always first":
+        ("cublaslt", 1 << 30, (32, 48), "many", (True, True)),
 }
-# Variant names ending in these pick lora_ops.GEMM_FIRST (with at most, above FEW_CHUNKS chunks);
-# any other keeps the LoRA launched first.
-GEMM_FIRST_SUFFIXES = {", GEMM first above 16 chunks": (False, True), ", GEMM always first": (True, True)}
-for _name in ("now: carveout 32 / 48, shrink zeroes above 16 chunks",):
-    for _suffix in GEMM_FIRST_SUFFIXES:
-        VARIANTS[_name + _suffix] = VARIANTS[_name]
 
 
 def main() -> None:
@@ -76,10 +75,10 @@ def main() -> None:
     rows = []
     few_chunks = lora_ops.FEW_CHUNKS
     for rep, name in ((rep, name) for rep in range(args.repeats) for name in picked):
-        blas, max_chunks, beside_carveout, zero = VARIANTS[name]
+        blas, max_chunks, beside_carveout, zero, *gemm_first = VARIANTS[name]
         lora_ops.OVERLAP_MAX_CHUNKS, lora_ops.GEMM_SM_CARVEOUT = max_chunks, lora_ops.carveout_table(beside_carveout)
         lora_ops.ZERO_IN_SHRINK = zero != "never"
-        lora_ops.GEMM_FIRST = next((v for k, v in GEMM_FIRST_SUFFIXES.items() if name.endswith(k)), (False, False))
+        lora_ops.GEMM_FIRST = gemm_first[0] if gemm_first else (False, False)
         lora_ops.FEW_CHUNKS = 0 if zero == "always" else few_chunks
         torch.backends.cuda.preferred_blas_library(blas)
         graphs._graphs.clear()  # recapture under this variant's settings
