@@ -105,9 +105,10 @@ def analyse(events: list[dict], steps: int, top: int = 8) -> dict:
         main_iv = [(e["start"], e["end"]) for e in main]
         side_iv = [(e["start"], e["end"]) for e in side]
         span += max(e["end"] for e in seg) - seg[0]["start"]
-        main_busy += busy(main_iv)
-        side_busy += busy(side_iv)
-        side_hidden += busy(side_iv) + busy(main_iv) - busy(main_iv + side_iv)
+        seg_main, seg_side = busy(main_iv), busy(side_iv)
+        main_busy += seg_main
+        side_busy += seg_side
+        side_hidden += seg_side + seg_main - busy(main_iv + side_iv)
     return {
         "span_ms": round(span / 1e3 / steps, 3),
         "main_busy_ms": round(main_busy / 1e3 / steps, 3),
