@@ -360,7 +360,7 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _carveout(device: torch.device, many: bool, large: bool = False) -> int:
+def _carveout(device: torch.device, many: bool, large: bool) -> int:
     """GEMM_SM_CARVEOUT (tuned on the H200's 132 SMs), at most 3/8 of this GPU's SMs: a smaller
     GPU keeps most of its SMs for the GEMM."""
     return min(GEMM_SM_CARVEOUT[2 * large + many], _sm_count(device) * 3 // 8)
