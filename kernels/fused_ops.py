@@ -30,7 +30,9 @@ activation dtype wherever the torch path of `worker/models/llama.py` rounds):
 
 `delta` is the LoRA side path's output when it ran beside the base GEMM on another stream
 (`lora_ops.linear_lora_deferred`): adding it here, where the row is read anyway, saves the
-LoRA expand's read-modify-write of the projection's output on the main stream.
+LoRA expand's read-modify-write of the projection's output on the main stream. `delta_rows`
+(`[T]` int, optional; `LoraMeta.has_lora`) names the rows whose delta is defined: elsewhere it
+counts as 0 whatever it holds (a storing expand leaves those rows unwritten, nothing zeroes them).
 
 Every launch's grid and arguments follow from tensor shapes only and nothing syncs with the host
 (positions and slots are read on the device), so all of them can be captured in a CUDA graph.
@@ -63,6 +65,7 @@ def _rms_norm_kernel(
     weight_ptr,
     out_ptr,
     delta_ptr,
+    rows_ptr,
     # sizes
     hidden,
     eps,
@@ -75,14 +78,18 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
     HAS_DELTA: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
 ):
-    """One row per program. x, residual, out, delta `[T, hidden]` (unit stride in hidden); weight `[hidden]`."""
+    """One row per program. x, residual, out, delta `[T, hidden]` (unit stride in hidden); weight
+    `[hidden]`; rows `[T]`: with HAS_ROWS, delta counts only where rows is not 0."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_DELTA:
         d = tl.load(delta_ptr + row * stride_d + offs, mask=mask, other=0.0)
+        if HAS_ROWS:  # a row the delta is not defined on: whatever it holds counts as 0
+            d = tl.where(tl.load(rows_ptr + row) != 0, d, 0.0)
         x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
     if ADD_RESIDUAL:
         r_ptrs = residual_ptr + row * stride_r + offs
@@ -106,15 +113,40 @@ def _check_norm_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError("x and weight need unit stride in hidden")
 
 
-def _check_delta(delta: torch.Tensor | None, like: torch.Tensor, name: str) -> None:
+@triton.jit
+def _use_delta(rows_ptr, row, HAS_ROWS: tl.constexpr):
+    """Whether this row's delta is defined: rows[row] != 0 with HAS_ROWS, else always."""
+    if HAS_ROWS:
+        return tl.load(rows_ptr + row) != 0
+    return row >= 0
+
+
+def _check_delta(
+    delta: torch.Tensor | None, like: torch.Tensor, name: str, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """-> the rows tensor to pass the kernel (`like` itself where there is none: not read)."""
     if delta is not None and (delta.shape != like.shape or delta.dtype != like.dtype or delta.stride(-1) != 1
                               or delta.device != like.device):
         raise ValueError(f"delta must be {tuple(like.shape)} {like.dtype} like {name}, with unit stride in "
                          f"features; got {tuple(delta.shape)} {delta.dtype}")
+    if rows is None or delta is None:
+        return like
+    if rows.shape != (like.shape[0],) or rows.is_floating_point() or rows.stride(0) != 1 or rows.device != like.device:
+        raise ValueError(f"delta_rows must be a contiguous [{like.shape[0]}] integer tensor on {like.device}, got "
+                         f"{tuple(rows.shape)} {rows.dtype} on {rows.device}")
+    return rows
+
+
+def _masked_delta(delta: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
+    """The references' delta: 0 on rows that `rows` leaves out (whatever they hold, NaN included)."""
+    if delta is None or rows is None:
+        return delta
+    return torch.where(rows.to(delta.device).unsqueeze(1) != 0, delta, torch.zeros((), dtype=delta.dtype, device=delta.device))
 
 
 def _launch_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [T, hidden]
     tokens, hidden = x.shape
@@ -127,6 +159,7 @@ def _launch_rms_norm(
         weight,
         out,
         dlt,
+        x if rows is None else rows,
         hidden,
         eps,
         x.stride(0),
@@ -136,6 +169,7 @@ def _launch_rms_norm(
         BLOCK=block,
         ADD_RESIDUAL=residual is not None,
         HAS_DELTA=delta is not None,
+        HAS_ROWS=rows is not None and delta is not None,
         num_warps=_num_warps(block),
     )
     return out
@@ -148,18 +182,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None,
+    delta_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`residual += x (+ delta)` in place, then RMSNorm of the new residual -> a new `[T, hidden]` tensor.
 
-    x, residual, delta: `[T, hidden]` in one dtype; weight `[hidden]` in that dtype too.
+    x, residual, delta: `[T, hidden]` in one dtype; weight `[hidden]` in that dtype too;
+    delta_rows: `[T]` int, the rows whose delta is defined (None: all).
     """
     _check_norm_inputs(x, weight)
     if residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1:
         raise ValueError(f"residual must be {tuple(x.shape)} {x.dtype} with unit stride in hidden, got "
                          f"{tuple(residual.shape)} {residual.dtype}")
-    _check_delta(delta, x, "x")
-    return _launch_rms_norm(x, residual, weight, eps, delta)
+    rows = _check_delta(delta, x, "x", delta_rows)
+    return _launch_rms_norm(x, residual, weight, eps, delta, None if delta_rows is None else rows)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -169,8 +205,10 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 
 def add_rms_norm_reference(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None,
+    delta_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    delta = _masked_delta(delta, delta_rows)
     if delta is not None:
         x = x + delta
     residual.add_(x)
@@ -181,11 +219,14 @@ def add_rms_norm_reference(
 
 
 @triton.jit
-def _load_plus(src, delta, mask, HAS_DELTA: tl.constexpr):
-    """src (+ delta, the sum rounded to src's dtype) as fp32."""
+def _load_plus(src, delta, mask, use_delta, HAS_DELTA: tl.constexpr):
+    """src (+ delta if use_delta, the sum rounded to src's dtype) as fp32. The delta is loaded
+    either way (under the same mask as src, so the loads stay vectors) and dropped where unused:
+    it may hold anything there, NaN included."""
     x = tl.load(src, mask=mask, other=0.0)
     if HAS_DELTA:
-        x = (x.to(tl.float32) + tl.load(delta, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+        d = tl.where(use_delta, tl.load(delta, mask=mask, other=0.0).to(tl.float32), 0.0)
+        x = (x.to(tl.float32) + d).to(x.dtype)
     return x.to(tl.float32)
 
 
@@ -200,20 +241,21 @@ def _rotate_heads(
     sin,
     offs_d,
     d_mask,
+    use_delta,
     HALF: tl.constexpr,
     H_PAD: tl.constexpr,
     HAS_DELTA: tl.constexpr,
 ):
-    """Rotate `num_heads` contiguous heads of one token at `src` (+ `delta`, laid out alike) and
-    store them at `dst` (may be src).
+    """Rotate `num_heads` contiguous heads of one token at `src` (+ `delta`, laid out alike, where
+    use_delta) and store them at `dst` (may be src).
 
     cos, sin: `[1, HALF_PAD]` fp32; a head's halves are x[:HALF] and x[HALF:].
     """
     offs_h = tl.arange(0, H_PAD)
     mask = (offs_h < num_heads)[:, None] & d_mask[None, :]
     offs = offs_h[:, None] * (2 * HALF) + offs_d[None, :]  # [H_PAD, HALF_PAD]
-    x1 = _load_plus(src + offs, delta + offs, mask, HAS_DELTA)
-    x2 = _load_plus(src + offs + HALF, delta + offs + HALF, mask, HAS_DELTA)
+    x1 = _load_plus(src + offs, delta + offs, mask, use_delta, HAS_DELTA)
+    x2 = _load_plus(src + offs + HALF, delta + offs + HALF, mask, use_delta, HAS_DELTA)
     d = dst + offs_h[:, None] * dst_stride_h + offs_d[None, :]
     tl.store(d, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
     tl.store(d + HALF, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=mask)
@@ -229,6 +271,7 @@ def _rope_write_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     delta_ptr,
+    rows_ptr,
     # sizes
     num_heads,
     num_kv_heads,
@@ -249,6 +292,7 @@ def _rope_write_kv_kernel(
     KVH_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HAS_DELTA: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
 ):
     """One token per program, all its heads at once.
 
@@ -266,7 +310,8 @@ def _rope_write_kv_kernel(
 
     q = qkv_ptr + t * stride_qkv
     dq = delta_ptr + t * stride_d
-    _rotate_heads(q, dq, q, 2 * HALF, num_heads, cos, sin, offs_d, d_mask, HALF, H_PAD, HAS_DELTA)
+    use = _use_delta(rows_ptr, t, HAS_ROWS)
+    _rotate_heads(q, dq, q, 2 * HALF, num_heads, cos, sin, offs_d, d_mask, use, HALF, H_PAD, HAS_DELTA)
 
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     block = slot // BLOCK_SIZE
@@ -274,14 +319,14 @@ def _rope_write_kv_kernel(
     k = q + num_heads * (2 * HALF)
     dk = dq + num_heads * (2 * HALF)
     k_dst = k_cache_ptr + block * stride_kb + in_block * stride_ks
-    _rotate_heads(k, dk, k_dst, stride_kh, num_kv_heads, cos, sin, offs_d, d_mask, HALF, KVH_PAD, HAS_DELTA)
+    _rotate_heads(k, dk, k_dst, stride_kh, num_kv_heads, cos, sin, offs_d, d_mask, use, HALF, KVH_PAD, HAS_DELTA)
 
     offs_h = tl.arange(0, KVH_PAD)
     mask = (offs_h < num_kv_heads)[:, None] & d_mask[None, :]
     v_offs = num_kv_heads * (2 * HALF) + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
     v_dst = v_cache_ptr + block * stride_vb + in_block * stride_vs + offs_h[:, None] * stride_vh + offs_d[None, :]
     for half in tl.static_range(2):
-        x = _load_plus(k + v_offs + half * HALF, dk + v_offs + half * HALF, mask, HAS_DELTA)
+        x = _load_plus(k + v_offs + half * HALF, dk + v_offs + half * HALF, mask, use, HAS_DELTA)
         tl.store(v_dst + half * HALF, x.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
@@ -331,6 +376,7 @@ def rope_write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     delta: torch.Tensor | None = None,
+    delta_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q in place, rotate k, store k and v at their cache slots -> q `[T, H, D]` (a view of qkv).
 
@@ -338,10 +384,11 @@ def rope_write_kv(
     (slots not checked: that would sync; each must name a slot of the cache, the sink included);
     cos_sin_cache: `[P, D]` float32, cos then sin of each rotary pair (`Rotary.cos_sin`), positions
     below P; k_cache, v_cache: `[num_blocks, block_size, KVH, D]`; delta: None or like qkv,
-    added first (q, k and v are those of qkv + delta; qkv's k and v columns are left as they are).
+    added first (q, k and v are those of qkv + delta; qkv's k and v columns are left as they are);
+    delta_rows: `[T]` int, the rows whose delta is defined (None: all).
     """
     heads, kv_heads, head_dim = _check_rope_inputs(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
-    _check_delta(delta, qkv, "qkv")
+    rows = _check_delta(delta, qkv, "qkv", delta_rows)
     half = head_dim // 2
     dlt = qkv if delta is None else delta  # not read without HAS_DELTA
     _rope_write_kv_kernel[(qkv.shape[0],)](
@@ -352,6 +399,7 @@ def rope_write_kv(
         k_cache,
         v_cache,
         dlt,
+        rows,
         heads,
         kv_heads,
         qkv.stride(0),
@@ -369,6 +417,7 @@ def rope_write_kv(
         KVH_PAD=triton.next_power_of_2(kv_heads),
         BLOCK_SIZE=k_cache.shape[1],
         HAS_DELTA=delta is not None,
+        HAS_ROWS=delta is not None and delta_rows is not None,
         num_warps=_num_warps(triton.next_power_of_2(heads) * triton.next_power_of_2(half)),
     )
     return qkv[:, : heads * head_dim].unflatten(1, (heads, head_dim))
@@ -382,7 +431,9 @@ def rope_write_kv_reference(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     delta: torch.Tensor | None = None,
+    delta_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    delta = _masked_delta(delta, delta_rows)
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     heads = qkv.shape[1] // head_dim - 2 * kv_heads
     src = qkv if delta is None else qkv + delta
@@ -410,6 +461,7 @@ def _silu_mul_kernel(
     gate_up_ptr,
     out_ptr,
     delta_ptr,
+    rows_ptr,
     # sizes
     inter,
     # strides
@@ -419,47 +471,57 @@ def _silu_mul_kernel(
     # meta-parameters
     BLOCK: tl.constexpr,
     HAS_DELTA: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
 ):
-    """Grid (T, cdiv(I, BLOCK)). gate_up, delta `[T, 2I]`, out `[T, I]` (unit stride in features)."""
+    """Grid (T, cdiv(I, BLOCK)). gate_up, delta `[T, 2I]`, out `[T, I]` (unit stride in features);
+    rows `[T]`: with HAS_ROWS, delta counts only where rows is not 0."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
     row = gate_up_ptr + t * stride_in
     drow = delta_ptr + t * stride_d
-    gate = _load_plus(row + offs, drow + offs, mask, HAS_DELTA)
-    up = _load_plus(row + inter + offs, drow + inter + offs, mask, HAS_DELTA)
+    use = _use_delta(rows_ptr, t, HAS_ROWS)
+    gate = _load_plus(row + offs, drow + offs, mask, use, HAS_DELTA)
+    up = _load_plus(row + inter + offs, drow + inter + offs, mask, use, HAS_DELTA)
     act = (gate * tl.sigmoid(gate)).to(gate_up_ptr.dtype.element_ty)  # torch rounds silu(gate) first
     out = act.to(tl.float32) * up
     tl.store(out_ptr + t * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+def silu_mul(
+    gate_up: torch.Tensor, delta: torch.Tensor | None = None, delta_rows: torch.Tensor | None = None
+) -> torch.Tensor:
     """silu(gate) · up of gate_up `[T, 2I]` (gate columns first; plus delta, laid out alike, if
-    given) -> a new `[T, I]` tensor."""
+    given, on the rows delta_rows `[T]` names, or all) -> a new `[T, I]` tensor."""
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must be [T, 2·I], got {tuple(gate_up.shape)}")
     if gate_up.dtype not in FLOAT_DTYPES or gate_up.stride(1) != 1:
         raise ValueError(f"gate_up must be float16, bfloat16 or float32 with unit stride in features, got {gate_up.dtype}")
     tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((tokens, inter), dtype=gate_up.dtype, device=gate_up.device)  # [T, I]
-    _check_delta(delta, gate_up, "gate_up")
+    rows = _check_delta(delta, gate_up, "gate_up", delta_rows)
     block = min(1024, triton.next_power_of_2(inter))
     dlt = gate_up if delta is None else delta  # not read without HAS_DELTA
     _silu_mul_kernel[(tokens, triton.cdiv(inter, block))](
         gate_up,
         out,
         dlt,
+        rows,
         inter,
         gate_up.stride(0),
         out.stride(0),
         dlt.stride(0),
         BLOCK=block,
         HAS_DELTA=delta is not None,
+        HAS_ROWS=delta is not None and delta_rows is not None,
         num_warps=4,
     )
     return out
 
 
-def silu_mul_reference(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+def silu_mul_reference(
+    gate_up: torch.Tensor, delta: torch.Tensor | None = None, delta_rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    delta = _masked_delta(delta, delta_rows)
     gate, up = (gate_up if delta is None else gate_up + delta).chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up

@@ -74,6 +74,9 @@ class LoraMeta:
     rank_bound: int | None = None
     # The device buffers every tensor above is a view of (build_lora_meta): (int32, float32).
     packed: tuple[torch.Tensor, torch.Tensor] | None = None
+    # [T] int32: 1 where the token has at least one adapter. A side path's delta written by a
+    # storing expand (`linear_lora_deferred`) is defined only on those rows: its readers mask with it.
+    has_lora: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -171,7 +174,8 @@ def build_lora_meta(
     begin = seg_start[:num_segments][chunk_seg] + within * chunk_size
 
     # One int32 buffer: token_slots | sorted_token | seg_slot | seg_start | chunk_slot | chunk_start | chunk_end
-    sizes = [num_pairs, num_pairs, max_slots, max_slots + 1, max_chunks, max_chunks, max_chunks]
+    # | has_lora
+    sizes = [num_pairs, num_pairs, max_slots, max_slots + 1, max_chunks, max_chunks, max_chunks, num_tokens]
     ints = np.zeros(sum(sizes), dtype=np.int32)
     parts = np.split(ints, np.cumsum(sizes)[:-1])
     parts[0][:] = slots
@@ -183,6 +187,7 @@ def build_lora_meta(
     parts[4][:num_chunks] = active[chunk_seg]
     parts[5][:num_chunks] = begin
     parts[6][:num_chunks] = np.minimum(begin + chunk_size, seg_start[1 : num_segments + 1][chunk_seg])
+    parts[7][:] = (slots.reshape(num_tokens, k) >= 0).any(axis=1) if k else 0
     floats = np.concatenate([scales, scales[order]])
     ints_d = torch.from_numpy(ints).to(device, non_blocking=True)
     floats_d = torch.from_numpy(floats).to(device, non_blocking=True)
@@ -205,6 +210,7 @@ def build_lora_meta(
         num_chunks=num_chunks,
         max_chunks=max_chunks,
         packed=(ints_d, floats_d),
+        has_lora=views[7],
     )
 
 
@@ -305,23 +311,27 @@ def add_lora(
 # decode-sized GEMM beside it (at most CARVEOUT_MAX_TOKENS rows: memory-bound, so it keeps its
 # bandwidth on fewer SMs) leaves SMs free for the LoRA kernels (cuBLASLt's SM count target; cuBLAS
 # ignores it): GEMM_SM_CARVEOUT[0] for a launch of at most FEW_CHUNKS chunks, [1] above, beside a
-# GEMM under LARGE_GEMM_ELEMENTS weight elements; [2] and [3] likewise beside a larger one. Above
-# FEW_CHUNKS the shrink's programs also zero the delta instead of a memset launch before them, and
+# GEMM under LARGE_GEMM_ELEMENTS weight elements; [2] and [3] likewise beside a larger one. With one
+# adapter per token the expand stores the delta (DELTA_STORE: nothing zeroes it); otherwise, above
+# FEW_CHUNKS the shrink's programs zero it instead of a memset launch before them. Above FEW_CHUNKS
 # the side path runs beside only decode-sized GEMMs (prefill steps with many chunks: after the GEMM,
-# as measured before). Carveouts are capped at 3/8 of the GPU's SMs.
+# as measured before). Carveouts are capped at CARVEOUT_MAX_SHARE of the GPU's SMs.
 # Measured on the H200 at batch 64 (docs/benchmarks.md, tokens/s vs base-only): without a carveout
 # the LoRA kernels wait for the GEMM's last CTAs, and beside the GEMM lost to after it with 64
-# adapters (0.617 vs 0.645); with 32 SMs free it won (0.66) and 8 adapters went 0.893 -> 0.90. Then
-# with 64 adapters the zeroing shrink took 0.653 -> 0.674 and 48 SMs 0.689, while for 8 adapters
-# both lost (0.893 -> 0.861 and 0.853): hence the split at FEW_CHUNKS (8 adapters in a 64-token
-# step launch 16 chunks, 64 adapters 64).
+# adapters (0.617 vs 0.645); with 32 SMs free it won (0.66). With 64 adapters the zeroing shrink
+# then took 0.653 -> 0.674 and 48 SMs 0.689. The storing expand with the GEMM launched first
+# (sixth session): 8 adapters 0.89 -> 0.92, 64 adapters 0.69 -> 0.73; then 48 SMs beside every GEMM
+# up to FEW_CHUNKS (8 adapters 0.928, 1 adapter 0.957) and 80 beside the small GEMMs above it, where
+# qkv's LoRA outlasts its GEMM (32 and 64 adapters +0.011). 8 adapters in a 64-token step launch 16
+# chunks, 64 adapters 64.
 OVERLAP_MAX_CHUNKS = int(os.environ.get("LORAFLEET_OVERLAP_MAX_CHUNKS", str(1 << 30)))
 FEW_CHUNKS = 16
 
 
 def _carveouts(text: str) -> tuple[int, int, int, int]:
     """LORAFLEET_GEMM_SM_CARVEOUT: SMs for (few, many) chunks beside a small GEMM, then beside a
-    large one (LARGE_GEMM_ELEMENTS): "a,b,c,d"; "few,many" ("32,48") for both sizes; or one number."""
+    large one (LARGE_GEMM_ELEMENTS): "a,b,c,d"; "few,many" ("32,48") for both sizes; or one number
+    ("48")."""
     try:
         parts = [int(v) for v in text.split(",")]
     except ValueError:
@@ -342,17 +352,23 @@ def carveout_table(parts: Sequence[int]) -> tuple[int, int, int, int]:
     raise ValueError(f"1, 2 or 4 carveouts, got {len(parts)}")
 
 
-GEMM_SM_CARVEOUT = _carveouts(os.environ.get("LORAFLEET_GEMM_SM_CARVEOUT", "32,48"))
+GEMM_SM_CARVEOUT = _carveouts(os.environ.get("LORAFLEET_GEMM_SM_CARVEOUT", "48,80,48,48"))
+CARVEOUT_MAX_SHARE = 5 / 8  # of the GPU's SMs; the rest stay with the GEMM (82 of the H200's 132)
 LARGE_GEMM_ELEMENTS = 1 << 25  # weight elements: at the seed shape gate_up and down are large, qkv and o small
 CARVEOUT_MAX_TOKENS = 128
 # Whether the GEMM is launched before the LoRA kernels beside it, with at most and above FEW_CHUNKS
 # chunks. LoRA kernels launched first fill every SM with their programs, and the GEMM's CTAs
 # wait for them to drain (the H200's step timeline at 64 adapters: ~1.1 ms a step of GEMMs
-# starting late); a GEMM launched first takes its SMs and leaves the carveout to the LoRA. In one
-# A/B on the H200 that won little: 64 adapters 0.684 -> 0.689 of base-only, 8 adapters unchanged
-# within noise (bench/results/overlap-sweep-gemm-first-h200.json).
-GEMM_FIRST = (False, True)
+# starting late); a GEMM launched first takes its SMs and leaves the carveout to the LoRA. Alone it
+# won little on the H200 (64 adapters 0.684 -> 0.689, overlap-sweep-gemm-first-h200.json), and at
+# few chunks neither it nor the storing expand won alone (8 adapters 0.89 -> 0.891 and 0.897 ->
+# 0.887); together they did (0.922; overlap-sweep-store2-h200.json, overlap-sweep-store-h200.json).
+GEMM_FIRST = (True, True)
 ZERO_IN_SHRINK = True  # above FEW_CHUNKS (False: always a memset launch; benchmarks compare)
+# With one adapter per token, whether the expand stores the delta (no memset or zeroing shrink
+# before it, no read of it; its reader masks the rows of tokens without an adapter with
+# LoraMeta.has_lora), with at most and above FEW_CHUNKS chunks.
+DELTA_STORE = (True, True)
 
 
 @functools.cache
@@ -361,9 +377,9 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _carveout(device: torch.device, many: bool, large: bool) -> int:
-    """GEMM_SM_CARVEOUT (tuned on the H200's 132 SMs), at most 3/8 of this GPU's SMs: a smaller
-    GPU keeps most of its SMs for the GEMM."""
-    return min(GEMM_SM_CARVEOUT[2 * large + many], _sm_count(device) * 3 // 8)
+    """GEMM_SM_CARVEOUT (tuned on the H200's 132 SMs), at most CARVEOUT_MAX_SHARE of this GPU's
+    SMs: a smaller GPU keeps most of its SMs for the GEMM."""
+    return min(GEMM_SM_CARVEOUT[2 * large + many], int(_sm_count(device) * CARVEOUT_MAX_SHARE))
 
 
 @contextlib.contextmanager
@@ -404,6 +420,9 @@ def linear_lora_deferred(
     GEMM's weight reads instead of following it. A decode-sized GEMM leaves GEMM_SM_CARVEOUT SMs
     to them (a GEMM that fills every SM makes them wait for its last CTAs). CUDA-graph capture
     records the fork and the join as graph edges.
+    With one adapter per token (and DELTA_STORE) the expand stores into the delta instead: nothing
+    zeroes it, and its rows of tokens without an adapter are left undefined, so the reader masks
+    them with `meta.has_lora` (the fused row kernels' `delta_rows`).
     Otherwise the LoRA is added into y in place and delta is None.
     """
     beside = meta.grid_chunks <= OVERLAP_MAX_CHUNKS and (
@@ -434,11 +453,12 @@ def linear_lora_deferred(
             with gemm_sm_carveout(carveout):
                 y = base()
         with torch.cuda.stream(side_stream):
-            zero_in_shrink = ZERO_IN_SHRINK and many
-            if not zero_in_shrink:
+            store = DELTA_STORE[many] and meta.token_slots.shape[1] == 1
+            zero_in_shrink = ZERO_IN_SHRINK and many and not store
+            if not (store or zero_in_shrink):
                 delta.zero_()
             launch_shrink(plan, zero=delta if zero_in_shrink else None)
-            launch_expand(plan, delta)  # programmatic dependent launch after the shrink where supported
+            launch_expand(plan, delta, store)  # programmatic dependent launch after the shrink where supported
         if not gemm_first:
             with gemm_sm_carveout(carveout):
                 y = base()

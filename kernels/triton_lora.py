@@ -17,7 +17,9 @@ Two launches per projection group (all slices in each):
   (masked loads: the pool's padding is never read; with rank-major B the rows past the true rank
   are not even in the same sectors) and adds into y. With k = 1 every token is in exactly
   one chunk, so a plain read-modify-write is race-free; with k > 1 two chunks can own the same
-  row, so the add is atomic.
+  row, so the add is atomic. With k = 1 it can also store instead (`launch_expand(store=True)`):
+  into a buffer nothing zeroed, whose rows of tokens without an adapter it leaves alone
+  (`LoraMeta.has_lora` tells the reader which rows are defined).
 
 Rank tiles cover `meta.rank_bound` (the step's largest true rank, set by the caller), not the
 pool's r_max, so a step of rank-8 adapters in a rank-64 pool computes and sums rank-8 tiles.
@@ -241,6 +243,7 @@ def _lora_expand_kernel(
     ATOMIC: tl.constexpr,
     PDL: tl.constexpr,
     Y_EARLY: tl.constexpr,
+    STORE: tl.constexpr,
 ):
     """y[token(pair), col_s + n] += scale(pair) · Σ_r part[:, pair, s*R_PAD + r] · B_s[slot, n, r].
 
@@ -248,6 +251,10 @@ def _lora_expand_kernel(
     rank-r activations are summed over the splits once and reused for every tile.
     y `[T, Σout]` (unit stride in columns); B_s indexed `[S, OUT_s, R_MAX]`: rank-major memory
     (stride 1 along n, OUT_s along r) when B_RANK_MAJOR, else contiguous.
+    STORE (k = 1 only): `=` instead of `+=`, y not read; a slot with rank 0 for the slice stores
+    zeros. Rows of tokens in no chunk are left as they were.
+    Y_EARLY: the first tile's y is loaded before `gdc_wait` (not with STORE or ATOMIC, nor when the
+    shrink zeroes y).
     """
     pid_c = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -280,7 +287,14 @@ def _lora_expand_kernel(
     m_mask = offs_m < end
     tok = tl.load(sorted_token_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
     scale = tl.load(sorted_scale_ptr + offs_m, mask=m_mask, other=0.0)
+    n_hi = tl.minimum(n_lo + N_PER_PROG, out)
+    y_rows = y_ptr + tok[:, None] * stride_yt + col0  # [BLOCK_M, 1]
     if rank == 0:
+        if STORE:  # this slot leaves the slice untargeted: its columns of y are 0
+            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty)
+            for n0 in range(n_lo, n_hi, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                tl.store(y_rows + offs_n[None, :], zeros, mask=m_mask[:, None] & (offs_n < n_hi)[None, :])
         return
     # Out-major B: loads stop at the true rank rounded up to 8 (16 bytes, one vector): B's padding
     # columns past that are never read; the few inside it (odd ranks) share the sector and are
@@ -291,21 +305,21 @@ def _lora_expand_kernel(
         r_load = r_mask
     else:
         r_load = offs_r < (rank + 7) // 8 * 8
-    n_hi = tl.minimum(n_lo + N_PER_PROG, out)
     b_slot = b_ptr + slot.to(tl.int64) * out * R_MAX
     if B_RANK_MAJOR:
         b_base = b_slot + offs_r[:, None].to(tl.int64) * out  # [R_BLOCK, 1]
     else:
         b_base = b_slot + offs_r[:, None]
-    y_rows = y_ptr + tok[:, None] * stride_yt + col0  # [BLOCK_M, 1]
-    # The first tile's B (weights, never written by the shrink) and, unless the shrink zeroes y
-    # (Y_EARLY false) or the add is atomic, its y rows are loaded before waiting for the partials.
+    # The first tile's B (weights, never written by the shrink) and, with Y_EARLY, its y rows are
+    # loaded before waiting for the partials.
     offs_n = n_lo + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_hi
     bt = _load_b_tile(b_base, offs_n, n_mask, r_mask, r_load, R_MAX, B_RANK_MAJOR, UPCAST)
     mask = m_mask[:, None] & n_mask[None, :]
-    if Y_EARLY and not ATOMIC:
+    if Y_EARLY:
         cur = tl.load(y_rows + offs_n[None, :], mask=mask, other=0.0)
+    else:
+        cur = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # unused
     p = part_ptr + offs_m[:, None].to(tl.int64) * stride_pm + s * R_PAD + offs_r[None, :]
     if PDL:  # launched early (programmatic dependent launch): wait for the shrink's partials
         tl.extra.cuda.gdc_wait()
@@ -316,25 +330,26 @@ def _lora_expand_kernel(
     if not UPCAST:
         h = h.to(b0_ptr.dtype.element_ty)
 
-    acc = _dot(h, bt, IEEE)
-    if ATOMIC:
-        tl.atomic_add(y_rows + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask, sem="relaxed")
-    else:
-        if not Y_EARLY:
-            cur = tl.load(y_rows + offs_n[None, :], mask=mask, other=0.0)
-        tl.store(y_rows + offs_n[None, :], (cur.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+    _write_tile(y_rows + offs_n[None, :], _dot(h, bt, IEEE), mask, cur, Y_EARLY, ATOMIC, STORE)
     for n0 in range(n_lo + BLOCK_N, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < n_hi
         bt = _load_b_tile(b_base, offs_n, n_mask, r_mask, r_load, R_MAX, B_RANK_MAJOR, UPCAST)
         acc = _dot(h, bt, IEEE)
-        y_ptrs = y_rows + offs_n[None, :]
-        mask = m_mask[:, None] & n_mask[None, :]
-        if ATOMIC:
-            tl.atomic_add(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask, sem="relaxed")
-        else:
+        _write_tile(y_rows + offs_n[None, :], acc, m_mask[:, None] & n_mask[None, :], acc, False, ATOMIC, STORE)
+
+
+@triton.jit
+def _write_tile(y_ptrs, acc, mask, cur, CUR_LOADED: tl.constexpr, ATOMIC: tl.constexpr, STORE: tl.constexpr):
+    """One tile of y: `+= acc` (atomic with ATOMIC; cur is y's tile when CUR_LOADED), or `= acc` with STORE."""
+    if ATOMIC:
+        tl.atomic_add(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=mask, sem="relaxed")
+    elif STORE:
+        tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=mask)
+    else:
+        if not CUR_LOADED:
             cur = tl.load(y_ptrs, mask=mask, other=0.0)
-            tl.store(y_ptrs, (cur.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptrs, (cur.to(tl.float32) + acc).to(y_ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -487,12 +502,19 @@ def launch_shrink(plan: LoraLaunch, zero: torch.Tensor | None = None) -> None:
     )
 
 
-def launch_expand(plan: LoraLaunch, y: torch.Tensor) -> None:
-    """y[token(pair), slice cols] += scale(pair) · B_s(Σ_splits part), in place (on the current stream)."""
+def launch_expand(plan: LoraLaunch, y: torch.Tensor, store: bool = False) -> None:
+    """y[token(pair), slice cols] += scale(pair) · B_s(Σ_splits part), in place (on the current stream).
+
+    store: `=` instead of `+=` (one adapter per token only), so y need not be zeroed first and is
+    not read; rows of tokens without an adapter are not written (`LoraMeta.has_lora` tells them).
+    """
     _check_shapes(y, plan.x, plan.lora_a, plan.lora_b)
     if y.stride(1) != 1:
         raise ValueError("y needs unit stride along features")
     meta, cfg, b = plan.meta, plan.cfg, plan.lora_b
+    atomic = meta.token_slots.shape[1] > 1
+    if store and (atomic or plan.shrink_zeroes):
+        raise ValueError("a storing expand needs one adapter per token (k = 1) and a shrink that does not zero y")
     outs = [t.shape[1] for t in b] + [0] * (3 - plan.n_slices)
     n_per_prog = max(cfg.n_per_prog, cfg.block_n)
     groups = [triton.cdiv(o, n_per_prog) for o in outs]
@@ -526,9 +548,10 @@ def launch_expand(plan: LoraLaunch, y: torch.Tensor) -> None:
         N_PER_PROG=n_per_prog,
         UPCAST=plan.upcast,
         IEEE=plan.ieee,
-        ATOMIC=meta.token_slots.shape[1] > 1,
+        ATOMIC=atomic,
         PDL=plan.pdl,
-        Y_EARLY=not plan.shrink_zeroes,
+        Y_EARLY=not (plan.shrink_zeroes or store or atomic),
+        STORE=store,
         num_warps=cfg.expand_warps,
         num_stages=cfg.num_stages,
         **({"launch_pdl": True} if plan.pdl else {}),

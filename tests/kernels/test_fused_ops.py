@@ -227,6 +227,52 @@ def test_silu_mul_matches_reference(dtype, tokens: int, inter: int, with_delta: 
     torch.testing.assert_close(out, silu_mul_reference(gate_up, delta), **TOLERANCE[dtype])
 
 
+def test_delta_rows_leave_the_other_rows_delta_unread() -> None:
+    """A storing LoRA expand defines the delta only on rows of tokens with an adapter: with
+    `delta_rows`, each op adds it there and nowhere else (the other rows hold NaN, which would show),
+    against the references given the same rows, and against no delta at all on the left-out rows."""
+    dtype = torch.float16
+    rows = torch.tensor([1, 0, 1, 0, 0, 1, 1, 0, 1], dtype=torch.int32, device=DEVICE)
+    off = rows == 0
+    tokens = rows.numel()
+
+    def poisoned(like: torch.Tensor) -> torch.Tensor:
+        d = torch.randn_like(like)
+        d[off] = float("nan")
+        return d
+
+    x, residual, weight = norm_case(3, tokens, 300, dtype)
+    delta = poisoned(x)
+    ref_res, plain_res = residual.clone(), residual.clone()
+    ref = add_rms_norm_reference(x, ref_res, weight, 1e-6, delta, rows)
+    plain = add_rms_norm(x, plain_res, weight, 1e-6)  # no delta at all
+    out = add_rms_norm(x, residual, weight, 1e-6, delta, rows)
+    assert not out.isnan().any() and not residual.isnan().any()
+    torch.testing.assert_close(out, ref, **TOLERANCE[dtype])
+    torch.testing.assert_close(residual, ref_res, **TOLERANCE[dtype])
+    assert torch.equal(out[off], plain[off]) and not torch.equal(out[~off], plain[~off])
+
+    g = torch.Generator().manual_seed(9)
+    gate_up = torch.randn(tokens, 90, generator=g).to(DEVICE, dtype)
+    delta = poisoned(gate_up)
+    out = silu_mul(gate_up, delta, rows)
+    torch.testing.assert_close(out, silu_mul_reference(gate_up, delta, rows), **TOLERANCE[dtype])
+    assert torch.equal(out[off], silu_mul(gate_up)[off])
+
+    qkv, positions, k_cache, v_cache, slots = rope_case(4, 4, 2, 16, dtype)
+    rows[-2:] = 0  # the two padding rows alike (see rope_case)
+    off = rows == 0
+    delta = poisoned(qkv)
+    cos_sin = rotary(16, 100_000).cos_sin
+    ref_qkv, ref_k, ref_v = qkv.clone(), k_cache.clone(), v_cache.clone()
+    ref_q = rope_write_kv_reference(ref_qkv, positions, cos_sin, ref_k, ref_v, slots, delta, rows)
+    q = rope_write_kv(qkv, positions, cos_sin, k_cache, v_cache, slots, delta, rows)
+    assert not q.isnan().any()
+    torch.testing.assert_close(q, ref_q, **TOLERANCE[dtype])
+    torch.testing.assert_close(k_cache, ref_k, equal_nan=True, **TOLERANCE[dtype])
+    assert torch.equal(v_cache.nan_to_num(7.0), ref_v.nan_to_num(7.0))
+
+
 def test_fused_ops_reject_bad_inputs() -> None:
     x, residual, weight = norm_case(8, 2, 16, torch.float32)
     with pytest.raises(ValueError, match="weight"):
@@ -241,6 +287,10 @@ def test_fused_ops_reject_bad_inputs() -> None:
         add_rms_norm(x, residual, weight, 1e-5, delta=x[:1])
     with pytest.raises(ValueError, match="delta must be"):
         silu_mul(torch.zeros(2, 8, device=DEVICE), delta=torch.zeros(2, 8, device=DEVICE, dtype=torch.float16))
+    with pytest.raises(ValueError, match="delta_rows must be"):
+        add_rms_norm(x, residual, weight, 1e-5, x.clone(), torch.ones(3, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="delta_rows must be"):
+        silu_mul(torch.zeros(2, 8, device=DEVICE), torch.zeros(2, 8, device=DEVICE), torch.ones(2, device=DEVICE))
 
 
 # -- the model: both elementwise paths ---------------------------------------------------------
@@ -357,22 +407,26 @@ SIZES = ("hidden", "inter")  # 4096 and 14336 at the seed shape
 
 for dt in ("bf16", "fp16", "fp32"):
     p = "*" + dt
-    norm = {"x_ptr": p, "residual_ptr": p, "weight_ptr": p, "out_ptr": p, "delta_ptr": p, "hidden": "i32",
+    norm = {"x_ptr": p, "residual_ptr": p, "weight_ptr": p, "out_ptr": p, "delta_ptr": p, "rows_ptr": "*i32",
+            "hidden": "i32",
             "eps": "fp32", "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_d": "i32"}
     rope = {"qkv_ptr": p, "positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_mapping_ptr": "*i64",
-            "k_cache_ptr": p, "v_cache_ptr": p, "delta_ptr": p, "num_heads": "i32", "num_kv_heads": "i32",
+            "k_cache_ptr": p, "v_cache_ptr": p, "delta_ptr": p, "rows_ptr": "*i32", "num_heads": "i32",
+            "num_kv_heads": "i32",
             **{s: "i32" for s in ("stride_qkv", "stride_d", "stride_cs", "stride_kb", "stride_ks", "stride_kh",
                                   "stride_vb", "stride_vs", "stride_vh")}}
-    silu = {"gate_up_ptr": p, "out_ptr": p, "delta_ptr": p, "inter": "i32", "stride_in": "i32",
+    silu = {"gate_up_ptr": p, "out_ptr": p, "delta_ptr": p, "rows_ptr": "*i32", "inter": "i32", "stride_in": "i32",
             "stride_out": "i32", "stride_d": "i32"}
-    for delta in (False, True):  # with the LoRA delta of the side stream added, and without
+    # Without the LoRA delta of the side stream, with it, and with it defined on some rows only.
+    for delta, rows in ((False, False), (True, False), (True, True)):
         for add in (False, True):
-            k = compile_(ops._rms_norm_kernel, norm, dict(BLOCK=4096, ADD_RESIDUAL=add, HAS_DELTA=delta),
-                         divisible=SIZES)
+            k = compile_(ops._rms_norm_kernel, norm,
+                         dict(BLOCK=4096, ADD_RESIDUAL=add, HAS_DELTA=delta, HAS_ROWS=rows), divisible=SIZES)
             assert "ld.global.v4" in k.asm["ptx"], "rms_norm loads are not vectorised"
         compile_(ops._rope_write_kv_kernel, rope,
-                 dict(HALF=64, HALF_PAD=64, H_PAD=32, KVH_PAD=8, BLOCK_SIZE=16, HAS_DELTA=delta), divisible=SIZES)
-        k = compile_(ops._silu_mul_kernel, silu, dict(BLOCK=1024, HAS_DELTA=delta), divisible=SIZES)
+                 dict(HALF=64, HALF_PAD=64, H_PAD=32, KVH_PAD=8, BLOCK_SIZE=16, HAS_DELTA=delta, HAS_ROWS=rows),
+                 divisible=SIZES)
+        k = compile_(ops._silu_mul_kernel, silu, dict(BLOCK=1024, HAS_DELTA=delta, HAS_ROWS=rows), divisible=SIZES)
         assert "ld.global.v4" in k.asm["ptx"], "silu_mul loads are not vectorised"
 print("ok")
 """

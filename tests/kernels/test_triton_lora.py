@@ -335,6 +335,102 @@ def test_shrink_zeroes_the_delta_it_expands_into(k: int, launch_bound: int | Non
         launch_shrink(plan, zero=delta.t())
 
 
+@pytest.mark.parametrize("launch_bound", [None, 8])
+def test_storing_expand_writes_only_rows_with_an_adapter(launch_bound: int | None) -> None:
+    """One adapter per token: the expand stores (`=`) into an unzeroed delta. Rows of tokens with
+    an adapter match the reference, a slot's untargeted slice (rank 0) included, which must read 0;
+    rows without one keep what was there (NaN here), and `meta.has_lora` names exactly the others."""
+    from lorafleet.kernels.triton_lora import launch_expand, launch_shrink, plan_lora_triton
+
+    g = torch.Generator().manual_seed(21)
+    tokens, slots, d_in, outs = 40, 5, 48, [700, 300]
+    ranks = [[8, 16, 0, 4, 16], [16, 1, 8, 0, 16]]
+    lora_a, lora_b = make_weights(g, slots, 16, d_in, outs, ranks, torch.float32, DEVICE, "rank_major")
+    ranks_dev = torch.tensor(ranks, dtype=torch.int32, device=DEVICE)
+    token_slots = torch.randint(-1, slots, (tokens, 1), generator=g, dtype=torch.int32)
+    assert (token_slots == -1).any() and (token_slots == 2).any() and (token_slots == 3).any()
+    meta = build_lora_meta(token_slots, torch.rand(tokens, 1, generator=g) + 0.5, slots, DEVICE)
+    if launch_bound is not None:
+        meta.launch_chunks = max(launch_bound, meta.num_chunks)
+    x = torch.randn(tokens, d_in, generator=g).to(DEVICE)
+    delta = torch.full((tokens, sum(outs)), float("nan"), device=DEVICE)
+    plan = plan_lora_triton(x, lora_a, lora_b, ranks_dev, meta)
+    assert plan is not None
+    launch_shrink(plan)
+    launch_expand(plan, delta, store=True)
+    ref = torch.zeros_like(delta)
+    add_lora(ref, x, lora_a, lora_b, ranks, ranks_dev, meta, "torch")
+    has = token_slots[:, 0] >= 0
+    assert meta.has_lora.cpu().tolist() == has.int().tolist()
+    torch.testing.assert_close(delta[has.to(DEVICE)], ref[has.to(DEVICE)], **TOL[torch.float32])
+    assert delta[~has.to(DEVICE)].isnan().all()
+
+
+def test_storing_expand_refuses_what_it_cannot_do() -> None:
+    """k > 1 needs the atomic add into a zeroed delta; a zeroing shrink is for an adding expand."""
+    from lorafleet.kernels.triton_lora import launch_expand, launch_shrink, plan_lora_triton
+
+    g = torch.Generator().manual_seed(22)
+    tokens, slots, d_in, outs = 8, 3, 16, [16]
+    lora_a, lora_b = make_weights(g, slots, 16, d_in, outs, [[16] * slots], torch.float32, DEVICE)
+    ranks_dev = torch.full((1, slots), 16, dtype=torch.int32, device=DEVICE)
+    x = torch.randn(tokens, d_in, generator=g).to(DEVICE)
+    delta = torch.zeros(tokens, 16, device=DEVICE)
+    two = build_lora_meta(torch.randint(0, slots, (tokens, 2), generator=g), torch.ones(tokens, 2), slots, DEVICE)
+    plan = plan_lora_triton(x, lora_a, lora_b, ranks_dev, two)
+    launch_shrink(plan)
+    with pytest.raises(ValueError, match="one adapter per token"):
+        launch_expand(plan, delta, store=True)
+    one = build_lora_meta(torch.randint(0, slots, (tokens, 1), generator=g), torch.ones(tokens, 1), slots, DEVICE)
+    plan = plan_lora_triton(x, lora_a, lora_b, ranks_dev, one)
+    launch_shrink(plan, zero=delta)
+    with pytest.raises(ValueError, match="does not zero"):
+        launch_expand(plan, delta, store=True)
+
+
+# Compiles both kernels for sm_90 (ptxas included) without a GPU (tests/kernels/hopper_compile.py),
+# in every mode a launch picks: what the interpreter lets through (a value whose type differs
+# between the branches of a constexpr `if`, an op sm_90 lacks) fails here.
+HOPPER_COMPILE = r"""
+import re
+
+from lorafleet.kernels import triton_lora as tk
+
+i32, p = "i32", "*bf16"
+ptrs = {n: "*i32" for n in ("ranks_ptr", "chunk_slot_ptr", "chunk_start_ptr", "chunk_end_ptr", "sorted_token_ptr")}
+shrink = {"x_ptr": p, "a0_ptr": p, "a1_ptr": p, "a2_ptr": p, **ptrs, "part_ptr": "*fp32", "zero_ptr": p,
+          **{n: i32 for n in ("K", "K_PER_SPLIT", "ZERO_NUMEL", "stride_xt", "stride_as", "stride_ar", "stride_rs",
+                              "stride_ps", "stride_pm")}}
+expand = {"y_ptr": p, "b0_ptr": p, "b1_ptr": p, "b2_ptr": p, **ptrs, "sorted_scale_ptr": "*fp32",
+          "part_ptr": "*fp32", **{n: i32 for n in ("OUT0", "OUT1", "OUT2", "GROUPS0", "GROUPS1", "SPLIT_K",
+                                                   "stride_yt", "stride_rs", "stride_ps", "stride_pm")}}
+for pdl in (False, True):
+    for zero in (False, True):
+        compile_(tk._lora_shrink_kernel, shrink, dict(R_MAX=16, R_PAD=16, R_BLOCKS=1, BLOCK_M=16, BLOCK_K=128, BLOCK_RANK=16,
+                                   UPCAST=False, IEEE=False, PDL=pdl, ZERO=zero, ZERO_BLOCK=1024), stages=3)
+    # (ATOMIC, Y_EARLY, STORE): k > 1; y read before the wait; y read after it (the shrink zeroed
+    # it); the storing expand.
+    for atomic, early, store in ((True, False, False), (False, True, False), (False, False, False),
+                                 (False, False, True)):
+        for rank_major in (False, True):
+            k = compile_(tk._lora_expand_kernel, expand,
+                         dict(R_MAX=16, R_PAD=16, R_BLOCK=16, B_RANK_MAJOR=rank_major, BLOCK_M=16, BLOCK_N=128,
+                              N_PER_PROG=512, UPCAST=False, IEEE=False, ATOMIC=atomic, PDL=pdl, Y_EARLY=early,
+                              STORE=store), stages=3)
+            ptx = k.asm["ptx"]
+            assert bool(re.search(r"\b(atom|red)\.global", ptx)) == atomic, "atomics only for k > 1"
+print("ok")
+"""
+
+
+def test_kernels_compile_for_hopper() -> None:
+    """Both kernels compile to sm_90 cubins in every launch mode (no GPU needed); skipped where
+    this Triton lacks the compile API."""
+    from tests.kernels.hopper_compile import run_hopper_compile
+
+    run_hopper_compile(HOPPER_COMPILE)
+
+
 # ---- GPU only ---------------------------------------------------------------------------------------
 
 # Seed model shapes (hidden 4096, kv 1024, mlp 14336): (d_in, output slices).
@@ -426,16 +522,20 @@ def test_cuda_graph_replay_with_new_metadata(pdl: bool) -> None:
 @pytest.mark.parametrize("blas, carveout", [("cublas", 0), ("cublaslt", 32)])
 @pytest.mark.parametrize("max_chunks", [16, 1 << 30])
 @pytest.mark.parametrize("gemm_first", [False, True])
+@pytest.mark.parametrize("store", [False, True])
 def test_lora_on_a_side_stream_beside_the_gemm(captured: bool, slots: int, blas: str, carveout: int,
-                                               max_chunks: int, gemm_first: bool, monkeypatch) -> None:
+                                               max_chunks: int, gemm_first: bool, store: bool, monkeypatch) -> None:
     """`linear_lora_deferred` with a side stream (the engine's CUDA path): with few chunks, zero,
     shrink and expand into a delta run beside the base GEMM (which leaves `carveout` SMs free);
     with more than OVERLAP_MAX_CHUNKS (16, or no limit) the LoRA is added after the GEMM (no
-    delta). Above FEW_CHUNKS (16) beside the GEMM, the shrink zeroes the delta (no memset).
+    delta). Above FEW_CHUNKS (16) beside the GEMM, the shrink zeroes the delta (no memset); with
+    DELTA_STORE (`store`) nothing zeroes it and the expand stores into it, defined on the rows
+    `meta.has_lora` names (some tokens here have no adapter).
     Eager, and captured once then replayed with other steps' metadata: y (+ delta) = x Wᵀ + LoRA,
     against the GEMM plus the torch reference."""
     from lorafleet.kernels import lora_ops
 
+    monkeypatch.setattr(lora_ops, "DELTA_STORE", (store, store))
     monkeypatch.setattr(lora_ops, "OVERLAP_MAX_CHUNKS", max_chunks)
     monkeypatch.setattr(lora_ops, "GEMM_SM_CARVEOUT", (carveout,) * 4)
     monkeypatch.setattr(lora_ops, "GEMM_FIRST", (gemm_first, gemm_first))  # GEMM or LoRA launched first
@@ -466,7 +566,9 @@ def _side_stream_case(captured: bool, slots: int, max_chunks: int = 16) -> None:
     def run(meta):
         y, delta = linear_lora_deferred(lambda: x @ w.T, x, lora_a, lora_b, ranks, ranks_dev, meta, "triton", side)
         assert (delta is not None) == (meta.grid_chunks <= max_chunks)
-        return y if delta is None else y + delta
+        if delta is None:
+            return y
+        return y + torch.where(meta.has_lora[:, None] != 0, delta, torch.zeros((), dtype=delta.dtype, device="cuda"))
 
     static = step_meta(0)
     assert (static.grid_chunks <= 16) == (slots == 8)  # few chunks with 8 slots, many with 32

@@ -208,19 +208,21 @@ class LlamaModel:
         c, w = self.config, self.weights
         eps, scale = c.rms_norm_eps, c.head_dim**-0.5
         x = fused_ops.rms_norm(h, w["layers.0.in_norm"], eps)
+        rows = None if lora_meta is None else lora_meta.has_lora  # where a LoRA delta is defined
         for i in range(c.num_layers):
             p = f"layers.{i}."
             qkv, d = self._linear_deferred(x, i, "qkv_proj", lora_meta, graph)  # [T, q_size + 2 kv_size]
             k_cache, v_cache = kv_caches[i]
-            q = fused_ops.rope_write_kv(qkv, positions, self.rotary.cos_sin, k_cache, v_cache, attn.slot_mapping, d)
+            q = fused_ops.rope_write_kv(qkv, positions, self.rotary.cos_sin, k_cache, v_cache, attn.slot_mapping, d,
+                                        rows)
             o = paged_attention(q, k_cache, v_cache, attn, scale, self.attention_backend).reshape(-1, c.q_size)
             o, d = self._linear_deferred(o, i, "o_proj", lora_meta, graph)
-            x = fused_ops.add_rms_norm(o, h, w[p + "post_norm"], eps, d)
+            x = fused_ops.add_rms_norm(o, h, w[p + "post_norm"], eps, d, rows)
             gate_up, d = self._linear_deferred(x, i, "gate_up_proj", lora_meta, graph)
-            act = fused_ops.silu_mul(gate_up, d)  # [T, intermediate]
+            act = fused_ops.silu_mul(gate_up, d, rows)  # [T, intermediate]
             next_norm = w[f"layers.{i + 1}.in_norm"] if i + 1 < c.num_layers else w["norm"]
             down, d = self._linear_deferred(act, i, "down_proj", lora_meta, graph)
-            x = fused_ops.add_rms_norm(down, h, next_norm, eps, d)
+            x = fused_ops.add_rms_norm(down, h, next_norm, eps, d, rows)
         return x.index_select(0, logits_indices)
 
 
