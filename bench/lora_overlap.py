@@ -9,8 +9,10 @@ weights (as `bench/kernels.py` times), µs per call:
 - lora: `add_lora_triton` alone (shrink + expand);
 - serial: the GEMM, then the LoRA added into its output (what the engine does above
   `OVERLAP_MAX_CHUNKS`);
-- beside: `linear_lora_deferred` with a side stream (what the engine does up to it): zero a delta,
-  shrink and expand into it on the side stream while the GEMM runs, then join;
+- beside: `linear_lora_deferred` with a side stream, its expand adding into a zeroed delta: zero a
+  delta, shrink and expand into it on the side stream while the GEMM runs, then join;
+- beside_store: the same with the storing expand (`lora_ops.DELTA_STORE`, what the engine does with
+  one adapter per token): nothing zeroes the delta;
 - fork_join: the same fork and join with only the delta's zeroing on the side stream.
 hidden = (gemm + lora - beside) / lora: the share of the LoRA's time the overlap saves.
 """
@@ -68,17 +70,25 @@ def run(module: str, tokens: int, adapters: int, side: torch.cuda.Stream, g: tor
         y = F.linear(s.x, w)
         add_lora_triton(y, s.x, s.lora_a, s.lora_b, ranks_dev, meta)
 
-    def beside(s, w):
-        y, delta = linear_lora_deferred(lambda: F.linear(s.x, w), s.x, s.lora_a, s.lora_b, ranks, ranks_dev, meta,
-                                        "triton", side)
-        assert delta is not None
+    def beside_with(store: bool):
+        def body(s, w):
+            lora_ops.DELTA_STORE = (store, store)  # read while the graph is captured
+            y, delta = linear_lora_deferred(lambda: F.linear(s.x, w), s.x, s.lora_a, s.lora_b, ranks, ranks_dev,
+                                            meta, "triton", side)
+            assert delta is not None
+        return body
 
     def fj(s, w):
         fork_join(s.x, sum(outs), side, lambda: F.linear(s.x, w))
 
     row = {"module": module, "tokens": tokens, "adapters": adapters}
-    for name, body in (("gemm", gemm), ("lora", lora), ("serial", serial), ("beside", beside), ("fork_join", fj)):
-        row[f"{name}_us"] = round(time_graph(calls(body)), 2)
+    store_before = lora_ops.DELTA_STORE
+    try:
+        for name, body in (("gemm", gemm), ("lora", lora), ("serial", serial), ("beside", beside_with(False)),
+                           ("beside_store", beside_with(True)), ("fork_join", fj)):
+            row[f"{name}_us"] = round(time_graph(calls(body)), 2)
+    finally:
+        lora_ops.DELTA_STORE = store_before
     row["hidden"] = round((row["gemm_us"] + row["lora_us"] - row["beside_us"]) / row["lora_us"], 3)
     return row
 
@@ -97,7 +107,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     rows = []
     print(f"{'blas':<8} {'carve':>5} {'module':<8} {'adapters':>8} {'gemm':>8} {'lora':>8} {'serial':>8} {'beside':>8} "
-          f"{'fork_join':>9} {'hidden':>7}")
+          f"{'b_store':>8} {'fork_join':>9} {'hidden':>7}")
     for blas in args.blas.split(","):
         torch.backends.cuda.preferred_blas_library("cublas" if blas == "default" else blas)
         for carveout in (int(x) for x in args.carveouts.split(",")):
@@ -107,7 +117,8 @@ def main() -> None:
                     r = {"blas": blas, "carveout": carveout, **run(module, args.tokens, d, side, g)}
                     rows.append(r)
                     print(f"{blas:<8} {carveout:>5} {module:<8} {d:>8} {r['gemm_us']:>8} {r['lora_us']:>8} "
-                          f"{r['serial_us']:>8} {r['beside_us']:>8} {r['fork_join_us']:>9} {r['hidden']:>7}", flush=True)
+                          f"{r['serial_us']:>8} {r['beside_us']:>8} {r['beside_store_us']:>8} {r['fork_join_us']:>9} "
+                          f"{r['hidden']:>7}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": torch.cuda.get_device_name(), "torch": torch.__version__,
                                     "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1))

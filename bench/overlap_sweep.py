@@ -27,7 +27,9 @@ from lorafleet.kernels import lora_ops
 # name -> (BLAS library, overlap max chunks, carveout beside the LoRA (<= 16 chunks, more; or those two
 # beside small GEMMs, then beside large ones: lora_ops.carveout_table), where the shrink zeroes the
 # delta: "never" (a memset), "always", "many" (above lora_ops.FEW_CHUNKS), and optionally
-# lora_ops.GEMM_FIRST with at most, above FEW_CHUNKS chunks (default: the LoRA launched first))
+# lora_ops.GEMM_FIRST with at most, above FEW_CHUNKS chunks (default: the LoRA launched first), then
+# lora_ops.DELTA_STORE with at most, above FEW_CHUNKS chunks (default off: every variant before it
+# existed; where it is on, the zeroing setting applies only to steps with several adapters per token))
 VARIANTS = {
     "cublas (third session)": ("cublas", 16, (0, 0), "never"),
     "cublaslt": ("cublaslt", 16, (0, 0), "never"),
@@ -50,6 +52,30 @@ VARIANTS = {
         ("cublaslt", 1 << 30, (32, 48), "many", (False, True)),
     "now: carveout 32 / 48, shrink zeroes above 16 chunks, GEMM always first":
         ("cublaslt", 1 << 30, (32, 48), "many", (True, True)),
+    "storing expand, carveout 32 / 48, GEMM first above 16 chunks":
+        ("cublaslt", 1 << 30, (32, 48), "many", (False, True), (True, True)),
+    "storing expand, carveout 32 / 48, GEMM always first":
+        ("cublaslt", 1 << 30, (32, 48), "many", (True, True), (True, True)),
+    "storing expand, small 32 / 48, large 16 / 48, GEMM first above 16 chunks":
+        ("cublaslt", 1 << 30, (32, 48, 16, 48), "many", (False, True), (True, True)),
+    "storing expand above 16 chunks, GEMM first above 16 chunks":
+        ("cublaslt", 1 << 30, (32, 48), "many", (False, True), (False, True)),
+    "storing expand above 16 chunks, GEMM always first":
+        ("cublaslt", 1 << 30, (32, 48), "many", (True, True), (False, True)),
+    "storing expand, GEMM first, carveout 24 / 48": ("cublaslt", 1 << 30, (24, 48), "many", (True, True), (True, True)),
+    "storing expand, GEMM first, carveout 16 / 48": ("cublaslt", 1 << 30, (16, 48), "many", (True, True), (True, True)),
+    "storing expand, GEMM first, carveout 48 / 48": ("cublaslt", 1 << 30, (48, 48), "many", (True, True), (True, True)),
+    "storing expand, GEMM first, small 32 / 48, large 16 / 48":
+        ("cublaslt", 1 << 30, (32, 48, 16, 48), "many", (True, True), (True, True)),
+    "storing expand, GEMM first, carveout 32 / 32": ("cublaslt", 1 << 30, (32, 32), "many", (True, True), (True, True)),
+    # Beside small GEMMs with many chunks (qkv's LoRA outlasts its GEMM at 64 adapters), more SMs:
+    # lora_ops.CARVEOUT_MAX_SHARE is raised to 5/8 for these.
+    "storing expand, GEMM first, many chunks beside small GEMMs: 64":
+        ("cublaslt", 1 << 30, (48, 64, 48, 48), "many", (True, True), (True, True)),
+    "storing expand, GEMM first, many chunks beside small GEMMs: 80":
+        ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True)),
+    "storing expand, GEMM first, many chunks: 64":
+        ("cublaslt", 1 << 30, (48, 64, 48, 64), "many", (True, True), (True, True)),
 }
 
 
@@ -75,10 +101,12 @@ def main() -> None:
     rows = []
     few_chunks = lora_ops.FEW_CHUNKS
     for rep, name in ((rep, name) for rep in range(args.repeats) for name in picked):
-        blas, max_chunks, beside_carveout, zero, *gemm_first = VARIANTS[name]
+        blas, max_chunks, beside_carveout, zero, *rest = VARIANTS[name]
         lora_ops.OVERLAP_MAX_CHUNKS, lora_ops.GEMM_SM_CARVEOUT = max_chunks, lora_ops.carveout_table(beside_carveout)
         lora_ops.ZERO_IN_SHRINK = zero != "never"
-        lora_ops.GEMM_FIRST = gemm_first[0] if gemm_first else (False, False)
+        lora_ops.GEMM_FIRST = rest[0] if rest else (False, False)
+        lora_ops.DELTA_STORE = rest[1] if len(rest) > 1 else (False, False)
+        lora_ops.CARVEOUT_MAX_SHARE = 5 / 8 if max(beside_carveout) > 49 else 3 / 8
         lora_ops.FEW_CHUNKS = 0 if zero == "always" else few_chunks
         torch.backends.cuda.preferred_blas_library(blas)
         graphs._graphs.clear()  # recapture under this variant's settings
