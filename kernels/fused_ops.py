@@ -123,14 +123,14 @@ def _use_delta(rows_ptr, row, HAS_ROWS: tl.constexpr):
 
 def _check_delta(
     delta: torch.Tensor | None, like: torch.Tensor, name: str, rows: torch.Tensor | None = None
-) -> torch.Tensor:
-    """-> the rows tensor to pass the kernel (`like` itself where there is none: not read)."""
+) -> torch.Tensor | None:
+    """-> the rows the kernel masks the delta with: None without a delta or without rows."""
     if delta is not None and (delta.shape != like.shape or delta.dtype != like.dtype or delta.stride(-1) != 1
                               or delta.device != like.device):
         raise ValueError(f"delta must be {tuple(like.shape)} {like.dtype} like {name}, with unit stride in "
                          f"features; got {tuple(delta.shape)} {delta.dtype}")
     if rows is None or delta is None:
-        return like
+        return None
     if rows.shape != (like.shape[0],) or rows.is_floating_point() or rows.stride(0) != 1 or rows.device != like.device:
         raise ValueError(f"delta_rows must be a contiguous [{like.shape[0]}] integer tensor on {like.device}, got "
                          f"{tuple(rows.shape)} {rows.dtype} on {rows.device}")
@@ -169,7 +169,7 @@ def _launch_rms_norm(
         BLOCK=block,
         ADD_RESIDUAL=residual is not None,
         HAS_DELTA=delta is not None,
-        HAS_ROWS=rows is not None and delta is not None,
+        HAS_ROWS=rows is not None,
         num_warps=_num_warps(block),
     )
     return out
@@ -195,7 +195,7 @@ def add_rms_norm(
         raise ValueError(f"residual must be {tuple(x.shape)} {x.dtype} with unit stride in hidden, got "
                          f"{tuple(residual.shape)} {residual.dtype}")
     rows = _check_delta(delta, x, "x", delta_rows)
-    return _launch_rms_norm(x, residual, weight, eps, delta, None if delta_rows is None else rows)
+    return _launch_rms_norm(x, residual, weight, eps, delta, rows)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -399,7 +399,7 @@ def rope_write_kv(
         k_cache,
         v_cache,
         dlt,
-        rows,
+        qkv if rows is None else rows,  # not read without HAS_ROWS
         heads,
         kv_heads,
         qkv.stride(0),
@@ -417,7 +417,7 @@ def rope_write_kv(
         KVH_PAD=triton.next_power_of_2(kv_heads),
         BLOCK_SIZE=k_cache.shape[1],
         HAS_DELTA=delta is not None,
-        HAS_ROWS=delta is not None and delta_rows is not None,
+        HAS_ROWS=rows is not None,
         num_warps=_num_warps(triton.next_power_of_2(heads) * triton.next_power_of_2(half)),
     )
     return qkv[:, : heads * head_dim].unflatten(1, (heads, head_dim))
@@ -506,14 +506,14 @@ def silu_mul(
         gate_up,
         out,
         dlt,
-        rows,
+        gate_up if rows is None else rows,  # not read without HAS_ROWS
         inter,
         gate_up.stride(0),
         out.stride(0),
         dlt.stride(0),
         BLOCK=block,
         HAS_DELTA=delta is not None,
-        HAS_ROWS=delta is not None and delta_rows is not None,
+        HAS_ROWS=rows is not None,
         num_warps=4,
     )
     return out

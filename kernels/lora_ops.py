@@ -364,7 +364,7 @@ CARVEOUT_MAX_TOKENS = 128
 # few chunks neither it nor the storing expand won alone (8 adapters 0.89 -> 0.891 and 0.897 ->
 # 0.887); together they did (0.922; overlap-sweep-store2-h200.json, overlap-sweep-store-h200.json).
 GEMM_FIRST = (True, True)
-ZERO_IN_SHRINK = True  # above FEW_CHUNKS (False: always a memset launch; benchmarks compare)
+ZERO_IN_SHRINK = True  # above FEW_CHUNKS, unless the expand stores (False: a memset; benchmarks compare)
 # With one adapter per token, whether the expand stores the delta (no memset or zeroing shrink
 # before it, no read of it; its reader masks the rows of tokens without an adapter with
 # LoraMeta.has_lora), with at most and above FEW_CHUNKS chunks.
@@ -420,10 +420,11 @@ def linear_lora_deferred(
     GEMM's weight reads instead of following it. A decode-sized GEMM leaves GEMM_SM_CARVEOUT SMs
     to them (a GEMM that fills every SM makes them wait for its last CTAs). CUDA-graph capture
     records the fork and the join as graph edges.
-    With one adapter per token (and DELTA_STORE) the expand stores into the delta instead: nothing
-    zeroes it, and its rows of tokens without an adapter are left undefined, so the reader masks
-    them with `meta.has_lora` (the fused row kernels' `delta_rows`).
-    Otherwise the LoRA is added into y in place and delta is None.
+    Not beside the GEMM (another backend, no side stream, too many chunks), the LoRA is added into
+    y in place and delta is None.
+    With one adapter per token (and DELTA_STORE) the expand stores into the delta instead of adding
+    into a zeroed one: nothing zeroes it, and its rows of tokens without an adapter are left
+    undefined, so the reader masks them with `meta.has_lora` (the fused row kernels' `delta_rows`).
     """
     beside = meta.grid_chunks <= OVERLAP_MAX_CHUNKS and (
         meta.grid_chunks <= FEW_CHUNKS or x.shape[0] <= CARVEOUT_MAX_TOKENS)  # many chunks: decode steps only
@@ -453,7 +454,7 @@ def linear_lora_deferred(
             with gemm_sm_carveout(carveout):
                 y = base()
         with torch.cuda.stream(side_stream):
-            store = DELTA_STORE[many] and meta.token_slots.shape[1] == 1
+            store = DELTA_STORE[many] and meta.token_slots.shape[1] == 1 and meta.has_lora is not None
             zero_in_shrink = ZERO_IN_SHRINK and many and not store
             if not (store or zero_in_shrink):
                 delta.zero_()

@@ -25,9 +25,10 @@ Rank tiles cover `meta.rank_bound` (the step's largest true rank, set by the cal
 pool's r_max, so a step of rank-8 adapters in a rank-64 pool computes and sums rank-8 tiles.
 On Hopper and newer the expand is launched with programmatic dependent launch: it starts while
 the shrink's programs run, does its prologue (chunk, slot, rank, tokens, scales, its first tile
-of B and, unless the shrink zeroes y, of y), and waits for the partials with `gdc_wait`. Both
-kernels issue their loads in as few dependent rounds as they can: these programs are bound by
-load latency, which grows when a GEMM beside them keeps memory busy.
+of B and, when it adds into y non-atomically and the shrink did not zero y, of y), and waits for
+the partials with `gdc_wait`. Both kernels issue their loads in as few dependent rounds as they
+can: these programs are bound by load latency, which grows when a GEMM beside them keeps memory
+busy.
 
 Grids depend only on (T, k, max_slots), the rank bound, the weight shapes and the meta's launch
 bound on chunks (`LoraMeta.launch_chunks`: max_chunks unless the caller knows better); padding
@@ -420,6 +421,8 @@ def plan_lora_triton(
     num_tokens, in_features = x.shape
     if meta.num_tokens != num_tokens:
         raise ValueError(f"meta is for {meta.num_tokens} tokens, x has {num_tokens}")
+    if meta.num_chunks > meta.grid_chunks:  # host ints: the chunks past the launch bound would be skipped
+        raise ValueError(f"meta has {meta.num_chunks} chunks, but its launches cover {meta.grid_chunks}")
     if meta.grid_chunks == 0:
         return None
     r_max = lora_a[0].shape[1]

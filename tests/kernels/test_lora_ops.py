@@ -62,6 +62,14 @@ def test_build_lora_meta_matches_oracle(
     got = list(zip(meta.chunk_slot.tolist(), meta.chunk_start.tolist(), meta.chunk_end.tolist()))
     assert got[: len(chunks)] == chunks
     assert all(slot == -1 for slot, _, _ in got[len(chunks) :])
+    # has_lora: the tokens with at least one adapter (the rows a storing expand writes).
+    assert meta.has_lora.tolist() == [int(any(s >= 0 for s in row)) for row in token_slots.tolist()]
+
+
+def test_has_lora_for_empty_shapes() -> None:
+    """No tokens, or no adapter entries per token: an empty or all-zero mask, not an error."""
+    assert build_lora_meta(torch.zeros(0, 1, dtype=torch.int32), torch.ones(0, 1), 4).has_lora.tolist() == []
+    assert build_lora_meta(torch.zeros(3, 0, dtype=torch.int32), torch.ones(3, 0), 4).has_lora.tolist() == [0, 0, 0]
 
 
 def test_max_chunks_is_an_upper_bound_for_every_mapping() -> None:
@@ -79,13 +87,14 @@ def test_max_chunks_is_an_upper_bound_for_every_mapping() -> None:
 
 def test_meta_copy_keeps_buffers_and_takes_contents() -> None:
     a = build_lora_meta(torch.tensor([[0], [1], [-1]]), torch.ones(3, 1), 4)
-    b = build_lora_meta(torch.tensor([[3], [3], [2]]), torch.full((3, 1), 0.5), 4)
+    b = build_lora_meta(torch.tensor([[3], [-1], [2]]), torch.full((3, 1), 0.5), 4)
+    assert a.has_lora.tolist() == [1, 1, 0] and b.has_lora.tolist() == [1, 0, 1]
     buf = a.chunk_slot
     a.copy_(b)
     assert a.chunk_slot is buf and a.chunk_slot.tolist() == b.chunk_slot.tolist()
-    assert a.segments == b.segments and a.num_entries == 3
+    assert a.segments == b.segments and a.num_entries == 2
     fields = ("token_slots", "token_scales", "sorted_token", "sorted_scale", "seg_slot", "seg_start",
-              "chunk_slot", "chunk_start", "chunk_end")
+              "chunk_slot", "chunk_start", "chunk_end", "has_lora")
     for name in fields:  # the packed two-buffer copy reaches every field
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     with pytest.raises(ValueError):

@@ -336,20 +336,24 @@ def test_shrink_zeroes_the_delta_it_expands_into(k: int, launch_bound: int | Non
 
 
 @pytest.mark.parametrize("launch_bound", [None, 8])
-def test_storing_expand_writes_only_rows_with_an_adapter(launch_bound: int | None) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_storing_expand_writes_only_rows_with_an_adapter(launch_bound: int | None, layout: str,
+                                                         chunk_size: int) -> None:
     """One adapter per token: the expand stores (`=`) into an unzeroed delta. Rows of tokens with
     an adapter match the reference, a slot's untargeted slice (rank 0) included, which must read 0;
-    rows without one keep what was there (NaN here), and `meta.has_lora` names exactly the others."""
+    rows without one keep what was there (NaN here), and `meta.has_lora` names exactly the others.
+    Decode-sized (16) and prefill-sized (64) chunks, both B layouts."""
     from lorafleet.kernels.triton_lora import launch_expand, launch_shrink, plan_lora_triton
 
     g = torch.Generator().manual_seed(21)
     tokens, slots, d_in, outs = 40, 5, 48, [700, 300]
     ranks = [[8, 16, 0, 4, 16], [16, 1, 8, 0, 16]]
-    lora_a, lora_b = make_weights(g, slots, 16, d_in, outs, ranks, torch.float32, DEVICE, "rank_major")
+    lora_a, lora_b = make_weights(g, slots, 16, d_in, outs, ranks, torch.float32, DEVICE, layout)
     ranks_dev = torch.tensor(ranks, dtype=torch.int32, device=DEVICE)
     token_slots = torch.randint(-1, slots, (tokens, 1), generator=g, dtype=torch.int32)
     assert (token_slots == -1).any() and (token_slots == 2).any() and (token_slots == 3).any()
-    meta = build_lora_meta(token_slots, torch.rand(tokens, 1, generator=g) + 0.5, slots, DEVICE)
+    meta = build_lora_meta(token_slots, torch.rand(tokens, 1, generator=g) + 0.5, slots, DEVICE, chunk_size)
     if launch_bound is not None:
         meta.launch_chunks = max(launch_bound, meta.num_chunks)
     x = torch.randn(tokens, d_in, generator=g).to(DEVICE)
@@ -364,6 +368,23 @@ def test_storing_expand_writes_only_rows_with_an_adapter(launch_bound: int | Non
     assert meta.has_lora.cpu().tolist() == has.int().tolist()
     torch.testing.assert_close(delta[has.to(DEVICE)], ref[has.to(DEVICE)], **TOL[torch.float32])
     assert delta[~has.to(DEVICE)].isnan().all()
+
+
+def test_plan_refuses_a_launch_bound_below_the_chunks() -> None:
+    """Chunks past the launch bound would be skipped (their tokens left without LoRA, or with an
+    unwritten delta): the plan refuses such a meta on the host."""
+    from lorafleet.kernels.triton_lora import plan_lora_triton
+
+    g = torch.Generator().manual_seed(23)
+    tokens, slots, d_in = 20, 4, 16
+    lora_a, _ = make_weights(g, slots, 16, d_in, [16], [[16] * slots], torch.float32, DEVICE)
+    meta = build_lora_meta(torch.arange(tokens, dtype=torch.int32).remainder(slots).unsqueeze(1),
+                           torch.ones(tokens, 1), slots, DEVICE)
+    assert meta.num_chunks == slots
+    meta.launch_chunks = slots - 1
+    with pytest.raises(ValueError, match="launches cover 3"):
+        plan_lora_triton(torch.randn(tokens, d_in, device=DEVICE), lora_a, [torch.zeros(slots, 16, 16, device=DEVICE)],
+                         torch.full((1, slots), 16, dtype=torch.int32, device=DEVICE), meta)
 
 
 def test_storing_expand_refuses_what_it_cannot_do() -> None:
