@@ -415,7 +415,7 @@ def test_storing_expand_refuses_what_it_cannot_do() -> None:
 HOPPER_COMPILE = r"""
 import re
 
-from lorafleet.kernels import triton_lora as tk
+from lorafleet.kernels import lora_kernels as tk
 
 i32, p = "i32", "*bf16"
 ptrs = {n: "*i32" for n in ("ranks_ptr", "chunk_slot_ptr", "chunk_start_ptr", "chunk_end_ptr", "sorted_token_ptr")}
