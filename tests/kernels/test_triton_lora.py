@@ -599,6 +599,7 @@ def _side_stream_case(captured: bool, slots: int, max_chunks: int = 16) -> None:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = run(static)
+    poison_like_delta = torch.full_like(out, float("nan"))
     for seed in (1, 2, 3):
         meta = step_meta(seed)
         if captured:
@@ -606,7 +607,11 @@ def _side_stream_case(captured: bool, slots: int, max_chunks: int = 16) -> None:
             graph.replay()
             got = out
         else:
+            # Free a NaN block of the delta's size first: the caching allocator hands it to the
+            # delta, so rows a storing expand leaves unwritten hold NaN and show if read unmasked.
+            del poison_like_delta
             got = run(meta)
+            poison_like_delta = torch.full_like(got, float("nan"))
         ref = x @ w.T
         add_lora(ref, x, lora_a, lora_b, ranks, ranks_dev, meta, "torch")
         base = x @ w.T
