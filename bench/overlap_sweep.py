@@ -68,8 +68,8 @@ VARIANTS = {
     "storing expand, GEMM first, small 32 / 48, large 16 / 48":
         ("cublaslt", 1 << 30, (32, 48, 16, 48), "many", (True, True), (True, True)),
     "storing expand, GEMM first, carveout 32 / 32": ("cublaslt", 1 << 30, (32, 32), "many", (True, True), (True, True)),
-    # Beside small GEMMs with many chunks (qkv's LoRA outlasts its GEMM at 64 adapters), more SMs:
-    # lora_ops.CARVEOUT_MAX_SHARE is raised to 5/8 for these.
+    # Beside small GEMMs with many chunks (qkv's LoRA outlasts its GEMM at 64 adapters), more SMs
+    # (up to lora_ops.CARVEOUT_MAX_SHARE, 5/8; every carveout above is under the old cap, 3/8):
     "storing expand, GEMM first, many chunks beside small GEMMs: 64":
         ("cublaslt", 1 << 30, (48, 64, 48, 48), "many", (True, True), (True, True)),
     "storing expand, GEMM first, many chunks beside small GEMMs: 80":
@@ -106,7 +106,6 @@ def main() -> None:
         lora_ops.ZERO_IN_SHRINK = zero != "never"
         lora_ops.GEMM_FIRST = rest[0] if rest else (False, False)
         lora_ops.DELTA_STORE = rest[1] if len(rest) > 1 else (False, False)
-        lora_ops.CARVEOUT_MAX_SHARE = 5 / 8 if max(beside_carveout) > 49 else 3 / 8
         lora_ops.FEW_CHUNKS = 0 if zero == "always" else few_chunks
         torch.backends.cuda.preferred_blas_library(blas)
         graphs._graphs.clear()  # recapture under this variant's settings

@@ -58,6 +58,14 @@ def _num_warps(block: int) -> int:
 
 
 @triton.jit
+def _use_delta(rows_ptr, row, HAS_ROWS: tl.constexpr):
+    """Whether this row's delta is defined: rows[row] != 0 with HAS_ROWS, else always."""
+    if HAS_ROWS:
+        return tl.load(rows_ptr + row) != 0
+    return row >= 0
+
+
+@triton.jit
 def _rms_norm_kernel(
     # pointers
     x_ptr,
@@ -88,9 +96,8 @@ def _rms_norm_kernel(
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_DELTA:
         d = tl.load(delta_ptr + row * stride_d + offs, mask=mask, other=0.0)
-        if HAS_ROWS:  # a row the delta is not defined on: whatever it holds counts as 0
-            d = tl.where(tl.load(rows_ptr + row) != 0, d, 0.0)
-        x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
+        d = tl.where(_use_delta(rows_ptr, row, HAS_ROWS), d.to(tl.float32), 0.0)  # undefined rows count as 0
+        x = (x.to(tl.float32) + d).to(x.dtype)
     if ADD_RESIDUAL:
         r_ptrs = residual_ptr + row * stride_r + offs
         r = tl.load(r_ptrs, mask=mask, other=0.0)
@@ -111,14 +118,6 @@ def _check_norm_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"x ({x.dtype}) and weight ({weight.dtype}) must share a float16/bfloat16/float32 dtype")
     if x.stride(1) != 1 or weight.stride(0) != 1:
         raise ValueError("x and weight need unit stride in hidden")
-
-
-@triton.jit
-def _use_delta(rows_ptr, row, HAS_ROWS: tl.constexpr):
-    """Whether this row's delta is defined: rows[row] != 0 with HAS_ROWS, else always."""
-    if HAS_ROWS:
-        return tl.load(rows_ptr + row) != 0
-    return row >= 0
 
 
 def _check_delta(
