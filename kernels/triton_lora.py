@@ -78,11 +78,25 @@ def pick_config(num_chunks: int, n_slices: int, in_features: int, chunk_size: in
     block_k = 128 if chunk_size <= 16 else 64
     by_chunks = triton.next_power_of_2(max(1, -(-512 // max(1, num_chunks * n_slices))))
     split_k = max(1, min(-(-in_features // 512), by_chunks))
-    n_per_prog = 128 if num_chunks <= 4 else 256 if num_chunks * n_slices < 256 else 512
+    wide = num_chunks * n_slices >= WIDE_EXPAND[0]
+    n_per_prog = 128 if num_chunks <= 4 else WIDE_EXPAND[1] if wide else 256
     block_n = 128 if chunk_size <= 16 else 64
     return LoraKernelConfig(
-        split_k=split_k, block_k=block_k, block_n=block_n, n_per_prog=max(n_per_prog, block_n)
+        split_k=split_k, block_k=block_k, block_n=block_n, n_per_prog=max(n_per_prog, block_n),
+        shrink_warps=SHRINK_WARPS[num_chunks > SHRINK_FEW_CHUNKS],
     )
+
+
+# pick_config's knobs, module-level so bench/overlap_sweep.py can compare them in the engine.
+# From how many (chunk, slice) pairs the expand gives each program WIDE_EXPAND[1] columns, and
+# the shrink's warps a program with at most and above SHRINK_FEW_CHUNKS chunks. Measured on the
+# H200 (docs/benchmarks.md, seventh session): alone, 2 warps made every shrink 5-8% faster and, at
+# 64 chunks, 512 columns made qkv's expand 11% faster; in the engine at batch 64 with 64 adapters
+# each took 0.739 to 0.751-0.753 and both together to 0.754-0.758, while 2 warps with 8 adapters
+# (16 chunks) went 0.926-0.929 to 0.924-0.925, so they keep 4. (The sixth session's: 256 pairs, 4 warps.)
+WIDE_EXPAND = (128, 512)
+SHRINK_WARPS = (4, 2)
+SHRINK_FEW_CHUNKS = 16
 
 
 def _interpreting() -> bool:

@@ -1,0 +1,169 @@
+"""The LoRA kernels' two launches timed apart, each against its own memory floor, over launch configs.
+
+    python -m bench.lora_parts [--cases qkv:64:64,gate_up:64:64,...] [--out FILE]
+
+`bench/kernels.py` times the shrink and the expand together (what the engine pays); this says which
+of the two is far from the bytes it moves, and which launch parameters move it:
+
+  shrink     `launch_shrink` alone: reads x and each distinct adapter's A (every slice, true rank),
+             writes the fp32 split-K partials.
+  expand     `launch_expand` alone, without programmatic dependent launch (the partials are
+             already there): reads the partials and B, reads and writes y (`store`: writes only).
+  pair       both, the expand with PDL where supported: what `add_lora_triton` runs.
+
+Each part's floor is its own bytes over the copy bandwidth measured in the run. Configs: the
+default (`pick_config`) and one knob changed at a time; then the pair with each part's best knobs
+together. Timing as in bench/kernels.py (a CUDA graph over enough copies of the inputs to miss L2,
+`do_bench` medians). Rows: {module, tokens, adapters, part, config..., us, floor_us}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from lorafleet.kernels.lora_ops import build_lora_meta
+from lorafleet.kernels.triton_lora import (
+    LoraKernelConfig,
+    launch_expand,
+    launch_shrink,
+    pick_config,
+    plan_lora_triton,
+)
+from lorafleet.worker.cuda_graphs import chunk_class
+
+try:
+    from bench.kernels import (
+        BYTES,
+        MODULES,
+        Case,
+        adapter_bytes,
+        make_case_inputs,
+        measure_copy_bandwidth,
+        time_graph,
+    )
+except ImportError:  # python bench/lora_parts.py
+    from kernels import (
+        BYTES,
+        MODULES,
+        Case,
+        adapter_bytes,
+        make_case_inputs,
+        measure_copy_bandwidth,
+        time_graph,
+    )
+
+DEFAULT_CASES = "qkv:64:64,o:64:64,gate_up:64:64,down:64:64,qkv:64:8,gate_up:64:8"
+
+
+def part_floors(case: Case, split_k: int, bandwidth: float) -> dict[str, float]:
+    """Bytes each launch must move, over the bandwidth, in µs."""
+    d_in, outs = MODULES[case.module]
+    a_bytes = case.adapters * case.rank * len(outs) * d_in * BYTES
+    b_bytes = adapter_bytes(case) - a_bytes
+    part_bytes = split_k * case.tokens * case.k * len(outs) * max(16, case.rank) * 4
+    shrink = a_bytes + case.tokens * d_in * BYTES + part_bytes
+    expand = b_bytes + part_bytes + 2 * case.tokens * sum(outs) * BYTES
+    return {"shrink": shrink / bandwidth * 1e6, "expand": expand / bandwidth * 1e6}
+
+
+def variants(default: LoraKernelConfig) -> dict[str, list[LoraKernelConfig]]:
+    shrink = {default}
+    for split_k in (max(1, default.split_k // 2), default.split_k * 2):
+        shrink.add(replace(default, split_k=split_k))
+    for block_k in (64, 128, 256):
+        shrink.add(replace(default, block_k=block_k))
+    for warps in (2, 8):
+        shrink.add(replace(default, shrink_warps=warps))
+    for stages in (2, 4, 5):
+        shrink.add(replace(default, num_stages=stages))
+    expand = {default}
+    for n_per_prog in (128, 256, 512, 1024, 2048):
+        for block_n in (64, 128, 256):
+            if block_n <= n_per_prog:
+                expand.add(replace(default, n_per_prog=n_per_prog, block_n=block_n))
+    for warps in (2, 8):
+        expand.add(replace(default, expand_warps=warps))
+    for stages in (1, 2, 4):
+        expand.add(replace(default, num_stages=stages))
+    return {"shrink": sorted(shrink, key=str), "expand": sorted(expand, key=str)}
+
+
+def run_case(case: Case, bandwidth: float, g: torch.Generator, store: bool) -> list[dict]:
+    d_in, outs = MODULES[case.module]
+    sets, token_slots, token_scales, ranks = make_case_inputs(case, g)
+    meta = build_lora_meta(token_slots, token_scales, case.adapters, "cuda")
+    meta.rank_bound = case.rank
+    meta.launch_chunks = chunk_class(meta.num_chunks, meta.max_chunks)
+    ranks_dev = torch.tensor(ranks, dtype=torch.int32, device="cuda")
+    default = pick_config(meta.num_chunks, len(outs), d_in, meta.chunk_size)
+
+    def plans(cfg: LoraKernelConfig, pdl: bool) -> list:
+        return [plan_lora_triton(s.x, s.lora_a, s.lora_b, ranks_dev, meta, cfg, pdl) for s in sets]
+
+    def time_part(part: str, cfg: LoraKernelConfig) -> float:
+        ps = plans(cfg, pdl=part == "pair")
+        if part == "shrink":
+            calls = [lambda p=p: launch_shrink(p) for p in ps]
+        else:
+            for p in ps:  # partials for the expand to read
+                launch_shrink(p)
+            if part == "expand":
+                calls = [lambda p=p, s=s: launch_expand(p, s.y, store) for p, s in zip(ps, sets, strict=True)]
+            else:
+                calls = [lambda p=p, s=s: (launch_shrink(p), launch_expand(p, s.y, store))
+                         for p, s in zip(ps, sets, strict=True)]
+        return time_graph(calls)
+
+    rows, best = [], {}
+    head = {"module": case.module, "tokens": case.tokens, "adapters": case.adapters, "rank": case.rank,
+            "store": store}
+    for part, cfgs in variants(default).items():
+        timed = []
+        for cfg in cfgs:
+            us = time_part(part, cfg)
+            floor = part_floors(case, cfg.split_k, bandwidth)[part]
+            timed.append((us, cfg))
+            rows.append({**head, "part": part, **asdict(cfg), "default": cfg == default, "us": round(us, 2),
+                         "floor_us": round(floor, 2)})
+        best[part] = min(timed, key=lambda t: t[0])
+        d_us = next(us for us, c in timed if c == default)
+        print(f"{case.module:8s} T={case.tokens} A={case.adapters} {part:6s}: default {d_us:6.2f} µs, best "
+              f"{best[part][0]:6.2f} µs {best[part][1]}, floor {part_floors(case, default.split_k, bandwidth)[part]:.2f}",
+              flush=True)
+    s, e = best["shrink"][1], best["expand"][1]
+    combined = replace(e, split_k=s.split_k, block_k=s.block_k, shrink_warps=s.shrink_warps)
+    for label, cfg in (("default", default), ("best parts", combined)):
+        us = time_part("pair", cfg)
+        floors = part_floors(case, cfg.split_k, bandwidth)
+        rows.append({**head, "part": "pair", "label": label, **asdict(cfg), "default": cfg == default,
+                     "us": round(us, 2), "floor_us": round(floors["shrink"] + floors["expand"], 2)})
+        print(f"{case.module:8s} T={case.tokens} A={case.adapters} pair   {label}: {us:6.2f} µs {cfg}", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default=DEFAULT_CASES, help="MODULE:TOKENS:ADAPTERS,...")
+    ap.add_argument("--store", action="store_true", help="the storing expand (the engine's side path)")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/lora-parts-h200.json"))
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    bandwidth = measure_copy_bandwidth()
+    print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    for spec in args.cases.split(","):
+        module, tokens, adapters = spec.split(":")
+        rows += run_case(Case(module, int(tokens), int(adapters), 16, 16), bandwidth, g, args.store)
+        torch.cuda.empty_cache()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"bandwidth_tb_s": round(bandwidth / 1e12, 3), "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
