@@ -56,3 +56,21 @@ def test_tiny_prefill_benchmark(tmp_path: Path) -> None:
     assert [r["prompt_len"] for r in data["rows"]] == [16, 150]
     assert all(r["burst_ms"] > 0 and r["join_ms"] > 0 for r in data["rows"])
     assert data["ttft_512_first_ms"] > 0 and data["ttft_512_then_ms"] > 0
+
+
+def test_disk_read_benchmark(tmp_path: Path) -> None:
+    """bench/disk_read.py on a small file: every strategy timed, each trial from a dropped cache."""
+    out = tmp_path / "disk.json"
+    path = tmp_path / "path"
+    path.mkdir()
+    (path / "bench").symlink_to(ROOT / "bench")
+    env = {**os.environ, "PYTHONPATH": str(path), "PYTHONSAFEPATH": "1"}
+    cmd = [sys.executable, "-m", "bench.disk_read", "--mib", "4", "--repeats", "1", "--dir", str(tmp_path),
+           "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["strategy"] for r in rows} == {"read()", "mmap, touched", "fadvise, then mmap", "threads pread",
+                                            "threads + mmap"}
+    assert all(r["ms_median"] > 0 and len(r["ms_all"]) == 1 and 0 <= r["cached_max"] <= 1 for r in rows)
+    assert not list(tmp_path.glob("disk-read-*"))  # its file and folder are removed

@@ -319,6 +319,25 @@ def test_packed_layout_is_slot_order_and_flat(model, demo_adapters):
         assert int(packed.ranks.count_nonzero()) == len(weights.modules)
 
 
+def test_packing_reads_a_mapped_file_in_file_order(model, demo_adapters, monkeypatch):
+    """pack_weights copies modules in the order their bytes lie in the file, not in slot order, so
+    a cold file is read front to back (the kernel's readahead streams it) rather than from all over
+    at once; the packed result is the same (test above)."""
+    weights = load_adapter(demo_adapters["chat"], model, 64, 1 << 30)
+    offsets = []
+    real = slots_mod._pack_rows
+    monkeypatch.setattr(slots_mod, "_pack_rows", lambda m, half, *rest: (
+        offsets.append((m.a if half == slots_mod._A else m.b).data_ptr()), real(m, half, *rest))[-1])
+    pack_weights(weights, model.num_layers, torch.float32, pin=False)
+    assert len(offsets) == 2 * len(weights.modules)
+    assert offsets == sorted(offsets)
+    # ...which is not the slot order: that goes column by column over all layers, the file layer by layer
+    placement = [(k, half) for half in (0, 1)
+                 for k in sorted(weights.modules, key=lambda k: (SLICE_ORDER.index(k[1]), k[0]))]
+    by_placement = [(weights.modules[k].a if half == 0 else weights.modules[k].b).data_ptr() for k, half in placement]
+    assert by_placement != sorted(by_placement)
+
+
 def test_cpu_cache_keeps_only_the_packed_copy(model, demo_adapters):
     reg = make_registry(model, torch.bfloat16)
     weights = reg.read(str(demo_adapters["code"]))  # rsLoRA: scaling != 1

@@ -109,6 +109,20 @@ def _scaled_b_into(m: ModuleWeights, dst: torch.Tensor) -> None:
         dst.copy_(b.T.float() * s)  # (b.float() * s).to(dtype)
 
 
+def _pack_rows(m: ModuleWeights, half: int, rows: torch.Tensor, r: int, dtype: torch.dtype) -> None:
+    """One module's A or B into its slot-layout rows (B transposed; scaled here unless copied as
+    bits, which pack_weights scales afterwards in runs)."""
+    if half == _A:
+        if _bitwise_ok(m, dtype):
+            _raw(rows).reshape(r, -1)[...] = _raw(m.a)
+        else:
+            rows.view(r, -1).copy_(m.a)
+    elif _bitwise_ok(m, dtype):
+        _raw(rows).reshape(r, -1)[...] = _raw(m.b).T
+    else:
+        _scaled_b_into(m, rows.view(r, -1))
+
+
 def _runs(ranks: list[int]) -> list[tuple[int, int, int]]:
     """(first layer, layers, rank) of each run of consecutive layers sharing one non-zero rank."""
     runs: list[tuple[int, int, int]] = []
@@ -170,6 +184,7 @@ def pack_weights(
     halves: dict[int, list] = {}  # k -> [A rows, B rows]
     layout, sources = [], []
     scale_runs: list[list] = []  # [chunk, begin, end, scaling] over B rows still to scale in place
+    copies: list[tuple[torch.Tensor, ModuleWeights, int, torch.Tensor, int]] = []  # (source, module, half, rows, r)
     for ci, off, col, half, layer, count, r, per in placed:
         chunk = chunks[ci]
         sources.append(chunk[off : off + count * per].view(count, r, per // r))
@@ -179,21 +194,19 @@ def pack_weights(
             begin = off + i * per
             rows = chunk[begin : begin + per]
             halves.setdefault(k, [None, None])[half] = rows
-            if half == _A:
-                if _bitwise_ok(m, dtype):
-                    _raw(rows).reshape(r, -1)[...] = _raw(m.a)
+            copies.append((m.a if half == _A else m.b, m, half, rows, r))
+            if half == _B and _bitwise_ok(m, dtype) and m.scaling != 1.0:
+                last = scale_runs[-1] if scale_runs else None
+                if last and last[0] == ci and last[2] == begin and last[3] == m.scaling:
+                    last[2] = begin + per
                 else:
-                    rows.view(r, -1).copy_(m.a)
-            elif _bitwise_ok(m, dtype):
-                _raw(rows).reshape(r, -1)[...] = _raw(m.b).T
-                if m.scaling != 1.0:
-                    last = scale_runs[-1] if scale_runs else None
-                    if last and last[0] == ci and last[2] == begin and last[3] == m.scaling:
-                        last[2] = begin + per
-                    else:
-                        scale_runs.append([ci, begin, begin + per, m.scaling])
-            else:
-                _scaled_b_into(m, rows.view(r, -1))
+                    scale_runs.append([ci, begin, begin + per, m.scaling])
+    # In the sources' memory order: for an adapter mapped from its file (`load_adapter`) that is the
+    # file's order, in which `safetensors_view.read_ahead` has the disk stream it, so on a cold file
+    # the copies follow the disk instead of faulting in pages from all over the file at once.
+    copies.sort(key=lambda c: c[0].data_ptr())
+    for _, m, half, rows, r in copies:
+        _pack_rows(m, half, rows, r, dtype)
     for ci, begin, end, scaling in scale_runs:
         chunks[ci][begin:end].mul_(scaling)
     blocks = [(k, table[k // n][k % n], a, b) for k, (a, b) in sorted(halves.items())]
