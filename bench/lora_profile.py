@@ -1,0 +1,59 @@
+"""Launch the LoRA shrink and expand once each per case, for a hardware-counter profiler.
+
+    ncu --clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy \
+        --section WarpStateStats --section MemoryWorkloadAnalysis --csv --page details \
+        python3 -m bench.lora_profile [--cases down:64:64,qkv:64:64] [--store]
+
+Each case is built as bench/kernels.py builds it (seed shapes, bf16, rank 16, `pick_config`),
+launched twice to compile and warm up, then once more between cudaProfilerStart/Stop, plainly
+(no PDL, no graph), so the profiler sees exactly one shrink and one expand per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from lorafleet.kernels.lora_ops import build_lora_meta
+from lorafleet.kernels.triton_lora import launch_expand, launch_shrink, pick_config, plan_lora_triton
+from lorafleet.worker.cuda_graphs import chunk_class
+
+try:
+    from bench.kernels import MODULES, Case, make_case_inputs
+except ImportError:  # python bench/lora_profile.py
+    from kernels import MODULES, Case, make_case_inputs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default="down:64:64,qkv:64:64,gate_up:64:64")
+    ap.add_argument("--store", action="store_true", help="the storing expand (the engine's side path)")
+    args = ap.parse_args()
+    g = torch.Generator().manual_seed(0)
+    for spec in args.cases.split(","):
+        module, tokens, adapters = spec.split(":")
+        case = Case(module, int(tokens), int(adapters), 16, 16)
+        d_in, outs = MODULES[module]
+        sets, token_slots, token_scales, _ = make_case_inputs(case, g)
+        meta = build_lora_meta(token_slots, token_scales, case.adapters, "cuda")
+        meta.rank_bound = case.rank
+        meta.launch_chunks = chunk_class(meta.num_chunks, meta.max_chunks)
+        ranks_dev = torch.full((len(outs), case.adapters), case.rank, dtype=torch.int32, device="cuda")
+        cfg = pick_config(meta.num_chunks, len(outs), d_in, meta.chunk_size)
+        s = sets[0]
+        plan = plan_lora_triton(s.x, s.lora_a, s.lora_b, ranks_dev, meta, cfg, pdl=False)
+        for _ in range(2):
+            launch_shrink(plan)
+            launch_expand(plan, s.y, args.store)
+        torch.cuda.synchronize()
+        print(f"{spec}: {cfg}", flush=True)
+        torch.cuda.profiler.start()
+        launch_shrink(plan)
+        launch_expand(plan, s.y, args.store)
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+
+
+if __name__ == "__main__":
+    main()
