@@ -81,6 +81,8 @@ def variants(default: LoraKernelConfig) -> dict[str, list[LoraKernelConfig]]:
         shrink.add(replace(default, shrink_warps=warps))
     for stages in (2, 4, 5):
         shrink.add(replace(default, num_stages=stages))
+    for block_k, stages in ((512, 1), (512, 2), (1024, 1), (1024, 2)):  # most of a K range in flight at once
+        shrink.add(replace(default, block_k=block_k, num_stages=stages))
     expand = {default}
     for n_per_prog in (128, 256, 512, 1024, 2048):
         for block_n in (64, 128, 256):
@@ -93,7 +95,8 @@ def variants(default: LoraKernelConfig) -> dict[str, list[LoraKernelConfig]]:
     return {"shrink": sorted(shrink, key=str), "expand": sorted(expand, key=str)}
 
 
-def run_case(case: Case, bandwidth: float, g: torch.Generator, store: bool) -> list[dict]:
+def run_case(case: Case, bandwidth: float, g: torch.Generator, store: bool,
+             parts: list[str] | None = None) -> list[dict]:
     d_in, outs = MODULES[case.module]
     sets, token_slots, token_scales, ranks = make_case_inputs(case, g)
     meta = build_lora_meta(token_slots, token_scales, case.adapters, "cuda")
@@ -123,6 +126,8 @@ def run_case(case: Case, bandwidth: float, g: torch.Generator, store: bool) -> l
     head = {"module": case.module, "tokens": case.tokens, "adapters": case.adapters, "rank": case.rank,
             "store": store}
     for part, cfgs in variants(default).items():
+        if parts and part not in parts:
+            cfgs = [default]
         timed = []
         for cfg in cfgs:
             us = time_part(part, cfg)
@@ -150,6 +155,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=DEFAULT_CASES, help="MODULE:TOKENS:ADAPTERS,...")
     ap.add_argument("--store", action="store_true", help="the storing expand (the engine's side path)")
+    ap.add_argument("--parts", default="shrink,expand", help="which parts' variants to time")
     ap.add_argument("--out", type=Path, default=Path("bench/results/lora-parts-h200.json"))
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -159,7 +165,8 @@ def main() -> None:
     rows = []
     for spec in args.cases.split(","):
         module, tokens, adapters = spec.split(":")
-        rows += run_case(Case(module, int(tokens), int(adapters), 16, 16), bandwidth, g, args.store)
+        rows += run_case(Case(module, int(tokens), int(adapters), 16, 16), bandwidth, g, args.store,
+                         args.parts.split(","))
         torch.cuda.empty_cache()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"bandwidth_tb_s": round(bandwidth / 1e12, 3), "rows": rows}, indent=1) + "\n")

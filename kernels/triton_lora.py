@@ -75,7 +75,8 @@ def pick_config(num_chunks: int, n_slices: int, in_features: int, chunk_size: in
     when many chunks meet gate/up's wide slices, 2048, was faster alone in the sweep, 38.8 -> 34.6 µs
     at 64 tokens on 64 adapters, and slower in the engine, where the expand runs beside the GEMM on
     the SMs it leaves free: 64 adapters 8,175 -> 7,830 tok/s. Not used.)"""
-    block_k = 128 if chunk_size <= 16 else 64
+    many = num_chunks > SHRINK_FEW_CHUNKS
+    block_k = SHRINK_BLOCK_K[many] if chunk_size <= 16 else 64
     by_chunks = triton.next_power_of_2(max(1, -(-512 // max(1, num_chunks * n_slices))))
     split_k = max(1, min(-(-in_features // 512), by_chunks))
     wide = num_chunks * n_slices >= WIDE_EXPAND[0]
@@ -83,7 +84,7 @@ def pick_config(num_chunks: int, n_slices: int, in_features: int, chunk_size: in
     block_n = 128 if chunk_size <= 16 else 64
     return LoraKernelConfig(
         split_k=split_k, block_k=block_k, block_n=block_n, n_per_prog=max(n_per_prog, block_n),
-        shrink_warps=SHRINK_WARPS[num_chunks > SHRINK_FEW_CHUNKS],
+        shrink_warps=SHRINK_WARPS[many], num_stages=NUM_STAGES[many],
     )
 
 
@@ -96,6 +97,11 @@ def pick_config(num_chunks: int, n_slices: int, in_features: int, chunk_size: in
 # (16 chunks) went 0.926-0.929 to 0.924-0.925, so they keep 4. (The sixth session's: 256 pairs, 4 warps.)
 WIDE_EXPAND = (128, 512)
 SHRINK_WARPS = (4, 2)
+# The shrink's K tile for chunks of at most 16 rows (wider chunks take 64) and both launches'
+# pipeline stages, with at most and above SHRINK_FEW_CHUNKS chunks. K tiles of 512 and 1024 (2
+# stages) above 16 chunks were no faster alone and slower in the engine (docs/benchmarks.md).
+SHRINK_BLOCK_K = (128, 128)
+NUM_STAGES = (3, 3)
 SHRINK_FEW_CHUNKS = 16
 
 

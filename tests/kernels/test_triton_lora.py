@@ -497,6 +497,26 @@ def test_bf16_real_shapes(module: str, tokens: int, k: int, adapters: int, layou
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("module", sorted(MODULES))
+@pytest.mark.parametrize("block_k,stages", [(512, 2), (1024, 2)])
+def test_bf16_wide_k_tiles(module: str, block_k: int, stages: int) -> None:
+    """The shrink with K tiles that cover most of a split (one token a chunk, 64 adapters, ranks
+    mixed): same tolerance as above, on every module, empty splits included (down, split 8)."""
+    d_in, outs = MODULES[module]
+    slots, tokens = 64, 64
+    rank_cycle = [16, 8, 0, 16, 1, 7]
+    ranks = [[rank_cycle[(s + i) % len(rank_cycle)] for s in range(slots)] for i in range(len(outs))]
+    token_slots = torch.randperm(slots, generator=torch.Generator().manual_seed(block_k))[:tokens, None]
+    config = LoraKernelConfig(split_k=8 if d_in > 4096 else 4, block_k=block_k, block_n=128, n_per_prog=512,
+                              shrink_warps=2, num_stages=stages)
+    y0, y_ref, y_tri = run_both(3, tokens, 1, d_in, outs, ranks, token_slots, torch.bfloat16, config=config,
+                                device="cuda", layout="rank_major")
+    err = rel_err(y_tri.float() - y0.float(), y_ref.float() - y0.float())
+    assert err < 1e-2, err
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("pdl", [True, False])
 def test_cuda_graph_replay_with_new_metadata(pdl: bool) -> None:
     """Capture once, then replay with other steps' metadata copied into the captured buffers;
