@@ -202,8 +202,8 @@ def pack_weights(
                 else:
                     scale_runs.append([ci, begin, begin + per, m.scaling])
     # In the sources' memory order: for an adapter mapped from its file (`load_adapter`) that is the
-    # file's order, in which `safetensors_view.read_ahead` has the disk stream it, so on a cold file
-    # the copies follow the disk instead of faulting in pages from all over the file at once.
+    # file's order, so on a cold file the kernel's sequential readahead streams it and the copies
+    # follow the disk, instead of faulting in pages from all over the file at once.
     copies.sort(key=lambda c: c[0].data_ptr())
     for _, m, half, rows, r in copies:
         _pack_rows(m, half, rows, r, dtype)
