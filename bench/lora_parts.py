@@ -1,6 +1,7 @@
 """The LoRA kernels' two launches timed apart, each against its own memory floor, over launch configs.
 
-    python -m bench.lora_parts [--cases qkv:64:64,gate_up:64:64,...] [--out FILE]
+    python -m bench.lora_parts [--cases qkv:64:64,gate_up:64:64,...] [--store] [--parts shrink,expand]
+                               [--out bench/results/lora-parts-h200.json]
 
 `bench/kernels.py` times the shrink and the expand together (what the engine pays); this says which
 of the two is far from the bytes it moves, and which launch parameters move it:
@@ -12,8 +13,8 @@ of the two is far from the bytes it moves, and which launch parameters move it:
   pair       both, the expand with PDL where supported: what `add_lora_triton` runs.
 
 Each part's floor is its own bytes over the copy bandwidth measured in the run. Configs: the
-default (`pick_config`) and one knob changed at a time; then the pair with each part's best knobs
-together. Timing as in bench/kernels.py (a CUDA graph over enough copies of the inputs to miss L2,
+default (`pick_config`) and one knob changed at a time (for the parts named in --parts; the others
+at the default only); then the pair with each part's best knobs together. Timing as in bench/kernels.py (a CUDA graph over enough copies of the inputs to miss L2,
 `do_bench` medians). Rows: {module, tokens, adapters, part, config..., us, floor_us}.
 """
 

@@ -7,7 +7,8 @@ Each variant picks the BLAS library torch's matmuls use (cuBLAS or cuBLASLt), se
 second stream rather than after it) and `lora_ops.GEMM_SM_CARVEOUT` (SMs the GEMM beside it leaves
 free for the LoRA kernels, with at most and above `lora_ops.FEW_CHUNKS` chunks; only cuBLASLt honours
 it) and where the shrink zeroes the delta rather than a memset launch (`lora_ops.ZERO_IN_SHRINK`:
-never, always, or above FEW_CHUNKS as the engine does), then drops the captured decode graphs and
+never, always, or above FEW_CHUNKS as the engine does), and, from the seventh session's variants
+on, `triton_lora.pick_config`'s knobs (KERNEL_KNOBS), then drops the captured decode graphs and
 times async decode at batch 64 on the seed shape, as `bench/engine.py` does. Rows: variant, adapters, tok/s,
 ratio to the same variant's base-only run (or the first variant's where it has none).
 """
