@@ -156,6 +156,23 @@ def make_case_inputs(
     return sets, token_slots, token_scales, ranks
 
 
+def case_meta(case: Case, token_slots: torch.Tensor, token_scales: torch.Tensor) -> LoraMeta:
+    """The case's step metadata as the engine launches it."""
+    meta = build_lora_meta(token_slots, token_scales, case.adapters, DEVICE)
+    meta.rank_bound = case.rank  # as ModelRunner sets it: the step's largest true rank
+    meta.launch_chunks = chunk_class(meta.num_chunks, meta.max_chunks)  # as a decode graph launches
+    return meta
+
+
+def parse_cases(text: str, rank: int = 16) -> list[Case]:
+    """"MODULE:TOKENS:ADAPTERS,..." -> rank-`rank` cases in a pool of that rank."""
+    cases = []
+    for spec in text.split(","):
+        module, tokens, adapters = spec.split(":")
+        cases.append(Case(module, int(tokens), int(adapters), rank, rank))
+    return cases
+
+
 def adapter_bytes(case: Case) -> int:
     """Each distinct adapter's A (one per slice) and B, at its true rank."""
     d_in, outs = MODULES[case.module]
@@ -238,9 +255,7 @@ def run_case(
 ) -> dict:
     d_in, outs = MODULES[case.module]
     sets, token_slots, token_scales, ranks = make_case_inputs(case, g)
-    meta = build_lora_meta(token_slots, token_scales, case.adapters, DEVICE)
-    meta.rank_bound = case.rank  # as ModelRunner sets it: the step's largest true rank
-    meta.launch_chunks = chunk_class(meta.num_chunks, meta.max_chunks)  # as a decode graph launches
+    meta = case_meta(case, token_slots, token_scales)
     ranks_dev = torch.tensor(ranks, dtype=torch.int32, device=DEVICE)
     row = dict(asdict(case))
     act_bytes = case.tokens * (d_in + 2 * sum(outs)) * BYTES

@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 
-from lorafleet.kernels.lora_ops import build_lora_meta
 from lorafleet.kernels.triton_lora import (
     LoraKernelConfig,
     launch_expand,
@@ -35,40 +34,23 @@ from lorafleet.kernels.triton_lora import (
     pick_config,
     plan_lora_triton,
 )
-from lorafleet.worker.cuda_graphs import chunk_class
 
 try:
-    from bench.kernels import (
-        BYTES,
-        MODULES,
-        Case,
-        adapter_bytes,
-        make_case_inputs,
-        measure_copy_bandwidth,
-        time_graph,
-    )
+    from bench import kernels as kb
 except ImportError:  # python bench/lora_parts.py
-    from kernels import (
-        BYTES,
-        MODULES,
-        Case,
-        adapter_bytes,
-        make_case_inputs,
-        measure_copy_bandwidth,
-        time_graph,
-    )
+    import kernels as kb
 
 DEFAULT_CASES = "qkv:64:64,o:64:64,gate_up:64:64,down:64:64,qkv:64:8,gate_up:64:8"
 
 
-def part_floors(case: Case, split_k: int, bandwidth: float) -> dict[str, float]:
+def part_floors(case: kb.Case, split_k: int, bandwidth: float) -> dict[str, float]:
     """Bytes each launch must move, over the bandwidth, in µs."""
-    d_in, outs = MODULES[case.module]
-    a_bytes = case.adapters * case.rank * len(outs) * d_in * BYTES
-    b_bytes = adapter_bytes(case) - a_bytes
+    d_in, outs = kb.MODULES[case.module]
+    a_bytes = case.adapters * case.rank * len(outs) * d_in * kb.BYTES
+    b_bytes = kb.adapter_bytes(case) - a_bytes
     part_bytes = split_k * case.tokens * case.k * len(outs) * max(16, case.rank) * 4
-    shrink = a_bytes + case.tokens * d_in * BYTES + part_bytes
-    expand = b_bytes + part_bytes + 2 * case.tokens * sum(outs) * BYTES
+    shrink = a_bytes + case.tokens * d_in * kb.BYTES + part_bytes
+    expand = b_bytes + part_bytes + 2 * case.tokens * sum(outs) * kb.BYTES
     return {"shrink": shrink / bandwidth * 1e6, "expand": expand / bandwidth * 1e6}
 
 
@@ -96,13 +78,11 @@ def variants(default: LoraKernelConfig) -> dict[str, list[LoraKernelConfig]]:
     return {"shrink": sorted(shrink, key=str), "expand": sorted(expand, key=str)}
 
 
-def run_case(case: Case, bandwidth: float, g: torch.Generator, store: bool,
+def run_case(case: kb.Case, bandwidth: float, g: torch.Generator, store: bool,
              parts: list[str] | None = None) -> list[dict]:
-    d_in, outs = MODULES[case.module]
-    sets, token_slots, token_scales, ranks = make_case_inputs(case, g)
-    meta = build_lora_meta(token_slots, token_scales, case.adapters, "cuda")
-    meta.rank_bound = case.rank
-    meta.launch_chunks = chunk_class(meta.num_chunks, meta.max_chunks)
+    d_in, outs = kb.MODULES[case.module]
+    sets, token_slots, token_scales, ranks = kb.make_case_inputs(case, g)
+    meta = kb.case_meta(case, token_slots, token_scales)
     ranks_dev = torch.tensor(ranks, dtype=torch.int32, device="cuda")
     default = pick_config(meta.num_chunks, len(outs), d_in, meta.chunk_size)
 
@@ -121,7 +101,7 @@ def run_case(case: Case, bandwidth: float, g: torch.Generator, store: bool,
             else:
                 calls = [lambda p=p, s=s: (launch_shrink(p), launch_expand(p, s.y, store))
                          for p, s in zip(ps, sets, strict=True)]
-        return time_graph(calls)
+        return kb.time_graph(calls)
 
     rows, best = [], {}
     head = {"module": case.module, "tokens": case.tokens, "adapters": case.adapters, "rank": case.rank,
@@ -161,13 +141,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
-    bandwidth = measure_copy_bandwidth()
+    bandwidth = kb.measure_copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     rows = []
-    for spec in args.cases.split(","):
-        module, tokens, adapters = spec.split(":")
-        rows += run_case(Case(module, int(tokens), int(adapters), 16, 16), bandwidth, g, args.store,
-                         args.parts.split(","))
+    for case in kb.parse_cases(args.cases):
+        rows += run_case(case, bandwidth, g, args.store, args.parts.split(","))
         torch.cuda.empty_cache()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"bandwidth_tb_s": round(bandwidth / 1e12, 3), "rows": rows}, indent=1) + "\n")

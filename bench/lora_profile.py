@@ -15,14 +15,12 @@ import argparse
 
 import torch
 
-from lorafleet.kernels.lora_ops import build_lora_meta
 from lorafleet.kernels.triton_lora import launch_expand, launch_shrink, pick_config, plan_lora_triton
-from lorafleet.worker.cuda_graphs import chunk_class
 
 try:
-    from bench.kernels import MODULES, Case, make_case_inputs
+    from bench.kernels import MODULES, case_meta, make_case_inputs, parse_cases
 except ImportError:  # python bench/lora_profile.py
-    from kernels import MODULES, Case, make_case_inputs
+    from kernels import MODULES, case_meta, make_case_inputs, parse_cases
 
 
 def main() -> None:
@@ -31,14 +29,10 @@ def main() -> None:
     ap.add_argument("--store", action="store_true", help="the storing expand (the engine's side path)")
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
-    for spec in args.cases.split(","):
-        module, tokens, adapters = spec.split(":")
-        case = Case(module, int(tokens), int(adapters), 16, 16)
-        d_in, outs = MODULES[module]
+    for case in parse_cases(args.cases):
+        d_in, outs = MODULES[case.module]
         sets, token_slots, token_scales, _ = make_case_inputs(case, g)
-        meta = build_lora_meta(token_slots, token_scales, case.adapters, "cuda")
-        meta.rank_bound = case.rank
-        meta.launch_chunks = chunk_class(meta.num_chunks, meta.max_chunks)
+        meta = case_meta(case, token_slots, token_scales)
         ranks_dev = torch.full((len(outs), case.adapters), case.rank, dtype=torch.int32, device="cuda")
         cfg = pick_config(meta.num_chunks, len(outs), d_in, meta.chunk_size)
         s = sets[0]
@@ -47,7 +41,7 @@ def main() -> None:
             launch_shrink(plan)
             launch_expand(plan, s.y, args.store)
         torch.cuda.synchronize()
-        print(f"{spec}: {cfg}", flush=True)
+        print(f"{case.module}:{case.tokens}:{case.adapters}: {cfg}", flush=True)
         torch.cuda.profiler.start()
         launch_shrink(plan)
         launch_expand(plan, s.y, args.store)

@@ -31,7 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from lorafleet.kernels.lora_ops import build_lora_meta
 from lorafleet.kernels.triton_lora import (
     LoraLaunch,
     launch_expand,
@@ -39,12 +38,11 @@ from lorafleet.kernels.triton_lora import (
     pick_config,
     plan_lora_triton,
 )
-from lorafleet.worker.cuda_graphs import chunk_class
 
 try:
-    from bench.kernels import MODULES, Case, make_case_inputs, measure_copy_bandwidth, time_graph
+    from bench import kernels as kb
 except ImportError:  # python bench/shrink_gemv.py
-    from kernels import MODULES, Case, make_case_inputs, measure_copy_bandwidth, time_graph
+    import kernels as kb
 
 DEFAULT_CASES = "qkv:64:64,o:64:64,gate_up:64:64,down:64:64,qkv:64:8,gate_up:64:8"
 VARIANTS = [(block_k, warps) for block_k in (256, 512, 1024) for warps in (2, 4, 8)]
@@ -136,12 +134,10 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
 
 
-def run_case(case: Case, g: torch.Generator, store: bool) -> list[dict]:
-    d_in, outs = MODULES[case.module]
-    sets, token_slots, token_scales, ranks = make_case_inputs(case, g)
-    meta = build_lora_meta(token_slots, token_scales, case.adapters, "cuda")
-    meta.rank_bound = case.rank
-    meta.launch_chunks = chunk_class(meta.num_chunks, meta.max_chunks)
+def run_case(case: kb.Case, g: torch.Generator, store: bool) -> list[dict]:
+    d_in, outs = kb.MODULES[case.module]
+    sets, token_slots, token_scales, ranks = kb.make_case_inputs(case, g)
+    meta = kb.case_meta(case, token_slots, token_scales)
     ranks_dev = torch.tensor(ranks, dtype=torch.int32, device="cuda")
     cfg = pick_config(meta.num_chunks, len(outs), d_in, meta.chunk_size)
 
@@ -155,12 +151,12 @@ def run_case(case: Case, g: torch.Generator, store: bool) -> list[dict]:
     launch_shrink(ps[0])
     ref = ps[0].part.sum(0)  # the splits' sum, which the expand reads: each kernel cuts K its own way
     rows = [{**head, "kernel": "production", "part": "shrink",
-             "us": round(time_graph([lambda p=p: launch_shrink(p) for p in ps]), 2)}]
+             "us": round(kb.time_graph([lambda p=p: launch_shrink(p) for p in ps]), 2)}]
     for block_k, warps in VARIANTS:
         ps[0].part.zero_()
         launch_shrink_gemv(ps[0], block_k, warps)
         err = rel_err(ps[0].part.sum(0), ref)
-        us = time_graph([lambda p=p, bk=block_k, w=warps: launch_shrink_gemv(p, bk, w) for p in ps])
+        us = kb.time_graph([lambda p=p, bk=block_k, w=warps: launch_shrink_gemv(p, bk, w) for p in ps])
         rows.append({**head, "kernel": "gemv", "part": "shrink", "block_k": block_k, "warps": warps,
                      "us": round(us, 2), "rel_err": float(f"{err:.2e}")})
     best = min((r for r in rows if r["kernel"] == "gemv"), key=lambda r: r["us"])
@@ -173,7 +169,7 @@ def run_case(case: Case, g: torch.Generator, store: bool) -> list[dict]:
                  for p, s in zip(pp, sets, strict=True)],
     }
     for kernel, calls in pairs.items():
-        rows.append({**head, "kernel": kernel, "part": "pair", "us": round(time_graph(calls), 2),
+        rows.append({**head, "kernel": kernel, "part": "pair", "us": round(kb.time_graph(calls), 2),
                      **({"block_k": best["block_k"], "warps": best["warps"]} if kernel == "gemv" else {})})
     for r in rows:
         knobs = f" K tile {r['block_k']}, {r['warps']} warps" if "block_k" in r else ""
@@ -191,12 +187,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
-    bandwidth = measure_copy_bandwidth()
+    bandwidth = kb.measure_copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     rows = []
-    for spec in args.cases.split(","):
-        module, tokens, adapters = spec.split(":")
-        rows += run_case(Case(module, int(tokens), int(adapters), 16, 16), g, args.store)
+    for case in kb.parse_cases(args.cases):
+        rows += run_case(case, g, args.store)
         torch.cuda.empty_cache()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"bandwidth_tb_s": round(bandwidth / 1e12, 3), "rows": rows}, indent=1) + "\n")
