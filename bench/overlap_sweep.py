@@ -101,10 +101,31 @@ VARIANTS = {
     "seventh session, shrink K tiles of 1024, 2 stages above 16 chunks":
         ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
          {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_BLOCK_K": (128, 1024), "NUM_STAGES": (3, 2)}),
+    # The eighth session: above 16 one-pair chunks (at most lora_ops.ONE_PAIR_CHUNKS pairs each on
+    # average), the shrink a row at a time (multiply-and-sum, no tl.dot; alone: -0.9 to -1.8 µs a
+    # pair for gate_up and down at 64 adapters, +0.3 to +0.4 for qkv and o), K tile and warps. The
+    # first two runs of these (overlap-sweep-rows*-h200.json) were made while the decode graphs were
+    # keyed by chunk class alone, so every step of 17-64 chunks (32 adapters too) took the rows:
+    "eighth session, shrink a row at a time: K tile 256, 4 warps":
+        ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
+         {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4)}),
+    "eighth session, shrink a row at a time: K tile 512, 4 warps":
+        ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
+         {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (512, 4)}),
+    "eighth session, shrink a row at a time: K tile 512, 8 warps":
+        ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
+         {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (512, 8)}),
+    "eighth session, shrink a row at a time up to 2 pairs a chunk: K tile 256, 4 warps":
+        ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
+         {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "ONE_PAIR_CHUNKS": 2.0}),
+    "eighth session, shrink a row at a time: K tile 256, 2 warps":
+        ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
+         {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 2)}),
 }
-# The triton_lora knobs a variant's seventh element may set; every other variant runs the sixth
-# session's values, which all variants before them ran with.
-KERNEL_KNOBS = {"SHRINK_WARPS": (4, 4), "WIDE_EXPAND": (256, 512), "SHRINK_BLOCK_K": (128, 128), "NUM_STAGES": (3, 3)}
+# The triton_lora (and lora_ops) knobs a variant's seventh element may set; every other variant runs
+# the sixth session's values, which all variants before them ran with.
+KERNEL_KNOBS = {"SHRINK_WARPS": (4, 4), "WIDE_EXPAND": (256, 512), "SHRINK_BLOCK_K": (128, 128), "NUM_STAGES": (3, 3),
+                "SHRINK_ROWS": (), "ONE_PAIR_CHUNKS": 1.5}
 
 
 def main() -> None:
@@ -135,7 +156,7 @@ def main() -> None:
         lora_ops.GEMM_FIRST = rest[0] if rest else (False, False)
         lora_ops.DELTA_STORE = rest[1] if len(rest) > 1 else (False, False)
         for knob, value in {**KERNEL_KNOBS, **(rest[2] if len(rest) > 2 else {})}.items():
-            setattr(triton_lora, knob, value)
+            setattr(triton_lora if hasattr(triton_lora, knob) else lora_ops, knob, value)
         lora_ops.FEW_CHUNKS = 0 if zero == "always" else few_chunks
         torch.backends.cuda.preferred_blas_library(blas)
         graphs._graphs.clear()  # recapture under this variant's settings

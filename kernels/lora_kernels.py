@@ -49,6 +49,7 @@ def _lora_shrink_kernel(
     PDL: tl.constexpr,
     ZERO: tl.constexpr,
     ZERO_BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     """part[split, pair, s*R_PAD + r] = Σ_{k in split} x[token(pair), k] · A_s[slot, r, k].
 
@@ -56,6 +57,10 @@ def _lora_shrink_kernel(
     ZERO: first, every program (padding ones too) zeroes its share of the contiguous buffer at
     zero_ptr (ZERO_NUMEL elements): the expand's output when it accumulates into a fresh delta,
     which then needs no memset launch of its own.
+    ROWS: each row of the chunk as its own multiply-and-sum in registers (BLOCK_RANK x BLOCK_K
+    products summed over K), no `tl.dot` and no shared-memory staging: for chunks of about one row
+    (decode with as many adapters as tokens), where a BLOCK_M-row `tl.dot` tile is mostly padding.
+    Each further row re-reads the A tile (from L1/L2).
     """
     if PDL:  # every program has started: the expand may launch and run its prologue meanwhile
         tl.extra.cuda.gdc_launch_dependents()
@@ -95,12 +100,27 @@ def _lora_shrink_kernel(
         a_ptr = a2_ptr
     offs_r = r0 + tl.arange(0, BLOCK_RANK)
     r_mask = offs_r < rank
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    if ROWS:
+        a_cols = a_ptr + slot.to(tl.int64) * stride_as + offs_r[:, None] * stride_ar  # [BLOCK_RANK, 1]
+        for m in range(start, end):
+            x_row = x_ptr + tl.load(sorted_token_ptr + m).to(tl.int64) * stride_xt
+            row = tl.zeros((BLOCK_RANK,), dtype=tl.float32)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_mask = offs_k < k_hi
+                at = tl.load(a_cols + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+                xv = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
+                row += tl.sum(at.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
+            # Written even when this split's K range is empty, as below. (int32 m * stride_pm: a
+            # decode step's pairs times at most 3 * 256 columns.)
+            tl.store(part_ptr + pid_k * stride_ps + m * stride_pm + s * R_PAD + offs_r, row, mask=r_mask)
+        return
     x_rows = x_ptr + tok[:, None] * stride_xt  # [BLOCK_M, 1]
     a_rows = a_ptr + slot.to(tl.int64) * stride_as + offs_r[None, :] * stride_ar  # [1, BLOCK_RANK]
 
     acc = tl.zeros((BLOCK_M, BLOCK_RANK), dtype=tl.float32)
-    k_lo = pid_k * K_PER_SPLIT
-    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_hi

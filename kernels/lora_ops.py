@@ -77,6 +77,11 @@ class LoraMeta:
     # [T] int32: 1 where the token has at least one adapter. A side path's delta written by a
     # storing expand (`linear_lora_deferred`) is defined only on those rows: its readers mask with it.
     has_lora: torch.Tensor | None = None
+    # Host: the chunks hold at most ONE_PAIR_CHUNKS pairs each on average (decode with about as many
+    # adapters as tokens), so the Triton shrink may run a row at a time. None: judged from this
+    # meta's own counts (`one_pair_chunks`). DecodeGraphs sets it from each step's: its graphs'
+    # num_chunks is a class, which 32 chunks of two pairs share with 64 of one.
+    one_pair: bool | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -85,6 +90,13 @@ class LoraMeta:
     @property
     def empty(self) -> bool:
         return self.num_entries == 0
+
+    @property
+    def one_pair_chunks(self) -> bool:
+        """See `one_pair`."""
+        if self.one_pair is not None:
+            return self.one_pair
+        return self.num_chunks > 0 and self.num_entries <= ONE_PAIR_CHUNKS * self.num_chunks
 
     @property
     def grid_chunks(self) -> int:
@@ -111,6 +123,12 @@ class LoraMeta:
         self.num_entries = other.num_entries
         self.segments = list(other.segments)
         self.num_chunks = other.num_chunks
+
+
+# Chunks of at most this many pairs on average count as one-pair chunks (`LoraMeta.one_pair`). In the
+# engine at batch 64 (docs/benchmarks.md, eighth session) the row-at-a-time shrink took 64 adapters
+# (one pair a chunk) 0.752 -> 0.760 of base-only and 32 adapters (two) 0.851 -> 0.840.
+ONE_PAIR_CHUNKS = 1.5
 
 
 def default_chunk_size(num_pairs: int) -> int:

@@ -66,17 +66,27 @@ class LoraKernelConfig:
     shrink_warps: int = 4
     expand_warps: int = 4
     num_stages: int = 3
+    shrink_rows: bool = False  # the shrink's multiply-and-sum a row (lora_kernels, ROWS) instead of tl.dot
 
 
-def pick_config(num_chunks: int, n_slices: int, in_features: int, chunk_size: int) -> LoraKernelConfig:
+def pick_config(
+    num_chunks: int, n_slices: int, in_features: int, chunk_size: int, one_pair: bool = False
+) -> LoraKernelConfig:
     """Aim the shrink at ~512 programs: split K finely when few chunks are active (decode with few
     adapters), little when many are; likewise give each expand program fewer columns when few
     chunks are active. Tuned on the H200 with `bench/kernels.py --sweep`. (Many columns a program
     when many chunks meet gate/up's wide slices, 2048, was faster alone in the sweep, 38.8 -> 34.6 µs
     at 64 tokens on 64 adapters, and slower in the engine, where the expand runs beside the GEMM on
-    the SMs it leaves free: 64 adapters 8,175 -> 7,830 tok/s. Not used.)"""
+    the SMs it leaves free: 64 adapters 8,175 -> 7,830 tok/s. Not used.)
+
+    one_pair: the chunks hold about one pair each (`LoraMeta.one_pair_chunks`); with many of them
+    the shrink runs a multiply-and-sum a row (`shrink_rows`) when SHRINK_ROWS is set."""
     many = num_chunks > SHRINK_FEW_CHUNKS
     block_k = SHRINK_BLOCK_K[many] if chunk_size <= 16 else 64
+    rows = bool(SHRINK_ROWS) and one_pair and many and chunk_size <= 16
+    shrink_warps = SHRINK_WARPS[many]
+    if rows:
+        block_k, shrink_warps = SHRINK_ROWS
     by_chunks = triton.next_power_of_2(max(1, -(-512 // max(1, num_chunks * n_slices))))
     split_k = max(1, min(-(-in_features // 512), by_chunks))
     wide = num_chunks * n_slices >= WIDE_EXPAND[0]
@@ -84,7 +94,7 @@ def pick_config(num_chunks: int, n_slices: int, in_features: int, chunk_size: in
     block_n = 128 if chunk_size <= 16 else 64
     return LoraKernelConfig(
         split_k=split_k, block_k=block_k, block_n=block_n, n_per_prog=max(n_per_prog, block_n),
-        shrink_warps=SHRINK_WARPS[many], num_stages=NUM_STAGES[many],
+        shrink_warps=shrink_warps, num_stages=NUM_STAGES[many], shrink_rows=rows,
     )
 
 
@@ -103,6 +113,12 @@ SHRINK_WARPS = (4, 2)
 SHRINK_BLOCK_K = (128, 128)
 NUM_STAGES = (3, 3)
 SHRINK_FEW_CHUNKS = 16
+# The shrink a row at a time above SHRINK_FEW_CHUNKS one-pair chunks (lora_ops.ONE_PAIR_CHUNKS):
+# (K tile, warps); () = never. Alone (bench/shrink_gemv.py, 64 tokens on 64 adapters) within
+# ±0.8 µs of the tl.dot shrink; in the engine at batch 64 with 64 adapters 0.754/0.755 ->
+# 0.764/0.762 of base-only with K tile 256 (512: 0.756/0.755; 256 with 2 warps: 0.755), 8
+# adapters unchanged (docs/benchmarks.md, eighth session).
+SHRINK_ROWS: tuple[int, int] | tuple[()] = (256, 4)
 
 
 def _interpreting() -> bool:
@@ -187,7 +203,7 @@ def plan_lora_triton(
     interp = _interpreting()
     if pdl is None:
         pdl = x.is_cuda and pdl_supported(x.device.index if x.device.index is not None else torch.cuda.current_device())
-    cfg = config or pick_config(meta.num_chunks, n_slices, in_features, meta.chunk_size)
+    cfg = config or pick_config(meta.num_chunks, n_slices, in_features, meta.chunk_size, meta.one_pair_chunks)
     # Rank tiles cover the step's largest true rank (meta.rank_bound), not the pool's r_max.
     r_eff = r_max if meta.rank_bound is None else max(1, min(r_max, meta.rank_bound))
     r_blocks = triton.cdiv(r_eff, BLOCK_R)
@@ -247,6 +263,7 @@ def launch_shrink(plan: LoraLaunch, zero: torch.Tensor | None = None) -> None:
         PDL=plan.pdl,
         ZERO=zero is not None,
         ZERO_BLOCK=1024,
+        ROWS=cfg.shrink_rows,
         num_warps=cfg.shrink_warps,
         num_stages=cfg.num_stages,
     )

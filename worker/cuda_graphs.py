@@ -210,7 +210,8 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(top, self.width, dtype=torch.int32, device=dev)  # [top, width]
         self.context_lens = torch.zeros(top, dtype=torch.int32, device=dev)
         self.logits_rows = torch.arange(top, dtype=torch.int64, device=dev)
-        self._graphs: dict[tuple[int, int, int], _Captured] = {}  # (bucket, chunk class, rank class) -> graph
+        # (bucket, chunk class, rank class, one-pair chunks) -> graph
+        self._graphs: dict[tuple[int, int, int, bool], _Captured] = {}
         self.last: _Captured | None = None  # the last step's graph (benchmarks time its replay alone)
         self._pool = None  # one memory pool shared by every bucket's graph (made at the first capture)
 
@@ -230,11 +231,11 @@ class DecodeGraphs:
         step_meta = None
         if self.model.lora is not None and inputs.has_adapters:
             step_meta = build_lora_meta(inputs.token_slots, inputs.token_scales, self.max_loras, "cpu")
-        key = (bucket, 0, 0)
+        key = (bucket, 0, 0, False)
         if step_meta is not None:
             bound = self.model.lora.rank_bound(inputs.token_slots)
             key = (bucket, chunk_class(step_meta.num_chunks, step_meta.max_chunks),
-                   rank_class(bound, self.model.lora.max_rank))
+                   rank_class(bound, self.model.lora.max_rank), step_meta.one_pair_chunks)
         captured = self._graphs.get(key)
         if captured is None:
             captured = self._graphs[key] = self._capture(*key)
@@ -254,9 +255,9 @@ class DecodeGraphs:
     def capture_base(self) -> int:
         """Capture the no-adapter graph of every bucket not captured yet (start-up warm-up; graphs with
         adapters, one per chunk and rank class, are captured on first use) -> graphs captured."""
-        missing = [b for b in self.buckets if (b, 0, 0) not in self._graphs]
+        missing = [b for b in self.buckets if (b, 0, 0, False) not in self._graphs]
         for bucket in missing:
-            self._graphs[(bucket, 0, 0)] = self._capture(bucket, 0, 0)
+            self._graphs[(bucket, 0, 0, False)] = self._capture(bucket, 0, 0, False)
         return len(missing)
 
     # -- internals -----------------------------------------------------------------------------
@@ -290,7 +291,7 @@ class DecodeGraphs:
             self.logits_rows[:b], graph=True,
         )
 
-    def _capture(self, bucket: int, cls: int, rank_cls: int) -> _Captured:
+    def _capture(self, bucket: int, cls: int, rank_cls: int, one_pair: bool) -> _Captured:
         attn = AttentionMetadata(
             query_lens=[1] * bucket,
             context_lens=[0] * bucket,  # host copies are not read in a graph (fixed_shapes)
@@ -312,6 +313,7 @@ class DecodeGraphs:
             meta.num_chunks = cls  # what the kernels pick their configuration for (module docstring)
             meta.launch_chunks = cls  # and their grids: a step of this class has at most cls chunks
             meta.rank_bound = rank_cls  # their rank tiles likewise
+            meta.one_pair = one_pair  # and the shrink's mode: the step's chunks, not the class
         captured = _Captured(bucket=bucket, attn=attn, lora_meta=meta, graph=None, logits=None)
         if not self.capture:
             return captured
@@ -334,6 +336,6 @@ class DecodeGraphs:
         captured.graph = graph
         self.stats.captures += 1
         self.stats.capture_s += time.perf_counter() - t0
-        log.info("captured the decode graph for batch bucket %d, LoRA chunk class %d, rank class %d in %.2f s",
-                 bucket, cls, rank_cls, time.perf_counter() - t0)
+        log.info("captured the decode graph for batch bucket %d, LoRA chunk class %d, rank class %d%s in %.2f s",
+                 bucket, cls, rank_cls, ", one-pair chunks" if one_pair else "", time.perf_counter() - t0)
         return captured

@@ -9,6 +9,7 @@ Every case runs both B layouts (out-major, and rank-major as the slot pool store
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 if "TRITON_INTERPRET" not in os.environ:
     import torch as _torch
@@ -214,6 +215,32 @@ CASES = [
         LoraKernelConfig(split_k=2, block_k=32, block_n=32, n_per_prog=64),
     ),
     ("chunk64-prefill", 70, 1, 72, [24, 24], [[8, 16]] * 2, "one_adapter", torch.float16, 64, None),
+    # The shrink a row at a time (ROWS): a row a chunk, then chunks of many rows with k = 2 and empty
+    # K splits (K tile 64 over 40 features in 3 splits), three slices with a rank-0 one.
+    (
+        "rows-each-token",
+        12,
+        1,
+        96,
+        [70],
+        [[16, 7, 16, 1] * 3],
+        "each_token_own",
+        torch.float32,
+        None,
+        LoraKernelConfig(split_k=2, block_k=32, block_n=16, n_per_prog=32, shrink_rows=True),
+    ),
+    (
+        "rows-many-k2-empty-splits",
+        21,
+        2,
+        40,
+        [24, 8, 8],
+        [[8, 16, 8, 16, 8], [0, 16, 8, 16, 0], [16, 16, 1, 16, 16]],
+        "random_with_none",
+        torch.float16,
+        None,
+        LoraKernelConfig(split_k=3, block_k=64, block_n=16, n_per_prog=32, shrink_rows=True),
+    ),
 ]
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -232,6 +259,35 @@ def test_triton_matches_reference(
     )
     assert not torch.isnan(y_tri).any()
     torch.testing.assert_close(y_tri.float(), y_ref.float(), **TOL[dtype])
+
+
+def test_pick_config_runs_the_shrink_a_row_at_a_time_only_where_asked(monkeypatch) -> None:
+    """SHRINK_ROWS: for one-pair chunks above SHRINK_FEW_CHUNKS, decode-sized only, with its K tile
+    and warps; never while it is empty."""
+    from lorafleet.kernels import triton_lora
+
+    cfg = triton_lora.pick_config(64, 3, 4096, 16, one_pair=True)
+    assert (cfg.shrink_rows, cfg.block_k, cfg.shrink_warps) == (True, *triton_lora.SHRINK_ROWS)
+    assert not triton_lora.pick_config(64, 3, 4096, 16).shrink_rows  # chunks of several pairs
+    assert not triton_lora.pick_config(16, 3, 4096, 16, one_pair=True).shrink_rows  # few chunks
+    assert not triton_lora.pick_config(64, 3, 4096, 64, one_pair=True).shrink_rows  # prefill chunks
+    monkeypatch.setattr(triton_lora, "SHRINK_ROWS", ())
+    assert not triton_lora.pick_config(64, 3, 4096, 16, one_pair=True).shrink_rows
+
+
+def test_one_pair_chunks_from_the_counts_unless_set() -> None:
+    """A meta judges its chunks from its own counts (at most lora_ops.ONE_PAIR_CHUNKS pairs each on
+    average); `one_pair`, which a decode graph sets from the step, overrides that."""
+    from lorafleet.kernels.lora_ops import ONE_PAIR_CHUNKS
+
+    each = build_lora_meta(torch.arange(32, dtype=torch.int32)[:, None], torch.ones(32, 1), 32, DEVICE)
+    pairs = build_lora_meta((torch.arange(32, dtype=torch.int32) // 2)[:, None], torch.ones(32, 1), 32, DEVICE)
+    none = build_lora_meta(torch.full((8, 1), -1, dtype=torch.int32), torch.ones(8, 1), 32, DEVICE)
+    assert ONE_PAIR_CHUNKS < 2
+    assert each.one_pair_chunks and not pairs.one_pair_chunks and not none.one_pair_chunks
+    pairs.one_pair = True
+    each.one_pair = False
+    assert pairs.one_pair_chunks and not each.one_pair_chunks
 
 
 def test_mixed_b_layouts_fall_back_to_a_copy() -> None:
@@ -304,13 +360,15 @@ def test_launch_bound_on_chunks(k: int) -> None:
         static.copy_(too_many)
 
 
+@pytest.mark.parametrize("rows", [False, True])
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("launch_bound", [None, 8])
-def test_shrink_zeroes_the_delta_it_expands_into(k: int, launch_bound: int | None) -> None:
+def test_shrink_zeroes_the_delta_it_expands_into(k: int, launch_bound: int | None, rows: bool) -> None:
     """The side path's delta is not memset: the shrink's programs (padding chunks' too) zero it,
     then the expand accumulates into it. A NaN-poisoned buffer, tokens without an adapter, a slot
-    that leaves a slice untargeted (rank 0), and more elements than one block per program."""
-    from lorafleet.kernels.triton_lora import launch_expand, launch_shrink, plan_lora_triton
+    that leaves a slice untargeted (rank 0), and more elements than one block per program; with
+    the shrink a row at a time too."""
+    from lorafleet.kernels.triton_lora import launch_expand, launch_shrink, pick_config, plan_lora_triton
 
     g = torch.Generator().manual_seed(3 + k)
     tokens, slots, d_in, outs = 40, 5, 48, [700, 300]
@@ -323,7 +381,10 @@ def test_shrink_zeroes_the_delta_it_expands_into(k: int, launch_bound: int | Non
         meta.launch_chunks = max(launch_bound, meta.num_chunks)  # padding chunks in the grid
     x = torch.randn(tokens, d_in, generator=g).to(DEVICE)
     delta = torch.full((tokens, sum(outs)), float("nan"), device=DEVICE)
-    plan = plan_lora_triton(x, lora_a, lora_b, ranks_dev, meta)
+    config = None
+    if rows:
+        config = replace(pick_config(meta.num_chunks, len(outs), d_in, meta.chunk_size), shrink_rows=True, block_k=32)
+    plan = plan_lora_triton(x, lora_a, lora_b, ranks_dev, meta, config)
     assert plan is not None
     launch_shrink(plan, zero=delta)
     launch_expand(plan, delta)
@@ -426,9 +487,10 @@ expand = {"y_ptr": p, "b0_ptr": p, "b1_ptr": p, "b2_ptr": p, **ptrs, "sorted_sca
           "part_ptr": "*fp32", **{n: i32 for n in ("OUT0", "OUT1", "OUT2", "GROUPS0", "GROUPS1", "SPLIT_K",
                                                    "stride_yt", "stride_rs", "stride_ps", "stride_pm")}}
 for pdl in (False, True):
-    for zero in (False, True):
+    for zero, rows in ((False, False), (True, False), (False, True), (True, True)):
         compile_(tk._lora_shrink_kernel, shrink, dict(R_MAX=16, R_PAD=16, R_BLOCKS=1, BLOCK_M=16, BLOCK_K=128, BLOCK_RANK=16,
-                                   UPCAST=False, IEEE=False, PDL=pdl, ZERO=zero, ZERO_BLOCK=1024), stages=3)
+                                   UPCAST=False, IEEE=False, PDL=pdl, ZERO=zero, ZERO_BLOCK=1024, ROWS=rows),
+                 stages=3)
     # (ATOMIC, Y_EARLY, STORE): k > 1; y read before the wait; y read after it (the shrink zeroed
     # it); the storing expand.
     for atomic, early, store in ((True, False, False), (False, True, False), (False, False, False),
@@ -498,17 +560,18 @@ def test_bf16_real_shapes(module: str, tokens: int, k: int, adapters: int, layou
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("module", sorted(MODULES))
-@pytest.mark.parametrize("block_k,stages", [(512, 2), (1024, 2)])
-def test_bf16_wide_k_tiles(module: str, block_k: int, stages: int) -> None:
-    """The shrink with K tiles that cover most of a split (one token a chunk, 64 adapters, ranks
-    mixed): same tolerance as above, on every module, empty splits included (down, split 8)."""
+@pytest.mark.parametrize("block_k,stages,rows", [(512, 2, False), (1024, 2, False), (256, 3, True), (512, 3, True)])
+def test_bf16_wide_k_tiles(module: str, block_k: int, stages: int, rows: bool) -> None:
+    """The shrink with K tiles that cover most of a split, or a row at a time (one token a chunk, 64
+    adapters, ranks mixed): same tolerance as above, on every module, empty splits included (down,
+    split 8)."""
     d_in, outs = MODULES[module]
     slots, tokens = 64, 64
     rank_cycle = [16, 8, 0, 16, 1, 7]
     ranks = [[rank_cycle[(s + i) % len(rank_cycle)] for s in range(slots)] for i in range(len(outs))]
     token_slots = torch.randperm(slots, generator=torch.Generator().manual_seed(block_k))[:tokens, None]
     config = LoraKernelConfig(split_k=8 if d_in > 4096 else 4, block_k=block_k, block_n=128, n_per_prog=512,
-                              shrink_warps=2, num_stages=stages)
+                              shrink_warps=2, num_stages=stages, shrink_rows=rows)
     y0, y_ref, y_tri = run_both(3, tokens, 1, d_in, outs, ranks, token_slots, torch.bfloat16, config=config,
                                 device="cuda", layout="rank_major")
     err = rel_err(y_tri.float() - y0.float(), y_ref.float() - y0.float())

@@ -174,7 +174,7 @@ def _kv_matches(a: LLMEngine, b: LLMEngine) -> None:
 
 
 def _buckets_used(engine: LLMEngine) -> set[int]:
-    return {bucket for bucket, _, _ in engine.runner.graphs._graphs}
+    return {bucket for bucket, _, _, _ in engine.runner.graphs._graphs}
 
 
 def test_static_buffers_match_eager_on_cpu(demo_model, modules):
@@ -187,28 +187,36 @@ def test_static_buffers_match_eager_on_cpu(demo_model, modules):
     stats = graph.runner.graphs.stats
     assert stats.replays >= 8 and stats.captures == 0
     assert {16, 8, 4, 2, 1} <= _buckets_used(graph)  # the batch shrank across buckets
-    assert all(cls > 0 for _, cls, _ in graph.runner.graphs._graphs)  # the last request has an adapter
+    assert all(cls > 0 for _, cls, _, _ in graph.runner.graphs._graphs)  # the last request has an adapter
     _kv_matches(eager, graph)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton paths on CPU need TRITON_INTERPRET=1")
-def test_triton_paths_with_rank_classes_match_torch_on_cpu(demo_model, modules):
+@pytest.mark.parametrize("rows_from", [16, 0])
+def test_triton_paths_with_rank_classes_match_torch_on_cpu(demo_model, modules, monkeypatch, rows_from):
     """Triton LoRA + attention + fused ops in the interpreter, through the static buffers with
     graphs keyed by rank class (the demo adapters' ranks 4-32 in a pool of max_lora_rank 64),
-    against the torch reference engine: same tokens, logits within 1e-4."""
+    against the torch reference engine: same tokens, logits within 1e-4. With `rows_from` 0 the
+    shrink runs a row at a time in every step of one-pair chunks (at most 16 chunks here: the
+    engine's default takes it above 16), keyed apart from the steps of fuller chunks."""
+    from lorafleet.kernels import triton_lora
+
+    monkeypatch.setattr(triton_lora, "SHRINK_FEW_CHUNKS", rows_from)
     eager = _engine(demo_model, modules, "cpu", graphs=False, enable_prefix_caching=False, max_lora_rank=64)
     fast = _engine(demo_model, modules, "cpu", graphs=True, enable_prefix_caching=False, max_lora_rank=64,
                    lora_backend="triton", attention_backend="triton")
     _compare(_run(eager, REQUESTS), _run(fast, REQUESTS), 1e-4)
-    rank_classes = {rank for _, cls, rank in fast.runner.graphs._graphs if cls}
+    keys = fast.runner.graphs._graphs
+    rank_classes = {rank for _, cls, rank, _ in keys if cls}
     assert rank_classes and all(16 <= r <= 64 for r in rank_classes)
+    assert {one_pair for _, cls, _, one_pair in keys if cls} == {True, False}
 
 
 def test_base_only_steps_use_the_graph_without_lora(demo_model, modules):
     graph = _engine(demo_model, modules, "cpu", graphs=True)
     graph.generate(["Hello world", "Roses are red", "A tenant"], GREEDY)
     assert graph.runner.graphs.stats.replays > 0
-    assert {cls for _, cls, _ in graph.runner.graphs._graphs} == {0}
+    assert {cls for _, cls, _, _ in graph.runner.graphs._graphs} == {0}
 
 
 def test_adapters_swapped_between_replays_on_cpu(demo_model, modules):

@@ -32,8 +32,8 @@ def test_warm_engine_answers_like_a_cold_one(demo_model, demo_adapters, graphs: 
     assert warm.registry.gpu_resident() == cold.registry.gpu_resident() == []  # the adapter it ran went back
     if graphs:  # every bucket's base graph is ready (uncaptured on CPU: the same static-buffer path),
         keys = set(warm.runner.graphs._graphs)
-        assert {(b, 0, 0) for b in warm.runner.graphs.buckets} <= keys
-        assert any(cls > 0 for _, cls, _ in keys)  # and the short prompt's adapter ran a LoRA decode step
+        assert {(b, 0, 0, False) for b in warm.runner.graphs.buckets} <= keys
+        assert any(cls > 0 for _, cls, _, _ in keys)  # and the short prompt's adapter ran a LoRA decode step
     names = list(demo_adapters)[:2]
     adapters = [(), ((names[0], 1.0),), ((names[1], 1.0),)]
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
