@@ -41,7 +41,14 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from lorafleet.kernels.lora_ops import LoraMeta, add_lora, build_lora_meta, default_chunk_size, new_lora_b
+from lorafleet.kernels.lora_ops import (
+    ONE_PAIR_CHUNKS,
+    LoraMeta,
+    add_lora,
+    build_lora_meta,
+    default_chunk_size,
+    new_lora_b,
+)
 from lorafleet.kernels.triton_lora import LoraKernelConfig, add_lora_triton, pdl_supported, pick_config
 from lorafleet.worker.cuda_graphs import chunk_class
 
@@ -304,7 +311,8 @@ def sweep(bandwidth: float, g: torch.Generator, cases: list[tuple[int, int]] = S
         for tokens, adapters in cases:
             case = Case(module, tokens, adapters, 16, 16)
             num_chunks = adapters * -(-(tokens // adapters) // default_chunk_size(tokens))
-            default = pick_config(num_chunks, n_slices, d_in, default_chunk_size(tokens))
+            one_pair = tokens <= ONE_PAIR_CHUNKS * num_chunks
+            default = pick_config(num_chunks, n_slices, d_in, default_chunk_size(tokens), one_pair)
             configs = {default}
             for n_per_prog in (128, 256, 512, 1024, 2048, 4096):
                 for block_n in (64, 128, 256):

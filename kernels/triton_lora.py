@@ -114,7 +114,7 @@ SHRINK_BLOCK_K = (128, 128)
 NUM_STAGES = (3, 3)
 SHRINK_FEW_CHUNKS = 16
 # The shrink a row at a time above SHRINK_FEW_CHUNKS one-pair chunks (lora_ops.ONE_PAIR_CHUNKS):
-# (K tile, warps); () = never. Alone (bench/shrink_gemv.py, 64 tokens on 64 adapters) within
+# (K tile, warps); () = never. Alone (64 tokens on 64 adapters, shrink-gemv-h200.json) within
 # ±0.8 µs of the tl.dot shrink; in the engine at batch 64 with 64 adapters 0.754/0.755 ->
 # 0.764/0.762 of base-only with K tile 256 (512: 0.756/0.755; 256 with 2 warps: 0.755), 8
 # adapters unchanged (docs/benchmarks.md, eighth session).
