@@ -43,6 +43,7 @@ from triton.testing import do_bench
 
 from lorafleet.kernels.lora_ops import (
     ONE_PAIR_CHUNKS,
+    ONE_PAIR_MIN_CHUNKS,
     LoraMeta,
     add_lora,
     build_lora_meta,
@@ -311,7 +312,8 @@ def sweep(bandwidth: float, g: torch.Generator, cases: list[tuple[int, int]] = S
         for tokens, adapters in cases:
             case = Case(module, tokens, adapters, 16, 16)
             num_chunks = adapters * -(-(tokens // adapters) // default_chunk_size(tokens))
-            one_pair = tokens <= ONE_PAIR_CHUNKS * num_chunks
+            per = -(-tokens // adapters)  # pairs a chunk, as LoraMeta.one_pair_chunks judges them
+            one_pair = num_chunks > ONE_PAIR_MIN_CHUNKS and per <= min(ONE_PAIR_CHUNKS)
             default = pick_config(num_chunks, n_slices, d_in, default_chunk_size(tokens), one_pair)
             configs = {default}
             for n_per_prog in (128, 256, 512, 1024, 2048, 4096):

@@ -101,8 +101,8 @@ VARIANTS = {
     "seventh session, shrink K tiles of 1024, 2 stages above 16 chunks":
         ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
          {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_BLOCK_K": (128, 1024), "NUM_STAGES": (3, 2)}),
-    # The eighth session: above 16 one-pair chunks (at most lora_ops.ONE_PAIR_CHUNKS pairs each on
-    # average), the shrink a row at a time (multiply-and-sum, no tl.dot; alone: -0.9 to -1.8 µs a
+    # The eighth session: for one-pair chunks (lora_ops.ONE_PAIR_CHUNKS: above 16 chunks, at most 1.5
+    # pairs each on average, none over 2), the shrink a row at a time (multiply-and-sum, no tl.dot; alone: -0.9 to -1.8 µs a
     # pair for gate_up and down at 64 adapters, +0.3 to +0.4 for qkv and o), K tile and warps. The
     # first two runs of these (overlap-sweep-rows*-h200.json) were made while the decode graphs were
     # keyed by chunk class alone, so every step of 17-64 chunks (32 adapters too) took the rows:
@@ -117,7 +117,7 @@ VARIANTS = {
          {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (512, 8)}),
     "eighth session, shrink a row at a time up to 2 pairs a chunk: K tile 256, 4 warps":
         ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
-         {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "ONE_PAIR_CHUNKS": 2.0}),
+         {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "ONE_PAIR_CHUNKS": (2.0, 2)}),
     "eighth session, shrink a row at a time: K tile 256, 2 warps":
         ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
          {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 2)}),
@@ -125,7 +125,7 @@ VARIANTS = {
 # The triton_lora (and lora_ops) knobs a variant's seventh element may set; every other variant runs
 # the sixth session's values, which all variants before them ran with.
 KERNEL_KNOBS = {"SHRINK_WARPS": (4, 4), "WIDE_EXPAND": (256, 512), "SHRINK_BLOCK_K": (128, 128), "NUM_STAGES": (3, 3),
-                "SHRINK_ROWS": (), "ONE_PAIR_CHUNKS": 1.5}
+                "SHRINK_ROWS": (), "ONE_PAIR_CHUNKS": (1.5, 2)}
 
 
 def main() -> None:

@@ -104,6 +104,7 @@ def _lora_shrink_kernel(
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     if ROWS:
         a_cols = a_ptr + slot.to(tl.int64) * stride_as + offs_r[:, None] * stride_ar  # [BLOCK_RANK, 1]
+        p_rows = part_ptr + pid_k * stride_ps + start.to(tl.int64) * stride_pm + s * R_PAD + offs_r
         for m in range(start, end):
             x_row = x_ptr + tl.load(sorted_token_ptr + m).to(tl.int64) * stride_xt
             row = tl.zeros((BLOCK_RANK,), dtype=tl.float32)
@@ -113,9 +114,8 @@ def _lora_shrink_kernel(
                 at = tl.load(a_cols + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
                 xv = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
                 row += tl.sum(at.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
-            # Written even when this split's K range is empty, as below. (int32 m * stride_pm: a
-            # decode step's pairs times at most 3 * 256 columns.)
-            tl.store(part_ptr + pid_k * stride_ps + m * stride_pm + s * R_PAD + offs_r, row, mask=r_mask)
+            # Written even when this split's K range is empty, as below.
+            tl.store(p_rows + (m - start) * stride_pm, row, mask=r_mask)
         return
     x_rows = x_ptr + tok[:, None] * stride_xt  # [BLOCK_M, 1]
     a_rows = a_ptr + slot.to(tl.int64) * stride_as + offs_r[None, :] * stride_ar  # [1, BLOCK_RANK]

@@ -77,10 +77,9 @@ class LoraMeta:
     # [T] int32: 1 where the token has at least one adapter. A side path's delta written by a
     # storing expand (`linear_lora_deferred`) is defined only on those rows: its readers mask with it.
     has_lora: torch.Tensor | None = None
-    # Host: the chunks hold at most ONE_PAIR_CHUNKS pairs each on average (decode with about as many
-    # adapters as tokens), so the Triton shrink may run a row at a time. None: judged from this
-    # meta's own counts (`one_pair_chunks`). DecodeGraphs sets it from each step's: its graphs'
-    # num_chunks is a class, which 32 chunks of two pairs share with 64 of one.
+    # Host: the step has one-pair chunks (`one_pair_chunks`), so the Triton shrink runs a row at a
+    # time. None: judged from this meta's own counts. DecodeGraphs sets it from each step's: its
+    # graphs' num_chunks is a class, which 32 chunks of two pairs share with 64 of one.
     one_pair: bool | None = None
 
     @property
@@ -93,10 +92,13 @@ class LoraMeta:
 
     @property
     def one_pair_chunks(self) -> bool:
-        """See `one_pair`."""
+        """More than ONE_PAIR_MIN_CHUNKS chunks of at most ONE_PAIR_CHUNKS[0] pairs on average and
+        ONE_PAIR_CHUNKS[1] at most (decode with about as many adapters as tokens); `one_pair` when set."""
         if self.one_pair is not None:
             return self.one_pair
-        return self.num_chunks > 0 and self.num_entries <= ONE_PAIR_CHUNKS * self.num_chunks
+        longest = min(self.chunk_size, max((end - start for _, start, end in self.segments), default=0))
+        return (self.num_chunks > ONE_PAIR_MIN_CHUNKS and self.num_entries <= ONE_PAIR_CHUNKS[0] * self.num_chunks
+                and longest <= ONE_PAIR_CHUNKS[1])
 
     @property
     def grid_chunks(self) -> int:
@@ -125,10 +127,14 @@ class LoraMeta:
         self.num_chunks = other.num_chunks
 
 
-# Chunks of at most this many pairs on average count as one-pair chunks (`LoraMeta.one_pair`). In the
-# engine at batch 64 (docs/benchmarks.md, eighth session) the row-at-a-time shrink took 64 adapters
-# (one pair a chunk) 0.752 -> 0.760 of base-only and 32 adapters (two) 0.851 -> 0.840.
-ONE_PAIR_CHUNKS = 1.5
+# One-pair chunks (`LoraMeta.one_pair_chunks`): more than ONE_PAIR_MIN_CHUNKS of them, at most
+# ONE_PAIR_CHUNKS[0] pairs each on average and none over ONE_PAIR_CHUNKS[1] (the row-at-a-time shrink
+# walks a chunk's rows one after another: a long one would set the launch's time). In the engine at
+# batch 64 (docs/benchmarks.md, eighth session) that shrink took 64 adapters (one pair a chunk)
+# 0.752 -> 0.760 of base-only, and 32 adapters (two) 0.851 -> 0.840; alone, chunks of 8 pairs
+# (8 adapters) ran it 2.1-2.8x slower than the tl.dot shrink. (Up to 16 chunks it is never used.)
+ONE_PAIR_CHUNKS = (1.5, 2)
+ONE_PAIR_MIN_CHUNKS = 16
 
 
 def default_chunk_size(num_pairs: int) -> int:

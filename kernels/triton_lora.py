@@ -79,11 +79,11 @@ def pick_config(
     at 64 tokens on 64 adapters, and slower in the engine, where the expand runs beside the GEMM on
     the SMs it leaves free: 64 adapters 8,175 -> 7,830 tok/s. Not used.)
 
-    one_pair: the chunks hold about one pair each (`LoraMeta.one_pair_chunks`); with many of them
-    the shrink runs a multiply-and-sum a row (`shrink_rows`) when SHRINK_ROWS is set."""
+    one_pair: the step has one-pair chunks (`LoraMeta.one_pair_chunks`): the shrink then runs a
+    multiply-and-sum a row (`shrink_rows`) when SHRINK_ROWS is set."""
     many = num_chunks > SHRINK_FEW_CHUNKS
     block_k = SHRINK_BLOCK_K[many] if chunk_size <= 16 else 64
-    rows = bool(SHRINK_ROWS) and one_pair and many and chunk_size <= 16
+    rows = bool(SHRINK_ROWS) and one_pair and chunk_size <= 16
     shrink_warps = SHRINK_WARPS[many]
     if rows:
         block_k, shrink_warps = SHRINK_ROWS
@@ -113,8 +113,8 @@ SHRINK_WARPS = (4, 2)
 SHRINK_BLOCK_K = (128, 128)
 NUM_STAGES = (3, 3)
 SHRINK_FEW_CHUNKS = 16
-# The shrink a row at a time above SHRINK_FEW_CHUNKS one-pair chunks (lora_ops.ONE_PAIR_CHUNKS):
-# (K tile, warps); () = never. Alone (64 tokens on 64 adapters, shrink-gemv-h200.json) within
+# The shrink a row at a time for a step of one-pair chunks (`LoraMeta.one_pair_chunks`): (K tile,
+# warps); () = never. Alone (64 tokens on 64 adapters, shrink-gemv-h200.json) within
 # ±0.8 µs of the tl.dot shrink; in the engine at batch 64 with 64 adapters 0.754/0.755 ->
 # 0.764/0.762 of base-only with K tile 256 (512: 0.756/0.755; 256 with 2 warps: 0.755), 8
 # adapters unchanged (docs/benchmarks.md, eighth session).

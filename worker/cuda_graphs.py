@@ -24,7 +24,10 @@ LoRA kernels pick their launch configuration (split K, columns per program) from
 the number of active chunks on the host, and a graph keeps the one it was captured with, so each
 class (up to 4, 16, 64, ... active chunks) is captured with the class's bound as its count. The
 third key is the *rank class* (16, 32, 64, ... up to max_lora_rank) bounding the largest true rank
-among the step's slots: the kernels' rank tiles are captured that wide (LoraMeta.rank_bound).
+among the step's slots: the kernels' rank tiles are captured that wide (LoraMeta.rank_bound). The
+fourth is whether the step has *one-pair chunks* (LoraMeta.one_pair_chunks: many chunks of about
+one token each), for which the shrink runs a row at a time; the class does not tell (32 chunks of
+two tokens and 64 of one share class 64), so the step's own counts decide.
 
 On CPU (tests) nothing is captured: `capture=False` runs the model eagerly on the same static
 buffers, which checks the padding, the sink and the buffer fills against the eager path.
@@ -254,7 +257,8 @@ class DecodeGraphs:
 
     def capture_base(self) -> int:
         """Capture the no-adapter graph of every bucket not captured yet (start-up warm-up; graphs with
-        adapters, one per chunk and rank class, are captured on first use) -> graphs captured."""
+        adapters, one per chunk class, rank class and one-pair flag, are captured on first use) ->
+        graphs captured."""
         missing = [b for b in self.buckets if (b, 0, 0, False) not in self._graphs]
         for bucket in missing:
             self._graphs[(bucket, 0, 0, False)] = self._capture(bucket, 0, 0, False)

@@ -48,9 +48,11 @@ def test_vllm_ops_match_the_reference(vl, module, tokens, adapters, rank, pool_r
     assert row["lora_err"] < 2e-3 and row["vllm_err"] < 2e-3, row
 
 
-def test_cases_in_a_row_do_not_share_vllms_pointer_tables(vl):
-    """vLLM caches its per-slice pointer, stride and size tables by the weights' data pointers: a
-    case whose weights land where an earlier case's were must not run with the earlier shapes."""
+def test_each_case_starts_without_vllms_pointer_tables(vl):
+    """vLLM caches its per-slice pointer, stride and size tables by the weights' data pointers, so a
+    case whose weights landed where an earlier case's were would run with the earlier shapes: a
+    case empties those caches first (whether memory is reused cannot be forced here; that the
+    earlier entries are gone can be checked)."""
     kb, vllm_lora = vl
     ops = vllm_lora.VllmOps(SRC)
     ops.forget_weights()

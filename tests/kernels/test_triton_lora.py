@@ -262,32 +262,39 @@ def test_triton_matches_reference(
 
 
 def test_pick_config_runs_the_shrink_a_row_at_a_time_only_where_asked(monkeypatch) -> None:
-    """SHRINK_ROWS: for one-pair chunks above SHRINK_FEW_CHUNKS, decode-sized only, with its K tile
-    and warps; never while it is empty."""
+    """SHRINK_ROWS: for a step of one-pair chunks, decode-sized only, with its K tile and warps;
+    never while it is empty."""
     from lorafleet.kernels import triton_lora
 
     cfg = triton_lora.pick_config(64, 3, 4096, 16, one_pair=True)
     assert (cfg.shrink_rows, cfg.block_k, cfg.shrink_warps) == (True, *triton_lora.SHRINK_ROWS)
     assert not triton_lora.pick_config(64, 3, 4096, 16).shrink_rows  # chunks of several pairs
-    assert not triton_lora.pick_config(16, 3, 4096, 16, one_pair=True).shrink_rows  # few chunks
     assert not triton_lora.pick_config(64, 3, 4096, 64, one_pair=True).shrink_rows  # prefill chunks
     monkeypatch.setattr(triton_lora, "SHRINK_ROWS", ())
     assert not triton_lora.pick_config(64, 3, 4096, 16, one_pair=True).shrink_rows
 
 
 def test_one_pair_chunks_from_the_counts_unless_set() -> None:
-    """A meta judges its chunks from its own counts (at most lora_ops.ONE_PAIR_CHUNKS pairs each on
-    average); `one_pair`, which a decode graph sets from the step, overrides that."""
-    from lorafleet.kernels.lora_ops import ONE_PAIR_CHUNKS
+    """A meta judges its chunks from its own counts: more than ONE_PAIR_MIN_CHUNKS of them, at most
+    ONE_PAIR_CHUNKS[0] pairs each on average, none longer than ONE_PAIR_CHUNKS[1]; `one_pair`,
+    which a decode graph sets from the step, overrides that."""
+    from lorafleet.kernels.lora_ops import ONE_PAIR_CHUNKS, ONE_PAIR_MIN_CHUNKS
 
-    each = build_lora_meta(torch.arange(32, dtype=torch.int32)[:, None], torch.ones(32, 1), 32, DEVICE)
-    pairs = build_lora_meta((torch.arange(32, dtype=torch.int32) // 2)[:, None], torch.ones(32, 1), 32, DEVICE)
-    none = build_lora_meta(torch.full((8, 1), -1, dtype=torch.int32), torch.ones(8, 1), 32, DEVICE)
-    assert ONE_PAIR_CHUNKS < 2
-    assert each.one_pair_chunks and not pairs.one_pair_chunks and not none.one_pair_chunks
-    pairs.one_pair = True
+    def meta(slots: list[int]):
+        return build_lora_meta(torch.tensor(slots, dtype=torch.int32)[:, None], torch.ones(len(slots), 1), 64, DEVICE)
+
+    assert ONE_PAIR_MIN_CHUNKS == 16 and ONE_PAIR_CHUNKS == (1.5, 2)
+    each = meta(list(range(32)))  # 32 chunks of one
+    few = meta(list(range(16)))  # 16 chunks of one: not more than ONE_PAIR_MIN_CHUNKS
+    twos = meta([t // 2 for t in range(64)])  # 32 chunks of two: 2 on average
+    long = meta(list(range(30)) + [40] * 10)  # 31 chunks, 1.3 on average, but one of 10
+    mixed = meta(list(range(24)) + [30, 30, 31, 31, 32, 32])  # 27 chunks, 1.1 on average, none over 2
+    none = meta([-1] * 32)
+    assert each.one_pair_chunks and mixed.one_pair_chunks
+    assert not any(m.one_pair_chunks for m in (few, twos, long, none))
+    twos.one_pair = True
     each.one_pair = False
-    assert pairs.one_pair_chunks and not each.one_pair_chunks
+    assert twos.one_pair_chunks and not each.one_pair_chunks
 
 
 def test_mixed_b_layouts_fall_back_to_a_copy() -> None:

@@ -197,11 +197,14 @@ def test_triton_paths_with_rank_classes_match_torch_on_cpu(demo_model, modules, 
     """Triton LoRA + attention + fused ops in the interpreter, through the static buffers with
     graphs keyed by rank class (the demo adapters' ranks 4-32 in a pool of max_lora_rank 64),
     against the torch reference engine: same tokens, logits within 1e-4. With `rows_from` 0 the
-    shrink runs a row at a time in every step of one-pair chunks (at most 16 chunks here: the
-    engine's default takes it above 16), keyed apart from the steps of fuller chunks."""
-    from lorafleet.kernels import triton_lora
+    shrink runs a row at a time in every step of one-pair chunks (the default takes it above 16
+    chunks, which these batches never have), keyed apart from the steps of fuller chunks."""
+    from lorafleet.kernels import lora_ops, triton_lora
 
-    monkeypatch.setattr(triton_lora, "SHRINK_FEW_CHUNKS", rows_from)
+    monkeypatch.setattr(lora_ops, "ONE_PAIR_MIN_CHUNKS", rows_from)
+    picked = []
+    pick = triton_lora.pick_config
+    monkeypatch.setattr(triton_lora, "pick_config", lambda *a, **kw: picked.append(pick(*a, **kw)) or picked[-1])
     eager = _engine(demo_model, modules, "cpu", graphs=False, enable_prefix_caching=False, max_lora_rank=64)
     fast = _engine(demo_model, modules, "cpu", graphs=True, enable_prefix_caching=False, max_lora_rank=64,
                    lora_backend="triton", attention_backend="triton")
@@ -209,7 +212,14 @@ def test_triton_paths_with_rank_classes_match_torch_on_cpu(demo_model, modules, 
     keys = fast.runner.graphs._graphs
     rank_classes = {rank for _, cls, rank, _ in keys if cls}
     assert rank_classes and all(16 <= r <= 64 for r in rank_classes)
-    assert {one_pair for _, cls, _, one_pair in keys if cls} == {True, False}
+    assert {one_pair for _, cls, _, one_pair in keys if cls} == ({True, False} if rows_from == 0 else {False})
+    assert any(c.shrink_rows for c in picked) == (rows_from == 0)
+    # A graph is captured in its key's mode, not in what its capture meta (every slot -1, the class
+    # as its chunk count) would judge. (On CPU nothing is captured: each step then plans from the
+    # counts its meta copied in, so only the capture itself shows this.)
+    graphs = fast.runner.graphs
+    for one_pair in (False, True):
+        assert graphs._capture(graphs.buckets[-1], 64, 16, one_pair).lora_meta.one_pair_chunks == one_pair
 
 
 def test_base_only_steps_use_the_graph_without_lora(demo_model, modules):
