@@ -41,15 +41,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from lorafleet.kernels.lora_ops import (
-    ONE_PAIR_CHUNKS,
-    ONE_PAIR_MIN_CHUNKS,
-    LoraMeta,
-    add_lora,
-    build_lora_meta,
-    default_chunk_size,
-    new_lora_b,
-)
+from lorafleet.kernels.lora_ops import LoraMeta, add_lora, build_lora_meta, new_lora_b
 from lorafleet.kernels.triton_lora import LoraKernelConfig, add_lora_triton, pdl_supported, pick_config
 from lorafleet.worker.cuda_graphs import chunk_class
 
@@ -153,15 +145,18 @@ def make_case_inputs(
         x = torch.randn(case.tokens, d_in, device=DEVICE, dtype=DTYPE)
         y = torch.randn(case.tokens, sum(outs), device=DEVICE, dtype=DTYPE)
         sets.append(Inputs(x, y, lora_a, lora_b))
-    # Each of the `adapters` slots gets tokens / adapters tokens; with k = 2 a token's second adapter
-    # is the next slot, so every adapter appears in both entry columns.
-    t = torch.arange(case.tokens)
-    first = (t * case.adapters) // case.tokens
-    cols = [(first + j) % case.adapters for j in range(case.k)]
-    token_slots = torch.stack(cols, 1).to(torch.int32)
+    token_slots = case_token_slots(case)
     token_scales = torch.rand(case.tokens, case.k, generator=g) + 0.5
     ranks = [[case.rank] * slots for _ in outs]
     return sets, token_slots, token_scales, ranks
+
+
+def case_token_slots(case: Case) -> torch.Tensor:
+    """`[T, k]` int32: each of the `adapters` slots gets tokens / adapters tokens; with k = 2 a
+    token's second adapter is the next slot, so every adapter appears in both entry columns."""
+    t = torch.arange(case.tokens)
+    first = (t * case.adapters) // case.tokens
+    return torch.stack([(first + j) % case.adapters for j in range(case.k)], 1).to(torch.int32)
 
 
 def case_meta(case: Case, token_slots: torch.Tensor, token_scales: torch.Tensor) -> LoraMeta:
@@ -311,10 +306,9 @@ def sweep(bandwidth: float, g: torch.Generator, cases: list[tuple[int, int]] = S
         n_slices = len(outs)
         for tokens, adapters in cases:
             case = Case(module, tokens, adapters, 16, 16)
-            num_chunks = adapters * -(-(tokens // adapters) // default_chunk_size(tokens))
-            per = -(-tokens // adapters)  # pairs a chunk, as LoraMeta.one_pair_chunks judges them
-            one_pair = num_chunks > ONE_PAIR_MIN_CHUNKS and per <= min(ONE_PAIR_CHUNKS)
-            default = pick_config(num_chunks, n_slices, d_in, default_chunk_size(tokens), one_pair)
+            slots = case_token_slots(case)
+            meta = case_meta(case, slots, torch.ones(slots.shape))
+            default = pick_config(meta.num_chunks, n_slices, d_in, meta.chunk_size, meta.one_pair_chunks)
             configs = {default}
             for n_per_prog in (128, 256, 512, 1024, 2048, 4096):
                 for block_n in (64, 128, 256):

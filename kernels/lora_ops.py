@@ -62,6 +62,7 @@ class LoraMeta:
     chunk_end: torch.Tensor | None = None  # [max_chunks] int32: one past its last pair
     num_chunks: int = 0
     max_chunks: int = 0
+    longest_chunk: int = 0  # pairs in the fullest chunk (host)
     # Host: chunk rows the Triton kernels launch (active chunks come first). None: max_chunks, so a
     # CUDA graph captured with this meta replays correctly with any meta of the same shapes. A
     # one-off launch sets num_chunks; DecodeGraphs sets its chunk class, and `copy_` refuses a meta
@@ -96,9 +97,8 @@ class LoraMeta:
         ONE_PAIR_CHUNKS[1] at most (decode with about as many adapters as tokens); `one_pair` when set."""
         if self.one_pair is not None:
             return self.one_pair
-        longest = min(self.chunk_size, max((end - start for _, start, end in self.segments), default=0))
         return (self.num_chunks > ONE_PAIR_MIN_CHUNKS and self.num_entries <= ONE_PAIR_CHUNKS[0] * self.num_chunks
-                and longest <= ONE_PAIR_CHUNKS[1])
+                and self.longest_chunk <= ONE_PAIR_CHUNKS[1])
 
     @property
     def grid_chunks(self) -> int:
@@ -125,6 +125,7 @@ class LoraMeta:
         self.num_entries = other.num_entries
         self.segments = list(other.segments)
         self.num_chunks = other.num_chunks
+        self.longest_chunk = other.longest_chunk
 
 
 # One-pair chunks (`LoraMeta.one_pair_chunks`): more than ONE_PAIR_MIN_CHUNKS of them, at most
@@ -233,6 +234,7 @@ def build_lora_meta(
         chunk_end=views[6],
         num_chunks=num_chunks,
         max_chunks=max_chunks,
+        longest_chunk=min(chunk_size, int(counts.max())) if num_segments else 0,
         packed=(ints_d, floats_d),
         has_lora=views[7],
     )
