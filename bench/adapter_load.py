@@ -14,8 +14,10 @@ names). Everything goes through the registry's own methods; nothing about loadin
                dropped from the page cache (posix_fadvise DONTNEED, no root needed) and mincore
                says how much of it was still cached when the read began (`cached_fraction`).
   disk->gpu, page cache warm    the same on a freshly written folder left in the page cache.
+  disk read alone    the weights file read with the page cache dropped by the reader a load uses
+               (`file_bytes.read_file`) and nothing else: what the disk itself costs in this run.
   sha256 digest    adapter_digest alone on a cached file (inside every read it runs in a thread,
-               over the same mapped bytes, once the file is parsed, packed and checked).
+               over the same bytes read, once the file is parsed, packed and checked).
   cpu->gpu     an adapter already registered (pinned in the CPU cache on CUDA): registry.activate
                + sync. Target <= 5 ms.
   decode step, no load / decode step, prefetch each step    32 running decode requests (on one
@@ -59,7 +61,9 @@ import torch
 
 from lorafleet.worker.config import EngineConfig, ModelConfig
 from lorafleet.worker.engine import LLMEngine
-from lorafleet.worker.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, adapter_digest
+from lorafleet.worker.lora import file_bytes
+from lorafleet.worker.lora.adapter import CONFIG_FILE, UPLOAD_CHUNK_BYTES, WEIGHTS_FILE, adapter_digest
+from lorafleet.worker.lora.file_bytes import read_file
 from lorafleet.worker.sequence import SamplingParams
 
 try:  # `python -m bench.adapter_load` and `from bench.adapter_load import ...`
@@ -190,6 +194,23 @@ def disk_case(engine: LLMEngine, work: Path, tensors: dict, repeats: int, drop_c
     extra["cached_fraction_median"] = round(statistics.median(cached), 3) if cached else None
     extra["gpu_evictions"] = engine.registry.stats.gpu_evictions - evictions
     return row(label, [s["total"] for s in samples], samples[0]["mib"], **extra)
+
+
+def disk_read_case(work: Path, tensors: dict, repeats: int, pin: bool) -> dict:
+    """The weights file alone, page cache dropped, read as a load reads it (`file_bytes.read_file`:
+    the same threads, pinned chunks on CUDA) with nothing else done: the disk's share of a cold load."""
+    samples, mib = [], 0.0
+    for k in range(repeats):
+        folder = work / f"read-{k}"
+        write_folder(folder, tensors, RANK, drop_cache=True)
+        t0 = time.perf_counter()
+        got = read_file(folder / WEIGHTS_FILE, max_bytes=1 << 40, pin=pin, chunk_bytes=UPLOAD_CHUNK_BYTES if pin else 0)
+        samples.append(time.perf_counter() - t0)
+        mib = len(got) / 2**20
+        del got
+        shutil.rmtree(folder)
+    return row("disk read alone (read_file, page cache dropped)", samples, mib, pinned=pin,
+               threads=file_bytes.READ_THREADS, piece_kib=file_bytes.PIECE_BYTES >> 10)
 
 
 def reread_case(engine: LLMEngine, folder: Path, repeats: int) -> dict:
@@ -333,6 +354,7 @@ def load_rows(engine: LLMEngine, model_config: ModelConfig, device: str, repeats
         mib = first["mib"]
         return [
             disk_case(engine, work, tensors, repeats, drop_cache=True),
+            disk_read_case(work, tensors, repeats, pin=device == "cuda"),
             disk_case(engine, work, tensors, repeats, drop_cache=False),
             reread_case(engine, warm, repeats),
             digest_case(warm, repeats, mib),

@@ -7,8 +7,8 @@ this measures that bound, and whether reading with more I/O in flight lifts it:
 
   read()               one `readinto` of the whole file (the kernel's own readahead, one request
                        stream).
-  mmap, touched        the file mapped (MADV_WILLNEED, as `safetensors_view.map_file` maps it) and
-                       one byte of every page read in order: how the packing reads a cold file.
+  mmap, touched        the file mapped (MADV_WILLNEED) and one byte of every page read in order: how
+                       the packing read a cold file until `file_bytes.read_file` replaced the mapping.
   fadvise, then mmap   `posix_fadvise(WILLNEED)` over the file in PIECE pieces from one thread (each
                        call queues its reads and returns), then the mapped pages touched as above.
   N threads pread      N threads claim PIECE pieces in file order and `preadv` them into their own

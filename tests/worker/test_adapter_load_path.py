@@ -207,7 +207,7 @@ def test_a_load_does_not_wait_for_its_digest(tmp_path, demo_model, demo_adapters
 
 
 def test_read_matches_the_safetensors_library(model, tmp_path):
-    """Zero-copy views of the mapped file hold exactly what safetensors loads (two dtypes in one file)."""
+    """Zero-copy views of the bytes read hold exactly what safetensors loads (two dtypes in one file)."""
     folder = write_adapter(tmp_path / "a", model, torch.bfloat16, r=4)
     tensors = load_file(str(folder / WEIGHTS))
     key = next(k for k in sorted(tensors) if "lora_B" in k)
@@ -273,6 +273,18 @@ def test_misaligned_tensor_bytes_are_copied(model):
     assert torch.equal(got, base[2:26].clone().view(torch.float32).view(2, 3))
 
 
+def test_typed_views_equal_plain_views():
+    base = torch.arange(200, dtype=torch.uint8)
+    typed: dict = {}
+    infos = [adapter_mod.TensorInfo("a", torch.float32, (2, 3), 8, 32), adapter_mod.TensorInfo("b", torch.bfloat16, (3, 2, 2), 34, 58),
+             adapter_mod.TensorInfo("c", torch.float16, (0, 4), 60, 60), adapter_mod.TensorInfo("d", torch.float32, (5,), 61, 81)]
+    for info in infos:
+        got, want = adapter_mod.tensor_view(base, info, typed), adapter_mod.tensor_view(base, info)
+        assert got.shape == want.shape and got.stride() == want.stride() and torch.equal(got, want), info.name
+        if info.begin % info.dtype.itemsize == 0:
+            assert got.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()  # a view, not a copy
+
+
 # -- the packed layout ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_packed_fill_equals_the_reference_fill(dtype, model, demo_adapters, tmp_path):
@@ -319,10 +331,9 @@ def test_packed_layout_is_slot_order_and_flat(model, demo_adapters):
         assert int(packed.ranks.count_nonzero()) == len(weights.modules)
 
 
-def test_packing_reads_a_mapped_file_in_file_order(model, demo_adapters, monkeypatch):
-    """pack_weights copies modules in the order their bytes lie in the file, not in slot order, so
-    a cold file is read front to back (the kernel's readahead streams it) rather than from all over
-    at once; the packed result is the same (test above)."""
+def test_packing_on_the_host_walks_the_file_in_order(model, demo_adapters, monkeypatch):
+    """On the host pack_weights copies modules in the order their bytes lie in the file, not in slot
+    order, so the copies walk the bytes read front to back; the packed result is the same (test above)."""
     weights = load_adapter(demo_adapters["chat"], model, 64, 1 << 30)
     offsets = []
     real = slots_mod._pack_rows
@@ -677,3 +688,90 @@ def test_cuda_strided_piece_copies_equal_the_reference_pool(dtype, model):
         torch.cuda.synchronize()
         ref.fill(slot, reference_slot(weights, m, dtype))
         assert_pool_equals(slots, ref)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("room", [True, False])
+def test_cuda_read_lays_out_on_the_gpu_what_the_host_lays_out(dtype, room, model, demo_adapters, tmp_path,
+                                                              monkeypatch):
+    """With slots on a GPU the file goes there as it is read (in small chunks here, cut inside
+    tensors) and is laid out there: the pinned layout it comes back in is bit for bit what the host
+    lays out from the same file (same-dtype and converted files, rsLoRA, rank and alpha patterns).
+    Without room on the GPU for the file, it is laid out on the host instead, with the same result."""
+    monkeypatch.setattr(adapter_mod, "UPLOAD_CHUNK_BYTES", 4096)
+    if not room:
+        real_init = adapter_mod._Upload.__init__
+
+        def no_room(self, device, size):
+            real_init(self, device, size)
+            self.raw = None
+
+        monkeypatch.setattr(adapter_mod._Upload, "__init__", no_room)
+    folders = dict(demo_adapters)
+    folders["native"] = write_adapter(tmp_path / "native", model, dtype, r=8, alpha=20.0)
+    folders["patterns"] = write_adapter(tmp_path / "patterns", model, torch.bfloat16, r=16, alpha=7.0, seed=1,
+                                        use_rslora=True, rank_pattern={"k_proj": 4, "down_proj": 2},
+                                        alpha_pattern={"up_proj": 3.0}, targets=("k_proj", "up_proj", "down_proj"))
+    folders["wide"] = write_adapter(tmp_path / "wide", model, torch.float32, r=64, alpha=64.0, seed=2,
+                                    targets=("o_proj",))
+    launched = []
+    real_launches = slots_mod._launches
+    monkeypatch.setattr(slots_mod, "_launches", lambda *a: launched.append(real_launches(*a)) or launched[-1])
+    reg = make_cuda_registry(model, dtype)
+    for name, folder in folders.items():
+        launched.clear()
+        weights = reg.read(str(folder))
+        assert (len(launched) == 1 and len(launched[0]) >= 1) == room, name  # one launch a source dtype
+        want = pack_weights(load_adapter(folder, model, 64, 1 << 30), model.num_layers, dtype, pin=False)
+        got = weights.packed
+        assert got.pinned and all(c.is_pinned() for c in got.chunks), name
+        assert got.layout == want.layout and torch.equal(got.ranks, want.ranks), name
+        assert torch.equal(bits(torch.cat(got.chunks)), bits(torch.cat(want.chunks))), name
+        if room:  # the modules are views of the pinned layout: the file's GPU copy is gone
+            assert all(m.a.is_pinned() and m.b.is_pinned() for m in weights.modules.values()), name
+        assert weights.digest.value == adapter_digest(folder), name
+    # Weights made on the GPU tensor by tensor (no one buffer): the per-copy path, same result.
+    made = random_weights(model, 8, torch.float32, seed=3)
+    on_gpu = dataclasses.replace(made, modules={k: ModuleWeights(a=m.a.cuda(), b=m.b.cuda(), scaling=m.scaling)
+                                                 for k, m in made.modules.items()})
+    want = pack_weights(made, model.num_layers, dtype, pin=False)
+    got = pack_weights(on_gpu, model.num_layers, dtype, pin=True)
+    assert torch.equal(bits(torch.cat(got.chunks)), bits(torch.cat(want.chunks)))
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_read_plans_the_layout_while_the_file_is_still_being_read(model, tmp_path, monkeypatch):
+    """Only the header's piece may land before the layout is planned: the rest of the file is held
+    back until `plan_pack` has run (or 20 s). The plan waits for no byte it does not need; the
+    result is still the host's layout, bit for bit."""
+    import threading
+
+    from lorafleet.worker.lora import file_bytes
+    from lorafleet.worker.lora import registry as registry_mod
+
+    planned, held_back = threading.Event(), []
+    real_piece, real_plan = file_bytes._read_piece, registry_mod.plan_pack
+
+    def piece(fd, view, offset, path):
+        if offset:
+            held_back.append(not planned.wait(20))
+        real_piece(fd, view, offset, path)
+
+    def plan(*args, **kwargs):
+        planned.set()
+        return real_plan(*args, **kwargs)
+
+    folder = write_adapter(tmp_path / "a", model, torch.float32, r=32)
+    data = (folder / WEIGHTS).read_bytes()
+    header = 8 + int.from_bytes(data[:8], "little")
+    monkeypatch.setattr(file_bytes, "PIECE_BYTES", header)  # the first piece holds the header, and no more
+    assert len(data) > 3 * header
+    monkeypatch.setattr(file_bytes, "_read_piece", piece)
+    monkeypatch.setattr(registry_mod, "plan_pack", plan)
+    weights = make_cuda_registry(model, torch.bfloat16).read(str(folder))
+    assert held_back and not any(held_back)  # every later piece was released by the plan, none by the timeout
+    want = pack_weights(load_adapter(folder, model, 64, 1 << 30), model.num_layers, torch.bfloat16, pin=False)
+    assert torch.equal(bits(torch.cat(weights.packed.chunks)), bits(torch.cat(want.chunks)))

@@ -1,14 +1,17 @@
-"""Read a PEFT LoRA folder into CPU tensors, validating everything before anything is evicted.
+"""Read a PEFT LoRA folder into tensors, validating everything before anything is evicted.
 
 Only safetensors are read (a pickled `.bin`/`.pt` is refused, never unpickled). Every failure is an
 `AdapterError` whose `reason` is a stable code (for metrics, HTTP errors, CR conditions) and whose
 message says what to fix.
 
-The weights file is read once (`safetensors_view`): mapped copy-on-write, so the tensors are
-zero-copy views of the page cache and never segfault on a write, its header validated with the
-safetensors library's rules. Once the tensors are checked against the model and `prepare` has run
-(the registry lays them out for the GPU slots and checks them there), its sha256 starts in a thread
-over the same mapping (`digest`), and the load returns without waiting for it (`Digest`). Not
+The weights file is read once, by a few threads into buffers of our own (`file_bytes`), its header
+validated with the safetensors library's rules (`safetensors_view`), the tensors zero-copy views
+of those bytes. For a registry with GPU slots the bytes go on to the GPU chunk by chunk while the
+rest is still being read, the host plans the layout meanwhile (`slots.plan_pack`), and the
+registry lays the adapter out on the GPU once the last chunk is there: on the H200 machine the
+host's own copies were most of a load (docs/benchmarks.md, "Cold adapter loads"). Once the tensors are checked against the model and `prepare` has run (the registry lays
+them out for the slots and checks them), their sha256 starts in a thread over the same bytes
+(`digest`), and the load returns without waiting for it (`Digest`). Not
 before: on the H200 machine a hash running beside the packing slowed it by ~30 ms (the packing's
 multi-threaded torch ops wait for their slowest thread); what waits for the value (a same-name
 load's conflict check) now waits for the packing plus the hash, not the longer of the two. An
@@ -20,10 +23,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import mmap
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,11 +35,18 @@ import torch
 from lorafleet.worker.config import LORA_TARGETS, ModelConfig
 from lorafleet.worker.lora.digest import DIGEST_CACHE, Digest, Sha256Thread
 from lorafleet.worker.lora.errors import AdapterError
-from lorafleet.worker.lora.safetensors_view import TensorInfo, map_file, parse_safetensors, tensor_view
+from lorafleet.worker.lora.file_bytes import FileBytes, FileRead
+from lorafleet.worker.lora.safetensors_view import TensorInfo, parse_safetensors, tensor_view
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
+# A read for the GPU goes there in pinned chunks of this size, each copied as soon as it is read
+# (a power of two: the caching host allocator rounds blocks up to one).
+UPLOAD_CHUNK_BYTES = 16 << 20
+# On a GPU, make the modules' views and let `prepare` plan while the file is still being read
+# (False: only once all of it is read; for A/B runs, see bench/adapter_load.py).
+PLAN_WHILE_READING = True
 
 _TENSOR_NAME = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$"
@@ -197,14 +207,22 @@ def load_adapter(
     model: ModelConfig,
     max_lora_rank: int,
     max_bytes: int,
-    prepare: Callable[[LoraWeights], None] | None = None,
+    prepare: Callable[[LoraWeights], Callable[[], None]] | None = None,
+    device: torch.device | None = None,
 ) -> LoraWeights:
     """Validate and read a PEFT adapter folder; raises AdapterError with a reason on any problem.
 
-    The modules are zero-copy views of the mapped file. `prepare`, if given, runs on the validated
-    weights while the digest is still being computed, and then owns the finiteness check (the
-    registry lays the adapter out for its slots and checks that copy, on the GPU when there is
-    one); without it the weights are checked here, vectorized over each run of same-dtype tensors.
+    The weights file is read once (`FileRead`) and the modules are zero-copy views of its bytes: on
+    the host, or with a CUDA `device`, of one copy of the file on that GPU, made chunk by chunk on
+    the current stream as the chunks land (pinned; the caller owns that stream and syncs it before
+    the host reads anything derived from the modules).
+
+    `prepare(weights)`, if given, owns the finiteness check (the registry lays the adapter out for
+    its slots and checks that copy): it is called once the modules are known and returns what to
+    run once their bytes are all there. On a GPU it is called while the file is still being read,
+    so it may plan (views, buffers) but must not read the modules; what it returns runs after the
+    last chunk's copy is queued, ordered after it on the stream. Without `prepare` the weights are
+    checked here, vectorized over each run of same-dtype tensors. The digest starts after that.
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -219,32 +237,40 @@ def load_adapter(
         raise AdapterError("missing_weights", f"{folder} has no {WEIGHTS_FILE}")
     identity = DIGEST_CACHE.key(folder / CONFIG_FILE, weights_path)  # before the bytes are read
     cached = DIGEST_CACHE.get(identity)
-    size = weights_path.stat().st_size
-    if size > max_bytes:
-        raise AdapterError("too_large", f"adapter weights are {size} bytes, over the {max_bytes}-byte cap")
-    buf = map_file(weights_path)
-    if len(buf) > max_bytes:  # grew since the stat
-        raise AdapterError("too_large", f"adapter weights are {len(buf)} bytes, over the {max_bytes}-byte cap")
-    # The same bytes that are parsed: one read, hashed in a thread that the load does not wait for
+    gpu = device is not None and device.type == "cuda"
+    with FileRead(weights_path, max_bytes=max_bytes, pin=gpu,
+                  chunk_bytes=UPLOAD_CHUNK_BYTES if gpu else 0) as reading:
+        infos = parse_safetensors(reading, WEIGHTS_FILE)  # waits for the header's bytes only
+        upload = _Upload(device, len(reading)) if gpu else None
+        # Views of bytes still on their way are only safe on the GPU (the work on them is queued
+        # after the copies), and only without a misaligned tensor (tensor_view copies those).
+        early = PLAN_WHILE_READING and upload is not None and upload.raw is not None and all(
+            i.dtype is None or i.begin % i.dtype.itemsize == 0 for i in infos)
+        if early:
+            base = upload.raw
+        else:
+            file = reading.finish(upload)
+            base = upload.raw if upload is not None and upload.raw is not None else _host_base(file)
+        out, runs = _read_weights(folder, base, infos, cfg, model)
+        then = prepare(out) if prepare is not None else partial(_check_finite_raw, out, runs)
+        if early:
+            file = reading.finish(upload)
+        then()
+    del runs, then
+    # The same bytes that were parsed: one read, hashed in a thread that the load does not wait for
     # (`Digest`). Skipped when unchanged files were hashed before. The digest is cached only if the
     # files are still unchanged once the hash is complete.
     def unchanged() -> bool:
         try:
             return DIGEST_CACHE.key(folder / CONFIG_FILE, weights_path) == identity
-        except OSError:  # removed (or unreadable) since: the mapped bytes stay valid, the cache entry would not
+        except OSError:  # removed (or unreadable) since: the bytes read stay valid, the cache entry would not
             return False
 
     def remember(hexdigest: str) -> None:
         if unchanged():
             DIGEST_CACHE.put(identity, "sha256:" + hexdigest)
 
-    parts = (config_bytes, b"\0", buf, b"\0")
-    out, runs = _read_weights(folder, buf, cfg, model)
-    if prepare is not None:
-        prepare(out)
-    else:
-        _check_finite_raw(out, runs)
-    del runs
+    parts = (config_bytes, b"\0", *file.buffers(), b"\0")
     if cached is None:
         digest = Digest(Sha256Thread(parts, on_done=remember))
     elif not unchanged():
@@ -255,15 +281,37 @@ def load_adapter(
     return out
 
 
+class _Upload:
+    """`FileRead.finish`'s `on_chunk`: one copy of the file on the GPU (`raw`, None if there was
+    no room: then the adapter is read on the host), each chunk copied on the current stream as
+    soon as it is read, so the copies overlap the rest of the read."""
+
+    def __init__(self, device: torch.device, size: int) -> None:
+        try:  # whole 8-byte words, so the packing can view it as any float dtype
+            self.raw: torch.Tensor | None = torch.empty(-(-size // 8) * 8, dtype=torch.uint8, device=device)
+        except torch.cuda.OutOfMemoryError:
+            self.raw = None
+
+    def __call__(self, offset: int, size: int, chunk: torch.Tensor) -> None:
+        if self.raw is not None:
+            self.raw[offset : offset + chunk.numel()].copy_(chunk, non_blocking=True)
+
+
+def _host_base(file: FileBytes) -> torch.Tensor:
+    """The file's bytes as one host tensor (its one chunk, unless it was read in several)."""
+    if not file.chunks:
+        return torch.empty(0, dtype=torch.uint8)
+    return file.chunks[0] if len(file.chunks) == 1 else torch.cat(file.chunks)
+
+
 def _read_weights(
-    folder: Path, buf: mmap.mmap | bytes, cfg: dict, model: ModelConfig
+    folder: Path, base: torch.Tensor, infos: list[TensorInfo], cfg: dict, model: ModelConfig
 ) -> tuple[LoraWeights, list[torch.Tensor]]:
-    infos = parse_safetensors(buf, WEIGHTS_FILE)
-    base = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
     rslora = bool(cfg.get("use_rslora", False))
     rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
     targets = set(cfg["target_modules"])
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    typed: dict = {}  # `base` as each dtype (tensor_view)
     for info in sorted(infos, key=lambda i: i.name):
         name = info.name
         m = _TENSOR_NAME.match(name)
@@ -276,7 +324,7 @@ def _read_weights(
             raise AdapterError("shape_mismatch", f"tensor {name!r}: the base model has {model.num_layers} layers")
         if info.dtype is None:
             raise AdapterError("bad_weights", f"tensor {name!r}: weights must be floating point")
-        halves.setdefault((layer, target), {})[half] = tensor_view(base, info)
+        halves.setdefault((layer, target), {})[half] = tensor_view(base, info, typed)
     if not halves:
         raise AdapterError("bad_weights", f"{WEIGHTS_FILE} holds no LoRA tensors")
 

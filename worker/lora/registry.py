@@ -5,10 +5,11 @@ or pinned is never evicted from either; validation of a new adapter finishes bef
 evicted. Single-threaded by design: the engine loop owns it (disk reads can run in a thread
 through `read`, then `insert_cpu` on the loop).
 
-`read` does all the per-adapter host work, off the loop: validation, the digest, and the adapter's
+`read` does all the per-adapter work, off the loop: validation, the digest, and the adapter's
 CPU-cache copy in exactly the slot layout (`slots.pack_weights`: pinned on CUDA, B pre-scaled and
-rank-major, in the slot dtype), checked for NaN/Inf on the GPU when the slots are there. Filling a
-slot is then only plain copies, and `insert_cpu` only files the adapter.
+rank-major, in the slot dtype), checked for NaN/Inf. With slots on a GPU the file is laid out and
+checked there, on a side stream, and copied back into that pinned layout. Filling a slot is then
+only plain copies, and `insert_cpu` only files the adapter.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -30,7 +32,7 @@ from lorafleet.worker.lora.adapter import (
     non_finite_module,
 )
 from lorafleet.worker.lora.digest import Digest
-from lorafleet.worker.lora.slots import SLICE_ORDER, LoraSlots, PackedLora, pack_weights
+from lorafleet.worker.lora.slots import SLICE_ORDER, LoraSlots, PackedLora, PackPlan, pack_weights, plan_pack
 
 
 class AdapterConflict(AdapterError):
@@ -95,8 +97,8 @@ class AdapterRegistry:
         self._gpu_lru: OrderedDict[str, None] = OrderedDict()
         self.stats = TierStats()
         self._pin = slots is not None and slots.device.type == "cuda"
-        # `read`'s NaN/Inf check copies the packed adapter through a small staging buffer on this
-        # stream (never the compute stream) and waits for it alone.
+        # `read` copies the file to the GPU, lays it out and checks it on this stream (never the
+        # compute stream) and waits for it alone.
         self._check_stream = torch.cuda.Stream(slots.device) if self._pin else None
 
     # -- catalogue -----------------------------------------------------------------------------
@@ -105,20 +107,40 @@ class AdapterRegistry:
 
         The weights come back laid out for the slots (`weights.packed`) and checked for NaN/Inf in
         that layout (so an overflow to Inf in the slot dtype is refused too); the digest is computed
-        over the same bytes in a thread, which may still run when this returns (`Digest`).
+        over the same bytes in a thread, which may still run when this returns (`Digest`). With
+        slots on a GPU the file goes there as it is read, on a stream of the registry's own (never
+        the compute stream), is laid out and checked there, and comes back in the CPU cache's
+        pinned layout; `weights.modules` are then already views of that layout.
         """
-        return load_adapter(path, self.model, self.engine.max_lora_rank, self.engine.max_adapter_bytes,
-                            prepare=self._pack_checked)
+        if self._check_stream is None:
+            return load_adapter(path, self.model, self.engine.max_lora_rank, self.engine.max_adapter_bytes,
+                                prepare=self._pack_checked)
+        device = self.slots.device
+        with torch.cuda.device(device), torch.cuda.stream(self._check_stream):
+            return load_adapter(path, self.model, self.engine.max_lora_rank, self.engine.max_adapter_bytes,
+                                prepare=self._pack_checked, device=device)
 
-    def _pack_checked(self, weights: LoraWeights) -> None:
-        packed = pack_weights(weights, self.model.num_layers, self.dtype, self._pin)
-        if not self._all_finite(packed):
+    def _pack_checked(self, weights: LoraWeights) -> Callable[[], None]:
+        """`load_adapter`'s `prepare`: plan the slot layout now (on a GPU the file is still being
+        read), lay it out and check it once the bytes are there."""
+        plan = plan_pack(weights, self.model.num_layers, self.dtype, self._pin)
+        return partial(self._checked, weights, plan)
+
+    def _checked(self, weights: LoraWeights, plan: PackPlan) -> None:
+        packed, staged = plan.run()
+        if staged is not None:  # laid out on the GPU: check it there; the wait covers the copy to the host too
+            finite = bool(torch.isfinite(staged).all().item())
+        else:
+            finite = self._all_finite(packed)
+        if not finite:
             where = non_finite_module(weights)
             if where is not None:
                 raise AdapterError("bad_weights", f"{where}: weights contain NaN or Inf")
             raise AdapterError("bad_weights", f"{_non_finite_block(packed)}: weights overflow {self.dtype} once "
                                "alpha/r is folded in")
         weights.packed = packed
+        if staged is not None:
+            weights.modules = packed.views  # let the file's GPU copy go now, not at insert_cpu
 
     def _all_finite(self, packed: PackedLora) -> bool:
         if not packed.chunks:

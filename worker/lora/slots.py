@@ -88,11 +88,10 @@ def _raw(t: torch.Tensor):
     return t.view(_INT_OF_SIZE[t.element_size()]).numpy()
 
 
-def _bitwise_ok(m: ModuleWeights, dtype: torch.dtype) -> bool:
-    """A and B already in `dtype` on the CPU: numpy copies their bits (no intra-op thread team, no GIL)."""
-    return dtype in _FLOAT32_OPMATH and all(
-        t.dtype == dtype and t.device.type == "cpu" and not t.requires_grad for t in (m.a, m.b)
-    )
+def _same_bits(m: ModuleWeights, dtype: torch.dtype) -> bool:
+    """A and B already in `dtype`: copied as bits (on the CPU by numpy: no intra-op thread team, no
+    GIL), B scaled afterwards in place, in runs."""
+    return dtype in _FLOAT32_OPMATH and all(t.dtype == dtype and not t.requires_grad for t in (m.a, m.b))
 
 
 def _scaled_b_into(m: ModuleWeights, dst: torch.Tensor) -> None:
@@ -110,17 +109,31 @@ def _scaled_b_into(m: ModuleWeights, dst: torch.Tensor) -> None:
 
 
 def _pack_rows(m: ModuleWeights, half: int, rows: torch.Tensor, r: int, dtype: torch.dtype) -> None:
-    """One module's A or B into its slot-layout rows (B transposed; scaled here unless copied as
-    bits, which pack_weights scales afterwards in runs)."""
+    """One module's A or B into its slot-layout rows on the CPU (B transposed; scaled here unless
+    copied as bits, which pack_weights scales afterwards in runs)."""
     if half == _A:
-        if _bitwise_ok(m, dtype):
+        if _same_bits(m, dtype):
             _raw(rows).reshape(r, -1)[...] = _raw(m.a)
         else:
             rows.view(r, -1).copy_(m.a)
-    elif _bitwise_ok(m, dtype):
+    elif _same_bits(m, dtype):
         _raw(rows).reshape(r, -1)[...] = _raw(m.b).T
     else:
         _scaled_b_into(m, rows.view(r, -1))
+
+
+def _pack_rows_on_device(copies: list[tuple[torch.Tensor, ModuleWeights, int, torch.Tensor, int]],
+                         dtype: torch.dtype) -> None:
+    """`_pack_rows` for sources on a GPU: every plain copy (A rows, B^T as bits) in one
+    `_foreach_copy_`; only a B that is converted and scaled takes ops of its own."""
+    dst, src = [], []
+    for _, m, half, rows, r in copies:
+        if half == _A or _same_bits(m, dtype):
+            dst.append(rows.view(r, -1))
+            src.append(m.a if half == _A else m.b.T)
+        else:
+            _scaled_b_into(m, rows.view(r, -1))
+    _copy_all(dst, src)
 
 
 def _runs(ranks: list[int]) -> list[tuple[int, int, int]]:
@@ -161,18 +174,105 @@ def pack_weights(
     pieces, so B rows with one scaling are mostly one span, scaled by one op. Pinned buffers hold
     at most `chunk_bytes` (default PINNED_CHUNK_BYTES) unless one layer's rows are larger; an
     unpinned layout is one flat buffer. Weights already in `dtype` are copied (B transposed) as
-    bits by numpy, then B is scaled in place in `dtype`, which rounds exactly as
-    `(b.float() * s).to(dtype)`; other weights go through torch.
+    bits, then B is scaled in place in `dtype`, which rounds exactly as `(b.float() * s).to(dtype)`;
+    other weights go through torch. Weights on a GPU are laid out there and copied back
+    (`PackPlan.run`, waited for here).
     """
+    packed, staged = plan_pack(weights, num_layers, dtype, pin, chunk_bytes).run()
+    if staged is not None:
+        torch.cuda.current_stream(staged.device).synchronize()
+    return packed
+
+
+@dataclass(slots=True)
+class PackPlan:
+    """`pack_weights` up to the first read of the weights: buffers, views and the copies to make.
+
+    A plan can be made while the weights' bytes are still on their way (`load_adapter` on a GPU)."""
+
+    packed: PackedLora  # over the host buffers, not filled yet
+    staged: torch.Tensor | None  # for weights on a GPU: the host buffers' contents, back to back, there
+    copies: list[tuple[torch.Tensor, ModuleWeights, int, torch.Tensor, int]]  # (source, module, half, rows, r)
+    scale_runs: list[list]  # [buffer, begin, end, scaling] over B rows to scale in place after the copies
+    # For weights on a GPU that all view one buffer (a file read there): every copy, scaled and
+    # cast, in one `scaled_copies` launch per source dtype: (source as a flat tensor, table, scales,
+    # largest copy), the tables already on the GPU.
+    launches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = field(default_factory=list)
+
+    def run(self) -> tuple[PackedLora, torch.Tensor | None]:
+        """Make the copies. Weights on a GPU are laid out in `staged` there, copied into the host
+        buffers on the current stream, and not waited for: the caller syncs that stream before
+        anything reads the host copy (the registry checks `staged` for NaN/Inf first, so one wait
+        covers both). Returns (packed, staged)."""
+        dtype, staged = self.packed.dtype, self.staged
+        sizes = [c.numel() for c in self.packed.chunks]
+        buffers = list(staged.split(sizes)) if staged is not None else self.packed.chunks
+        if self.launches:
+            from lorafleet.kernels.scaled_copy import scaled_copies
+
+            for src, table, scales, largest in self.launches:
+                scaled_copies(src, staged, table, scales, largest)
+        else:
+            if staged is not None:
+                _pack_rows_on_device(self.copies, dtype)
+            else:
+                # In the sources' memory order: for an adapter read from its file (`load_adapter`)
+                # that is the file's order, so the copies walk the bytes read front to back.
+                for _, m, half, rows, r in sorted(self.copies, key=lambda c: c[0].data_ptr()):
+                    _pack_rows(m, half, rows, r, dtype)
+            for ci, begin, end, scaling in self.scale_runs:
+                buffers[ci][begin:end].mul_(scaling)
+        if staged is not None:
+            for host, dev in zip(self.packed.chunks, buffers):
+                host.copy_(dev, non_blocking=True)
+        return self.packed, staged
+
+
+def _launches(copies: list, staged: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+    """`PackPlan.launches` for `copies` into `staged`, or [] where one launch cannot make them
+    (sources in more than one buffer, or not float16 / bfloat16 / float32)."""
+    from lorafleet.kernels.scaled_copy import FLOAT_DTYPES
+
+    if not copies or staged.dtype not in FLOAT_DTYPES:
+        return []
+    storage = copies[0][0].untyped_storage()
+    groups: dict[torch.dtype, tuple[list, list, list]] = {}
+    for source, m, half, rows, r in copies:
+        if source.dtype not in FLOAT_DTYPES or source.untyped_storage().data_ptr() != storage.data_ptr():
+            return []
+        view = m.a if half == _A else m.b.T  # [r, in] / [r, out], as the rows hold it
+        table, scales, largest = groups.setdefault(source.dtype, ([], [], [0]))
+        table.append((view.storage_offset(), rows.storage_offset() - staged.storage_offset(), r, view.shape[1],
+                      *view.stride()))
+        scales.append(1.0 if half == _A else m.scaling)
+        largest[0] = max(largest[0], rows.numel())
+    out = []
+    for dtype, (table, scales, largest) in groups.items():
+        if storage.nbytes() % dtype.itemsize:
+            return []
+        src = torch.empty(0, dtype=dtype, device=staged.device).set_(storage, 0, (storage.nbytes() // dtype.itemsize,))
+        out.append((src, torch.tensor(table, dtype=torch.int64).pin_memory().to(staged.device, non_blocking=True),
+                    torch.tensor(scales, dtype=torch.float32).pin_memory().to(staged.device, non_blocking=True),
+                    largest[0]))
+    return out
+
+
+def plan_pack(
+    weights: LoraWeights, num_layers: int, dtype: torch.dtype, pin: bool, chunk_bytes: int | None = None
+) -> PackPlan:
+    """Everything `pack_weights` does before it reads the weights (see PackPlan)."""
     if chunk_bytes is None:
         chunk_bytes = PINNED_CHUNK_BYTES if pin else 0
     cap = chunk_bytes // torch.empty((), dtype=dtype).element_size() if chunk_bytes else 0
     n = len(SLICE_ORDER)
     table = [[0] * n for _ in range(num_layers)]
     dims = {}  # column -> (in, out)
+    device = torch.device("cpu")
     for (layer, target), m in weights.modules.items():
         table[layer][_COLUMN[target]] = m.a.shape[0]
         dims[_COLUMN[target]] = (m.a.shape[1], m.b.shape[0])
+        if m.a.is_cuda:
+            device = m.a.device
     ranks = torch.tensor(table, dtype=torch.int32).reshape(num_layers, n)
     if pin:
         ranks = ranks.pin_memory()
@@ -181,10 +281,12 @@ def pack_weights(
               for half in (_A, _B) for c, col_runs in runs.items() for layer, count, r in col_runs]
     placed, sizes = _place(pieces, cap)
     chunks = [torch.empty(size, dtype=dtype, pin_memory=pin) for size in sizes]
+    staged = torch.empty(sum(sizes), dtype=dtype, device=device) if device.type == "cuda" else None
+    targets = list(staged.split(sizes)) if staged is not None else chunks
     halves: dict[int, list] = {}  # k -> [A rows, B rows]
     layout, sources = [], []
-    scale_runs: list[list] = []  # [chunk, begin, end, scaling] over B rows still to scale in place
-    copies: list[tuple[torch.Tensor, ModuleWeights, int, torch.Tensor, int]] = []  # (source, module, half, rows, r)
+    scale_runs: list[list] = []
+    copies = []
     for ci, off, col, half, layer, count, r, per in placed:
         chunk = chunks[ci]
         sources.append(chunk[off : off + count * per].view(count, r, per // r))
@@ -192,28 +294,22 @@ def pack_weights(
         for i in range(count):
             k, m = (layer + i) * n + col, weights.modules[(layer + i, SLICE_ORDER[col])]
             begin = off + i * per
-            rows = chunk[begin : begin + per]
-            halves.setdefault(k, [None, None])[half] = rows
+            halves.setdefault(k, [None, None])[half] = chunk[begin : begin + per]
+            rows = targets[ci][begin : begin + per]
             copies.append((m.a if half == _A else m.b, m, half, rows, r))
-            if half == _B and _bitwise_ok(m, dtype) and m.scaling != 1.0:
+            if half == _B and _same_bits(m, dtype) and m.scaling != 1.0:
                 last = scale_runs[-1] if scale_runs else None
                 if last and last[0] == ci and last[2] == begin and last[3] == m.scaling:
                     last[2] = begin + per
                 else:
                     scale_runs.append([ci, begin, begin + per, m.scaling])
-    # In the sources' memory order: for an adapter mapped from its file (`load_adapter`) that is the
-    # file's order, so on a cold file the kernel's sequential readahead streams it and the copies
-    # follow the disk, instead of faulting in pages from all over the file at once.
-    copies.sort(key=lambda c: c[0].data_ptr())
-    for _, m, half, rows, r in copies:
-        _pack_rows(m, half, rows, r, dtype)
-    for ci, begin, end, scaling in scale_runs:
-        chunks[ci][begin:end].mul_(scaling)
     blocks = [(k, table[k // n][k % n], a, b) for k, (a, b) in sorted(halves.items())]
     views = {(k // n, SLICE_ORDER[k % n]): ModuleWeights(a=a.view(r, -1), b=b.view(r, -1).T, scaling=1.0)
              for k, r, a, b in blocks}
-    return PackedLora(dtype=dtype, pinned=pin, chunks=chunks, blocks=blocks, ranks=ranks, views=views,
-                      layout=tuple(layout), sources=sources)
+    packed = PackedLora(dtype=dtype, pinned=pin, chunks=chunks, blocks=blocks, ranks=ranks, views=views,
+                        layout=tuple(layout), sources=sources)
+    launches = _launches(copies, staged) if staged is not None else []
+    return PackPlan(packed=packed, staged=staged, copies=copies, scale_runs=scale_runs, launches=launches)
 
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
