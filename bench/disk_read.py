@@ -13,6 +13,8 @@ this measures that bound, and whether reading with more I/O in flight lifts it:
                        call queues its reads and returns), then the mapped pages touched as above.
   N threads pread      N threads claim PIECE pieces in file order and `preadv` them into their own
                        scratch buffer: N requests in flight.
+  N threads O_DIRECT   as N threads pread, the file opened O_DIRECT (page-aligned buffers): the disk
+                       straight into the buffers, past the page cache and its readahead.
   N threads + mmap     those threads started, and the main thread touching the mapped pages at once
                        (a load packing the file while a prefetch reads ahead of it).
 
@@ -103,6 +105,31 @@ def start_preads(path: Path, size: int, threads: int, piece: int) -> list[thread
     return pool
 
 
+def start_direct_preads(path: Path, size: int, threads: int, piece: int) -> list[threading.Thread]:
+    """`start_preads` with O_DIRECT: the disk straight into (page-aligned) buffers, no page cache."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    claim = itertools.count()
+    left = [threads]
+    lock = threading.Lock()
+
+    def work() -> None:
+        scratch = mmap.mmap(-1, piece)  # anonymous: page-aligned, as O_DIRECT needs
+        view = memoryview(scratch)
+        while (off := next(claim) * piece) < size:
+            os.preadv(fd, [view], off)
+        view.release()
+        scratch.close()
+        with lock:
+            left[0] -= 1
+            if left[0] == 0:
+                os.close(fd)
+
+    pool = [threading.Thread(target=work, daemon=True) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    return pool
+
+
 def strategies(path: Path, size: int) -> dict[tuple[str, int, int], Callable[[], object]]:
     out: dict[tuple[str, int, int], Callable[[], object]] = {
         ("read()", 1, 0): lambda: read_once(path, size),
@@ -115,6 +142,11 @@ def strategies(path: Path, size: int) -> dict[tuple[str, int, int], Callable[[],
         for piece_kib in (1024, 4096):
             out[("threads pread", threads, piece_kib)] = lambda n=threads, p=piece_kib: [
                 t.join() for t in start_preads(path, size, n, p << 10)]
+    if hasattr(os, "O_DIRECT"):
+        for threads in (1, 4, 8, 16):
+            for piece_kib in (1024, 4096, 16384):
+                out[("threads O_DIRECT", threads, piece_kib)] = lambda n=threads, p=piece_kib: [
+                    t.join() for t in start_direct_preads(path, size, n, p << 10)]
     for threads in (4, 8):
         def both(n: int = threads) -> None:
             pool = start_preads(path, size, n, 1 << 20)

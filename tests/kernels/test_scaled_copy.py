@@ -125,3 +125,36 @@ def test_seed_shape_adapter_in_one_launch():
     got = torch.empty(dst_n, dtype=torch.bfloat16, device="cuda")
     scaled_copies(src, got, table_t.cuda(), scales.cuda(), biggest)
     assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_adapter_packing_table(dtype, demo_adapters, demo_model, tmp_path):
+    """`slots._launches`, the table the adapter packing launches this kernel with, lays out a real
+    PEFT file (read as load_adapter reads it: views of one buffer) exactly as the host packing does:
+    A as it is, B transposed and scaled, cast to the slot dtype (a fp32 file and a bf16 one)."""
+    from safetensors.torch import load_file, save_file
+
+    from lorafleet.worker.config import ModelConfig
+    from lorafleet.worker.lora import slots as slots_mod
+    from lorafleet.worker.lora.adapter import load_adapter
+
+    model = ModelConfig.from_folder(demo_model)
+    bf16 = tmp_path / "bf16"
+    bf16.mkdir()
+    src = demo_adapters["code"]  # rsLoRA: scalings are not 1
+    (bf16 / "adapter_config.json").write_bytes((src / "adapter_config.json").read_bytes())
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(src / "adapter_model.safetensors")).items()},
+              str(bf16 / "adapter_model.safetensors"))
+    for folder in (src, bf16):
+        want = slots_mod.pack_weights(load_adapter(folder, model, 64, 1 << 30), model.num_layers, dtype, pin=False)
+        # On a GPU the file is read there (one raw copy), as the registry reads it; here on the host.
+        weights = load_adapter(folder, model, 64, 1 << 30, prepare=lambda w: (lambda: None),
+                               device=torch.device(DEVICE))
+        plan = slots_mod.plan_pack(weights, model.num_layers, dtype, pin=False)
+        flat = plan.staged if plan.staged is not None else plan.packed.chunks[0]  # the one flat buffer
+        launches = slots_mod._launches(plan.copies, flat)
+        assert len(launches) == 1 and flat.device.type == DEVICE
+        flat.fill_(float("nan"))
+        for source, table, scales, largest in launches:
+            scaled_copies(source, flat, table, scales, largest)
+        assert torch.equal(flat.cpu().view(torch.uint8), want.chunks[0].view(torch.uint8)), folder.name
