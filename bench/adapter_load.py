@@ -61,6 +61,7 @@ import torch
 
 from lorafleet.worker.config import EngineConfig, ModelConfig
 from lorafleet.worker.engine import LLMEngine
+from lorafleet.worker.gc_freeze import freeze_startup_objects
 from lorafleet.worker.lora import file_bytes
 from lorafleet.worker.lora.adapter import CONFIG_FILE, UPLOAD_CHUNK_BYTES, WEIGHTS_FILE, adapter_digest
 from lorafleet.worker.lora.file_bytes import read_file
@@ -150,7 +151,7 @@ def p90(values: list[float]) -> float:
 def row(case: str, seconds: list[float], mib: float, **extra) -> dict:
     ms = [1e3 * s for s in seconds]
     out = {"case": case, "ms_median": round(statistics.median(ms), 3), "ms_p90": round(p90(ms), 3),
-           "adapter_mib": round(mib, 2), "repeats": len(ms)}
+           "adapter_mib": round(mib, 2), "repeats": len(ms), "ms_all": [round(v, 2) for v in ms]}
     if case in TARGET_MS:
         out["target_ms"] = TARGET_MS[case]
     return {**out, **extra}
@@ -379,6 +380,7 @@ def build_engine(tiny: bool, max_lora_rank: int) -> tuple[LLMEngine, ModelConfig
                           num_kv_blocks=512 if tiny else None,
                           async_scheduling=False)  # its step timings are of synchronous steps
     engine = LLMEngine(folder, config, weights=random_weights(model_config, device))
+    freeze_startup_objects()  # as the worker does once its engine is built (worker/gc_freeze.py)
     return engine, model_config, device
 
 
@@ -388,7 +390,7 @@ def print_table(rows: list[dict], out: Callable[[str], None] = print) -> None:
         med = "-" if r["ms_median"] is None else f"{r['ms_median']:.2f}"
         p = "-" if r["ms_p90"] is None else f"{r['ms_p90']:.2f}"
         target = f"{r['target_ms']:g}" if "target_ms" in r else ""
-        skip = {"case", "ms_median", "ms_p90", "target_ms", "adapter_mib", "repeats"}
+        skip = {"case", "ms_median", "ms_p90", "target_ms", "adapter_mib", "repeats", "ms_all"}
         notes = ", ".join(f"{k}={v}" for k, v in r.items() if k not in skip)
         out(f"{r['case']:<52} {med:>10} {p:>9} {target:>7}  {notes}")
 

@@ -36,6 +36,7 @@ import torch
 from lorafleet.kernels import lora_ops
 from lorafleet.worker.config import EngineConfig, ModelConfig
 from lorafleet.worker.engine import LLMEngine
+from lorafleet.worker.gc_freeze import freeze_startup_objects
 from lorafleet.worker.lora.adapter import LoraWeights, ModuleWeights
 from lorafleet.worker.sequence import SamplingParams
 
@@ -295,6 +296,7 @@ def build_engine(args, device: str, n_slots: int) -> tuple[LLMEngine, ModelConfi
                           cuda_graphs=None if device == "cuda" else "eager" not in args.modes.split(","))
     t0 = time.perf_counter()
     engine = LLMEngine(folder, config, weights=random_weights(model_config, device))
+    freeze_startup_objects()  # as the worker does once its engine is built (worker/gc_freeze.py)
     return engine, model_config, time.perf_counter() - t0
 
 

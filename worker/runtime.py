@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from lorafleet.worker.async_engine import AsyncEngine
 from lorafleet.worker.auth import AdminToken
 from lorafleet.worker.errors import ApiError
+from lorafleet.worker.gc_freeze import freeze_startup_objects
 from lorafleet.worker.metrics import WorkerMetrics
 from lorafleet.worker.settings import WorkerSettings
 
@@ -56,6 +57,9 @@ class WorkerRuntime:
             self.error = f"the engine failed to start: {type(exc).__name__}: {exc}"
             log.error("%s", self.error)
             return
+        if s.freeze_gc:
+            frozen = freeze_startup_objects()
+            log.info("start-up objects taken out of the cycle collector: %d", frozen)
         async_engine = AsyncEngine(engine, observer=self.metrics)
         async_engine.start()
         self.engine = async_engine

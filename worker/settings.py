@@ -20,6 +20,9 @@ class WorkerSettings:
     admin_token_file: str | None = None  # None: the admin API answers 401 to everything
     engine: EngineConfig = field(default_factory=EngineConfig)
     max_request_prompts: int = 16  # prompts in one /v1/completions call
+    # Once the engine is built, take start-up's objects out of the cycle collector (gc_freeze.py).
+    # Off only where many workers start in one process (tests).
+    freeze_gc: bool = True
 
     @property
     def model_name(self) -> str:

@@ -84,6 +84,7 @@ def worker_settings(demo_model: Path, adapters: dict[str, Path], token_file: Pat
         adapter_root=str(adapter_root) if adapter_root else None,
         admin_token_file=str(token_file) if token_file else None,
         admin_port=0 if admin_port else None, engine=EngineConfig(**config),
+        freeze_gc=False,  # many workers start in this process: freezing each one's objects would pin them
     )
 
 

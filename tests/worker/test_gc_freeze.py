@@ -1,0 +1,42 @@
+"""Start-up objects leave the cycle collector once the engine is built (worker/gc_freeze.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+
+import pytest
+
+from lorafleet.worker import runtime as runtime_mod
+from lorafleet.worker.gc_freeze import freeze_startup_objects
+from tests.worker.worker_harness import worker_settings
+
+
+def test_freeze_collects_then_freezes():
+    gc.unfreeze()
+    cycle = []
+    cycle.append(cycle)  # start-up garbage: collected, not frozen
+    del cycle
+    try:
+        frozen = freeze_startup_objects()
+        assert frozen == gc.get_freeze_count() > 1000
+        assert gc.collect() == 0  # nothing left over from before the freeze
+    finally:
+        gc.unfreeze()
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_runtime_freezes_after_the_engine_is_built(freeze, demo_model, demo_adapters, monkeypatch):
+    calls = []
+    monkeypatch.setattr(runtime_mod, "freeze_startup_objects", lambda: calls.append("frozen") or 1)
+    settings = dataclasses.replace(worker_settings(demo_model, {}), freeze_gc=freeze)
+    runtime = runtime_mod.WorkerRuntime.create(settings)
+
+    async def run() -> None:
+        await runtime._load()
+        assert runtime.engine is not None and runtime.error is None
+        await runtime.stop()
+
+    asyncio.run(run())
+    assert calls == (["frozen"] if freeze else [])
