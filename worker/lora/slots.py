@@ -14,8 +14,11 @@ kernels do no work there (rows past a layer's rank are never read, so stale ones
 On CUDA the copy runs on a side stream from pinned memory and the step that first uses the slot
 waits on its event, so a prefetch overlaps the running batch.
 
-The host side is prepared once per adapter (`pack_weights`, called by `AdapterRegistry.read` off
-the engine loop), pre-scaled and in the slot dtype, in the storage's order. Per column, the layers
+The host side is prepared once per adapter (`pack_weights`; `AdapterRegistry.read` calls its two
+halves, `plan_pack` while the file is still being read and `PackPlan.run` once it is there, off
+the engine loop), pre-scaled and in the slot dtype, in the storage's order. With the file on the
+GPU (a registry with CUDA slots) the layout is made there, in one `kernels/scaled_copy.py` launch
+per source dtype, and copied back once into the pinned host buffers. Per column, the layers
 the adapter targets form runs of consecutive layers at one rank (a uniform adapter: one run of all
 L layers; a rank_pattern that changes the rank, or a skipped layer, starts a new run); a run is one
 contiguous piece `[n, r, in]` of A rows and one `[n, r, out]` of B's rank-major rows, so nothing
