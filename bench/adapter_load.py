@@ -24,6 +24,9 @@ names). Everything goes through the registry's own methods; nothing about loadin
                resident adapter when there are >= 2 GPU slots, else base-only); steps alternate
                between plain steps and steps preceded by registry.prefetch of a new adapter (the
                call LLMEngine.step makes after each forward), each with a device sync around it.
+  decode step while a cold read runs    the same batch stepped on the main thread while
+               registry.read of a cold folder runs in a thread (as the admin endpoint runs it),
+               against steps between reads; and the read's own time beside the steps.
   prefetch call (host) / prefetch copy (side stream)    how long that prefetch call holds the
                host, and the copy's own time between CUDA events on the slots' side stream (read
                from the private `LoraSlots._copy_stream`: the registry exposes no stream).
@@ -53,6 +56,7 @@ import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -260,6 +264,45 @@ def cpu_case(engine: LLMEngine, folder: Path, repeats: int, mib: float) -> dict:
 
 
 # -- overlap with decode ------------------------------------------------------------------------
+def read_beside_decode(engine: LLMEngine, work: Path, tensors: dict, repeats: int, mib: float) -> list[dict]:
+    """Cold reads (page cache dropped) in a thread, as the admin endpoint runs them, while the
+    engine keeps stepping a decode batch on this thread: the steps during each read against
+    plain steps between reads, and each read's own time beside the steps."""
+    resident = f"{PREFIX}beside" if engine.config.max_loras >= 2 else None
+    if resident:
+        register_from(engine, work / "shared", resident)
+    ids = start_batch(engine, 40 * repeats, resident)
+    plain, beside, reads = [], [], []
+    for k in range(repeats):
+        folder = work / f"beside-{k}"
+        write_folder(folder, tensors, RANK, drop_cache=True)
+        plain += [timed_step(engine) for _ in range(5)]
+        def read(folder: Path = folder) -> None:
+            t0 = time.perf_counter()
+            engine.registry.read(str(folder))
+            reads.append(time.perf_counter() - t0)
+
+        thread = threading.Thread(target=read)
+        thread.start()
+        while thread.is_alive():
+            beside.append(timed_step(engine))
+        thread.join()
+        shutil.rmtree(folder)
+    batch = end_batch(engine, ids, resident)
+    return [row("decode step, between cold reads", plain, mib, batch=batch),
+            row("decode step, while a cold read runs in a thread", beside, mib, batch=batch),
+            row("cold read (registry.read) in a thread beside decode steps", reads, mib)]
+
+
+def end_batch(engine: LLMEngine, ids: list[int], resident: str | None) -> str:
+    """Abort `start_batch`'s requests and unload its adapter; returns the batch's description."""
+    for rid in ids:
+        engine.abort(rid)
+    if resident:
+        engine.unload_adapter(resident)
+    return f"{len(ids)} requests, " + (f"all on one resident rank-{RANK} adapter" if resident else "base-only")
+
+
 def start_batch(engine: LLMEngine, steps: int, adapter: str | None) -> list[int]:
     """BATCH decode requests, stepped until every one of them is decoding."""
     sp = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
@@ -314,11 +357,7 @@ def decode_cases(engine: LLMEngine, folder: Path, repeats: int, mib: float) -> l
         register_from(engine, folder, name)
         loaded.append(timed_prefetch_step(engine, name))
         engine.unload_adapter(name)
-    for rid in ids:
-        engine.abort(rid)
-    if resident:
-        engine.unload_adapter(resident)
-    batch = f"{len(ids)} requests, " + (f"all on one resident rank-{RANK} adapter" if resident else "base-only")
+    batch = end_batch(engine, ids, resident)
     graphs = engine.runner.graphs is not None and engine.runner.graphs.enabled
     common = {"batch": batch, "cuda_graphs": graphs}
     evicted = engine.registry.stats.gpu_evictions - evictions
@@ -361,6 +400,7 @@ def load_rows(engine: LLMEngine, model_config: ModelConfig, device: str, repeats
             digest_case(warm, repeats, mib),
             cpu_case(engine, warm, repeats, mib),
             *decode_cases(engine, warm, repeats, mib),
+            *read_beside_decode(engine, work, tensors, repeats, mib),
         ]
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 TABLE_COLUMNS = 6  # src offset, dst offset, rows, cols, row stride, col stride
-BLOCK = 2048  # elements of one copy a program moves
+BLOCK = 2048  # elements of one copy a program moves at a time
+MAX_BLOCKS = 4096  # programs per copy (each strides over the copy's blocks past that)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -41,21 +42,22 @@ def _to_bf16_bits(y):
 @triton.jit
 def _scaled_copies_kernel(src_ptr, dst_ptr, table_ptr, scales_ptr, BLOCK: tl.constexpr, BF16_BITS: tl.constexpr):
     k = tl.program_id(0)
-    start = tl.program_id(1).to(tl.int64) * BLOCK
     row = table_ptr + k * 6
     src_off = tl.load(row)
     dst_off = tl.load(row + 1)
-    n = tl.load(row + 2) * tl.load(row + 3)
     cols = tl.load(row + 3)
+    n = tl.load(row + 2) * cols
     row_stride = tl.load(row + 4)
     col_stride = tl.load(row + 5)
-    if start < n:
+    scale = tl.load(scales_ptr + k)
+    # Programs along axis 1 stride over the copy's blocks (the grid's axis 1 stops at 65,535).
+    for start in range(tl.program_id(1).to(tl.int64) * BLOCK, n, tl.num_programs(1).to(tl.int64) * BLOCK):
         idx = start + tl.arange(0, BLOCK).to(tl.int64)
         mask = idx < n
         i = idx // cols
         j = idx - i * cols
         x = tl.load(src_ptr + src_off + i * row_stride + j * col_stride, mask=mask, other=0.0).to(tl.float32)
-        y = x * tl.load(scales_ptr + k)
+        y = x * scale
         if BF16_BITS:  # dst is the bf16 buffer viewed as int16
             tl.store(dst_ptr + dst_off + idx, _to_bf16_bits(y), mask=mask)
         else:
@@ -83,7 +85,7 @@ def scaled_copies(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, sca
     _check(src, dst, table, scales)
     if table.shape[0] == 0 or max_elements <= 0:
         return
-    grid = (table.shape[0], triton.cdiv(max_elements, BLOCK))
+    grid = (table.shape[0], min(triton.cdiv(max_elements, BLOCK), MAX_BLOCKS))
     bf16 = dst.dtype == torch.bfloat16
     _scaled_copies_kernel[grid](src, dst.view(torch.int16) if bf16 else dst, table, scales, BLOCK=BLOCK,
                                 BF16_BITS=bf16, num_warps=4)

@@ -55,6 +55,24 @@ def test_kernel_equals_the_reference(src_dtype, dst_dtype):
     assert not want.isnan().any()  # every destination element was written (the layout has no holes)
 
 
+@pytest.mark.parametrize("max_blocks", [1, 2])
+def test_programs_stride_over_copies_longer_than_the_grid(max_blocks, monkeypatch):
+    """Past MAX_BLOCKS programs a copy, each program walks several blocks of it."""
+    from lorafleet.kernels import scaled_copy
+
+    monkeypatch.setattr(scaled_copy, "MAX_BLOCKS", max_blocks)
+    gen = torch.Generator().manual_seed(2)
+    shapes = [(3, 2 * BLOCK + 5, False), (5, BLOCK + 1, True), (2, 3, False)]
+    table, src_n, dst_n, biggest = layout(shapes, gen)
+    src = torch.randn(src_n, generator=gen).to(DEVICE)
+    table_t, scales = torch.tensor(table, dtype=torch.int64), torch.tensor([1.0, 0.5, 3.0])
+    want = torch.full((dst_n,), float("nan"))
+    scaled_copies_reference(src.cpu(), want, table_t, scales)
+    got = torch.full((dst_n,), float("nan"), device=DEVICE)
+    scaled_copies(src, got, table_t.to(DEVICE), scales.to(DEVICE), biggest)
+    assert torch.equal(got.cpu(), want)
+
+
 def test_bf16_rounding_of_special_values_is_torchs():
     """Ties to even, overflow to Inf, Inf, NaN, subnormals, -0: the kernel's bf16 rounding is torch's."""
     values = [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 3.4e38, -3.39e38, float("inf"), float("-inf"), 1e-40, -1e-39,

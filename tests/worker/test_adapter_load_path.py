@@ -286,17 +286,23 @@ def test_typed_views_equal_plain_views():
 
 
 # -- the packed layout ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_packed_fill_equals_the_reference_fill(dtype, model, demo_adapters, tmp_path):
-    reg = make_registry(model, dtype, max_loras=3, max_rank=64)
+def layout_folders(model: ModelConfig, demo_adapters, tmp_path: Path, dtype: torch.dtype) -> dict[str, Path]:
+    """The demo adapters, a file already in `dtype` (the fast B path), rsLoRA with rank and alpha
+    patterns, and a full-rank-64 one."""
     folders = dict(demo_adapters)
-    # Same-dtype files (the fast B path), rsLoRA with rank and alpha patterns, a full-rank-64 one.
     folders["native"] = write_adapter(tmp_path / "native", model, dtype, r=8, alpha=20.0)
     folders["patterns"] = write_adapter(tmp_path / "patterns", model, torch.bfloat16, r=16, alpha=7.0, seed=1,
                                         use_rslora=True, rank_pattern={"k_proj": 4, "down_proj": 2},
                                         alpha_pattern={"up_proj": 3.0}, targets=("k_proj", "up_proj", "down_proj"))
     folders["wide"] = write_adapter(tmp_path / "wide", model, torch.float32, r=64, alpha=64.0, seed=2,
                                     targets=("o_proj",))
+    return folders
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_packed_fill_equals_the_reference_fill(dtype, model, demo_adapters, tmp_path):
+    reg = make_registry(model, dtype, max_loras=3, max_rank=64)
+    folders = layout_folders(model, demo_adapters, tmp_path, dtype)
     for name, folder in folders.items():
         reg.register(name, reg.read(str(folder)))
     # The slots get reused: each adapter lands on a slot that held another one (ranks must follow).
@@ -608,6 +614,13 @@ def test_overflow_in_the_slot_dtype_is_refused(model, demo_adapters, tmp_path):
     make_registry(model, torch.float32).read(str(folder))  # fp32 slots hold it
 
 
+def test_all_finite_takes_float8():
+    x = torch.zeros(8, dtype=torch.float8_e4m3fn)
+    assert adapter_mod.all_finite(x)
+    x.view(torch.uint8)[3] = 0x7F  # NaN in e4m3fn
+    assert not adapter_mod.all_finite(x)
+
+
 def test_all_finite_finds_one_bad_value_anywhere():
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         x = torch.randn(1 << 20).to(dtype)
@@ -690,46 +703,71 @@ def test_cuda_strided_piece_copies_equal_the_reference_pool(dtype, model):
         assert_pool_equals(slots, ref)
 
 
+def misaligned(folder: Path) -> Path:
+    """Pad the header so that the data section, and so every tensor, starts at an odd offset."""
+    path = folder / WEIGHTS
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = data[8 : 8 + n].rstrip()
+    header += b" " * (1 - len(header) % 2)  # 8 + odd = odd
+    path.write_bytes(len(header).to_bytes(8, "little") + header + data[8 + n :])
+    return folder
+
+
+def gpu_read_folders(model: ModelConfig, demo_adapters, tmp_path: Path, dtype: torch.dtype) -> dict[str, Path]:
+    """`layout_folders`, plus fp64 and fp8 files and one whose tensors all start at odd offsets."""
+    folders = layout_folders(model, demo_adapters, tmp_path, dtype)
+    folders["fp64"] = write_adapter(tmp_path / "fp64", model, torch.float64, r=4, seed=4)
+    folders["fp8"] = write_adapter(tmp_path / "fp8", model, torch.float8_e4m3fn, r=4, seed=5)
+    folders["misaligned"] = misaligned(write_adapter(tmp_path / "odd", model, torch.bfloat16, r=4, seed=6))
+    return folders
+
+
+# Per folder: whether the one-launch layout applies (a single buffer of float16/bfloat16/float32).
+ONE_LAUNCH = {"fp64": False, "fp8": False, "misaligned": False}
+
+
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("room", [True, False])
-def test_cuda_read_lays_out_on_the_gpu_what_the_host_lays_out(dtype, room, model, demo_adapters, tmp_path,
+@pytest.mark.parametrize("mode", ["planned while read", "planned after read", "no room for the file",
+                                  "no room for the layout"])
+def test_cuda_read_lays_out_on_the_gpu_what_the_host_lays_out(dtype, mode, model, demo_adapters, tmp_path,
                                                               monkeypatch):
     """With slots on a GPU the file goes there as it is read (in small chunks here, cut inside
     tensors) and is laid out there: the pinned layout it comes back in is bit for bit what the host
-    lays out from the same file (same-dtype and converted files, rsLoRA, rank and alpha patterns).
-    Without room on the GPU for the file, it is laid out on the host instead, with the same result."""
+    lays out from the same file (same-dtype and converted files, fp64 and fp8 files, rsLoRA, rank
+    and alpha patterns, tensors at odd offsets). Planned after the read, or without room on the GPU
+    for the file (laid out on the host) or for its layout (copied to the host one by one): the same."""
     monkeypatch.setattr(adapter_mod, "UPLOAD_CHUNK_BYTES", 4096)
-    if not room:
-        real_init = adapter_mod._Upload.__init__
+    real_init = adapter_mod._Upload.__init__
 
-        def no_room(self, device, size):
-            real_init(self, device, size)
+    def init(self, device, size):
+        real_init(self, device, size)
+        if mode == "no room for the file":
             self.raw = None
+        else:  # bytes not yet uploaded read as NaN: a read too early fails the check
+            self.raw.fill_(0xFF)
 
-        monkeypatch.setattr(adapter_mod._Upload, "__init__", no_room)
-    folders = dict(demo_adapters)
-    folders["native"] = write_adapter(tmp_path / "native", model, dtype, r=8, alpha=20.0)
-    folders["patterns"] = write_adapter(tmp_path / "patterns", model, torch.bfloat16, r=16, alpha=7.0, seed=1,
-                                        use_rslora=True, rank_pattern={"k_proj": 4, "down_proj": 2},
-                                        alpha_pattern={"up_proj": 3.0}, targets=("k_proj", "up_proj", "down_proj"))
-    folders["wide"] = write_adapter(tmp_path / "wide", model, torch.float32, r=64, alpha=64.0, seed=2,
-                                    targets=("o_proj",))
+    monkeypatch.setattr(adapter_mod._Upload, "__init__", init)
+    monkeypatch.setattr(adapter_mod, "PLAN_WHILE_READING", mode != "planned after read")
+    if mode == "no room for the layout":
+        monkeypatch.setattr(slots_mod, "_device_buffer", lambda *a: None)
     launched = []
     real_launches = slots_mod._launches
     monkeypatch.setattr(slots_mod, "_launches", lambda *a: launched.append(real_launches(*a)) or launched[-1])
     reg = make_cuda_registry(model, dtype)
-    for name, folder in folders.items():
+    for name, folder in gpu_read_folders(model, demo_adapters, tmp_path, dtype).items():
         launched.clear()
         weights = reg.read(str(folder))
-        assert (len(launched) == 1 and len(launched[0]) >= 1) == room, name  # one launch a source dtype
+        one_launch = mode in ("planned while read", "planned after read") and ONE_LAUNCH.get(name, True)
+        assert (len(launched) == 1 and len(launched[0]) == 1) == one_launch, name
         want = pack_weights(load_adapter(folder, model, 64, 1 << 30), model.num_layers, dtype, pin=False)
         got = weights.packed
         assert got.pinned and all(c.is_pinned() for c in got.chunks), name
         assert got.layout == want.layout and torch.equal(got.ranks, want.ranks), name
         assert torch.equal(bits(torch.cat(got.chunks)), bits(torch.cat(want.chunks))), name
-        if room:  # the modules are views of the pinned layout: the file's GPU copy is gone
+        if mode != "no room for the file":  # the modules are views of the pinned layout: the file's GPU copy is gone
             assert all(m.a.is_pinned() and m.b.is_pinned() for m in weights.modules.values()), name
         assert weights.digest.value == adapter_digest(folder), name
     # Weights made on the GPU tensor by tensor (no one buffer): the per-copy path, same result.
@@ -739,6 +777,33 @@ def test_cuda_read_lays_out_on_the_gpu_what_the_host_lays_out(dtype, room, model
     want = pack_weights(made, model.num_layers, dtype, pin=False)
     got = pack_weights(on_gpu, model.num_layers, dtype, pin=True)
     assert torch.equal(bits(torch.cat(got.chunks)), bits(torch.cat(want.chunks)))
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_reads_at_once_share_the_registrys_stream(model, demo_adapters, tmp_path):
+    """Reads in several threads (as the admin endpoint and re-reads run them) through one registry
+    and its one side stream each get their own adapter's layout."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    folders = gpu_read_folders(model, demo_adapters, tmp_path, torch.bfloat16)
+    reg = make_cuda_registry(model, torch.bfloat16)
+    with ThreadPoolExecutor(8) as pool:
+        got = dict(zip(folders, pool.map(lambda f: reg.read(str(f)), [*folders.values()] * 2)))
+    for name, folder in folders.items():
+        want = pack_weights(load_adapter(folder, model, 64, 1 << 30), model.num_layers, torch.bfloat16, pin=False)
+        assert torch.equal(bits(torch.cat(got[name].packed.chunks)), bits(torch.cat(want.chunks))), name
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_fp8_overflow_is_a_clear_error(model, tmp_path):
+    """fp8 weights that overflow the slot dtype once scaled: refused with the module named (the
+    check upcasts fp8, which has no isfinite kernel)."""
+    folder = write_adapter(tmp_path / "fp8", model, torch.float8_e4m3fn, r=4, alpha=4e6, seed=7)
+    with pytest.raises(AdapterError, match="overflow") as info:
+        make_cuda_registry(model, torch.float16).read(str(folder))
+    assert info.value.reason == "bad_weights"
 
 
 @pytest.mark.gpu

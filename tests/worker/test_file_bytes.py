@@ -76,24 +76,76 @@ def test_short_reads_are_resumed(data, monkeypatch):
     assert b"".join(c.numpy().tobytes() for c in got.chunks) == blob
 
 
-def test_a_failed_read_leaves_no_request_running(data, monkeypatch):
-    """On an error every other request has finished before the descriptor closes."""
+def test_a_failed_read_stops_and_leaves_no_request_running(data, monkeypatch):
+    """On an error the requests not started are dropped, and those under way finish before the
+    call returns: none writes into a buffer, or reads the file, afterwards."""
+    import time
+
     path, _ = data
     done, real = [], os.preadv
 
     def slow(fd, bufs, off):
         if off == 0:
             raise OSError(5, "Input/output error")
+        time.sleep(0.01)
         n = real(fd, bufs, off)
         done.append(off)
         return n
 
-    monkeypatch.setattr(file_bytes, "PIECE_BYTES", 256)
+    monkeypatch.setattr(file_bytes, "PIECE_BYTES", 64)
     monkeypatch.setattr(file_bytes.os, "preadv", slow)
     with pytest.raises(AdapterError, match="Input/output error") as info:
         read_file(path, max_bytes=1 << 20, chunk_bytes=1024)
     assert info.value.reason == "unreadable"
-    assert len(done) == len(range(256, 5 * 1024 + 123, 256))
+    after = len(done)
+    time.sleep(0.1)
+    assert len(done) == after  # nothing ran on after the call
+    assert after < len(range(64, 5 * 1024 + 123, 64)) // 2  # most of the file was never asked for
+
+
+def test_a_file_that_grows_under_the_read_is_refused(data, monkeypatch):
+    path, _ = data
+    real, grown = file_bytes._read_piece, []
+
+    def piece(fd, view, offset, p):
+        if not grown:
+            grown.append(True)
+            with open(path, "ab") as f:
+                f.write(b"more")
+        real(fd, view, offset, p)
+
+    monkeypatch.setattr(file_bytes, "_read_piece", piece)
+    with pytest.raises(AdapterError, match="changed size") as info:
+        read_file(path, max_bytes=1 << 20, chunk_bytes=1024)
+    assert info.value.reason == "bad_weights"
+
+
+def test_reads_do_not_queue_behind_each_other(tmp_path, monkeypatch):
+    """Each read has its own requests in flight: a small read started while a slow big one is
+    under way finishes long before it."""
+    import threading
+    import time
+
+    big, small = tmp_path / "big", tmp_path / "small"
+    big.write_bytes(os.urandom(64 * 4096))
+    small.write_bytes(os.urandom(100))
+    real = os.preadv
+
+    def slow(fd, bufs, off):
+        if os.fstat(fd).st_size > 1000:
+            time.sleep(0.02)
+        return real(fd, bufs, off)
+
+    monkeypatch.setattr(file_bytes, "PIECE_BYTES", 4096)
+    monkeypatch.setattr(file_bytes.os, "preadv", slow)
+    t = threading.Thread(target=read_file, args=(big,), kwargs={"max_bytes": 1 << 20})
+    t.start()
+    time.sleep(0.01)
+    t0 = time.perf_counter()
+    assert read_file(small, max_bytes=1 << 20)[:] == small.read_bytes()
+    took = time.perf_counter() - t0
+    t.join()
+    assert took < 0.1  # the big read's 64 pieces at 20 ms over 8 threads take ~160 ms
 
 
 def test_file_bytes_of_tensors():

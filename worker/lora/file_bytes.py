@@ -11,9 +11,8 @@ The buffers are ours, not the page cache's: nothing can change or truncate them 
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -21,18 +20,7 @@ import torch
 from lorafleet.worker.lora.errors import AdapterError
 
 PIECE_BYTES = 1 << 20  # one request
-READ_THREADS = 8  # requests in flight, shared by concurrent reads
-
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _executor() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="adapter-read")
-        return _pool
+READ_THREADS = 8  # requests in flight a read (each read has its own: one read never queues behind another)
 
 
 class FileBytes:
@@ -86,6 +74,7 @@ class FileRead:
         self.path = path
         self._fd = _unreadable(path, lambda: os.open(path, os.O_RDONLY))
         self._pieces: list[tuple[int, int, Future]] = []  # (begin, end, request), in file order
+        self._pool: ThreadPoolExecutor | None = None
         try:
             self.size = _unreadable(path, lambda: os.fstat(self._fd).st_size)
             if self.size > max_bytes:
@@ -93,7 +82,10 @@ class FileRead:
             step = chunk_bytes or self.size
             self._bounds = [(b, min(b + step, self.size)) for b in range(0, self.size, step)] if self.size else []
             self.chunks_read = [torch.empty(e - b, dtype=torch.uint8, pin_memory=pin) for b, e in self._bounds]
-            pool = _executor()
+            pieces = sum(-(-(e - b) // PIECE_BYTES) for b, e in self._bounds)
+            self._pool = ThreadPoolExecutor(max_workers=max(1, min(READ_THREADS, pieces)),
+                                            thread_name_prefix="adapter-read")
+            pool = self._pool
             for (begin, end), chunk in zip(self._bounds, self.chunks_read):
                 view = memoryview(chunk.numpy()).cast("B")
                 for lo in range(begin, end, PIECE_BYTES):
@@ -111,8 +103,12 @@ class FileRead:
         self.close()
 
     def close(self) -> None:
+        """Wait for the requests under way (none may write into a buffer, or read a closed file,
+        afterwards) and drop the ones not started: a read that failed reads no further."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
         if self._fd is not None:
-            wait([f for _, _, f in self._pieces])  # no request may still write into a buffer, or read a closed fd
             os.close(self._fd)
             self._fd = None
 

@@ -139,7 +139,7 @@ class AdapterRegistry:
             raise AdapterError("bad_weights", f"{_non_finite_block(packed)}: weights overflow {self.dtype} once "
                                "alpha/r is folded in")
         weights.packed = packed
-        if staged is not None:
+        if staged is not None or plan.device_sources is not None:
             weights.modules = packed.views  # let the file's GPU copy go now, not at insert_cpu
 
     def _all_finite(self, packed: PackedLora) -> bool:

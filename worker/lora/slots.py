@@ -201,6 +201,8 @@ class PackPlan:
     # cast, in one `scaled_copies` launch per source dtype: (source as a flat tensor, table, scales,
     # largest copy), the tables already on the GPU.
     launches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = field(default_factory=list)
+    # Weights on a GPU with no room there for `staged`: copied into the host buffers one by one.
+    device_sources: torch.device | None = None
 
     def run(self) -> tuple[PackedLora, torch.Tensor | None]:
         """Make the copies. Weights on a GPU are laid out in `staged` there, copied into the host
@@ -216,8 +218,10 @@ class PackPlan:
             for src, table, scales, largest in self.launches:
                 scaled_copies(src, staged, table, scales, largest)
         else:
-            if staged is not None:
+            if staged is not None or self.device_sources is not None:
                 _pack_rows_on_device(self.copies, dtype)
+                if staged is None:  # copies to the host: done before the scaling below touches them
+                    torch.cuda.current_stream(self.device_sources).synchronize()
             else:
                 # In the sources' memory order: for an adapter read from its file (`load_adapter`)
                 # that is the file's order, so the copies walk the bytes read front to back.
@@ -261,8 +265,11 @@ def _launches(copies: list, staged: torch.Tensor) -> list[tuple[torch.Tensor, to
         if storage.nbytes() % dtype.itemsize:
             return []
         src = torch.empty(0, dtype=dtype, device=staged.device).set_(storage, 0, (storage.nbytes() // dtype.itemsize,))
-        out.append((src, _to(torch.tensor(table, dtype=torch.int64), staged.device),
-                    _to(torch.tensor(scales, dtype=torch.float32), staged.device), largest[0]))
+        try:
+            out.append((src, _to(torch.tensor(table, dtype=torch.int64), staged.device),
+                        _to(torch.tensor(scales, dtype=torch.float32), staged.device), largest[0]))
+        except torch.cuda.OutOfMemoryError:  # not even room for the tables: copy by copy
+            return []
     return out
 
 
@@ -295,7 +302,7 @@ def plan_pack(
               for half in (_A, _B) for c, col_runs in runs.items() for layer, count, r in col_runs]
     placed, sizes = _place(pieces, cap)
     chunks = [torch.empty(size, dtype=dtype, pin_memory=pin) for size in sizes]
-    staged = torch.empty(sum(sizes), dtype=dtype, device=device) if device.type == "cuda" else None
+    staged = _device_buffer(sum(sizes), dtype, device) if device.type == "cuda" else None
     targets = list(staged.split(sizes)) if staged is not None else chunks
     halves: dict[int, list] = {}  # k -> [A rows, B rows]
     layout, sources = [], []
@@ -323,7 +330,16 @@ def plan_pack(
     packed = PackedLora(dtype=dtype, pinned=pin, chunks=chunks, blocks=blocks, ranks=ranks, views=views,
                         layout=tuple(layout), sources=sources)
     launches = _launches(copies, staged) if staged is not None else []
-    return PackPlan(packed=packed, staged=staged, copies=copies, scale_runs=scale_runs, launches=launches)
+    return PackPlan(packed=packed, staged=staged, copies=copies, scale_runs=scale_runs, launches=launches,
+                    device_sources=device if device.type == "cuda" and staged is None else None)
+
+
+def _device_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """A flat buffer on the GPU to lay an adapter out in, or None if there is no room for it."""
+    try:
+        return torch.empty(numel, dtype=dtype, device=device)
+    except torch.cuda.OutOfMemoryError:
+        return None
 
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
