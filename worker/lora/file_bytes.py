@@ -4,7 +4,8 @@ An adapter's weights file is read once, here: the parser, the digest and the pac
 bytes. A few `preadv` requests in flight read a cold file faster than one `read()` or a mapping
 touched in order, and a chunk can go on to the GPU while the next ones are still on the disk
 (`on_chunk`). On the H200 machine (bench/disk_read.py, 80 MiB with the page cache dropped): one
-`read()` 97 ms, the file mapped and touched in order 45 ms, 4-8 threads of 1 MiB `preadv` 39-41 ms.
+`read()` 97-112 ms, the file mapped and touched in order 45-53 ms, 4-8 threads of 1 MiB `preadv`
+39-50 ms (O_DIRECT no faster).
 The buffers are ours, not the page cache's: nothing can change or truncate them under a reader.
 """
 
@@ -67,8 +68,8 @@ class FileRead:
     Slicing (`read[a:b]`, what `parse_safetensors` does) waits only for the pieces that hold those
     bytes, so a header can be parsed, and work planned, while the rest is still on the disk;
     `chunks` yields each chunk once all of it is read, in file order; `finish` waits for the end.
-    Use it as a context manager: leaving waits for every request and closes the file (an I/O error
-    is AdapterError "unreadable")."""
+    Use it as a context manager: leaving waits for the requests under way, drops the others, and
+    closes the file (an I/O error is AdapterError "unreadable")."""
 
     def __init__(self, path: Path, *, max_bytes: int, pin: bool = False, chunk_bytes: int = 0) -> None:
         self.path = path
