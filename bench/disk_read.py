@@ -84,27 +84,6 @@ def fadvise_pieces(path: Path, size: int, piece: int) -> None:
         os.close(fd)
 
 
-def start_preads(path: Path, size: int, threads: int, piece: int) -> list[threading.Thread]:
-    fd = os.open(path, os.O_RDONLY)
-    claim = itertools.count()
-    left = [threads]
-    lock = threading.Lock()
-
-    def work() -> None:
-        scratch = memoryview(bytearray(piece))
-        while (off := next(claim) * piece) < size:
-            os.preadv(fd, [scratch], off)
-        with lock:
-            left[0] -= 1
-            if left[0] == 0:
-                os.close(fd)
-
-    pool = [threading.Thread(target=work, daemon=True) for _ in range(threads)]
-    for t in pool:
-        t.start()
-    return pool
-
-
 def direct_ok(path: Path) -> bool:
     """Whether this file system takes O_DIRECT (tmpfs, for one, refuses it)."""
     try:
@@ -114,20 +93,20 @@ def direct_ok(path: Path) -> bool:
     return True
 
 
-def start_direct_preads(path: Path, size: int, threads: int, piece: int) -> list[threading.Thread]:
-    """`start_preads` with O_DIRECT: the disk straight into (page-aligned) buffers, no page cache."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+def start_preads(path: Path, size: int, threads: int, piece: int, direct: bool = False) -> list[threading.Thread]:
+    """`threads` threads claiming `piece`-byte pieces in file order, each `preadv` into its own
+    buffer. `direct`: the file opened O_DIRECT, the disk straight into page-aligned buffers (an
+    anonymous mapping), past the page cache."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
     claim = itertools.count()
     left = [threads]
     lock = threading.Lock()
 
     def work() -> None:
-        scratch = mmap.mmap(-1, piece)  # anonymous: page-aligned, as O_DIRECT needs
-        view = memoryview(scratch)
-        while (off := next(claim) * piece) < size:
-            os.preadv(fd, [view], off)
-        view.release()
-        scratch.close()
+        scratch = mmap.mmap(-1, piece) if direct else bytearray(piece)
+        with memoryview(scratch) as view:
+            while (off := next(claim) * piece) < size:
+                os.preadv(fd, [view], off)
         with lock:
             left[0] -= 1
             if left[0] == 0:
@@ -155,7 +134,7 @@ def strategies(path: Path, size: int) -> dict[tuple[str, int, int], Callable[[],
         for threads in (1, 4, 8, 16):
             for piece_kib in (1024, 4096, 16384):
                 out[("threads O_DIRECT", threads, piece_kib)] = lambda n=threads, p=piece_kib: [
-                    t.join() for t in start_direct_preads(path, size, n, p << 10)]
+                    t.join() for t in start_preads(path, size, n, p << 10, direct=True)]
     for threads in (4, 8):
         def both(n: int = threads) -> None:
             pool = start_preads(path, size, n, 1 << 20)
