@@ -100,8 +100,7 @@ def tensor_view(base: torch.Tensor, info: TensorInfo, typed: dict | None = None)
     size = info.dtype.itemsize
     if info.begin % size:
         return base[info.begin : info.end].clone().view(info.dtype).view(info.shape)
-    if typed is None:
-        return base[info.begin : info.end].view(info.dtype).view(info.shape)
+    typed = {} if typed is None else typed
     whole = typed.get(info.dtype)
     if whole is None:
         whole = typed[info.dtype] = base[: base.numel() // size * size].view(info.dtype)
