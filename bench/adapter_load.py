@@ -9,8 +9,11 @@ names). Everything goes through the registry's own methods; nothing about loadin
 
   disk->gpu    a fresh folder per repeat: registry.read + registry.register (what
                LLMEngine.load_adapter does: read validates, digests and packs the adapter into
-               the slot layout, pinned, and checks it for NaN/Inf on the GPU; register files it)
-               and registry.activate, then a device sync. Target <= 50 ms. The file is fsynced and
+               the slot layout on the GPU and checks it for NaN/Inf there; register files it)
+               and registry.activate, until the compute stream has passed the slot's fill (when
+               a step could use the adapter). Target <= 50 ms. The layout's copy back into the
+               pinned CPU cache is not waited for by the load; `host_copy_done` is when a full
+               device sync after that returns. The file is fsynced and
                dropped from the page cache (posix_fadvise DONTNEED, no root needed) and mincore
                says how much of it was still cached when the read began (`cached_fraction`).
   disk->gpu, page cache warm    the same on a freshly written folder left in the page cache.
@@ -18,8 +21,9 @@ names). Everything goes through the registry's own methods; nothing about loadin
                (`file_bytes.read_file`) and nothing else: what the disk itself costs in this run.
   sha256 digest    adapter_digest alone on a cached file (inside every read it runs in a thread,
                over the same bytes read, once the file is parsed, packed and checked).
-  cpu->gpu     an adapter already registered (pinned in the CPU cache on CUDA): registry.activate
-               + sync. Target <= 5 ms.
+  cpu->gpu     an adapter already registered (pinned in the CPU cache on CUDA), its GPU copy
+               of the layout let go (as for an adapter that comes back from the CPU cache):
+               registry.activate + sync. Target <= 5 ms.
   decode step, no load / decode step, prefetch each step    32 running decode requests (on one
                resident adapter when there are >= 2 GPU slots, else base-only); steps alternate
                between plain steps and steps preceded by registry.prefetch of a new adapter (the
@@ -178,11 +182,14 @@ def disk_to_gpu(engine: LLMEngine, folder: Path, name: str) -> dict[str, float]:
     t2 = time.perf_counter()
     reg.activate([name], {name})
     t3 = time.perf_counter()
-    sync()
+    if torch.cuda.is_available():  # the compute stream: a step queued now would run with the adapter
+        torch.cuda.current_stream().synchronize()
     t4 = time.perf_counter()
+    sync()  # and the copy back into the CPU cache, which the load does not wait for
+    t5 = time.perf_counter()
     engine.unload_adapter(name)
     return {"total": t4 - t0, "read": t1 - t0, "register": t2 - t1, "activate": t4 - t2, "activate_host": t3 - t2,
-            "cached": -1.0 if cached is None else cached, "mib": weights.nbytes / 2**20}
+            "host_copy_done": t5 - t0, "cached": -1.0 if cached is None else cached, "mib": weights.nbytes / 2**20}
 
 
 def disk_case(engine: LLMEngine, work: Path, tensors: dict, repeats: int, drop_cache: bool) -> dict:
@@ -194,7 +201,7 @@ def disk_case(engine: LLMEngine, work: Path, tensors: dict, repeats: int, drop_c
         samples.append(disk_to_gpu(engine, folder, f"{PREFIX}{folder.name}"))
         shutil.rmtree(folder)
     cached = [s["cached"] for s in samples if s["cached"] >= 0]
-    extra = medians_ms(samples, ("read", "register", "activate", "activate_host"))
+    extra = medians_ms(samples, ("read", "register", "activate", "activate_host", "host_copy_done"))
     extra["page_cache"] = ("dropped (fsync + posix_fadvise DONTNEED)" if drop_cache else "warm (freshly written)")
     extra["cached_fraction_median"] = round(statistics.median(cached), 3) if cached else None
     extra["gpu_evictions"] = engine.registry.stats.gpu_evictions - evictions
@@ -222,7 +229,7 @@ def reread_case(engine: LLMEngine, folder: Path, repeats: int) -> dict:
     """The same unchanged folder read again (an adapter evicted from the CPU cache coming back):
     its digest comes from `adapter.DIGEST_CACHE`, so no sha256; page cache warm."""
     samples = [disk_to_gpu(engine, folder, f"{PREFIX}reread-{k}") for k in range(repeats)]
-    extra = medians_ms(samples, ("read", "register", "activate", "activate_host"))
+    extra = medians_ms(samples, ("read", "register", "activate", "activate_host", "host_copy_done"))
     return row("disk->gpu, re-read of an unchanged folder (digest cached)", [s["total"] for s in samples],
                samples[0]["mib"], **extra)
 
@@ -237,9 +244,13 @@ def digest_case(folder: Path, repeats: int, mib: float) -> dict:
 
 
 def register_from(engine: LLMEngine, folder: Path, name: str) -> bool:
-    """Read and register untimed: the adapter is then in the CPU cache. Returns whether it is pinned."""
+    """Read and register untimed: the adapter is then in the CPU cache only (its layout's GPU copy
+    let go, the copy back into the cache done), as one that comes back from there. Returns whether
+    it is pinned."""
     weights = engine.registry.read(str(folder))
     engine.registry.register(name, weights)
+    weights.packed.release_gpu()
+    weights.packed.wait_host()
     return next(iter(engine.registry.cpu[name].modules.values())).a.is_pinned()
 
 

@@ -766,6 +766,7 @@ def test_cuda_read_lays_out_on_the_gpu_what_the_host_lays_out(dtype, mode, model
         assert (len(launched) == 1 and len(launched[0]) == 1) == one_launch, name
         want = pack_weights(load_adapter(folder, model, 64, 1 << 30), model.num_layers, dtype, pin=False)
         got = weights.packed
+        got.wait_host()
         assert got.pinned and all(c.is_pinned() for c in got.chunks), name
         assert got.layout == want.layout and torch.equal(got.ranks, want.ranks), name
         assert torch.equal(bits(torch.cat(got.chunks)), bits(torch.cat(want.chunks))), name
@@ -794,6 +795,7 @@ def test_cuda_reads_at_once_share_the_registrys_stream(model, demo_adapters, tmp
         got = dict(zip(folders, pool.map(lambda f: reg.read(str(f)), [*folders.values()] * 2)))
     for name, folder in folders.items():
         want = pack_weights(load_adapter(folder, model, 64, 1 << 30), model.num_layers, torch.bfloat16, pin=False)
+        got[name].packed.wait_host()
         assert torch.equal(bits(torch.cat(got[name].packed.chunks)), bits(torch.cat(want.chunks))), name
 
 
@@ -841,4 +843,40 @@ def test_cuda_read_plans_the_layout_while_the_file_is_still_being_read(model, tm
     weights = make_cuda_registry(model, torch.bfloat16).read(str(folder))
     assert held_back and not any(held_back)  # every later piece was released by the plan, none by the timeout
     want = pack_weights(load_adapter(folder, model, 64, 1 << 30), model.num_layers, torch.bfloat16, pin=False)
+    weights.packed.wait_host()
     assert torch.equal(bits(torch.cat(weights.packed.chunks)), bits(torch.cat(want.chunks)))
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_a_load_waits_for_the_check_not_for_the_copy_back(model, demo_adapters, monkeypatch):
+    """The layout's copy back into pinned memory is held back here (the registry's stream sleeps
+    ~0.1 s before it). `read` returns with it still queued; the fill takes the GPU copy, and the
+    compute stream passes it with the copy back still queued. An adapter whose GPU copy was let
+    go fills from the pinned buffers, waiting for the copy back on the GPU: both slots equal the
+    reference, and the host buffers after `wait_host` equal the host's own layout."""
+    real = slots_mod.PackPlan.copy_back
+
+    def late(self):
+        torch.cuda._sleep(200_000_000)
+        real(self)
+
+    monkeypatch.setattr(slots_mod.PackPlan, "copy_back", late)
+    reg = make_cuda_registry(model, torch.bfloat16, max_loras=2)
+    for name, keep_gpu_copy in (("chat", True), ("sql", False)):
+        folder = demo_adapters[name]
+        weights = reg.read(str(folder))
+        packed = weights.packed
+        assert packed.gpu_sources is not None and not packed.host_ready.query(), name
+        if not keep_gpu_copy:
+            packed.release_gpu()
+        reg.register(name, weights)
+        slot = reg.activate([name], {name})[name]
+        assert packed.gpu_sources is None, name  # in the slot now: the GPU copy goes
+        torch.cuda.current_stream().synchronize()
+        assert packed.host_ready.query() != keep_gpu_copy, name  # only the pinned fill waited for it
+        want = load_adapter(folder, model, 64, 1 << 30)
+        assert_slot_equals(reg.slots, slot, reference_slot(want, model, torch.bfloat16))
+        packed.wait_host()
+        host = pack_weights(want, model.num_layers, torch.bfloat16, pin=False)
+        assert torch.equal(bits(torch.cat(packed.chunks)), bits(torch.cat(host.chunks))), name

@@ -150,3 +150,46 @@ def test_reloading_a_draining_name(make_registry, demo_adapters):
     assert reg.get("sql").in_flight == 0
     with pytest.raises(RuntimeError, match="released more often"):
         reg.release(["sql"])
+
+
+def test_latest_layouts_stay_on_the_gpu_until_their_first_fill(make_registry, demo_adapters, monkeypatch):
+    """The last GPU_COPIES_KEPT adapters read keep the GPU copy of their layout (a GPU read leaves
+    one; faked here with copies on the pool's own device) until a fill takes it, newer reads push
+    it out, the byte cap refuses it, or the adapter leaves the CPU cache; a fill copies from it,
+    not from the host buffers."""
+    from lorafleet.worker.lora import registry as registry_mod
+
+    reg = make_registry(max_loras=2, max_cpu_loras=4)
+    real_read = reg.read
+
+    def read(path):
+        weights = real_read(path)
+        weights.packed.gpu_sources = [s.clone() for s in weights.packed.sources]
+        return weights
+
+    monkeypatch.setattr(reg, "read", read)
+
+    def kept():
+        return [n for n, w in reg.cpu.items() if w.packed.gpu_sources is not None]
+
+    register(reg, demo_adapters, "sql", "chat", "poem")
+    assert kept() == ["chat", "poem"]
+    packed = reg.cpu["poem"].packed
+    host = [c.clone() for c in packed.chunks]
+    for c in packed.chunks:
+        c.fill_(float("nan"))  # the host buffers not there yet: the fill must not read them
+    slot = reg.activate(["poem"], {"poem"})["poem"]
+    assert kept() == ["chat"]
+    filled = [t[:, slot].clone() for pair in reg.slots._storage for t in pair]
+    for c, h in zip(packed.chunks, host):
+        c.copy_(h)
+    reg.offload("poem")
+    assert reg.activate(["poem"], {"poem"})["poem"] == slot  # again, from the host buffers this time
+    assert all(torch.equal(a, t[:, slot]) for a, t in zip(filled, (t for pair in reg.slots._storage for t in pair)))
+    reg.unregister("chat")
+    assert kept() == [] and not reg._gpu_copies
+    register(reg, demo_adapters, "chat", "code")
+    assert kept() == ["chat", "code"]
+    monkeypatch.setattr(registry_mod, "GPU_COPIES_KEPT_BYTES", reg.cpu["code"].packed.nbytes)
+    register(reg, demo_adapters, "legal")  # evicts sql from the CPU cache; only the latest fits the cap
+    assert "sql" not in reg.cpu and kept() == ["legal"]

@@ -8,8 +8,10 @@ through `read`, then `insert_cpu` on the loop).
 `read` does all the per-adapter work, off the loop: validation, the digest, and the adapter's
 CPU-cache copy in exactly the slot layout (`slots.pack_weights`: pinned on CUDA, B pre-scaled and
 rank-major, in the slot dtype), checked for NaN/Inf. With slots on a GPU the file is laid out and
-checked there, on a side stream, and copied back into that pinned layout. Filling a slot is then
-only plain copies, and `insert_cpu` only files the adapter.
+checked there, on a side stream, and copied back into that pinned layout behind the check (the
+read does not wait for that copy). Filling a slot is then only plain copies, and `insert_cpu` only
+files the adapter. The latest adapters read keep their layout on the GPU until their first fill
+(`GPU_COPIES_KEPT`): a cold load's fill is then a copy on the GPU instead of one over PCIe.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ from lorafleet.worker.lora.adapter import (
 )
 from lorafleet.worker.lora.digest import Digest
 from lorafleet.worker.lora.slots import SLICE_ORDER, LoraSlots, PackedLora, PackPlan, pack_weights, plan_pack
+
+# Adapters read last keep their slot layout on the GPU until it fills a slot: at most this many
+# (the latest inserted into the CPU cache), and at most this many bytes of them.
+GPU_COPIES_KEPT = 2
+GPU_COPIES_KEPT_BYTES = 512 << 20
 
 
 class AdapterConflict(AdapterError):
@@ -95,6 +102,7 @@ class AdapterRegistry:
         self.cpu: OrderedDict[str, LoraWeights] = OrderedDict()  # LRU first
         self._slot_owner: list[str | None] = [None] * engine.max_loras
         self._gpu_lru: OrderedDict[str, None] = OrderedDict()
+        self._gpu_copies: OrderedDict[str, None] = OrderedDict()  # CPU-cache entries whose layout is also on the GPU
         self.stats = TierStats()
         self._pin = slots is not None and slots.device.type == "cuda"
         # `read` copies the file to the GPU, lays it out and checks it on this stream (never the
@@ -110,7 +118,9 @@ class AdapterRegistry:
         over the same bytes in a thread, which may still run when this returns (`Digest`). With
         slots on a GPU the file goes there as it is read, on a stream of the registry's own (never
         the compute stream), is laid out and checked there, and comes back in the CPU cache's
-        pinned layout; `weights.modules` are then already views of that layout.
+        pinned layout; `weights.modules` are then already views of that layout. That copy back
+        may still run when this returns: `weights.packed.wait_host()` before reading it on the
+        host (fills wait for it on the GPU, or use the GPU copy, `packed.gpu_sources`).
         """
         if self._check_stream is None:
             return load_adapter(path, self.model, self.engine.max_lora_rank, self.engine.max_adapter_bytes,
@@ -127,12 +137,19 @@ class AdapterRegistry:
         return partial(self._checked, weights, plan)
 
     def _checked(self, weights: LoraWeights, plan: PackPlan) -> None:
-        packed, staged = plan.run()
-        if staged is not None:  # laid out on the GPU: check it there; the wait covers the copy to the host too
-            finite = bool(torch.isfinite(staged).all().item())
+        packed, staged = plan.packed, plan.lay_out()
+        if staged is not None:  # laid out on the GPU: checked there, then copied back, waiting for the check only
+            flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+            flag.copy_(torch.isfinite(staged).all(), non_blocking=True)
+            checked = torch.cuda.Event()
+            checked.record(torch.cuda.current_stream(staged.device))
+            plan.copy_back()
+            checked.synchronize()
+            finite = bool(flag)
         else:
             finite = self._all_finite(packed)
         if not finite:
+            packed.wait_host()
             where = non_finite_module(weights)
             if where is not None:
                 raise AdapterError("bad_weights", f"{where}: weights contain NaN or Inf")
@@ -248,6 +265,20 @@ class AdapterRegistry:
         self.cpu[name] = weights
         self.cpu.move_to_end(name)
         self._evict_cpu(keep=name)
+        if weights.packed.gpu_sources is not None:
+            self._gpu_copies[name] = None
+            self._gpu_copies.move_to_end(name)
+        self._trim_gpu_copies()
+
+    def _trim_gpu_copies(self) -> None:
+        """Let the oldest GPU copies of layouts go beyond GPU_COPIES_KEPT / GPU_COPIES_KEPT_BYTES."""
+        live = [n for n in self._gpu_copies if n in self.cpu and self.cpu[n].packed.gpu_sources is not None]
+        total = sum(self.cpu[n].packed.nbytes for n in live)
+        while live and (len(live) > GPU_COPIES_KEPT or total > GPU_COPIES_KEPT_BYTES):
+            packed = self.cpu[live.pop(0)].packed
+            packed.release_gpu()
+            total -= packed.nbytes
+        self._gpu_copies = OrderedDict.fromkeys(live)
 
     def ensure_cpu(self, name: str) -> LoraWeights:
         """The adapter's weights, read from disk again if the CPU cache dropped them."""
@@ -274,6 +305,7 @@ class AdapterRegistry:
             if name == keep or entry is not None and (entry.pinned or entry.in_flight or entry.slot is not None):
                 continue
             del self.cpu[name]
+            self._gpu_copies.pop(name, None)
             self.stats.cpu_evictions += 1
             excess -= 1
 
@@ -339,6 +371,9 @@ class AdapterRegistry:
         t0 = time.perf_counter()
         if self.slots is not None:
             self.slots.fill(slot, weights)
+        if weights.packed is not None and weights.packed.gpu_sources is not None:
+            weights.packed.release_gpu()  # in the slot now: the slot is the GPU copy
+            self._gpu_copies.pop(name, None)
         self.stats.record_load("cpu", time.perf_counter() - t0)
         self._slot_owner[slot] = name
         entry.slot = slot
@@ -371,6 +406,7 @@ class AdapterRegistry:
             self._vacate(entry.slot, evicted=False)  # an unload, not an eviction
         del self.entries[name]
         self.cpu.pop(name, None)
+        self._gpu_copies.pop(name, None)
 
     def _prepare(self, weights: LoraWeights) -> None:
         """Keep only the slot-layout copy: `read` made it; weights built elsewhere are packed here."""

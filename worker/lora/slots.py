@@ -77,10 +77,26 @@ class PackedLora:
     # and the slots reuse the copy targets they built for it.
     layout: tuple[tuple[int, int, int, int, int], ...] = ()
     sources: list[torch.Tensor] = field(default_factory=list)  # per piece: [layers, rank, in | out]
+    # Laid out on a GPU (`PackPlan.run`): the same pieces there, until `release_gpu` (a fill copies
+    # from them instead of over PCIe), complete once `gpu_ready` has passed on the stream that made
+    # them; and `host_ready`, after which the host buffers above hold them too (the copy back is
+    # not waited for: `wait_host` before reading `chunks`, `blocks` or `views` on the host).
+    gpu_sources: list[torch.Tensor] | None = None
+    gpu_ready: torch.cuda.Event | None = None
+    host_ready: torch.cuda.Event | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(c.numel() * c.element_size() for c in self.chunks)
+
+    def wait_host(self) -> None:
+        """Block until the host buffers hold the layout (at once unless it was made on a GPU)."""
+        if self.host_ready is not None:
+            self.host_ready.synchronize()
+
+    def release_gpu(self) -> None:
+        """Let the GPU copy of the layout go (the host buffers stay)."""
+        self.gpu_sources = None
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -179,11 +195,12 @@ def pack_weights(
     unpinned layout is one flat buffer. Weights already in `dtype` are copied (B transposed) as
     bits, then B is scaled in place in `dtype`, which rounds exactly as `(b.float() * s).to(dtype)`;
     other weights go through torch. Weights on a GPU are laid out there and copied back
-    (`PackPlan.run`, waited for here).
+    (`PackPlan.run`, waited for here; the GPU copy is not kept).
     """
     packed, staged = plan_pack(weights, num_layers, dtype, pin, chunk_bytes).run()
     if staged is not None:
         torch.cuda.current_stream(staged.device).synchronize()
+        packed.release_gpu()
     return packed
 
 
@@ -205,10 +222,15 @@ class PackPlan:
     device_sources: torch.device | None = None
 
     def run(self) -> tuple[PackedLora, torch.Tensor | None]:
-        """Make the copies. Weights on a GPU are laid out in `staged` there, copied into the host
-        buffers on the current stream, and not waited for: the caller syncs that stream before
-        anything reads the host copy (the registry checks `staged` for NaN/Inf first, so one wait
-        covers both). Returns (packed, staged)."""
+        """`lay_out`, then `copy_back`. Returns (packed, staged)."""
+        staged = self.lay_out()
+        self.copy_back()
+        return self.packed, staged
+
+    def lay_out(self) -> torch.Tensor | None:
+        """Make the copies. Weights on a GPU are laid out in `staged` there, on the current stream,
+        not waited for (`packed.gpu_ready` marks the end; `packed.gpu_sources` are its pieces);
+        otherwise into the host buffers. Returns `staged`."""
         dtype, staged = self.packed.dtype, self.staged
         sizes = [c.numel() for c in self.packed.chunks]
         buffers = list(staged.split(sizes)) if staged is not None else self.packed.chunks
@@ -230,9 +252,25 @@ class PackPlan:
             for ci, begin, end, scaling in self.scale_runs:
                 buffers[ci][begin:end].mul_(scaling)
         if staged is not None:
-            for host, dev in zip(self.packed.chunks, buffers):
-                host.copy_(dev, non_blocking=True)
-        return self.packed, staged
+            self.packed.gpu_ready = _recorded(staged.device)
+        return staged
+
+    def copy_back(self) -> None:
+        """After `lay_out`: a layout on the GPU is copied into the host buffers on the current
+        stream, not waited for (`packed.host_ready` marks the end)."""
+        staged = self.staged
+        if staged is None:
+            return
+        for host, dev in zip(self.packed.chunks, staged.split([c.numel() for c in self.packed.chunks])):
+            host.copy_(dev, non_blocking=True)
+        self.packed.host_ready = _recorded(staged.device)
+
+
+def _recorded(device: torch.device) -> torch.cuda.Event:
+    """An event recorded now on `device`'s current stream."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def _launches(copies: list, staged: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
@@ -305,12 +343,14 @@ def plan_pack(
     staged = _device_buffer(sum(sizes), dtype, device) if device.type == "cuda" else None
     targets = list(staged.split(sizes)) if staged is not None else chunks
     halves: dict[int, list] = {}  # k -> [A rows, B rows]
-    layout, sources = [], []
+    layout, sources, gpu_sources = [], [], []
     scale_runs: list[list] = []
     copies = []
     for ci, off, col, half, layer, count, r, per in placed:
         chunk = chunks[ci]
         sources.append(chunk[off : off + count * per].view(count, r, per // r))
+        if staged is not None:
+            gpu_sources.append(targets[ci][off : off + count * per].view(count, r, per // r))
         layout.append((col, half, layer, count, r))
         for i in range(count):
             k, m = (layer + i) * n + col, weights.modules[(layer + i, SLICE_ORDER[col])]
@@ -328,7 +368,7 @@ def plan_pack(
     views = {(k // n, SLICE_ORDER[k % n]): ModuleWeights(a=a.view(r, -1), b=b.view(r, -1).T, scaling=1.0)
              for k, r, a, b in blocks}
     packed = PackedLora(dtype=dtype, pinned=pin, chunks=chunks, blocks=blocks, ranks=ranks, views=views,
-                        layout=tuple(layout), sources=sources)
+                        layout=tuple(layout), sources=sources, gpu_sources=gpu_sources if staged is not None else None)
     launches = _launches(copies, staged) if staged is not None else []
     return PackPlan(packed=packed, staged=staged, copies=copies, scale_runs=scale_runs, launches=launches,
                     device_sources=device if device.type == "cuda" and staged is None else None)
@@ -435,7 +475,8 @@ class LoraSlots:
         if packed is None or packed.dtype != self.dtype or packed.ranks.shape[0] != self.num_layers:
             packed = self.pack(weights)
         dst = self._targets(slot, packed)
-        src = packed.sources
+        on_gpu = bool(packed.gpu_sources) and packed.gpu_sources[0].device == self.device
+        src = packed.gpu_sources if on_gpu else packed.sources
         ranks = packed.ranks.view(-1).tolist()
         for lst, r in zip(self._host_ranks, ranks):
             lst[slot] = r
@@ -443,8 +484,15 @@ class LoraSlots:
         stream = self._copy_stream
         if stream is not None:
             # The slot's old contents may still be read by steps queued on the compute stream, and
-            # `clear` zeroed its ranks there: order the copy after both.
+            # `clear` zeroed its ranks there: order the copy after both, and after the layout's
+            # own copies (made on another stream: its memory is kept until this one is done too).
             stream.wait_stream(torch.cuda.current_stream(self.device))
+            ready = packed.gpu_ready if on_gpu else packed.host_ready
+            if ready is not None:
+                stream.wait_event(ready)
+            if on_gpu:
+                for piece in src:
+                    piece.record_stream(stream)
         ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
         with ctx:
             try:
