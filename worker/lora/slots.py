@@ -475,7 +475,7 @@ class LoraSlots:
         if packed is None or packed.dtype != self.dtype or packed.ranks.shape[0] != self.num_layers:
             packed = self.pack(weights)
         dst = self._targets(slot, packed)
-        on_gpu = bool(packed.gpu_sources) and packed.gpu_sources[0].device == self.device
+        on_gpu = bool(packed.gpu_sources) and packed.gpu_sources[0].device == self.ranks_device.device
         src = packed.gpu_sources if on_gpu else packed.sources
         ranks = packed.ranks.view(-1).tolist()
         for lst, r in zip(self._host_ranks, ranks):
