@@ -73,7 +73,7 @@ def run(module: str, tokens: int, adapters: int, side: torch.cuda.Stream, g: tor
     def beside_with(store: bool):
         def body(s, w):
             lora_ops.DELTA_STORE = (store, store)  # read while the graph is captured
-            y, delta = linear_lora_deferred(s.x, w, None, s.lora_a, s.lora_b, ranks, ranks_dev,
+            y, delta = linear_lora_deferred(lambda: F.linear(s.x, w), s.x, s.lora_a, s.lora_b, ranks, ranks_dev,
                                             meta, "triton", side)
             assert delta is not None
         return body

@@ -121,32 +121,11 @@ VARIANTS = {
     "eighth session, shrink a row at a time: K tile 256, 2 warps":
         ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
          {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 2)}),
-    # The tenth session: the GEMM beside the LoRA in two launches (lora_ops.GEMM_SPLIT: the share of
-    # its columns under the carveout, for few small, many small, few large, many large), so it runs
-    # on fewer SMs only while the LoRA needs them; on the eighth session's defaults (the variant above 44).
-    "eighth session's defaults (one launch per GEMM)":
-        ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
-         {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4)}),
-    "split large GEMMs at 1/4, few chunks":
-        ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
-         {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "GEMM_SPLIT": (0, 0, 0.25, 0)}),
-    "split large GEMMs at 1/2, few chunks":
-        ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
-         {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "GEMM_SPLIT": (0, 0, 0.5, 0)}),
-    "split every GEMM at 1/3, few chunks":
-        ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
-         {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "GEMM_SPLIT": (0.33, 0, 0.33, 0)}),
-    "split large GEMMs at 1/4 (few) and 3/5 (many chunks)":
-        ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
-         {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "GEMM_SPLIT": (0, 0, 0.25, 0.6)}),
-    "split large GEMMs at 1/4 (few) and 3/5 (many), 64 SMs beside them":
-        ("cublaslt", 1 << 30, (48, 80, 64, 64), "many", (True, True), (True, True),
-         {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "GEMM_SPLIT": (0, 0, 0.25, 0.6)}),
 }
 # The triton_lora (and lora_ops) knobs a variant's seventh element may set; every other variant runs
 # the sixth session's values, which all variants before them ran with.
 KERNEL_KNOBS = {"SHRINK_WARPS": (4, 4), "WIDE_EXPAND": (256, 512), "SHRINK_BLOCK_K": (128, 128), "NUM_STAGES": (3, 3),
-                "SHRINK_ROWS": (), "ONE_PAIR_CHUNKS": (1.5, 2), "GEMM_SPLIT": (0, 0, 0, 0)}
+                "SHRINK_ROWS": (), "ONE_PAIR_CHUNKS": (1.5, 2)}
 
 
 def main() -> None:

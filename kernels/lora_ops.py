@@ -28,12 +28,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 
 @dataclass(slots=True)
@@ -396,12 +395,6 @@ ZERO_IN_SHRINK = True  # above FEW_CHUNKS, unless the expand stores (False: a me
 # before it, no read of it; its reader masks the rows of tokens without an adapter with
 # LoraMeta.has_lora), with at most and above FEW_CHUNKS chunks.
 DELTA_STORE = (True, True)
-# Share of a GEMM's output columns launched under the carveout, beside the LoRA (few small, many
-# small, few large, many large, as GEMM_SM_CARVEOUT); the rest follows in a second launch on every
-# SM, so the GEMM runs slowed only while the LoRA needs the SMs. 0: one launch, all under the
-# carveout. The first part is rounded to SPLIT_COLUMNS columns.
-GEMM_SPLIT = (0.0, 0.0, 0.0, 0.0)
-SPLIT_COLUMNS = 256
 
 
 @functools.cache
@@ -431,29 +424,9 @@ def gemm_sm_carveout(sms: int) -> Iterator[None]:
         setter(before)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias), into `out` if given (a column slice of a wider output is fine: cuBLAS
-    writes it with its row stride)."""
-    if out is None:
-        return F.linear(x, weight, bias)
-    if bias is None:
-        return torch.mm(x, weight.T, out=out)
-    return torch.addmm(bias, x, weight.T, out=out)
-
-
-def _split_columns(n: int, share: float) -> int:
-    """The first launch's columns of a GEMM split at `share` (0 or n: not split)."""
-    if share <= 0:
-        return 0
-    first = round(n * share / SPLIT_COLUMNS) * SPLIT_COLUMNS
-    return first if 0 < first < n else 0
-
-
 def linear_lora_deferred(
+    base: Callable[[], torch.Tensor],
     x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
     lora_a: Sequence[torch.Tensor],
     lora_b: Sequence[torch.Tensor],
     ranks: Sequence[Sequence[int]],
@@ -462,7 +435,7 @@ def linear_lora_deferred(
     backend: str = "torch",
     side_stream: torch.cuda.Stream | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The base projection of x (`linear`) and the LoRA side path -> (y, delta).
+    """`base()` (the base projection of x) and the LoRA side path -> (y, delta).
 
     With the Triton backend, a side stream and at most OVERLAP_MAX_CHUNKS chunks to launch for
     (above FEW_CHUNKS, decode-sized steps only), the whole side path runs on the side stream while
@@ -471,9 +444,8 @@ def linear_lora_deferred(
     returning, and the caller adds the delta where it reads y anyway (the fused row kernels'
     `delta` argument), so in a decode step the small, latency-bound LoRA launches hide behind the
     GEMM's weight reads instead of following it. A decode-sized GEMM leaves GEMM_SM_CARVEOUT SMs
-    to them (a GEMM that fills every SM makes them wait for its last CTAs); with GEMM_SPLIT, only
-    its first columns do, and the rest follow on every SM. CUDA-graph capture records the fork and
-    the join as graph edges.
+    to them (a GEMM that fills every SM makes them wait for its last CTAs). CUDA-graph capture
+    records the fork and the join as graph edges.
     Not beside the GEMM (another backend, no side stream, too many chunks), the LoRA is added into
     y in place and delta is None.
     With one adapter per token (and DELTA_STORE) the expand stores into the delta instead of adding
@@ -483,14 +455,14 @@ def linear_lora_deferred(
     beside = meta.grid_chunks <= OVERLAP_MAX_CHUNKS and (
         meta.grid_chunks <= FEW_CHUNKS or x.shape[0] <= CARVEOUT_MAX_TOKENS)  # many chunks: decode steps only
     if backend != "triton" or side_stream is None or not beside:
-        y = linear(x, weight, bias)
+        y = base()
         add_lora(y, x, lora_a, lora_b, ranks, ranks_device, meta, backend)
         return y, None
     from lorafleet.kernels.triton_lora import launch_expand, launch_shrink, plan_lora_triton
 
     plan = plan_lora_triton(x, lora_a, lora_b, ranks_device, meta)
     if plan is None:
-        return linear(x, weight, bias), None
+        return base(), None
     # Allocated on the current stream, so the caching allocator never hands these buffers to the
     # side stream's next request while the current stream still reads them.
     delta = torch.empty((x.shape[0], sum(b.shape[1] for b in lora_b)), dtype=x.dtype, device=x.device)
@@ -498,20 +470,15 @@ def linear_lora_deferred(
     many = meta.grid_chunks > FEW_CHUNKS
     large = x.shape[1] * delta.shape[1] >= LARGE_GEMM_ELEMENTS
     carveout = _carveout(x.device, many, large) if x.shape[0] <= CARVEOUT_MAX_TOKENS else 0
-    split = _split_columns(weight.shape[0], GEMM_SPLIT[2 * large + many]) if carveout else 0
-    gemm_first = GEMM_FIRST[many] or split > 0
+    gemm_first = GEMM_FIRST[many]
     inputs_ready = torch.cuda.Event()
     inputs_ready.record(main)
     side_stream.wait_event(inputs_ready)  # x, not the GEMM; before the try, so the join is well-formed
     y = None
     try:
-        if split:
-            y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+        if gemm_first:  # launched (and, in a graph, made a node) first: its CTAs are placed before the LoRA's
             with gemm_sm_carveout(carveout):
-                linear(x, weight[:split], None if bias is None else bias[:split], out=y[:, :split])
-        elif gemm_first:  # launched (and, in a graph, made a node) first: its CTAs are placed before the LoRA's
-            with gemm_sm_carveout(carveout):
-                y = linear(x, weight, bias)
+                y = base()
         with torch.cuda.stream(side_stream):
             store = DELTA_STORE[many] and meta.token_slots.shape[1] == 1 and meta.has_lora is not None
             zero_in_shrink = ZERO_IN_SHRINK and many and not store
@@ -519,11 +486,9 @@ def linear_lora_deferred(
                 delta.zero_()
             launch_shrink(plan, zero=delta if zero_in_shrink else None)
             launch_expand(plan, delta, store)  # programmatic dependent launch after the shrink where supported
-        if split:  # the rest on every SM
-            linear(x, weight[split:], None if bias is None else bias[split:], out=y[:, split:])
-        elif not gemm_first:
+        if not gemm_first:
             with gemm_sm_carveout(carveout):
-                y = linear(x, weight, bias)
+                y = base()
     finally:  # joined even when a launch or the GEMM raises: the buffers must not be reused early
         main.wait_stream(side_stream)
     return y, delta

@@ -120,15 +120,19 @@ class LlamaModel:
         """The fused projection -> (y, LoRA delta or None): the delta, when the side path ran on
         `lora_stream` beside the GEMM (`beside`), is for the next fused row kernel to add
         (`linear_lora_deferred`)."""
+        w = self.weights
         key = f"layers.{layer}.{fused.removesuffix('_proj')}"
-        weight, bias = self.weights[key], self.weights.get(key + "_bias")
+
+        def base() -> torch.Tensor:
+            return F.linear(x, w[key], w.get(key + "_bias"))
+
         # In a graph, whether a token has an adapter is data: launch even for an empty meta.
         if meta is not None and (graph or not meta.empty) and self.lora is not None:
             s = self.lora.layers[layer].get(fused)
             if s is not None:
-                return linear_lora_deferred(x, weight, bias, s.lora_a, s.lora_b, s.ranks, s.ranks_device, meta,
+                return linear_lora_deferred(base, x, s.lora_a, s.lora_b, s.ranks, s.ranks_device, meta,
                                             self.lora_backend, self.lora_stream if beside else None)
-        return F.linear(x, weight, bias), None
+        return base(), None
 
     def forward(
         self,
