@@ -490,8 +490,8 @@ class LoraSlots:
             ready = packed.gpu_ready if on_gpu else packed.host_ready
             if ready is not None:
                 stream.wait_event(ready)
-            if on_gpu:
-                for piece in src:
+            if on_gpu:  # once per buffer the pieces view (one, for a layout made by PackPlan.run)
+                for piece in {p.untyped_storage().data_ptr(): p for p in src}.values():
                     piece.record_stream(stream)
         ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
         with ctx:
