@@ -156,15 +156,13 @@ def build_lora_meta(
     max_slots: int,
     device: torch.device | str = "cpu",
     chunk_size: int | None = None,
-    pin_memory: bool = False,
 ) -> LoraMeta:
     """Sort the step's (token, entry) pairs by slot on the host and move them to `device` once.
 
     token_slots: `[T, k]` int (CPU), -1 = none; token_scales: `[T, k]` float (CPU).
     chunk_size: pairs per Triton program (a power of two >= 16); default from T*k.
     Host work is numpy (a decode step's host time is what the GPU waits for); the device tensors
-    are views of one int32 and one float32 buffer, each moved in a single copy. `pin_memory`: the
-    two host buffers are pinned (for a meta built on the host and copied to a GPU later, `copy_`).
+    are views of one int32 and one float32 buffer, each moved in a single copy.
     """
     if token_slots.shape != token_scales.shape or token_slots.dim() != 2:
         raise ValueError(f"token_slots {tuple(token_slots.shape)} and token_scales {tuple(token_scales.shape)} must both be [T, k]")
@@ -216,10 +214,8 @@ def build_lora_meta(
     parts[6][:num_chunks] = np.minimum(begin + chunk_size, seg_start[1 : num_segments + 1][chunk_seg])
     parts[7][:] = (slots.reshape(num_tokens, k) >= 0).any(axis=1) if k else 0
     floats = np.concatenate([scales, scales[order]])
-    ints_d, floats_d = torch.from_numpy(ints), torch.from_numpy(floats)
-    if pin_memory:
-        ints_d, floats_d = ints_d.pin_memory(), floats_d.pin_memory()
-    ints_d, floats_d = ints_d.to(device, non_blocking=True), floats_d.to(device, non_blocking=True)
+    ints_d = torch.from_numpy(ints).to(device, non_blocking=True)
+    floats_d = torch.from_numpy(floats).to(device, non_blocking=True)
     views = torch.split(ints_d, sizes)
     return LoraMeta(
         token_slots=views[0].view(num_tokens, k),

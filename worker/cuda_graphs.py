@@ -39,6 +39,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lorafleet.kernels.lora_ops import LoraMeta, build_lora_meta
@@ -119,23 +120,23 @@ def decode_inputs(
     block_size: int,
     k: int,
     sink_slot: int,
-    pin: bool = False,
 ) -> DecodeInputs:
     """The padded host inputs of an all-decode batch; rows match `ModelRunner.prepare`'s.
 
     Each row decodes at position `seq.num_computed`. That is `len(seq) - 1` (the newest token), or,
     for async scheduling's next step, `len(seq)`: the token there is still on the device and the
     row's host id is replaced (`DecodeGraphs.run(input_ids=...)`); the block table must hold it.
-    `pin`: the tensors are in pinned memory, so their copies to the GPU are truly asynchronous.
     """
     n = len(batch.seqs)
     if n > bucket:
         raise ValueError(f"{n} sequences do not fit bucket {bucket}")
-    tensors = [_host((bucket,), torch.int64, 0, pin), _host((bucket,), torch.int64, 0, pin),
-               _host((bucket,), torch.int64, sink_slot, pin), _host((bucket, width), torch.int32, 0, pin),
-               _host((bucket,), torch.int32, 0, pin), _host((bucket, k), torch.int32, -1, pin),
-               _host((bucket, k), torch.float32, 0, pin)]
-    ids, positions, slots, tables, ctx, token_slots, token_scales = (t.numpy() for t in tensors)
+    ids = np.zeros(bucket, dtype=np.int64)
+    positions = np.zeros(bucket, dtype=np.int64)
+    slots = np.full(bucket, sink_slot, dtype=np.int64)
+    tables = np.zeros((bucket, width), dtype=np.int32)
+    ctx = np.zeros(bucket, dtype=np.int32)
+    token_slots = np.full((bucket, k), -1, dtype=np.int32)
+    token_scales = np.zeros((bucket, k), dtype=np.float32)
     for i, seq in enumerate(batch.seqs):
         pos = seq.num_computed  # the newest token (not `seq.tokens`, which copies); see above
         ids[i] = seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1]
@@ -148,13 +149,16 @@ def decode_inputs(
         for j, (name, scale) in enumerate(seq.adapters):
             token_slots[i, j] = slot_of[name]
             token_scales[i, j] = scale
-    return DecodeInputs(n, *tensors)
-
-
-def _host(shape: tuple[int, ...], dtype: torch.dtype, fill: float, pin: bool) -> torch.Tensor:
-    """A host tensor filled with `fill`, pinned if `pin` (from the caching host allocator, which
-    hands a block out again only once the copies queued from it have run)."""
-    return torch.full(shape, fill, dtype=dtype, pin_memory=pin)
+    return DecodeInputs(
+        num_seqs=n,
+        input_ids=torch.from_numpy(ids),
+        positions=torch.from_numpy(positions),
+        slot_mapping=torch.from_numpy(slots),
+        block_tables=torch.from_numpy(tables),
+        context_lens=torch.from_numpy(ctx),
+        token_slots=torch.from_numpy(token_slots),
+        token_scales=torch.from_numpy(token_scales),
+    )
 
 
 @dataclass(slots=True)
@@ -199,10 +203,6 @@ class DecodeGraphs:
         self.sink_slot = sink_slot
         self.capture = capture
         self.enabled = True  # benchmarks flip this to time both modes on one engine
-        # Step inputs built in pinned memory (on a GPU): a copy from pageable memory holds the host
-        # until the stream reaches it, which under async scheduling left the GPU idle between the
-        # step's copies (~70 us a step on the H200 at batch 64). Benchmarks compare both.
-        self.pin_inputs = capture
         self.stats = GraphStats()
         dev = model.device
         top = self.buckets[-1]
@@ -230,12 +230,10 @@ class DecodeGraphs:
         """
         bucket = bucket_for(len(batch.seqs), self.buckets)  # the caller checked `can_run`
         assert bucket is not None
-        pin = self.pin_inputs
-        inputs = decode_inputs(batch, slot_of, bucket, self.width, self.block_size, self.k, self.sink_slot, pin)
+        inputs = decode_inputs(batch, slot_of, bucket, self.width, self.block_size, self.k, self.sink_slot)
         step_meta = None
         if self.model.lora is not None and inputs.has_adapters:
-            step_meta = build_lora_meta(inputs.token_slots, inputs.token_scales, self.max_loras, "cpu",
-                                        pin_memory=pin)
+            step_meta = build_lora_meta(inputs.token_slots, inputs.token_scales, self.max_loras, "cpu")
         key = (bucket, 0, 0, False)
         if step_meta is not None:
             bound = self.model.lora.rank_bound(inputs.token_slots)

@@ -367,26 +367,3 @@ def test_graphs_on_by_default_on_cuda_unless_a_torch_backend(demo_model):
     assert LLMEngine(demo_model, EngineConfig(device="cuda", num_kv_blocks=64)).runner.graphs is not None
     eager = LLMEngine(demo_model, EngineConfig(device="cuda", attention_backend="torch", num_kv_blocks=64))
     assert eager.runner.graphs is None
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_graph_inputs_are_pinned_where_there_is_a_gpu():
-    """On a GPU the graphs' step inputs and LoRA metadata are built in pinned memory (a copy from
-    pageable memory holds the host until the stream reaches it), with the same values."""
-    from lorafleet.kernels.lora_ops import build_lora_meta
-
-    seqs = [_seq(0, list(range(11, 19)), [19, 20], [7, 9]),
-            _seq(1, [21, 22, 23, 24, 25, 26, 27], [28], [5], (("sql", 1.0),)),
-            _seq(2, [31] * 16, [32], [1, 2, 8], (("chat", 0.5), ("poem", 0.25)))]
-    batch, slot_of = ScheduledBatch(seqs, [1, 1, 1]), {"sql": 0, "chat": 2, "poem": 3}
-    plain = decode_inputs(batch, slot_of, 4, 16, 8, 2, 512)
-    pinned = decode_inputs(batch, slot_of, 4, 16, 8, 2, 512, pin=True)
-    for name in ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens", "token_slots",
-                 "token_scales"):
-        got, want = getattr(pinned, name), getattr(plain, name)
-        assert got.is_pinned() and not want.is_pinned() and torch.equal(got, want), name
-    meta = build_lora_meta(pinned.token_slots, pinned.token_scales, 4, "cpu", pin_memory=True)
-    want = build_lora_meta(plain.token_slots, plain.token_scales, 4, "cpu")
-    assert all(t.is_pinned() for t in meta.packed)
-    assert all(torch.equal(a, b) for a, b in zip(meta.packed, want.packed))
