@@ -166,6 +166,29 @@ def test_a_folder_removed_after_its_read_keeps_its_digest_out_of_the_cache(tmp_p
     assert not caplog.records and not adapter_mod.DIGEST_CACHE._items
 
 
+def test_a_digest_under_way_at_exit_completes_first(tmp_path):
+    """A process that exits while an adapter's sha256 is still running waits for it (its `on_done`
+    runs) instead of finalizing the interpreter under the thread (pytorch/pytorch#38228: a daemon
+    thread ended inside a C++ frame aborts the process)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "done"
+    script = (
+        "import time\n"
+        "from lorafleet.worker.lora.digest import Sha256Thread\n"
+        "def done(h):\n"
+        "    time.sleep(0.2)\n"
+        f"    open({str(out)!r}, 'w').write(h)\n"
+        "Sha256Thread([bytes(1 << 24)] * 8, on_done=done)\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120, cwd=tmp_path)
+    want = hashlib.sha256()
+    for _ in range(8):
+        want.update(bytes(1 << 24))
+    assert out.read_text() == want.hexdigest()
+
+
 def test_a_load_does_not_wait_for_its_digest(tmp_path, demo_model, demo_adapters, monkeypatch):
     """The adapter serves while its sha256 is still running (the hash is held back here); what
     needs the value (a second load under the same name) gets the right one once it is done."""

@@ -20,13 +20,18 @@ log = logging.getLogger(__name__)
 class Sha256Thread:
     """sha256 of `parts` in a thread (hashlib releases the GIL on large buffers); `hexdigest` joins it.
 
-    `on_done(hexdigest)` runs in the thread once the hash is complete (errors in it are logged)."""
+    `on_done(hexdigest)` runs in the thread once the hash is complete (errors in it are logged).
+    Not a daemon thread: a process that exits meanwhile waits for it (at most the time to hash one
+    adapter) rather than finalizing the interpreter under it. A daemon thread still running then is
+    ended at its next GIL acquisition, and where that is inside a C++ frame, as when the thread
+    drops the last reference to the torch tensors it hashed, the process aborts ("terminate called
+    without an active exception", pytorch/pytorch#38228)."""
 
     def __init__(self, parts: Sequence, on_done: Callable[[str], None] | None = None) -> None:
         self._hash = hashlib.sha256()
         self._error: BaseException | None = None
         self._on_done = on_done
-        self._thread = threading.Thread(target=self._run, args=(parts,), name="adapter-sha256", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(parts,), name="adapter-sha256")
         self._thread.start()
 
     def _run(self, parts: Sequence) -> None:
