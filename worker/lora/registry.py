@@ -37,7 +37,7 @@ from lorafleet.worker.lora.digest import Digest
 from lorafleet.worker.lora.slots import SLICE_ORDER, LoraSlots, PackedLora, PackPlan, pack_weights, plan_pack
 
 # Adapters read last keep their slot layout on the GPU until it fills a slot: at most this many
-# (the latest inserted into the CPU cache), and at most this many bytes of them.
+# (the most recently used in the CPU cache), and at most this many bytes of them.
 GPU_COPIES_KEPT = 2
 GPU_COPIES_KEPT_BYTES = 512 << 20
 
@@ -102,7 +102,6 @@ class AdapterRegistry:
         self.cpu: OrderedDict[str, LoraWeights] = OrderedDict()  # LRU first
         self._slot_owner: list[str | None] = [None] * engine.max_loras
         self._gpu_lru: OrderedDict[str, None] = OrderedDict()
-        self._gpu_copies: OrderedDict[str, None] = OrderedDict()  # CPU-cache entries whose layout is also on the GPU
         self.stats = TierStats()
         self._pin = slots is not None and slots.device.type == "cuda"
         # `read` copies the file to the GPU, lays it out and checks it on this stream (never the
@@ -265,20 +264,16 @@ class AdapterRegistry:
         self.cpu[name] = weights
         self.cpu.move_to_end(name)
         self._evict_cpu(keep=name)
-        if weights.packed.gpu_sources is not None:
-            self._gpu_copies[name] = None
-            self._gpu_copies.move_to_end(name)
         self._trim_gpu_copies()
 
     def _trim_gpu_copies(self) -> None:
-        """Let the oldest GPU copies of layouts go beyond GPU_COPIES_KEPT / GPU_COPIES_KEPT_BYTES."""
-        live = [n for n in self._gpu_copies if n in self.cpu and self.cpu[n].packed.gpu_sources is not None]
-        total = sum(self.cpu[n].packed.nbytes for n in live)
+        """Let the least recently used GPU copies of layouts go beyond GPU_COPIES_KEPT / GPU_COPIES_KEPT_BYTES."""
+        live = [w.packed for w in self.cpu.values() if w.packed.gpu_sources is not None]  # LRU first
+        total = sum(p.nbytes for p in live)
         while live and (len(live) > GPU_COPIES_KEPT or total > GPU_COPIES_KEPT_BYTES):
-            packed = self.cpu[live.pop(0)].packed
+            packed = live.pop(0)
             packed.release_gpu()
             total -= packed.nbytes
-        self._gpu_copies = OrderedDict.fromkeys(live)
 
     def ensure_cpu(self, name: str) -> LoraWeights:
         """The adapter's weights, read from disk again if the CPU cache dropped them."""
@@ -305,7 +300,6 @@ class AdapterRegistry:
             if name == keep or entry is not None and (entry.pinned or entry.in_flight or entry.slot is not None):
                 continue
             del self.cpu[name]
-            self._gpu_copies.pop(name, None)
             self.stats.cpu_evictions += 1
             excess -= 1
 
@@ -371,9 +365,8 @@ class AdapterRegistry:
         t0 = time.perf_counter()
         if self.slots is not None:
             self.slots.fill(slot, weights)
-        if weights.packed is not None and weights.packed.gpu_sources is not None:
+        if weights.packed is not None:
             weights.packed.release_gpu()  # in the slot now: the slot is the GPU copy
-            self._gpu_copies.pop(name, None)
         self.stats.record_load("cpu", time.perf_counter() - t0)
         self._slot_owner[slot] = name
         entry.slot = slot
@@ -406,7 +399,6 @@ class AdapterRegistry:
             self._vacate(entry.slot, evicted=False)  # an unload, not an eviction
         del self.entries[name]
         self.cpu.pop(name, None)
-        self._gpu_copies.pop(name, None)
 
     def _prepare(self, weights: LoraWeights) -> None:
         """Keep only the slot-layout copy: `read` made it; weights built elsewhere are packed here."""
