@@ -9,13 +9,14 @@ validated with the safetensors library's rules (`safetensors_view`), the tensors
 of those bytes. For a registry with GPU slots the bytes go on to the GPU chunk by chunk while the
 rest is still being read, the host plans the layout meanwhile (`slots.plan_pack`), and the
 registry lays the adapter out on the GPU once the last chunk is there: on the H200 machine the
-host's own copies were most of a load (docs/benchmarks.md, "Cold adapter loads"). Once the tensors are checked against the model and `prepare` has run (the registry lays
-them out for the slots and checks them), their sha256 starts in a thread over the same bytes
-(`digest`), and the load returns without waiting for it (`Digest`). Not
-before: on the H200 machine a hash running beside the packing slowed it by ~30 ms (the packing's
-multi-threaded torch ops wait for their slowest thread); what waits for the value (a same-name
-load's conflict check) now waits for the packing plus the hash, not the longer of the two. An
-unchanged folder read again reuses its digest (`DIGEST_CACHE`).
+host's own copies were most of a load (docs/benchmarks.md, "Cold adapter loads"). Once the
+tensors are checked against the model and `prepare` has run (the registry lays them out for the
+slots and checks them), their sha256 starts in a thread over the same bytes (`digest`), and the
+load returns without waiting for it (`Digest`). Not before: on the H200 machine a hash running
+beside the packing slowed it by ~30 ms (the packing's multi-threaded torch ops wait for their
+slowest thread); what waits for the value (a same-name load's conflict check) now waits for the
+packing plus the hash, not the longer of the two. An unchanged folder read again reuses its
+digest (`DIGEST_CACHE`).
 """
 
 from __future__ import annotations
