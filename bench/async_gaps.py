@@ -1,12 +1,15 @@
 """What the GPU runs, and where it idles, in base-only async decode steps (an H200 diagnostic).
 
-    python -m bench.async_gaps
+    python -m bench.async_gaps [--trace FILE]
 
 The seed shape as bench/engine.py builds it, 64 requests of 128-token prompts, async scheduling
 (the default); 12 steady decode steps under torch.profiler (CUDA activity only). Prints the GPU
 operations that are not per-layer kernels (seen fewer than 16 times a step: the step's input
 copies, sampling, the copy of its tokens to the host, the lm_head GEMM), the span, busy and idle
 time a step, and where the idle time falls (summed per pair of neighbouring operations).
+`--trace FILE` profiles the host too and writes the Chrome trace (runtime calls with their
+correlation ids to the GPU work they launched: when each step's copies and graph launch were
+issued against when the GPU ran them).
 docs/benchmarks.md ("Tenth session: what the GPU does between decode graphs") has a run.
 """
 
@@ -23,6 +26,9 @@ from lorafleet.worker.sequence import SamplingParams
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--trace", default="", help="also profile the host; write the Chrome trace here")
+    trace = ap.parse_args().trace
     args = argparse.Namespace(tiny=False, rank=16, batch=64, modes="async")
     engine, model_config, _ = build_engine(args, "cuda", 1)
     sp = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
@@ -31,10 +37,13 @@ def main() -> None:
     for _ in range(20):
         engine.step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if trace else [])
+    with profile(activities=activities) as prof:
         for _ in range(12):
             engine.step()
         torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
     ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
     counts = collections.Counter(e.name for e in ev)
     steps = 12

@@ -46,6 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lorafleet.kernels import pdl
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -87,9 +89,12 @@ def _rms_norm_kernel(
     ADD_RESIDUAL: tl.constexpr,
     HAS_DELTA: tl.constexpr,
     HAS_ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One row per program. x, residual, out, delta `[T, hidden]` (unit stride in hidden); weight
     `[hidden]`; rows `[T]`: with HAS_ROWS, delta counts only where rows is not 0."""
+    pdl.wait(PDL)  # first: nothing is read or written before the kernel ahead has completed
+    pdl.release(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -169,7 +174,9 @@ def _launch_rms_norm(
         ADD_RESIDUAL=residual is not None,
         HAS_DELTA=delta is not None,
         HAS_ROWS=rows is not None,
+        PDL=(use_pdl := pdl.row_kernel_pdl("rms_norm", x, delta is not None)),
         num_warps=_num_warps(block),
+        **pdl.launch_options(use_pdl),
     )
     return out
 
@@ -292,6 +299,7 @@ def _rope_write_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     HAS_DELTA: tl.constexpr,
     HAS_ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One token per program, all its heads at once.
 
@@ -299,6 +307,8 @@ def _rope_write_kv_kernel(
     cos_sin `[P, D]` fp32 (cos | sin of each rotary pair), caches `[blocks, BLOCK_SIZE, KVH, D]`
     (unit stride in D), D = 2·HALF.
     """
+    pdl.wait(PDL)  # first: nothing is read or written before the kernel ahead has completed
+    pdl.release(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     offs_d = tl.arange(0, HALF_PAD)
@@ -417,7 +427,9 @@ def rope_write_kv(
         BLOCK_SIZE=k_cache.shape[1],
         HAS_DELTA=delta is not None,
         HAS_ROWS=rows is not None,
+        PDL=(use_pdl := pdl.row_kernel_pdl("rope_write_kv", qkv, delta is not None)),
         num_warps=_num_warps(triton.next_power_of_2(heads) * triton.next_power_of_2(half)),
+        **pdl.launch_options(use_pdl),
     )
     return qkv[:, : heads * head_dim].unflatten(1, (heads, head_dim))
 
@@ -471,9 +483,12 @@ def _silu_mul_kernel(
     BLOCK: tl.constexpr,
     HAS_DELTA: tl.constexpr,
     HAS_ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (T, cdiv(I, BLOCK)). gate_up, delta `[T, 2I]`, out `[T, I]` (unit stride in features);
     rows `[T]`: with HAS_ROWS, delta counts only where rows is not 0."""
+    pdl.wait(PDL)  # first: nothing is read or written before the kernel ahead has completed
+    pdl.release(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -513,7 +528,9 @@ def silu_mul(
         BLOCK=block,
         HAS_DELTA=delta is not None,
         HAS_ROWS=rows is not None,
+        PDL=(use_pdl := pdl.row_kernel_pdl("silu_mul", gate_up, delta is not None)),
         num_warps=4,
+        **pdl.launch_options(use_pdl),
     )
     return out
 

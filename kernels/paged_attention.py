@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lorafleet.kernels import pdl
+
 MIN_DOT = 16  # tl.dot's smallest M, N and K
 MAX_SPLITS = 32
 LOG2E = 1.4426950408889634
@@ -108,6 +110,7 @@ def _paged_decode_kernel(
     NUM_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Attend one (sequence, KV head, split).
 
@@ -117,6 +120,8 @@ def _paged_decode_kernel(
     `[B, H, NUM_SPLITS]` (running max, sum of exponentials) and part_acc `[B, H, NUM_SPLITS, D]`
     (unnormalised output); a split with no tiles writes (-inf, 0, 0).
     """
+    pdl.wait(PDL)  # first: nothing is read or written before the kernel ahead has completed
+    pdl.release(PDL)
     pid_b = tl.program_id(0)
     pid_kvh = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -217,8 +222,11 @@ def _reduce_splits_kernel(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[b, h] = Σ_s 2^(m_s - M) acc_s / Σ_s 2^(m_s - M) l_s with M = max_s m_s; partials as above."""
+    pdl.wait(PDL)  # first: nothing is read or written before the kernel ahead has completed
+    pdl.release(PDL)
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
     row = (pid_b.to(tl.int64) * num_heads + pid_h) * NUM_SPLITS
@@ -334,8 +342,10 @@ def paged_decode_attention(
         # The interpreter's dot wants fp32; fp32 on the GPU asks for IEEE, not TF32.
         UPCAST=interp or q.dtype == torch.float32,
         IEEE=q.dtype == torch.float32 and not interp,
+        PDL=(use_pdl := pdl.row_kernel_pdl("attention", q)),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl.launch_options(use_pdl),
     )
     if cfg.num_splits > 1:
         _reduce_splits_kernel[(batch, heads)](
@@ -349,7 +359,9 @@ def paged_decode_attention(
             HEAD_DIM=head_dim,
             D_PAD=d_pad,
             NUM_SPLITS=cfg.num_splits,
+            PDL=use_pdl,
             num_warps=4,
+            **pdl.launch_options(use_pdl),
         )
     return out
 

@@ -40,17 +40,16 @@ chunks (slot -1) exit at once. No host syncs, so a decode step can be captured i
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import triton
-import triton.language as tl
 
 from lorafleet.kernels.lora_kernels import _lora_expand_kernel, _lora_shrink_kernel
 from lorafleet.kernels.lora_ops import LoraMeta, _check_shapes, lora_b_layout
+from lorafleet.kernels.pdl import pdl_supported
 
 BLOCK_R = 16  # rank block: tl.dot's smallest K / N
 
@@ -123,20 +122,6 @@ SHRINK_ROWS: tuple[int, int] | tuple[()] = (256, 4)
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@functools.cache
-def pdl_supported(device_index: int) -> bool:
-    """Programmatic dependent launch: Hopper or newer, a Triton that can launch with it, and not
-    turned off with LORAFLEET_PDL=0."""
-    if _interpreting() or not torch.cuda.is_available() or os.environ.get("LORAFLEET_PDL", "1") == "0":
-        return False
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except ImportError:
-        return False
-    has_option = "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
-    return has_option and hasattr(tl.extra.cuda, "gdc_wait") and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 @dataclass(slots=True)

@@ -8,7 +8,12 @@ bucket that holds it:
     inputs  = decode_inputs(batch, ...)              # host tensors padded to the bucket (pure)
     static  <- inputs                                # copies into the graph's input buffers
     graph.replay()                                   # captured lazily on a bucket's first use
-    logits  = static_logits[:len(batch)]             # sampled outside the graph
+    out     = DecodeOutput(static_logits[:len(batch)], static_tokens[:len(batch)], ...)
+
+The graph ends with the greedy pick (`kernels/greedy.py`: each row's argmax and whether it is
+finite, one read of the lm_head's bf16 logits), so a batch of greedy requests without logprobs
+reads its tokens straight from the graph; any other batch samples outside it, from the logits
+(sampling.sample_on_device converts them to float32 there).
 
 Padding rows have token 0, position 0, context 0 (the paged kernel reads nothing for them), no
 adapter (slot -1), and write their K/V into the *sink*: one KV block past the block manager's
@@ -42,6 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from lorafleet.kernels.greedy import greedy_pick
 from lorafleet.kernels.lora_ops import LoraMeta, build_lora_meta
 from lorafleet.worker.attention import AttentionMetadata
 from lorafleet.worker.models.llama import LlamaModel
@@ -162,12 +168,31 @@ def decode_inputs(
 
 
 @dataclass(slots=True)
+class DecodeOutput:
+    """A decode step's outputs, `[num_seqs]` rows; views of a graph's static buffers, valid until
+    the next `DecodeGraphs.run` (every row is read, or copied, in stream order before that)."""
+
+    logits: torch.Tensor  # [N, vocab] in the model's dtype, as the lm_head computed them
+    tokens: torch.Tensor | None  # [N] int64: each row's argmax (greedy.greedy_pick); None: not picked
+    shown: torch.Tensor | None  # [N] int64: the argmax, or -1 where the row's logits are not finite
+
+    @property
+    def greedy(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self.tokens is None or self.shown is None else (self.tokens, self.shown)
+
+    def rows(self, n: int) -> DecodeOutput:
+        if self.tokens is None or self.shown is None:
+            return DecodeOutput(self.logits[:n], None, None)
+        return DecodeOutput(self.logits[:n], self.tokens[:n], self.shown[:n])
+
+
+@dataclass(slots=True)
 class _Captured:
     bucket: int
     attn: AttentionMetadata  # views of the static buffers
     lora_meta: LoraMeta | None  # this graph's own device buffers; each step's meta is copied in
     graph: torch.cuda.CUDAGraph | None  # None when not capturing (CPU)
-    logits: torch.Tensor | None  # [bucket, vocab] float32, the graph's output
+    out: DecodeOutput | None  # the graph's outputs, [bucket] rows
 
 
 @dataclass(slots=True)
@@ -203,6 +228,9 @@ class DecodeGraphs:
         self.sink_slot = sink_slot
         self.capture = capture
         self.enabled = True  # benchmarks flip this to time both modes on one engine
+        # Benchmarks flip this too (then re-capture) to time the greedy pick against sampling's
+        # torch passes over float32 logits: False leaves every batch to sampling.sample_on_device.
+        self.pick_in_graph = True
         self.stats = GraphStats()
         dev = model.device
         top = self.buckets[-1]
@@ -221,12 +249,12 @@ class DecodeGraphs:
     def can_run(self, batch: ScheduledBatch) -> bool:
         return self.enabled and len(batch.seqs) <= self.buckets[-1] and is_graphable(batch)
 
-    def run(self, batch: ScheduledBatch, slot_of: dict[str, int], input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Forward an all-decode batch from its bucket's graph -> float32 logits `[num_seqs, vocab]`.
+    def run(self, batch: ScheduledBatch, slot_of: dict[str, int], input_ids: torch.Tensor | None = None) -> DecodeOutput:
+        """Forward an all-decode batch from its bucket's graph -> its logits and greedy picks.
 
         `input_ids` (`[num_seqs]` on the device), when given, replaces the rows' host input tokens:
         async scheduling feeds the previous step's sampled tokens before the host has read them.
-        The logits are a view of the graph's output buffer: valid until the next `run`.
+        The outputs are views of the graph's output buffers: valid until the next `run`.
         """
         bucket = bucket_for(len(batch.seqs), self.buckets)  # the caller checked `can_run`
         assert bucket is not None
@@ -248,12 +276,12 @@ class DecodeGraphs:
         self.last = captured
         if captured.graph is not None:
             captured.graph.replay()
-            logits = captured.logits
+            out = captured.out
         else:
-            logits = self._forward(captured)
+            out = self._forward(captured)
         self.stats.replays += 1
-        assert logits is not None
-        return logits[: inputs.num_seqs]
+        assert out is not None
+        return out.rows(inputs.num_seqs)
 
     def capture_base(self) -> int:
         """Capture the no-adapter graph of every bucket not captured yet (start-up warm-up; graphs with
@@ -288,12 +316,15 @@ class DecodeGraphs:
         self.block_tables[:bucket].zero_()
         self.context_lens[:bucket].zero_()
 
-    def _forward(self, captured: _Captured) -> torch.Tensor:
+    def _forward(self, captured: _Captured) -> DecodeOutput:
         b = captured.bucket
-        return self.model.forward(
+        logits = self.model.forward(
             self.input_ids[:b], self.positions[:b], captured.attn, self.kv_caches, captured.lora_meta,
-            self.logits_rows[:b], graph=True,
+            self.logits_rows[:b], graph=True, float_logits=not self.pick_in_graph,
         )
+        if not self.pick_in_graph:
+            return DecodeOutput(logits, None, None)
+        return DecodeOutput(logits, *greedy_pick(logits, self.model.attention_backend))
 
     def _capture(self, bucket: int, cls: int, rank_cls: int, one_pair: bool) -> _Captured:
         attn = AttentionMetadata(
@@ -318,7 +349,7 @@ class DecodeGraphs:
             meta.launch_chunks = cls  # and their grids: a step of this class has at most cls chunks
             meta.rank_bound = rank_cls  # their rank tiles likewise
             meta.one_pair = one_pair  # and the shrink's mode: the step's chunks, not the class
-        captured = _Captured(bucket=bucket, attn=attn, lora_meta=meta, graph=None, logits=None)
+        captured = _Captured(bucket=bucket, attn=attn, lora_meta=meta, graph=None, out=None)
         if not self.capture:
             return captured
         t0 = time.perf_counter()
@@ -336,7 +367,7 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             # thread_local: the server pins adapter weights in another thread while a bucket captures.
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                captured.logits = self._forward(captured)
+                captured.out = self._forward(captured)
         captured.graph = graph
         self.stats.captures += 1
         self.stats.capture_s += time.perf_counter() - t0

@@ -114,16 +114,18 @@ class ModelRunner:
         self, batch: ScheduledBatch, slot_of: dict[str, int], sampled: list[Sequence], hook: LogitsHook | None = None
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Forward the batch; sample one token for each sequence in `sampled` (prefill done or decode)."""
+        greedy = None
         if self.graphs is not None and self.graphs.can_run(batch):
-            logits = self.graphs.run(batch, slot_of)  # every sequence is sampled: rows match `sampled`
+            out = self.graphs.run(batch, slot_of)  # every sequence is sampled: rows match `sampled`
+            logits, greedy = out.logits, out.greedy
         else:
             input_ids, positions, attn, lora_meta, logits_rows = self.prepare(batch, slot_of)
             logits = self.model.forward(input_ids, positions, attn, self.kv_caches, lora_meta, logits_rows)
         if hook is not None:
-            hook(sampled, logits)
+            hook(sampled, logits.float())
         if not sampled:
             return [], []
-        return sample(logits, [s.sampling for s in sampled], [self.generator_for(s) for s in sampled])
+        return sample(logits, [s.sampling for s in sampled], [self.generator_for(s) for s in sampled], greedy)
 
     @torch.inference_mode()
     def launch(
@@ -135,6 +137,7 @@ class ModelRunner:
         `input_ids` (on the device, one per sequence) replaces the sequences' newest host tokens.
         """
         assert self.graphs is not None
-        logits = self.graphs.run(batch, slot_of, input_ids)
+        out = self.graphs.run(batch, slot_of, input_ids)
         seqs = batch.seqs
-        return sample_on_device(logits, [s.sampling for s in seqs], [self.generator_for(s) for s in seqs]).start_copy()
+        params, generators = [s.sampling for s in seqs], [self.generator_for(s) for s in seqs]
+        return sample_on_device(out.logits, params, generators, out.greedy).start_copy()

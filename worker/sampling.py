@@ -31,6 +31,9 @@ class TokenLogprobs:
     top: list[tuple[int, float]]  # the `logprobs` most likely tokens with their logprobs
 
 
+# (tokens, shown) for every row, made on the device: kernels/greedy.py's `greedy_pick`.
+GreedyPick = tuple[torch.Tensor, torch.Tensor]
+
 # Unseeded rows draw their noise from one generator per device, seeded from the OS on first use.
 _shared_generators: dict[torch.device, torch.Generator] = {}
 
@@ -45,20 +48,23 @@ def shared_generator(device: torch.device) -> torch.Generator:
 
 
 def sample(
-    logits: torch.Tensor,  # [N, vocab] float32
+    logits: torch.Tensor,  # [N, vocab], float32 (other float dtypes are converted)
     params: list[SamplingParams],
     generators: list[torch.Generator | None],  # a row's own generator (seeded requests), else None
+    greedy: GreedyPick | None = None,
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """One token per row. Rows with temperature 0 (or top_k 1) take the argmax.
 
     A sampled row with a generator draws from it; one without draws from the device's shared
     generator. A row whose logits are not finite (an overflow in half precision) gets token -1:
     the engine ends that request with an error instead of failing the whole batch. The step syncs
-    with the host once, when tokens (and logprobs) are read.
+    with the host once, when tokens (and logprobs) are read. `greedy`: the rows' greedy picks
+    already made on the device (a decode graph's, kernels/greedy.py), taken as they are when
+    every row is greedy and none asks for logprobs.
     """
     if logits.shape[0] == 0:
         return [], []
-    return sample_on_device(logits, params, generators).read()
+    return sample_on_device(logits, params, generators, greedy).read()
 
 
 @dataclass(slots=True)
@@ -100,9 +106,16 @@ class SampledTokens:
 
 
 def sample_on_device(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    greedy: GreedyPick | None = None,
 ) -> SampledTokens:
     """`sample`'s kernels, queued; nothing is read on the host (see SampledTokens)."""
+    if greedy is not None and all(p.greedy and p.logprobs is None for p in params):
+        tokens, shown = greedy
+        return SampledTokens(tokens, shown, params, [], 0)
+    logits = logits.float()  # no copy when it is float32 already
     n, vocab = logits.shape
     dev = logits.device
     # inf / nan anywhere in a row makes its sum inf / nan: one reduction instead of a mask pass.

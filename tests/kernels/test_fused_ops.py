@@ -417,17 +417,22 @@ for dt in ("bf16", "fp16", "fp32"):
                                   "stride_vb", "stride_vs", "stride_vh")}}
     silu = {"gate_up_ptr": p, "out_ptr": p, "delta_ptr": p, "rows_ptr": "*i32", "inter": "i32", "stride_in": "i32",
             "stride_out": "i32", "stride_d": "i32"}
-    # Without the LoRA delta of the side stream, with it, and with it defined on some rows only.
-    for delta, rows in ((False, False), (True, False), (True, True)):
+    # Without the LoRA delta of the side stream, with it, and with it defined on some rows only;
+    # launched plainly or with PDL (kernels/pdl.py: then they wait on the device first).
+    for delta, rows, pdl in ((False, False, False), (True, False, True), (True, True, False), (False, False, True)):
         for add in (False, True):
             k = compile_(ops._rms_norm_kernel, norm,
-                         dict(BLOCK=4096, ADD_RESIDUAL=add, HAS_DELTA=delta, HAS_ROWS=rows), divisible=SIZES)
+                         dict(BLOCK=4096, ADD_RESIDUAL=add, HAS_DELTA=delta, HAS_ROWS=rows, PDL=pdl), divisible=SIZES)
             assert "ld.global.v4" in k.asm["ptx"], "rms_norm loads are not vectorised"
-        compile_(ops._rope_write_kv_kernel, rope,
-                 dict(HALF=64, HALF_PAD=64, H_PAD=32, KVH_PAD=8, BLOCK_SIZE=16, HAS_DELTA=delta, HAS_ROWS=rows),
-                 divisible=SIZES)
-        k = compile_(ops._silu_mul_kernel, silu, dict(BLOCK=1024, HAS_DELTA=delta, HAS_ROWS=rows), divisible=SIZES)
+            assert ("griddepcontrol.wait" in k.asm["ptx"]) == pdl
+        k = compile_(ops._rope_write_kv_kernel, rope,
+                     dict(HALF=64, HALF_PAD=64, H_PAD=32, KVH_PAD=8, BLOCK_SIZE=16, HAS_DELTA=delta, HAS_ROWS=rows,
+                          PDL=pdl), divisible=SIZES)
+        assert ("griddepcontrol.wait" in k.asm["ptx"]) == pdl
+        k = compile_(ops._silu_mul_kernel, silu, dict(BLOCK=1024, HAS_DELTA=delta, HAS_ROWS=rows, PDL=pdl),
+                     divisible=SIZES)
         assert "ld.global.v4" in k.asm["ptx"], "silu_mul loads are not vectorised"
+        assert ("griddepcontrol.wait" in k.asm["ptx"]) == pdl
 print("ok")
 """
 

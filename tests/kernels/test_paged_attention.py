@@ -195,12 +195,14 @@ for dt, group, block_n, splits in [("bf16", 4, 64, 1), ("bf16", 8, 32, 8), ("fp1
            "out_ptr": p, "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32",
            "num_heads": "i32", "qk_scale": "fp32", **{s: "i32" for s in strides}}
     const = dict(HEAD_DIM=128, D_PAD=128, GROUP=group, G_PAD=max(16, group), BLOCK_SIZE=16, BLOCK_N=block_n,
-                 NUM_SPLITS=splits, UPCAST=dt == "fp32", IEEE=dt == "fp32")
+                 NUM_SPLITS=splits, UPCAST=dt == "fp32", IEEE=dt == "fp32", PDL=group > 1)
     k = compile_(pa._paged_decode_kernel, sig, const, stages=2)
     assert "ld.global.v4" in k.asm["ptx"], "K/V loads are not vectorised"
+    assert ("griddepcontrol.wait" in k.asm["ptx"]) == (group > 1)  # PDL: waits on the device first
     red = {"part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "out_ptr": p, "num_heads": "i32",
            "stride_ob": "i32", "stride_oh": "i32"}
-    compile_(pa._reduce_splits_kernel, red, dict(HEAD_DIM=128, D_PAD=128, NUM_SPLITS=max(2, splits)), stages=2)
+    compile_(pa._reduce_splits_kernel, red, dict(HEAD_DIM=128, D_PAD=128, NUM_SPLITS=max(2, splits), PDL=group > 1),
+             stages=2)
 print("ok")
 """
 

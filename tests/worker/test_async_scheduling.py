@@ -350,8 +350,8 @@ def test_error_token_ends_only_its_request(demo_model, modules, monkeypatch):
     victim: list[int] = []
     real = model_runner.sample_on_device
 
-    def poisoned(logits, params, generators):
-        out = real(logits, params, generators)
+    def poisoned(logits, params, generators, greedy=None):
+        out = real(logits, params, generators, greedy)
         if engine.async_steps.stats.launched == 3 and not victim:  # the 4th launched step
             victim.append(1)
             out.packed[1] = -1  # what a non-finite row reads as

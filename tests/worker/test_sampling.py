@@ -263,6 +263,26 @@ def test_logprobs_are_the_models_log_softmax(device):
     ]
 
 
+def test_a_decode_graphs_greedy_pick_is_taken_only_for_plain_greedy_batches(device):
+    """`greedy` (a decode graph's picks, kernels/greedy.py) is what an all-greedy batch without
+    logprobs reads; any row that samples or asks for logprobs sends the batch through the logits,
+    converted to float32 there (the graph leaves them bf16): the same tokens as sampling the
+    float32 logits."""
+    torch.manual_seed(6)
+    logits = (torch.randn(4, 64) * 4).to(device=device, dtype=torch.bfloat16)
+    marked = (torch.tensor([5, 6, 7, 8], device=device), torch.tensor([5, -1, 7, 8], device=device))
+    plain = [SamplingParams(temperature=0.0), SamplingParams(top_k=1)] * 2
+    assert sample(logits, plain, [None] * 4, marked)[0] == [5, -1, 7, 8]  # taken as they are
+    want = logits.float().argmax(-1).tolist()
+    for other in (SamplingParams(temperature=0.0, logprobs=0), SamplingParams(seed=3)):
+        params = plain[:3] + [other]
+        gens = [None] * 3 + [gen(3, device) if other.seed is not None else None]
+        tokens, lps = sample(logits, params, gens, marked)
+        assert tokens[:3] == want[:3]
+        ref_gens = [None] * 3 + [gen(3, device) if other.seed is not None else None]
+        assert (tokens, lps) == sample(logits.float(), params, ref_gens)
+
+
 def test_one_host_read_per_step(device, monkeypatch):
     reads = []
     for name in ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__"):

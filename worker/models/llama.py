@@ -143,18 +143,22 @@ class LlamaModel:
         lora_meta: LoraMeta | None,
         logits_indices: torch.Tensor,  # [N] rows of the step whose logits are wanted
         graph: bool = False,
+        float_logits: bool = True,
     ) -> torch.Tensor:
         """One engine step over all scheduled tokens -> float32 logits `[N, vocab]`.
 
         graph: the step runs in (or is captured into) a CUDA graph (`worker/cuda_graphs.py`): no
-        host checks may skip a launch, and `attn` must have fixed shapes.
+        host checks may skip a launch, and `attn` must have fixed shapes. float_logits=False leaves
+        the logits in the model's dtype, as the lm_head computed them (`.float()` of them is what
+        float_logits=True returns, bit for bit).
         """
         h = F.embedding(input_ids, self.weights["embed"])  # [T, hidden]
         if self.attention_backend == "triton":
             h = self._layers_fused(h, positions, attn, kv_caches, lora_meta, logits_indices, graph)
         else:
             h = self._layers_torch(h, positions, attn, kv_caches, lora_meta, logits_indices, graph)
-        return F.linear(h, self.weights["lm_head"]).float()
+        logits = F.linear(h, self.weights["lm_head"])
+        return logits.float() if float_logits else logits
 
     def _layers_torch(
         self,

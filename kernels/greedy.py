@@ -1,0 +1,54 @@
+"""Greedy decoding's pick in one read of the logits: each row's argmax and whether the row is finite.
+
+    greedy_pick(logits) -> (tokens, shown)          # logits [N, vocab], any float dtype
+        tokens[i] = the first index of row i's largest value, NaN counted as -inf
+                    (0 for a row that is all NaN / -inf): always a valid vocabulary index
+        shown[i]  = tokens[i] if every value of row i is finite, else -1
+
+`shown` is what the host reads (sampling.SampledTokens: -1 ends that request with an error, an
+overflow in half precision); `tokens` can feed the next step on the device whatever the row held.
+For rows without NaN, `tokens` is `torch.argmax` of the row (ties: the first index, as torch).
+
+Torch takes three passes for this over float32 logits (the conversion from the lm_head's bf16, a
+row sum for finiteness, the argmax: 59 µs a decode step at batch 64 and vocab 100,000 on an
+H200, docs/benchmarks.md). The kernel reads the bf16 logits once: each (row, split) program
+reduces its range to (max, first index, any non-finite), and a second launch, one program a row,
+reduces the splits (`greedy_triton.py`). Both launches' grids follow from the shape alone, so the
+decode graphs capture them (worker/cuda_graphs.py). `greedy_pick_reference` is the torch oracle and
+the path without Triton.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NO_INDEX = 2**31 - 1  # "no element": larger than any vocabulary index
+
+
+def greedy_pick(logits: torch.Tensor, backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, shown), int64 `[N]` each, on the logits' device (module docstring); backend
+    "triton" runs the one-read kernels of `greedy_triton`, "torch" the reference."""
+    check_logits(logits)
+    if backend == "triton":
+        from lorafleet.kernels.greedy_triton import greedy_pick_triton
+
+        return greedy_pick_triton(logits)
+    if backend != "torch":
+        raise ValueError(f"backend must be torch|triton, got {backend!r}")
+    return greedy_pick_reference(logits)
+
+
+def check_logits(logits: torch.Tensor) -> None:
+    if logits.dim() != 2 or not logits.dtype.is_floating_point:
+        raise ValueError(f"logits must be a float [N, vocab] tensor, got {logits.dtype} {tuple(logits.shape)}")
+    if logits.shape[1] == 0 or logits.stride(1) != 1:
+        raise ValueError("logits need a vocabulary of at least one entry, with unit stride")
+    if logits.shape[1] >= NO_INDEX:
+        raise ValueError(f"vocabulary of {logits.shape[1]} does not fit int32 indices")
+
+
+def greedy_pick_reference(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same in torch (the oracle, and the path without Triton)."""
+    tokens = logits.masked_fill(logits.isnan(), float("-inf")).argmax(dim=-1)
+    finite = logits.isfinite().all(dim=-1)
+    return tokens, torch.where(finite, tokens, -1)
