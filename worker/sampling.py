@@ -10,7 +10,9 @@ only on its seed and its logits, never on the rest of the batch; the other sampl
 from one shared generator in one call. The host syncs once per step: tokens and logprobs are
 gathered on the device and copied back together. `sample_on_device` stops before that read and
 returns the device tensors (`SampledTokens`), so async scheduling (worker/async_step.py) can feed
-the tokens to the next step first; `sample` is `sample_on_device(...).read()`.
+the tokens to the next step first; `sample` is `sample_on_device(...).read()`. A decode graph
+hands in its own greedy picks (kernels/greedy.py) with logits left in the model's dtype: an
+all-greedy batch without logprobs takes the picks, any other converts the logits to float32 first.
 """
 
 from __future__ import annotations
