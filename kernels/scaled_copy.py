@@ -1,6 +1,6 @@
 """Many small strided copies in one launch, each scaled and cast on the way (`scaled_copies`).
 
-A freshly read adapter is laid out for the GPU slots on the GPU (`worker/lora/slots.py`,
+A freshly read adapter is laid out for the GPU slots on the GPU (`worker/lora/packing.py`,
 `PackPlan.run`): at the seed shape that is 448 tensors (every layer's A as it is, B transposed
 and times alpha/r, all cast to the slot dtype). One torch copy each cost ~5 µs of host time a
 launch, ~4.5-6.5 ms a load on the H200 machine, after the last byte had arrived; this is one

@@ -153,7 +153,7 @@ def test_the_adapter_packing_table(dtype, demo_adapters, demo_model, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from lorafleet.worker.config import ModelConfig
-    from lorafleet.worker.lora import slots as slots_mod
+    from lorafleet.worker.lora import packing
     from lorafleet.worker.lora.adapter import load_adapter
 
     model = ModelConfig.from_folder(demo_model)
@@ -164,13 +164,13 @@ def test_the_adapter_packing_table(dtype, demo_adapters, demo_model, tmp_path):
     save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(src / "adapter_model.safetensors")).items()},
               str(bf16 / "adapter_model.safetensors"))
     for folder in (src, bf16):
-        want = slots_mod.pack_weights(load_adapter(folder, model, 64, 1 << 30), model.num_layers, dtype, pin=False)
+        want = packing.pack_weights(load_adapter(folder, model, 64, 1 << 30), model.num_layers, dtype, pin=False)
         # On a GPU the file is read there (one raw copy), as the registry reads it; here on the host.
         weights = load_adapter(folder, model, 64, 1 << 30, prepare=lambda w: (lambda: None),
                                device=torch.device(DEVICE))
-        plan = slots_mod.plan_pack(weights, model.num_layers, dtype, pin=False)
+        plan = packing.plan_pack(weights, model.num_layers, dtype, pin=False)
         flat = plan.staged if plan.staged is not None else plan.packed.chunks[0]  # the one flat buffer
-        launches = slots_mod._launches(plan.copies, flat)
+        launches = packing._launches(plan.copies, flat)
         assert len(launches) == 1 and flat.device.type == DEVICE
         flat.fill_(float("nan"))
         for source, table, scales, largest in launches:

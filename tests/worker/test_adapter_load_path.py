@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lorafleet.kernels.lora_ops import lora_b_layout, new_lora_b
 from lorafleet.worker.config import FUSED_SLICES, EngineConfig, ModelConfig
 from lorafleet.worker.lora import adapter as adapter_mod
+from lorafleet.worker.lora import packing
 from lorafleet.worker.lora import slots as slots_mod
 from lorafleet.worker.lora.adapter import (
     AdapterError,
@@ -33,8 +34,9 @@ from lorafleet.worker.lora.adapter import (
     adapter_digest,
     load_adapter,
 )
+from lorafleet.worker.lora.packing import SLICE_ORDER, pack_weights
 from lorafleet.worker.lora.registry import AdapterRegistry
-from lorafleet.worker.lora.slots import SLICE_ORDER, LoraSlots, pack_weights
+from lorafleet.worker.lora.slots import LoraSlots
 
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
@@ -367,9 +369,9 @@ def test_packing_on_the_host_walks_the_file_in_order(model, demo_adapters, monke
     order, so the copies walk the bytes read front to back; the packed result is the same (test above)."""
     weights = load_adapter(demo_adapters["chat"], model, 64, 1 << 30)
     offsets = []
-    real = slots_mod._pack_rows
-    monkeypatch.setattr(slots_mod, "_pack_rows", lambda m, half, *rest: (
-        offsets.append((m.a if half == slots_mod._A else m.b).data_ptr()), real(m, half, *rest))[-1])
+    real = packing._pack_rows
+    monkeypatch.setattr(packing, "_pack_rows", lambda m, half, *rest: (
+        offsets.append((m.a if half == packing._A else m.b).data_ptr()), real(m, half, *rest))[-1])
     pack_weights(weights, model.num_layers, torch.float32, pin=False)
     assert len(offsets) == 2 * len(weights.modules)
     assert offsets == sorted(offsets)
@@ -777,10 +779,10 @@ def test_cuda_read_lays_out_on_the_gpu_what_the_host_lays_out(dtype, mode, model
     monkeypatch.setattr(adapter_mod._Upload, "__init__", init)
     monkeypatch.setattr(adapter_mod, "PLAN_WHILE_READING", mode != "planned after read")
     if mode == "no room for the layout":
-        monkeypatch.setattr(slots_mod, "_device_buffer", lambda *a: None)
+        monkeypatch.setattr(packing, "_device_buffer", lambda *a: None)
     launched = []
-    real_launches = slots_mod._launches
-    monkeypatch.setattr(slots_mod, "_launches", lambda *a: launched.append(real_launches(*a)) or launched[-1])
+    real_launches = packing._launches
+    monkeypatch.setattr(packing, "_launches", lambda *a: launched.append(real_launches(*a)) or launched[-1])
     reg = make_cuda_registry(model, dtype)
     for name, folder in gpu_read_folders(model, demo_adapters, tmp_path, dtype).items():
         launched.clear()
@@ -878,13 +880,13 @@ def test_cuda_a_load_waits_for_the_check_not_for_the_copy_back(model, demo_adapt
     compute stream passes it with the copy back still queued. An adapter whose GPU copy was let
     go fills from the pinned buffers, waiting for the copy back on the GPU: both slots equal the
     reference, and the host buffers after `wait_host` equal the host's own layout."""
-    real = slots_mod.PackPlan.copy_back
+    real = packing.PackPlan.copy_back
 
     def late(self):
         torch.cuda._sleep(200_000_000)
         real(self)
 
-    monkeypatch.setattr(slots_mod.PackPlan, "copy_back", late)
+    monkeypatch.setattr(packing.PackPlan, "copy_back", late)
     reg = make_cuda_registry(model, torch.bfloat16, max_loras=2)
     for name, keep_gpu_copy in (("chat", True), ("sql", False)):
         folder = demo_adapters[name]

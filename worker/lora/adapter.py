@@ -7,7 +7,7 @@ message says what to fix.
 The weights file is read once, by a few threads into buffers of our own (`file_bytes`), its header
 validated with the safetensors library's rules (`safetensors_view`), the tensors zero-copy views
 of those bytes. For a registry with GPU slots the bytes go on to the GPU chunk by chunk while the
-rest is still being read, the host plans the layout meanwhile (`slots.plan_pack`), and the
+rest is still being read, the host plans the layout meanwhile (`packing.plan_pack`), and the
 registry lays the adapter out on the GPU once the last chunk is there: on the H200 machine the
 host's own copies were most of a load (docs/benchmarks.md, "Cold adapter loads"). Once the
 tensors are checked against the model and `prepare` has run (the registry lays them out for the
@@ -64,7 +64,7 @@ _UNSUPPORTED_FLAGS = {
     "modules_to_save": "modules_to_save (fully trained extra modules) is not supported",
 }
 if TYPE_CHECKING:
-    from lorafleet.worker.lora.slots import PackedLora
+    from lorafleet.worker.lora.packing import PackedLora
 
 
 @dataclass(slots=True)
@@ -89,7 +89,7 @@ class LoraWeights:
     # "sha256:<hex>" over config, NUL, weights, NUL; may still be hashing (`Digest.value` waits).
     digest: Digest
     modules: dict[tuple[int, str], ModuleWeights] = field(default_factory=dict)  # (layer, target) ->
-    # The slot layout (`slots.pack_weights`): set by `AdapterRegistry.read`/`insert_cpu`. Once the
+    # The slot layout (`packing.pack_weights`): set by `AdapterRegistry.read`/`insert_cpu`. Once the
     # adapter is in the CPU cache, `modules` are views into it (B scaled, in the slot dtype).
     packed: PackedLora | None = None
 

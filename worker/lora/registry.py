@@ -6,7 +6,7 @@ evicted. Single-threaded by design: the engine loop owns it (disk reads can run 
 through `read`, then `insert_cpu` on the loop).
 
 `read` does all the per-adapter work, off the loop: validation, the digest, and the adapter's
-CPU-cache copy in exactly the slot layout (`slots.pack_weights`: pinned on CUDA, B pre-scaled and
+CPU-cache copy in exactly the slot layout (`packing.pack_weights`: pinned on CUDA, B pre-scaled and
 rank-major, in the slot dtype), checked for NaN/Inf. With slots on a GPU the file is laid out and
 checked there, on a side stream, and copied back into that pinned layout behind the check (the
 read does not wait for that copy). Filling a slot is then only plain copies, and `insert_cpu` only
@@ -34,7 +34,8 @@ from lorafleet.worker.lora.adapter import (
     non_finite_module,
 )
 from lorafleet.worker.lora.digest import Digest
-from lorafleet.worker.lora.slots import SLICE_ORDER, LoraSlots, PackedLora, PackPlan, pack_weights, plan_pack
+from lorafleet.worker.lora.packing import SLICE_ORDER, PackedLora, PackPlan, pack_weights, plan_pack
+from lorafleet.worker.lora.slots import LoraSlots
 
 # Adapters read last keep their slot layout on the GPU until it fills a slot: at most this many
 # (the most recently used in the CPU cache), and at most this many bytes of them.
