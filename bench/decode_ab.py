@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import triton.testing
 
-from bench.engine import adapter_sets, build_engine, decode_run, register_random_adapters
+from bench.engine import adapter_sets, decode_run, experiment_engine
 from lorafleet.kernels import pdl
 from lorafleet.kernels.greedy import greedy_pick, greedy_pick_reference
 
@@ -81,12 +81,8 @@ def main() -> None:
     picked = [list(VARIANTS)[int(i)] for i in args.variants.split(",") if i] or list(VARIANTS)
     ops = op_rows([1, 8, 16, 64])
     counts = [int(x) for x in args.adapters.split(",") if x]
-    bargs = argparse.Namespace(tiny=False, rank=16, batch=args.batch, modes="async")
-    engine, model_config, _ = build_engine(bargs, "cuda", max(counts + [1]))
-    names = register_random_adapters(engine, model_config, max(counts + [1]), 16)
+    engine, names = experiment_engine(args.batch, max(counts + [1]))
     graphs = engine.runner.graphs
-    assert graphs is not None and engine.async_steps.enabled
-    decode_run(engine, adapter_sets(names, len(names), args.batch), 16, 4)  # JIT and allocator
     rows = []
     for rep in range(args.repeats):
         for name in picked:

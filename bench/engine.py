@@ -318,6 +318,17 @@ def adapter_sets(names: list[str], d: int, batch: int):
     return [()] * batch if d == 0 else [((names[r % d], 1.0),) for r in range(batch)]
 
 
+def experiment_engine(batch: int, adapters: int) -> tuple[LLMEngine, list[str]]:
+    """The seed-shape async engine the one-engine experiments time variants on (bench/overlap_sweep.py,
+    bench/decode_ab.py): `adapters` random rank-16 adapters registered, one warm-up run done."""
+    args = argparse.Namespace(tiny=False, rank=16, batch=batch, modes="async")
+    engine, model_config, _ = build_engine(args, "cuda", max(adapters, 1))
+    names = register_random_adapters(engine, model_config, max(adapters, 1), 16)
+    assert engine.runner.graphs is not None and engine.async_steps.enabled
+    decode_run(engine, adapter_sets(names, len(names), batch), 16, 4)  # JIT and allocator
+    return engine, names
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--adapters", default="1,8,32,64")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from bench.engine import adapter_sets, build_engine, decode_run, register_random_adapters
+from bench.engine import adapter_sets, decode_run, experiment_engine
 from lorafleet.kernels import lora_ops, triton_lora
 
 # name -> (BLAS library, overlap max chunks, carveout beside the LoRA (<= 16 chunks, more; or those two
@@ -141,12 +141,8 @@ def main() -> None:
     counts = [int(x) for x in args.adapters.split(",") if x]
     variants = list(VARIANTS)
     picked = [variants[int(i)] for i in args.variants.split(",") if i] or variants
-    bargs = argparse.Namespace(tiny=False, rank=16, batch=args.batch, modes="async")
-    engine, model_config, _ = build_engine(bargs, "cuda", max(counts + [1]))
-    names = register_random_adapters(engine, model_config, max(counts + [1]), 16)
+    engine, names = experiment_engine(args.batch, max(counts + [1]))
     graphs = engine.runner.graphs
-    assert graphs is not None and engine.async_steps.enabled
-    decode_run(engine, adapter_sets(names, len(names), args.batch), 16, 4)  # JIT and allocator
     rows = []
     few_chunks = lora_ops.FEW_CHUNKS
     for rep, name in ((rep, name) for rep in range(args.repeats) for name in picked):
