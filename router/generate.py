@@ -221,15 +221,15 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
     path = scope["path"]
     excluded: set[str] = set()
     waited = 0.0  # load waits and upstream time are not the router's own latency
-    last = "no replica available"
+    why: list[str] = []  # each attempt's failure, then why no attempt followed: all of it in the 503
     for attempt in range(gw.settings.max_attempts):
         if attempt > 0 and not gw.budget.try_spend():
-            last = "retry budget exhausted"
+            why.append("retry budget exhausted")
             break
         try:
             decision = gw.policy.schedule(req, gw.fleet.views(exclude=excluded))
         except NoEndpoint as exc:
-            last = str(exc)
+            why.append(str(exc))
             break
         replica = gw.fleet.replicas[decision.endpoint.name]
         gw.metrics.routes.labels(decision.reason).inc()
@@ -248,7 +248,7 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
                     "ejected replica %s after %d failures", replica.name, gw.settings.eject_after_failures
                 )
             excluded.add(replica.name)
-            last = f"{replica.name}: {exc}"
+            why.append(f"{replica.name}: {exc}")
             gw.metrics.retries.labels(getattr(exc, "reason", "load")).inc()
             continue
         gw.fleet.record_success(replica.name)
@@ -283,7 +283,7 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
     await respond_error(
         send,
         503,
-        f"No replica could serve the request ({last}).",
+        f"No replica could serve the request ({'; then '.join(why) or 'no replica available'}).",
         "service_unavailable",
         headers={"Retry-After": "1"},
     )

@@ -97,6 +97,27 @@ def test_killing_a_worker_loses_no_non_streamed_request():
             w.kill()
 
 
+def test_a_503_says_why_each_attempt_failed():
+    """Every replica down (before any poll notices): the 503 names each replica tried and what
+    went wrong there, then why no attempt followed, rather than the last check alone."""
+    workers = start_workers([{"name": f"w{i}", "lora_modules": {"a": "/adapters/a"}} for i in range(2)])
+    try:
+        with RouterThread(router_settings(workers, poll_interval_s=60.0)) as router:
+            assert complete(client(router), "a")[1].endswith(" a")  # both up at first
+            for w in workers:
+                w.kill()
+            r = httpx.post(router.url + "/v1/completions", json={"model": "a", "prompt": "hi", "max_tokens": 4},
+                           timeout=30)
+    finally:
+        for w in workers:
+            w.kill()
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    message = r.json()["error"]["message"]
+    tried = [f"127.0.0.1:{w.port}: " for w in workers]  # a replica is named by its address
+    assert all(t in message for t in tried) and message.count("; then ") == 2, message
+    assert message.rstrip(").").endswith("no replica left after filter 'available'"), message
+
+
 def test_stopping_redis_keeps_traffic_flowing(two_workers, redis_server):
     url, redis_proc = redis_server
     with RouterThread(router_settings(two_workers, redis_url=url)) as router:
