@@ -196,6 +196,8 @@ def _lora_expand_kernel(
     start = tl.load(chunk_start_ptr + pid_c)
     end = tl.load(chunk_end_ptr + pid_c)
     if slot < 0:
+        if PDL:  # even with nothing to do: the kernel must not complete before the shrink has
+            tl.extra.cuda.gdc_wait()
         return
     # Which slice this column group belongs to.
     if pid_n < GROUPS0:
@@ -229,6 +231,8 @@ def _lora_expand_kernel(
             for n0 in range(n_lo, n_hi, BLOCK_N):
                 offs_n = n0 + tl.arange(0, BLOCK_N)
                 tl.store(y_rows + offs_n[None, :], zeros, mask=m_mask[:, None] & (offs_n < n_hi)[None, :])
+        if PDL:  # as above: the kernels behind this one may take its completion for the shrink's
+            tl.extra.cuda.gdc_wait()
         return
     # Out-major B: loads stop at the true rank rounded up to 8 (16 bytes, one vector): B's padding
     # columns past that are never read; the few inside it (odd ranks) share the sector and are

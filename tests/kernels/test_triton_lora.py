@@ -509,6 +509,9 @@ for pdl in (False, True):
                               STORE=store), stages=3)
             ptx = k.asm["ptx"]
             assert bool(re.search(r"\b(atom|red)\.global", ptx)) == atomic, "atomics only for k > 1"
+            # PDL: every program waits for the shrink, those with nothing to do too (the kernels
+            # behind the expand may take its completion for the shrink's)
+            assert ptx.count("griddepcontrol.wait") >= (2 if pdl else 0) and (pdl or "griddepcontrol" not in ptx)
 print("ok")
 """
 
