@@ -14,6 +14,8 @@ from lorafleet.worker.sampling import SampledTokens, TokenLogprobs, sample, samp
 from lorafleet.worker.scheduler import ScheduledBatch
 from lorafleet.worker.sequence import Sequence
 
+# Called with a step's sampled sequences and their float32 logits `[N, vocab]`, before sampling:
+# edits in place change what is sampled (tests poison rows with it). Turns async scheduling off.
 LogitsHook = Callable[[list[Sequence], torch.Tensor], None]
 
 
@@ -121,8 +123,9 @@ class ModelRunner:
         else:
             input_ids, positions, attn, lora_meta, logits_rows = self.prepare(batch, slot_of)
             logits = self.model.forward(input_ids, positions, attn, self.kv_caches, lora_meta, logits_rows)
-        if hook is not None:
-            hook(sampled, logits.float())
+        if hook is not None:  # float32 logits the hook may edit in place: sampled from as edited
+            logits, greedy = logits.float(), None
+            hook(sampled, logits)
         if not sampled:
             return [], []
         return sample(logits, [s.sampling for s in sampled], [self.generator_for(s) for s in sampled], greedy)

@@ -168,6 +168,25 @@ def test_non_finite_logits_end_only_that_request(engine):
     assert engine.registry.entries["sql"].in_flight == 0 and not engine.has_unfinished()
 
 
+def test_a_logits_hook_edits_what_a_graph_decode_step_samples(demo_model, modules):
+    """In decode steps from the graph path (here uncaptured, on CPU) the hook gets float32 logits
+    and the tokens come from them as edited, not from the graph's own greedy pick."""
+    engine = LLMEngine(demo_model, EngineConfig(max_loras=2, cuda_graphs=True), lora_modules=modules)
+    assert engine.runner.graphs is not None
+    seen = []
+
+    def poison(seqs, logits):
+        seen.append(logits.dtype)
+        if engine.runner.graphs.stats.replays and len(seen) == 3:  # a decode step from the graph path
+            logits[1].fill_(float("nan"))
+
+    engine.logits_hook = poison
+    outs = engine.generate(["Hello world", "Roses are red"], GREEDY, [(("sql", 1.0),), ()])
+    assert set(seen) == {torch.float32} and engine.runner.graphs.stats.replays > 0
+    assert outs[1].finish_reason == "error" and outs[0].finish_reason == "length"
+    assert 0 < len(outs[1].token_ids) < GREEDY.max_tokens
+
+
 def test_slots_store_b_rank_major(demo_model, modules):
     from lorafleet.kernels.lora_ops import lora_b_layout
 
