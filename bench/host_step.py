@@ -3,9 +3,10 @@
     python -m bench.host_step [--batch 64] [--adapters 0,8,64] [--steps 200] [--profile]
 
 The engine runs its CUDA-graph path on static buffers (no capture on CPU) at a tiny model shape,
-with `DecodeGraphs._forward` replaced by a function that returns constant logits, so a step's time
-is the host's own work: scheduling, the padded inputs, the LoRA metadata, buffer fills, sampling
-(greedy, a 1,000-token vocab), bookkeeping and detokenization. On the H200 the same work measured
+with `DecodeGraphs._forward` replaced by a function that returns constant logits and their greedy
+picks (what a graph ends with), so a step's time is the host's own work: scheduling, the padded
+inputs, the LoRA metadata, buffer fills, taking the picks (greedy, a 1,000-token vocab),
+bookkeeping and detokenization. On the H200 the same work measured
 1.2 ms (base-only) to 2.5 ms (64 adapters) per step (bench/engine.py --breakdown, docs/benchmarks.md);
 this script tracks its parts where they can be changed and timed without a GPU.
 """
@@ -24,6 +25,7 @@ import torch
 
 from bench.engine import TINY_SHAPE, random_adapter, random_weights
 from lorafleet.worker.config import EngineConfig, ModelConfig
+from lorafleet.worker.cuda_graphs import DecodeOutput
 from lorafleet.worker.demo_assets import build_tokenizer
 from lorafleet.worker.engine import LLMEngine
 from lorafleet.worker.sequence import SamplingParams
@@ -42,7 +44,9 @@ def stub_engine(batch: int, adapters: int) -> LLMEngine:
     graphs = engine.runner.graphs
     logits = torch.zeros(graphs.buckets[-1], mc.vocab_size)
     logits[:, 7] = 1.0
-    graphs._forward = lambda captured: logits[: captured.bucket]  # the model, stubbed
+    picks = torch.full((graphs.buckets[-1],), 7, dtype=torch.int64)
+    # the model and the graph's greedy pick, stubbed
+    graphs._forward = lambda captured: DecodeOutput(*(t[: captured.bucket] for t in (logits, picks, picks)))
     sp = SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
     for r in range(batch):
         ads = ((f"a{r % adapters}", 1.0),) if adapters else ()

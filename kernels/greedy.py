@@ -1,6 +1,6 @@
 """Greedy decoding's pick in one read of the logits: each row's argmax and whether the row is finite.
 
-    greedy_pick(logits) -> (tokens, shown)          # logits [N, vocab], any float dtype
+    greedy_pick(logits) -> (tokens, shown)          # logits [N, vocab]: float16, bfloat16, float32
         tokens[i] = the first index of row i's largest value, NaN counted as -inf
                     (0 for a row that is all NaN / -inf): always a valid vocabulary index
         shown[i]  = tokens[i] if every value of row i is finite, else -1
@@ -8,6 +8,8 @@
 `shown` is what the host reads (sampling.SampledTokens: -1 ends that request with an error, an
 overflow in half precision); `tokens` can feed the next step on the device whatever the row held.
 For rows without NaN, `tokens` is `torch.argmax` of the row (ties: the first index, as torch).
+Sampling's own check (a row's float32 sum not finite) also flags a row of finite values whose sum
+overflows (each above ~1e33); the pick does not, and gives it its argmax.
 
 Torch takes three passes for this over float32 logits (the conversion from the lm_head's bf16, a
 row sum for finiteness, the argmax: 59 µs a decode step at batch 64 and vocab 100,000 on an
@@ -39,8 +41,9 @@ def greedy_pick(logits: torch.Tensor, backend: str = "torch") -> tuple[torch.Ten
 
 
 def check_logits(logits: torch.Tensor) -> None:
-    if logits.dim() != 2 or not logits.dtype.is_floating_point:
-        raise ValueError(f"logits must be a float [N, vocab] tensor, got {logits.dtype} {tuple(logits.shape)}")
+    if logits.dim() != 2 or logits.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"logits must be a float16/bfloat16/float32 [N, vocab] tensor, got {logits.dtype} "
+                         f"{tuple(logits.shape)}")
     if logits.shape[1] == 0 or logits.stride(1) != 1:
         raise ValueError("logits need a vocabulary of at least one entry, with unit stride")
     if logits.shape[1] >= NO_INDEX:

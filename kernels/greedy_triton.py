@@ -72,8 +72,8 @@ def _finish_kernel(best_v_ptr, best_i_ptr, bad_ptr, tokens_ptr, shown_ptr, SPLIT
 
 def launch_shape(rows: int, vocab: int) -> tuple[int, int, int]:
     """(splits a row, span of a split, tile width): about 1,024 programs in all, spans a multiple
-    of 16 values (so each split starts 16-aligned and its loads are vectors), tiles of at most
-    2,048 values."""
+    of 16 values (so, with a row stride that is one too, each split starts 16-aligned and its loads
+    are vectors), tiles of at most 2,048 values."""
     splits = triton.next_power_of_2(max(1, min(-(-1024 // max(rows, 1)), 64, -(-vocab // 1024))))
     span = -(-vocab // (16 * splits)) * 16
     return splits, span, min(2048, triton.next_power_of_2(span))

@@ -201,8 +201,9 @@ for dt, group, block_n, splits in [("bf16", 4, 64, 1), ("bf16", 8, 32, 8), ("fp1
     assert ("griddepcontrol.wait" in k.asm["ptx"]) == (group > 1)  # PDL: waits on the device first
     red = {"part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "out_ptr": p, "num_heads": "i32",
            "stride_ob": "i32", "stride_oh": "i32"}
-    compile_(pa._reduce_splits_kernel, red, dict(HEAD_DIM=128, D_PAD=128, NUM_SPLITS=max(2, splits), PDL=group > 1),
-             stages=2)
+    k = compile_(pa._reduce_splits_kernel, red, dict(HEAD_DIM=128, D_PAD=128, NUM_SPLITS=max(2, splits), PDL=group > 1),
+                 stages=2)
+    assert ("griddepcontrol.wait" in k.asm["ptx"]) == (group > 1)
 print("ok")
 """
 

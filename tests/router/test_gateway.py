@@ -102,7 +102,8 @@ def test_a_503_says_why_each_attempt_failed():
     went wrong there, then why no attempt followed, rather than the last check alone."""
     workers = start_workers([{"name": f"w{i}", "lora_modules": {"a": "/adapters/a"}} for i in range(2)])
     try:
-        with RouterThread(router_settings(workers, poll_interval_s=60.0)) as router:
+        settings = router_settings(workers, poll_interval_s=60.0, max_attempts=3, retry_budget_min_per_s=5.0)
+        with RouterThread(settings) as router:
             assert complete(client(router), "a")[1].endswith(" a")  # both up at first
             for w in workers:
                 w.kill()

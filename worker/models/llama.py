@@ -145,7 +145,7 @@ class LlamaModel:
         graph: bool = False,
         float_logits: bool = True,
     ) -> torch.Tensor:
-        """One engine step over all scheduled tokens -> float32 logits `[N, vocab]`.
+        """One engine step over all scheduled tokens -> logits `[N, vocab]` (float32 by default).
 
         graph: the step runs in (or is captured into) a CUDA graph (`worker/cuda_graphs.py`): no
         host checks may skip a launch, and `attn` must have fixed shapes. float_logits=False leaves
