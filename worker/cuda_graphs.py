@@ -11,9 +11,9 @@ bucket that holds it:
     out     = DecodeOutput(static_logits[:len(batch)], static_tokens[:len(batch)], ...)
 
 The graph ends with the greedy pick (`kernels/greedy.py`: each row's argmax and whether it is
-finite, one read of the lm_head's logits, left in the model's dtype), so a batch of greedy requests without logprobs
-reads its tokens straight from the graph; any other batch samples outside it, from the logits
-(sampling.sample_on_device converts them to float32 there).
+finite, one read of the lm_head's logits, left in the model's dtype), so a batch of greedy
+requests without logprobs reads its tokens straight from the graph; any other batch samples
+outside it, from the logits (sampling.sample_on_device converts them to float32 there).
 
 Padding rows have token 0, position 0, context 0 (the paged kernel reads nothing for them), no
 adapter (slot -1), and write their K/V into the *sink*: one KV block past the block manager's
