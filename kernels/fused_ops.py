@@ -174,9 +174,8 @@ def _launch_rms_norm(
         ADD_RESIDUAL=residual is not None,
         HAS_DELTA=delta is not None,
         HAS_ROWS=rows is not None,
-        PDL=(use_pdl := pdl.row_kernel_pdl("rms_norm", x, delta is not None)),
         num_warps=_num_warps(block),
-        **pdl.launch_options(use_pdl),
+        **pdl.launch_kwargs(pdl.row_kernel_pdl("rms_norm", x, delta is not None)),
     )
     return out
 
@@ -427,9 +426,8 @@ def rope_write_kv(
         BLOCK_SIZE=k_cache.shape[1],
         HAS_DELTA=delta is not None,
         HAS_ROWS=rows is not None,
-        PDL=(use_pdl := pdl.row_kernel_pdl("rope_write_kv", qkv, delta is not None)),
         num_warps=_num_warps(triton.next_power_of_2(heads) * triton.next_power_of_2(half)),
-        **pdl.launch_options(use_pdl),
+        **pdl.launch_kwargs(pdl.row_kernel_pdl("rope_write_kv", qkv, delta is not None)),
     )
     return qkv[:, : heads * head_dim].unflatten(1, (heads, head_dim))
 
@@ -528,9 +526,8 @@ def silu_mul(
         BLOCK=block,
         HAS_DELTA=delta is not None,
         HAS_ROWS=rows is not None,
-        PDL=(use_pdl := pdl.row_kernel_pdl("silu_mul", gate_up, delta is not None)),
         num_warps=4,
-        **pdl.launch_options(use_pdl),
+        **pdl.launch_kwargs(pdl.row_kernel_pdl("silu_mul", gate_up, delta is not None)),
     )
     return out
 

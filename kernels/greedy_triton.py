@@ -92,9 +92,9 @@ def greedy_pick_triton(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     bad = torch.empty(rows * splits, dtype=torch.int32, device=logits.device)
     use_pdl = pdl.row_kernel_pdl("greedy", logits)
     _split_kernel[(rows, splits)](logits, logits.stride(0), vocab, span, best_v, best_i, bad,
-                                  SPLITS=splits, BLOCK=block, PDL=use_pdl, num_warps=4, **pdl.launch_options(use_pdl))
-    _finish_kernel[(rows,)](best_v, best_i, bad, tokens, shown, SPLITS=splits, PDL=use_pdl, num_warps=1,
-                            **pdl.launch_options(use_pdl))
+                                  SPLITS=splits, BLOCK=block, num_warps=4, **pdl.launch_kwargs(use_pdl))
+    _finish_kernel[(rows,)](best_v, best_i, bad, tokens, shown, SPLITS=splits, num_warps=1,
+                            **pdl.launch_kwargs(use_pdl))
     return tokens, shown
 
 

@@ -30,14 +30,13 @@ a CUDA graph and replayed with new block tables and context lengths written into
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from lorafleet.kernels import pdl
+from lorafleet.kernels import interpreting, pdl
 
 MIN_DOT = 16  # tl.dot's smallest M, N and K
 MAX_SPLITS = 32
@@ -67,10 +66,6 @@ def pick_config(
     wanted = triton.cdiv(2 * sms, batch * kv_heads)
     num_splits = min(triton.next_power_of_2(wanted), triton.next_power_of_2(max_tiles), MAX_SPLITS)
     return DecodeConfig(block_n=block_n, num_splits=max(1, num_splits))
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -308,7 +303,7 @@ def paged_decode_attention(
         part_m = part_l = part_acc = out
 
     # (3) launch
-    interp = _interpreting()
+    interp = interpreting()
     _paged_decode_kernel[(batch, kv_heads, cfg.num_splits)](
         q,
         k_cache,
@@ -342,10 +337,9 @@ def paged_decode_attention(
         # The interpreter's dot wants fp32; fp32 on the GPU asks for IEEE, not TF32.
         UPCAST=interp or q.dtype == torch.float32,
         IEEE=q.dtype == torch.float32 and not interp,
-        PDL=(use_pdl := pdl.row_kernel_pdl("attention", q)),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **pdl.launch_options(use_pdl),
+        **pdl.launch_kwargs(use_pdl := pdl.row_kernel_pdl("attention", q)),
     )
     if cfg.num_splits > 1:
         _reduce_splits_kernel[(batch, heads)](
@@ -359,9 +353,8 @@ def paged_decode_attention(
             HEAD_DIM=head_dim,
             D_PAD=d_pad,
             NUM_SPLITS=cfg.num_splits,
-            PDL=use_pdl,
             num_warps=4,
-            **pdl.launch_options(use_pdl),
+            **pdl.launch_kwargs(use_pdl),
         )
     return out
 

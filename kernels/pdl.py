@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lorafleet.kernels import interpreting
+
 # Which kernels launch with PDL where it is supported: "always", "with_delta" (only when the
 # kernel adds a LoRA delta from the side stream), or "never". Benchmarks set it, then re-capture the
 # decode graphs, to time the choices on one engine (bench/decode_ab.py).
@@ -36,14 +38,10 @@ ROW_KERNELS: dict[str, str] = {
 }
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 @functools.cache
 def pdl_supported(device_index: int) -> bool:
     """Hopper or newer, a Triton that can launch with PDL, and not turned off with LORAFLEET_PDL=0."""
-    if _interpreting() or not torch.cuda.is_available() or os.environ.get("LORAFLEET_PDL", "1") == "0":
+    if interpreting() or not torch.cuda.is_available() or os.environ.get("LORAFLEET_PDL", "1") == "0":
         return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
@@ -61,9 +59,9 @@ def row_kernel_pdl(kernel: str, t: torch.Tensor, has_delta: bool = False) -> boo
     return pdl_supported(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
-def launch_options(pdl: bool) -> dict:
-    """The launch keyword a kernel launched with PDL needs (its PDL constexpr says the same)."""
-    return {"launch_pdl": True} if pdl else {}
+def launch_kwargs(pdl: bool) -> dict:
+    """A kernel's `PDL` constexpr and, with it on, the launch keyword PDL needs."""
+    return {"PDL": pdl, "launch_pdl": True} if pdl else {"PDL": False}
 
 
 @triton.jit

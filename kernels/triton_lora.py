@@ -40,15 +40,16 @@ chunks (slot -1) exit at once. No host syncs, so a decode step can be captured i
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import triton
 
+from lorafleet.kernels import interpreting
 from lorafleet.kernels.lora_kernels import _lora_expand_kernel, _lora_shrink_kernel
 from lorafleet.kernels.lora_ops import LoraMeta, _check_shapes, lora_b_layout
+from lorafleet.kernels.pdl import launch_kwargs as pdl_launch_kwargs
 from lorafleet.kernels.pdl import pdl_supported
 
 BLOCK_R = 16  # rank block: tl.dot's smallest K / N
@@ -120,10 +121,6 @@ SHRINK_FEW_CHUNKS = 16
 SHRINK_ROWS: tuple[int, int] | tuple[()] = (256, 4)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 @dataclass(slots=True)
 class LoraLaunch:
     """One projection group's LoRA launches, planned: `launch_shrink` then `launch_expand`.
@@ -185,7 +182,7 @@ def plan_lora_triton(
     if layouts not in ({"rank_major"}, {"out_major"}):  # mixed or odd strides: copy (slow path)
         lora_b = [b.contiguous() for b in lora_b]
         layouts = {"out_major"}
-    interp = _interpreting()
+    interp = interpreting()
     if pdl is None:
         pdl = x.is_cuda and pdl_supported(x.device.index if x.device.index is not None else torch.cuda.current_device())
     cfg = config or pick_config(meta.num_chunks, n_slices, in_features, meta.chunk_size, meta.one_pair_chunks)
@@ -301,12 +298,11 @@ def launch_expand(plan: LoraLaunch, y: torch.Tensor, store: bool = False) -> Non
         UPCAST=plan.upcast,
         IEEE=plan.ieee,
         ATOMIC=atomic,
-        PDL=plan.pdl,
         Y_EARLY=not (plan.shrink_zeroes or store or atomic),
         STORE=store,
         num_warps=cfg.expand_warps,
         num_stages=cfg.num_stages,
-        **({"launch_pdl": True} if plan.pdl else {}),
+        **pdl_launch_kwargs(plan.pdl),
     )
 
 
