@@ -10,8 +10,7 @@ kernels (an H200 experiment).
 2. In the engine: async decode at batch 64 on the seed shape (as bench/engine.py), on one engine,
    the decode graphs re-captured under each variant of VARIANTS (`DecodeGraphs.pick_in_graph`;
    `pdl.ROW_KERNELS`, the row kernels, attention and the pick launched with programmatic
-   dependent launch; `triton_lora`'s launch knobs, e.g. the LoRA kernels' software prefetch), the
-   variant list run `--repeats` times.
+   dependent launch), the variant list run `--repeats` times.
 
 Prints both tables and writes `bench/results/decode-ab-h200.json`.
 """
@@ -27,25 +26,20 @@ import torch
 import triton.testing
 
 from bench.engine import adapter_sets, decode_run, experiment_engine
-from lorafleet.kernels import pdl, triton_lora
+from lorafleet.kernels import pdl
 from lorafleet.kernels.greedy import greedy_pick, greedy_pick_reference
 
 VOCAB = 100_000
 ALWAYS = dict.fromkeys(pdl.ROW_KERNELS, "always")
 NEVER = dict.fromkeys(pdl.ROW_KERNELS, "never")
 SELECTED = {**ALWAYS, "rms_norm": "never", "silu_mul": "never"}  # the kernels behind a GEMM left out
-NOW = dict(pdl.ROW_KERNELS)
-# name -> (DecodeGraphs.pick_in_graph, pdl.ROW_KERNELS, triton_lora knobs)
+# name -> (DecodeGraphs.pick_in_graph, pdl.ROW_KERNELS)
 VARIANTS = {
-    "pick in graph, PDL row kernels": (True, ALWAYS, {}),
-    "pick in graph": (True, NEVER, {}),
-    "neither (the tenth session's graphs)": (False, NEVER, {}),
-    "pick, PDL for rope/attention/pick": (True, SELECTED, {}),
-    "pick, PDL as now (norm/silu with a delta)": (True, NOW, {}),
-    "prefetch: shrink rows": (True, NOW, {"SHRINK_PREFETCH": True, "EXPAND_PREFETCH": False}),
-    "prefetch: expand": (True, NOW, {"SHRINK_PREFETCH": False, "EXPAND_PREFETCH": True}),
-    "prefetch: both": (True, NOW, {"SHRINK_PREFETCH": True, "EXPAND_PREFETCH": True}),
-    "prefetch: neither": (True, NOW, {"SHRINK_PREFETCH": False, "EXPAND_PREFETCH": False}),
+    "pick in graph, PDL row kernels": (True, ALWAYS),
+    "pick in graph": (True, NEVER),
+    "neither (the tenth session's graphs)": (False, NEVER),
+    "pick, PDL for rope/attention/pick": (True, SELECTED),
+    "pick, PDL as now (norm/silu with a delta)": (True, dict(pdl.ROW_KERNELS)),
 }
 
 
@@ -89,15 +83,12 @@ def main() -> None:
     counts = [int(x) for x in args.adapters.split(",") if x]
     engine, names = experiment_engine(args.batch, max(counts + [1]))
     graphs = engine.runner.graphs
-    lora_defaults = {k: getattr(triton_lora, k) for v in VARIANTS.values() for k in v[2]}
     rows = []
     for rep in range(args.repeats):
         for name in picked:
-            graphs.pick_in_graph, kernels, knobs = VARIANTS[name]
+            graphs.pick_in_graph, kernels = VARIANTS[name]
             pdl.ROW_KERNELS.clear()
             pdl.ROW_KERNELS.update(kernels)
-            for knob, value in {**lora_defaults, **knobs}.items():
-                setattr(triton_lora, knob, value)
             graphs._graphs.clear()  # re-capture under this variant
             torch.cuda.synchronize()
             for d in counts:

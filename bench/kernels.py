@@ -13,7 +13,10 @@ the engine sets it from the step's slots. Each row:
   no_pdl_us: the same without it.
 - floor_us: bytes the op must move (each distinct adapter's A of every slice and B at its true rank,
   x read once, y read and written once) over the device-to-device copy bandwidth measured in this
-  run.
+  run (a 1 GiB copy).
+- copy_us: a device-to-device copy that moves the same bytes (half read, half written; torch's
+  copy kernel, one launch), timed as the op is: what moving that many bytes costs at all at this
+  size, launch and ramp included.
 - gather_us: torch gather-bmm (each token gathers its own A and B, padded to the pool rank).
 - loop_us: per-adapter torch loop (one bf16 matmul pair per segment and slice, index_add into y).
 - base_us: the base GEMM x @ W.T for the same module.
@@ -114,6 +117,15 @@ def time_graph(calls: list[Callable[[], None]]) -> float:
     ms = do_bench(graph.replay, warmup=25, rep=150, return_mode="median")
     del graph
     return ms * 1e3 / len(calls)
+
+
+def copy_us(nbytes: float) -> float:
+    """µs of one device-to-device copy moving `nbytes` (half read, half written), timed as the
+    kernels are: in a CUDA graph over enough buffer pairs that successive copies miss L2."""
+    n = max(1, int(nbytes // 8))  # float32 elements each side
+    pairs = [(torch.empty(n, device=DEVICE), torch.empty(n, device=DEVICE))
+             for _ in range(max(2, min(32, math.ceil(L2_FLUSH_BYTES / (8 * n)))))]
+    return time_graph([lambda d=d, src=src: d.copy_(src) for d, src in pairs])
 
 
 @dataclass(slots=True)
@@ -263,6 +275,7 @@ def run_case(
     row = dict(asdict(case))
     act_bytes = case.tokens * (d_in + 2 * sum(outs)) * BYTES
     row.update(floor_us=round((adapter_bytes(case) + act_bytes) / bandwidth * 1e6, 2), n_sets=len(sets))
+    row["copy_us"] = round(copy_us(adapter_bytes(case) + act_bytes), 2)
     us, err = check_and_time(sets, ranks, ranks_dev, meta, config)
     row.update(lora_us=round(us, 2), rel_err=float(f"{err:.2e}"), pdl=pdl_supported(torch.cuda.current_device()))
     if config is not None:
@@ -344,7 +357,7 @@ def _us(v: float | None, width: int, digits: int = 2) -> str:
 def print_table(rows: list[dict]) -> None:
     head = (
         f"{'module':8s} {'T':>4s} {'A':>4s} {'r':>3s} {'pool':>4s} {'B':>5s} {'k':>2s} {'lora':>8s} {'no-pdl':>8s} "
-        f"{'floor':>7s} {'target':>7s} {'gather':>8s} {'loop':>9s} {'base':>8s} "
+        f"{'floor':>7s} {'target':>7s} {'copy':>7s} {'gather':>8s} {'loop':>9s} {'base':>8s} "
         f"{'err':>8s}"
     )
     print(head)
@@ -353,7 +366,7 @@ def print_table(rows: list[dict]) -> None:
         mark = "" if r["tokens"] < 16 else (" ok" if r["lora_us"] <= target else " MISS")
         print(
             f"{r['module']:8s} {r['tokens']:4d} {r['adapters']:4d} {r['rank']:3d} {r['pool_rank']:4d} "
-            f"{r['b_layout'][:5]:>5s} {r['k']:2d} {r['lora_us']:8.2f} {_us(r.get('no_pdl_us'), 8)} {r['floor_us']:7.2f} {target:7.2f} {_us(r['gather_us'], 8)} "
+            f"{r['b_layout'][:5]:>5s} {r['k']:2d} {r['lora_us']:8.2f} {_us(r.get('no_pdl_us'), 8)} {r['floor_us']:7.2f} {target:7.2f} {_us(r.get('copy_us'), 7)} {_us(r['gather_us'], 8)} "
             f"{_us(r['loop_us'], 9)} {_us(r['base_us'], 8)} {r['rel_err']:8.1e}{mark}"
         )
 
@@ -361,9 +374,9 @@ def print_table(rows: list[dict]) -> None:
 def markdown_table(rows: list[dict]) -> str:
     """The rows as a markdown table, with the tokens >= 16 target checked."""
     lines = [
-        "| module | T | adapters | rank | pool | B | k | lora µs | floor µs | 1.3·floor+3 | gather µs | loop µs "
-        "| base µs |",
-        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| module | T | adapters | rank | pool | B | k | lora µs | floor µs | 1.3·floor+3 | copy µs | gather µs "
+        "| loop µs | base µs |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def cell(v: float | None) -> str:
@@ -375,7 +388,7 @@ def markdown_table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['module']} | {r['tokens']} | {r['adapters']} | {r['rank']} | {r['pool_rank']} | "
             f"{r.get('b_layout', 'out_major')} | {r['k']} | {r['lora_us']:.1f}{mark} | "
-            f"{r['floor_us']:.1f} | {target:.1f} | "
+            f"{r['floor_us']:.1f} | {target:.1f} | {cell(r.get('copy_us'))} | "
             f"{cell(r['gather_us'])} | {cell(r['loop_us'])} | {cell(r['base_us'])} |"
         )
     return "\n".join(lines)

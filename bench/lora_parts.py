@@ -11,6 +11,8 @@ of the two is far from the bytes it moves, and which launch parameters move it:
   expand     `launch_expand` alone, without programmatic dependent launch (the partials are
              already there): reads the partials and B, reads and writes y (`store`: writes only).
   pair       both, the expand with PDL where supported: what `add_lora_triton` runs.
+  copy       a device-to-device copy moving the shrink's bytes (bench/kernels.py `copy_us`): what a
+             launch of that size costs at all.
 
 Each part's floor is its own bytes over the copy bandwidth measured in the run. Configs: the
 default (`pick_config`) and one knob changed at a time (for the parts named in --parts; the others
@@ -66,11 +68,6 @@ def variants(default: LoraKernelConfig) -> dict[str, list[LoraKernelConfig]]:
         shrink.add(replace(default, num_stages=stages))
     for block_k, stages in ((512, 1), (512, 2), (1024, 1), (1024, 2)):  # most of a K range in flight at once
         shrink.add(replace(default, block_k=block_k, num_stages=stages))
-    if default.shrink_rows:  # the row shrink with the next K tile's loads issued before the sum
-        for block_k in (128, 256, 512):
-            for warps in (2, 4):
-                shrink.add(replace(default, block_k=block_k, shrink_warps=warps, shrink_prefetch=True))
-        shrink.add(replace(default, split_k=default.split_k * 2, shrink_prefetch=True))
     expand = {default}
     for n_per_prog in (128, 256, 512, 1024, 2048):
         for block_n in (64, 128, 256):
@@ -80,8 +77,6 @@ def variants(default: LoraKernelConfig) -> dict[str, list[LoraKernelConfig]]:
         expand.add(replace(default, expand_warps=warps))
     for stages in (1, 2, 4):
         expand.add(replace(default, num_stages=stages))
-    for n_per_prog, block_n in ((default.n_per_prog, default.block_n), (512, 128), (1024, 128), (1024, 256)):
-        expand.add(replace(default, n_per_prog=n_per_prog, block_n=block_n, expand_prefetch=True))
     return {"shrink": sorted(shrink, key=str), "expand": sorted(expand, key=str)}
 
 
@@ -115,15 +110,11 @@ def run_case(case: kb.Case, bandwidth: float, g: torch.Generator, store: bool,
             "store": store}
     # What a plain device copy moving the shrink's bytes (A read, as much written) takes, timed the
     # same way: how near its floor a launch of this size can get at all.
-    shrink_bytes = part_floors(case, default.split_k, bandwidth)["shrink"] * 1e-6 * bandwidth
-    n = int(shrink_bytes // 4) // 2
-    pairs = [(torch.empty(n, device="cuda"), torch.empty(n, device="cuda"))
-             for _ in range(max(2, min(32, -(-kb.L2_FLUSH_BYTES // (8 * n)))))]
-    us = kb.time_graph([lambda d=d, src=src: d.copy_(src) for d, src in pairs])
-    del pairs
-    rows.append({**head, "part": "copy", "us": round(us, 2), "floor_us": round(8 * n / bandwidth * 1e6, 2)})
+    floor = part_floors(case, default.split_k, bandwidth)["shrink"]
+    us = kb.copy_us(floor * 1e-6 * bandwidth)
+    rows.append({**head, "part": "copy", "us": round(us, 2), "floor_us": round(floor, 2)})
     print(f"{case.module:8s} T={case.tokens} A={case.adapters} copy of the shrink's bytes: {us:6.2f} µs, "
-          f"floor {8 * n / bandwidth * 1e6:.2f}", flush=True)
+          f"floor {floor:.2f}", flush=True)
     for part, cfgs in variants(default).items():
         if parts and part not in parts:
             cfgs = [default]
@@ -141,7 +132,7 @@ def run_case(case: kb.Case, bandwidth: float, g: torch.Generator, store: bool,
               flush=True)
     s, e = best["shrink"][1], best["expand"][1]
     combined = replace(e, split_k=s.split_k, block_k=s.block_k, shrink_warps=s.shrink_warps,
-                       shrink_rows=s.shrink_rows, shrink_prefetch=s.shrink_prefetch)
+                       shrink_rows=s.shrink_rows)
     for label, cfg in (("default", default), ("best parts", combined)):
         us = time_part("pair", cfg)
         floors = part_floors(case, cfg.split_k, bandwidth)

@@ -50,7 +50,6 @@ def _lora_shrink_kernel(
     ZERO: tl.constexpr,
     ZERO_BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
 ):
     """part[split, pair, s*R_PAD + r] = Σ_{k in split} x[token(pair), k] · A_s[slot, r, k].
 
@@ -62,9 +61,6 @@ def _lora_shrink_kernel(
     products summed over K), no `tl.dot` and no shared-memory staging: for chunks of about one row
     (decode with as many adapters as tokens), where a BLOCK_M-row `tl.dot` tile is mostly padding.
     Each further row re-reads the A tile (from L1/L2).
-    PREFETCH (with ROWS): each K tile's loads are issued before the previous tile is summed, so a
-    program keeps two tiles in flight (the rows' loop is not software-pipelined by the compiler:
-    its loads do not feed a `tl.dot`).
     """
     if PDL:  # every program has started: the expand may launch and run its prologue meanwhile
         tl.extra.cuda.gdc_launch_dependents()
@@ -112,27 +108,12 @@ def _lora_shrink_kernel(
         for m in range(start, end):
             x_row = x_ptr + tl.load(sorted_token_ptr + m).to(tl.int64) * stride_xt
             row = tl.zeros((BLOCK_RANK,), dtype=tl.float32)
-            if PREFETCH:
-                offs_k = k_lo + tl.arange(0, BLOCK_K)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
                 k_mask = offs_k < k_hi
                 at = tl.load(a_cols + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
                 xv = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
-                # The last pass loads a fully masked tile (no memory traffic) and sums the last real one.
-                for k0 in range(k_lo + BLOCK_K, k_hi + BLOCK_K, BLOCK_K):
-                    offs_k = k0 + tl.arange(0, BLOCK_K)
-                    k_mask = offs_k < k_hi
-                    at_next = tl.load(a_cols + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-                    xv_next = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
-                    row += tl.sum(at.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
-                    at = at_next
-                    xv = xv_next
-            else:
-                for k0 in range(k_lo, k_hi, BLOCK_K):
-                    offs_k = k0 + tl.arange(0, BLOCK_K)
-                    k_mask = offs_k < k_hi
-                    at = tl.load(a_cols + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-                    xv = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
-                    row += tl.sum(at.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
+                row += tl.sum(at.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
             # Written even when this split's K range is empty, as below.
             tl.store(p_rows + (m - start) * stride_pm, row, mask=r_mask)
         return
@@ -197,7 +178,6 @@ def _lora_expand_kernel(
     PDL: tl.constexpr,
     Y_EARLY: tl.constexpr,
     STORE: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
 ):
     """y[token(pair), col_s + n] += scale(pair) · Σ_r part[:, pair, s*R_PAD + r] · B_s[slot, n, r].
 
@@ -209,8 +189,6 @@ def _lora_expand_kernel(
     zeros. Rows of tokens in no chunk are left as they were.
     Y_EARLY: the first tile's y is loaded before `gdc_wait` (not with STORE or ATOMIC, nor when the
     shrink zeroes y).
-    PREFETCH: each further tile's B is loaded before the tile before it is written, so a program
-    with several tiles keeps a B tile in flight while it writes.
     """
     pid_c = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -290,19 +268,11 @@ def _lora_expand_kernel(
     if not UPCAST:
         h = h.to(b0_ptr.dtype.element_ty)
 
-    if PREFETCH:  # the second tile's B (fully masked when there is none: no memory traffic)
-        offs_nx = offs_n + BLOCK_N
-        bt_x = _load_b_tile(b_base, offs_nx, offs_nx < n_hi, r_mask, r_load, R_MAX, B_RANK_MAJOR, UPCAST)
     _write_tile(y_rows + offs_n[None, :], _dot(h, bt, IEEE), mask, cur, Y_EARLY, ATOMIC, STORE)
     for n0 in range(n_lo + BLOCK_N, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < n_hi
-        if PREFETCH:
-            bt = bt_x
-            offs_nx = offs_n + BLOCK_N
-            bt_x = _load_b_tile(b_base, offs_nx, offs_nx < n_hi, r_mask, r_load, R_MAX, B_RANK_MAJOR, UPCAST)
-        else:
-            bt = _load_b_tile(b_base, offs_n, n_mask, r_mask, r_load, R_MAX, B_RANK_MAJOR, UPCAST)
+        bt = _load_b_tile(b_base, offs_n, n_mask, r_mask, r_load, R_MAX, B_RANK_MAJOR, UPCAST)
         acc = _dot(h, bt, IEEE)
         _write_tile(y_rows + offs_n[None, :], acc, m_mask[:, None] & n_mask[None, :], acc, False, ATOMIC, STORE)
 

@@ -67,8 +67,6 @@ class LoraKernelConfig:
     expand_warps: int = 4
     num_stages: int = 3
     shrink_rows: bool = False  # the shrink's multiply-and-sum a row (lora_kernels, ROWS) instead of tl.dot
-    shrink_prefetch: bool = False  # with shrink_rows: the next K tile's loads before the current tile's sum
-    expand_prefetch: bool = False  # the next column tile's B before the current tile is written
 
 
 def pick_config(
@@ -97,7 +95,6 @@ def pick_config(
     return LoraKernelConfig(
         split_k=split_k, block_k=block_k, block_n=block_n, n_per_prog=max(n_per_prog, block_n),
         shrink_warps=shrink_warps, num_stages=NUM_STAGES[many], shrink_rows=rows,
-        shrink_prefetch=rows and SHRINK_PREFETCH, expand_prefetch=EXPAND_PREFETCH,
     )
 
 
@@ -122,9 +119,6 @@ SHRINK_FEW_CHUNKS = 16
 # 0.764/0.762 of base-only with K tile 256 (512: 0.756/0.755; 256 with 2 warps: 0.755), 8
 # adapters unchanged (docs/benchmarks.md, eighth session).
 SHRINK_ROWS: tuple[int, int] | tuple[()] = (256, 4)
-# Software prefetch in the row shrink's K loop and the expand's column loop (lora_kernels, PREFETCH).
-SHRINK_PREFETCH = False
-EXPAND_PREFETCH = False
 
 
 @dataclass(slots=True)
@@ -252,7 +246,6 @@ def launch_shrink(plan: LoraLaunch, zero: torch.Tensor | None = None) -> None:
         ZERO=zero is not None,
         ZERO_BLOCK=1024,
         ROWS=cfg.shrink_rows,
-        PREFETCH=cfg.shrink_rows and cfg.shrink_prefetch,
         num_warps=cfg.shrink_warps,
         num_stages=cfg.num_stages,
     )
@@ -307,7 +300,6 @@ def launch_expand(plan: LoraLaunch, y: torch.Tensor, store: bool = False) -> Non
         ATOMIC=atomic,
         Y_EARLY=not (plan.shrink_zeroes or store or atomic),
         STORE=store,
-        PREFETCH=cfg.expand_prefetch,
         num_warps=cfg.expand_warps,
         num_stages=cfg.num_stages,
         **pdl_launch_kwargs(plan.pdl),

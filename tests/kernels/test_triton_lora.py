@@ -241,46 +241,6 @@ CASES = [
         None,
         LoraKernelConfig(split_k=3, block_k=64, block_n=16, n_per_prog=32, shrink_rows=True),
     ),
-    # Software prefetch (PREFETCH): the row shrink's next K tile (several tiles a split, the last
-    # partial, empty splits) and the expand's next column tile (several a program, the last partial).
-    (
-        "prefetch-rows-each-token",
-        12,
-        1,
-        96,
-        [70],
-        [[16, 7, 16, 1] * 3],
-        "each_token_own",
-        torch.float32,
-        None,
-        LoraKernelConfig(split_k=2, block_k=16, block_n=16, n_per_prog=48, shrink_rows=True, shrink_prefetch=True,
-                         expand_prefetch=True),
-    ),
-    (
-        "prefetch-rows-many-k2-empty-splits",
-        21,
-        2,
-        40,
-        [24, 8, 8],
-        [[8, 16, 8, 16, 8], [0, 16, 8, 16, 0], [16, 16, 1, 16, 16]],
-        "random_with_none",
-        torch.float16,
-        None,
-        LoraKernelConfig(split_k=3, block_k=8, block_n=16, n_per_prog=32, shrink_rows=True, shrink_prefetch=True,
-                         expand_prefetch=True),
-    ),
-    (
-        "prefetch-n-loop-k2",
-        30,
-        2,
-        56,
-        [100, 36],
-        [[16, 8, 0, 64, 1]] * 2,
-        "random_with_none",
-        torch.float16,
-        None,
-        LoraKernelConfig(split_k=2, block_k=32, block_n=32, n_per_prog=64, expand_prefetch=True),
-    ),
 ]
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -443,18 +403,16 @@ def test_shrink_zeroes_the_delta_it_expands_into(k: int, launch_bound: int | Non
         launch_shrink(plan, zero=delta.t())
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("launch_bound", [None, 8])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("chunk_size", [16, 64])
 def test_storing_expand_writes_only_rows_with_an_adapter(launch_bound: int | None, layout: str,
-                                                         chunk_size: int, prefetch: bool) -> None:
+                                                         chunk_size: int) -> None:
     """One adapter per token: the expand stores (`=`) into an unzeroed delta. Rows of tokens with
     an adapter match the reference, a slot's untargeted slice (rank 0) included, which must read 0;
     rows without one keep what was there (NaN here), and `meta.has_lora` names exactly the others.
-    Decode-sized (16) and prefill-sized (64) chunks, both B layouts, with and without the expand's
-    prefetch of the next column tile."""
-    from lorafleet.kernels.triton_lora import launch_expand, launch_shrink, pick_config, plan_lora_triton
+    Decode-sized (16) and prefill-sized (64) chunks, both B layouts."""
+    from lorafleet.kernels.triton_lora import launch_expand, launch_shrink, plan_lora_triton
 
     g = torch.Generator().manual_seed(21)
     tokens, slots, d_in, outs = 40, 5, 48, [700, 300]
@@ -468,9 +426,7 @@ def test_storing_expand_writes_only_rows_with_an_adapter(launch_bound: int | Non
         meta.launch_chunks = max(launch_bound, meta.num_chunks)
     x = torch.randn(tokens, d_in, generator=g).to(DEVICE)
     delta = torch.full((tokens, sum(outs)), float("nan"), device=DEVICE)
-    config = replace(pick_config(meta.num_chunks, len(outs), d_in, meta.chunk_size), expand_prefetch=prefetch)
-    assert -(-700 // config.n_per_prog) < -(-700 // config.block_n)  # several column tiles a program
-    plan = plan_lora_triton(x, lora_a, lora_b, ranks_dev, meta, config)
+    plan = plan_lora_triton(x, lora_a, lora_b, ranks_dev, meta)
     assert plan is not None
     launch_shrink(plan)
     launch_expand(plan, delta, store=True)
@@ -538,20 +494,19 @@ expand = {"y_ptr": p, "b0_ptr": p, "b1_ptr": p, "b2_ptr": p, **ptrs, "sorted_sca
           "part_ptr": "*fp32", **{n: i32 for n in ("OUT0", "OUT1", "OUT2", "GROUPS0", "GROUPS1", "SPLIT_K",
                                                    "stride_yt", "stride_rs", "stride_ps", "stride_pm")}}
 for pdl in (False, True):
-    for zero, rows, prefetch in ((False, False, False), (True, False, False), (False, True, False),
-                                 (True, True, False), (False, True, True), (True, True, True)):
+    for zero, rows in ((False, False), (True, False), (False, True), (True, True)):
         compile_(tk._lora_shrink_kernel, shrink, dict(R_MAX=16, R_PAD=16, R_BLOCKS=1, BLOCK_M=16, BLOCK_K=128, BLOCK_RANK=16,
-                                   UPCAST=False, IEEE=False, PDL=pdl, ZERO=zero, ZERO_BLOCK=1024, ROWS=rows,
-                                   PREFETCH=prefetch), stages=3)
+                                   UPCAST=False, IEEE=False, PDL=pdl, ZERO=zero, ZERO_BLOCK=1024, ROWS=rows),
+                 stages=3)
     # (ATOMIC, Y_EARLY, STORE): k > 1; y read before the wait; y read after it (the shrink zeroed
     # it); the storing expand.
     for atomic, early, store in ((True, False, False), (False, True, False), (False, False, False),
                                  (False, False, True)):
-        for rank_major, prefetch in ((False, False), (True, False), (True, True)):
+        for rank_major in (False, True):
             k = compile_(tk._lora_expand_kernel, expand,
                          dict(R_MAX=16, R_PAD=16, R_BLOCK=16, B_RANK_MAJOR=rank_major, BLOCK_M=16, BLOCK_N=128,
                               N_PER_PROG=512, UPCAST=False, IEEE=False, ATOMIC=atomic, PDL=pdl, Y_EARLY=early,
-                              STORE=store, PREFETCH=prefetch), stages=3)
+                              STORE=store), stages=3)
             ptx = k.asm["ptx"]
             assert bool(re.search(r"\b(atom|red)\.global", ptx)) == atomic, "atomics only for k > 1"
             # PDL: every program waits for the shrink, those with nothing to do too (the kernels
@@ -615,10 +570,8 @@ def test_bf16_real_shapes(module: str, tokens: int, k: int, adapters: int, layou
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("module", sorted(MODULES))
-@pytest.mark.parametrize("block_k,stages,rows,prefetch", [(512, 2, False, False), (1024, 2, False, False),
-                                                         (256, 3, True, False), (512, 3, True, False),
-                                                         (256, 3, True, True), (128, 3, True, True)])
-def test_bf16_wide_k_tiles(module: str, block_k: int, stages: int, rows: bool, prefetch: bool) -> None:
+@pytest.mark.parametrize("block_k,stages,rows", [(512, 2, False), (1024, 2, False), (256, 3, True), (512, 3, True)])
+def test_bf16_wide_k_tiles(module: str, block_k: int, stages: int, rows: bool) -> None:
     """The shrink with K tiles that cover most of a split, or a row at a time (one token a chunk, 64
     adapters, ranks mixed): same tolerance as above, on every module, empty splits included (down,
     split 8)."""
@@ -628,8 +581,7 @@ def test_bf16_wide_k_tiles(module: str, block_k: int, stages: int, rows: bool, p
     ranks = [[rank_cycle[(s + i) % len(rank_cycle)] for s in range(slots)] for i in range(len(outs))]
     token_slots = torch.randperm(slots, generator=torch.Generator().manual_seed(block_k))[:tokens, None]
     config = LoraKernelConfig(split_k=8 if d_in > 4096 else 4, block_k=block_k, block_n=128, n_per_prog=512,
-                              shrink_warps=2, num_stages=stages, shrink_rows=rows, shrink_prefetch=prefetch,
-                              expand_prefetch=prefetch)
+                              shrink_warps=2, num_stages=stages, shrink_rows=rows)
     y0, y_ref, y_tri = run_both(3, tokens, 1, d_in, outs, ranks, token_slots, torch.bfloat16, config=config,
                                 device="cuda", layout="rank_major")
     err = rel_err(y_tri.float() - y0.float(), y_ref.float() - y0.float())
