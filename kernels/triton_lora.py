@@ -68,6 +68,20 @@ class LoraKernelConfig:
     num_stages: int = 3
     shrink_rows: bool = False  # the shrink's multiply-and-sum a row (lora_kernels, ROWS) instead of tl.dot
 
+    def __post_init__(self) -> None:
+        # Checked here, not by Triton: the interpreter takes a K tile below 16, the compiler does
+        # not (`tl.dot` needs K >= 16, and the shrink's tl.dot path is compiled with ROWS too).
+        for name in ("block_k", "block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+        for name in ("shrink_warps", "expand_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two, got {v}")
+        if self.split_k < 1 or self.n_per_prog < 1 or self.num_stages < 1:
+            raise ValueError(f"split_k, n_per_prog and num_stages must be >= 1: {self}")
+
 
 def pick_config(
     num_chunks: int, n_slices: int, in_features: int, chunk_size: int, one_pair: bool = False

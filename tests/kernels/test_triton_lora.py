@@ -274,6 +274,21 @@ def test_pick_config_runs_the_shrink_a_row_at_a_time_only_where_asked(monkeypatc
     assert not triton_lora.pick_config(64, 3, 4096, 16, one_pair=True).shrink_rows
 
 
+@pytest.mark.parametrize("bad,says", [
+    (dict(block_k=8), "block_k must be a power of two >= 16"), (dict(block_k=48), "block_k"),
+    (dict(block_n=8), "block_n"), (dict(block_n=96), "block_n"), (dict(shrink_warps=3), "shrink_warps"),
+    (dict(expand_warps=0), "expand_warps"), (dict(split_k=0), ">= 1"), (dict(n_per_prog=0), ">= 1"),
+    (dict(num_stages=0), ">= 1"),
+])
+def test_kernel_config_refuses_what_the_compiler_would(bad: dict, says: str) -> None:
+    """A K tile below 16 runs under the interpreter but fails to compile for the GPU (`tl.dot`
+    needs K >= 16; seen on the H200): the config says so itself, as for other impossible knobs."""
+    fields = dict(split_k=2, block_k=32, block_n=32, n_per_prog=64)
+    with pytest.raises(ValueError, match=says):
+        LoraKernelConfig(**{**fields, **bad})
+    LoraKernelConfig(**fields)  # the same without the bad knob is fine
+
+
 def test_one_pair_chunks_from_the_counts_unless_set() -> None:
     """A meta judges its chunks from its own counts: more than ONE_PAIR_MIN_CHUNKS of them, at most
     ONE_PAIR_CHUNKS[0] pairs each on average, none longer than ONE_PAIR_CHUNKS[1]; `one_pair`,
