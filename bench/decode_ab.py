@@ -26,22 +26,20 @@ import torch
 import triton.testing
 
 from bench.engine import adapter_sets, decode_run, experiment_engine
-from lorafleet.kernels import pdl, triton_lora
+from lorafleet.kernels import pdl
 from lorafleet.kernels.greedy import greedy_pick, greedy_pick_reference
 
 VOCAB = 100_000
 ALWAYS = dict.fromkeys(pdl.ROW_KERNELS, "always")
 NEVER = dict.fromkeys(pdl.ROW_KERNELS, "never")
 SELECTED = {**ALWAYS, "rms_norm": "never", "silu_mul": "never"}  # the kernels behind a GEMM left out
-NOW = dict(pdl.ROW_KERNELS)
-# name -> (DecodeGraphs.pick_in_graph, pdl.ROW_KERNELS, triton_lora knobs)
+# name -> (DecodeGraphs.pick_in_graph, pdl.ROW_KERNELS)
 VARIANTS = {
-    "pick in graph, PDL row kernels": (True, ALWAYS, {}),
-    "pick in graph": (True, NEVER, {}),
-    "neither (the tenth session's graphs)": (False, NEVER, {}),
-    "pick, PDL for rope/attention/pick": (True, SELECTED, {}),
-    "pick, PDL as now (norm/silu with a delta)": (True, NOW, {"EXPAND_ONE_TILE": False}),
-    "expand: one B tile a program": (True, NOW, {"EXPAND_ONE_TILE": True}),
+    "pick in graph, PDL row kernels": (True, ALWAYS),
+    "pick in graph": (True, NEVER),
+    "neither (the tenth session's graphs)": (False, NEVER),
+    "pick, PDL for rope/attention/pick": (True, SELECTED),
+    "pick, PDL as now (norm/silu with a delta)": (True, dict(pdl.ROW_KERNELS)),
 }
 
 
@@ -85,15 +83,12 @@ def main() -> None:
     counts = [int(x) for x in args.adapters.split(",") if x]
     engine, names = experiment_engine(args.batch, max(counts + [1]))
     graphs = engine.runner.graphs
-    lora_defaults = {k: getattr(triton_lora, k) for v in VARIANTS.values() for k in v[2]}
     rows = []
     for rep in range(args.repeats):
         for name in picked:
-            graphs.pick_in_graph, kernels, knobs = VARIANTS[name]
+            graphs.pick_in_graph, kernels = VARIANTS[name]
             pdl.ROW_KERNELS.clear()
             pdl.ROW_KERNELS.update(kernels)
-            for knob, value in {**lora_defaults, **knobs}.items():
-                setattr(triton_lora, knob, value)
             graphs._graphs.clear()  # re-capture under this variant
             torch.cuda.synchronize()
             for d in counts:

@@ -324,7 +324,7 @@ def sweep(bandwidth: float, g: torch.Generator, cases: list[tuple[int, int]] = S
             default = pick_config(meta.num_chunks, n_slices, d_in, meta.chunk_size, meta.one_pair_chunks)
             configs = {default}
             for n_per_prog in (128, 256, 512, 1024, 2048, 4096):
-                for block_n in (64, 128, 256, 512):
+                for block_n in (64, 128, 256):
                     if block_n <= n_per_prog:
                         configs.add(replace(default, n_per_prog=n_per_prog, block_n=block_n))
             for split_k in (1, max(1, default.split_k // 2), default.split_k * 2):

@@ -106,9 +106,6 @@ def pick_config(
     wide = num_chunks * n_slices >= WIDE_EXPAND[0]
     n_per_prog = 128 if num_chunks <= 4 else WIDE_EXPAND[1] if wide else 256
     block_n = 128 if chunk_size <= 16 else 64
-    n_per_prog = max(n_per_prog, block_n)
-    if EXPAND_ONE_TILE and chunk_size <= 16:  # all of a program's B loaded before it waits for the shrink
-        block_n = n_per_prog
     return LoraKernelConfig(
         split_k=split_k, block_k=block_k, block_n=block_n, n_per_prog=max(n_per_prog, block_n),
         shrink_warps=shrink_warps, num_stages=NUM_STAGES[many], shrink_rows=rows,
@@ -136,8 +133,6 @@ SHRINK_FEW_CHUNKS = 16
 # 0.764/0.762 of base-only with K tile 256 (512: 0.756/0.755; 256 with 2 warps: 0.755), 8
 # adapters unchanged (docs/benchmarks.md, eighth session).
 SHRINK_ROWS: tuple[int, int] | tuple[()] = (256, 4)
-# Decode chunks: one B tile a program (BLOCK_N = its columns), all loaded before `gdc_wait`.
-EXPAND_ONE_TILE = False
 
 
 @dataclass(slots=True)
