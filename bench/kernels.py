@@ -121,7 +121,8 @@ def time_graph(calls: list[Callable[[], None]]) -> float:
 
 def copy_us(nbytes: float) -> float:
     """µs of one device-to-device copy moving `nbytes` (half read, half written), timed as the
-    kernels are: in a CUDA graph over enough buffer pairs that successive copies miss L2."""
+    kernels are: in a CUDA graph over up to 32 buffer pairs (≥ 256 MiB where that cap allows, as
+    the kernels' `n_sets`), so successive copies miss L2 except for the smallest sizes."""
     n = max(1, int(nbytes // 8))  # float32 elements each side
     pairs = [(torch.empty(n, device=DEVICE), torch.empty(n, device=DEVICE))
              for _ in range(max(2, min(32, math.ceil(L2_FLUSH_BYTES / (8 * n)))))]
@@ -275,7 +276,8 @@ def run_case(
     row = dict(asdict(case))
     act_bytes = case.tokens * (d_in + 2 * sum(outs)) * BYTES
     row.update(floor_us=round((adapter_bytes(case) + act_bytes) / bandwidth * 1e6, 2), n_sets=len(sets))
-    row["copy_us"] = round(copy_us(adapter_bytes(case) + act_bytes), 2)
+    if config is None:  # the table's rows (a sweep compares configs only)
+        row["copy_us"] = round(copy_us(adapter_bytes(case) + act_bytes), 2)
     us, err = check_and_time(sets, ranks, ranks_dev, meta, config)
     row.update(lora_us=round(us, 2), rel_err=float(f"{err:.2e}"), pdl=pdl_supported(torch.cuda.current_device()))
     if config is not None:

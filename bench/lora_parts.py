@@ -108,8 +108,8 @@ def run_case(case: kb.Case, bandwidth: float, g: torch.Generator, store: bool,
     rows, best = [], {}
     head = {"module": case.module, "tokens": case.tokens, "adapters": case.adapters, "rank": case.rank,
             "store": store}
-    # What a plain device copy moving the shrink's bytes (A read, as much written) takes, timed the
-    # same way: how near its floor a launch of this size can get at all.
+    # What a plain device copy moving the shrink's bytes (A, x and the partials: half read, half
+    # written) takes, timed the same way: how near its floor a launch of this size can get at all.
     floor = part_floors(case, default.split_k, bandwidth)["shrink"]
     us = kb.copy_us(floor * 1e-6 * bandwidth)
     rows.append({**head, "part": "copy", "us": round(us, 2), "floor_us": round(floor, 2)})
@@ -131,8 +131,7 @@ def run_case(case: kb.Case, bandwidth: float, g: torch.Generator, store: bool,
               f"{best[part][0]:6.2f} µs {best[part][1]}, floor {part_floors(case, default.split_k, bandwidth)[part]:.2f}",
               flush=True)
     s, e = best["shrink"][1], best["expand"][1]
-    combined = replace(e, split_k=s.split_k, block_k=s.block_k, shrink_warps=s.shrink_warps,
-                       shrink_rows=s.shrink_rows)
+    combined = replace(e, split_k=s.split_k, block_k=s.block_k, shrink_warps=s.shrink_warps)
     for label, cfg in (("default", default), ("best parts", combined)):
         us = time_part("pair", cfg)
         floors = part_floors(case, cfg.split_k, bandwidth)

@@ -71,6 +71,9 @@ class LoraKernelConfig:
     def __post_init__(self) -> None:
         # Checked here, not by Triton: the interpreter takes a K tile below 16, the compiler does
         # not (`tl.dot` needs K >= 16, and the shrink's tl.dot path is compiled with ROWS too).
+        for name in ("split_k", "block_k", "block_n", "n_per_prog", "shrink_warps", "expand_warps", "num_stages"):
+            if type(getattr(self, name)) is not int:
+                raise ValueError(f"{name} must be an int, got {getattr(self, name)!r}")
         for name in ("block_k", "block_n"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):

@@ -278,7 +278,8 @@ def test_pick_config_runs_the_shrink_a_row_at_a_time_only_where_asked(monkeypatc
     (dict(block_k=8), "block_k must be a power of two >= 16"), (dict(block_k=48), "block_k"),
     (dict(block_n=8), "block_n"), (dict(block_n=96), "block_n"), (dict(shrink_warps=3), "shrink_warps"),
     (dict(expand_warps=0), "expand_warps"), (dict(split_k=0), ">= 1"), (dict(n_per_prog=0), ">= 1"),
-    (dict(num_stages=0), ">= 1"),
+    (dict(num_stages=0), ">= 1"), (dict(block_k=32.0), "block_k must be an int"),
+    (dict(split_k=True), "split_k must be an int"),
 ])
 def test_kernel_config_refuses_what_the_compiler_would(bad: dict, says: str) -> None:
     """A K tile below 16 runs under the interpreter but fails to compile for the GPU (`tl.dot`
