@@ -46,7 +46,7 @@ def stub_engine(batch: int, adapters: int) -> LLMEngine:
     logits[:, 7] = 1.0
     picks = torch.full((graphs.buckets[-1],), 7, dtype=torch.int64)
     # the model and the graph's greedy pick, stubbed
-    graphs._forward = lambda captured: DecodeOutput(*(t[: captured.bucket] for t in (logits, picks, picks)))
+    graphs._forward = lambda captured: DecodeOutput(logits[: captured.bucket], (picks[: captured.bucket],) * 2)
     sp = SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
     for r in range(batch):
         ads = ((f"a{r % adapters}", 1.0),) if adapters else ()

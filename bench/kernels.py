@@ -45,7 +45,8 @@ import triton
 from triton.testing import do_bench
 
 from lorafleet.kernels.lora_ops import LoraMeta, add_lora, build_lora_meta, new_lora_b
-from lorafleet.kernels.triton_lora import LoraKernelConfig, add_lora_triton, pdl_supported, pick_config
+from lorafleet.kernels.pdl import pdl_supported
+from lorafleet.kernels.triton_lora import LoraKernelConfig, add_lora_triton, pick_config
 from lorafleet.worker.cuda_graphs import chunk_class
 
 HIDDEN, KV, MLP = 4096, 1024, 14336

@@ -93,8 +93,7 @@ def _rms_norm_kernel(
 ):
     """One row per program. x, residual, out, delta `[T, hidden]` (unit stride in hidden); weight
     `[hidden]`; rows `[T]`: with HAS_ROWS, delta counts only where rows is not 0."""
-    pdl.wait(PDL)  # first: nothing is read or written before the kernel ahead has completed
-    pdl.release(PDL)
+    pdl.start(PDL)  # first: nothing is read or written before the kernel ahead has completed
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -306,8 +305,7 @@ def _rope_write_kv_kernel(
     cos_sin `[P, D]` fp32 (cos | sin of each rotary pair), caches `[blocks, BLOCK_SIZE, KVH, D]`
     (unit stride in D), D = 2·HALF.
     """
-    pdl.wait(PDL)  # first: nothing is read or written before the kernel ahead has completed
-    pdl.release(PDL)
+    pdl.start(PDL)  # first: nothing is read or written before the kernel ahead has completed
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     offs_d = tl.arange(0, HALF_PAD)
@@ -485,8 +483,7 @@ def _silu_mul_kernel(
 ):
     """Grid (T, cdiv(I, BLOCK)). gate_up, delta `[T, 2I]`, out `[T, I]` (unit stride in features);
     rows `[T]`: with HAS_ROWS, delta counts only where rows is not 0."""
-    pdl.wait(PDL)  # first: nothing is read or written before the kernel ahead has completed
-    pdl.release(PDL)
+    pdl.start(PDL)  # first: nothing is read or written before the kernel ahead has completed
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter

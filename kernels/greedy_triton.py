@@ -21,8 +21,7 @@ NO_INDEX = tl.constexpr(_NO_INDEX)  # globals a kernel reads must be constexpr
 def _split_kernel(logits_ptr, stride, vocab, span, best_v_ptr, best_i_ptr, bad_ptr,
                   SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (row, split): the range [split·span, (split+1)·span) of the row, in BLOCK tiles."""
-    pdl.wait(PDL)  # first: nothing is read or written before the kernel ahead has completed
-    pdl.release(PDL)
+    pdl.start(PDL)  # first: nothing is read or written before the kernel ahead has completed
     row = tl.program_id(0)
     part = tl.program_id(1)
     start = part * span
@@ -58,8 +57,7 @@ def _split_kernel(logits_ptr, stride, vocab, span, best_v_ptr, best_i_ptr, bad_p
 def _finish_kernel(best_v_ptr, best_i_ptr, bad_ptr, tokens_ptr, shown_ptr, SPLITS: tl.constexpr,
                    PDL: tl.constexpr):
     """One program a row: the splits' picks (in index order) reduced to the row's."""
-    pdl.wait(PDL)  # first: nothing is read or written before the kernel ahead has completed
-    pdl.release(PDL)
+    pdl.start(PDL)  # first: nothing is read or written before the kernel ahead has completed
     row = tl.program_id(0)
     p = row * SPLITS + tl.arange(0, SPLITS)
     v = tl.load(best_v_ptr + p)

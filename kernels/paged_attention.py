@@ -115,8 +115,7 @@ def _paged_decode_kernel(
     `[B, H, NUM_SPLITS]` (running max, sum of exponentials) and part_acc `[B, H, NUM_SPLITS, D]`
     (unnormalised output); a split with no tiles writes (-inf, 0, 0).
     """
-    pdl.wait(PDL)  # first: nothing is read or written before the kernel ahead has completed
-    pdl.release(PDL)
+    pdl.start(PDL)  # first: nothing is read or written before the kernel ahead has completed
     pid_b = tl.program_id(0)
     pid_kvh = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -220,8 +219,7 @@ def _reduce_splits_kernel(
     PDL: tl.constexpr,
 ):
     """out[b, h] = Σ_s 2^(m_s - M) acc_s / Σ_s 2^(m_s - M) l_s with M = max_s m_s; partials as above."""
-    pdl.wait(PDL)  # first: nothing is read or written before the kernel ahead has completed
-    pdl.release(PDL)
+    pdl.start(PDL)  # first: nothing is read or written before the kernel ahead has completed
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
     row = (pid_b.to(tl.int64) * num_heads + pid_h) * NUM_SPLITS

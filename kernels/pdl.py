@@ -51,17 +51,30 @@ def pdl_supported(device_index: int) -> bool:
     return has_option and hasattr(tl.extra.cuda, "gdc_wait") and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+def supported_for(t: torch.Tensor) -> bool:
+    """`pdl_supported` on the device `t` is on (False off CUDA)."""
+    return t.is_cuda and pdl_supported(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
 def row_kernel_pdl(kernel: str, t: torch.Tensor, has_delta: bool = False) -> bool:
     """Whether `kernel` (a key of ROW_KERNELS) over `t`'s device launches with PDL now."""
     mode = ROW_KERNELS.get(kernel, "never")
-    if not t.is_cuda or mode == "never" or (mode == "with_delta" and not has_delta):
+    if mode == "never" or (mode == "with_delta" and not has_delta):
         return False
-    return pdl_supported(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return supported_for(t)
 
 
 def launch_kwargs(pdl: bool) -> dict:
     """A kernel's `PDL` constexpr and, with it on, the launch keyword PDL needs."""
     return {"PDL": pdl, "launch_pdl": True} if pdl else {"PDL": False}
+
+
+@triton.jit
+def start(PDL: tl.constexpr):
+    """With PDL, a kernel's first call: `wait`, then `release` (nothing is read or written before
+    the kernel ahead has completed; a PDL launch behind may be scheduled at once)."""
+    wait(PDL)
+    release(PDL)
 
 
 @triton.jit

@@ -50,7 +50,7 @@ from lorafleet.kernels import interpreting
 from lorafleet.kernels.lora_kernels import _lora_expand_kernel, _lora_shrink_kernel
 from lorafleet.kernels.lora_ops import LoraMeta, _check_shapes, lora_b_layout
 from lorafleet.kernels.pdl import launch_kwargs as pdl_launch_kwargs
-from lorafleet.kernels.pdl import pdl_supported
+from lorafleet.kernels.pdl import supported_for as pdl_supported_for
 
 BLOCK_R = 16  # rank block: tl.dot's smallest K / N
 
@@ -201,7 +201,7 @@ def plan_lora_triton(
         layouts = {"out_major"}
     interp = interpreting()
     if pdl is None:
-        pdl = x.is_cuda and pdl_supported(x.device.index if x.device.index is not None else torch.cuda.current_device())
+        pdl = pdl_supported_for(x)
     cfg = config or pick_config(meta.num_chunks, n_slices, in_features, meta.chunk_size, meta.one_pair_chunks)
     # Rank tiles cover the step's largest true rank (meta.rank_bound), not the pool's r_max.
     r_eff = r_max if meta.rank_bound is None else max(1, min(r_max, meta.rank_bound))
@@ -343,7 +343,7 @@ def add_lora_triton(
     meta of the same shapes, so a graph captured with one step's choice replays correctly with
     another step's metadata.
     pdl: launch the expand with programmatic dependent launch (it starts while the shrink runs
-    and waits for the partials with `gdc_wait`); None = where supported (`pdl_supported`).
+    and waits for the partials with `gdc_wait`); None = where supported (`pdl.pdl_supported`).
     """
     plan = plan_lora_triton(x, lora_a, lora_b, ranks_device, meta, config, pdl)
     if plan is None:  # nothing to launch; the shapes are still checked (launch_expand does it otherwise)

@@ -8,7 +8,7 @@ bucket that holds it:
     inputs  = decode_inputs(batch, ...)              # host tensors padded to the bucket (pure)
     static  <- inputs                                # copies into the graph's input buffers
     graph.replay()                                   # captured lazily on a bucket's first use
-    out     = DecodeOutput(static_logits[:len(batch)], static_tokens[:len(batch)], ...)
+    out     = DecodeOutput(static_logits[:len(batch)], (static_tokens[:len(batch)], static_shown[:len(batch)]))
 
 The graph ends with the greedy pick (`kernels/greedy.py`: each row's argmax and whether it is
 finite, one read of the lm_head's logits, left in the model's dtype), so a batch of greedy
@@ -51,6 +51,7 @@ from lorafleet.kernels.greedy import greedy_pick
 from lorafleet.kernels.lora_ops import LoraMeta, build_lora_meta
 from lorafleet.worker.attention import AttentionMetadata
 from lorafleet.worker.models.llama import LlamaModel
+from lorafleet.worker.sampling import GreedyPick
 from lorafleet.worker.scheduler import ScheduledBatch
 
 log = logging.getLogger("lorafleet.cuda_graphs")
@@ -173,17 +174,12 @@ class DecodeOutput:
     the next `DecodeGraphs.run` (every row is read, or copied, in stream order before that)."""
 
     logits: torch.Tensor  # [N, vocab] in the model's dtype, as the lm_head computed them
-    tokens: torch.Tensor | None  # [N] int64: each row's argmax (greedy.greedy_pick); None: not picked
-    shown: torch.Tensor | None  # [N] int64: the argmax, or -1 where the row's logits are not finite
-
-    @property
-    def greedy(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return None if self.tokens is None or self.shown is None else (self.tokens, self.shown)
+    # (tokens, shown), [N] int64 each (greedy.greedy_pick: each row's argmax, and the argmax or -1
+    # where the row's logits are not finite); None: not picked in the graph
+    greedy: GreedyPick | None
 
     def rows(self, n: int) -> DecodeOutput:
-        if self.tokens is None or self.shown is None:
-            return DecodeOutput(self.logits[:n], None, None)
-        return DecodeOutput(self.logits[:n], self.tokens[:n], self.shown[:n])
+        return DecodeOutput(self.logits[:n], None if self.greedy is None else (self.greedy[0][:n], self.greedy[1][:n]))
 
 
 @dataclass(slots=True)
@@ -322,9 +318,7 @@ class DecodeGraphs:
             self.input_ids[:b], self.positions[:b], captured.attn, self.kv_caches, captured.lora_meta,
             self.logits_rows[:b], graph=True, float_logits=not self.pick_in_graph,
         )
-        if not self.pick_in_graph:
-            return DecodeOutput(logits, None, None)
-        return DecodeOutput(logits, *greedy_pick(logits, self.model.attention_backend))
+        return DecodeOutput(logits, greedy_pick(logits, self.model.attention_backend) if self.pick_in_graph else None)
 
     def _capture(self, bucket: int, cls: int, rank_cls: int, one_pair: bool) -> _Captured:
         attn = AttentionMetadata(

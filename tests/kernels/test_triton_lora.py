@@ -27,7 +27,8 @@ from lorafleet.kernels.lora_ops import (
     lora_b_layout,
     new_lora_b,
 )
-from lorafleet.kernels.triton_lora import LoraKernelConfig, add_lora_triton, pdl_supported
+from lorafleet.kernels.pdl import pdl_supported
+from lorafleet.kernels.triton_lora import LoraKernelConfig, add_lora_triton
 
 LAYOUTS = ["out_major", "rank_major"]
 
