@@ -227,9 +227,6 @@ class DecodeGraphs:
         # Benchmarks flip this too (then re-capture) to time the greedy pick against sampling's
         # torch passes over float32 logits: False leaves every batch to sampling.sample_on_device.
         self.pick_in_graph = True
-        # The stream graphs are captured on (None: torch's private one). Its priority becomes the
-        # main path's kernels' priority in the graph (torch instantiates with per-node priorities).
-        self.capture_stream: torch.cuda.Stream | None = None
         self.stats = GraphStats()
         dev = model.device
         top = self.buckets[-1]
@@ -363,8 +360,7 @@ class DecodeGraphs:
             torch.cuda.current_stream(dev).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             # thread_local: the server pins adapter weights in another thread while a bucket captures.
-            with torch.cuda.graph(graph, pool=self._pool, stream=self.capture_stream,
-                                  capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 captured.out = self._forward(captured)
         captured.graph = graph
         self.stats.captures += 1
