@@ -329,7 +329,7 @@ def sweep(bandwidth: float, g: torch.Generator, cases: list[tuple[int, int]] = S
             for n_per_prog in (128, 256, 512, 1024, 2048, 4096):
                 for block_n in (64, 128, 256):
                     if block_n <= n_per_prog:
-                        configs.add(replace(default, n_per_prog=n_per_prog, block_n=block_n))
+                        configs.add(replace(default, n_per_prog=n_per_prog, block_n=block_n, expand_rows=False))
             for split_k in (1, max(1, default.split_k // 2), default.split_k * 2):
                 configs.add(replace(default, split_k=split_k))
             for block_k in (64, 128, 256):

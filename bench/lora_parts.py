@@ -72,11 +72,14 @@ def variants(default: LoraKernelConfig) -> dict[str, list[LoraKernelConfig]]:
     for n_per_prog in (128, 256, 512, 1024, 2048):
         for block_n in (64, 128, 256):
             if block_n <= n_per_prog:
-                expand.add(replace(default, n_per_prog=n_per_prog, block_n=block_n))
+                expand.add(replace(default, n_per_prog=n_per_prog, block_n=block_n, expand_rows=False))
     for warps in (2, 8):
         expand.add(replace(default, expand_warps=warps))
     for stages in (1, 2, 4):
         expand.add(replace(default, num_stages=stages))
+    for block_n, warps in ((128, 1), (128, 2), (256, 1), (256, 2), (512, 1), (512, 2), (512, 4), (1024, 2),
+                           (1024, 4)):  # a row at a time
+        expand.add(replace(default, expand_rows=True, block_n=block_n, n_per_prog=block_n, expand_warps=warps))
     return {"shrink": sorted(shrink, key=str), "expand": sorted(expand, key=str)}
 
 

@@ -121,11 +121,25 @@ VARIANTS = {
     "eighth session, shrink a row at a time: K tile 256, 2 warps":
         ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
          {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 2)}),
+    # The thirteenth session: for one-pair chunks the expand a row at a time too (one B tile of this
+    # many columns a program, these warps; its tl.dot mode holds 140-145 registers a thread, 3
+    # programs an SM), on the eighth session's defaults (the first of these):
+    "eighth session's defaults": ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
+                                  {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4)}),
+    "expand a row at a time: 512 columns, 2 warps":
+        ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
+         {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "EXPAND_ROWS": (512, 2)}),
+    "expand a row at a time: 256 columns, 1 warp":
+        ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
+         {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "EXPAND_ROWS": (256, 1)}),
+    "expand a row at a time: 1024 columns, 4 warps":
+        ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
+         {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "EXPAND_ROWS": (1024, 4)}),
 }
 # The triton_lora (and lora_ops) knobs a variant's seventh element may set; every other variant runs
 # the sixth session's values, which all variants before them ran with.
 KERNEL_KNOBS = {"SHRINK_WARPS": (4, 4), "WIDE_EXPAND": (256, 512), "SHRINK_BLOCK_K": (128, 128), "NUM_STAGES": (3, 3),
-                "SHRINK_ROWS": (), "ONE_PAIR_CHUNKS": (1.5, 2)}
+                "SHRINK_ROWS": (), "ONE_PAIR_CHUNKS": (1.5, 2), "EXPAND_ROWS": ()}
 
 
 def main() -> None:

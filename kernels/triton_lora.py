@@ -23,6 +23,8 @@ Two launches per projection group (all slices in each):
   row, so the add is atomic. With k = 1 it can also store instead (`launch_expand(store=True)`):
   into a buffer nothing zeroed, whose rows of tokens without an adapter it leaves alone
   (`LoraMeta.has_lora` tells the reader which rows are defined).
+- Both run a row at a time instead of `tl.dot` for decode steps of about one pair a chunk
+  (`pick_config`'s one_pair: SHRINK_ROWS, EXPAND_ROWS).
 
 Rank tiles cover `meta.rank_bound` (the step's largest true rank, set by the caller), not the
 pool's r_max, so a step of rank-8 adapters in a rank-64 pool computes and sums rank-8 tiles.
@@ -67,6 +69,7 @@ class LoraKernelConfig:
     expand_warps: int = 4
     num_stages: int = 3
     shrink_rows: bool = False  # the shrink's multiply-and-sum a row (lora_kernels, ROWS) instead of tl.dot
+    expand_rows: bool = False  # the expand's likewise, one B tile a program (n_per_prog == block_n)
 
     def __post_init__(self) -> None:
         # Checked here, not by Triton: the interpreter takes a K tile below 16, the compiler does
@@ -84,6 +87,8 @@ class LoraKernelConfig:
                 raise ValueError(f"{name} must be a power of two, got {v}")
         if self.split_k < 1 or self.n_per_prog < 1 or self.num_stages < 1:
             raise ValueError(f"split_k, n_per_prog and num_stages must be >= 1: {self}")
+        if self.expand_rows and self.n_per_prog != self.block_n:
+            raise ValueError(f"a row-at-a-time expand takes one B tile a program: n_per_prog == block_n, got {self}")
 
 
 def pick_config(
@@ -97,7 +102,8 @@ def pick_config(
     the SMs it leaves free: 64 adapters 8,175 -> 7,830 tok/s. Not used.)
 
     one_pair: the step has one-pair chunks (`LoraMeta.one_pair_chunks`): the shrink then runs a
-    multiply-and-sum a row (`shrink_rows`) when SHRINK_ROWS is set."""
+    multiply-and-sum a row (`shrink_rows`) when SHRINK_ROWS is set, and the expand likewise
+    (`expand_rows`, one B tile of EXPAND_ROWS[0] columns a program) when EXPAND_ROWS is."""
     many = num_chunks > SHRINK_FEW_CHUNKS
     block_k = SHRINK_BLOCK_K[many] if chunk_size <= 16 else 64
     rows = bool(SHRINK_ROWS) and one_pair and chunk_size <= 16
@@ -109,9 +115,15 @@ def pick_config(
     wide = num_chunks * n_slices >= WIDE_EXPAND[0]
     n_per_prog = 128 if num_chunks <= 4 else WIDE_EXPAND[1] if wide else 256
     block_n = 128 if chunk_size <= 16 else 64
+    expand_warps = 4
+    expand_rows = bool(EXPAND_ROWS) and one_pair and chunk_size <= 16
+    if expand_rows:
+        block_n = n_per_prog = EXPAND_ROWS[0]
+        expand_warps = EXPAND_ROWS[1]
     return LoraKernelConfig(
         split_k=split_k, block_k=block_k, block_n=block_n, n_per_prog=max(n_per_prog, block_n),
-        shrink_warps=shrink_warps, num_stages=NUM_STAGES[many], shrink_rows=rows,
+        shrink_warps=shrink_warps, expand_warps=expand_warps, num_stages=NUM_STAGES[many], shrink_rows=rows,
+        expand_rows=expand_rows,
     )
 
 
@@ -136,6 +148,13 @@ SHRINK_FEW_CHUNKS = 16
 # 0.764/0.762 of base-only with K tile 256 (512: 0.756/0.755; 256 with 2 warps: 0.755), 8
 # adapters unchanged (docs/benchmarks.md, eighth session).
 SHRINK_ROWS: tuple[int, int] | tuple[()] = (256, 4)
+# The expand a row at a time for a step of one-pair chunks: (columns a program, warps); () = never.
+# Alone (64 tokens on 64 adapters, the storing expand, lora-parts-expand-rows2-h200.json) 7-14%
+# faster than the tl.dot expand and the pair 5-22% faster (qkv 17.16 -> 14.61 µs, o 11.16 -> 8.73);
+# in the engine at batch 64 with 64 adapters 0.771/0.769 -> 0.780/0.780 of base-only (256 columns,
+# 1 warp: 0.780/0.779; 1024, 4: 0.781/0.784), 8 adapters unchanged (docs/benchmarks.md, thirteenth
+# session).
+EXPAND_ROWS: tuple[int, int] | tuple[()] = (512, 2)
 
 
 @dataclass(slots=True)
@@ -317,6 +336,7 @@ def launch_expand(plan: LoraLaunch, y: torch.Tensor, store: bool = False) -> Non
         ATOMIC=atomic,
         Y_EARLY=not (plan.shrink_zeroes or store or atomic),
         STORE=store,
+        ROWS=cfg.expand_rows,
         num_warps=cfg.expand_warps,
         num_stages=cfg.num_stages,
         **pdl_launch_kwargs(plan.pdl),

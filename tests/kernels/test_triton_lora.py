@@ -242,6 +242,44 @@ CASES = [
         None,
         LoraKernelConfig(split_k=3, block_k=64, block_n=16, n_per_prog=32, shrink_rows=True),
     ),
+    # The expand a row at a time too (one B tile a program): a row a chunk; then chunks of many rows
+    # with k = 2 (atomic adds), a rank-0 slice and columns that do not fill the last tile.
+    (
+        "expand-rows-each-token",
+        12,
+        1,
+        96,
+        [70, 20],
+        [[16, 7, 16, 1] * 3, [0, 16, 8, 64] * 3],
+        "each_token_own",
+        torch.float32,
+        None,
+        LoraKernelConfig(split_k=2, block_k=32, block_n=32, n_per_prog=32, shrink_rows=True, expand_rows=True),
+    ),
+    (
+        "expand-rows-many-k2",
+        21,
+        2,
+        40,
+        [24, 8, 40],
+        [[8, 16, 8, 16, 8], [0, 16, 8, 16, 0], [16, 16, 1, 16, 16]],
+        "random_with_none",
+        torch.float16,
+        None,
+        LoraKernelConfig(split_k=3, block_k=32, block_n=16, n_per_prog=16, expand_rows=True),
+    ),
+    (
+        "expand-rows-many-k1",
+        30,
+        1,
+        56,
+        [100, 36],
+        [[16, 8, 0, 64, 1]] * 2,
+        "random_with_none",
+        torch.float32,
+        None,
+        LoraKernelConfig(split_k=2, block_k=32, block_n=64, n_per_prog=64, expand_rows=True),
+    ),
 ]
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -275,12 +313,25 @@ def test_pick_config_runs_the_shrink_a_row_at_a_time_only_where_asked(monkeypatc
     assert not triton_lora.pick_config(64, 3, 4096, 16, one_pair=True).shrink_rows
 
 
+def test_pick_config_runs_the_expand_a_row_at_a_time_only_where_asked(monkeypatch) -> None:
+    """EXPAND_ROWS: likewise, one B tile of its width a program, with its warps."""
+    from lorafleet.kernels import triton_lora
+
+    monkeypatch.setattr(triton_lora, "EXPAND_ROWS", (256, 8))
+    cfg = triton_lora.pick_config(64, 3, 4096, 16, one_pair=True)
+    assert (cfg.expand_rows, cfg.block_n, cfg.n_per_prog, cfg.expand_warps) == (True, 256, 256, 8)
+    assert not triton_lora.pick_config(64, 3, 4096, 16).expand_rows  # chunks of several pairs
+    assert not triton_lora.pick_config(64, 3, 4096, 64, one_pair=True).expand_rows  # prefill chunks
+    monkeypatch.setattr(triton_lora, "EXPAND_ROWS", ())
+    assert not triton_lora.pick_config(64, 3, 4096, 16, one_pair=True).expand_rows
+
+
 @pytest.mark.parametrize("bad,says", [
     (dict(block_k=8), "block_k must be a power of two >= 16"), (dict(block_k=48), "block_k"),
     (dict(block_n=8), "block_n"), (dict(block_n=96), "block_n"), (dict(shrink_warps=3), "shrink_warps"),
     (dict(expand_warps=0), "expand_warps"), (dict(split_k=0), ">= 1"), (dict(n_per_prog=0), ">= 1"),
     (dict(num_stages=0), ">= 1"), (dict(block_k=32.0), "block_k must be an int"),
-    (dict(split_k=True), "split_k must be an int"),
+    (dict(split_k=True), "split_k must be an int"), (dict(expand_rows=True), "n_per_prog == block_n"),
 ])
 def test_kernel_config_refuses_what_the_compiler_would(bad: dict, says: str) -> None:
     """A K tile below 16 runs under the interpreter but fails to compile for the GPU (`tl.dot`
@@ -422,14 +473,14 @@ def test_shrink_zeroes_the_delta_it_expands_into(k: int, launch_bound: int | Non
 
 @pytest.mark.parametrize("launch_bound", [None, 8])
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("chunk_size", [16, 64])
+@pytest.mark.parametrize("chunk_size,rows", [(16, False), (64, False), (16, True)])
 def test_storing_expand_writes_only_rows_with_an_adapter(launch_bound: int | None, layout: str,
-                                                         chunk_size: int) -> None:
+                                                         chunk_size: int, rows: bool) -> None:
     """One adapter per token: the expand stores (`=`) into an unzeroed delta. Rows of tokens with
     an adapter match the reference, a slot's untargeted slice (rank 0) included, which must read 0;
     rows without one keep what was there (NaN here), and `meta.has_lora` names exactly the others.
-    Decode-sized (16) and prefill-sized (64) chunks, both B layouts."""
-    from lorafleet.kernels.triton_lora import launch_expand, launch_shrink, plan_lora_triton
+    Decode-sized (16) and prefill-sized (64) chunks, both B layouts; the expand a row at a time."""
+    from lorafleet.kernels.triton_lora import launch_expand, launch_shrink, pick_config, plan_lora_triton
 
     g = torch.Generator().manual_seed(21)
     tokens, slots, d_in, outs = 40, 5, 48, [700, 300]
@@ -443,7 +494,11 @@ def test_storing_expand_writes_only_rows_with_an_adapter(launch_bound: int | Non
         meta.launch_chunks = max(launch_bound, meta.num_chunks)
     x = torch.randn(tokens, d_in, generator=g).to(DEVICE)
     delta = torch.full((tokens, sum(outs)), float("nan"), device=DEVICE)
-    plan = plan_lora_triton(x, lora_a, lora_b, ranks_dev, meta)
+    config = None
+    if rows:  # 256 columns a program: 700 ends inside a tile
+        config = replace(pick_config(meta.num_chunks, len(outs), d_in, chunk_size), expand_rows=True, block_n=256,
+                         n_per_prog=256)
+    plan = plan_lora_triton(x, lora_a, lora_b, ranks_dev, meta, config)
     assert plan is not None
     launch_shrink(plan)
     launch_expand(plan, delta, store=True)
@@ -519,11 +574,11 @@ for pdl in (False, True):
     # it); the storing expand.
     for atomic, early, store in ((True, False, False), (False, True, False), (False, False, False),
                                  (False, False, True)):
-        for rank_major in (False, True):
+        for rank_major, rows in ((False, False), (True, False), (False, True), (True, True)):
             k = compile_(tk._lora_expand_kernel, expand,
-                         dict(R_MAX=16, R_PAD=16, R_BLOCK=16, B_RANK_MAJOR=rank_major, BLOCK_M=16, BLOCK_N=128,
-                              N_PER_PROG=512, UPCAST=False, IEEE=False, ATOMIC=atomic, PDL=pdl, Y_EARLY=early,
-                              STORE=store), stages=3)
+                         dict(R_MAX=16, R_PAD=16, R_BLOCK=16, B_RANK_MAJOR=rank_major, BLOCK_M=16,
+                              BLOCK_N=256 if rows else 128, N_PER_PROG=256 if rows else 512, UPCAST=False,
+                              IEEE=False, ATOMIC=atomic, PDL=pdl, Y_EARLY=early, STORE=store, ROWS=rows), stages=3)
             ptx = k.asm["ptx"]
             assert bool(re.search(r"\b(atom|red)\.global", ptx)) == atomic, "atomics only for k > 1"
             # PDL: every program waits for the shrink, those with nothing to do too (the kernels
@@ -587,18 +642,21 @@ def test_bf16_real_shapes(module: str, tokens: int, k: int, adapters: int, layou
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("module", sorted(MODULES))
-@pytest.mark.parametrize("block_k,stages,rows", [(512, 2, False), (1024, 2, False), (256, 3, True), (512, 3, True)])
-def test_bf16_wide_k_tiles(module: str, block_k: int, stages: int, rows: bool) -> None:
+@pytest.mark.parametrize("block_k,stages,rows,expand_rows", [(512, 2, False, False), (1024, 2, False, False),
+                                                             (256, 3, True, False), (512, 3, True, False),
+                                                             (256, 3, True, True)])
+def test_bf16_wide_k_tiles(module: str, block_k: int, stages: int, rows: bool, expand_rows: bool) -> None:
     """The shrink with K tiles that cover most of a split, or a row at a time (one token a chunk, 64
-    adapters, ranks mixed): same tolerance as above, on every module, empty splits included (down,
-    split 8)."""
+    adapters, ranks mixed), the expand too: same tolerance as above, on every module, empty splits
+    included (down, split 8)."""
     d_in, outs = MODULES[module]
     slots, tokens = 64, 64
     rank_cycle = [16, 8, 0, 16, 1, 7]
     ranks = [[rank_cycle[(s + i) % len(rank_cycle)] for s in range(slots)] for i in range(len(outs))]
     token_slots = torch.randperm(slots, generator=torch.Generator().manual_seed(block_k))[:tokens, None]
-    config = LoraKernelConfig(split_k=8 if d_in > 4096 else 4, block_k=block_k, block_n=128, n_per_prog=512,
-                              shrink_warps=2, num_stages=stages, shrink_rows=rows)
+    config = LoraKernelConfig(split_k=8 if d_in > 4096 else 4, block_k=block_k, block_n=256 if expand_rows else 128,
+                              n_per_prog=256 if expand_rows else 512, shrink_warps=2, num_stages=stages,
+                              shrink_rows=rows, expand_rows=expand_rows)
     y0, y_ref, y_tri = run_both(3, tokens, 1, d_in, outs, ranks, token_slots, torch.bfloat16, config=config,
                                 device="cuda", layout="rank_major")
     err = rel_err(y_tri.float() - y0.float(), y_ref.float() - y0.float())
