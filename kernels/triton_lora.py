@@ -152,8 +152,8 @@ SHRINK_ROWS: tuple[int, int] | tuple[()] = (256, 4)
 # Alone (64 tokens on 64 adapters, the storing expand, lora-parts-expand-rows2-h200.json) 7-14%
 # faster than the tl.dot expand and the pair 5-22% faster (qkv 17.16 -> 14.61 µs, o 11.16 -> 8.73);
 # in the engine at batch 64 with 64 adapters 0.771/0.769 -> 0.780/0.780 of base-only (256 columns,
-# 1 warp: 0.780/0.779; 1024, 4: 0.781/0.784), 8 adapters unchanged (docs/benchmarks.md, thirteenth
-# session).
+# 1 warp: 0.780/0.779; 1024, 4: 0.781/0.784); 8 adapters (16 chunks) never take it
+# (docs/benchmarks.md, thirteenth session).
 EXPAND_ROWS: tuple[int, int] | tuple[()] = (512, 2)
 
 
