@@ -297,8 +297,8 @@ def _expand_rows(y_cols, bt, n_mask, p_cols, r_mask, r_load, offs_m, tok, scale,
     for each pair m of the chunk. bt `[R_BLOCK, BLOCK_N]` fp32 (zero past the true rank); tok and
     scale are the chunk's `[BLOCK_M]` vectors (offs_m: their pairs), picked a row at a time in
     registers. With Y_EARLY the first row's y is loaded before `gdc_wait`."""
-    tok0 = tl.sum(tl.where(offs_m == start, tok, 0))
     if Y_EARLY:
+        tok0 = tl.sum(tl.where(offs_m == start, tok, 0))
         cur0 = tl.load(y_cols + tok0 * stride_yt, mask=n_mask, other=0.0).to(tl.float32)
     if PDL:  # launched early (programmatic dependent launch): wait for the shrink's partials
         tl.extra.cuda.gdc_wait()

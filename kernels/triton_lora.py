@@ -106,7 +106,8 @@ def pick_config(
     (`expand_rows`, one B tile of EXPAND_ROWS[0] columns a program) when EXPAND_ROWS is."""
     many = num_chunks > SHRINK_FEW_CHUNKS
     block_k = SHRINK_BLOCK_K[many] if chunk_size <= 16 else 64
-    rows = bool(SHRINK_ROWS) and one_pair and chunk_size <= 16
+    decode_rows = one_pair and chunk_size <= 16  # where either launch may run a row at a time
+    rows = bool(SHRINK_ROWS) and decode_rows
     shrink_warps = SHRINK_WARPS[many]
     if rows:
         block_k, shrink_warps = SHRINK_ROWS
@@ -116,7 +117,7 @@ def pick_config(
     n_per_prog = 128 if num_chunks <= 4 else WIDE_EXPAND[1] if wide else 256
     block_n = 128 if chunk_size <= 16 else 64
     expand_warps = 4
-    expand_rows = bool(EXPAND_ROWS) and one_pair and chunk_size <= 16
+    expand_rows = bool(EXPAND_ROWS) and decode_rows
     if expand_rows:
         block_n = n_per_prog = EXPAND_ROWS[0]
         expand_warps = EXPAND_ROWS[1]
