@@ -267,29 +267,29 @@ def _lora_expand_kernel(
         _expand_rows(y_ptr + col0 + offs_n, bt.to(tl.float32), n_mask, part_ptr + s * R_PAD + offs_r, r_mask,
                      r_load, offs_m, tok, scale, start, end, SPLIT_K, stride_yt, stride_ps, stride_pm, ATOMIC, PDL,
                      Y_EARLY, STORE)
-        return
-    mask = m_mask[:, None] & n_mask[None, :]
-    if Y_EARLY:
-        cur = tl.load(y_rows + offs_n[None, :], mask=mask, other=0.0)
-    else:
-        cur = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # unused
-    p = part_ptr + offs_m[:, None].to(tl.int64) * stride_pm + s * R_PAD + offs_r[None, :]
-    if PDL:  # launched early (programmatic dependent launch): wait for the shrink's partials
-        tl.extra.cuda.gdc_wait()
-    h = tl.zeros((BLOCK_M, R_BLOCK), dtype=tl.float32)
-    for sp in range(0, SPLIT_K):
-        h += tl.load(p + sp * stride_ps, mask=m_mask[:, None] & r_load[None, :], other=0.0)
-    h = tl.where(r_mask[None, :], h * scale[:, None], 0.0)
-    if not UPCAST:
-        h = h.to(b0_ptr.dtype.element_ty)
+    else:  # (not after a return: the tl.dot path must not be compiled with ROWS' rank tiles below 16)
+        mask = m_mask[:, None] & n_mask[None, :]
+        if Y_EARLY:
+            cur = tl.load(y_rows + offs_n[None, :], mask=mask, other=0.0)
+        else:
+            cur = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # unused
+        p = part_ptr + offs_m[:, None].to(tl.int64) * stride_pm + s * R_PAD + offs_r[None, :]
+        if PDL:  # launched early (programmatic dependent launch): wait for the shrink's partials
+            tl.extra.cuda.gdc_wait()
+        h = tl.zeros((BLOCK_M, R_BLOCK), dtype=tl.float32)
+        for sp in range(0, SPLIT_K):
+            h += tl.load(p + sp * stride_ps, mask=m_mask[:, None] & r_load[None, :], other=0.0)
+        h = tl.where(r_mask[None, :], h * scale[:, None], 0.0)
+        if not UPCAST:
+            h = h.to(b0_ptr.dtype.element_ty)
 
-    _write_tile(y_rows + offs_n[None, :], _dot(h, bt, IEEE), mask, cur, Y_EARLY, ATOMIC, STORE)
-    for n0 in range(n_lo + BLOCK_N, n_hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < n_hi
-        bt = _load_b_tile(b_base, offs_n, n_mask, r_mask, r_load, R_MAX, B_RANK_MAJOR, UPCAST)
-        acc = _dot(h, bt, IEEE)
-        _write_tile(y_rows + offs_n[None, :], acc, m_mask[:, None] & n_mask[None, :], acc, False, ATOMIC, STORE)
+        _write_tile(y_rows + offs_n[None, :], _dot(h, bt, IEEE), mask, cur, Y_EARLY, ATOMIC, STORE)
+        for n0 in range(n_lo + BLOCK_N, n_hi, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < n_hi
+            bt = _load_b_tile(b_base, offs_n, n_mask, r_mask, r_load, R_MAX, B_RANK_MAJOR, UPCAST)
+            acc = _dot(h, bt, IEEE)
+            _write_tile(y_rows + offs_n[None, :], acc, m_mask[:, None] & n_mask[None, :], acc, False, ATOMIC, STORE)
 
 
 @triton.jit

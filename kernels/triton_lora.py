@@ -177,6 +177,12 @@ class LoraLaunch:
     r_max: int
     r_pad: int
     r_blocks: int
+    # The rank tile of the row-at-a-time modes: the step's rank bound rounded up to a power of two
+    # (the shrink's at most BLOCK_R, one rank block of the grid). A rank-8 step in a rank-64 pool
+    # then holds and multiplies 8 rows, not BLOCK_R = 16 with half masked: on the H200 that cost
+    # the expand of 64 tokens on 64 adapters 23-27% over the same step in a rank-8 pool, whose
+    # R_MAX = 8 let the compiler drop the masked rows (docs/benchmarks.md, fourteenth session).
+    rows_rank: int
     n_slices: int
     b_layout: str  # lora_ops.lora_b_layout of every slice
     upcast: bool
@@ -225,7 +231,9 @@ def plan_lora_triton(
     if pdl is None:
         pdl = pdl_supported_for(x)
     cfg = config or pick_config(meta.num_chunks, n_slices, in_features, meta.chunk_size, meta.one_pair_chunks)
-    # Rank tiles cover the step's largest true rank (meta.rank_bound), not the pool's r_max.
+    # Rank tiles cover the step's largest true rank (meta.rank_bound), not the pool's r_max; the
+    # partials keep BLOCK_R-multiple columns (tl.dot's), the row-at-a-time modes, which need no
+    # tl.dot, tiles of only the bound's power of two (`rows_rank`, see LoraLaunch).
     r_eff = r_max if meta.rank_bound is None else max(1, min(r_max, meta.rank_bound))
     r_blocks = triton.cdiv(r_eff, BLOCK_R)
     r_pad = r_blocks * BLOCK_R
@@ -233,7 +241,8 @@ def plan_lora_triton(
     part = torch.empty((cfg.split_k, num_pairs, n_slices * r_pad), dtype=torch.float32, device=x.device)
     return LoraLaunch(
         x=x, lora_a=lora_a, lora_b=list(lora_b), ranks_device=ranks_device.to(torch.int32).contiguous(),
-        meta=meta, cfg=cfg, part=part, r_max=r_max, r_pad=r_pad, r_blocks=r_blocks, n_slices=n_slices,
+        meta=meta, cfg=cfg, part=part, r_max=r_max, r_pad=r_pad, r_blocks=r_blocks,
+        rows_rank=triton.next_power_of_2(r_eff), n_slices=n_slices,
         b_layout=layout, upcast=interp or x.dtype == torch.float32,
         ieee=x.dtype == torch.float32 and not interp, pdl=pdl,
     )
@@ -278,7 +287,7 @@ def launch_shrink(plan: LoraLaunch, zero: torch.Tensor | None = None) -> None:
         R_BLOCKS=plan.r_blocks,
         BLOCK_M=meta.chunk_size,
         BLOCK_K=cfg.block_k,
-        BLOCK_RANK=BLOCK_R,
+        BLOCK_RANK=min(plan.rows_rank, BLOCK_R) if cfg.shrink_rows else BLOCK_R,
         UPCAST=plan.upcast,
         IEEE=plan.ieee,
         PDL=plan.pdl,
@@ -331,7 +340,7 @@ def launch_expand(plan: LoraLaunch, y: torch.Tensor, store: bool = False) -> Non
         plan.part.stride(1),
         R_MAX=plan.r_max,
         R_PAD=r_pad,
-        R_BLOCK=triton.next_power_of_2(r_pad),
+        R_BLOCK=plan.rows_rank if cfg.expand_rows else triton.next_power_of_2(r_pad),
         B_RANK_MAJOR=plan.b_layout != "out_major",
         BLOCK_M=meta.chunk_size,
         BLOCK_N=cfg.block_n,

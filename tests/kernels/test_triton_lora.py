@@ -592,6 +592,14 @@ for pdl in (False, True):
             # PDL: every program waits for the shrink, those with nothing to do too (the kernels
             # behind the expand may take its completion for the shrink's)
             assert ptx.count("griddepcontrol.wait") >= (2 if pdl else 0) and (pdl or "griddepcontrol" not in ptx)
+# The row-at-a-time modes' rank tiles follow the step's rank bound, below tl.dot's 16 too.
+for r_tile in (1, 8):
+    compile_(tk._lora_shrink_kernel, shrink, dict(R_MAX=64, R_PAD=16, R_BLOCKS=1, BLOCK_M=16, BLOCK_K=256,
+                                                  BLOCK_RANK=r_tile, UPCAST=False, IEEE=False, PDL=True, ZERO=False,
+                                                  ZERO_BLOCK=1024, ROWS=True), stages=3)
+    compile_(tk._lora_expand_kernel, expand, dict(R_MAX=64, R_PAD=16, R_BLOCK=r_tile, B_RANK_MAJOR=True, BLOCK_M=16,
+                                                  BLOCK_N=512, N_PER_PROG=512, UPCAST=False, IEEE=False, ATOMIC=False,
+                                                  PDL=True, Y_EARLY=True, STORE=False, ROWS=True), warps=2, stages=3)
 print("ok")
 """
 
@@ -794,13 +802,19 @@ def _side_stream_case(captured: bool, slots: int, max_chunks: int = 16) -> None:
         assert rel_err(got.float() - base.float(), ref.float() - base.float()) < 1e-2
 
 
+ROWS_CONFIG = LoraKernelConfig(split_k=2, block_k=32, block_n=64, n_per_prog=64, shrink_rows=True, expand_rows=True)
+
+
+@pytest.mark.parametrize("config", [None, ROWS_CONFIG], ids=["picked", "rows"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("k", [1, 2])
-def test_rank_bound_sizes_tiles_to_the_step_not_the_pool(layout: str, k: int) -> None:
-    """A rank-64 pool whose active slots have ranks <= 7 (or <= 16): with meta.rank_bound set to
-    that bound the kernels compute rank-bound tiles and still match the reference."""
+def test_rank_bound_sizes_tiles_to_the_step_not_the_pool(layout: str, k: int, config) -> None:
+    """A rank-64 pool whose active slots have ranks <= 1, 3, 7 or 16: with meta.rank_bound set to
+    that bound the kernels compute rank-bound tiles (the row-at-a-time modes: 1, 4, 8 and 16 rows)
+    and still match the reference."""
     g = torch.Generator().manual_seed(11 + k)
-    for bound, ranks in ((7, [[7, 3, 0, 1], [5, 7, 2, 0]]), (16, [[16, 9, 1, 16], [8, 16, 0, 3]])):
+    for bound, ranks in ((1, [[1, 0, 1, 1], [1, 1, 0, 1]]), (3, [[3, 1, 0, 2], [2, 3, 3, 0]]),
+                         (7, [[7, 3, 0, 1], [5, 7, 2, 0]]), (16, [[16, 9, 1, 16], [8, 16, 0, 3]])):
         slots = len(ranks[0])
         lora_a, lora_b = make_weights(g, slots, 64, 48, [40, 24], ranks, torch.float32, DEVICE, layout)
         token_slots = mapping("random_with_none", g, 21, k, slots)
@@ -811,5 +825,5 @@ def test_rank_bound_sizes_tiles_to_the_step_not_the_pool(layout: str, k: int) ->
         ranks_dev = torch.tensor(ranks, dtype=torch.int32, device=DEVICE)
         y_ref, y_tri = y.clone(), y.clone()
         add_lora(y_ref, x, lora_a, lora_b, ranks, ranks_dev, meta, "torch")
-        add_lora_triton(y_tri, x, lora_a, lora_b, ranks_dev, meta)
+        add_lora_triton(y_tri, x, lora_a, lora_b, ranks_dev, meta, config=config)
         torch.testing.assert_close(y_tri, y_ref, **TOL[torch.float32])
