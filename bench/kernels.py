@@ -44,7 +44,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from lorafleet.kernels.lora_ops import LoraMeta, add_lora, build_lora_meta, new_lora_a, new_lora_b
+from lorafleet.kernels.lora_ops import LoraMeta, add_lora, build_lora_meta, new_lora_b
 from lorafleet.kernels.pdl import pdl_supported
 from lorafleet.kernels.triton_lora import LoraKernelConfig, add_lora_triton, pick_config
 from lorafleet.worker.cuda_graphs import chunk_class
@@ -70,9 +70,7 @@ class Case:
     rank: int
     pool_rank: int
     k: int = 1
-    # "rank_major": B as worker/lora/slots.py stores it, A contiguous; "out_major": B contiguous
-    # [S, out, r]; "rank_outer": A and B in [r, S, dim] memory (lora_ops.new_lora_b(rank_outer=True))
-    b_layout: str = "rank_major"
+    b_layout: str = "rank_major"  # as worker/lora/slots.py stores B; "out_major" = contiguous [S, out, r]
 
 
 def main_cases(quick: bool) -> list[Case]:
@@ -158,9 +156,6 @@ def make_case_inputs(
         ]
         if case.b_layout == "rank_major":
             lora_b = [store_rank_major(b) for b in lora_b]
-        elif case.b_layout == "rank_outer":
-            lora_a = [_stored(new_lora_a, a, rank_outer=True) for a in lora_a]
-            lora_b = [_stored(new_lora_b, b, rank_outer=True) for b in lora_b]
         x = torch.randn(case.tokens, d_in, device=DEVICE, dtype=DTYPE)
         y = torch.randn(case.tokens, sum(outs), device=DEVICE, dtype=DTYPE)
         sets.append(Inputs(x, y, lora_a, lora_b))
@@ -203,13 +198,8 @@ def adapter_bytes(case: Case) -> int:
 
 def store_rank_major(b: torch.Tensor) -> torch.Tensor:
     """The same values in the slot pool's layout (`new_lora_b`: rank-major memory)."""
-    return _stored(new_lora_b, b)
-
-
-def _stored(new: Callable[..., torch.Tensor], t: torch.Tensor, rank_outer: bool = False) -> torch.Tensor:
-    """`t`'s values in a stack `new` (`new_lora_a` / `new_lora_b`) allocates."""
-    stored = new(*t.shape, device=t.device, dtype=t.dtype, rank_outer=rank_outer)
-    stored.copy_(t)
+    stored = new_lora_b(b.shape[0], b.shape[1], b.shape[2], device=b.device, dtype=b.dtype)
+    stored.copy_(b)
     return stored
 
 

@@ -162,8 +162,6 @@ def _lora_expand_kernel(
     # strides
     stride_yt,
     stride_rs,
-    stride_bs_out,
-    stride_br_out,
     stride_ps,
     stride_pm,
     # meta-parameters
@@ -186,9 +184,8 @@ def _lora_expand_kernel(
 
     One program: one chunk × N_PER_PROG columns of one slice, in BLOCK_N tiles, so the chunk's
     rank-r activations are summed over the splits once and reused for every tile.
-    y `[T, Σout]` (unit stride in columns); B_s indexed `[S, OUT_s, R_MAX]`, its slot stride
-    OUT_s · stride_bs_out; with B_RANK_MAJOR stride 1 along n and OUT_s · stride_br_out along r
-    (rank-major: R_MAX and 1; rank-outer: 1 and S), else contiguous (stride_bs_out = R_MAX).
+    y `[T, Σout]` (unit stride in columns); B_s indexed `[S, OUT_s, R_MAX]`: rank-major memory
+    (stride 1 along n, OUT_s along r) when B_RANK_MAJOR, else contiguous.
     STORE (k = 1 only): `=` instead of `+=`, y not read; a slot with rank 0 for the slice stores
     zeros. Rows of tokens in no chunk are left as they were.
     Y_EARLY: the first tile's y is loaded before `gdc_wait` (not with STORE or ATOMIC, nor when the
@@ -253,9 +250,9 @@ def _lora_expand_kernel(
         r_load = r_mask
     else:
         r_load = offs_r < (rank + 7) // 8 * 8
-    b_slot = b_ptr + slot.to(tl.int64) * out * stride_bs_out
+    b_slot = b_ptr + slot.to(tl.int64) * out * R_MAX
     if B_RANK_MAJOR:
-        b_base = b_slot + offs_r[:, None].to(tl.int64) * out * stride_br_out  # [R_BLOCK, 1]
+        b_base = b_slot + offs_r[:, None].to(tl.int64) * out  # [R_BLOCK, 1]
     else:
         b_base = b_slot + offs_r[:, None]
     # The first tile's B (weights, never written by the shrink) and, with Y_EARLY, its y rows are

@@ -240,41 +240,25 @@ def build_lora_meta(
     )
 
 
-def new_lora_a(
-    num_slots: int, r_max: int, d_in: int, *, device: torch.device | str, dtype: torch.dtype, rank_outer: bool = False
-) -> torch.Tensor:
-    """A zeroed A stack indexed `[S, r_max, in]`: contiguous, or with rank_outer `[r_max, S, in]`
-    memory (see `new_lora_b`)."""
-    if rank_outer:
-        return torch.zeros(r_max, num_slots, d_in, device=device, dtype=dtype).transpose(0, 1)
-    return torch.zeros(num_slots, r_max, d_in, device=device, dtype=dtype)
-
-
 def new_lora_b(
-    num_slots: int, out: int, r_max: int, *, device: torch.device | str, dtype: torch.dtype, rank_outer: bool = False
+    num_slots: int, out: int, r_max: int, *, device: torch.device | str, dtype: torch.dtype
 ) -> torch.Tensor:
     """A zeroed B stack indexed `[S, out, r_max]` with rank-major memory (`[S, r_max, out]` storage).
 
     A slot's rank-r rows are then one contiguous block of r·out values; write them through the
     view (`b[slot, :, :r].copy_(m.b)`) or the storage (`b.transpose(1, 2)[slot, :r].copy_(m.b.T)`).
-    rank_outer: `[r_max, S, out]` storage instead: rank row j of every slot side by side, so the
-    rows a rank-r adapter uses lie in the first r/r_max of the stack whatever r_max is, as in a
-    rank-r pool (rank-major spreads them over the whole stack, one block every slot stride).
     """
-    if rank_outer:
-        return torch.zeros(r_max, num_slots, out, device=device, dtype=dtype).permute(1, 2, 0)
     return torch.zeros(num_slots, r_max, out, device=device, dtype=dtype).transpose(1, 2)
 
 
 def lora_b_layout(b: torch.Tensor) -> str | None:
-    """"out_major" (contiguous `[S, out, r_max]`), "rank_major" (`new_lora_b`: `[S, r_max, out]`
-    memory), "rank_outer" (`[r_max, S, out]` memory), or None (other strides)."""
-    num_slots, out, r_max = b.shape
-    if b.stride(1) == 1 and b.stride(2) == out and b.stride(0) == out * r_max:
+    """"out_major" (contiguous `[S, out, r_max]`), "rank_major" (`new_lora_b`), or None (other strides)."""
+    _, out, r_max = b.shape
+    if b.stride(0) != out * r_max:
+        return None
+    if b.stride(1) == 1 and b.stride(2) == out:
         return "rank_major"
-    if b.stride(1) == 1 and b.stride(0) == out and b.stride(2) == num_slots * out:
-        return "rank_outer"
-    if b.stride(2) == 1 and b.stride(1) == r_max and b.stride(0) == out * r_max:
+    if b.stride(2) == 1 and b.stride(1) == r_max:
         return "out_major"
     return None
 

@@ -179,12 +179,12 @@ class LoraLaunch:
     r_blocks: int
     # The rank tile of the row-at-a-time modes: the step's rank bound rounded up to a power of two
     # (the shrink's at most BLOCK_R, one rank block of the grid). A rank-8 step in a rank-64 pool
-    # then holds and multiplies 8 rows, not BLOCK_R = 16 with half masked: on the H200 that cost
-    # the expand of 64 tokens on 64 adapters 23-27% over the same step in a rank-8 pool, whose
-    # R_MAX = 8 let the compiler drop the masked rows (docs/benchmarks.md, fourteenth session).
+    # then holds and multiplies 8 rows, not BLOCK_R = 16 with half masked: on the H200 that made
+    # 64 tokens on 64 adapters 9-27% slower than the same step in a rank-8 pool, whose R_MAX = 8
+    # let the compiler drop the masked rows (docs/benchmarks.md, fourteenth session).
     rows_rank: int
     n_slices: int
-    b_layout: str  # lora_ops.lora_b_layout of every slice
+    b_rank_major: bool
     upcast: bool
     ieee: bool
     pdl: bool
@@ -220,13 +220,11 @@ def plan_lora_triton(
         raise ValueError(f"ranks_device must be [n_slices={n_slices}, S={lora_a[0].shape[0]}] int32")
     if x.stride(1) != 1:
         raise ValueError("x needs unit stride along features")
-    if len({a.stride() for a in lora_a}) != 1 or lora_a[0].stride(2) != 1:  # one set of strides for all
-        lora_a = [a.contiguous() for a in lora_a]
+    lora_a = [a if a.is_contiguous() else a.contiguous() for a in lora_a]
     layouts = {lora_b_layout(b) for b in lora_b}
-    if len(layouts) != 1 or None in layouts:  # mixed or odd strides: copy (slow path)
+    if layouts not in ({"rank_major"}, {"out_major"}):  # mixed or odd strides: copy (slow path)
         lora_b = [b.contiguous() for b in lora_b]
         layouts = {"out_major"}
-    (layout,) = layouts
     interp = interpreting()
     if pdl is None:
         pdl = pdl_supported_for(x)
@@ -243,7 +241,7 @@ def plan_lora_triton(
         x=x, lora_a=lora_a, lora_b=list(lora_b), ranks_device=ranks_device.to(torch.int32).contiguous(),
         meta=meta, cfg=cfg, part=part, r_max=r_max, r_pad=r_pad, r_blocks=r_blocks,
         rows_rank=triton.next_power_of_2(r_eff), n_slices=n_slices,
-        b_layout=layout, upcast=interp or x.dtype == torch.float32,
+        b_rank_major=layouts == {"rank_major"}, upcast=interp or x.dtype == torch.float32,
         ieee=x.dtype == torch.float32 and not interp, pdl=pdl,
     )
 
@@ -334,14 +332,12 @@ def launch_expand(plan: LoraLaunch, y: torch.Tensor, store: bool = False) -> Non
         cfg.split_k,
         y.stride(0),
         plan.ranks_device.stride(0),
-        b[0].stride(0) // outs[0],  # the slot and rank strides in units of each slice's out
-        b[0].stride(2) // outs[0] if plan.b_layout != "out_major" else 1,
         plan.part.stride(0),
         plan.part.stride(1),
         R_MAX=plan.r_max,
         R_PAD=r_pad,
         R_BLOCK=plan.rows_rank if cfg.expand_rows else triton.next_power_of_2(r_pad),
-        B_RANK_MAJOR=plan.b_layout != "out_major",
+        B_RANK_MAJOR=plan.b_rank_major,
         BLOCK_M=meta.chunk_size,
         BLOCK_N=cfg.block_n,
         N_PER_PROG=n_per_prog,

@@ -25,13 +25,12 @@ from lorafleet.kernels.lora_ops import (
     build_lora_meta,
     linear_lora_deferred,
     lora_b_layout,
-    new_lora_a,
     new_lora_b,
 )
 from lorafleet.kernels.pdl import pdl_supported
 from lorafleet.kernels.triton_lora import LoraKernelConfig, add_lora_triton
 
-LAYOUTS = ["out_major", "rank_major", "rank_outer"]
+LAYOUTS = ["out_major", "rank_major"]
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -51,8 +50,7 @@ def make_weights(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Stacked slot weights; the padding past each slot's true rank is NaN, so reading it shows.
 
-    layout "rank_major": B in `new_lora_b` memory (the slot pool's), same values; "rank_outer": A
-    and B in `new_lora_a` / `new_lora_b(rank_outer=True)` memory.
+    layout "rank_major": B in `new_lora_b` memory (the slot pool's), same values.
     """
     lora_a, lora_b = [], []
     for out, slice_ranks in zip(outs, ranks):
@@ -61,16 +59,11 @@ def make_weights(
         for slot, r in enumerate(slice_ranks):
             a[slot, r:] = float("nan")
             b[slot, :, r:] = float("nan")
-        if layout == "rank_outer":
-            stored_a = new_lora_a(slots, r_max, d_in, device=device, dtype=dtype, rank_outer=True)
-            stored_a.copy_(a)
-            lora_a.append(stored_a)
-        else:
-            lora_a.append(a.to(device=device, dtype=dtype))
-        if layout in ("rank_major", "rank_outer"):
-            stored = new_lora_b(slots, out, r_max, device=device, dtype=dtype, rank_outer=layout == "rank_outer")
+        lora_a.append(a.to(device=device, dtype=dtype))
+        if layout == "rank_major":
+            stored = new_lora_b(slots, out, r_max, device=device, dtype=dtype)
             stored.copy_(b)
-            assert lora_b_layout(stored) == layout or slots == 1
+            assert lora_b_layout(stored) == "rank_major"
             lora_b.append(stored)
         else:
             lora_b.append(b.to(device=device, dtype=dtype))
@@ -571,8 +564,7 @@ shrink = {"x_ptr": p, "a0_ptr": p, "a1_ptr": p, "a2_ptr": p, **ptrs, "part_ptr":
                               "stride_ps", "stride_pm")}}
 expand = {"y_ptr": p, "b0_ptr": p, "b1_ptr": p, "b2_ptr": p, **ptrs, "sorted_scale_ptr": "*fp32",
           "part_ptr": "*fp32", **{n: i32 for n in ("OUT0", "OUT1", "OUT2", "GROUPS0", "GROUPS1", "SPLIT_K",
-                                                   "stride_yt", "stride_rs", "stride_bs_out", "stride_br_out",
-                                                   "stride_ps", "stride_pm")}}
+                                                   "stride_yt", "stride_rs", "stride_ps", "stride_pm")}}
 for pdl in (False, True):
     for zero, rows in ((False, False), (True, False), (False, True), (True, True)):
         compile_(tk._lora_shrink_kernel, shrink, dict(R_MAX=16, R_PAD=16, R_BLOCKS=1, BLOCK_M=16, BLOCK_K=128, BLOCK_RANK=16,
