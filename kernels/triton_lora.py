@@ -70,6 +70,7 @@ class LoraKernelConfig:
     num_stages: int = 3
     shrink_rows: bool = False  # the shrink's multiply-and-sum a row (lora_kernels, ROWS) instead of tl.dot
     expand_rows: bool = False  # the expand's likewise, one B tile a program (n_per_prog == block_n)
+    expand_maxnreg: int | None = None  # registers a thread the expand may hold (ptxas' cap); None = its choice
 
     def __post_init__(self) -> None:
         # Checked here, not by Triton: the interpreter takes a K tile below 16, the compiler does
@@ -87,6 +88,9 @@ class LoraKernelConfig:
                 raise ValueError(f"{name} must be a power of two, got {v}")
         if self.split_k < 1 or self.n_per_prog < 1 or self.num_stages < 1:
             raise ValueError(f"split_k, n_per_prog and num_stages must be >= 1: {self}")
+        if self.expand_maxnreg is not None and (type(self.expand_maxnreg) is not int
+                                                or not 32 <= self.expand_maxnreg <= 255):
+            raise ValueError(f"expand_maxnreg must be None or an int in [32, 255], got {self.expand_maxnreg!r}")
         if self.expand_rows and self.n_per_prog != self.block_n:
             raise ValueError(f"a row-at-a-time expand takes one B tile a program: n_per_prog == block_n, got {self}")
 
@@ -103,7 +107,8 @@ def pick_config(
 
     one_pair: the step has one-pair chunks (`LoraMeta.one_pair_chunks`): the shrink then runs a
     multiply-and-sum a row (`shrink_rows`) when SHRINK_ROWS is set, and the expand likewise
-    (`expand_rows`, one B tile of EXPAND_ROWS[0] columns a program) when EXPAND_ROWS is."""
+    (`expand_rows`, one B tile of EXPAND_ROWS[0] columns a program, EXPAND_ROWS[1] warps, at most
+    EXPAND_ROWS[2] registers a thread where given) when EXPAND_ROWS is."""
     many = num_chunks > SHRINK_FEW_CHUNKS
     block_k = SHRINK_BLOCK_K[many] if chunk_size <= 16 else 64
     decode_rows = one_pair and chunk_size <= 16  # where either launch may run a row at a time
@@ -118,13 +123,15 @@ def pick_config(
     block_n = 128 if chunk_size <= 16 else 64
     expand_warps = 4
     expand_rows = bool(EXPAND_ROWS) and decode_rows
+    maxnreg = None
     if expand_rows:
         block_n = n_per_prog = EXPAND_ROWS[0]
         expand_warps = EXPAND_ROWS[1]
+        maxnreg = EXPAND_ROWS[2] if len(EXPAND_ROWS) > 2 else None
     return LoraKernelConfig(
         split_k=split_k, block_k=block_k, block_n=block_n, n_per_prog=max(n_per_prog, block_n),
         shrink_warps=shrink_warps, expand_warps=expand_warps, num_stages=NUM_STAGES[many], shrink_rows=rows,
-        expand_rows=expand_rows,
+        expand_rows=expand_rows, expand_maxnreg=maxnreg,
     )
 
 
@@ -149,13 +156,16 @@ SHRINK_FEW_CHUNKS = 16
 # 0.764/0.762 of base-only with K tile 256 (512: 0.756/0.755; 256 with 2 warps: 0.755), 8
 # adapters unchanged (docs/benchmarks.md, eighth session).
 SHRINK_ROWS: tuple[int, int] | tuple[()] = (256, 4)
-# The expand a row at a time for a step of one-pair chunks: (columns a program, warps); () = never.
-# Alone (64 tokens on 64 adapters, the storing expand, lora-parts-expand-rows2-h200.json) 7-14%
-# faster than the tl.dot expand and the pair 5-22% faster (qkv 17.16 -> 14.61 µs, o 11.16 -> 8.73);
-# in the engine at batch 64 with 64 adapters 0.771/0.769 -> 0.780/0.780 of base-only (256 columns,
-# 1 warp: 0.780/0.779; 1024, 4: 0.781/0.784); 8 adapters (16 chunks) never take it
-# (docs/benchmarks.md, thirteenth session).
-EXPAND_ROWS: tuple[int, int] | tuple[()] = (512, 2)
+# The expand a row at a time for a step of one-pair chunks: (columns a program, warps[, ptxas'
+# register cap]); () = never. Alone (64 tokens on 64 adapters, the storing expand,
+# lora-parts-expand-rows2-h200.json) 7-14% faster than the tl.dot expand and the pair 5-22% faster
+# (qkv 17.16 -> 14.61 µs, o 11.16 -> 8.73); in the engine at batch 64 with 64 adapters
+# 0.771/0.769 -> 0.780/0.780 of base-only (256 columns, 1 warp: 0.780/0.779; 1024, 4: 0.781/0.784);
+# 8 adapters (16 chunks) never take it (docs/benchmarks.md, thirteenth session). At rank 16 it holds
+# 204 registers a thread; capped at 168 the pair ran 3-8% faster at 64 tokens on 64 adapters and
+# 7-17% on 48 (144 and 192 were slower than 160-176), and in the engine 0.775/0.777 -> 0.779/0.778
+# (fourteenth session).
+EXPAND_ROWS: tuple[int, int] | tuple[int, int, int] | tuple[()] = (512, 2, 168)
 
 
 @dataclass(slots=True)
@@ -349,6 +359,7 @@ def launch_expand(plan: LoraLaunch, y: torch.Tensor, store: bool = False) -> Non
         ROWS=cfg.expand_rows,
         num_warps=cfg.expand_warps,
         num_stages=cfg.num_stages,
+        **({} if cfg.expand_maxnreg is None else {"maxnreg": cfg.expand_maxnreg}),
         **pdl_launch_kwargs(plan.pdl),
     )
 

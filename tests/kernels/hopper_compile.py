@@ -17,7 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-def compile_(fn, sig, const, warps=4, stages=None, divisible=()):
+def compile_(fn, sig, const, warps=4, stages=None, divisible=(), maxnreg=None):
     # Pointers, strides and the sizes named in `divisible` are marked divisible by 16, as the JIT
     # marks them at the seed shape.
     sig = {**sig, **{k: "constexpr" for k in const}}
@@ -26,6 +26,8 @@ def compile_(fn, sig, const, warps=4, stages=None, divisible=()):
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
                     attrs={(i,): [["tt.divisibility", 16]] for i in div})
     options = {"num_warps": warps} if stages is None else {"num_warps": warps, "num_stages": stages}
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 """
 

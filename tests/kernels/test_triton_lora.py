@@ -320,6 +320,10 @@ def test_pick_config_runs_the_expand_a_row_at_a_time_only_where_asked(monkeypatc
     monkeypatch.setattr(triton_lora, "EXPAND_ROWS", (256, 8))
     cfg = triton_lora.pick_config(64, 3, 4096, 16, one_pair=True)
     assert (cfg.expand_rows, cfg.block_n, cfg.n_per_prog, cfg.expand_warps) == (True, 256, 256, 8)
+    assert cfg.expand_maxnreg is None  # no register cap unless EXPAND_ROWS names one
+    monkeypatch.setattr(triton_lora, "EXPAND_ROWS", (256, 8, 168))
+    assert triton_lora.pick_config(64, 3, 4096, 16, one_pair=True).expand_maxnreg == 168
+    assert triton_lora.pick_config(64, 3, 4096, 16).expand_maxnreg is None  # the tl.dot expand: never
     assert not triton_lora.pick_config(64, 3, 4096, 16).expand_rows  # chunks of several pairs
     assert not triton_lora.pick_config(64, 3, 4096, 64, one_pair=True).expand_rows  # prefill chunks
     monkeypatch.setattr(triton_lora, "EXPAND_ROWS", ())
@@ -332,6 +336,8 @@ def test_pick_config_runs_the_expand_a_row_at_a_time_only_where_asked(monkeypatc
     (dict(expand_warps=0), "expand_warps"), (dict(split_k=0), ">= 1"), (dict(n_per_prog=0), ">= 1"),
     (dict(num_stages=0), ">= 1"), (dict(block_k=32.0), "block_k must be an int"),
     (dict(split_k=True), "split_k must be an int"), (dict(expand_rows=True), "n_per_prog == block_n"),
+    (dict(expand_maxnreg=16), "expand_maxnreg"), (dict(expand_maxnreg=256), "expand_maxnreg"),
+    (dict(expand_maxnreg=168.0), "expand_maxnreg"),
 ])
 def test_kernel_config_refuses_what_the_compiler_would(bad: dict, says: str) -> None:
     """A K tile below 16 runs under the interpreter but fails to compile for the GPU (`tl.dot`
@@ -592,6 +598,12 @@ for r_tile in (1, 8):
     compile_(tk._lora_expand_kernel, expand, dict(R_MAX=64, R_PAD=16, R_BLOCK=r_tile, B_RANK_MAJOR=True, BLOCK_M=16,
                                                   BLOCK_N=512, N_PER_PROG=512, UPCAST=False, IEEE=False, ATOMIC=False,
                                                   PDL=True, Y_EARLY=True, STORE=False, ROWS=True), warps=2, stages=3)
+# The row expand under a register cap (LoraKernelConfig.expand_maxnreg): ptxas is told so.
+k = compile_(tk._lora_expand_kernel, expand, dict(R_MAX=16, R_PAD=16, R_BLOCK=16, B_RANK_MAJOR=True, BLOCK_M=16,
+                                                  BLOCK_N=512, N_PER_PROG=512, UPCAST=False, IEEE=False, ATOMIC=False,
+                                                  PDL=True, Y_EARLY=True, STORE=False, ROWS=True), warps=2, stages=3,
+             maxnreg=168)
+assert ".maxnreg 168" in k.asm["ptx"], "the cap reaches the PTX"
 print("ok")
 """
 
@@ -794,7 +806,8 @@ def _side_stream_case(captured: bool, slots: int, max_chunks: int = 16) -> None:
         assert rel_err(got.float() - base.float(), ref.float() - base.float()) < 1e-2
 
 
-ROWS_CONFIG = LoraKernelConfig(split_k=2, block_k=32, block_n=64, n_per_prog=64, shrink_rows=True, expand_rows=True)
+ROWS_CONFIG = LoraKernelConfig(split_k=2, block_k=32, block_n=64, n_per_prog=64, shrink_rows=True, expand_rows=True,
+                               expand_maxnreg=168)
 
 
 @pytest.mark.parametrize("config", [None, ROWS_CONFIG], ids=["picked", "rows"])
