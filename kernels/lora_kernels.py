@@ -116,26 +116,26 @@ def _lora_shrink_kernel(
                 row += tl.sum(at.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
             # Written even when this split's K range is empty, as below.
             tl.store(p_rows + (m - start) * stride_pm, row, mask=r_mask)
-        return
-    x_rows = x_ptr + tok[:, None] * stride_xt  # [BLOCK_M, 1]
-    a_rows = a_ptr + slot.to(tl.int64) * stride_as + offs_r[None, :] * stride_ar  # [1, BLOCK_RANK]
+    else:  # (not after a return: the tl.dot path must not be compiled with ROWS' rank tiles below 16)
+        x_rows = x_ptr + tok[:, None] * stride_xt  # [BLOCK_M, 1]
+        a_rows = a_ptr + slot.to(tl.int64) * stride_as + offs_r[None, :] * stride_ar  # [1, BLOCK_RANK]
 
-    acc = tl.zeros((BLOCK_M, BLOCK_RANK), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_hi
-        xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        at = tl.load(a_rows + offs_k[:, None], mask=k_mask[:, None] & r_mask[None, :], other=0.0)
-        if UPCAST:
-            xt = xt.to(tl.float32)
-            at = at.to(tl.float32)
-        if IEEE:
-            acc += tl.dot(xt, at, input_precision="ieee")
-        else:
-            acc += tl.dot(xt, at)
-    # Written even when this split's K range is empty, so the expand can sum every split.
-    p = part_ptr + pid_k * stride_ps + offs_m[:, None].to(tl.int64) * stride_pm + s * R_PAD + offs_r[None, :]
-    tl.store(p, acc, mask=m_mask[:, None] & r_mask[None, :])
+        acc = tl.zeros((BLOCK_M, BLOCK_RANK), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < k_hi
+            xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            at = tl.load(a_rows + offs_k[:, None], mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+            if UPCAST:
+                xt = xt.to(tl.float32)
+                at = at.to(tl.float32)
+            if IEEE:
+                acc += tl.dot(xt, at, input_precision="ieee")
+            else:
+                acc += tl.dot(xt, at)
+        # Written even when this split's K range is empty, so the expand can sum every split.
+        p = part_ptr + pid_k * stride_ps + offs_m[:, None].to(tl.int64) * stride_pm + s * R_PAD + offs_r[None, :]
+        tl.store(p, acc, mask=m_mask[:, None] & r_mask[None, :])
 
 
 @triton.jit

@@ -12,7 +12,8 @@ Semantics (same as `lora_ops.add_lora_reference`):
 
 Two launches per projection group (all slices in each):
 - shrink: grid (chunks, SPLIT_K, n_slices * rank_blocks). Each program reduces one K range of
-  one 16-wide block of true rank; blocks past the slot's rank exit before loading anything, so a
+  one 16-wide block of true rank (a row at a time: of the step's rank bound's power of two, when
+  that is below 16); blocks past the slot's rank exit before loading anything, so a
   rank-8 adapter in a rank-64 pool reads rank 8. Partials go to `[SPLIT_K, T*k, n_slices*R_PAD]`
   fp32 without atomics; the expand sums them (deterministic, no zeroing launch).
 - expand: grid (chunks, column groups of all slices). Sums the partials once, applies each
@@ -54,7 +55,7 @@ from lorafleet.kernels.lora_ops import LoraMeta, _check_shapes, lora_b_layout
 from lorafleet.kernels.pdl import launch_kwargs as pdl_launch_kwargs
 from lorafleet.kernels.pdl import supported_for as pdl_supported_for
 
-BLOCK_R = 16  # rank block: tl.dot's smallest K / N
+BLOCK_R = 16  # rank block of the tl.dot modes: tl.dot's smallest K (and N before Triton 3.5)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +75,7 @@ class LoraKernelConfig:
 
     def __post_init__(self) -> None:
         # Checked here, not by Triton: the interpreter takes a K tile below 16, the compiler does
-        # not (`tl.dot` needs K >= 16, and the shrink's tl.dot path is compiled with ROWS too).
+        # not (`tl.dot` needs K >= 16; one config serves both modes).
         for name in ("split_k", "block_k", "block_n", "n_per_prog", "shrink_warps", "expand_warps", "num_stages"):
             if type(getattr(self, name)) is not int:
                 raise ValueError(f"{name} must be an int, got {getattr(self, name)!r}")
@@ -191,7 +192,8 @@ class LoraLaunch:
     # (the shrink's at most BLOCK_R, one rank block of the grid). A rank-8 step in a rank-64 pool
     # then holds and multiplies 8 rows, not BLOCK_R = 16 with half masked: on the H200 that made
     # 64 tokens on 64 adapters 9-27% slower than the same step in a rank-8 pool, whose R_MAX = 8
-    # let the compiler drop the masked rows (docs/benchmarks.md, fourteenth session).
+    # let the compiler drop the masked rows (docs/benchmarks.md, fourteenth session). Decode
+    # graphs capture rank classes from 8 up for it (worker/cuda_graphs.py, `rank_class`).
     rows_rank: int
     n_slices: int
     b_rank_major: bool

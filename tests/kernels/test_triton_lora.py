@@ -590,7 +590,9 @@ for pdl in (False, True):
             # PDL: every program waits for the shrink, those with nothing to do too (the kernels
             # behind the expand may take its completion for the shrink's)
             assert ptx.count("griddepcontrol.wait") >= (2 if pdl else 0) and (pdl or "griddepcontrol" not in ptx)
-# The row-at-a-time modes' rank tiles follow the step's rank bound, below tl.dot's 16 too.
+# The row-at-a-time modes' rank tiles follow the step's rank bound, below tl.dot's 16 too: their
+# tl.dot paths sit in `else` branches, not after a `return`, where the code generator still visits
+# them (this Triton refuses the expand's K below 16 there; Triton 3.3-3.4 the shrink's N too).
 for r_tile in (1, 8):
     compile_(tk._lora_shrink_kernel, shrink, dict(R_MAX=64, R_PAD=16, R_BLOCKS=1, BLOCK_M=16, BLOCK_K=256,
                                                   BLOCK_RANK=r_tile, UPCAST=False, IEEE=False, PDL=True, ZERO=False,

@@ -19,7 +19,14 @@ import pytest
 import torch
 
 from lorafleet.worker.config import EngineConfig
-from lorafleet.worker.cuda_graphs import bucket_for, chunk_class, decode_inputs, graph_buckets, is_graphable
+from lorafleet.worker.cuda_graphs import (
+    bucket_for,
+    chunk_class,
+    decode_inputs,
+    graph_buckets,
+    is_graphable,
+    rank_class,
+)
 from lorafleet.worker.engine import LLMEngine
 from lorafleet.worker.scheduler import ScheduledBatch
 from lorafleet.worker.sequence import SamplingParams, Sequence
@@ -191,6 +198,13 @@ def test_static_buffers_match_eager_on_cpu(demo_model, modules):
     _kv_matches(eager, graph)
 
 
+def test_rank_classes_start_at_8_and_stop_at_the_pool_rank() -> None:
+    """Rank-8 (and smaller) steps get their own class, so the row-at-a-time modes run 8-row tiles
+    inside graphs; above it powers of two, never past max_lora_rank."""
+    assert [rank_class(b, 64) for b in (1, 4, 8, 9, 16, 17, 33, 64)] == [8, 8, 8, 16, 16, 32, 64, 64]
+    assert rank_class(4, 4) == 4 and rank_class(12, 12) == 12 and rank_class(20, 24) == 24
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton paths on CPU need TRITON_INTERPRET=1")
 @pytest.mark.parametrize("rows_from", [16, 0])
 def test_triton_paths_with_rank_classes_match_torch_on_cpu(demo_model, modules, monkeypatch, rows_from):
@@ -211,7 +225,7 @@ def test_triton_paths_with_rank_classes_match_torch_on_cpu(demo_model, modules, 
     _compare(_run(eager, REQUESTS), _run(fast, REQUESTS), 1e-4)
     keys = fast.runner.graphs._graphs
     rank_classes = {rank for _, cls, rank, _ in keys if cls}
-    assert rank_classes and all(16 <= r <= 64 for r in rank_classes)
+    assert rank_classes and all(8 <= r <= 64 for r in rank_classes)
     assert {one_pair for _, cls, _, one_pair in keys if cls} == ({True, False} if rows_from == 0 else {False})
     assert any(c.shrink_rows for c in picked) == (rows_from == 0)
     # A graph is captured in its key's mode, not in what its capture meta (every slot -1, the class
