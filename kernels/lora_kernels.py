@@ -249,7 +249,7 @@ def _lora_expand_kernel(
     if B_RANK_MAJOR:
         r_load = r_mask
     else:
-        r_load = offs_r < (rank + 7) // 8 * 8
+        r_load = offs_r < tl.minimum((rank + 7) // 8 * 8, R_MAX)  # within B's row: the last slot's ends B
     b_slot = b_ptr + slot.to(tl.int64) * out * R_MAX
     if B_RANK_MAJOR:
         b_base = b_slot + offs_r[:, None].to(tl.int64) * out  # [R_BLOCK, 1]
