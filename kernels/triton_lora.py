@@ -193,7 +193,7 @@ class LoraLaunch:
     # then holds and multiplies 8 rows, not BLOCK_R = 16 with half masked: on the H200 that made
     # 64 tokens on 64 adapters 9-27% slower than the same step in a rank-8 pool, whose R_MAX = 8
     # let the compiler drop the masked rows (docs/benchmarks.md, fourteenth session). Decode
-    # graphs capture rank classes from 8 up for it (worker/cuda_graphs.py, `rank_class`).
+    # graphs of one-pair steps capture rank classes from 8 up for it (cuda_graphs.rank_class).
     rows_rank: int
     n_slices: int
     b_rank_major: bool

@@ -28,7 +28,7 @@ graph (no LoRA launches at all); steps with adapters are keyed by a *chunk class
 LoRA kernels pick their launch configuration (split K, columns per program) from
 the number of active chunks on the host, and a graph keeps the one it was captured with, so each
 class (up to 4, 16, 64, ... active chunks) is captured with the class's bound as its count. The
-third key is the *rank class* (8, 16, 32, 64, ... up to max_lora_rank) bounding the largest true rank
+third key is the *rank class* (16, 32, 64, ... up to max_lora_rank; from 8 with one-pair chunks) bounding the largest true rank
 among the step's slots: the kernels' rank tiles are captured that wide (LoraMeta.rank_bound). The
 fourth is whether the step has *one-pair chunks* (LoraMeta.one_pair_chunks: many chunks of about
 one token each), for which the shrink runs a row at a time; the class does not tell (32 chunks of
@@ -86,13 +86,14 @@ def chunk_class(num_chunks: int, max_chunks: int) -> int:
     return min(cls, max_chunks)
 
 
-def rank_class(bound: int, r_max: int) -> int:
+def rank_class(bound: int, r_max: int, one_pair: bool = True) -> int:
     """The rank bound a graph is captured for: 8, 16, 32, 64, ... bounding `bound`, at most r_max.
 
-    The `tl.dot` modes' rank tiles are 16 wide at least, so classes 8 and 16 give them the same
-    kernels; the row-at-a-time modes (one-pair chunks) take 8-row tiles in class 8, which rank-8
-    adapters (common) in a pool of higher max_lora_rank then get inside graphs too."""
-    cls = 8
+    Class 8 only for steps of one-pair chunks, whose row-at-a-time modes then take 8-row tiles
+    (rank-8 adapters, common, in a pool of higher max_lora_rank get them inside graphs too); the
+    `tl.dot` modes' tiles are 16 wide at least, so other steps start at 16 (class 8 would capture
+    the same kernels again)."""
+    cls = 8 if one_pair else 16
     while cls < bound:
         cls *= 2
     return min(cls, r_max)
@@ -266,7 +267,7 @@ class DecodeGraphs:
         if step_meta is not None:
             bound = self.model.lora.rank_bound(inputs.token_slots)
             key = (bucket, chunk_class(step_meta.num_chunks, step_meta.max_chunks),
-                   rank_class(bound, self.model.lora.max_rank), step_meta.one_pair_chunks)
+                   rank_class(bound, self.model.lora.max_rank, step_meta.one_pair_chunks), step_meta.one_pair_chunks)
         captured = self._graphs.get(key)
         if captured is None:
             captured = self._graphs[key] = self._capture(*key)

@@ -199,10 +199,13 @@ def test_static_buffers_match_eager_on_cpu(demo_model, modules):
 
 
 def test_rank_classes_start_at_8_and_stop_at_the_pool_rank() -> None:
-    """Rank-8 (and smaller) steps get their own class, so the row-at-a-time modes run 8-row tiles
-    inside graphs; above it powers of two, never past max_lora_rank."""
+    """Rank-8 (and smaller) steps of one-pair chunks get their own class, so the row-at-a-time
+    modes run 8-row tiles inside graphs; above it powers of two, never past max_lora_rank. Other
+    steps (tl.dot tiles of 16 at least) start at 16."""
     assert [rank_class(b, 64) for b in (1, 4, 8, 9, 16, 17, 33, 64)] == [8, 8, 8, 16, 16, 32, 64, 64]
     assert rank_class(4, 4) == 4 and rank_class(12, 12) == 12 and rank_class(20, 24) == 24
+    assert [rank_class(b, 64, one_pair=False) for b in (1, 8, 16, 17)] == [16, 16, 16, 32]
+    assert rank_class(4, 4, one_pair=False) == 4
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton paths on CPU need TRITON_INTERPRET=1")
