@@ -142,11 +142,20 @@ VARIANTS = {
        ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
         {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "EXPAND_ROWS": (512, 2, cap)})
        for cap in (168, 152, 184)},
+    # The fifteenth session: the next LoRA launches' adapter weights prefetched into L2 on the side
+    # stream while the attention runs (lora_ops.L2_PREFETCH_DURING_ATTENTION), on the fourteenth's
+    # defaults (the 168-register variant above):
+    **{f"fourteenth session's defaults, L2 prefetch during attention: {'+'.join(p) or 'none'}":
+       ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
+        {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "EXPAND_ROWS": (512, 2, 168),
+         "L2_PREFETCH_DURING_ATTENTION": p})
+       for p in ((), ("o_proj",), ("o_proj", "gate_up_proj.a"))},
 }
 # The triton_lora (and lora_ops) knobs a variant's seventh element may set; every other variant runs
 # the sixth session's values, which all variants before them ran with.
 KERNEL_KNOBS = {"SHRINK_WARPS": (4, 4), "WIDE_EXPAND": (256, 512), "SHRINK_BLOCK_K": (128, 128), "NUM_STAGES": (3, 3),
-                "SHRINK_ROWS": (), "ONE_PAIR_CHUNKS": (1.5, 2), "EXPAND_ROWS": ()}
+                "SHRINK_ROWS": (), "ONE_PAIR_CHUNKS": (1.5, 2), "EXPAND_ROWS": (),
+                "L2_PREFETCH_DURING_ATTENTION": ()}
 
 
 def main() -> None:
