@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from bench import lora_bytes_only
 from bench.engine import adapter_sets, decode_run, experiment_engine
 from lorafleet.kernels import lora_ops, triton_lora
 
@@ -150,12 +151,19 @@ VARIANTS = {
         {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "EXPAND_ROWS": (512, 2, 168),
          "L2_PREFETCH_DURING_ATTENTION": p})
        for p in ((), ("o_proj",), ("o_proj", "gate_up_proj.a"))},
+    # The same defaults with the side path replaced by bench/lora_bytes_only.py's (the adapters' bytes
+    # read beside each GEMM, nothing computed: wrong outputs, the time of an ideal kernel pair):
+    "fourteenth session's defaults, bytes only (an ideal LoRA: its reads, no math)":
+        ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
+         {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "EXPAND_ROWS": (512, 2, 168),
+          "launch_shrink": lora_bytes_only.launch_shrink, "launch_expand": lora_bytes_only.launch_expand}),
 }
 # The triton_lora (and lora_ops) knobs a variant's seventh element may set; every other variant runs
 # the sixth session's values, which all variants before them ran with.
 KERNEL_KNOBS = {"SHRINK_WARPS": (4, 4), "WIDE_EXPAND": (256, 512), "SHRINK_BLOCK_K": (128, 128), "NUM_STAGES": (3, 3),
                 "SHRINK_ROWS": (), "ONE_PAIR_CHUNKS": (1.5, 2), "EXPAND_ROWS": (),
-                "L2_PREFETCH_DURING_ATTENTION": ()}
+                "L2_PREFETCH_DURING_ATTENTION": (), "launch_shrink": triton_lora.launch_shrink,
+                "launch_expand": triton_lora.launch_expand}
 
 
 def main() -> None:
