@@ -397,24 +397,6 @@ ZERO_IN_SHRINK = True  # above FEW_CHUNKS, unless the expand stores (False: a me
 DELTA_STORE = (True, True)
 
 
-# Adapter weights prefetched into L2 (`l2_prefetch`) on the side stream while the paged attention
-# runs, which leaves DRAM bandwidth unused (~70% of the copy bandwidth on the H200): entries
-# "o_proj" (A and B), or "name.a" / "name.b" (one of them), of the projections read after it.
-# () = none. Set by the model's decode path (llama.LlamaModel._layers_fused); benchmarks compare.
-L2_PREFETCH_DURING_ATTENTION: tuple[str, ...] = ()
-
-
-def prefetch_plan(entries: Sequence[str]) -> list[tuple[str, str]]:
-    """L2_PREFETCH_DURING_ATTENTION's entries -> [(projection, parts "ab" | "a" | "b")]."""
-    plan = []
-    for entry in entries:
-        name, _, parts = entry.partition(".")
-        if not name or parts not in ("", "a", "b"):
-            raise ValueError(f"prefetch entries are 'proj', 'proj.a' or 'proj.b', got {entry!r}")
-        plan.append((name, parts or "ab"))
-    return plan
-
-
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count

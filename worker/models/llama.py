@@ -16,7 +16,6 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from lorafleet.kernels import lora_ops
 from lorafleet.kernels.lora_ops import LoraMeta, linear_lora_deferred
 from lorafleet.worker.attention import AttentionMetadata, paged_attention, write_kv
 from lorafleet.worker.config import ModelConfig, rope_inv_freq
@@ -161,25 +160,6 @@ class LlamaModel:
         logits = F.linear(h, self.weights["lm_head"])
         return logits.float() if float_logits else logits
 
-    def _attention_prefetch(self, meta: LoraMeta | None, graph: bool) -> list[tuple[str, str]]:
-        """What to prefetch into L2 while each layer's attention runs (lora_ops.L2_PREFETCH_DURING_ATTENTION):
-        only on the Triton LoRA path with its side stream, on a GPU that has bulk prefetches."""
-        if (not lora_ops.L2_PREFETCH_DURING_ATTENTION or self.lora is None or self.lora_backend != "triton"
-                or self.lora_stream is None or meta is None or meta.chunk_slot is None or not (graph or not meta.empty)):
-            return []
-        from lorafleet.kernels.l2_prefetch import prefetch_supported
-
-        return lora_ops.prefetch_plan(lora_ops.L2_PREFETCH_DURING_ATTENTION) if prefetch_supported(meta.chunk_slot) else []
-
-    def _prefetch_lora(self, layer: int, plan: list[tuple[str, str]], meta: LoraMeta) -> None:
-        from lorafleet.kernels.l2_prefetch import launch_lora_prefetch
-
-        with torch.cuda.stream(self.lora_stream):
-            for name, parts in plan:
-                s = self.lora.layers[layer].get(name)
-                if s is not None:
-                    launch_lora_prefetch(s.lora_a, s.lora_b, s.ranks_device, meta, parts)
-
     def _layers_torch(
         self,
         h: torch.Tensor,  # [T, hidden]
@@ -233,12 +213,9 @@ class LlamaModel:
         eps, scale = c.rms_norm_eps, c.head_dim**-0.5
         x = fused_ops.rms_norm(h, w["layers.0.in_norm"], eps)
         rows = None if lora_meta is None else lora_meta.has_lora  # where a LoRA delta is defined
-        prefetch = self._attention_prefetch(lora_meta, graph)
         for i in range(c.num_layers):
             p = f"layers.{i}."
             qkv, d = self._linear_deferred(x, i, "qkv_proj", lora_meta, graph)  # [T, q_size + 2 kv_size]
-            if prefetch:  # on the side stream, behind qkv's LoRA: beside rope and the attention
-                self._prefetch_lora(i, prefetch, lora_meta)
             k_cache, v_cache = kv_caches[i]
             q = fused_ops.rope_write_kv(qkv, positions, self.rotary.cos_sin, k_cache, v_cache, attn.slot_mapping, d,
                                         rows)
