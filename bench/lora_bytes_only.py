@@ -24,7 +24,7 @@ BLOCK = 4096  # elements a program loads per iteration
 @triton.jit
 def _read_ranges_kernel(
     p0, p1, p2, ranks_ptr, chunk_slot_ptr, sink_ptr, zero_ptr, zero_numel, stride_rs, slot0, slot1, slot2, row0,
-    row1, row2, PIECES: tl.constexpr, BLOCK: tl.constexpr, ZERO: tl.constexpr,
+    row1, row2, PIECES: tl.constexpr, BLOCK: tl.constexpr, ZERO: tl.constexpr, PROBE: tl.constexpr,
 ):
     pid_c = tl.program_id(0)
     pid_r = tl.program_id(1)
@@ -57,25 +57,31 @@ def _read_ranges_kernel(
         offs = i + tl.arange(0, BLOCK)
         acc += tl.load(ptr + offs, mask=offs < hi, other=0.0).to(tl.float32)
     s = tl.sum(acc)
-    if s == 123456789.0:  # never (keeps the loads)
+    if PROBE:  # tests: every program's sum at sink[program]
+        tl.store(sink_ptr + (pid_c * 3 + pid_r) * PIECES + pid_p, s)
+    elif s == 123456789.0:  # never (keeps the loads)
         tl.store(sink_ptr, s)
 
 
 _SINK: dict[torch.device, torch.Tensor] = {}
 
 
-def _read(stacks: list[torch.Tensor], plan: LoraLaunch, row_dim: int, zero: torch.Tensor | None = None) -> None:
-    """Read each active slot's true-rank rows of each stack (row_dim: the stack's dim along a rank row)."""
+def _read(stacks: list[torch.Tensor], plan: LoraLaunch, row_dim: int, zero: torch.Tensor | None = None,
+          probe: torch.Tensor | None = None) -> None:
+    """Read each active slot's true-rank rows of each stack (row_dim: the stack's dim along a rank row),
+    once a chunk as the real kernels do. probe: fp32 `[grid_chunks * 3 * PIECES]`, zeroed, takes
+    each program's sum of what it read (tests)."""
     meta = plan.meta
     if meta.grid_chunks == 0:
         return
     dev = stacks[0].device
-    sink = _SINK.setdefault(dev, torch.zeros(1, dtype=torch.float32, device=dev))
+    sink = probe if probe is not None else _SINK.setdefault(dev, torch.zeros(1, dtype=torch.float32, device=dev))
     ranges = [(t, t.stride(0), t.shape[row_dim]) for t in stacks] + [(stacks[0], 0, 0)] * (3 - len(stacks))
     _read_ranges_kernel[(meta.grid_chunks, 3, PIECES)](
         *(t for t, _, _ in ranges), plan.ranks_device, meta.chunk_slot, sink, sink if zero is None else zero,
         0 if zero is None else zero.numel(), plan.ranks_device.stride(0), *(s for _, s, _ in ranges),
-        *(r for _, _, r in ranges), PIECES=PIECES, BLOCK=BLOCK, ZERO=zero is not None, num_warps=4,
+        *(r for _, _, r in ranges), PIECES=PIECES, BLOCK=BLOCK, ZERO=zero is not None,
+        PROBE=probe is not None, num_warps=4,
     )
 
 

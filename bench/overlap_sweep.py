@@ -143,16 +143,14 @@ VARIANTS = {
        ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
         {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "EXPAND_ROWS": (512, 2, cap)})
        for cap in (168, 152, 184)},
-    # The fifteenth session: the next LoRA launches' adapter weights prefetched into L2 on the side
-    # stream while the attention runs (lora_ops.L2_PREFETCH_DURING_ATTENTION), on the fourteenth's
-    # defaults (the 168-register variant above):
-    **{f"fourteenth session's defaults, L2 prefetch during attention: {'+'.join(p) or 'none'}":
-       ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
-        {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "EXPAND_ROWS": (512, 2, 168),
-         "L2_PREFETCH_DURING_ATTENTION": p})
-       for p in ((), ("o_proj",), ("o_proj", "gate_up_proj.a"))},
-    # The same defaults with the side path replaced by bench/lora_bytes_only.py's (the adapters' bytes
-    # read beside each GEMM, nothing computed: wrong outputs, the time of an ideal kernel pair):
+    # The fifteenth session: the fourteenth's defaults (as the 168-register variant above), then
+    # the same with the next LoRA launches' adapter weights bulk-prefetched into L2 on the side stream
+    # while the attention runs (commit 5c45f69, removed: lost in the engine), then with the side path
+    # replaced by bench/lora_bytes_only.py's (the adapters' bytes read beside each GEMM, nothing
+    # computed: wrong outputs, the time of an ideal kernel pair):
+    "fourteenth session's defaults":
+        ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
+         {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "EXPAND_ROWS": (512, 2, 168)}),
     "fourteenth session's defaults, bytes only (an ideal LoRA: its reads, no math)":
         ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
          {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "EXPAND_ROWS": (512, 2, 168),
@@ -162,7 +160,7 @@ VARIANTS = {
 # the sixth session's values, which all variants before them ran with.
 KERNEL_KNOBS = {"SHRINK_WARPS": (4, 4), "WIDE_EXPAND": (256, 512), "SHRINK_BLOCK_K": (128, 128), "NUM_STAGES": (3, 3),
                 "SHRINK_ROWS": (), "ONE_PAIR_CHUNKS": (1.5, 2), "EXPAND_ROWS": (),
-                "L2_PREFETCH_DURING_ATTENTION": (), "launch_shrink": triton_lora.launch_shrink,
+                "launch_shrink": triton_lora.launch_shrink,
                 "launch_expand": triton_lora.launch_expand}
 
 
