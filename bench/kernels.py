@@ -324,7 +324,7 @@ def sweep(bandwidth: float, g: torch.Generator, cases: list[tuple[int, int]] = S
             case = Case(module, tokens, adapters, 16, 16)
             slots = case_token_slots(case)
             meta = case_meta(case, slots, torch.ones(slots.shape))
-            default = pick_config(meta.num_chunks, n_slices, d_in, meta.chunk_size, meta.row_group)
+            default = pick_config(meta.num_chunks, n_slices, d_in, meta.chunk_size, meta.one_pair_chunks)
             configs = {default}
             for n_per_prog in (128, 256, 512, 1024, 2048, 4096):
                 for block_n in (64, 128, 256):

@@ -34,7 +34,7 @@ def main() -> None:
         sets, token_slots, token_scales, _ = make_case_inputs(case, g)
         meta = case_meta(case, token_slots, token_scales)
         ranks_dev = torch.full((len(outs), case.adapters), case.rank, dtype=torch.int32, device="cuda")
-        cfg = pick_config(meta.num_chunks, len(outs), d_in, meta.chunk_size, meta.row_group)
+        cfg = pick_config(meta.num_chunks, len(outs), d_in, meta.chunk_size, meta.one_pair_chunks)
         s = sets[0]
         plan = plan_lora_triton(s.x, s.lora_a, s.lora_b, ranks_dev, meta, cfg, pdl=False)
         for _ in range(2):

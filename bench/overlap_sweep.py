@@ -155,19 +155,12 @@ VARIANTS = {
         ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
          {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "EXPAND_ROWS": (512, 2, 168),
           "launch_shrink": lora_bytes_only.launch_shrink, "launch_expand": lora_bytes_only.launch_expand}),
-    # Both kernels a row at a time for few-pair chunks too (lora_ops.FEW_PAIRS_MAX: none longer than
-    # this; the shrink a group of rows at once, triton_lora.ROW_GROUP_K):
-    **{f"fourteenth session's defaults, rows for chunks of up to {n} pairs":
-       ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
-        {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "EXPAND_ROWS": (512, 2, 168),
-         "FEW_PAIRS_MAX": n})
-       for n in (2, 4)},
 }
 # The triton_lora (and lora_ops) knobs a variant's seventh element may set; every other variant runs
 # the sixth session's values, which all variants before them ran with.
 KERNEL_KNOBS = {"SHRINK_WARPS": (4, 4), "WIDE_EXPAND": (256, 512), "SHRINK_BLOCK_K": (128, 128), "NUM_STAGES": (3, 3),
                 "SHRINK_ROWS": (), "ONE_PAIR_CHUNKS": (1.5, 2), "EXPAND_ROWS": (),
-                "FEW_PAIRS_MAX": 0, "launch_shrink": triton_lora.launch_shrink,
+                "launch_shrink": triton_lora.launch_shrink,
                 "launch_expand": triton_lora.launch_expand}
 
 

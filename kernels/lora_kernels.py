@@ -50,7 +50,6 @@ def _lora_shrink_kernel(
     ZERO: tl.constexpr,
     ZERO_BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
-    ROW_GROUP: tl.constexpr,
 ):
     """part[split, pair, s*R_PAD + r] = Σ_{k in split} x[token(pair), k] · A_s[slot, r, k].
 
@@ -61,9 +60,7 @@ def _lora_shrink_kernel(
     ROWS: each row of the chunk as its own multiply-and-sum in registers (BLOCK_RANK x BLOCK_K
     products summed over K), no `tl.dot` and no shared-memory staging: for chunks of about one row
     (decode with as many adapters as tokens), where a BLOCK_M-row `tl.dot` tile is mostly padding.
-    ROW_GROUP rows at a time (a power of two): each A tile is loaded once for the group's rows
-    (chunks of a few pairs: decode with a few tokens an adapter); with 1, each further row of the
-    chunk re-reads the A tile (from L1/L2).
+    Each further row re-reads the A tile (from L1/L2).
     """
     if PDL:  # every program has started: the expand may launch and run its prologue meanwhile
         tl.extra.cuda.gdc_launch_dependents()
@@ -108,33 +105,17 @@ def _lora_shrink_kernel(
     if ROWS:
         a_cols = a_ptr + slot.to(tl.int64) * stride_as + offs_r[:, None] * stride_ar  # [BLOCK_RANK, 1]
         p_rows = part_ptr + pid_k * stride_ps + start.to(tl.int64) * stride_pm + s * R_PAD + offs_r
-        if ROW_GROUP == 1:
-            for m in range(start, end):
-                x_row = x_ptr + tl.load(sorted_token_ptr + m).to(tl.int64) * stride_xt
-                row = tl.zeros((BLOCK_RANK,), dtype=tl.float32)
-                for k0 in range(k_lo, k_hi, BLOCK_K):
-                    offs_k = k0 + tl.arange(0, BLOCK_K)
-                    k_mask = offs_k < k_hi
-                    at = tl.load(a_cols + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-                    xv = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
-                    row += tl.sum(at.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
-                # Written even when this split's K range is empty, as below.
-                tl.store(p_rows + (m - start) * stride_pm, row, mask=r_mask)
-        else:
-            offs_g = tl.arange(0, ROW_GROUP)
-            for m0 in range(start, end, ROW_GROUP):
-                g_mask = m0 + offs_g < end
-                toks = tl.load(sorted_token_ptr + m0 + offs_g, mask=g_mask, other=0).to(tl.int64)
-                x_rows = x_ptr + toks[:, None] * stride_xt  # [ROW_GROUP, 1]
-                rows = tl.zeros((ROW_GROUP, BLOCK_RANK), dtype=tl.float32)
-                for k0 in range(k_lo, k_hi, BLOCK_K):
-                    offs_k = k0 + tl.arange(0, BLOCK_K)
-                    k_mask = offs_k < k_hi
-                    at = tl.load(a_cols + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-                    xt = tl.load(x_rows + offs_k[None, :], mask=g_mask[:, None] & k_mask[None, :], other=0.0)
-                    rows += tl.sum(at.to(tl.float32)[None, :, :] * xt.to(tl.float32)[:, None, :], axis=2)
-                tl.store(p_rows[None, :] + (m0 - start + offs_g)[:, None] * stride_pm, rows,
-                         mask=g_mask[:, None] & r_mask[None, :])
+        for m in range(start, end):
+            x_row = x_ptr + tl.load(sorted_token_ptr + m).to(tl.int64) * stride_xt
+            row = tl.zeros((BLOCK_RANK,), dtype=tl.float32)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_mask = offs_k < k_hi
+                at = tl.load(a_cols + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+                xv = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
+                row += tl.sum(at.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
+            # Written even when this split's K range is empty, as below.
+            tl.store(p_rows + (m - start) * stride_pm, row, mask=r_mask)
     else:  # (not after a return: the tl.dot path must not be compiled with ROWS' rank tiles below 16)
         x_rows = x_ptr + tok[:, None] * stride_xt  # [BLOCK_M, 1]
         a_rows = a_ptr + slot.to(tl.int64) * stride_as + offs_r[None, :] * stride_ar  # [1, BLOCK_RANK]

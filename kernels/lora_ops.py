@@ -78,10 +78,10 @@ class LoraMeta:
     # [T] int32: 1 where the token has at least one adapter. A side path's delta written by a
     # storing expand (`linear_lora_deferred`) is defined only on those rows: its readers mask with it.
     has_lora: torch.Tensor | None = None
-    # Host: the Triton kernels' row-at-a-time group for this step (`row_group`; 0: the tl.dot
-    # modes). None: judged from this meta's own counts. DecodeGraphs sets it from each step's: its
+    # Host: the step has one-pair chunks (`one_pair_chunks`), so the Triton shrink runs a row at a
+    # time. None: judged from this meta's own counts. DecodeGraphs sets it from each step's: its
     # graphs' num_chunks is a class, which 32 chunks of two pairs share with 64 of one.
-    rows: int | None = None
+    one_pair: bool | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -94,23 +94,11 @@ class LoraMeta:
     @property
     def one_pair_chunks(self) -> bool:
         """More than ONE_PAIR_MIN_CHUNKS chunks of at most ONE_PAIR_CHUNKS[0] pairs on average and
-        ONE_PAIR_CHUNKS[1] at most (decode with about as many adapters as tokens), by the counts."""
+        ONE_PAIR_CHUNKS[1] at most (decode with about as many adapters as tokens); `one_pair` when set."""
+        if self.one_pair is not None:
+            return self.one_pair
         return (self.num_chunks > ONE_PAIR_MIN_CHUNKS and self.num_entries <= ONE_PAIR_CHUNKS[0] * self.num_chunks
                 and self.longest_chunk <= ONE_PAIR_CHUNKS[1])
-
-    @property
-    def row_group(self) -> int:
-        """Rows the Triton kernels' row-at-a-time shrink takes at once in this step, 0 for the tl.dot
-        modes: 1 for one-pair chunks (`one_pair_chunks`); for few-pair chunks (more than
-        ONE_PAIR_MIN_CHUNKS chunks, none over FEW_PAIRS_MAX pairs) the longest chunk's pairs rounded up
-        to a power of two; else 0. `rows` when set."""
-        if self.rows is not None:
-            return self.rows
-        if self.one_pair_chunks:
-            return 1
-        if self.num_chunks > ONE_PAIR_MIN_CHUNKS and 0 < self.longest_chunk <= FEW_PAIRS_MAX:
-            return 1 << (self.longest_chunk - 1).bit_length()
-        return 0
 
     @property
     def grid_chunks(self) -> int:
@@ -148,11 +136,6 @@ class LoraMeta:
 # (8 adapters) ran it 2.1-2.8x slower than the tl.dot shrink. (Up to 16 chunks it is never used.)
 ONE_PAIR_CHUNKS = (1.5, 2)
 ONE_PAIR_MIN_CHUNKS = 16
-# Few-pair chunks (`LoraMeta.row_group`): more than ONE_PAIR_MIN_CHUNKS chunks, not one-pair ones,
-# none over FEW_PAIRS_MAX pairs (decode with a few tokens an adapter: 64 tokens on 16-32 adapters).
-# Both kernels run a row at a time there too, the shrink loading each A tile once for a group of
-# rows. 0 = never.
-FEW_PAIRS_MAX = 0
 
 
 def default_chunk_size(num_pairs: int) -> int:

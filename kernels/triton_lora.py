@@ -24,8 +24,8 @@ Two launches per projection group (all slices in each):
   row, so the add is atomic. With k = 1 it can also store instead (`launch_expand(store=True)`):
   into a buffer nothing zeroed, whose rows of tokens without an adapter it leaves alone
   (`LoraMeta.has_lora` tells the reader which rows are defined).
-- Both run a row at a time instead of `tl.dot` for decode steps of about one pair a chunk, or a
-  few (`pick_config`'s row_group: SHRINK_ROWS, EXPAND_ROWS, ROW_GROUP_K; `LoraMeta.row_group`).
+- Both run a row at a time instead of `tl.dot` for decode steps of about one pair a chunk
+  (`pick_config`'s one_pair: SHRINK_ROWS, EXPAND_ROWS).
 
 Rank tiles cover `meta.rank_bound` (the step's largest true rank, set by the caller), not the
 pool's r_max, so a step of rank-8 adapters in a rank-64 pool computes and sums rank-8 tiles.
@@ -72,7 +72,6 @@ class LoraKernelConfig:
     shrink_rows: bool = False  # the shrink's multiply-and-sum a row (lora_kernels, ROWS) instead of tl.dot
     expand_rows: bool = False  # the expand's likewise, one B tile a program (n_per_prog == block_n)
     expand_maxnreg: int | None = None  # registers a thread the expand may hold (ptxas' cap); None = its choice
-    shrink_row_group: int = 1  # rows the row-at-a-time shrink takes at once (each A tile loaded once for them)
 
     def __post_init__(self) -> None:
         # Checked here, not by Triton: the interpreter takes a K tile below 16, the compiler does
@@ -93,15 +92,12 @@ class LoraKernelConfig:
         if self.expand_maxnreg is not None and (type(self.expand_maxnreg) is not int
                                                 or not 32 <= self.expand_maxnreg <= 255):
             raise ValueError(f"expand_maxnreg must be None or an int in [32, 255], got {self.expand_maxnreg!r}")
-        if type(self.shrink_row_group) is not int or not 1 <= self.shrink_row_group <= 16 or (
-                self.shrink_row_group & (self.shrink_row_group - 1)):
-            raise ValueError(f"shrink_row_group must be a power of two in [1, 16], got {self.shrink_row_group!r}")
         if self.expand_rows and self.n_per_prog != self.block_n:
             raise ValueError(f"a row-at-a-time expand takes one B tile a program: n_per_prog == block_n, got {self}")
 
 
 def pick_config(
-    num_chunks: int, n_slices: int, in_features: int, chunk_size: int, row_group: int = 0
+    num_chunks: int, n_slices: int, in_features: int, chunk_size: int, one_pair: bool = False
 ) -> LoraKernelConfig:
     """Aim the shrink at ~512 programs: split K finely when few chunks are active (decode with few
     adapters), little when many are; likewise give each expand program fewer columns when few
@@ -110,23 +106,17 @@ def pick_config(
     at 64 tokens on 64 adapters, and slower in the engine, where the expand runs beside the GEMM on
     the SMs it leaves free: 64 adapters 8,175 -> 7,830 tok/s. Not used.)
 
-    row_group: the step's `LoraMeta.row_group` (0: none): with one-pair chunks (1) or few-pair ones
-    (the longest chunk's pairs, a power of two) the shrink runs a multiply-and-sum a row
-    (`shrink_rows`, SHRINK_ROWS' K tile and warps; a group of rows at once, `shrink_row_group`,
-    with K tiles of ROW_GROUP_K // row_group) when SHRINK_ROWS is set, and the expand likewise
+    one_pair: the step has one-pair chunks (`LoraMeta.one_pair_chunks`): the shrink then runs a
+    multiply-and-sum a row (`shrink_rows`) when SHRINK_ROWS is set, and the expand likewise
     (`expand_rows`, one B tile of EXPAND_ROWS[0] columns a program, EXPAND_ROWS[1] warps, at most
     EXPAND_ROWS[2] registers a thread where given) when EXPAND_ROWS is."""
     many = num_chunks > SHRINK_FEW_CHUNKS
     block_k = SHRINK_BLOCK_K[many] if chunk_size <= 16 else 64
-    decode_rows = row_group > 0 and chunk_size <= 16  # where either launch may run a row at a time
+    decode_rows = one_pair and chunk_size <= 16  # where either launch may run a row at a time
     rows = bool(SHRINK_ROWS) and decode_rows
     shrink_warps = SHRINK_WARPS[many]
-    group = 1
     if rows:
         block_k, shrink_warps = SHRINK_ROWS
-        group = min(row_group, chunk_size)
-        if group > 1:  # the group's [rows, rank, K tile] products: ROW_GROUP_K elements a rank row
-            block_k = max(16, ROW_GROUP_K // group)
     by_chunks = triton.next_power_of_2(max(1, -(-512 // max(1, num_chunks * n_slices))))
     split_k = max(1, min(-(-in_features // 512), by_chunks))
     wide = num_chunks * n_slices >= WIDE_EXPAND[0]
@@ -142,7 +132,7 @@ def pick_config(
     return LoraKernelConfig(
         split_k=split_k, block_k=block_k, block_n=block_n, n_per_prog=max(n_per_prog, block_n),
         shrink_warps=shrink_warps, expand_warps=expand_warps, num_stages=NUM_STAGES[many], shrink_rows=rows,
-        expand_rows=expand_rows, expand_maxnreg=maxnreg, shrink_row_group=group,
+        expand_rows=expand_rows, expand_maxnreg=maxnreg,
     )
 
 
@@ -167,9 +157,6 @@ SHRINK_FEW_CHUNKS = 16
 # 0.764/0.762 of base-only with K tile 256 (512: 0.756/0.755; 256 with 2 warps: 0.755), 8
 # adapters unchanged (docs/benchmarks.md, eighth session).
 SHRINK_ROWS: tuple[int, int] | tuple[()] = (256, 4)
-# The row shrink's K tile times its row group, for groups above one row (few-pair chunks:
-# `lora_ops.FEW_PAIRS_MAX`): 2 rows take K tiles of 256, 4 rows 128.
-ROW_GROUP_K = 512
 # The expand a row at a time for a step of one-pair chunks: (columns a program, warps[, ptxas'
 # register cap]); () = never. Alone (64 tokens on 64 adapters, the storing expand,
 # lora-parts-expand-rows2-h200.json) 7-14% faster than the tl.dot expand and the pair 5-22% faster
@@ -253,7 +240,7 @@ def plan_lora_triton(
     interp = interpreting()
     if pdl is None:
         pdl = pdl_supported_for(x)
-    cfg = config or pick_config(meta.num_chunks, n_slices, in_features, meta.chunk_size, meta.row_group)
+    cfg = config or pick_config(meta.num_chunks, n_slices, in_features, meta.chunk_size, meta.one_pair_chunks)
     # Rank tiles cover the step's largest true rank (meta.rank_bound), not the pool's r_max; the
     # partials keep BLOCK_R-multiple columns (tl.dot's), the row-at-a-time modes, which need no
     # tl.dot, tiles of only the bound's power of two (`rows_rank`, see LoraLaunch).
@@ -317,7 +304,6 @@ def launch_shrink(plan: LoraLaunch, zero: torch.Tensor | None = None) -> None:
         ZERO=zero is not None,
         ZERO_BLOCK=1024,
         ROWS=cfg.shrink_rows,
-        ROW_GROUP=cfg.shrink_row_group if cfg.shrink_rows else 1,
         num_warps=cfg.shrink_warps,
         num_stages=cfg.num_stages,
     )

@@ -28,11 +28,11 @@ graph (no LoRA launches at all); steps with adapters are keyed by a *chunk class
 LoRA kernels pick their launch configuration (split K, columns per program) from
 the number of active chunks on the host, and a graph keeps the one it was captured with, so each
 class (up to 4, 16, 64, ... active chunks) is captured with the class's bound as its count. The
-third key is the *rank class* (16, 32, 64, ... up to max_lora_rank; from 8 with a row group) bounding the largest true rank
+third key is the *rank class* (16, 32, 64, ... up to max_lora_rank; from 8 with one-pair chunks) bounding the largest true rank
 among the step's slots: the kernels' rank tiles are captured that wide (LoraMeta.rank_bound). The
-fourth is the step's *row group* (LoraMeta.row_group: 1 for many chunks of about one token each,
-2 or 4 for many chunks of a few, 0 otherwise), for which the kernels run a row at a time; the class
-does not tell (32 chunks of two tokens and 64 of one share class 64), so the step's own counts decide.
+fourth is whether the step has *one-pair chunks* (LoraMeta.one_pair_chunks: many chunks of about
+one token each), for which the shrink runs a row at a time; the class does not tell (32 chunks of
+two tokens and 64 of one share class 64), so the step's own counts decide.
 
 On CPU (tests) nothing is captured: `capture=False` runs the model eagerly on the same static
 buffers, which checks the padding, the sink and the buffer fills against the eager path.
@@ -86,14 +86,14 @@ def chunk_class(num_chunks: int, max_chunks: int) -> int:
     return min(cls, max_chunks)
 
 
-def rank_class(bound: int, r_max: int, rows: bool = True) -> int:
+def rank_class(bound: int, r_max: int, one_pair: bool = True) -> int:
     """The rank bound a graph is captured for: 8, 16, 32, 64, ... bounding `bound`, at most r_max.
 
-    Class 8 only for steps with a row group (`rows`: the kernels' row-at-a-time modes), which then
-    take 8-row tiles (rank-8 adapters, common, in a pool of higher max_lora_rank get them inside
-    graphs too); the `tl.dot` modes' tiles are 16 wide at least, so other steps start at 16 (class
-    8 would capture the same kernels again)."""
-    cls = 8 if rows else 16
+    Class 8 only for steps of one-pair chunks, whose row-at-a-time modes then take 8-row tiles
+    (rank-8 adapters, common, in a pool of higher max_lora_rank get them inside graphs too); the
+    `tl.dot` modes' tiles are 16 wide at least, so other steps start at 16 (class 8 would capture
+    the same kernels again)."""
+    cls = 8 if one_pair else 16
     while cls < bound:
         cls *= 2
     return min(cls, r_max)
@@ -263,12 +263,11 @@ class DecodeGraphs:
         step_meta = None
         if self.model.lora is not None and inputs.has_adapters:
             step_meta = build_lora_meta(inputs.token_slots, inputs.token_scales, self.max_loras, "cpu")
-        key = (bucket, 0, 0, 0)
+        key = (bucket, 0, 0, False)
         if step_meta is not None:
             bound = self.model.lora.rank_bound(inputs.token_slots)
-            group = step_meta.row_group
             key = (bucket, chunk_class(step_meta.num_chunks, step_meta.max_chunks),
-                   rank_class(bound, self.model.lora.max_rank, group > 0), group)
+                   rank_class(bound, self.model.lora.max_rank, step_meta.one_pair_chunks), step_meta.one_pair_chunks)
         captured = self._graphs.get(key)
         if captured is None:
             captured = self._graphs[key] = self._capture(*key)
@@ -326,7 +325,7 @@ class DecodeGraphs:
         )
         return DecodeOutput(logits, greedy_pick(logits, self.model.attention_backend) if self.pick_in_graph else None)
 
-    def _capture(self, bucket: int, cls: int, rank_cls: int, row_group: int) -> _Captured:
+    def _capture(self, bucket: int, cls: int, rank_cls: int, one_pair: bool) -> _Captured:
         attn = AttentionMetadata(
             query_lens=[1] * bucket,
             context_lens=[0] * bucket,  # host copies are not read in a graph (fixed_shapes)
@@ -348,7 +347,7 @@ class DecodeGraphs:
             meta.num_chunks = cls  # what the kernels pick their configuration for (module docstring)
             meta.launch_chunks = cls  # and their grids: a step of this class has at most cls chunks
             meta.rank_bound = rank_cls  # their rank tiles likewise
-            meta.rows = row_group  # and the kernels' modes: the step's chunks, not the class
+            meta.one_pair = one_pair  # and the shrink's mode: the step's chunks, not the class
         captured = _Captured(bucket=bucket, attn=attn, lora_meta=meta, graph=None, out=None)
         if not self.capture:
             return captured
@@ -372,5 +371,5 @@ class DecodeGraphs:
         self.stats.captures += 1
         self.stats.capture_s += time.perf_counter() - t0
         log.info("captured the decode graph for batch bucket %d, LoRA chunk class %d, rank class %d%s in %.2f s",
-                 bucket, cls, rank_cls, f", rows {row_group} at a time" if row_group else "", time.perf_counter() - t0)
+                 bucket, cls, rank_cls, ", one-pair chunks" if one_pair else "", time.perf_counter() - t0)
         return captured

@@ -268,46 +268,6 @@ CASES = [
         None,
         LoraKernelConfig(split_k=3, block_k=32, block_n=16, n_per_prog=16, expand_rows=True),
     ),
-    # The shrink a group of rows at a time (few-pair chunks): chunks shorter and longer than the
-    # group (several groups a chunk), k = 2, empty K splits, a rank-0 slice; with the row expand.
-    (
-        "row-group2-many-k2-empty-splits",
-        21,
-        2,
-        40,
-        [24, 8, 40],
-        [[8, 16, 8, 16, 8], [0, 16, 8, 16, 0], [16, 16, 1, 16, 16]],
-        "random_with_none",
-        torch.float16,
-        None,
-        LoraKernelConfig(split_k=3, block_k=64, block_n=16, n_per_prog=16, shrink_rows=True, expand_rows=True,
-                         shrink_row_group=2),
-    ),
-    (
-        "row-group4-k1",
-        30,
-        1,
-        56,
-        [100, 36],
-        [[16, 8, 0, 64, 1]] * 2,
-        "random_with_none",
-        torch.float32,
-        None,
-        LoraKernelConfig(split_k=2, block_k=32, block_n=64, n_per_prog=64, shrink_rows=True, expand_rows=True,
-                         shrink_row_group=4),
-    ),
-    (
-        "row-group4-each-token",
-        12,
-        1,
-        96,
-        [70],
-        [[16, 7, 16, 1] * 3],
-        "each_token_own",
-        torch.float32,
-        None,
-        LoraKernelConfig(split_k=2, block_k=32, block_n=16, n_per_prog=32, shrink_rows=True, shrink_row_group=4),
-    ),
     (
         "expand-rows-many-k1",
         30,
@@ -345,17 +305,12 @@ def test_pick_config_runs_the_shrink_a_row_at_a_time_only_where_asked(monkeypatc
     never while it is empty."""
     from lorafleet.kernels import triton_lora
 
-    cfg = triton_lora.pick_config(64, 3, 4096, 16, row_group=1)
-    assert (cfg.shrink_rows, cfg.block_k, cfg.shrink_warps, cfg.shrink_row_group) == (True, *triton_lora.SHRINK_ROWS, 1)
+    cfg = triton_lora.pick_config(64, 3, 4096, 16, one_pair=True)
+    assert (cfg.shrink_rows, cfg.block_k, cfg.shrink_warps) == (True, *triton_lora.SHRINK_ROWS)
     assert not triton_lora.pick_config(64, 3, 4096, 16).shrink_rows  # chunks of several pairs
-    assert not triton_lora.pick_config(64, 3, 4096, 64, row_group=1).shrink_rows  # prefill chunks
-    # few-pair chunks: the group at once, K tiles of ROW_GROUP_K // group
-    monkeypatch.setattr(triton_lora, "ROW_GROUP_K", 512)
-    for group, block_k in ((2, 256), (4, 128)):
-        cfg = triton_lora.pick_config(32, 3, 4096, 16, row_group=group)
-        assert (cfg.shrink_rows, cfg.shrink_row_group, cfg.block_k, cfg.expand_rows) == (True, group, block_k, True)
+    assert not triton_lora.pick_config(64, 3, 4096, 64, one_pair=True).shrink_rows  # prefill chunks
     monkeypatch.setattr(triton_lora, "SHRINK_ROWS", ())
-    assert not triton_lora.pick_config(64, 3, 4096, 16, row_group=1).shrink_rows
+    assert not triton_lora.pick_config(64, 3, 4096, 16, one_pair=True).shrink_rows
 
 
 def test_pick_config_runs_the_expand_a_row_at_a_time_only_where_asked(monkeypatch) -> None:
@@ -363,16 +318,16 @@ def test_pick_config_runs_the_expand_a_row_at_a_time_only_where_asked(monkeypatc
     from lorafleet.kernels import triton_lora
 
     monkeypatch.setattr(triton_lora, "EXPAND_ROWS", (256, 8))
-    cfg = triton_lora.pick_config(64, 3, 4096, 16, row_group=1)
+    cfg = triton_lora.pick_config(64, 3, 4096, 16, one_pair=True)
     assert (cfg.expand_rows, cfg.block_n, cfg.n_per_prog, cfg.expand_warps) == (True, 256, 256, 8)
     assert cfg.expand_maxnreg is None  # no register cap unless EXPAND_ROWS names one
     monkeypatch.setattr(triton_lora, "EXPAND_ROWS", (256, 8, 168))
-    assert triton_lora.pick_config(64, 3, 4096, 16, row_group=1).expand_maxnreg == 168
+    assert triton_lora.pick_config(64, 3, 4096, 16, one_pair=True).expand_maxnreg == 168
     assert triton_lora.pick_config(64, 3, 4096, 16).expand_maxnreg is None  # the tl.dot expand: never
     assert not triton_lora.pick_config(64, 3, 4096, 16).expand_rows  # chunks of several pairs
-    assert not triton_lora.pick_config(64, 3, 4096, 64, row_group=1).expand_rows  # prefill chunks
+    assert not triton_lora.pick_config(64, 3, 4096, 64, one_pair=True).expand_rows  # prefill chunks
     monkeypatch.setattr(triton_lora, "EXPAND_ROWS", ())
-    assert not triton_lora.pick_config(64, 3, 4096, 16, row_group=1).expand_rows
+    assert not triton_lora.pick_config(64, 3, 4096, 16, one_pair=True).expand_rows
 
 
 @pytest.mark.parametrize("bad,says", [
@@ -382,8 +337,7 @@ def test_pick_config_runs_the_expand_a_row_at_a_time_only_where_asked(monkeypatc
     (dict(num_stages=0), ">= 1"), (dict(block_k=32.0), "block_k must be an int"),
     (dict(split_k=True), "split_k must be an int"), (dict(expand_rows=True), "n_per_prog == block_n"),
     (dict(expand_maxnreg=16), "expand_maxnreg"), (dict(expand_maxnreg=256), "expand_maxnreg"),
-    (dict(expand_maxnreg=168.0), "expand_maxnreg"), (dict(shrink_row_group=3), "shrink_row_group"),
-    (dict(shrink_row_group=0), "shrink_row_group"), (dict(shrink_row_group=32), "shrink_row_group"),
+    (dict(expand_maxnreg=168.0), "expand_maxnreg"),
 ])
 def test_kernel_config_refuses_what_the_compiler_would(bad: dict, says: str) -> None:
     """A K tile below 16 runs under the interpreter but fails to compile for the GPU (`tl.dot`
@@ -394,12 +348,10 @@ def test_kernel_config_refuses_what_the_compiler_would(bad: dict, says: str) -> 
     LoraKernelConfig(**fields)  # the same without the bad knob is fine
 
 
-def test_row_group_from_the_counts_unless_set(monkeypatch) -> None:
-    """A meta judges its chunks from its own counts: one-pair chunks (more than ONE_PAIR_MIN_CHUNKS
-    of them, at most ONE_PAIR_CHUNKS[0] pairs each on average, none longer than ONE_PAIR_CHUNKS[1])
-    take rows one at a time; few-pair chunks (none over FEW_PAIRS_MAX) the longest one's pairs
-    rounded up to a power of two; `rows`, which a decode graph sets from the step, overrides that."""
-    from lorafleet.kernels import lora_ops
+def test_one_pair_chunks_from_the_counts_unless_set() -> None:
+    """A meta judges its chunks from its own counts: more than ONE_PAIR_MIN_CHUNKS of them, at most
+    ONE_PAIR_CHUNKS[0] pairs each on average, none longer than ONE_PAIR_CHUNKS[1]; `one_pair`,
+    which a decode graph sets from the step, overrides that."""
     from lorafleet.kernels.lora_ops import ONE_PAIR_CHUNKS, ONE_PAIR_MIN_CHUNKS
 
     def meta(slots: list[int]):
@@ -409,18 +361,14 @@ def test_row_group_from_the_counts_unless_set(monkeypatch) -> None:
     each = meta(list(range(32)))  # 32 chunks of one
     few = meta(list(range(16)))  # 16 chunks of one: not more than ONE_PAIR_MIN_CHUNKS
     twos = meta([t // 2 for t in range(64)])  # 32 chunks of two: 2 on average
-    threes = meta([t // 3 for t in range(54)])  # 18 chunks of three
     long = meta(list(range(30)) + [40] * 10)  # 31 chunks, 1.3 on average, but one of 10
     mixed = meta(list(range(24)) + [30, 30, 31, 31, 32, 32])  # 27 chunks, 1.1 on average, none over 2
     none = meta([-1] * 32)
     assert each.one_pair_chunks and mixed.one_pair_chunks
-    assert not any(m.one_pair_chunks for m in (few, twos, threes, long, none))
-    monkeypatch.setattr(lora_ops, "FEW_PAIRS_MAX", 0)  # few-pair chunks off
-    assert [m.row_group for m in (each, mixed, few, twos, threes, long, none)] == [1, 1, 0, 0, 0, 0, 0]
-    monkeypatch.setattr(lora_ops, "FEW_PAIRS_MAX", 4)
-    assert [m.row_group for m in (each, mixed, few, twos, threes, long, none)] == [1, 1, 0, 2, 4, 0, 0]
-    twos.rows, each.rows = 1, 0
-    assert (twos.row_group, each.row_group) == (1, 0)
+    assert not any(m.one_pair_chunks for m in (few, twos, long, none))
+    twos.one_pair = True
+    each.one_pair = False
+    assert twos.one_pair_chunks and not each.one_pair_chunks
 
 
 def test_mixed_b_layouts_fall_back_to_a_copy() -> None:
@@ -626,8 +574,8 @@ expand = {"y_ptr": p, "b0_ptr": p, "b1_ptr": p, "b2_ptr": p, **ptrs, "sorted_sca
 for pdl in (False, True):
     for zero, rows in ((False, False), (True, False), (False, True), (True, True)):
         compile_(tk._lora_shrink_kernel, shrink, dict(R_MAX=16, R_PAD=16, R_BLOCKS=1, BLOCK_M=16, BLOCK_K=128, BLOCK_RANK=16,
-                                   UPCAST=False, IEEE=False, PDL=pdl, ZERO=zero, ZERO_BLOCK=1024, ROWS=rows,
-                                   ROW_GROUP=1), stages=3)
+                                   UPCAST=False, IEEE=False, PDL=pdl, ZERO=zero, ZERO_BLOCK=1024, ROWS=rows),
+                 stages=3)
     # (ATOMIC, Y_EARLY, STORE): k > 1; y read before the wait; y read after it (the shrink zeroed
     # it); the storing expand.
     for atomic, early, store in ((True, False, False), (False, True, False), (False, False, False),
@@ -648,13 +596,7 @@ for pdl in (False, True):
 for r_tile in (1, 8):
     compile_(tk._lora_shrink_kernel, shrink, dict(R_MAX=64, R_PAD=16, R_BLOCKS=1, BLOCK_M=16, BLOCK_K=256,
                                                   BLOCK_RANK=r_tile, UPCAST=False, IEEE=False, PDL=True, ZERO=False,
-                                                  ZERO_BLOCK=1024, ROWS=True, ROW_GROUP=1), stages=3)
-# The row shrink a group of rows at a time (few-pair chunks), its K tile shrunk to match.
-for group, block_k in ((2, 256), (4, 128)):
-    for r_tile in (8, 16):
-        compile_(tk._lora_shrink_kernel, shrink, dict(R_MAX=64, R_PAD=16, R_BLOCKS=1, BLOCK_M=16, BLOCK_K=block_k,
-                                                      BLOCK_RANK=r_tile, UPCAST=False, IEEE=False, PDL=True, ZERO=True,
-                                                      ZERO_BLOCK=1024, ROWS=True, ROW_GROUP=group), stages=3)
+                                                  ZERO_BLOCK=1024, ROWS=True), stages=3)
     compile_(tk._lora_expand_kernel, expand, dict(R_MAX=64, R_PAD=16, R_BLOCK=r_tile, B_RANK_MAJOR=True, BLOCK_M=16,
                                                   BLOCK_N=512, N_PER_PROG=512, UPCAST=False, IEEE=False, ATOMIC=False,
                                                   PDL=True, Y_EARLY=True, STORE=False, ROWS=True), warps=2, stages=3)

@@ -199,28 +199,26 @@ def test_static_buffers_match_eager_on_cpu(demo_model, modules):
 
 
 def test_rank_classes_start_at_8_and_stop_at_the_pool_rank() -> None:
-    """Rank-8 (and smaller) steps with a row group get their own class, so the row-at-a-time
+    """Rank-8 (and smaller) steps of one-pair chunks get their own class, so the row-at-a-time
     modes run 8-row tiles inside graphs; above it powers of two, never past max_lora_rank. Other
     steps (tl.dot tiles of 16 at least) start at 16."""
     assert [rank_class(b, 64) for b in (1, 4, 8, 9, 16, 17, 33, 64)] == [8, 8, 8, 16, 16, 32, 64, 64]
     assert rank_class(4, 4) == 4 and rank_class(12, 12) == 12 and rank_class(20, 24) == 24
-    assert [rank_class(b, 64, rows=False) for b in (1, 8, 16, 17)] == [16, 16, 16, 32]
-    assert rank_class(4, 4, rows=False) == 4
+    assert [rank_class(b, 64, one_pair=False) for b in (1, 8, 16, 17)] == [16, 16, 16, 32]
+    assert rank_class(4, 4, one_pair=False) == 4
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton paths on CPU need TRITON_INTERPRET=1")
-@pytest.mark.parametrize("rows_from,few_pairs", [(16, 0), (0, 0), (0, 4)])
-def test_triton_paths_with_rank_classes_match_torch_on_cpu(demo_model, modules, monkeypatch, rows_from, few_pairs):
+@pytest.mark.parametrize("rows_from", [16, 0])
+def test_triton_paths_with_rank_classes_match_torch_on_cpu(demo_model, modules, monkeypatch, rows_from):
     """Triton LoRA + attention + fused ops in the interpreter, through the static buffers with
     graphs keyed by rank class (the demo adapters' ranks 4-32 in a pool of max_lora_rank 64),
     against the torch reference engine: same tokens, logits within 1e-4. With `rows_from` 0 the
-    kernels run a row at a time in every step of one-pair chunks (the default takes them above 16
-    chunks, which these batches never have), and with `few_pairs` in steps of chunks up to that
-    long too, keyed apart from the steps of fuller chunks by their row group."""
+    shrink runs a row at a time in every step of one-pair chunks (the default takes it above 16
+    chunks, which these batches never have), keyed apart from the steps of fuller chunks."""
     from lorafleet.kernels import lora_ops, triton_lora
 
     monkeypatch.setattr(lora_ops, "ONE_PAIR_MIN_CHUNKS", rows_from)
-    monkeypatch.setattr(lora_ops, "FEW_PAIRS_MAX", few_pairs)
     picked = []
     pick = triton_lora.pick_config
     monkeypatch.setattr(triton_lora, "pick_config", lambda *a, **kw: picked.append(pick(*a, **kw)) or picked[-1])
@@ -231,19 +229,14 @@ def test_triton_paths_with_rank_classes_match_torch_on_cpu(demo_model, modules, 
     keys = fast.runner.graphs._graphs
     rank_classes = {rank for _, cls, rank, _ in keys if cls}
     assert rank_classes and all(8 <= r <= 64 for r in rank_classes)
-    groups = {group for _, cls, _, group in keys if cls}
-    if rows_from:
-        assert groups == {0}
-    else:
-        assert 1 in groups and groups <= ({0, 1} if not few_pairs else {0, 1, 2, 4})
+    assert {one_pair for _, cls, _, one_pair in keys if cls} == ({True, False} if rows_from == 0 else {False})
     assert any(c.shrink_rows for c in picked) == (rows_from == 0)
-    assert {c.shrink_row_group for c in picked if c.shrink_rows} <= ({1} if not few_pairs else {1, 2, 4})
     # A graph is captured in its key's mode, not in what its capture meta (every slot -1, the class
     # as its chunk count) would judge. (On CPU nothing is captured: each step then plans from the
     # counts its meta copied in, so only the capture itself shows this.)
     graphs = fast.runner.graphs
-    for group in (0, 1, 2):
-        assert graphs._capture(graphs.buckets[-1], 64, 16, group).lora_meta.row_group == group
+    for one_pair in (False, True):
+        assert graphs._capture(graphs.buckets[-1], 64, 16, one_pair).lora_meta.one_pair_chunks == one_pair
 
 
 def test_base_only_steps_use_the_graph_without_lora(demo_model, modules):
