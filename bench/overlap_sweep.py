@@ -143,11 +143,11 @@ VARIANTS = {
        ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
         {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "EXPAND_ROWS": (512, 2, cap)})
        for cap in (168, 152, 184)},
-    # The fifteenth session: the fourteenth's defaults (as the 168-register variant above), then
-    # the same with the next LoRA launches' adapter weights bulk-prefetched into L2 on the side stream
-    # while the attention runs (commit 5c45f69, removed: lost in the engine), then with the side path
-    # replaced by bench/lora_bytes_only.py's (the adapters' bytes read beside each GEMM, nothing
-    # computed: wrong outputs, the time of an ideal kernel pair):
+    # The fifteenth session: the fourteenth's defaults (as the 168-register variant above), then the
+    # same with the side path replaced by bench/lora_bytes_only.py's (the adapters' bytes read beside
+    # each GEMM, nothing computed: wrong outputs, the time of an ideal kernel pair). The variants that
+    # prefetched adapter weights into L2 during the attention (commit 5c45f69) and ran few-pair chunks
+    # a row at a time (24688ad) followed these; both lost in the engine and were removed.
     "fourteenth session's defaults":
         ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
          {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "EXPAND_ROWS": (512, 2, 168)}),
