@@ -155,6 +155,13 @@ VARIANTS = {
         ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
          {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "EXPAND_ROWS": (512, 2, 168),
           "launch_shrink": lora_bytes_only.launch_shrink, "launch_expand": lora_bytes_only.launch_expand}),
+    # The bytes-only side path with other carveouts: none (the GEMM on every SM), and 80 SMs beside
+    # every GEMM (the most lora_ops.CARVEOUT_MAX_SHARE allows on the H200):
+    **{f"fourteenth session's defaults, bytes only, carveout {c}":
+       ("cublaslt", 1 << 30, (c, c, c, c), "many", (True, True), (True, True),
+        {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "EXPAND_ROWS": (512, 2, 168),
+         "launch_shrink": lora_bytes_only.launch_shrink, "launch_expand": lora_bytes_only.launch_expand})
+       for c in (0, 80)},
 }
 # The triton_lora (and lora_ops) knobs a variant's seventh element may set; every other variant runs
 # the sixth session's values, which all variants before them ran with.
