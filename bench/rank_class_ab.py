@@ -25,12 +25,12 @@ from lorafleet.worker import cuda_graphs
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--adapters", default="0,64")
+    ap.add_argument("--adapters", default="64", help="adapter counts besides base-only (always run)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("bench/results/rank-class-ab-h200.json"))
     args = ap.parse_args()
-    counts = [int(x) for x in args.adapters.split(",") if x]
+    counts = sorted({0, *(int(x) for x in args.adapters.split(",") if x)})  # base-only: every ratio's denominator
     batch, prompt_len = 64, 128
     engine, model_config, _ = build_engine(argparse.Namespace(tiny=False, rank=64, batch=batch, modes="async"), "cuda",
                                            max(counts + [1]))
