@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 
-from bench import lora_bytes_only
+from bench import lora_bytes_only, read_speed_linear
 from bench.engine import adapter_sets, decode_run, experiment_engine
 from lorafleet.kernels import lora_ops, triton_lora
+from lorafleet.worker.models.llama import LlamaModel
 
 # name -> (BLAS library, overlap max chunks, carveout beside the LoRA (<= 16 chunks, more; or those two
 # beside small GEMMs, then beside large ones: lora_ops.carveout_table), where the shrink zeroes the
@@ -162,13 +163,25 @@ VARIANTS = {
         {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "EXPAND_ROWS": (512, 2, 168),
          "launch_shrink": lora_bytes_only.launch_shrink, "launch_expand": lora_bytes_only.launch_expand})
        for c in (0, 80)},
+    # The sixteenth session: every decode projection (not the lm_head) replaced by one launch of a
+    # streaming read (bench/read_speed_linear.py: the base weight, plus the step's adapters' rows in
+    # the same launch, or in a second one; y zeroed, nothing computed): a kernel family that reads
+    # each byte once at the speed of a plain read, the best a GEMM with the LoRA fused in could do.
+    "read speed: weights and adapters in one launch a projection (no math)":
+        ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
+         {"linear_deferred": read_speed_linear.linear_deferred, "ONE_LAUNCH": True}),
+    "read speed: weights, then adapters in a second launch (no math)":
+        ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
+         {"linear_deferred": read_speed_linear.linear_deferred, "ONE_LAUNCH": False}),
 }
 # The triton_lora (and lora_ops) knobs a variant's seventh element may set; every other variant runs
 # the sixth session's values, which all variants before them ran with.
 KERNEL_KNOBS = {"SHRINK_WARPS": (4, 4), "WIDE_EXPAND": (256, 512), "SHRINK_BLOCK_K": (128, 128), "NUM_STAGES": (3, 3),
                 "SHRINK_ROWS": (), "ONE_PAIR_CHUNKS": (1.5, 2), "EXPAND_ROWS": (),
                 "launch_shrink": triton_lora.launch_shrink,
-                "launch_expand": triton_lora.launch_expand}
+                "launch_expand": triton_lora.launch_expand,
+                "linear_deferred": LlamaModel._linear_deferred, "ONE_LAUNCH": True}
+KNOB_HOMES = {"linear_deferred": (LlamaModel, "_linear_deferred"), "ONE_LAUNCH": (read_speed_linear, "ONE_LAUNCH")}
 
 
 def main() -> None:
@@ -195,7 +208,8 @@ def main() -> None:
         lora_ops.GEMM_FIRST = rest[0] if rest else (False, False)
         lora_ops.DELTA_STORE = rest[1] if len(rest) > 1 else (False, False)
         for knob, value in {**KERNEL_KNOBS, **(rest[2] if len(rest) > 2 else {})}.items():
-            setattr(triton_lora if hasattr(triton_lora, knob) else lora_ops, knob, value)
+            home, attr = KNOB_HOMES.get(knob, (triton_lora if hasattr(triton_lora, knob) else lora_ops, knob))
+            setattr(home, attr, value)
         lora_ops.FEW_CHUNKS = 0 if zero == "always" else few_chunks
         torch.backends.cuda.preferred_blas_library(blas)
         graphs._graphs.clear()  # recapture under this variant's settings
