@@ -99,7 +99,8 @@ def read_linear(x: torch.Tensor, w: torch.Tensor, lora_a=None, lora_b=None, rank
         ranks, stride_rs, chunk_slot = ranks_device, ranks_device.stride(0), meta.chunk_slot
     else:
         a = b = [w] * 3
-        outs, ranks, stride_rs, chunk_slot, chunks = [0, 0, 0], sink, 0, sink, 0
+        none = torch.full((1,), -1, dtype=torch.int32, device=x.device)  # int32, as the kernel loads them
+        outs, ranks, stride_rs, chunk_slot, chunks = [0, 0, 0], none, 0, none, 0
 
     def launch(w_progs: int, ad_progs: int, zero: bool) -> None:
         out = sink if probe is None or zero else sink[w_programs:]  # a second launch's programs after the first's
