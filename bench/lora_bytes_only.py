@@ -75,7 +75,9 @@ def _read(stacks: list[torch.Tensor], plan: LoraLaunch, row_dim: int, zero: torc
     if meta.grid_chunks == 0:
         return
     dev = stacks[0].device
-    sink = probe if probe is not None else _SINK.setdefault(dev, torch.zeros(1, dtype=torch.float32, device=dev))
+    if dev not in _SINK:  # made once (setdefault's argument would be a fill launch in every captured call)
+        _SINK[dev] = torch.zeros(1, dtype=torch.float32, device=dev)
+    sink = probe if probe is not None else _SINK[dev]
     ranges = [(t, t.stride(0), t.shape[row_dim]) for t in stacks] + [(stacks[0], 0, 0)] * (3 - len(stacks))
     _read_ranges_kernel[(meta.grid_chunks, 3, PIECES)](
         *(t for t, _, _ in ranges), plan.ranks_device, meta.chunk_slot, sink, sink if zero is None else zero,

@@ -79,7 +79,15 @@ def _read_linear_kernel(
         tl.store(sink_ptr, s)
 
 
-_SINK: dict[torch.device, torch.Tensor] = {}
+_SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _scratch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 sink, int32 -1) for `device`, made once: not a fill launch in every captured projection."""
+    if device not in _SCRATCH:
+        _SCRATCH[device] = (torch.zeros(1, dtype=torch.float32, device=device),
+                            torch.full((1,), -1, dtype=torch.int32, device=device))
+    return _SCRATCH[device]
 
 
 def read_linear(x: torch.Tensor, w: torch.Tensor, lora_a=None, lora_b=None, ranks_device=None,
@@ -87,7 +95,8 @@ def read_linear(x: torch.Tensor, w: torch.Tensor, lora_a=None, lora_b=None, rank
     """`[T, out]` zeros, after reading w (and, with lora_a/lora_b/meta, the step's adapter rows).
     probe: fp32, zeroed, one entry a program: takes each program's sum of what it read (tests)."""
     y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
-    sink = probe if probe is not None else _SINK.setdefault(x.device, torch.zeros(1, dtype=torch.float32, device=x.device))
+    sink, none = _scratch(x.device)
+    sink = sink if probe is None else probe
     w_programs = triton.cdiv(w.numel(), W_BLOCK * W_ITERS)
     chunks = 0 if meta is None else meta.grid_chunks
     if lora_a is not None:
@@ -98,8 +107,7 @@ def read_linear(x: torch.Tensor, w: torch.Tensor, lora_a=None, lora_b=None, rank
         outs = [t.shape[1] for t in lora_b] + [0] * (3 - len(lora_b))
         ranks, stride_rs, chunk_slot = ranks_device, ranks_device.stride(0), meta.chunk_slot
     else:
-        a = b = [w] * 3
-        none = torch.full((1,), -1, dtype=torch.int32, device=x.device)  # int32, as the kernel loads them
+        a = b = [w] * 3  # slots and ranks: int32, as the kernel loads them
         outs, ranks, stride_rs, chunk_slot, chunks = [0, 0, 0], none, 0, none, 0
 
     def launch(w_progs: int, ad_progs: int, zero: bool) -> None:
