@@ -173,10 +173,6 @@ VARIANTS = {
     "read speed: weights, then adapters in a second launch (no math)":
         ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
          {"linear_deferred": read_speed_linear.linear_deferred, "ONE_LAUNCH": False}),
-    "read speed: one launch, half-size read blocks (no math)":
-        ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
-         {"linear_deferred": read_speed_linear.linear_deferred, "ONE_LAUNCH": True, "W_BLOCK": 2048,
-          "AD_BLOCK": 2048}),
 }
 # The triton_lora (and lora_ops) knobs a variant's seventh element may set; every other variant runs
 # the sixth session's values, which all variants before them ran with.
@@ -184,9 +180,8 @@ KERNEL_KNOBS = {"SHRINK_WARPS": (4, 4), "WIDE_EXPAND": (256, 512), "SHRINK_BLOCK
                 "SHRINK_ROWS": (), "ONE_PAIR_CHUNKS": (1.5, 2), "EXPAND_ROWS": (),
                 "launch_shrink": triton_lora.launch_shrink,
                 "launch_expand": triton_lora.launch_expand,
-                "linear_deferred": LlamaModel._linear_deferred, "ONE_LAUNCH": True, "W_BLOCK": 4096, "AD_BLOCK": 4096}
-KNOB_HOMES = {"linear_deferred": (LlamaModel, "_linear_deferred"),
-              **{k: (read_speed_linear, k) for k in ("ONE_LAUNCH", "W_BLOCK", "AD_BLOCK")}}
+                "linear_deferred": LlamaModel._linear_deferred, "ONE_LAUNCH": True}
+KNOB_HOMES = {"linear_deferred": (LlamaModel, "_linear_deferred"), "ONE_LAUNCH": (read_speed_linear, "ONE_LAUNCH")}
 
 
 def main() -> None:
