@@ -5,39 +5,29 @@ other slots are never summed) and zeroes the delta where the real path would hav
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
-from lorafleet.kernels.lora_ops import build_lora_meta, new_lora_b
+from lorafleet.kernels.lora_ops import build_lora_meta
 from lorafleet.kernels.triton_lora import plan_lora_triton
-
-ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the interpreter")
 
 
 @pytest.fixture
-def bytes_only(tmp_path, monkeypatch):
-    (tmp_path / "bench").symlink_to(ROOT / "bench")  # the repo root itself would shadow the stdlib's operator
-    monkeypatch.syspath_prepend(str(tmp_path))
+def bytes_only(bench_importable, monkeypatch):
     from bench import lora_bytes_only
 
     monkeypatch.setattr(lora_bytes_only, "BLOCK", 16)  # several blocks a program at these sizes
     return lora_bytes_only
 
 
-def test_reads_each_chunks_true_rank_rows_once_and_zeroes_the_delta(bytes_only) -> None:
+def test_reads_each_chunks_true_rank_rows_once_and_zeroes_the_delta(bytes_only, positive_stacks) -> None:
     g = torch.Generator().manual_seed(0)
     slots, r_max, in_f, outs = 5, 8, 40, [24, 8]
     ranks = torch.tensor([[8, 3, 0, 5, 1], [2, 3, 7, 5, 0]], dtype=torch.int32)
-    a = [torch.rand(slots, r_max, in_f, generator=g) + 1 for _ in outs]  # all positive: a missed row shows
-    b = []
-    for out in outs:
-        t = new_lora_b(slots, out, r_max, device="cpu", dtype=torch.float32)
-        t.copy_(torch.rand(slots, out, r_max, generator=g) + 1)
-        b.append(t)
+    a, b = positive_stacks(g, slots, r_max, in_f, outs)
     # slot 3 twice as many pairs as a chunk holds: two chunks, each reads it; slot 0 unused
     token_slots = torch.tensor([[1]] * 3 + [[3]] * 20 + [[4]] + [[-1]] * 2, dtype=torch.int32)
     meta = build_lora_meta(token_slots, torch.ones(len(token_slots), 1), slots)

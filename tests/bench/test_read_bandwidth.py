@@ -5,21 +5,16 @@ bandwidth it reports is for bytes that were really read."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
 import triton
 
-ROOT = Path(__file__).resolve().parents[2]
-
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the interpreter")
 
 
 @pytest.mark.parametrize("n,block,iters", [(1, 16, 1), (1000, 64, 4), (4099, 128, 2), (512, 128, 4)])
-def test_read_kernel_sums_every_element_once(tmp_path, monkeypatch, n: int, block: int, iters: int) -> None:
-    (tmp_path / "bench").symlink_to(ROOT / "bench")  # the repo root itself would shadow the stdlib's operator
-    monkeypatch.syspath_prepend(str(tmp_path))
+def test_read_kernel_sums_every_element_once(bench_importable, n: int, block: int, iters: int) -> None:
     from bench.read_bandwidth import triton_read
 
     x = (torch.arange(n, dtype=torch.float32) % 97 + 1).to(torch.bfloat16)  # exact in bf16, no zeros

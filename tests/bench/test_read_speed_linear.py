@@ -5,22 +5,17 @@ A and B once (padding rows past the rank and other slots never), and returns zer
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
-from lorafleet.kernels.lora_ops import build_lora_meta, new_lora_b
-
-ROOT = Path(__file__).resolve().parents[2]
+from lorafleet.kernels.lora_ops import build_lora_meta
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the interpreter")
 
 
 @pytest.fixture
-def read_speed(tmp_path, monkeypatch):
-    (tmp_path / "bench").symlink_to(ROOT / "bench")  # the repo root itself would shadow the stdlib's operator
-    monkeypatch.syspath_prepend(str(tmp_path))
+def read_speed(bench_importable, monkeypatch):
     from bench import read_speed_linear
 
     monkeypatch.setattr(read_speed_linear, "W_BLOCK", 64)  # several programs and blocks at these sizes
@@ -30,17 +25,13 @@ def read_speed(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("one_launch", [True, False])
-def test_reads_the_weight_and_each_chunks_true_rank_rows_once(read_speed, monkeypatch, one_launch) -> None:
+def test_reads_the_weight_and_each_chunks_true_rank_rows_once(read_speed, positive_stacks, monkeypatch,
+                                                              one_launch) -> None:
     monkeypatch.setattr(read_speed, "ONE_LAUNCH", one_launch)
     g = torch.Generator().manual_seed(0)
     slots, r_max, in_f, outs = 5, 8, 40, [24, 8, 16]
     ranks = torch.tensor([[8, 3, 0, 5, 1], [2, 3, 7, 5, 0], [1, 1, 1, 8, 8]], dtype=torch.int32)
-    a = [torch.rand(slots, r_max, in_f, generator=g) + 1 for _ in outs]  # all positive: a missed row shows
-    b = []
-    for out in outs:
-        t = new_lora_b(slots, out, r_max, device="cpu", dtype=torch.float32)
-        t.copy_(torch.rand(slots, out, r_max, generator=g) + 1)
-        b.append(t)
+    a, b = positive_stacks(g, slots, r_max, in_f, outs)
     w = torch.rand(sum(outs), in_f, generator=g) + 1
     token_slots = torch.tensor([[1]] * 3 + [[3]] * 20 + [[4]] + [[-1]] * 2, dtype=torch.int32)
     meta = build_lora_meta(token_slots, torch.ones(len(token_slots), 1), slots)

@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def timeline(tmp_path, monkeypatch):
-    (tmp_path / "bench").symlink_to(ROOT / "bench")  # the repo root itself would shadow the stdlib's operator
-    monkeypatch.syspath_prepend(str(tmp_path))
+def timeline(bench_importable):
     from bench import step_timeline
 
     return step_timeline
