@@ -27,6 +27,9 @@ from bench.engine import adapter_sets, decode_run, experiment_engine
 from lorafleet.kernels import lora_ops, triton_lora
 from lorafleet.worker.models.llama import LlamaModel
 
+# The fourteenth session's kernel knobs (its 168-register variant below), the fifteenth session's baseline.
+FOURTEENTH_KNOBS = {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "EXPAND_ROWS": (512, 2, 168)}
+
 # name -> (BLAS library, overlap max chunks, carveout beside the LoRA (<= 16 chunks, more; or those two
 # beside small GEMMs, then beside large ones: lora_ops.carveout_table), where the shrink zeroes the
 # delta: "never" (a memset), "always", "many" (above lora_ops.FEW_CHUNKS), and optionally
@@ -151,16 +154,16 @@ VARIANTS = {
     # a row at a time (24688ad) followed these; both lost in the engine and were removed.
     "fourteenth session's defaults":
         ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
-         {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "EXPAND_ROWS": (512, 2, 168)}),
+         dict(FOURTEENTH_KNOBS)),
     "fourteenth session's defaults, bytes only (an ideal LoRA: its reads, no math)":
         ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
-         {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "EXPAND_ROWS": (512, 2, 168),
+         {**FOURTEENTH_KNOBS,
           "launch_shrink": lora_bytes_only.launch_shrink, "launch_expand": lora_bytes_only.launch_expand}),
     # The bytes-only side path with other carveouts: none (the GEMM on every SM), and 80 SMs beside
     # every GEMM (the most lora_ops.CARVEOUT_MAX_SHARE allows on the H200):
     **{f"fourteenth session's defaults, bytes only, carveout {c}":
        ("cublaslt", 1 << 30, (c, c, c, c), "many", (True, True), (True, True),
-        {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "EXPAND_ROWS": (512, 2, 168),
+        {**FOURTEENTH_KNOBS,
          "launch_shrink": lora_bytes_only.launch_shrink, "launch_expand": lora_bytes_only.launch_expand})
        for c in (0, 80)},
     # The sixteenth session: every decode projection (not the lm_head) replaced by one launch of a
