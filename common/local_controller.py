@@ -15,7 +15,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorafleet.operator.reconciler import PodState, PoolReconciler, ReconcilerSettings, UrlOf
+from lorafleet.operator.pool_state import PodState, ReconcilerSettings, UrlOf
+from lorafleet.operator.reconciler import PoolReconciler
 from lorafleet.operator.spec import SpecError, parse_adapter
 from lorafleet.run_dir import RunDir
 

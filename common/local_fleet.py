@@ -9,11 +9,11 @@
 
 Ctrl-C or SIGTERM stops the router, then every worker's process group (SIGTERM, then SIGKILL after a
 grace period); workers also die with this process if it is killed outright (Linux PDEATHSIG).
+The command line is in `local_fleet_options`, the worker processes in `local_workers`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -22,11 +22,11 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 
 from lorafleet import process_group
+from lorafleet.local_fleet_options import POOL, SERVED_NAME, UpOptions, build_parser, options_from_args
 from lorafleet.local_preflight import (
     FleetError,
     check_device,
@@ -39,72 +39,10 @@ from lorafleet.local_preflight import (
     seed_adapter_volume,
 )
 from lorafleet.local_router import RouterServer
-from lorafleet.process_group import Child
-from lorafleet.run_dir import DEFAULT_RUN_DIR, FleetState, RunDir, WorkerEntry
+from lorafleet.local_workers import WorkerProc, wait_ready, worker_argv, worker_env
+from lorafleet.run_dir import FleetState, RunDir, WorkerEntry
 
 log = logging.getLogger("lorafleet.up")
-
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-SERVED_NAME = "tiny-llama"
-POOL = "local"
-
-
-@dataclass(frozen=True, slots=True)
-class UpOptions:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    workers: int = 2
-    device: str = "cpu"
-    assets: Path = field(default_factory=lambda: default_assets_dir())
-    run_dir: Path = DEFAULT_RUN_DIR
-    redis_url: str | None = DEFAULT_REDIS_URL  # None: embedded state without trying Redis
-    worker_port: int | None = None  # first worker port; None: free ports picked by the OS
-    max_loras: int = 8
-    max_cpu_loras: int = 32
-    max_lora_rank: int = 64
-    ready_timeout_s: float = 180.0
-    log_level: str = "warning"
-
-
-def default_assets_dir() -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "lorafleet" / "demo-assets"
-
-
-def build_parser() -> argparse.ArgumentParser:
-    d = UpOptions()
-    p = argparse.ArgumentParser(prog="lorafleet up", description="Start a local fleet: the router, CPU workers "
-                                "and a tiny demo model with LoRA adapters. Ctrl-C stops everything.")
-    p.add_argument("--port", type=int, default=d.port, help="router port (default 8000)")
-    p.add_argument("--host", default=d.host, help="bind address of the router and workers (default 127.0.0.1)")
-    p.add_argument("--workers", type=int, default=d.workers, help="worker processes (default 2)")
-    p.add_argument("--device", default=d.device, help="cpu (default) or cuda: workers spread over the visible GPUs")
-    p.add_argument("--assets", type=Path, default=None,
-                   help=f"demo model and adapters; made here if absent (default {d.assets})")
-    p.add_argument("--run-dir", type=Path, default=d.run_dir,
-                   help="state, admin token, adapter volume and logs of this fleet (default .lorafleet)")
-    p.add_argument("--redis-url", default=d.redis_url,
-                   help=f"placement store when it answers (default {DEFAULT_REDIS_URL}); else embedded state")
-    p.add_argument("--no-redis", action="store_true", help="embedded in-process state even if Redis answers")
-    p.add_argument("--worker-port", type=int, default=None, help="first worker port (default: free ports)")
-    p.add_argument("--max-loras", type=int, default=d.max_loras, help="adapters per batch on each worker")
-    p.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras, help="adapters each worker holds")
-    p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank)
-    p.add_argument("--ready-timeout", type=float, default=d.ready_timeout_s, help="seconds to wait for the fleet")
-    p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
-    return p
-
-
-def options_from_args(args: argparse.Namespace) -> UpOptions:
-    if args.workers < 1:
-        raise FleetError("--workers must be at least 1")
-    return UpOptions(
-        host=args.host, port=args.port, workers=args.workers, device=args.device,
-        assets=args.assets or default_assets_dir(), run_dir=args.run_dir,
-        redis_url=None if args.no_redis else args.redis_url, worker_port=args.worker_port,
-        max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank,
-        ready_timeout_s=args.ready_timeout, log_level=args.log_level,
-    )
 
 
 def main(argv: list[str]) -> int:
@@ -121,61 +59,6 @@ def main(argv: list[str]) -> int:
 
 
 # ---- the fleet ------------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class WorkerProc:
-    name: str  # host:port, the replica name the router derives from the URL
-    url: str
-    argv: list[str]
-    env: dict[str, str]
-    log_path: Path
-    child: Child | None = None
-    restarts: int = 0
-    ready: bool = False
-
-    def start(self) -> None:
-        self.child = process_group.spawn(self.name, self.argv, self.log_path, self.env)
-        self.ready = False
-
-
-def worker_argv(options: UpOptions, run_dir: RunDir, model: Path, port: int, device: str) -> list[str]:
-    return [
-        sys.executable, "-m", "lorafleet", "worker",
-        "--model", str(model), "--served-model-name", SERVED_NAME,
-        "--host", options.host, "--port", str(port),
-        "--adapter-root", str(run_dir.adapters), "--admin-token-file", str(run_dir.token_file),
-        "--max-loras", str(options.max_loras), "--max-cpu-loras", str(options.max_cpu_loras),
-        "--max-lora-rank", str(options.max_lora_rank), "--device", device,
-        "--log-level", "info" if options.log_level == "debug" else "warning",
-    ]
-
-
-def worker_env(workers: int) -> dict[str, str]:
-    env = dict(os.environ)
-    # CPU workers share the cores instead of each starting one thread per core.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-async def wait_ready(workers: list[WorkerProc], http: httpx.AsyncClient, stopped: asyncio.Event, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not all(w.ready for w in workers):
-        if stopped.is_set():
-            return
-        for w in workers:
-            assert w.child is not None
-            if not w.child.alive():
-                raise FleetError(f"worker {w.name} exited with code {w.child.process.returncode} while starting; "
-                                 f"last lines of {w.log_path}:\n{w.child.log_tail()}")
-            if not w.ready:
-                with contextlib.suppress(httpx.HTTPError):
-                    w.ready = (await http.get(f"{w.url}/ready", timeout=1.0)).status_code == 200
-        if time.monotonic() > deadline:
-            late = ", ".join(w.name for w in workers if not w.ready)
-            raise FleetError(f"workers not ready after {timeout_s:g}s: {late}; see {workers[0].log_path.parent}")
-        await asyncio.sleep(0.2)
 
 
 async def run(options: UpOptions) -> int:
@@ -229,7 +112,8 @@ class _Fleet:
 
     async def serve(self, stopped: asyncio.Event) -> int:
         from lorafleet.local_controller import NAMESPACE, LocalController, worker_urls
-        from lorafleet.operator.reconciler import PodState, PoolReconciler
+        from lorafleet.operator.pool_state import PodState
+        from lorafleet.operator.reconciler import PoolReconciler
         from lorafleet.operator.spec import EngineSpec, PoolSpec
         from lorafleet.operator.worker_client import WorkerClient
         from lorafleet.placement_store import MemoryPlacementStore, RedisPlacementStore
@@ -325,7 +209,7 @@ class _Fleet:
 
     async def watch_workers(self, reconciler, stopped: asyncio.Event) -> None:
         """Restart a worker that dies (a few times); the reconciler reloads its adapters (drift repair)."""
-        from lorafleet.operator.reconciler import PodState
+        from lorafleet.operator.pool_state import PodState
 
         assert self.http is not None
         while not stopped.is_set():

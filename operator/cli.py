@@ -24,7 +24,7 @@ import hashlib
 import logging
 import os
 
-from lorafleet.operator.reconciler import ReconcilerSettings
+from lorafleet.operator.pool_state import ReconcilerSettings
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lorafleet.operator.kube import KubeClient
-from lorafleet.operator.reconciler import PoolReconciler, ReconcilerSettings, UrlOf, pod_url
+from lorafleet.operator.pool_state import ReconcilerSettings, UrlOf, pod_url
+from lorafleet.operator.reconciler import PoolReconciler
 from lorafleet.operator.spec import AdapterSpec
 from lorafleet.operator.worker_client import WorkerClient
 

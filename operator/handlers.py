@@ -19,7 +19,7 @@ import kopf
 from lorafleet.operator import builders
 from lorafleet.operator.fleet import Fleet
 from lorafleet.operator.kube import Conflict, KubeClient, KubeError, NotFound
-from lorafleet.operator.reconciler import PodState, ReconcilerSettings
+from lorafleet.operator.pool_state import PodState, ReconcilerSettings
 from lorafleet.operator.spec import GROUP, POOL_LABEL, VERSION, SpecError, parse_adapter, parse_pool
 from lorafleet.operator.status import AdapterObservation, Condition, adapter_status, render_conditions
 from lorafleet.operator.worker_client import WorkerClient

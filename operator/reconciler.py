@@ -6,74 +6,33 @@ when nothing changes in Kubernetes.
 
 One loop per pool, not one per adapter: placement is pool-wide (capacity is shared), and a loop
 that polls each worker once per round scales to thousands of adapters with a handful of requests.
+The records it keeps, and the pure read-outs of them (verification, readiness, statuses), are in
+`pool_state`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorafleet.operator import placement
+from lorafleet.operator import placement, pool_state
 from lorafleet.operator.kube import KubeClient, KubeError, NotFound
-from lorafleet.operator.spec import (
-    API_VERSION,
-    AdapterSpec,
-    PoolSpec,
-    SpecError,
-    check_against_pool,
-    digest_matches,
+from lorafleet.operator.pool_state import (
+    AdapterRecord,
+    PodState,
+    ReconcilerSettings,
+    RoundResult,
+    UrlOf,
+    pod_url,
 )
-from lorafleet.operator.status import AdapterObservation, adapter_status, pool_phase, status_changed
+from lorafleet.operator.spec import API_VERSION, AdapterSpec, PoolSpec, SpecError, check_against_pool
 from lorafleet.operator.worker_client import LoadRefused, WorkerClient, WorkerError, resident
 from lorafleet.protocol import AdapterInventory
 
 log = logging.getLogger("lorafleet.operator")
-
-
-@dataclass(frozen=True, slots=True)
-class ReconcilerSettings:
-    resync_s: float = 10.0  # level-triggered repair period (also the kopf timer's interval)
-    retry_s: float = 2.0  # after a transient error
-    max_rounds_per_wake: int = 6  # make-before-break needs a few rounds (load, verify, unload)
-    worker_concurrency: int = 32  # calls in flight per worker
-    status_concurrency: int = 32  # status writes in flight
-    demand_window_s: float = 300.0
-    publish_ttl_s: float = 45.0
-
-
-@dataclass(slots=True)
-class PodState:
-    name: str
-    ip: str | None
-    ready: bool
-    draining: bool
-
-
-# `url_of(pod, port) -> base URL` of one worker API; `port` is the pool's admin or http port.
-UrlOf = Callable[[PodState, int], str]
-
-
-def pod_url(pod: PodState, port: int) -> str:
-    """The default `url_of`: in a cluster every pod serves the pool's ports on its own pod IP."""
-    return f"http://{pod.ip}:{port}"
-
-
-@dataclass(slots=True)
-class AdapterRecord:
-    spec: AdapterSpec
-    generation: int | None
-    status: dict[str, Any] | None  # last status known to be on the object
-    failure: tuple[str, str] | None = None  # permanent, cleared when the spec changes
-
-
-@dataclass(slots=True)
-class RoundResult:
-    actions: int = 0
-    errors: int = 0
-    changed: bool = False
 
 
 @dataclass(slots=True)
@@ -177,23 +136,10 @@ class PoolReconciler:
                 return
             self.inventories[pod.name] = inv
             self.loaded[pod.name] = resident(inv)
-            self._note_digests(inv)
+            pool_state.note_digests(self.digests, inv)
 
         await asyncio.gather(*(one(p) for p in pods))
         return errors
-
-    def _check_loaded(self) -> None:
-        """Permanent failures visible only after a load: digest or rank as reported by the worker."""
-        assert self.pool is not None
-        for pod, inv in self.inventories.items():
-            for info in inv.adapters:
-                record = self.adapters.get(info.name)
-                if record is None or record.failure is not None or info.name not in self.loaded.get(pod, ()):
-                    continue
-                if not digest_matches(record.spec.sha256, info.digest):
-                    record.failure = ("DigestMismatch", f"worker {pod} reports {info.digest}, spec wants sha256:{record.spec.sha256}")
-                elif info.rank > self.pool.engine.max_lora_rank:
-                    record.failure = ("RankTooHigh", f"rank {info.rank} exceeds maxLoraRank {self.pool.engine.max_lora_rank}")
 
     async def reconcile_once(self) -> RoundResult:
         async with self._round_lock:
@@ -220,7 +166,7 @@ class PoolReconciler:
                     check_against_pool(record.spec, pool)
                 except SpecError as exc:
                     record.failure = (exc.reason, str(exc))
-        self._check_loaded()
+        pool_state.check_loaded(self.adapters, self.inventories, self.loaded, pool.engine.max_lora_rank)
 
         wants = [
             placement.AdapterWant(r.spec.name, r.spec.min_replicas, r.spec.max_replicas, r.spec.pinned)
@@ -279,7 +225,7 @@ class PoolReconciler:
                         path = f"{pool.adapter_mount.rstrip('/')}/{record.spec.source}"
                         inv = await self.workers.load(url, token, action.adapter, path)
                         self.loaded.setdefault(action.pod, set()).add(action.adapter)
-                        self._note_digests(inv)
+                        pool_state.note_digests(self.digests, inv)
                     else:
                         await self.workers.unload(url, token, action.adapter)
                         self.loaded.setdefault(action.pod, set()).discard(action.adapter)
@@ -325,11 +271,7 @@ class PoolReconciler:
             log.warning("placement store publish failed: %s", exc)
 
     def ready_replicas(self, adapter: str) -> int:
-        return sum(
-            1
-            for pod, names in self.loaded.items()
-            if adapter in names and (p := self.pods.get(pod)) is not None and p.ready and not p.draining
-        )
+        return pool_state.ready_replicas(self.pods, self.loaded, adapter)
 
     async def _write_statuses(
         self,
@@ -338,43 +280,13 @@ class PoolReconciler:
         reason: str = "InsufficientCapacity",
         message: str = "",
     ) -> bool:
-        usable = sum(1 for p in self.pods.values() if p.ready and not p.draining and p.name in self.inventories)
-        writes: list[tuple[AdapterRecord, dict[str, Any]]] = []
-        for record in list(self.adapters.values()):
-            name = record.spec.name
-            wanted = target.wanted.get(name, record.spec.min_replicas) if target else record.spec.min_replicas
-            placed = len(target.pods.get(name, ())) if target else 0
-            why, detail = reason, message
-            if target is not None and placed < wanted:
-                why = "NotEnoughWorkers" if usable < wanted else "InsufficientCapacity"
-                detail = f"{placed}/{wanted} replicas assigned ({usable} usable workers)"
-            obs = AdapterObservation(
-                generation=record.generation,
-                desired=wanted,
-                placed=placed,
-                ready=self.ready_replicas(name),
-                loading=name in loading,
-                failure=record.failure,
-                placed_reason=why,
-                placed_message=detail,
-                digest=self._digest_of(name),
-            )
-            new = adapter_status(obs, record.status)
-            if status_changed(record.status, new):
-                writes.append((record, new))
+        writes = pool_state.status_writes(
+            self.adapters, self.pods, self.inventories, self.loaded, self.digests, target, loading, reason, message
+        )
         if writes:
             await self._patch_statuses(writes)
         await self._write_pool_status()
         return bool(writes)
-
-    def _note_digests(self, inventory: AdapterInventory) -> None:
-        for info in inventory.adapters:
-            self.digests[info.name] = info.digest
-
-    def _digest_of(self, adapter: str) -> str | None:
-        if any(adapter in names for names in self.loaded.values()):
-            return self.digests.get(adapter)
-        return None
 
     async def _patch_statuses(self, writes: list[tuple[AdapterRecord, dict[str, Any]]]) -> None:
         if self.kube is None:
@@ -405,16 +317,7 @@ class PoolReconciler:
     async def _write_pool_status(self) -> None:
         if self.pool is None or self.kube is None:
             return
-        ready = sum(1 for p in self.pods.values() if p.ready and not p.draining)
-        ready_adapters = sum(1 for r in self.adapters.values() if (r.status or {}).get("phase") == "Ready")
-        phase = pool_phase(self.pool.replicas, ready)
-        new = {
-            "phase": phase,
-            "replicas": len(self.pods),
-            "readyReplicas": ready,
-            "readyAdapters": ready_adapters,
-            "adminTokenSecret": self.pool.token_secret,
-        }
+        new = pool_state.pool_status_of(self.pool, self.pods, self.adapters)
         if self.pool_status == new:
             return
         path = KubeClient.path(API_VERSION, "lorapools", self.namespace, self.name, "status")

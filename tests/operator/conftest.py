@@ -85,7 +85,7 @@ class OperatorRunner:
         import kopf
 
         from lorafleet.operator.handlers import OperatorConfig, register
-        from lorafleet.operator.reconciler import ReconcilerSettings
+        from lorafleet.operator.pool_state import ReconcilerSettings
 
         info = kopf.ConnectionInfo(server=str(self.api.url).rstrip("/"), insecure=True, token="kmock")
         config = OperatorConfig(

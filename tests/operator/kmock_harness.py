@@ -15,13 +15,13 @@ Gaps covered (kmock 0.8):
 Not covered: watch streams keep kmock's octet-stream content type (kopf does not mind); namespaces
 added after the start are not announced on the namespace watch (in-process tests run kopf with
 `settings.scanning.disabled = True` and exact namespace names); no admission (CEL, schema) — the
-CRD schema is tested separately.
+CRD schema is tested separately. The API's own conventions (Status errors, label selectors,
+Tables) are in `kube_api`; watch streams, which resume from a resourceVersion, in `kube_watch`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import datetime
 import itertools
 import json
 import re
@@ -37,11 +37,11 @@ import kmock
 import yaml
 from kmock._internal import dicts, enums, rendering
 
+from tests.operator.kube_api import ApiError, matches_selector, now, status_response, table
+from tests.operator.kube_watch import WatchLog, watch_unchanging
+
 ROOT = Path(__file__).resolve().parents[2]
 CRD_DIR = ROOT / "crds"
-
-# A watch with no events notices a hung-up client only by looking; this often.
-_DISCONNECT_POLL_S = 0.5
 
 ALL_VERBS = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
 
@@ -60,32 +60,6 @@ BUILTINS: dict[str, dict[str, Any]] = {
 }
 
 
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _age(ts: str | None) -> str:
-    if not ts:
-        return "<unknown>"
-    then = datetime.datetime.strptime(ts, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc)
-    s = int((datetime.datetime.now(datetime.timezone.utc) - then).total_seconds())
-    return f"{s}s" if s < 120 else f"{s // 60}m"
-
-
-def _jsonpath(obj: Any, path: str) -> Any:
-    for part in path.strip(".").split("."):
-        if not isinstance(obj, dict):
-            return None
-        obj = obj.get(part)
-    return obj
-
-
-def _status(code: int, reason: str, message: str) -> aiohttp.web.Response:
-    body = {"apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure",
-            "code": code, "reason": reason, "message": message}
-    return aiohttp.web.json_response(body, status=code)
-
-
 @attrs.define(kw_only=True)
 class PatchedEmulator(kmock.KubernetesEmulator):
     _rv: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
@@ -94,8 +68,7 @@ class PatchedEmulator(kmock.KubernetesEmulator):
     _namespaces: dict[str, dict[str, Any]] = attrs.field(factory=dict, init=False)
     _write_lock: asyncio.Lock = attrs.field(factory=asyncio.Lock, init=False)
     writes: dict[tuple[str, str, str], int] = attrs.field(factory=dict, init=False)  # (plural, ns, name) -> writes
-    _log: list[tuple[int, Any, dict[str, Any]]] = attrs.field(factory=list, init=False)  # (rv, resource, event)
-    _changed: asyncio.Condition = attrs.field(factory=asyncio.Condition, init=False)
+    _watch: WatchLog = attrs.field(factory=WatchLog, init=False)
 
     def __attrs_post_init__(self) -> None:
         kmock.KubernetesEmulator.__attrs_post_init__(self)
@@ -136,7 +109,7 @@ class PatchedEmulator(kmock.KubernetesEmulator):
         self._namespaces[name] = {
             "apiVersion": "v1", "kind": "Namespace",
             "metadata": {"name": name, "uid": str(uuid.uuid4()), "resourceVersion": str(next(self._rv)),
-                         "creationTimestamp": _now()},
+                         "creationTimestamp": now()},
             "status": {"phase": "Active"},
         }
 
@@ -181,23 +154,8 @@ class PatchedEmulator(kmock.KubernetesEmulator):
         if m and raw.method == "GET" and raw.query.get("watch") != "true":
             return self._serve_namespaces(m.group(1))
         if m and raw.method == "GET" and m.group(1) is None:
-            return await self._watch_namespaces(raw)
+            return await watch_unchanging(raw, self._namespaces)
         return await kmock.KubernetesEmulator.__call__(self, raw)
-
-    async def _watch_namespaces(self, raw: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
-        """Namespaces never change here: ADDED for each (unless resumed from a version), then quiet."""
-        response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
-        await response.prepare(raw)
-        if not raw.query.get("resourceVersion"):
-            for ns in list(self._namespaces.values()):
-                await response.write(json.dumps({"type": "ADDED", "object": ns}).encode() + b"\n")
-        deadline = asyncio.get_running_loop().time() + float(raw.query.get("timeoutSeconds") or 3600)
-        try:
-            while asyncio.get_running_loop().time() < deadline and not _gone(raw):
-                await asyncio.sleep(_DISCONNECT_POLL_S)
-        except asyncio.CancelledError:
-            pass
-        return response
 
     def _serve_namespaces(self, name: str | None) -> aiohttp.web.Response:
         if name is None:
@@ -206,20 +164,20 @@ class PatchedEmulator(kmock.KubernetesEmulator):
                 "metadata": {"resourceVersion": str(next(self._rv))}, "items": list(self._namespaces.values()),
             })
         if name not in self._namespaces:
-            return _status(404, "NotFound", f'namespaces "{name}" not found')
+            return status_response(404, "NotFound", f'namespaces "{name}" not found')
         return aiohttp.web.json_response(self._namespaces[name])
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         res = request.resource
         if request.action == enums.action.WATCH and res in self._kinds:
-            return await self._serve_watch_stream(request)
+            return await self._watch.stream(request, self.items)
         if res is None or request.action in (enums.action.LIST, enums.action.WATCH, enums.action.FETCH):
             if request.action in (enums.action.LIST, enums.action.FETCH) and res in self._kinds:
                 return self._serve_read(request)
             return await kmock.KubernetesEmulator._handle(self, request)
         method = str(getattr(request.method, "value", request.method)).upper()
         if res not in self._kinds:
-            return _status(404, "NotFound", f"the server could not find the requested resource ({res})")
+            return status_response(404, "NotFound", f"the server could not find the requested resource ({res})")
         async with self._write_lock:
             try:
                 if method == "POST" and request.name is None:
@@ -239,9 +197,9 @@ class PatchedEmulator(kmock.KubernetesEmulator):
                         await self._patch(res, key, request.data, replace=True, sub=request.subresource))
                 if method == "DELETE":
                     return aiohttp.web.json_response(await self._delete(res, key))
-            except _ApiError as exc:
-                return _status(exc.code, exc.reason, exc.message)
-        return _status(405, "MethodNotAllowed", f"{method} is not supported here")
+            except ApiError as exc:
+                return status_response(exc.code, exc.reason, exc.message)
+        return status_response(405, "MethodNotAllowed", f"{method} is not supported here")
 
     def _serve_read(self, request: rendering.Request) -> aiohttp.web.Response:
         res = request.resource
@@ -251,7 +209,7 @@ class PatchedEmulator(kmock.KubernetesEmulator):
             key = (res, request.namespace, request.name)
             if key not in self.objects or self.objects[key].deleted:
                 plural = res.plural
-                return _status(404, "NotFound", f'{plural}.{res.group} "{request.name}" not found')
+                return status_response(404, "NotFound", f'{plural}.{res.group} "{request.name}" not found')
             items = [self.objects[key].raw]
         else:
             selector = request.params.get("labelSelector")
@@ -260,34 +218,16 @@ class PatchedEmulator(kmock.KubernetesEmulator):
                 if r == res and not obj.deleted and (request.namespace is None or ns == request.namespace)
             ]
             if selector:
-                items = [o for o in items if _matches(o, selector)]
+                items = [o for o in items if matches_selector(o, selector)]
         accept = request.headers.get("Accept", "") or request.headers.get("accept", "")
         if "as=Table" in accept:
-            return aiohttp.web.json_response(self._table(res, items))
+            return aiohttp.web.json_response(table(self._columns.get(res), items, str(next(self._rv))))
         if request.action == enums.action.FETCH:
             return aiohttp.web.json_response(items[0])
         return aiohttp.web.json_response({
             "apiVersion": api_version, "kind": f"{kind}List",
             "metadata": {"resourceVersion": str(next(self._rv))}, "items": items,
         })
-
-    def _table(self, res: Any, items: list[dict[str, Any]]) -> dict[str, Any]:
-        columns = [{"name": "Name", "type": "string", "format": "name", "priority": 0,
-                    "description": "Name of the object."}]
-        extra = self._columns.get(res, [{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}])
-        for c in extra:
-            columns.append({"name": c["name"], "type": c["type"] if c["type"] != "date" else "string",
-                            "format": "", "priority": c.get("priority", 0), "description": c.get("description", "")})
-        rows = []
-        for obj in items:
-            cells: list[Any] = [obj["metadata"]["name"]]
-            for c in extra:
-                value = _jsonpath(obj, c["jsonPath"])
-                cells.append(_age(value) if c["type"] == "date" else ("" if value is None else value))
-            rows.append({"cells": cells, "object": {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
-                                                    "metadata": obj["metadata"]}})
-        return {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": {"resourceVersion": str(next(self._rv))},
-                "columnDefinitions": columns, "rows": rows}
 
     async def _serve_version(self, request: rendering.Request) -> Any:  # fixes groupVersion "/v1"
         payload = await kmock.KubernetesEmulator._serve_version(self, request)
@@ -298,7 +238,7 @@ class PatchedEmulator(kmock.KubernetesEmulator):
     async def _render_error(self, exc: Exception) -> aiohttp.web.StreamResponse:
         if isinstance(exc, kmock.KubernetesError):
             reason = {404: "NotFound", 409: "AlreadyExists"}.get(exc.status, exc.reason or "InternalError")
-            return _status(exc.status, reason, exc.message or reason)
+            return status_response(exc.status, reason, exc.message or reason)
         return await kmock.KubernetesEmulator._render_error(self, exc)
 
     # ---- object mutations (under _write_lock) -------------------------------------------------
@@ -311,55 +251,7 @@ class PatchedEmulator(kmock.KubernetesEmulator):
     async def _emit(self, res: Any, kind: str, raw: dict[str, Any]) -> None:
         if kind == "DELETED":
             raw = {**raw, "metadata": {**raw["metadata"], "resourceVersion": str(next(self._rv))}}
-        async with self._changed:
-            self._log.append((int(raw["metadata"]["resourceVersion"]), res, {"type": kind, "object": raw}))
-            self._changed.notify_all()
-
-    async def _serve_watch_stream(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
-        """Watch with real semantics: from `resourceVersion` if given (no replay), else ADDED for all.
-
-        kmock's own watch replays every object and then subscribes, so an event between the two is
-        lost and a stale ADDED arrives last: kopf then patches with an old resourceVersion forever.
-        """
-        res, ns = request.resource, request.namespace
-        selector = request.params.get("labelSelector")
-        since = request.params.get("resourceVersion")
-        timeout = float(request.params.get("timeoutSeconds") or 3600)
-        response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
-        await response.prepare(request._raw_request)
-
-        def wanted(obj: dict[str, Any]) -> bool:
-            meta = obj.get("metadata", {})
-            return (ns is None or meta.get("namespace") == ns) and (not selector or _matches(obj, selector))
-
-        async with self._changed:
-            if since and since.isdigit():
-                pos = next((i for i in range(len(self._log) - 1, -1, -1) if self._log[i][0] <= int(since)), -1) + 1
-                initial = []
-            else:
-                pos = len(self._log)
-                initial = [o for o in self.items(f"{res.group}/{res.version}/{res.plural}" if res.group
-                                                 else f"{res.version}/{res.plural}") if wanted(o)]
-        for obj in initial:
-            await response.write(json.dumps({"type": "ADDED", "object": obj}).encode() + b"\n")
-        deadline = asyncio.get_running_loop().time() + timeout
-        try:
-            while True:
-                async with self._changed:
-                    while pos >= len(self._log):
-                        left = deadline - asyncio.get_running_loop().time()
-                        if left <= 0 or _gone(request._raw_request):
-                            return response
-                        try:
-                            await asyncio.wait_for(self._changed.wait(), timeout=min(left, _DISCONNECT_POLL_S))
-                        except asyncio.TimeoutError:
-                            pass
-                    batch, pos = self._log[pos:], len(self._log)
-                for _, r, event in batch:
-                    if r == res and wanted(event["object"]):
-                        await response.write(json.dumps(event).encode() + b"\n")
-        except (ConnectionResetError, asyncio.CancelledError):
-            return response
+        await self._watch.append(res, kind, raw)
 
     def _fill(self, res: Any, body: dict[str, Any]) -> None:
         body.setdefault("apiVersion", f"{res.group}/{res.version}" if res.group else res.version)
@@ -367,13 +259,13 @@ class PatchedEmulator(kmock.KubernetesEmulator):
 
     async def _create(self, res: Any, key: Any, body: dict[str, Any]) -> dict[str, Any]:
         if not key[2]:
-            raise _ApiError(422, "Invalid", "metadata.name is required")
+            raise ApiError(422, "Invalid", "metadata.name is required")
         if key in self.objects and not self.objects[key].deleted:
-            raise _ApiError(409, "AlreadyExists", f'{res.plural} "{key[2]}" already exists')
+            raise ApiError(409, "AlreadyExists", f'{res.plural} "{key[2]}" already exists')
         body = json.loads(json.dumps(body))
         self._fill(res, body)
         meta = body.setdefault("metadata", {})
-        meta.update(uid=str(uuid.uuid4()), resourceVersion=str(next(self._rv)), creationTimestamp=_now(), generation=1)
+        meta.update(uid=str(uuid.uuid4()), resourceVersion=str(next(self._rv)), creationTimestamp=now(), generation=1)
         if key[1]:
             meta["namespace"] = key[1]
         if key in self.objects:
@@ -386,7 +278,7 @@ class PatchedEmulator(kmock.KubernetesEmulator):
 
     async def _patch(self, res: Any, key: Any, patch: Any, *, replace: bool = False, sub: str | None = None) -> dict[str, Any]:
         if key not in self.objects or self.objects[key].deleted:
-            raise _ApiError(404, "NotFound", f'{res.plural} "{key[2]}" not found')
+            raise ApiError(404, "NotFound", f'{res.plural} "{key[2]}" not found')
         obj = self.objects[key]
         old = obj.raw
         if replace:
@@ -402,7 +294,7 @@ class PatchedEmulator(kmock.KubernetesEmulator):
                 new = jsonpatch.apply_patch(json.loads(json.dumps(old)), patch)
             except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
                 # A failed `test` of resourceVersion: kopf expects 422 and retries on the next cycle.
-                raise _ApiError(422, "Invalid", f"the JSON patch did not apply: {exc}") from exc
+                raise ApiError(422, "Invalid", f"the JSON patch did not apply: {exc}") from exc
         else:
             if sub == "status":
                 patch = {"status": (patch or {}).get("status"), "metadata": (patch or {}).get("metadata")}
@@ -423,13 +315,13 @@ class PatchedEmulator(kmock.KubernetesEmulator):
 
     async def _delete(self, res: Any, key: Any) -> dict[str, Any]:
         if key not in self.objects or self.objects[key].deleted:
-            raise _ApiError(404, "NotFound", f'{res.plural} "{key[2]}" not found')
+            raise ApiError(404, "NotFound", f'{res.plural} "{key[2]}" not found')
         obj = self.objects[key]
         raw = obj.raw
         self._count(key)
         if raw["metadata"].get("finalizers"):
             if not raw["metadata"].get("deletionTimestamp"):
-                obj.patch({"metadata": {"deletionTimestamp": _now(), "resourceVersion": str(next(self._rv))}})
+                obj.patch({"metadata": {"deletionTimestamp": now(), "resourceVersion": str(next(self._rv))}})
                 await self._emit(res, "MODIFIED", obj.raw)
             return obj.raw
         await self._remove(res, key)
@@ -448,37 +340,6 @@ class PatchedEmulator(kmock.KubernetesEmulator):
             refs = dep.raw["metadata"].get("ownerReferences") or []
             if any(r.get("uid") == uid for r in refs):
                 await self._delete(dep_key[0], dep_key)
-
-
-def _gone(request: aiohttp.web.BaseRequest) -> bool:
-    """The client hung up (e.g. a SIGKILLed operator): end its watch, or the server's shutdown waits 60 s."""
-    transport = request.transport
-    return transport is None or transport.is_closing()
-
-
-def _matches(obj: dict[str, Any], selector: str) -> bool:
-    labels = obj.get("metadata", {}).get("labels") or {}
-    for term in filter(None, selector.split(",")):
-        if "!=" in term:
-            k, v = term.split("!=", 1)
-            if labels.get(k) == v:
-                return False
-        elif "=" in term:
-            k, v = term.split("=", 1)
-            if labels.get(k) != v.lstrip("="):
-                return False
-        elif term.startswith("!"):
-            if term[1:] in labels:
-                return False
-        elif term not in labels:
-            return False
-    return True
-
-
-class _ApiError(Exception):
-    def __init__(self, code: int, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.code, self.reason, self.message = code, reason, message
 
 
 def kubeconfig(url: str) -> str:

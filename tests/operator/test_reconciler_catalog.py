@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from lorafleet.operator.fleet import Fleet
-from lorafleet.operator.reconciler import PoolReconciler, ReconcilerSettings
+from lorafleet.operator.pool_state import ReconcilerSettings
+from lorafleet.operator.reconciler import PoolReconciler
 from lorafleet.operator.spec import parse_adapter
 from lorafleet.placement_store import MemoryPlacementStore
 

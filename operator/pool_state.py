@@ -1,0 +1,150 @@
+"""What one pool's reconciler keeps, and pure read-outs of it: no kopf, no HTTP, no clock.
+
+The records (settings, the pods it observed, each adapter's spec and last status, a round's result)
+and what they say: failures that only a load reveals (digest, rank as the worker reports them),
+ready replicas, the digest to report, and the statuses the adapters and the pool should show now.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lorafleet.operator import placement
+from lorafleet.operator.spec import AdapterSpec, PoolSpec, digest_matches
+from lorafleet.operator.status import AdapterObservation, adapter_status, pool_phase, status_changed
+from lorafleet.protocol import AdapterInventory
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcilerSettings:
+    resync_s: float = 10.0  # level-triggered repair period (also the kopf timer's interval)
+    retry_s: float = 2.0  # after a transient error
+    max_rounds_per_wake: int = 6  # make-before-break needs a few rounds (load, verify, unload)
+    worker_concurrency: int = 32  # calls in flight per worker
+    status_concurrency: int = 32  # status writes in flight
+    demand_window_s: float = 300.0
+    publish_ttl_s: float = 45.0
+
+
+@dataclass(slots=True)
+class PodState:
+    name: str
+    ip: str | None
+    ready: bool
+    draining: bool
+
+
+# `url_of(pod, port) -> base URL` of one worker API; `port` is the pool's admin or http port.
+UrlOf = Callable[[PodState, int], str]
+
+
+def pod_url(pod: PodState, port: int) -> str:
+    """The default `url_of`: in a cluster every pod serves the pool's ports on its own pod IP."""
+    return f"http://{pod.ip}:{port}"
+
+
+@dataclass(slots=True)
+class AdapterRecord:
+    spec: AdapterSpec
+    generation: int | None
+    status: dict[str, Any] | None  # last status known to be on the object
+    failure: tuple[str, str] | None = None  # permanent, cleared when the spec changes
+
+
+@dataclass(slots=True)
+class RoundResult:
+    actions: int = 0
+    errors: int = 0
+    changed: bool = False
+
+
+def check_loaded(
+    adapters: Mapping[str, AdapterRecord],
+    inventories: Mapping[str, AdapterInventory],
+    loaded: Mapping[str, set[str]],
+    max_lora_rank: int,
+) -> None:
+    """Permanent failures visible only after a load: digest or rank as reported by the worker."""
+    for pod, inv in inventories.items():
+        for info in inv.adapters:
+            record = adapters.get(info.name)
+            if record is None or record.failure is not None or info.name not in loaded.get(pod, ()):
+                continue
+            if not digest_matches(record.spec.sha256, info.digest):
+                record.failure = ("DigestMismatch", f"worker {pod} reports {info.digest}, spec wants sha256:{record.spec.sha256}")
+            elif info.rank > max_lora_rank:
+                record.failure = ("RankTooHigh", f"rank {info.rank} exceeds maxLoraRank {max_lora_rank}")
+
+
+def ready_replicas(pods: Mapping[str, PodState], loaded: Mapping[str, set[str]], adapter: str) -> int:
+    return sum(
+        1
+        for pod, names in loaded.items()
+        if adapter in names and (p := pods.get(pod)) is not None and p.ready and not p.draining
+    )
+
+
+def note_digests(digests: dict[str, str], inventory: AdapterInventory) -> None:
+    for info in inventory.adapters:
+        digests[info.name] = info.digest
+
+
+def digest_of(loaded: Mapping[str, set[str]], digests: Mapping[str, str], adapter: str) -> str | None:
+    if any(adapter in names for names in loaded.values()):
+        return digests.get(adapter)
+    return None
+
+
+def status_writes(
+    adapters: Mapping[str, AdapterRecord],
+    pods: Mapping[str, PodState],
+    inventories: Mapping[str, AdapterInventory],
+    loaded: Mapping[str, set[str]],
+    digests: Mapping[str, str],
+    target: placement.Assignment | None,
+    loading: set[str],
+    reason: str,
+    message: str,
+) -> list[tuple[AdapterRecord, dict[str, Any]]]:
+    """The adapters whose status changes, each with its new status."""
+    usable = sum(1 for p in pods.values() if p.ready and not p.draining and p.name in inventories)
+    writes: list[tuple[AdapterRecord, dict[str, Any]]] = []
+    for record in list(adapters.values()):
+        name = record.spec.name
+        wanted = target.wanted.get(name, record.spec.min_replicas) if target else record.spec.min_replicas
+        placed = len(target.pods.get(name, ())) if target else 0
+        why, detail = reason, message
+        if target is not None and placed < wanted:
+            why = "NotEnoughWorkers" if usable < wanted else "InsufficientCapacity"
+            detail = f"{placed}/{wanted} replicas assigned ({usable} usable workers)"
+        obs = AdapterObservation(
+            generation=record.generation,
+            desired=wanted,
+            placed=placed,
+            ready=ready_replicas(pods, loaded, name),
+            loading=name in loading,
+            failure=record.failure,
+            placed_reason=why,
+            placed_message=detail,
+            digest=digest_of(loaded, digests, name),
+        )
+        new = adapter_status(obs, record.status)
+        if status_changed(record.status, new):
+            writes.append((record, new))
+    return writes
+
+
+def pool_status_of(pool: PoolSpec, pods: Mapping[str, PodState], adapters: Mapping[str, AdapterRecord]) -> dict[str, Any]:
+    """The LoraPool's status: its workers and how many of its adapters are Ready."""
+    ready = sum(1 for p in pods.values() if p.ready and not p.draining)
+    ready_adapters = sum(1 for r in adapters.values() if (r.status or {}).get("phase") == "Ready")
+    phase = pool_phase(pool.replicas, ready)
+    return {
+        "phase": phase,
+        "replicas": len(pods),
+        "readyReplicas": ready,
+        "readyAdapters": ready_adapters,
+        "adminTokenSecret": pool.token_secret,
+    }
