@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from lorafleet.kernels import lora_ops
+from lorafleet.kernels import lora_linear
 from lorafleet.worker.config import EngineConfig, ModelConfig
 from lorafleet.worker.engine import LLMEngine
 from lorafleet.worker.gc_freeze import freeze_startup_objects
@@ -436,7 +436,7 @@ def main() -> None:
         "ttft_ms_512_runs": [round(t, 2) for t in ttft_ms], "ttft_breakdown": ttft_breakdown, "ttft_host": ttft_host,
         "lora_backend": engine.model.lora_backend, "attention_backend": engine.model.attention_backend,
         "blas": torch.backends.cuda.preferred_blas_library().name.lower() if device == "cuda" else None,
-        "lora_overlap_max_chunks": lora_ops.OVERLAP_MAX_CHUNKS, "gemm_sm_carveout": lora_ops.GEMM_SM_CARVEOUT,
+        "lora_overlap_max_chunks": lora_linear.OVERLAP_MAX_CHUNKS, "gemm_sm_carveout": lora_linear.GEMM_SM_CARVEOUT,
         "warmup_s": None if engine.warmup_s is None else round(engine.warmup_s, 2),
         "cuda_graphs": None if graphs is None else {
             "buckets": graphs.buckets, "captures": graphs.stats.captures, "replays": graphs.stats.replays,

@@ -44,7 +44,8 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from lorafleet.kernels.lora_ops import LoraMeta, add_lora, build_lora_meta, new_lora_b
+from lorafleet.kernels.lora_meta import LoraMeta, build_lora_meta
+from lorafleet.kernels.lora_ops import add_lora, new_lora_b
 from lorafleet.kernels.pdl import pdl_supported
 from lorafleet.kernels.triton_lora import LoraKernelConfig, add_lora_triton, pick_config
 from lorafleet.worker.cuda_graphs import chunk_class

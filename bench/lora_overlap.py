@@ -11,7 +11,7 @@ weights (as `bench/kernels.py` times), µs per call:
   `OVERLAP_MAX_CHUNKS`);
 - beside: `linear_lora_deferred` with a side stream, its expand adding into a zeroed delta: zero a
   delta, shrink and expand into it on the side stream while the GEMM runs, then join;
-- beside_store: the same with the storing expand (`lora_ops.DELTA_STORE`, what the engine does with
+- beside_store: the same with the storing expand (`lora_linear.DELTA_STORE`, what the engine does with
   one adapter per token): nothing zeroes the delta;
 - fork_join: the same fork and join with only the delta's zeroing on the side stream.
 hidden = (gemm + lora - beside) / lora: the share of the LoRA's time the overlap saves.
@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from bench.kernels import DEVICE, DTYPE, MODULES, Case, make_case_inputs, time_graph
-from lorafleet.kernels import lora_ops
-from lorafleet.kernels.lora_ops import build_lora_meta, gemm_sm_carveout, linear_lora_deferred
+from lorafleet.kernels import lora_linear
+from lorafleet.kernels.lora_linear import gemm_sm_carveout, linear_lora_deferred
+from lorafleet.kernels.lora_meta import build_lora_meta
 from lorafleet.kernels.triton_lora import add_lora_triton
 from lorafleet.worker.cuda_graphs import chunk_class
 
@@ -60,7 +61,7 @@ def run(module: str, tokens: int, adapters: int, side: torch.cuda.Stream, g: tor
         return [lambda s=s, w=weights[i % len(weights)]: body(s, w) for i, s in enumerate(sets * 3)]
 
     def gemm(s, w):
-        with gemm_sm_carveout(lora_ops.GEMM_SM_CARVEOUT[0]):  # what the GEMM beside the LoRA runs with
+        with gemm_sm_carveout(lora_linear.GEMM_SM_CARVEOUT[0]):  # what the GEMM beside the LoRA runs with
             return F.linear(s.x, w)
 
     def lora(s, w):
@@ -72,7 +73,7 @@ def run(module: str, tokens: int, adapters: int, side: torch.cuda.Stream, g: tor
 
     def beside_with(store: bool):
         def body(s, w):
-            lora_ops.DELTA_STORE = (store, store)  # read while the graph is captured
+            lora_linear.DELTA_STORE = (store, store)  # read while the graph is captured
             y, delta = linear_lora_deferred(lambda: F.linear(s.x, w), s.x, s.lora_a, s.lora_b, ranks, ranks_dev,
                                             meta, "triton", side)
             assert delta is not None
@@ -82,13 +83,13 @@ def run(module: str, tokens: int, adapters: int, side: torch.cuda.Stream, g: tor
         fork_join(s.x, sum(outs), side, lambda: F.linear(s.x, w))
 
     row = {"module": module, "tokens": tokens, "adapters": adapters}
-    store_before = lora_ops.DELTA_STORE
+    store_before = lora_linear.DELTA_STORE
     try:
         for name, body in (("gemm", gemm), ("lora", lora), ("serial", serial), ("beside", beside_with(False)),
                            ("beside_store", beside_with(True)), ("fork_join", fj)):
             row[f"{name}_us"] = round(time_graph(calls(body)), 2)
     finally:
-        lora_ops.DELTA_STORE = store_before
+        lora_linear.DELTA_STORE = store_before
     row["hidden"] = round((row["gemm_us"] + row["lora_us"] - row["beside_us"]) / row["lora_us"], 3)
     return row
 
@@ -102,7 +103,7 @@ def main() -> None:
     ap.add_argument("--modules", default=",".join(MODULES))
     ap.add_argument("--out", type=Path, default=Path("bench/results/lora-overlap-h200.json"))
     args = ap.parse_args()
-    lora_ops.OVERLAP_MAX_CHUNKS = 1 << 20  # beside at every adapter count here
+    lora_linear.OVERLAP_MAX_CHUNKS = 1 << 20  # beside at every adapter count here
     side = torch.cuda.Stream()
     g = torch.Generator().manual_seed(0)
     rows = []
@@ -111,7 +112,7 @@ def main() -> None:
     for blas in args.blas.split(","):
         torch.backends.cuda.preferred_blas_library("cublas" if blas == "default" else blas)
         for carveout in (int(x) for x in args.carveouts.split(",")):
-            lora_ops.GEMM_SM_CARVEOUT = (carveout,) * 4
+            lora_linear.GEMM_SM_CARVEOUT = (carveout,) * 4
             for module in args.modules.split(","):
                 for d in (int(x) for x in args.adapters.split(",") if x):
                     r = {"blas": blas, "carveout": carveout, **run(module, args.tokens, d, side, g)}

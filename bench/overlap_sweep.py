@@ -3,10 +3,10 @@
     python -m bench.overlap_sweep [--adapters 0,1,8,64] [--new-tokens 64] [--out FILE]
 
 Each variant picks the BLAS library torch's matmuls use (cuBLAS or cuBLASLt), sets
-`lora_ops.OVERLAP_MAX_CHUNKS` (up to how many chunks the side path runs beside the base GEMM on a
-second stream rather than after it) and `lora_ops.GEMM_SM_CARVEOUT` (SMs the GEMM beside it leaves
-free for the LoRA kernels, with at most and above `lora_ops.FEW_CHUNKS` chunks; only cuBLASLt honours
-it) and where the shrink zeroes the delta rather than a memset launch (`lora_ops.ZERO_IN_SHRINK`:
+`lora_linear.OVERLAP_MAX_CHUNKS` (up to how many chunks the side path runs beside the base GEMM on a
+second stream rather than after it) and `lora_linear.GEMM_SM_CARVEOUT` (SMs the GEMM beside it leaves
+free for the LoRA kernels, with at most and above `lora_linear.FEW_CHUNKS` chunks; only cuBLASLt honours
+it) and where the shrink zeroes the delta rather than a memset launch (`lora_linear.ZERO_IN_SHRINK`:
 never, always, or above FEW_CHUNKS as the engine does), and, from the seventh session's variants
 on, `triton_lora.pick_config`'s knobs (KERNEL_KNOBS), then drops the captured decode graphs and
 times async decode at batch 64 on the seed shape, as `bench/engine.py` does. Rows: variant, adapters, tok/s,
@@ -24,17 +24,17 @@ import torch
 
 from bench import lora_bytes_only, read_speed_linear
 from bench.engine import adapter_sets, decode_run, experiment_engine
-from lorafleet.kernels import lora_ops, triton_lora
+from lorafleet.kernels import lora_linear, lora_meta, triton_lora
 from lorafleet.worker.models.llama import LlamaModel
 
 # The fourteenth session's kernel knobs (its 168-register variant below), the fifteenth session's baseline.
 FOURTEENTH_KNOBS = {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_ROWS": (256, 4), "EXPAND_ROWS": (512, 2, 168)}
 
 # name -> (BLAS library, overlap max chunks, carveout beside the LoRA (<= 16 chunks, more; or those two
-# beside small GEMMs, then beside large ones: lora_ops.carveout_table), where the shrink zeroes the
-# delta: "never" (a memset), "always", "many" (above lora_ops.FEW_CHUNKS), and optionally
-# lora_ops.GEMM_FIRST with at most, above FEW_CHUNKS chunks (default: the LoRA launched first), then
-# lora_ops.DELTA_STORE with at most, above FEW_CHUNKS chunks (default off: every variant before it
+# beside small GEMMs, then beside large ones: lora_linear.carveout_table), where the shrink zeroes the
+# delta: "never" (a memset), "always", "many" (above lora_linear.FEW_CHUNKS), and optionally
+# lora_linear.GEMM_FIRST with at most, above FEW_CHUNKS chunks (default: the LoRA launched first), then
+# lora_linear.DELTA_STORE with at most, above FEW_CHUNKS chunks (default off: every variant before it
 # existed; where it is on, the zeroing setting applies only to steps with several adapters per token))
 VARIANTS = {
     "cublas (third session)": ("cublas", 16, (0, 0), "never"),
@@ -75,7 +75,7 @@ VARIANTS = {
         ("cublaslt", 1 << 30, (32, 48, 16, 48), "many", (True, True), (True, True)),
     "storing expand, GEMM first, carveout 32 / 32": ("cublaslt", 1 << 30, (32, 32), "many", (True, True), (True, True)),
     # Beside small GEMMs with many chunks (qkv's LoRA outlasts its GEMM at 64 adapters), more SMs
-    # (up to lora_ops.CARVEOUT_MAX_SHARE, 5/8; every carveout above is under the old cap, 3/8):
+    # (up to lora_linear.CARVEOUT_MAX_SHARE, 5/8; every carveout above is under the old cap, 3/8):
     "storing expand, GEMM first, many chunks beside small GEMMs: 64":
         ("cublaslt", 1 << 30, (48, 64, 48, 48), "many", (True, True), (True, True)),
     "storing expand, GEMM first, many chunks beside small GEMMs: 80":
@@ -106,7 +106,7 @@ VARIANTS = {
     "seventh session, shrink K tiles of 1024, 2 stages above 16 chunks":
         ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
          {"SHRINK_WARPS": (4, 2), "WIDE_EXPAND": (128, 512), "SHRINK_BLOCK_K": (128, 1024), "NUM_STAGES": (3, 2)}),
-    # The eighth session: for one-pair chunks (lora_ops.ONE_PAIR_CHUNKS: above 16 chunks, at most 1.5
+    # The eighth session: for one-pair chunks (lora_meta.ONE_PAIR_CHUNKS: above 16 chunks, at most 1.5
     # pairs each on average, none over 2), the shrink a row at a time (multiply-and-sum, no tl.dot; alone: -0.9 to -1.8 µs a
     # pair for gate_up and down at 64 adapters, +0.3 to +0.4 for qkv and o), K tile and warps. The
     # first two runs of these (overlap-sweep-rows*-h200.json) were made while the decode graphs were
@@ -160,7 +160,7 @@ VARIANTS = {
          {**FOURTEENTH_KNOBS,
           "launch_shrink": lora_bytes_only.launch_shrink, "launch_expand": lora_bytes_only.launch_expand}),
     # The bytes-only side path with other carveouts: none (the GEMM on every SM), and 80 SMs beside
-    # every GEMM (the most lora_ops.CARVEOUT_MAX_SHARE allows on the H200):
+    # every GEMM (the most lora_linear.CARVEOUT_MAX_SHARE allows on the H200):
     **{f"fourteenth session's defaults, bytes only, carveout {c}":
        ("cublaslt", 1 << 30, (c, c, c, c), "many", (True, True), (True, True),
         {**FOURTEENTH_KNOBS,
@@ -177,7 +177,7 @@ VARIANTS = {
         ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
          {"linear_deferred": read_speed_linear.linear_deferred, "ONE_LAUNCH": False}),
 }
-# The triton_lora (and lora_ops) knobs a variant's seventh element may set; every other variant runs
+# The triton_lora (and lora_meta) knobs a variant's seventh element may set; every other variant runs
 # the sixth session's values, which all variants before them ran with.
 KERNEL_KNOBS = {"SHRINK_WARPS": (4, 4), "WIDE_EXPAND": (256, 512), "SHRINK_BLOCK_K": (128, 128), "NUM_STAGES": (3, 3),
                 "SHRINK_ROWS": (), "ONE_PAIR_CHUNKS": (1.5, 2), "EXPAND_ROWS": (),
@@ -203,17 +203,17 @@ def main() -> None:
     engine, names = experiment_engine(args.batch, max(counts + [1]))
     graphs = engine.runner.graphs
     rows = []
-    few_chunks = lora_ops.FEW_CHUNKS
+    few_chunks = lora_linear.FEW_CHUNKS
     for rep, name in ((rep, name) for rep in range(args.repeats) for name in picked):
         blas, max_chunks, beside_carveout, zero, *rest = VARIANTS[name]
-        lora_ops.OVERLAP_MAX_CHUNKS, lora_ops.GEMM_SM_CARVEOUT = max_chunks, lora_ops.carveout_table(beside_carveout)
-        lora_ops.ZERO_IN_SHRINK = zero != "never"
-        lora_ops.GEMM_FIRST = rest[0] if rest else (False, False)
-        lora_ops.DELTA_STORE = rest[1] if len(rest) > 1 else (False, False)
+        lora_linear.OVERLAP_MAX_CHUNKS, lora_linear.GEMM_SM_CARVEOUT = max_chunks, lora_linear.carveout_table(beside_carveout)
+        lora_linear.ZERO_IN_SHRINK = zero != "never"
+        lora_linear.GEMM_FIRST = rest[0] if rest else (False, False)
+        lora_linear.DELTA_STORE = rest[1] if len(rest) > 1 else (False, False)
         for knob, value in {**KERNEL_KNOBS, **(rest[2] if len(rest) > 2 else {})}.items():
-            home, attr = KNOB_HOMES.get(knob, (triton_lora if hasattr(triton_lora, knob) else lora_ops, knob))
+            home, attr = KNOB_HOMES.get(knob, (triton_lora if hasattr(triton_lora, knob) else lora_meta, knob))
             setattr(home, attr, value)
-        lora_ops.FEW_CHUNKS = 0 if zero == "always" else few_chunks
+        lora_linear.FEW_CHUNKS = 0 if zero == "always" else few_chunks
         torch.backends.cuda.preferred_blas_library(blas)
         graphs._graphs.clear()  # recapture under this variant's settings
         torch.cuda.synchronize()

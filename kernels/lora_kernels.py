@@ -3,7 +3,7 @@
 What they compute, how their grids are laid out and how they are launched (programmatic dependent
 launch, the storing expand, rank tiles bounded per step) is in `lorafleet.kernels.triton_lora`, the
 host side that plans and launches them; this module holds only the `@triton.jit` functions, so the
-two can be read (and compile-checked, `tests/kernels/test_triton_lora.py`) apart.
+two can be read (and compile-checked, `tests/kernels/test_lora_kernels.py`) apart.
 """
 
 from __future__ import annotations

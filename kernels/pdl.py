@@ -11,8 +11,8 @@ behind it be scheduled at once rather than as its programs exit; it changes noth
 launch behind it.
 
 Used by the LoRA expand (behind its shrink, kernels/triton_lora.py) and, as `ROW_KERNELS` says
-for each, by the decoder's row kernels (kernels/fused_ops.py), the paged decode attention and the
-greedy pick. `LORAFLEET_PDL=0` in the environment turns all of it off.
+for each, by the decoder's row kernels (kernels/rms_norm.py, rope_kv.py, silu_mul.py), the paged
+decode attention and the greedy pick. `LORAFLEET_PDL=0` in the environment turns all of it off.
 """
 
 from __future__ import annotations

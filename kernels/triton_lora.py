@@ -51,7 +51,8 @@ import triton
 
 from lorafleet.kernels import interpreting
 from lorafleet.kernels.lora_kernels import _lora_expand_kernel, _lora_shrink_kernel
-from lorafleet.kernels.lora_ops import LoraMeta, _check_shapes, lora_b_layout
+from lorafleet.kernels.lora_meta import LoraMeta
+from lorafleet.kernels.lora_ops import _check_shapes, lora_b_layout
 from lorafleet.kernels.pdl import launch_kwargs as pdl_launch_kwargs
 from lorafleet.kernels.pdl import supported_for as pdl_supported_for
 
@@ -174,7 +175,7 @@ class LoraLaunch:
     """One projection group's LoRA launches, planned: `launch_shrink` then `launch_expand`.
 
     The fp32 split-K partials are allocated on the stream that plans, so both launches may run on
-    a side stream (beside the base GEMM, `lora_ops.linear_lora_deferred`) once that stream waits
+    a side stream (beside the base GEMM, `lora_linear.linear_lora_deferred`) once that stream waits
     for the planning one, which waits for the side stream before it frees them.
     """
 

@@ -9,7 +9,8 @@ sequence's blocks into a tensor padded to the step's longest context and calls S
 `lorafleet.kernels.paged_attention`, whose shapes do not depend on the context lengths (what CUDA
 graphs need; off by default until its GPU tests pass on the H200). Prefill chunks always use torch.
 The model reads the same switch for its elementwise ops: "triton" also replaces `write_kv` and the
-RoPE, norm and SiLU torch ops with the fused kernels of `lorafleet.kernels.fused_ops`.
+RoPE, norm and SiLU torch ops with the fused kernels of `lorafleet.kernels.rms_norm`, `.rope_kv` and
+`.silu_mul`.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from lorafleet.kernels.greedy import greedy_pick
-from lorafleet.kernels.lora_ops import LoraMeta, build_lora_meta
+from lorafleet.kernels.lora_meta import LoraMeta, build_lora_meta
 from lorafleet.worker.attention import AttentionMetadata
 from lorafleet.worker.models.llama import LlamaModel
 from lorafleet.worker.sampling import GreedyPick

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from lorafleet.kernels.lora_ops import LoraMeta, build_lora_meta
+from lorafleet.kernels.lora_meta import LoraMeta, build_lora_meta
 from lorafleet.worker.attention import AttentionMetadata
 from lorafleet.worker.cuda_graphs import DecodeGraphs
 from lorafleet.worker.models.llama import LlamaModel

@@ -2,7 +2,7 @@
 
 bf16 at the seed model's shapes against `add_lora_reference`, wide K tiles (the shrink and expand a
 row at a time too), CUDA-graph replay with new metadata, and the side path: `linear_lora_deferred`
-with the LoRA on a side stream beside the base GEMM. The helpers are test_triton_lora.py's.
+with the LoRA on a side stream beside the base GEMM. The helpers are lora_cases.py's.
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ if "TRITON_INTERPRET" not in os.environ:
 import pytest
 import torch
 
-from lorafleet.kernels.lora_ops import add_lora, build_lora_meta, linear_lora_deferred
+from lorafleet.kernels.lora_linear import linear_lora_deferred
+from lorafleet.kernels.lora_meta import build_lora_meta
+from lorafleet.kernels.lora_ops import add_lora
 from lorafleet.kernels.pdl import pdl_supported
 from lorafleet.kernels.triton_lora import LoraKernelConfig, add_lora_triton
-from tests.kernels.test_triton_lora import HAS_CUDA, LAYOUTS, make_weights, run_both
+from tests.kernels.lora_cases import HAS_CUDA, LAYOUTS, make_weights, run_both
 
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
@@ -149,12 +151,12 @@ def test_lora_on_a_side_stream_beside_the_gemm(captured: bool, slots: int, blas:
     `meta.has_lora` names (some tokens here have no adapter).
     Eager, and captured once then replayed with other steps' metadata: y (+ delta) = x Wᵀ + LoRA,
     against the GEMM plus the torch reference."""
-    from lorafleet.kernels import lora_ops
+    from lorafleet.kernels import lora_linear
 
-    monkeypatch.setattr(lora_ops, "DELTA_STORE", (store, store))
-    monkeypatch.setattr(lora_ops, "OVERLAP_MAX_CHUNKS", max_chunks)
-    monkeypatch.setattr(lora_ops, "GEMM_SM_CARVEOUT", (carveout,) * 4)
-    monkeypatch.setattr(lora_ops, "GEMM_FIRST", (gemm_first, gemm_first))  # GEMM or LoRA launched first
+    monkeypatch.setattr(lora_linear, "DELTA_STORE", (store, store))
+    monkeypatch.setattr(lora_linear, "OVERLAP_MAX_CHUNKS", max_chunks)
+    monkeypatch.setattr(lora_linear, "GEMM_SM_CARVEOUT", (carveout,) * 4)
+    monkeypatch.setattr(lora_linear, "GEMM_FIRST", (gemm_first, gemm_first))  # GEMM or LoRA launched first
     before = torch.backends.cuda.preferred_blas_library()
     torch.backends.cuda.preferred_blas_library(blas)
     try:

@@ -1,12 +1,13 @@
 """Llama-family decoder (Llama, Mistral, Qwen2) with fused projections and a multi-LoRA side path.
 
 q/k/v and gate/up are fused into one base matmul each; every fused projection then adds each
-token's LoRA deltas through `lorafleet.kernels.lora_ops.linear_lora_deferred` (torch reference on CPU, Triton
+token's LoRA deltas through `lorafleet.kernels.lora_linear.linear_lora_deferred` (torch reference on CPU, Triton
 on CUDA), reading the step's LoRA metadata that was built once for all layers.
 
 Between the matmuls, `attention_backend` picks the elementwise path too: "torch" (the CPU path,
 and the oracle) or "triton", which fuses each layer's norms, residual adds, RoPE, K/V writes and
-SiLU into 4 launches (`lorafleet.kernels.fused_ops`), where a decode step is launch-bound.
+SiLU into 4 launches (`lorafleet.kernels.rms_norm`, `.rope_kv`, `.silu_mul`), where a decode step is
+launch-bound.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from lorafleet.kernels.lora_ops import LoraMeta, linear_lora_deferred
+from lorafleet.kernels.lora_linear import linear_lora_deferred
+from lorafleet.kernels.lora_meta import LoraMeta
 from lorafleet.worker.attention import AttentionMetadata, paged_attention, write_kv
 from lorafleet.worker.config import ModelConfig, rope_inv_freq
 from lorafleet.worker.lora.slots import LoraSlots
@@ -38,7 +40,7 @@ class Rotary:
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, head_dim]
         self.cos, self.sin = emb.cos(), emb.sin()
-        # [P, head_dim]: cos | sin of each rotary pair, the layout `fused_ops.rope_write_kv` reads.
+        # [P, head_dim]: cos | sin of each rotary pair, the layout `rope_kv.rope_write_kv` reads.
         self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,7 +68,7 @@ class LlamaModel:
         self.lora_backend = "torch"
         # Triton LoRA on CUDA: the side paths run here, beside the base GEMMs (`linear_lora_deferred`).
         self.lora_stream: torch.cuda.Stream | None = None
-        self.attention_backend = "torch"  # also picks the elementwise ops: torch | triton (fused_ops)
+        self.attention_backend = "torch"  # also picks the elementwise ops: torch | triton (fused kernels)
 
     # -- loading -------------------------------------------------------------------------------
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -207,26 +209,28 @@ class LlamaModel:
         linear -> silu_mul -> down linear -> add_rms_norm (the next layer's input norm, or the
         final norm, taken over all T rows before the logits rows are picked).
         """
-        from lorafleet.kernels import fused_ops
+        from lorafleet.kernels.rms_norm import add_rms_norm
+        from lorafleet.kernels.rms_norm import rms_norm as fused_rms_norm
+        from lorafleet.kernels.rope_kv import rope_write_kv
+        from lorafleet.kernels.silu_mul import silu_mul
 
         c, w = self.config, self.weights
         eps, scale = c.rms_norm_eps, c.head_dim**-0.5
-        x = fused_ops.rms_norm(h, w["layers.0.in_norm"], eps)
+        x = fused_rms_norm(h, w["layers.0.in_norm"], eps)
         rows = None if lora_meta is None else lora_meta.has_lora  # where a LoRA delta is defined
         for i in range(c.num_layers):
             p = f"layers.{i}."
             qkv, d = self._linear_deferred(x, i, "qkv_proj", lora_meta, graph)  # [T, q_size + 2 kv_size]
             k_cache, v_cache = kv_caches[i]
-            q = fused_ops.rope_write_kv(qkv, positions, self.rotary.cos_sin, k_cache, v_cache, attn.slot_mapping, d,
-                                        rows)
+            q = rope_write_kv(qkv, positions, self.rotary.cos_sin, k_cache, v_cache, attn.slot_mapping, d, rows)
             o = paged_attention(q, k_cache, v_cache, attn, scale, self.attention_backend).reshape(-1, c.q_size)
             o, d = self._linear_deferred(o, i, "o_proj", lora_meta, graph)
-            x = fused_ops.add_rms_norm(o, h, w[p + "post_norm"], eps, d, rows)
+            x = add_rms_norm(o, h, w[p + "post_norm"], eps, d, rows)
             gate_up, d = self._linear_deferred(x, i, "gate_up_proj", lora_meta, graph)
-            act = fused_ops.silu_mul(gate_up, d, rows)  # [T, intermediate]
+            act = silu_mul(gate_up, d, rows)  # [T, intermediate]
             next_norm = w[f"layers.{i + 1}.in_norm"] if i + 1 < c.num_layers else w["norm"]
             down, d = self._linear_deferred(act, i, "down_proj", lora_meta, graph)
-            x = fused_ops.add_rms_norm(down, h, next_norm, eps, d, rows)
+            x = add_rms_norm(down, h, next_norm, eps, d, rows)
         return x.index_select(0, logits_indices)
 
 
