@@ -9,9 +9,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lorafleet.worker import openai_protocol as oai
-from lorafleet.worker.engine import RequestOutput
 from lorafleet.worker.errors import ApiError, error_response, from_engine
 from lorafleet.worker.metrics import take_snapshot
+from lorafleet.worker.outputs import RequestOutput
 from lorafleet.worker.runtime import WorkerRuntime
 from lorafleet.worker.serving import (
     collect,

@@ -23,9 +23,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from lorafleet.worker.engine import LLMEngine, RequestOutput
+from lorafleet.worker.engine import LLMEngine
 from lorafleet.worker.lora.adapter import AdapterError, LoraWeights
 from lorafleet.worker.lora.registry import AdapterEntry, AdapterRegistry
+from lorafleet.worker.outputs import RequestOutput
 from lorafleet.worker.sequence import SamplingParams
 
 log = logging.getLogger("lorafleet.worker.async_engine")

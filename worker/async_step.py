@@ -59,7 +59,8 @@ from lorafleet.worker.scheduler import ScheduledBatch
 from lorafleet.worker.sequence import Sequence
 
 if TYPE_CHECKING:
-    from lorafleet.worker.engine import LLMEngine, RequestOutput
+    from lorafleet.worker.engine import LLMEngine
+    from lorafleet.worker.outputs import RequestOutput
 
 log = logging.getLogger("lorafleet.async_step")
 

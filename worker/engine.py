@@ -4,7 +4,9 @@ The loop reads like a sentence: `batch = scheduler.schedule(); slots = registry.
 tokens = runner.run(batch); scheduler.postprocess(batch)`; then outputs are appended, stop
 conditions checked and finished requests release their blocks and adapters. With
 `EngineConfig.async_scheduling`, steady-state decode steps are launched one ahead of the host's
-reading of their tokens instead (worker/async_step.py).
+reading of their tokens instead (worker/async_step.py). What a request gets back, and how
+its text becomes deltas, is in worker/outputs.py; the device-dependent settings are resolved in
+worker/device_setup.py, and the KV cache is sized in worker/memory_plan.py.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import os
 import time
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,11 +26,20 @@ from lorafleet.worker.attention import resolve_attention_backend
 from lorafleet.worker.block_manager import BlockManager
 from lorafleet.worker.config import ConfigError, EngineConfig, ModelConfig
 from lorafleet.worker.cuda_graphs import DecodeGraphs
+from lorafleet.worker.device_setup import (
+    prefer_blas,
+    resolve_dtype,
+    resolve_lora_backend,
+    want_async_scheduling,
+    want_cuda_graphs,
+)
 from lorafleet.worker.lora.adapter import AdapterError
 from lorafleet.worker.lora.registry import AdapterRegistry
 from lorafleet.worker.lora.slots import LoraSlots
+from lorafleet.worker.memory_plan import log_memory_plan, memory_plan, plan_kv_blocks
 from lorafleet.worker.model_runner import LogitsHook, ModelRunner
 from lorafleet.worker.models.llama import LlamaModel, iter_checkpoint
+from lorafleet.worker.outputs import Completion, RequestOutput, TrackedRequest
 from lorafleet.worker.sampling import TokenLogprobs
 from lorafleet.worker.scheduler import Scheduler, SchedulerConfig
 from lorafleet.worker.sequence import SamplingParams, Sequence
@@ -37,44 +47,9 @@ from lorafleet.worker.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("lorafleet.engine")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CPU_DEFAULT_KV_BLOCKS = 2048
-
 
 class RequestError(ValueError):
     """A request the engine cannot take (HTTP 400); the message says why."""
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What one step produced for one request (a streaming delta), or its final state."""
-
-    request_id: int
-    new_token_ids: list[int]
-    text_delta: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_generated: int
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class Completion:
-    """An offline `generate` result."""
-
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class _Tracked:
-    seq: Sequence
-    detok: IncrementalDetokenizer
-    emitted: int = 0  # characters of text already returned
 
 
 class LLMEngine:
@@ -93,28 +68,31 @@ class LLMEngine:
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device cuda was asked for, but no CUDA device is available")
-        self.dtype = _resolve_dtype(config.dtype, self.model_config, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         self.tokenizer = Tokenizer(tokenizer_dir or model_dir)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
 
         if self.device.type == "cuda":
-            _prefer_blas(os.environ.get("LORAFLEET_BLAS", "cublaslt"))
+            prefer_blas(os.environ.get("LORAFLEET_BLAS", "cublaslt"))
         self.model = LlamaModel(self.model_config, self.device, self.dtype, self.max_model_len)
         self.model.load_weights(weights if weights is not None else iter_checkpoint(str(model_dir)))
-        self.model.lora_backend = _resolve_backend(config.lora_backend, self.device)
+        self.model.lora_backend = resolve_lora_backend(config.lora_backend, self.device)
         # The LoRA side path beside the base GEMMs on a second stream (linear_lora_deferred);
         # LORAFLEET_LORA_OVERLAP=0 runs it after each GEMM on the main stream (benchmarks compare).
         overlap = os.environ.get("LORAFLEET_LORA_OVERLAP", "1") != "0"
         if self.model.lora_backend == "triton" and self.device.type == "cuda" and overlap:
             self.model.lora_stream = torch.cuda.Stream(self.device)
         self.model.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
-        self.use_graphs = self._want_graphs()  # before the KV cache takes the GPU's memory
+        # Before the KV cache takes the GPU's memory.
+        self.use_graphs = want_cuda_graphs(config.cuda_graphs, self.device, self.model.attention_backend,
+                                           self.model.lora_backend)
         self.slots = LoraSlots(self.model_config, config.max_loras, config.max_lora_rank, self.device, self.dtype)
         self.model.lora = self.slots
         self.registry = AdapterRegistry(self.model_config, config, self.slots, self.dtype)
 
-        num_blocks = self._plan_kv_blocks()
+        num_blocks = plan_kv_blocks(config, self.model_config, self.device,
+                                    ModelRunner.kv_bytes_per_block(self.model, config.block_size))
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.max_loras, config.max_loras_per_request)
         if self.use_graphs:
@@ -127,13 +105,15 @@ class LLMEngine:
         self._eos_ids = frozenset(self.model_config.eos_token_ids or (
             (self.tokenizer.eos_id,) if self.tokenizer.eos_id is not None else ()))
         self._ids = itertools.count()
-        self._tracked: dict[int, _Tracked] = {}
+        self._tracked: dict[int, TrackedRequest] = {}
         self.logits_hook: LogitsHook | None = None
         self.generated_tokens = 0
         self.steps = 0
         # The server turns this off and reads adapters from disk in a thread (see async_engine.py).
         self.read_adapters_inline = True
-        self.async_steps = AsyncStepper(self, self._want_async())  # the step in flight under async scheduling
+        # The step in flight under async scheduling.
+        self.async_steps = AsyncStepper(
+            self, want_async_scheduling(config.async_scheduling, self.runner.graphs is not None, self.device))
         if config.async_scheduling and self.runner.graphs is None:
             log.warning("--async-scheduling needs the decode graph path (--cuda-graphs): every step runs synchronously")
         for name, path in (lora_modules or {}).items():
@@ -144,39 +124,6 @@ class LLMEngine:
             self.warmup_s = self.warm_up()
 
     # -- setup ---------------------------------------------------------------------------------
-    def _plan_kv_blocks(self) -> int:
-        per_block = ModelRunner.kv_bytes_per_block(self.model, self.config.block_size)
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        if self.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.device)
-            # Leave room for activations of the largest step (a few hidden-sized buffers per token).
-            reserve = 4 * self.config.max_num_batched_tokens * self.model_config.intermediate_size * 4 + (1 << 30)
-            blocks = int((free - reserve) * self.config.kv_cache_memory_fraction) // per_block
-            if blocks < 1:
-                raise ConfigError("no GPU memory left for the KV cache after weights and adapter slots")
-            return blocks
-        return CPU_DEFAULT_KV_BLOCKS
-
-    def _want_graphs(self) -> bool:
-        """EngineConfig.cuda_graphs resolved: None = on for CUDA with the Triton backends."""
-        triton_paths = self.model.attention_backend == "triton" and self.model.lora_backend == "triton"
-        if self.config.cuda_graphs is None:
-            return self.device.type == "cuda" and triton_paths
-        if self.config.cuda_graphs and self.device.type == "cuda" and not triton_paths:
-            raise ConfigError(
-                "--cuda-graphs needs the triton attention and LoRA backends on CUDA (got attention "
-                f"{self.model.attention_backend}, LoRA {self.model.lora_backend}): the torch paths read host lists"
-            )
-        return self.config.cuda_graphs
-
-    def _want_async(self) -> bool:
-        """EngineConfig.async_scheduling resolved: None = on where decode steps replay captured
-        CUDA graphs (on CPU the graph path runs uncaptured, for tests: off unless asked)."""
-        if self.config.async_scheduling is None:
-            return self.runner.graphs is not None and self.device.type == "cuda"
-        return self.config.async_scheduling
-
     def _decode_graphs(self) -> DecodeGraphs:
         """CUDA graphs on CUDA; on CPU the same padded static-buffer path runs without capture (tests)."""
         capture = self.device.type == "cuda"
@@ -189,31 +136,13 @@ class LLMEngine:
 
     def _log_memory_plan(self, num_blocks: int) -> None:
         """Log where memory goes, in the seed guide's terms: weights, adapter slots, KV blocks."""
-        mib, gib = 1 << 20, 1 << 30
         per_block = ModelRunner.kv_bytes_per_block(self.model, self.config.block_size)
         adapters = {name: w.nbytes for name, w in self.registry.cpu.items()}
-        self.memory_plan = {
-            "weights_bytes": self.model.weight_bytes(),
-            "lora_slots": self.config.max_loras,
-            "lora_slot_bytes": self.slots.nbytes(),  # allocated at max_lora_rank
-            "lora_adapter_bytes": adapters,  # each adapter at its true rank (what is copied and computed)
-            "kv_blocks": num_blocks,
-            "kv_block_tokens": self.config.block_size,
-            "kv_bytes": num_blocks * per_block,
-        }
-        p = self.memory_plan
-        log.info(
-            "memory plan on %s (%s): weights %.3f GiB | %d LoRA slots reserved at max rank %d: %.3f GiB "
-            "(%.1f MiB each; kernels read each adapter at its own rank) | KV cache %d blocks x %d tokens = %d tokens, "
-            "%.3f GiB | LoRA backend %s, attention backend %s, CUDA graphs %s",
-            self.device, str(self.dtype).removeprefix("torch."), p["weights_bytes"] / gib, self.config.max_loras,
-            self.config.max_lora_rank, p["lora_slot_bytes"] / gib, p["lora_slot_bytes"] / self.config.max_loras / mib,
-            num_blocks, self.config.block_size, num_blocks * self.config.block_size, p["kv_bytes"] / gib,
-            self.model.lora_backend, self.model.attention_backend,
-            "off" if self.runner.graphs is None else f"buckets {self.runner.graphs.buckets}",
-        )
-        for name, nbytes in adapters.items():
-            log.info("adapter %s: rank %d, %.2f MiB at its rank", name, self.registry.entries[name].rank, nbytes / mib)
+        self.memory_plan = memory_plan(self.config, self.model.weight_bytes(), self.slots.nbytes(), adapters,
+                                       num_blocks, per_block)
+        log_memory_plan(self.memory_plan, self.config, self.device, self.dtype, self.model.lora_backend,
+                        self.model.attention_backend, None if self.runner.graphs is None else self.runner.graphs.buckets,
+                        {name: self.registry.entries[name].rank for name in adapters})
 
     # -- adapters ------------------------------------------------------------------------------
     def load_adapter(self, name: str, path: str, pinned: bool = False) -> bool:
@@ -308,7 +237,7 @@ class LLMEngine:
         salt = "|".join(f"{n}#{self.registry.entries[n].generation}*{s!r}" for n, s in adapters)
         seq = Sequence(seq_id=next(self._ids), prompt_ids=ids, sampling=sampling, adapters=adapters,
                        cache_salt=salt, arrival=time.monotonic())
-        self._tracked[seq.seq_id] = _Tracked(seq, IncrementalDetokenizer(self.tokenizer, ids))
+        self._tracked[seq.seq_id] = TrackedRequest(seq, IncrementalDetokenizer(self.tokenizer, ids))
         self.scheduler.add(seq)
         return seq.seq_id
 
@@ -378,19 +307,7 @@ class LLMEngine:
             reason = "stop"
         elif len(seq.output_ids) >= sp.max_tokens or len(seq) >= self.max_model_len:
             reason = "length"
-        if reason is None:
-            tracked.detok.update(seq.output_ids)
-            text = tracked.detok.text
-        else:  # the final text: a held-back partial character flushed, a stop token's own text left out
-            text = tracked.detok.finish(seq.output_ids[:-1] if stop_token else seq.output_ids)
-        if sp.stop:
-            hit = _find_stop(text, sp.stop, tracked.emitted, sp.include_stop_str_in_output)
-            if hit is not None:
-                text, reason = text[:hit], "stop"
-        # While a stop string could still be forming at the end, hold those characters back.
-        safe = len(text) if reason or not sp.stop else max(tracked.emitted, len(text) - max(map(len, sp.stop)) + 1)
-        delta = text[tracked.emitted:safe]
-        tracked.emitted = safe
+        delta, reason = tracked.text_delta(reason, stop_token)
         if reason is not None:
             return self._finish(seq, tracked, delta, reason, [token], [lp] if lp is not None else [])
         return RequestOutput(
@@ -399,7 +316,7 @@ class LLMEngine:
             logprobs=[lp] if lp is not None else [],
         )
 
-    def _finish(self, seq: Sequence, tracked: _Tracked, delta: str, reason: str, tokens: list[int],
+    def _finish(self, seq: Sequence, tracked: TrackedRequest, delta: str, reason: str, tokens: list[int],
                 logprobs: list[TokenLogprobs]) -> RequestOutput:
         held = self.async_steps.holds(seq)  # its row in the step in flight is discarded, blocks kept till then
         self.scheduler.finish(seq, reason, free=not held)
@@ -465,47 +382,4 @@ def _merge_adapters(adapters: Seq[tuple[str, float]]) -> tuple[tuple[str, float]
     return tuple(merged.items())
 
 
-def _find_stop(text: str, stops: tuple[str, ...], start: int, include: bool) -> int | None:
-    best = None
-    for stop in stops:
-        i = text.find(stop, max(0, start - len(stop) + 1))
-        if i >= 0:
-            end = i + len(stop) if include else i
-            best = end if best is None else min(best, end)
-    return best
-
-
-def _resolve_dtype(name: str, model: ModelConfig, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32  # CPU matmuls in half precision are slow and inexact
-    return DTYPES.get(model.torch_dtype, torch.bfloat16) if model.torch_dtype != "float32" else torch.bfloat16
-
-
-def _resolve_backend(name: str, device: torch.device) -> str:
-    if name == "auto":
-        return "triton" if device.type == "cuda" and _triton_ready() else "torch"
-    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ConfigError("the triton LoRA backend needs --device cuda (or TRITON_INTERPRET=1)")
-    return name
-
-
-def _prefer_blas(name: str) -> None:
-    """The cuBLAS API torch's matmuls go through (process-wide). cuBLASLt by default: on the H200 its
-    decode GEMMs at batch 64 are faster (mlp down 36.5 -> 32.1 µs, gate_up 61.4 -> 58.7 µs; qkv the
-    same) and it honours an SM carveout; LORAFLEET_BLAS=cublas keeps torch's default."""
-    if name not in ("cublas", "cublaslt"):
-        raise ConfigError(f"LORAFLEET_BLAS must be cublas or cublaslt, got {name!r}")
-    torch.backends.cuda.preferred_blas_library(name)
-
-
-def _triton_ready() -> bool:
-    try:
-        import lorafleet.kernels.triton_lora  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means: use the reference path
-        return False
-    return True
-
-
-__all__ = ["LLMEngine", "RequestOutput", "Completion", "RequestError", "AdapterError", "SamplingParams"]
+__all__ = ["LLMEngine", "RequestError", "AdapterError", "SamplingParams"]

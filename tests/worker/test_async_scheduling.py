@@ -9,41 +9,14 @@ n's tokens are read (an event hook, not timing).
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 
-from lorafleet.worker.config import EngineConfig
-from lorafleet.worker.engine import LLMEngine, RequestOutput
+from lorafleet.worker.engine import LLMEngine
+from lorafleet.worker.outputs import RequestOutput
 from lorafleet.worker.sampling import sample, sample_on_device
 from lorafleet.worker.sequence import SamplingParams
-
-MIXED = [
-    ("Hello world", ()),
-    ("SELECT name FROM students", (("sql", 1.0),)),
-    ("The router sends each request to a worker", (("chat", 1.0),)),
-    ("Roses are red", (("poem", 1.0),)),
-    ("def add(a, b):", (("code", 1.0),)),
-    ("Once upon a time " * 3, ()),
-    ("Every institute uses the same printed textbook", (("sql", 0.7), ("poem", 0.5))),
-    ("A tenant sends a request", (("legal", 1.0),)),
-]
-
-
-def greedy(n: int, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
-
-
-@pytest.fixture(scope="module")
-def modules(demo_adapters):
-    return {n: str(p) for n, p in demo_adapters.items()}
-
-
-def _engine(demo_model, modules, asynchronous: bool, **kw) -> LLMEngine:
-    config = EngineConfig(**{"max_loras": 6, "max_cpu_loras": 8, "num_kv_blocks": 256, "cuda_graphs": True,
-                             "async_scheduling": asynchronous, "warmup": False, **kw})  # stats are the test's own
-    return LLMEngine(demo_model, config, lora_modules=modules)
+from tests.worker.async_harness import MIXED, _engine, greedy
 
 
 def _key(out: RequestOutput) -> tuple:
@@ -179,96 +152,6 @@ def test_sample_on_device_reads_like_sample():
     assert sampled.read() == sample(logits, params, [None] * 5)
     tokens, _ = sampled.read()
     assert tokens[3] == -1 and 0 <= int(sampled.token_ids[3]) < 50  # the device ids stay valid to feed
-
-
-# -- the admission dry run (torch-free) ------------------------------------------------------------
-
-
-def _scheduler_state(rng, prefix_caching: bool):
-    """A scheduler mid-decode: running requests one token behind, waiting ones (some sharing cached
-    prompt blocks, some for adapters that are not ready), KV blocks from plenty to scarce."""
-    from lorafleet.worker.block_manager import BlockManager
-    from lorafleet.worker.scheduler import Scheduler, SchedulerConfig
-    from lorafleet.worker.sequence import Sequence
-
-    bs = 4
-    blocks = BlockManager(rng.randint(12, 60), bs, prefix_caching)
-    ready = {"a", "b", "c", "x"} - {rng.choice(["c", "x", "none"])}
-    sched = Scheduler(SchedulerConfig(rng.randint(2, 8), rng.choice([8, 64]), rng.randint(1, 3), aging_steps=2),
-                      blocks, adapter_ready=lambda name: name in ready)
-    shared = [rng.randint(1, 50) for _ in range(3 * bs)]
-    ids = iter(range(1000))
-
-    def make(adapters):
-        prompt = shared[: rng.choice([0, bs, 2 * bs, 3 * bs])] + [rng.randint(1, 50) for _ in range(rng.randint(1, 9))]
-        return Sequence(seq_id=next(ids), prompt_ids=prompt, sampling=SamplingParams(max_tokens=50),
-                        adapters=tuple((n, 1.0) for n in adapters), cache_salt="+".join(adapters))
-
-    names = [(), ("a",), ("b",), ("c",), ("x",), ("a", "b")]
-    for _ in range(rng.randint(1, 4)):
-        sched.add(make(rng.choice(names)))
-    batch = sched.schedule()  # admit and prefill some: they register cached blocks
-    for q in sched.postprocess(batch):
-        q.output_ids.append(rng.randint(1, 50))
-    for q in list(sched.running):
-        if q.num_uncomputed > 1 or rng.random() < 0.3:
-            sched.finish(q, "length")  # mid-prompt ones out (not a decode batch); some freed to the cache
-    for _ in range(rng.randint(0, 5)):
-        sched.add(make(rng.choice(names)))
-    for q in list(sched.waiting)[: rng.randint(0, 2)]:
-        q.deferred_steps = rng.randint(0, 3)  # some starving
-    return sched
-
-
-def test_admission_dry_run_agrees_with_schedule():
-    import copy
-    import random
-
-    rng = random.Random(0)
-    held = admitted = 0
-    for case in range(400):
-        sched = _scheduler_state(rng, prefix_caching=case % 3 != 0)
-        free = sched.blocks.num_free - sum(sched.blocks.blocks_needed(q, len(q)) for q in sched.running)
-        if free < 0:
-            continue  # the engine falls back before the dry run (preemption)
-        real = copy.deepcopy(sched)
-        before = sched.blocks.num_free
-        hold = sched.hold_admission(list(sched.running), free)
-        assert sched.blocks.num_free == before and not any(q.block_table for q in sched.waiting)  # read-only
-        running = {q.seq_id for q in sched.running}
-        new = [q for q in real.schedule().seqs if q.seq_id not in running]
-        assert hold == (not new), f"case {case}"
-        if hold:
-            assert sched.deferred_total == real.deferred_total  # aging counted as schedule() counts
-            assert [q.deferred_steps for q in sched.waiting] == [q.deferred_steps for q in real.waiting]
-        held += hold
-        admitted += not hold
-    assert held > 50 and admitted > 50  # both outcomes exercised
-
-
-def test_admission_cost_is_what_admission_takes():
-    from lorafleet.worker.block_manager import BlockManager
-    from lorafleet.worker.sequence import Sequence
-
-    blocks = BlockManager(32, 4)
-    first = Sequence(0, list(range(1, 14)), SamplingParams(), cache_salt="s")
-    assert blocks.admission_cost(first, 64) == 4
-    blocks.allocate(first, 13)
-    first.num_computed = 13
-    blocks.register_full_blocks(first)  # 3 full blocks cached
-    same = Sequence(1, list(range(1, 14)) + [99], SamplingParams(), cache_salt="s")
-    other_salt = Sequence(2, list(range(1, 14)), SamplingParams(), cache_salt="t")
-    assert blocks.admission_cost(same, 64) == 1  # 3 blocks shared, 1 new (held by `first`: not free)
-    assert blocks.admission_cost(other_salt, 64) == 4
-    assert blocks.admission_cost(same, 2) == 1  # 12 cached + 2 tokens of budget: one block
-    blocks.free(first)  # now the cached blocks are evictable: attaching them takes them from the pool
-    for seq, budget in ((same, 64), (other_salt, 64), (same, 1)):
-        cost, before = blocks.admission_cost(seq, budget), blocks.num_free
-        blocks.match_prefix(seq)
-        assert blocks.allocate(seq, seq.num_computed + min(seq.num_uncomputed, budget))
-        assert before - blocks.num_free == cost
-        blocks.free(seq)
-        seq.num_computed = 0
 
 
 # -- requests leaving and joining --------------------------------------------------------------
@@ -425,34 +308,6 @@ def test_async_scheduling_flag_reaches_the_engine_config():
     assert flag("--no-async-scheduling") is False
 
 
-def test_server_loop_with_async_scheduling(demo_model, modules):
-    """The engine thread (worker/async_engine.py) unchanged: streams equal offline generate."""
-    from lorafleet.worker.async_engine import AsyncEngine
-
-    served, offline = _engine(demo_model, modules, True), _engine(demo_model, modules, False)
-    cases = [(p, a) for p, a in MIXED[:5]]
-    free = served.blocks.num_free
-
-    async def one(engine, prompt, adapters, n):
-        stream = await engine.submit(prompt, greedy(n), adapters)
-        return "".join([out.text_delta async for out in stream])
-
-    async def main():
-        engine = AsyncEngine(served)
-        engine.start()
-        try:
-            texts = await asyncio.gather(*(one(engine, p, a, 4 + i) for i, (p, a) in enumerate(cases)))
-            assert not await engine.call(served.has_unfinished)
-            return texts, await engine.call(lambda: served.blocks.num_free)
-        finally:
-            await engine.stop()
-
-    texts, free_after = asyncio.run(main())
-    want = offline.generate([p for p, _ in cases], [greedy(4 + i) for i in range(len(cases))], [a for _, a in cases])
-    assert texts == [c.text for c in want]
-    assert free_after == free and served.async_steps.stats.overlapped > 0
-
-
 # -- GPU (run on the H200): the same comparisons with captured graphs, pinned copies and events -----
 
 
@@ -469,40 +324,3 @@ def test_async_matches_sync_on_cuda(demo_model, modules):
     assert _texts(got) == _texts(want)
     stats = asyn.async_steps.stats
     assert stats.overlapped > 0 and asyn.runner.graphs.stats.captures > 0
-
-
-def test_failing_launch_fails_its_requests_and_the_server_recovers(demo_model, modules):
-    from lorafleet.worker.async_engine import AsyncEngine, EngineFailure
-
-    served, offline = _engine(demo_model, modules, True), _engine(demo_model, modules, False)
-    real = served.runner.launch
-    calls = []
-
-    def broken(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:  # a launch from the device, with a step in flight
-            raise RuntimeError("boom")
-        return real(*args, **kwargs)
-
-    async def run(engine, prompt):
-        stream = await engine.submit(prompt, greedy(8), ())
-        return "".join([out.text_delta async for out in stream])
-
-    async def main():
-        engine = AsyncEngine(served)
-        engine.start()
-        try:
-            with pytest.raises(EngineFailure, match="boom"):
-                await run(engine, "Hello world")
-            assert engine.alive and await engine.call(served.blocks.usage) == 0.0
-            assert not await engine.call(served.has_unfinished)
-            return await run(engine, "Hello world")
-        finally:
-            await engine.stop()
-
-    served.runner.launch = broken
-    try:
-        text = asyncio.run(main())
-    finally:
-        del served.runner.launch
-    assert text == offline.generate(["Hello world"], greedy(8))[0].text

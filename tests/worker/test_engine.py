@@ -16,11 +16,6 @@ ADAPTERS = [(), (("sql", 1.0),), (("chat", 1.0),), (("poem", 0.8), ("sql", 0.5))
 
 
 @pytest.fixture(scope="module")
-def modules(demo_adapters):
-    return {n: str(p) for n, p in demo_adapters.items()}
-
-
-@pytest.fixture(scope="module")
 def engine(demo_model, modules):
     return LLMEngine(demo_model, EngineConfig(max_loras=4, max_cpu_loras=8), lora_modules=modules)
 

@@ -5,13 +5,11 @@ or pinned is never evicted from either; validation of a new adapter finishes bef
 evicted. Single-threaded by design: the engine loop owns it (disk reads can run in a thread
 through `read`, then `insert_cpu` on the loop).
 
-`read` does all the per-adapter work, off the loop: validation, the digest, and the adapter's
-CPU-cache copy in exactly the slot layout (`packing.pack_weights`: pinned on CUDA, B pre-scaled and
-rank-major, in the slot dtype), checked for NaN/Inf. With slots on a GPU the file is laid out and
-checked there, on a side stream, and copied back into that pinned layout behind the check (the
-read does not wait for that copy). Filling a slot is then only plain copies, and `insert_cpu` only
-files the adapter. The latest adapters read keep their layout on the GPU until their first fill
-(`GPU_COPIES_KEPT`): a cold load's fill is then a copy on the GPU instead of one over PCIe.
+`read` does all the per-adapter work, off the loop (worker/lora/reader.py): validation, the
+digest, and the adapter's CPU-cache copy in exactly the slot layout, checked for NaN/Inf. Filling a
+slot is then only plain copies, and `insert_cpu` only files the adapter. The latest adapters read
+keep their layout on the GPU until their first fill (`GPU_COPIES_KEPT`): a cold load's fill is then
+a copy on the GPU instead of one over PCIe.
 """
 
 from __future__ import annotations
@@ -21,20 +19,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
 from lorafleet.worker.config import EngineConfig, ModelConfig
-from lorafleet.worker.lora.adapter import (
-    AdapterError,
-    LoraWeights,
-    all_finite,
-    load_adapter,
-    non_finite_module,
-)
+from lorafleet.worker.lora.adapter import AdapterError, LoraWeights
 from lorafleet.worker.lora.digest import Digest
-from lorafleet.worker.lora.packing import SLICE_ORDER, PackedLora, PackPlan, pack_weights, plan_pack
+from lorafleet.worker.lora.packing import pack_weights
+from lorafleet.worker.lora.reader import AdapterReader
 from lorafleet.worker.lora.slots import LoraSlots
 
 # Adapters read last keep their slot layout on the GPU until it fills a slot: at most this many
@@ -105,77 +97,13 @@ class AdapterRegistry:
         self._gpu_lru: OrderedDict[str, None] = OrderedDict()
         self.stats = TierStats()
         self._pin = slots is not None and slots.device.type == "cuda"
-        # `read` copies the file to the GPU, lays it out and checks it on this stream (never the
-        # compute stream) and waits for it alone.
-        self._check_stream = torch.cuda.Stream(slots.device) if self._pin else None
+        self.reader = AdapterReader(model, engine, dtype, slots.device if self._pin else None)
 
     # -- catalogue -----------------------------------------------------------------------------
     def read(self, path: str) -> LoraWeights:
-        """Validate, read and prepare an adapter folder (safe to run in a thread: touches no registry state).
-
-        The weights come back laid out for the slots (`weights.packed`) and checked for NaN/Inf in
-        that layout (so an overflow to Inf in the slot dtype is refused too); the digest is computed
-        over the same bytes in a thread, which may still run when this returns (`Digest`). With
-        slots on a GPU the file goes there as it is read, on a stream of the registry's own (never
-        the compute stream), is laid out and checked there, and comes back in the CPU cache's
-        pinned layout; `weights.modules` are then already views of that layout. That copy back
-        may still run when this returns: `weights.packed.wait_host()` before reading it on the
-        host (fills wait for it on the GPU, or use the GPU copy, `packed.gpu_sources`).
-        """
-        if self._check_stream is None:
-            return load_adapter(path, self.model, self.engine.max_lora_rank, self.engine.max_adapter_bytes,
-                                prepare=self._pack_checked)
-        device = self.slots.device
-        with torch.cuda.device(device), torch.cuda.stream(self._check_stream):
-            return load_adapter(path, self.model, self.engine.max_lora_rank, self.engine.max_adapter_bytes,
-                                prepare=self._pack_checked, device=device)
-
-    def _pack_checked(self, weights: LoraWeights) -> Callable[[], None]:
-        """`load_adapter`'s `prepare`: plan the slot layout now (on a GPU the file is still being
-        read), lay it out and check it once the bytes are there."""
-        plan = plan_pack(weights, self.model.num_layers, self.dtype, self._pin)
-        return partial(self._checked, weights, plan)
-
-    def _checked(self, weights: LoraWeights, plan: PackPlan) -> None:
-        packed, staged = plan.packed, plan.lay_out()
-        if staged is not None:  # laid out on the GPU: checked there, then copied back, waiting for the check only
-            flag = torch.empty((), dtype=torch.bool, pin_memory=True)
-            flag.copy_(torch.isfinite(staged).all(), non_blocking=True)
-            checked = torch.cuda.Event()
-            checked.record(torch.cuda.current_stream(staged.device))
-            plan.copy_back()
-            checked.synchronize()
-            finite = bool(flag)
-        else:
-            finite = self._all_finite(packed)
-        if not finite:
-            packed.wait_host()
-            where = non_finite_module(weights)
-            if where is not None:
-                raise AdapterError("bad_weights", f"{where}: weights contain NaN or Inf")
-            raise AdapterError("bad_weights", f"{_non_finite_block(packed)}: weights overflow {self.dtype} once "
-                               "alpha/r is folded in")
-        weights.packed = packed
-        if staged is not None or plan.device_sources is not None:
-            weights.modules = packed.views  # let the file's GPU copy go now, not at insert_cpu
-
-    def _all_finite(self, packed: PackedLora) -> bool:
-        if not packed.chunks:
-            return True
-        if self._check_stream is None:
-            return all(all_finite(chunk) for chunk in packed.chunks)
-        device = self.slots.device
-        with torch.cuda.device(device), torch.cuda.stream(self._check_stream):
-            try:
-                staging = torch.empty(max(c.numel() for c in packed.chunks), dtype=packed.dtype, device=device)
-            except torch.cuda.OutOfMemoryError:  # no room for one chunk: check on the host instead
-                return all(all_finite(chunk) for chunk in packed.chunks)
-            flags = []
-            for chunk in packed.chunks:
-                part = staging[: chunk.numel()]
-                part.copy_(chunk, non_blocking=True)
-                flags.append(torch.isfinite(part).all())
-            return bool(torch.stack(flags).all().item())  # waits for this stream only
+        """Validate, read and prepare an adapter folder (`AdapterReader.read`; safe to run in a
+        thread: touches no registry state)."""
+        return self.reader.read(path)
 
     def register(self, name: str, weights: LoraWeights, pinned: bool = False) -> tuple[AdapterEntry, bool]:
         """Add a validated adapter; returns (entry, created). Same content again is a no-op."""
@@ -409,10 +337,3 @@ class AdapterRegistry:
             packed = weights.packed = pack_weights(weights, self.model.num_layers, self.dtype, self._pin)
         weights.modules = packed.views  # the originals (file mapping, unpinned tensors) go
 
-
-def _non_finite_block(packed: PackedLora) -> str:
-    n = len(SLICE_ORDER)
-    for k, _r, a, b in packed.blocks:
-        if not (all_finite(a) and all_finite(b)):
-            return f"layer {k // n} {SLICE_ORDER[k % n]}"
-    return "a module"

@@ -1,0 +1,70 @@
+"""The engine's memory plan: how many KV cache blocks it gets, and where its memory goes.
+
+The KV cache is sized last, after the weights and the adapter slots: `num_kv_blocks` if set;
+on CUDA a fraction (`kv_cache_memory_fraction`) of the GPU memory then free, less room for the
+largest step's activations; on CPU a fixed default. The plan is logged in the seed guide's terms
+(weights, adapter slots, KV blocks) under the engine's logger.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from lorafleet.worker.config import ConfigError, EngineConfig, ModelConfig
+
+log = logging.getLogger("lorafleet.engine")
+
+CPU_DEFAULT_KV_BLOCKS = 2048
+
+
+def plan_kv_blocks(config: EngineConfig, model: ModelConfig, device: torch.device, per_block: int) -> int:
+    """KV cache blocks of `per_block` bytes (`ModelRunner.kv_bytes_per_block`)."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        # Leave room for activations of the largest step (a few hidden-sized buffers per token).
+        reserve = 4 * config.max_num_batched_tokens * model.intermediate_size * 4 + (1 << 30)
+        blocks = int((free - reserve) * config.kv_cache_memory_fraction) // per_block
+        if blocks < 1:
+            raise ConfigError("no GPU memory left for the KV cache after weights and adapter slots")
+        return blocks
+    return CPU_DEFAULT_KV_BLOCKS
+
+
+def memory_plan(config: EngineConfig, weights_bytes: int, slot_bytes: int, adapter_bytes: dict[str, int],
+                num_blocks: int, per_block: int) -> dict[str, object]:
+    """Where memory goes: weights, adapter slots (allocated at max_lora_rank), each adapter at its
+    true rank (what is copied and computed), KV blocks."""
+    return {
+        "weights_bytes": weights_bytes,
+        "lora_slots": config.max_loras,
+        "lora_slot_bytes": slot_bytes,  # allocated at max_lora_rank
+        "lora_adapter_bytes": adapter_bytes,  # each adapter at its true rank (what is copied and computed)
+        "kv_blocks": num_blocks,
+        "kv_block_tokens": config.block_size,
+        "kv_bytes": num_blocks * per_block,
+    }
+
+
+def log_memory_plan(plan: dict[str, object], config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                    lora_backend: str, attention_backend: str, graph_buckets: Sequence[int] | None,
+                    adapter_ranks: dict[str, int]) -> None:
+    """Log `memory_plan`'s plan; `graph_buckets`: the decode graphs' batch buckets, None if off."""
+    mib, gib = 1 << 20, 1 << 30
+    num_blocks = plan["kv_blocks"]
+    log.info(
+        "memory plan on %s (%s): weights %.3f GiB | %d LoRA slots reserved at max rank %d: %.3f GiB "
+        "(%.1f MiB each; kernels read each adapter at its own rank) | KV cache %d blocks x %d tokens = %d tokens, "
+        "%.3f GiB | LoRA backend %s, attention backend %s, CUDA graphs %s",
+        device, str(dtype).removeprefix("torch."), plan["weights_bytes"] / gib, config.max_loras,
+        config.max_lora_rank, plan["lora_slot_bytes"] / gib, plan["lora_slot_bytes"] / config.max_loras / mib,
+        num_blocks, config.block_size, num_blocks * config.block_size, plan["kv_bytes"] / gib,
+        lora_backend, attention_backend,
+        "off" if graph_buckets is None else f"buckets {graph_buckets}",
+    )
+    for name, nbytes in plan["lora_adapter_bytes"].items():
+        log.info("adapter %s: rank %d, %.2f MiB at its rank", name, adapter_ranks[name], nbytes / mib)
