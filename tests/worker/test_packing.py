@@ -136,6 +136,13 @@ def test_cuda_a_load_waits_for_the_check_not_for_the_copy_back(model, demo_adapt
     compute stream passes it with the copy back still queued. An adapter whose GPU copy was let
     go fills from the pinned buffers, waiting for the copy back on the GPU: both slots equal the
     reference, and the host buffers after `wait_host` equal the host's own layout."""
+    # Warm up first: a read that compiles the packing and check kernels takes longer on the host
+    # than the delay below, so run alone (nothing before it warmed them) the copy back was done
+    # before `read` returned.
+    warm = make_cuda_registry(model, torch.bfloat16, max_loras=2)
+    warm.register("warm", warm.read(str(demo_adapters["chat"])))
+    warm.activate(["warm"], {"warm"})
+    torch.cuda.synchronize()
     real = packing.PackPlan.copy_back
 
     def late(self):
