@@ -10,7 +10,7 @@ time a step, and where the idle time falls (summed per pair of neighbouring oper
 `--trace FILE` profiles the host too and writes the Chrome trace (runtime calls with their
 correlation ids to the GPU work they launched: when each step's copies and graph launch were
 issued against when the GPU ran them).
-docs/benchmarks.md ("Tenth session: what the GPU does between decode graphs") has a run.
+docs/benchmarks-history.md ("Tenth session: what the GPU does between decode graphs") has a run.
 """
 
 from __future__ import annotations

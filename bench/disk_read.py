@@ -21,7 +21,7 @@ this measures that bound, and whether reading with more I/O in flight lifts it:
 Before each trial the file is fsynced and dropped from the page cache (`posix_fadvise(DONTNEED)`,
 no root needed); `cached` is the share of its pages still cached when the trial began (mincore).
 Prints a table; writes JSON rows {strategy, threads, piece_kib, ms_median, ms_all, gb_per_s, cached_max}
-(bench/results/disk-read-h200.json: the H200 machine's disk, docs/benchmarks.md "Cold adapter loads").
+(bench/results/disk-read-h200.json: the H200 machine's disk, docs/benchmarks-history.md "Cold adapter loads").
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ with `DecodeGraphs._forward` replaced by a function that returns constant logits
 picks (what a graph ends with), so a step's time is the host's own work: scheduling, the padded
 inputs, the LoRA metadata, buffer fills, taking the picks (greedy, a 1,000-token vocab),
 bookkeeping and detokenization. On the H200 the same work measured
-1.2 ms (base-only) to 2.5 ms (64 adapters) per step (bench/engine.py --breakdown, docs/benchmarks.md);
+1.2 ms (base-only) to 2.5 ms (64 adapters) per step (bench/engine.py --breakdown, docs/benchmarks-history.md);
 this script tracks its parts where they can be changed and timed without a GPU.
 """
 

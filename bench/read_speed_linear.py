@@ -7,7 +7,7 @@ every slice's A and B in the same launch (with `ONE_LAUNCH` off, a second launch
 y is zeroed. The outputs are wrong (every hidden state zero); the step's time is that of a kernel
 family that reads every byte once at the speed of a plain read and does no math: the best any GEMM
 with the LoRA fused into it could do, and, without adapters, the best any base GEMM could do.
-Measured: docs/benchmarks.md, engine section, "Sixteenth session".
+Measured: docs/benchmarks-history.md, engine section, "Sixteenth session".
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from lorafleet.kernels.lora_ops import add_lora
 # FEW_CHUNKS the shrink's programs zero it instead of a memset launch before them. Above FEW_CHUNKS
 # the side path runs beside only decode-sized GEMMs (prefill steps with many chunks: after the GEMM,
 # as measured before). Carveouts are capped at CARVEOUT_MAX_SHARE of the GPU's SMs.
-# Measured on the H200 at batch 64 (docs/benchmarks.md, tokens/s vs base-only): without a carveout
+# Measured on the H200 at batch 64 (docs/benchmarks-history.md, tokens/s vs base-only): without a carveout
 # the LoRA kernels wait for the GEMM's last CTAs, and beside the GEMM lost to after it with 64
 # adapters (0.617 vs 0.645); with 32 SMs free it won (0.66). With 64 adapters the zeroing shrink
 # then took 0.653 -> 0.674 and 48 SMs 0.689. The storing expand with the GEMM launched first

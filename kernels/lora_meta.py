@@ -110,7 +110,7 @@ class LoraMeta:
 # One-pair chunks (`LoraMeta.one_pair_chunks`): more than ONE_PAIR_MIN_CHUNKS of them, at most
 # ONE_PAIR_CHUNKS[0] pairs each on average and none over ONE_PAIR_CHUNKS[1] (the row-at-a-time shrink
 # walks a chunk's rows one after another: a long one would set the launch's time). In the engine at
-# batch 64 (docs/benchmarks.md, eighth session) that shrink took 64 adapters (one pair a chunk)
+# batch 64 (docs/benchmarks-history.md, eighth session) that shrink took 64 adapters (one pair a chunk)
 # 0.752 -> 0.760 of base-only, and 32 adapters (two) 0.851 -> 0.840; alone, chunks of 8 pairs
 # (8 adapters) ran it 2.1-2.8x slower than the tl.dot shrink. (Up to 16 chunks it is never used.)
 ONE_PAIR_CHUNKS = (1.5, 2)

@@ -140,7 +140,7 @@ def pick_config(
 # pick_config's knobs, module-level so bench/overlap_sweep.py can compare them in the engine.
 # From how many (chunk, slice) pairs the expand gives each program WIDE_EXPAND[1] columns, and
 # the shrink's warps a program with at most and above SHRINK_FEW_CHUNKS chunks. Measured on the
-# H200 (docs/benchmarks.md, seventh session): alone, 2 warps made every shrink 5-8% faster and, at
+# H200 (docs/benchmarks-history.md, seventh session): alone, 2 warps made every shrink 5-8% faster and, at
 # 64 chunks, 512 columns made qkv's expand 11% faster; in the engine at batch 64 with 64 adapters
 # each took 0.739 to 0.751-0.753 and both together to 0.754-0.758, while 2 warps with 8 adapters
 # (16 chunks) went 0.926-0.929 to 0.924-0.925, so they keep 4. (The sixth session's: 256 pairs, 4 warps.)
@@ -148,7 +148,7 @@ WIDE_EXPAND = (128, 512)
 SHRINK_WARPS = (4, 2)
 # The shrink's K tile for chunks of at most 16 rows (wider chunks take 64) and both launches'
 # pipeline stages, with at most and above SHRINK_FEW_CHUNKS chunks. K tiles of 512 and 1024 (2
-# stages) above 16 chunks were no faster alone and slower in the engine (docs/benchmarks.md).
+# stages) above 16 chunks were no faster alone and slower in the engine (docs/benchmarks-history.md).
 SHRINK_BLOCK_K = (128, 128)
 NUM_STAGES = (3, 3)
 SHRINK_FEW_CHUNKS = 16
@@ -156,14 +156,14 @@ SHRINK_FEW_CHUNKS = 16
 # warps); () = never. Alone (64 tokens on 64 adapters, shrink-gemv-h200.json) within
 # ±0.8 µs of the tl.dot shrink; in the engine at batch 64 with 64 adapters 0.754/0.755 ->
 # 0.764/0.762 of base-only with K tile 256 (512: 0.756/0.755; 256 with 2 warps: 0.755), 8
-# adapters unchanged (docs/benchmarks.md, eighth session).
+# adapters unchanged (docs/benchmarks-history.md, eighth session).
 SHRINK_ROWS: tuple[int, int] | tuple[()] = (256, 4)
 # The expand a row at a time for a step of one-pair chunks: (columns a program, warps[, ptxas'
 # register cap]); () = never. Alone (64 tokens on 64 adapters, the storing expand,
 # lora-parts-expand-rows2-h200.json) 7-14% faster than the tl.dot expand and the pair 5-22% faster
 # (qkv 17.16 -> 14.61 µs, o 11.16 -> 8.73); in the engine at batch 64 with 64 adapters
 # 0.771/0.769 -> 0.780/0.780 of base-only (256 columns, 1 warp: 0.780/0.779; 1024, 4: 0.781/0.784);
-# 8 adapters (16 chunks) never take it (docs/benchmarks.md, thirteenth session). At rank 16 it holds
+# 8 adapters (16 chunks) never take it (docs/benchmarks-history.md, thirteenth session). At rank 16 it holds
 # 204 registers a thread; capped at 168 the pair ran 3-8% faster at 64 tokens on 64 adapters and
 # 7-17% on 48 (144 and 192 were slower than 160-176), and in the engine 0.775/0.777 -> 0.779/0.778
 # (fourteenth session).
@@ -193,7 +193,7 @@ class LoraLaunch:
     # (the shrink's at most BLOCK_R, one rank block of the grid). A rank-8 step in a rank-64 pool
     # then holds and multiplies 8 rows, not BLOCK_R = 16 with half masked: on the H200 that made
     # 64 tokens on 64 adapters 9-27% slower than the same step in a rank-8 pool, whose R_MAX = 8
-    # let the compiler drop the masked rows (docs/benchmarks.md, fourteenth session). Decode
+    # let the compiler drop the masked rows (docs/benchmarks-history.md, fourteenth session). Decode
     # graphs of one-pair steps capture rank classes from 8 up for it (cuda_graphs.rank_class).
     rows_rank: int
     n_slices: int
