@@ -14,7 +14,6 @@ import torch
 
 from lorafleet.worker.engine import LLMEngine
 from lorafleet.worker.outputs import RequestOutput
-from lorafleet.worker.sampling import sample, sample_on_device
 from lorafleet.worker.sequence import SamplingParams
 from tests.worker.async_harness import MIXED, _engine, greedy
 
@@ -139,19 +138,6 @@ def test_logprobs_equal(demo_model, modules):
     assert got == want  # _key rounds logprobs to 1e-4
     assert any(o[5] for outs in got for o in outs)
     assert asyn.async_steps.stats.overlapped > 0
-
-
-def test_sample_on_device_reads_like_sample():
-    torch.manual_seed(0)
-    logits = torch.randn(5, 50)
-    logits[3, 7] = float("inf")
-    params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.0),
-              SamplingParams(temperature=0.0, logprobs=0), SamplingParams(temperature=0.0),
-              SamplingParams(temperature=0.0, logprobs=4)]
-    sampled = sample_on_device(logits, params, [None] * 5).start_copy()
-    assert sampled.read() == sample(logits, params, [None] * 5)
-    tokens, _ = sampled.read()
-    assert tokens[3] == -1 and 0 <= int(sampled.token_ids[3]) < 50  # the device ids stay valid to feed
 
 
 # -- requests leaving and joining --------------------------------------------------------------

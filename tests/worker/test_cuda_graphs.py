@@ -97,11 +97,6 @@ def test_is_graphable():
     assert not is_graphable(ScheduledBatch([], []))
 
 
-@pytest.fixture(scope="module")
-def modules(demo_adapters):
-    return {n: str(p) for n, p in demo_adapters.items()}
-
-
 def test_decode_inputs_match_prepare_and_pad(demo_model, modules):
     engine = LLMEngine(demo_model, EngineConfig(max_loras=4, max_cpu_loras=8, block_size=8, num_kv_blocks=64),
                        lora_modules=modules)

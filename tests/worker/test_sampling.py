@@ -13,7 +13,7 @@ import torch
 
 from lorafleet.worker import sampling
 from lorafleet.worker.model_runner import ModelRunner
-from lorafleet.worker.sampling import sample
+from lorafleet.worker.sampling import sample, sample_on_device
 from lorafleet.worker.sequence import SamplingParams, Sequence
 
 DEVICES = [
@@ -320,3 +320,16 @@ def test_only_seeded_requests_own_a_generator():
     assert g.initial_seed() == 11
     ModelRunner.forget(runner, seeded)
     assert runner._generators == {}
+
+
+def test_sample_on_device_reads_like_sample():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50)
+    logits[3, 7] = float("inf")
+    params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, logprobs=0), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, logprobs=4)]
+    sampled = sample_on_device(logits, params, [None] * 5).start_copy()
+    assert sampled.read() == sample(logits, params, [None] * 5)
+    tokens, _ = sampled.read()
+    assert tokens[3] == -1 and 0 <= int(sampled.token_ids[3]) < 50  # the device ids stay valid to feed
