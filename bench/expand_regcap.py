@@ -17,7 +17,9 @@ from pathlib import Path
 
 import torch
 
-from bench.kernels import MODULES, Case, measure_copy_bandwidth, run_case
+from bench.graph_timing import measure_copy_bandwidth
+from bench.kernel_cases import MODULES, Case
+from bench.kernel_runner import run_case
 from lorafleet.kernels import triton_lora
 
 CAPS = (None, 144, 160, 168, 176, 192, None)

@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.kernels import DEVICE, DTYPE, MODULES, Case, make_case_inputs, time_graph
+from bench.graph_timing import DEVICE, time_graph
+from bench.kernel_cases import DTYPE, MODULES, Case, make_case_inputs
 from lorafleet.kernels import lora_linear
 from lorafleet.kernels.lora_linear import gemm_sm_carveout, linear_lora_deferred
 from lorafleet.kernels.lora_meta import build_lora_meta
@@ -53,7 +54,7 @@ def run(module: str, tokens: int, adapters: int, side: torch.cuda.Stream, g: tor
     sets = sets[:4]
     weights = [torch.randn(sum(outs), d_in, device=DEVICE, dtype=DTYPE) / d_in**0.5 for _ in range(3)]
     meta = build_lora_meta(token_slots, token_scales, adapters, DEVICE)
-    meta.rank_bound = 16  # as a decode graph launches (bench/kernels.py run_case)
+    meta.rank_bound = 16  # as a decode graph launches (bench/kernel_runner.py run_case)
     meta.launch_chunks = chunk_class(meta.num_chunks, meta.max_chunks)
     ranks_dev = torch.tensor(ranks, dtype=torch.int32, device=DEVICE)
 

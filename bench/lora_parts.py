@@ -11,7 +11,7 @@ of the two is far from the bytes it moves, and which launch parameters move it:
   expand     `launch_expand` alone, without programmatic dependent launch (the partials are
              already there): reads the partials and B, reads and writes y (`store`: writes only).
   pair       both, the expand with PDL where supported: what `add_lora_triton` runs.
-  copy       a device-to-device copy moving the shrink's bytes (bench/kernels.py `copy_us`): what a
+  copy       a device-to-device copy moving the shrink's bytes (bench/graph_timing.py `copy_us`): what a
              launch of that size costs at all.
 
 Each part's floor is its own bytes over the copy bandwidth measured in the run. Configs: the
@@ -38,9 +38,11 @@ from lorafleet.kernels.triton_lora import (
 )
 
 try:
-    from bench import kernels as kb
+    from bench import graph_timing
+    from bench import kernel_cases as kb
 except ImportError:  # python bench/lora_parts.py
-    import kernels as kb
+    import graph_timing
+    import kernel_cases as kb
 
 DEFAULT_CASES = "qkv:64:64,o:64:64,gate_up:64:64,down:64:64,qkv:64:8,gate_up:64:8"
 
@@ -106,7 +108,7 @@ def run_case(case: kb.Case, bandwidth: float, g: torch.Generator, store: bool,
             else:
                 calls = [lambda p=p, s=s: (launch_shrink(p), launch_expand(p, s.y, store))
                          for p, s in zip(ps, sets, strict=True)]
-        return kb.time_graph(calls)
+        return graph_timing.time_graph(calls)
 
     rows, best = [], {}
     head = {"module": case.module, "tokens": case.tokens, "adapters": case.adapters, "rank": case.rank,
@@ -114,7 +116,7 @@ def run_case(case: kb.Case, bandwidth: float, g: torch.Generator, store: bool,
     # What a plain device copy moving the shrink's bytes (A, x and the partials: half read, half
     # written) takes, timed the same way: how near its floor a launch of this size can get at all.
     floor = part_floors(case, default.split_k, bandwidth)["shrink"]
-    us = kb.copy_us(floor * 1e-6 * bandwidth)
+    us = graph_timing.copy_us(floor * 1e-6 * bandwidth)
     rows.append({**head, "part": "copy", "us": round(us, 2), "floor_us": round(floor, 2)})
     print(f"{case.module:8s} T={case.tokens} A={case.adapters} copy of the shrink's bytes: {us:6.2f} µs, "
           f"floor {floor:.2f}", flush=True)
@@ -153,7 +155,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
-    bandwidth = kb.measure_copy_bandwidth()
+    bandwidth = graph_timing.measure_copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     rows = []
     for case in kb.parse_cases(args.cases):

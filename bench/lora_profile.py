@@ -18,9 +18,9 @@ import torch
 from lorafleet.kernels.triton_lora import launch_expand, launch_shrink, pick_config, plan_lora_triton
 
 try:
-    from bench.kernels import MODULES, case_meta, make_case_inputs, parse_cases
+    from bench.kernel_cases import MODULES, case_meta, make_case_inputs, parse_cases
 except ImportError:  # python bench/lora_profile.py
-    from kernels import MODULES, case_meta, make_case_inputs, parse_cases
+    from kernel_cases import MODULES, case_meta, make_case_inputs, parse_cases
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ few things from the rest of vLLM (its env flags, platform probe, logger, custom-
 launch code run unmodified, with vLLM's default configs (no tuned-config folder).
 
 Per case (bench/kernels.py's main table, one adapter per token: vLLM has no several-adapters-per-
-token op): both sides add Σ scale·B(A x) into the same y, timed the same way (bench/kernels.py's
+token op): both sides add Σ scale·B(A x) into the same y, timed the same way (bench/graph_timing.py's
 `time_graph`: a CUDA graph over enough weight copies that L2 does not hold them). Scales are per
 adapter, which vLLM bakes into B (as its punica wrapper does at load time); ours reads them per
 token. vLLM computes at the pool rank (its `max_lora_rank` padding, the zeros past each adapter's
@@ -49,9 +49,11 @@ from unittest import mock
 import torch
 
 try:
-    from bench import kernels as kb
+    from bench import graph_timing
+    from bench import kernel_cases as kb
 except ImportError:  # python bench/vllm_lora.py
-    import kernels as kb
+    import graph_timing
+    import kernel_cases as kb
 
 from lorafleet.kernels.lora_ops import add_lora_reference
 from lorafleet.kernels.triton_lora import add_lora_triton
@@ -259,10 +261,10 @@ def run_case(ops: VllmOps, case: kb.Case, g: torch.Generator, device: str = "cud
             s.y.copy_(y)
     if not timed or max(row["lora_err"], row["vllm_err"]) > MAX_ERR:
         return row
-    row["lora_us"] = round(kb.time_graph([lambda i=i: ours(i) for i in range(len(sets))]), 2)
-    row["vllm_us"] = round(kb.time_graph([lambda i=i: theirs(i) for i in range(len(sets))]), 2)
+    row["lora_us"] = round(graph_timing.time_graph([lambda i=i: ours(i) for i in range(len(sets))]), 2)
+    row["vllm_us"] = round(graph_timing.time_graph([lambda i=i: theirs(i) for i in range(len(sets))]), 2)
     with mock.patch.dict(os.environ, {"VLLM_LORA_ENABLE_DUAL_STREAM": "1"}):
-        row["vllm_pdl_us"] = round(kb.time_graph([lambda i=i: theirs(i) for i in range(len(sets))]), 2)
+        row["vllm_pdl_us"] = round(graph_timing.time_graph([lambda i=i: theirs(i) for i in range(len(sets))]), 2)
     row["speedup"] = round(min(row["vllm_us"], row["vllm_pdl_us"]) / row["lora_us"], 2)
     for s, y in zip(sets, saved, strict=True):
         s.y.copy_(y)
@@ -312,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     ops = VllmOps(args.src)
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
-    bandwidth = kb.measure_copy_bandwidth()
+    bandwidth = graph_timing.measure_copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s, vLLM "
           f"{(args.src / 'VERSION').read_text().strip() if (args.src / 'VERSION').exists() else '?'}", flush=True)
     rows = []

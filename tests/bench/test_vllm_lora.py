@@ -25,7 +25,7 @@ pytestmark = [
 def vl(tmp_path, monkeypatch):
     (tmp_path / "bench").symlink_to(ROOT / "bench")  # the repo root itself would shadow the stdlib's operator
     monkeypatch.syspath_prepend(str(tmp_path))
-    from bench import kernels as kb
+    from bench import kernel_cases as kb
     from bench import vllm_lora
 
     monkeypatch.setattr(kb, "DEVICE", "cpu")

@@ -27,6 +27,7 @@ RUNNER = Path(__file__).with_name("helm_emulator.py")
 CI_VALUES = sorted(CHART.glob("ci/*-values.yaml"))
 # "default" = the chart's own values.yaml; the rest are the ci/*-values.yaml files.
 VALUE_SETS = {"default": {}} | {p.name.removesuffix("-values.yaml"): yaml.safe_load(p.read_text()) for p in CI_VALUES}
+NAMES = sorted(VALUE_SETS)
 # Namespaces the ci values name besides the release namespace (operator.watchNamespaces).
 EXTRA_NAMESPACES = ["team-a"]
 
@@ -70,3 +71,11 @@ def installed(name: str) -> dict[str, Any]:
 def manifests(result: dict[str, Any]) -> list[dict[str, Any]]:
     """The rendered objects of an install, CRDs excluded (Helm applies those from crds/ separately)."""
     return [doc for doc in yaml.safe_load_all(result["manifest"]) if doc]
+
+
+@pytest.fixture(params=NAMES)
+def render(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
+    """Each value set installed (once per session): (its name, the install result, the rendered objects)."""
+    result = installed(request.param)
+    assert result["ok"], f"helm install with {request.param} values failed: {result.get('error')}"
+    return request.param, result, manifests(result)
