@@ -21,7 +21,8 @@ import collections
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.engine import build_engine, fresh_prompt
+from bench.engine_build import build_engine
+from bench.engine_workload import fresh_prompt
 from lorafleet.worker.sequence import SamplingParams
 
 

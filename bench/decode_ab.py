@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 import triton.testing
 
-from bench.engine import adapter_sets, decode_run, experiment_engine
+from bench.engine_build import experiment_engine
+from bench.engine_workload import adapter_sets, decode_run
 from lorafleet.kernels import pdl
 from lorafleet.kernels.greedy import greedy_pick, greedy_pick_reference
 

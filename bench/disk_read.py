@@ -39,9 +39,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 try:
-    from bench.adapter_load import cached_fraction
+    from bench.adapter_folder import cached_fraction
 except ImportError:  # python bench/disk_read.py
-    from adapter_load import cached_fraction
+    from adapter_folder import cached_fraction
 
 PAGE = mmap.PAGESIZE
 

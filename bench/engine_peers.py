@@ -36,7 +36,8 @@ import torch
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from bench.engine import SEED_SHAPE, TARGETS, TINY_SHAPE, sync
+from bench.engine_build import SEED_SHAPE, TARGETS, TINY_SHAPE
+from bench.engine_workload import sync
 
 PAD_TOKEN_ID = 2
 TTFT_PROMPT_LEN = 512

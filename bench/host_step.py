@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from bench.engine import TINY_SHAPE, random_adapter, random_weights
+from bench.engine_build import TINY_SHAPE, random_adapter, random_weights
 from lorafleet.worker.config import EngineConfig, ModelConfig
 from lorafleet.worker.cuda_graphs import DecodeOutput
 from lorafleet.worker.demo_assets import build_tokenizer

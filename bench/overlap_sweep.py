@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from bench import lora_bytes_only, read_speed_linear
-from bench.engine import adapter_sets, decode_run, experiment_engine
+from bench.engine_build import experiment_engine
+from bench.engine_workload import adapter_sets, decode_run
 from lorafleet.kernels import lora_linear, lora_meta, triton_lora
 from lorafleet.worker.models.llama import LlamaModel
 

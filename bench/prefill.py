@@ -10,7 +10,7 @@ calls, synchronised on CUDA):
   token. Those steps are mixed: the prompt's chunk plus a decode row per running request, and
   prefill attention handles every row of them.
 First, one 512-token prompt's time to first token as the process's first request, then again.
-Every prompt is new to the prefix cache (`bench.engine.fresh_prompt`). `--tiny`: the demo-sized
+Every prompt is new to the prefix cache (`bench.engine_workload.fresh_prompt`). `--tiny`: the demo-sized
 shape on CPU (what CI machines can run); without it the seed shape on CUDA, as bench/engine.py
 builds it. Writes bench/results/prefill-{cpu,cuda}.json and prints a table.
 """
@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from bench.engine import build_engine, fresh_prompt, sync, ttft
+from bench.engine_build import build_engine
+from bench.engine_workload import fresh_prompt, sync, ttft
 from lorafleet.worker.engine import LLMEngine
 from lorafleet.worker.sequence import SamplingParams
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from bench.engine import adapter_sets, build_engine, decode_run, register_random_adapters
+from bench.engine_build import build_engine, register_random_adapters
+from bench.engine_workload import adapter_sets, decode_run
 from lorafleet.worker import cuda_graphs
 
 

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from bench.engine import adapter_sets, build_engine, register_random_adapters, start_decode, sync
+from bench.engine_build import build_engine, register_random_adapters
+from bench.engine_workload import adapter_sets, start_decode, sync
 
 
 def device_events(prof) -> list[dict]:
