@@ -16,13 +16,9 @@ from pathlib import Path
 
 import torch
 
+from bench.engine_build import TARGETS
 from lorafleet.worker.config import ModelConfig
 from lorafleet.worker.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
-
-try:  # `python -m bench.<module>` and `from bench.adapter_folder import ...`
-    from bench.engine_build import TARGETS
-except ImportError:  # run as a script from bench/ (`python bench/adapter_load.py`)
-    from engine_build import TARGETS
 
 
 def peft_tensors(config: ModelConfig, rank: int, seed: int = 0) -> dict[str, torch.Tensor]:

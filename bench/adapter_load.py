@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -45,34 +46,22 @@ from lorafleet.worker.config import EngineConfig, ModelConfig
 from lorafleet.worker.engine import LLMEngine
 from lorafleet.worker.gc_freeze import freeze_startup_objects
 
-try:  # `python -m bench.adapter_load` and `from bench.adapter_load import ...`
-    from bench.adapter_folder import peft_tensors, write_folder
-    from bench.adapter_load_cases import (
-        PREFIX,
-        RANK,
-        cpu_case,
-        digest_case,
-        disk_case,
-        disk_read_case,
-        disk_to_gpu,
-        reread_case,
-    )
-    from bench.adapter_load_decode import BATCH, decode_cases, read_beside_decode
-    from bench.engine_build import SEED_SHAPE, TINY_SHAPE, random_weights
-except ImportError:  # `python bench/adapter_load.py`
-    from adapter_folder import peft_tensors, write_folder
-    from adapter_load_cases import (
-        PREFIX,
-        RANK,
-        cpu_case,
-        digest_case,
-        disk_case,
-        disk_read_case,
-        disk_to_gpu,
-        reread_case,
-    )
-    from adapter_load_decode import BATCH, decode_cases, read_beside_decode
-    from engine_build import SEED_SHAPE, TINY_SHAPE, random_weights
+if __package__ in (None, ""):  # run as a script: make `bench.*` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.adapter_folder import peft_tensors, write_folder
+from bench.adapter_load_cases import (
+    PREFIX,
+    RANK,
+    cpu_case,
+    digest_case,
+    disk_case,
+    disk_read_case,
+    disk_to_gpu,
+    reread_case,
+)
+from bench.adapter_load_decode import BATCH, decode_cases, read_beside_decode
+from bench.engine_build import SEED_SHAPE, TINY_SHAPE, random_weights
 
 
 def load_rows(engine: LLMEngine, model_config: ModelConfig, device: str, repeats: int,

@@ -33,17 +33,12 @@ from pathlib import Path
 
 import torch
 
+from bench.adapter_folder import cached_fraction, write_folder
+from bench.engine_workload import sync
 from lorafleet.worker.engine import LLMEngine
 from lorafleet.worker.lora import file_bytes
 from lorafleet.worker.lora.adapter import UPLOAD_CHUNK_BYTES, WEIGHTS_FILE, adapter_digest
 from lorafleet.worker.lora.file_bytes import read_file
-
-try:  # `python -m bench.<module>` and `from bench.adapter_load_cases import ...`
-    from bench.adapter_folder import cached_fraction, write_folder
-    from bench.engine_workload import sync
-except ImportError:  # run as a script from bench/ (`python bench/adapter_load.py`)
-    from adapter_folder import cached_fraction, write_folder
-    from engine_workload import sync
 
 RANK = 16
 PREFIX = "adapter-load-"  # names that cannot clash with bench/engine.py's a0, a1, ...

@@ -21,17 +21,11 @@ from pathlib import Path
 
 import torch
 
+from bench.adapter_folder import write_folder
+from bench.adapter_load_cases import PREFIX, RANK, register_from, row
+from bench.engine_workload import sync
 from lorafleet.worker.engine import LLMEngine
 from lorafleet.worker.sequence import SamplingParams
-
-try:  # `python -m bench.<module>` and `from bench.adapter_load_decode import ...`
-    from bench.adapter_folder import write_folder
-    from bench.adapter_load_cases import PREFIX, RANK, register_from, row
-    from bench.engine_workload import sync
-except ImportError:  # run as a script from bench/ (`python bench/adapter_load.py`)
-    from adapter_folder import write_folder
-    from adapter_load_cases import PREFIX, RANK, register_from, row
-    from engine_workload import sync
 
 BATCH = 32
 PROMPT_LEN = 128

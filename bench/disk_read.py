@@ -32,16 +32,17 @@ import json
 import mmap
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-try:
-    from bench.adapter_folder import cached_fraction
-except ImportError:  # python bench/disk_read.py
-    from adapter_folder import cached_fraction
+if __package__ in (None, ""):  # run as a script: make `bench.*` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.adapter_folder import cached_fraction
 
 PAGE = mmap.PAGESIZE
 

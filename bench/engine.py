@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -37,14 +38,12 @@ import torch
 from lorafleet.kernels import lora_linear
 from lorafleet.worker.gc_freeze import freeze_startup_objects
 
-try:  # `python -m bench.engine`
-    from bench.engine_breakdown import host_profile, profiled, step_breakdown
-    from bench.engine_build import SEED_SHAPE, TINY_SHAPE, build_engine, register_random_adapters
-    from bench.engine_workload import adapter_sets, decode_run, sync, ttft
-except ImportError:  # `python bench/engine.py`
-    from engine_breakdown import host_profile, profiled, step_breakdown
-    from engine_build import SEED_SHAPE, TINY_SHAPE, build_engine, register_random_adapters
-    from engine_workload import adapter_sets, decode_run, sync, ttft
+if __package__ in (None, ""):  # run as a script: make `bench.*` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.engine_breakdown import host_profile, profiled, step_breakdown
+from bench.engine_build import SEED_SHAPE, TINY_SHAPE, build_engine, register_random_adapters
+from bench.engine_workload import adapter_sets, decode_run, sync, ttft
 
 
 def copy_bandwidth(device: str) -> float:

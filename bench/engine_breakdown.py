@@ -13,12 +13,8 @@ from pathlib import Path
 
 import torch
 
+from bench.engine_workload import start_decode, sync
 from lorafleet.worker.engine import LLMEngine
-
-try:  # `python -m bench.engine` and `from bench.engine_breakdown import ...`
-    from bench.engine_workload import start_decode, sync
-except ImportError:  # run as a script from bench/ (`python bench/engine.py`)
-    from engine_workload import start_decode, sync
 
 KERNEL_CLASSES = (  # (class, substrings of CUDA kernel names), first match wins
     ("lora", ("_lora_shrink", "_lora_expand")),

@@ -15,15 +15,11 @@ from pathlib import Path
 
 import torch
 
+from bench.engine_workload import adapter_sets, decode_run
 from lorafleet.worker.config import EngineConfig, ModelConfig
 from lorafleet.worker.engine import LLMEngine
 from lorafleet.worker.gc_freeze import freeze_startup_objects
 from lorafleet.worker.lora.adapter import LoraWeights, ModuleWeights
-
-try:  # `python -m bench.<module>` and `from bench.engine_build import ...`
-    from bench.engine_workload import adapter_sets, decode_run
-except ImportError:  # run as a script from bench/ (`python bench/adapter_load.py`)
-    from engine_workload import adapter_sets, decode_run
 
 SEED_SHAPE = dict(
     model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=100_000, hidden_size=4096,

@@ -17,14 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from bench.graph_timing import DEVICE, L2_FLUSH_BYTES
 from lorafleet.kernels.lora_meta import LoraMeta, build_lora_meta
 from lorafleet.kernels.lora_ops import new_lora_b
 from lorafleet.worker.cuda_graphs import chunk_class
-
-try:
-    from bench.graph_timing import DEVICE, L2_FLUSH_BYTES
-except ImportError:  # python bench/kernels.py
-    from graph_timing import DEVICE, L2_FLUSH_BYTES
 
 HIDDEN, KV, MLP = 4096, 1024, 14336
 MODULES: dict[str, tuple[int, list[int]]] = {

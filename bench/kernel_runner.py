@@ -24,35 +24,21 @@ from dataclasses import asdict
 
 import torch
 
+from bench.graph_timing import DEVICE, L2_FLUSH_BYTES, copy_us, time_graph
+from bench.kernel_cases import (
+    BYTES,
+    DTYPE,
+    MODULES,
+    Case,
+    Inputs,
+    adapter_bytes,
+    case_meta,
+    make_case_inputs,
+)
 from lorafleet.kernels.lora_meta import LoraMeta
 from lorafleet.kernels.lora_ops import add_lora
 from lorafleet.kernels.pdl import pdl_supported
 from lorafleet.kernels.triton_lora import LoraKernelConfig, add_lora_triton
-
-try:
-    from bench.graph_timing import DEVICE, L2_FLUSH_BYTES, copy_us, time_graph
-    from bench.kernel_cases import (
-        BYTES,
-        DTYPE,
-        MODULES,
-        Case,
-        Inputs,
-        adapter_bytes,
-        case_meta,
-        make_case_inputs,
-    )
-except ImportError:  # python bench/kernels.py
-    from graph_timing import DEVICE, L2_FLUSH_BYTES, copy_us, time_graph
-    from kernel_cases import (
-        BYTES,
-        DTYPE,
-        MODULES,
-        Case,
-        Inputs,
-        adapter_bytes,
-        case_meta,
-        make_case_inputs,
-    )
 
 
 def gather_bmm(inp: Inputs, slots_dev: torch.Tensor, scales_dev: torch.Tensor) -> None:

@@ -7,14 +7,9 @@ from dataclasses import asdict, replace
 
 import torch
 
+from bench.kernel_cases import MODULES, Case, case_meta, case_token_slots
+from bench.kernel_runner import run_case
 from lorafleet.kernels.triton_lora import pick_config
-
-try:
-    from bench.kernel_cases import MODULES, Case, case_meta, case_token_slots
-    from bench.kernel_runner import run_case
-except ImportError:  # python bench/kernels.py
-    from kernel_cases import MODULES, Case, case_meta, case_token_slots
-    from kernel_runner import run_case
 
 SWEEP_CASES = [(16, 1), (64, 8), (64, 64), (256, 128)]
 

@@ -22,18 +22,14 @@ from pathlib import Path
 import torch
 import triton
 
-try:
-    from bench.graph_timing import measure_copy_bandwidth
-    from bench.kernel_cases import main_cases
-    from bench.kernel_report import markdown_table, print_table
-    from bench.kernel_runner import run_case
-    from bench.kernel_sweep import SWEEP_CASES, sweep
-except ImportError:  # python bench/kernels.py
-    from graph_timing import measure_copy_bandwidth
-    from kernel_cases import main_cases
-    from kernel_report import markdown_table, print_table
-    from kernel_runner import run_case
-    from kernel_sweep import SWEEP_CASES, sweep
+if __package__ in (None, ""):  # run as a script: make `bench.*` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.graph_timing import measure_copy_bandwidth
+from bench.kernel_cases import main_cases
+from bench.kernel_report import markdown_table, print_table
+from bench.kernel_runner import run_case
+from bench.kernel_sweep import SWEEP_CASES, sweep
 
 
 def main(argv: list[str] | None = None) -> int:

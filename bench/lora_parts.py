@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -37,12 +38,11 @@ from lorafleet.kernels.triton_lora import (
     plan_lora_triton,
 )
 
-try:
-    from bench import graph_timing
-    from bench import kernel_cases as kb
-except ImportError:  # python bench/lora_parts.py
-    import graph_timing
-    import kernel_cases as kb
+if __package__ in (None, ""):  # run as a script: make `bench.*` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import graph_timing
+from bench import kernel_cases as kb
 
 DEFAULT_CASES = "qkv:64:64,o:64:64,gate_up:64:64,down:64:64,qkv:64:8,gate_up:64:8"
 

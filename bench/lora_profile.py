@@ -12,15 +12,17 @@ launched twice to compile and warm up, then once more between cudaProfilerStart/
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
 from lorafleet.kernels.triton_lora import launch_expand, launch_shrink, pick_config, plan_lora_triton
 
-try:
-    from bench.kernel_cases import MODULES, case_meta, make_case_inputs, parse_cases
-except ImportError:  # python bench/lora_profile.py
-    from kernel_cases import MODULES, case_meta, make_case_inputs, parse_cases
+if __package__ in (None, ""):  # run as a script: make `bench.*` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.kernel_cases import MODULES, case_meta, make_case_inputs, parse_cases
 
 
 def main() -> None:

@@ -48,13 +48,11 @@ from unittest import mock
 
 import torch
 
-try:
-    from bench import graph_timing
-    from bench import kernel_cases as kb
-except ImportError:  # python bench/vllm_lora.py
-    import graph_timing
-    import kernel_cases as kb
+if __package__ in (None, ""):  # run as a script: make `bench.*` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import graph_timing
+from bench import kernel_cases as kb
 from lorafleet.kernels.lora_ops import add_lora_reference
 from lorafleet.kernels.triton_lora import add_lora_triton
 
