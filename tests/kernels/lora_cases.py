@@ -6,14 +6,6 @@ Without CUDA the kernels run in the Triton interpreter; with CUDA on the GPU.
 
 from __future__ import annotations
 
-import os
-
-if "TRITON_INTERPRET" not in os.environ:
-    import torch as _torch
-
-    if not _torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
-
 import torch
 
 from lorafleet.kernels.lora_meta import build_lora_meta

@@ -9,14 +9,6 @@ Tolerances: `fused_cases.py`.
 
 from __future__ import annotations
 
-import os
-
-if "TRITON_INTERPRET" not in os.environ:
-    import torch as _torch
-
-    if not _torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
-
 import pytest
 import torch
 

@@ -8,14 +8,6 @@ small odd shapes in fp32 / fp16; with CUDA the same cases run compiled, plus bf1
 
 from __future__ import annotations
 
-import os
-
-if "TRITON_INTERPRET" not in os.environ:
-    import torch as _torch
-
-    if not _torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
-
 import pytest
 import torch
 import torch.nn.functional as F

@@ -9,14 +9,6 @@ Every case runs both B layouts (out-major, and rank-major as the slot pool store
 
 from __future__ import annotations
 
-import os
-
-if "TRITON_INTERPRET" not in os.environ:
-    import torch as _torch
-
-    if not _torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
-
 import pytest
 import torch
 

@@ -3,14 +3,7 @@ zeroing it, the storing expand (one adapter per token), and what the storing exp
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
-
-if "TRITON_INTERPRET" not in os.environ:
-    import torch as _torch
-
-    if not _torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 import torch

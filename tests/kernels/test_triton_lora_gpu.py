@@ -7,14 +7,6 @@ with the LoRA on a side stream beside the base GEMM. The helpers are lora_cases.
 
 from __future__ import annotations
 
-import os
-
-if "TRITON_INTERPRET" not in os.environ:
-    import torch as _torch
-
-    if not _torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
-
 import pytest
 import torch
 
