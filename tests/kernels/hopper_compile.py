@@ -1,7 +1,7 @@
 """Compile Triton kernels for sm_90 without a GPU, in a subprocess (the interpreter flag must be off).
 
-A test passes the body of a script that calls `compile_(fn, signature, constexprs, ...)` for its
-kernels and checks the PTX; `run_hopper_compile` runs it after this preamble and expects "ok".
+A test passes the body of a script that calls `compile_(fn, signature, constexprs, ...)` (or, for
+the fused row kernels, `compile_row_variants`) for its kernels and checks the PTX; `run_hopper_compile` runs it after this preamble and expects "ok".
 """
 
 from __future__ import annotations
@@ -29,6 +29,17 @@ def compile_(fn, sig, const, warps=4, stages=None, divisible=(), maxnreg=None):
     if maxnreg is not None:
         options["maxnreg"] = maxnreg
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+def compile_row_variants(fn, sig, const, vectorised=None, **kw):
+    # The fused row kernels (RMSNorm, RoPE + KV write, SiLU-mul) in each launch they get: without
+    # the LoRA delta of the side stream, with it, with it defined on some rows only; plainly or with
+    # PDL (kernels/pdl.py: then they wait on the device first). `vectorised`: the kernel's name, if
+    # its loads must be 16 bytes wide.
+    for delta, rows, pdl in ((False, False, False), (True, False, True), (True, True, False), (False, False, True)):
+        k = compile_(fn, sig, dict(const, HAS_DELTA=delta, HAS_ROWS=rows, PDL=pdl), **kw)
+        if vectorised:
+            assert "ld.global.v4" in k.asm["ptx"], vectorised + " loads are not vectorised"
+        assert ("griddepcontrol.wait" in k.asm["ptx"]) == pdl
 """
 
 

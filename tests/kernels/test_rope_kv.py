@@ -105,13 +105,8 @@ for dt in ("bf16", "fp16", "fp32"):
             "num_kv_heads": "i32",
             **{s: "i32" for s in ("stride_qkv", "stride_d", "stride_cs", "stride_kb", "stride_ks", "stride_kh",
                                   "stride_vb", "stride_vs", "stride_vh")}}
-    # Without the LoRA delta of the side stream, with it, and with it defined on some rows only;
-    # launched plainly or with PDL (kernels/pdl.py: then they wait on the device first).
-    for delta, rows, pdl in ((False, False, False), (True, False, True), (True, True, False), (False, False, True)):
-        k = compile_(ops._rope_write_kv_kernel, rope,
-                     dict(HALF=64, HALF_PAD=64, H_PAD=32, KVH_PAD=8, BLOCK_SIZE=16, HAS_DELTA=delta, HAS_ROWS=rows,
-                          PDL=pdl))
-        assert ("griddepcontrol.wait" in k.asm["ptx"]) == pdl
+    compile_row_variants(ops._rope_write_kv_kernel, rope,
+                         dict(HALF=64, HALF_PAD=64, H_PAD=32, KVH_PAD=8, BLOCK_SIZE=16))
 print("ok")
 """
 

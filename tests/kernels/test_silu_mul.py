@@ -52,13 +52,7 @@ for dt in ("bf16", "fp16", "fp32"):
     p = "*" + dt
     silu = {"gate_up_ptr": p, "out_ptr": p, "delta_ptr": p, "rows_ptr": "*i32", "inter": "i32", "stride_in": "i32",
             "stride_out": "i32", "stride_d": "i32"}
-    # Without the LoRA delta of the side stream, with it, and with it defined on some rows only;
-    # launched plainly or with PDL (kernels/pdl.py: then they wait on the device first).
-    for delta, rows, pdl in ((False, False, False), (True, False, True), (True, True, False), (False, False, True)):
-        k = compile_(ops._silu_mul_kernel, silu, dict(BLOCK=1024, HAS_DELTA=delta, HAS_ROWS=rows, PDL=pdl),
-                     divisible=SIZES)
-        assert "ld.global.v4" in k.asm["ptx"], "silu_mul loads are not vectorised"
-        assert ("griddepcontrol.wait" in k.asm["ptx"]) == pdl
+    compile_row_variants(ops._silu_mul_kernel, silu, dict(BLOCK=1024), vectorised="silu_mul", divisible=SIZES)
 print("ok")
 """
 
