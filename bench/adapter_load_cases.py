@@ -6,7 +6,8 @@ Each case goes through the registry's own methods (nothing about loading is reim
                LLMEngine.load_adapter does: read validates, digests and packs the adapter into
                the slot layout on the GPU and checks it for NaN/Inf there; register files it)
                and registry.activate, until the compute stream has passed the slot's fill (when
-               a step could use the adapter). Target <= 50 ms. The layout's copy back into the
+               a step could use the adapter). Target <= 50 ms. `disk`: from the start to the
+               last byte read (PieceClock), `after_disk`: from then to the end. The layout's copy back into the
                pinned CPU cache is not waited for by the load; `host_copy_done` is when a full
                device sync after that returns. The file is fsynced and
                dropped from the page cache (posix_fadvise DONTNEED, no root needed) and mincore
@@ -65,14 +66,38 @@ def medians_ms(samples: list[dict[str, float]], keys: tuple[str, ...]) -> dict[s
 
 
 # -- disk -> GPU and CPU -> GPU -----------------------------------------------------------------
+class PieceClock:
+    """When the last byte of a read landed: wraps `file_bytes._read_piece` (the one function every
+    read request of `FileRead` runs) to note each request's end. Inside a load this splits its
+    time into the disk's (`t0` to the last byte) and what comes after, in the same trial, where a
+    separate read-alone case would be timed minutes apart on a disk whose speed drifts."""
+
+    def __init__(self) -> None:
+        self.last = 0.0
+
+    def __enter__(self) -> PieceClock:
+        inner = self._inner = file_bytes._read_piece
+
+        def timed(*args):
+            inner(*args)
+            self.last = max(self.last, time.perf_counter())  # (a float store: atomic under the GIL)
+
+        file_bytes._read_piece = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        file_bytes._read_piece = self._inner
+
+
 def disk_to_gpu(engine: LLMEngine, folder: Path, name: str) -> dict[str, float]:
     """LLMEngine.load_adapter's two calls (read, register), then activate; unloads it after."""
     reg = engine.registry
     cached = cached_fraction(folder / WEIGHTS_FILE)
     sync()
-    t0 = time.perf_counter()
-    weights = reg.read(str(folder))
-    t1 = time.perf_counter()
+    with PieceClock() as clock:
+        t0 = time.perf_counter()
+        weights = reg.read(str(folder))
+        t1 = time.perf_counter()
     reg.register(name, weights)
     t2 = time.perf_counter()
     reg.activate([name], {name})
@@ -83,7 +108,8 @@ def disk_to_gpu(engine: LLMEngine, folder: Path, name: str) -> dict[str, float]:
     sync()  # and the copy back into the CPU cache, which the load does not wait for
     t5 = time.perf_counter()
     engine.unload_adapter(name)
-    return {"total": t4 - t0, "read": t1 - t0, "register": t2 - t1, "activate": t4 - t2, "activate_host": t3 - t2,
+    return {"total": t4 - t0, "read": t1 - t0, "disk": clock.last - t0, "after_disk": t4 - clock.last,
+            "register": t2 - t1, "activate": t4 - t2, "activate_host": t3 - t2,
             "host_copy_done": t5 - t0, "cached": -1.0 if cached is None else cached, "mib": weights.nbytes / 2**20}
 
 
@@ -96,7 +122,8 @@ def disk_case(engine: LLMEngine, work: Path, tensors: dict, repeats: int, drop_c
         samples.append(disk_to_gpu(engine, folder, f"{PREFIX}{folder.name}"))
         shutil.rmtree(folder)
     cached = [s["cached"] for s in samples if s["cached"] >= 0]
-    extra = medians_ms(samples, ("read", "register", "activate", "activate_host", "host_copy_done"))
+    extra = medians_ms(samples, ("read", "disk", "after_disk", "register", "activate", "activate_host",
+                                 "host_copy_done"))
     extra["page_cache"] = ("dropped (fsync + posix_fadvise DONTNEED)" if drop_cache else "warm (freshly written)")
     extra["cached_fraction_median"] = round(statistics.median(cached), 3) if cached else None
     extra["gpu_evictions"] = engine.registry.stats.gpu_evictions - evictions

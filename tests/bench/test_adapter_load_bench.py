@@ -48,6 +48,7 @@ def test_every_case_is_measured_and_the_engine_is_left_as_found(tiny_engine, tmp
     # a load's parts add up to no more than the whole
     cold = by_case["disk->gpu"]
     assert cold["read_ms_median"] + cold["register_ms_median"] <= cold["ms_median"]
+    assert 0 < cold["disk_ms_median"] <= cold["read_ms_median"] and 0 < cold["after_disk_ms_median"] < cold["ms_median"]
     assert by_case["disk->gpu, page cache warm"]["cached_fraction_median"] == 1.0
     assert cold["cached_fraction_median"] == (0.0 if drops_page_cache(tmp_path) else 1.0)
     assert cold["gpu_evictions"] == 0 and by_case["decode step, prefetch each step"]["prefetched"] == 2
