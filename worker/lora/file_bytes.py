@@ -82,12 +82,16 @@ class FileRead:
                 raise AdapterError("too_large", f"adapter weights are {self.size} bytes, over the {max_bytes}-byte cap")
             step = chunk_bytes or self.size
             self._bounds = [(b, min(b + step, self.size)) for b in range(0, self.size, step)] if self.size else []
-            self.chunks_read = [torch.empty(e - b, dtype=torch.uint8, pin_memory=pin) for b, e in self._bounds]
             pieces = sum(-(-(e - b) // PIECE_BYTES) for b, e in self._bounds)
-            self._pool = ThreadPoolExecutor(max_workers=max(1, min(READ_THREADS, pieces)),
-                                            thread_name_prefix="adapter-read")
-            pool = self._pool
-            for (begin, end), chunk in zip(self._bounds, self.chunks_read):
+            self._pool = pool = ThreadPoolExecutor(max_workers=max(1, min(READ_THREADS, pieces)),
+                                                   thread_name_prefix="adapter-read")
+            # Each chunk's requests go out as soon as its buffer exists: the disk starts on the
+            # first while the others are allocated (a pinned one the caching allocator has no
+            # free block for costs a cudaHostAlloc).
+            self.chunks_read: list[torch.Tensor] = []
+            for begin, end in self._bounds:
+                chunk = torch.empty(end - begin, dtype=torch.uint8, pin_memory=pin)
+                self.chunks_read.append(chunk)
                 view = memoryview(chunk.numpy()).cast("B")
                 for lo in range(begin, end, PIECE_BYTES):
                     hi = min(lo + PIECE_BYTES, end)
@@ -103,11 +107,13 @@ class FileRead:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def close(self) -> None:
+    def close(self, *, done: bool = False) -> None:
         """Wait for the requests under way (none may write into a buffer, or read a closed file,
-        afterwards) and drop the ones not started: a read that failed reads no further."""
+        afterwards) and drop the ones not started: a read that failed reads no further. `done`:
+        every request has ended, so the pool's idle threads are left to exit on their own instead
+        of being joined (0.5-0.8 ms after the last byte of every load on the H200 machine)."""
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool.shutdown(wait=not done, cancel_futures=True)
             self._pool = None
         if self._fd is not None:
             os.close(self._fd)
@@ -140,7 +146,7 @@ class FileRead:
                 on_chunk(begin, self.size, chunk)
         if _unreadable(self.path, lambda: os.fstat(self._fd).st_size) != self.size:
             raise AdapterError("bad_weights", f"{self.path.name} changed size while it was being read")
-        self.close()
+        self.close(done=True)  # chunks() waited for every request
         return FileBytes(self.chunks_read)
 
 

@@ -189,8 +189,9 @@ class PackPlan:
 
     packed: PackedLora  # over the host buffers, not filled yet
     staged: torch.Tensor | None  # for weights on a GPU: the host buffers' contents, back to back, there
-    copies: list[tuple[torch.Tensor, ModuleWeights, int, torch.Tensor, int]]  # (source, module, half, rows, r)
-    scale_runs: list[list]  # [buffer, begin, end, scaling] over B rows to scale in place after the copies
+    # (source, module, half, rows, r); empty when `launches` make them
+    copies: list[tuple[torch.Tensor, ModuleWeights, int, torch.Tensor, int]]
+    scale_runs: list[list]  # [buffer, begin, end, scaling] over B rows to scale in place after the copies (ditto)
     # For weights on a GPU that all view one buffer (a file read there): every copy, scaled and
     # cast, in one `scaled_copies` launch per source dtype: (source as a flat tensor, table, scales,
     # largest copy), the tables already on the GPU.
@@ -347,6 +348,8 @@ def plan_pack(
     packed = PackedLora(dtype=dtype, pinned=pin, chunks=chunks, blocks=blocks, ranks=ranks, views=views,
                         layout=tuple(layout), sources=sources, gpu_sources=gpu_sources if staged is not None else None)
     launches = _launches(copies, staged) if staged is not None else []
+    if launches:  # they make every copy and scaling: the ~900 row views go now, not after the load's last byte
+        copies, scale_runs = [], []
     return PackPlan(packed=packed, staged=staged, copies=copies, scale_runs=scale_runs, launches=launches,
                     device_sources=device if device.type == "cuda" and staged is None else None)
 
