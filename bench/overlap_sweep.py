@@ -177,6 +177,12 @@ VARIANTS = {
     "read speed: weights, then adapters in a second launch (no math)":
         ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
          {"linear_deferred": read_speed_linear.linear_deferred, "ONE_LAUNCH": False}),
+    # The eighteenth session's sweep (kernels-sweep-eighteenth-h200.json): at 16 tokens on 1 adapter a
+    # K tile of 256 in the tl.dot shrink of steps with at most 16 chunks was 5-7% faster alone in
+    # every module; those steps are the engine's 1- and 8-adapter decode. Not yet timed there:
+    "fourteenth session's defaults, few-chunk shrink K tile 256":
+        ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
+         {**FOURTEENTH_KNOBS, "SHRINK_BLOCK_K": (256, 128)}),
 }
 # The triton_lora (and lora_meta) knobs a variant's seventh element may set; every other variant runs
 # the sixth session's values, which all variants before them ran with.

@@ -63,7 +63,8 @@ def test_bf16_real_shapes(module: str, tokens: int, k: int, adapters: int, layou
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("module", sorted(MODULES))
-@pytest.mark.parametrize("block_k,stages,rows,expand_rows", [(512, 2, False, False), (1024, 2, False, False),
+@pytest.mark.parametrize("block_k,stages,rows,expand_rows", [(256, 3, False, False), (512, 2, False, False),
+                                                             (1024, 2, False, False),
                                                              (256, 3, True, False), (512, 3, True, False),
                                                              (256, 3, True, True)])
 def test_bf16_wide_k_tiles(module: str, block_k: int, stages: int, rows: bool, expand_rows: bool) -> None:
