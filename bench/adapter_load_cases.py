@@ -7,9 +7,9 @@ Each case goes through the registry's own methods (nothing about loading is reim
                the slot layout on the GPU and checks it for NaN/Inf there; register files it)
                and registry.activate, until the compute stream has passed the slot's fill (when
                a step could use the adapter). Target <= 50 ms. `disk`: from the start to the
-               last byte read (PieceClock), `after_disk`: from then to the end. The layout's copy back into the
-               pinned CPU cache is not waited for by the load; `host_copy_done` is when a full
-               device sync after that returns. The file is fsynced and
+               last byte read (PieceClock); `after_disk`: from then to the end. The layout's copy
+               back into the pinned CPU cache is not waited for by the load; `host_copy_done` is
+               when a full device sync after that returns. The file is fsynced and
                dropped from the page cache (posix_fadvise DONTNEED, no root needed) and mincore
                says how much of it was still cached when the read began (`cached_fraction`).
   disk->gpu, page cache warm    the same on a freshly written folder left in the page cache.
@@ -69,8 +69,8 @@ def medians_ms(samples: list[dict[str, float]], keys: tuple[str, ...]) -> dict[s
 class PieceClock:
     """When the last byte of a read landed: wraps `file_bytes._read_piece` (the one function every
     read request of `FileRead` runs) to note each request's end. Inside a load this splits its
-    time into the disk's (`t0` to the last byte) and what comes after, in the same trial, where a
-    separate read-alone case would be timed minutes apart on a disk whose speed drifts."""
+    time into the disk's (`t0` to the last byte) and what comes after, in the same trial: the
+    read-alone case is timed in trials of its own, on a disk whose speed drifts from trial to trial."""
 
     def __init__(self) -> None:
         self.last = 0.0

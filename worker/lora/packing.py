@@ -189,9 +189,10 @@ class PackPlan:
 
     packed: PackedLora  # over the host buffers, not filled yet
     staged: torch.Tensor | None  # for weights on a GPU: the host buffers' contents, back to back, there
-    # (source, module, half, rows, r); empty when `launches` make them
+    # (source, module, half, rows, r), and [buffer, begin, end, scaling] over B rows to scale in
+    # place after the copies; both empty when `launches` make the copies and the scaling
     copies: list[tuple[torch.Tensor, ModuleWeights, int, torch.Tensor, int]]
-    scale_runs: list[list]  # [buffer, begin, end, scaling] over B rows to scale in place after the copies (ditto)
+    scale_runs: list[list]
     # For weights on a GPU that all view one buffer (a file read there): every copy, scaled and
     # cast, in one `scaled_copies` launch per source dtype: (source as a flat tensor, table, scales,
     # largest copy), the tables already on the GPU.
