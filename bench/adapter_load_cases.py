@@ -73,14 +73,18 @@ class PieceClock:
     read-alone case is timed in trials of its own, on a disk whose speed drifts from trial to trial."""
 
     def __init__(self) -> None:
-        self.last = 0.0
+        self.ends: list[float] = []  # appended by the read's threads (list.append is atomic)
+
+    @property
+    def last(self) -> float:
+        return max(self.ends)
 
     def __enter__(self) -> PieceClock:
         inner = self._inner = file_bytes._read_piece
 
         def timed(*args):
             inner(*args)
-            self.last = max(self.last, time.perf_counter())  # (a float store: atomic under the GIL)
+            self.ends.append(time.perf_counter())
 
         file_bytes._read_piece = timed
         return self
@@ -194,4 +198,3 @@ def cpu_case(engine: LLMEngine, folder: Path, repeats: int, mib: float) -> dict:
         engine.unload_adapter(name)
     return row("cpu->gpu", totals, mib, pinned=pinned, activate_host_ms_median=round(1e3 * statistics.median(hosts), 3),
                fill_copies=copies, gpu_evictions=reg.stats.gpu_evictions - evictions)
-

@@ -13,10 +13,11 @@ import pytest
 def drops_page_cache(where) -> bool:
     """Whether this file system lets posix_fadvise DONTNEED drop a file's pages (tmpfs does not)."""
     from bench.adapter_folder import cached_fraction, write_folder
+    from lorafleet.worker.lora.adapter import WEIGHTS_FILE
 
     probe = where / "probe"
     write_folder(probe, {}, rank=1, drop_cache=True)
-    return cached_fraction(probe / "adapter_model.safetensors") == 0.0
+    return cached_fraction(probe / WEIGHTS_FILE) == 0.0
 
 
 @pytest.fixture
