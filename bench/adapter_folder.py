@@ -81,4 +81,3 @@ def cached_fraction(path: Path) -> float | None:
         return sum(b & 1 for b in bytes(vec)) / len(vec)
     except (OSError, AttributeError, ValueError):
         return None
-

@@ -142,4 +142,3 @@ def decode_cases(engine: LLMEngine, folder: Path, repeats: int, mib: float) -> l
         rows.append({"case": "prefetch copy (side stream, overlapping the step)", "ms_median": None, "ms_p90": None,
                      "adapter_mib": round(mib, 2), "repeats": 0, "measured": "not measured: no CUDA side stream"})
     return rows
-

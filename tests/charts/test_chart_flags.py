@@ -110,11 +110,9 @@ def test_workers_are_selected_as_the_operator_labels_them(render: Any) -> None:
     assert bool(by_kind(objs, "NetworkPolicy")) == has_np
 
 
-
 def test_router_args_quote_nothing_unsafe() -> None:
     """Args are single tokens: a value with spaces would split differently than it reads."""
     for name in NAMES:
         for w in by_kind(manifests(installed(name)), "Deployment"):
             for a in container(w)["args"]:
                 assert shlex.split(a) == [a] or a == "", a
-

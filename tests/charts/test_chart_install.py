@@ -40,7 +40,6 @@ def test_install_creates_every_rendered_object(render: Any) -> None:
     assert "loraadapters" in result["notes"].lower() and "/v1/completions" in result["notes"]
 
 
-
 CRD_KINDS = {
     "LoraPool": "lorapools.lorafleet.dev.yaml",
     "KopfPeering": "peering/kopfpeerings.kopf.dev.yaml",
@@ -67,7 +66,6 @@ def test_objects_are_valid_kubernetes(render: Any) -> None:
             except kv.ValidationError as exc:
                 raise AssertionError(f"{label}: {exc}") from exc
         assert set(o["metadata"]["labels"]) >= {"app.kubernetes.io/name", "app.kubernetes.io/instance"}, label
-
 
 
 def test_generated_secrets_survive_an_upgrade() -> None:

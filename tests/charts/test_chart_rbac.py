@@ -72,4 +72,3 @@ def test_rbac_is_least_privilege(render: Any) -> None:
         assert {s["name"] for s in binding["subjects"]} <= accounts
         roles = by_kind(objs, binding["roleRef"]["kind"])
         assert binding["roleRef"]["name"] in {r["metadata"]["name"] for r in roles}
-

@@ -39,7 +39,6 @@ def test_optional_objects_follow_their_switches() -> None:
     assert one(manifests(installed("default")), "StatefulSet", "-redis")
 
 
-
 @pytest.mark.parametrize(("values", "message"), [
     ({"redis": {"mode": "sentinel"}}, "/redis/mode"),
     ({"router": {"replicaz": 3}}, "additional properties 'replicaz' not allowed"),
@@ -57,4 +56,3 @@ def test_bad_values_are_refused_with_a_message(helm: None, values: dict[str, Any
     out = run_helm("install", values)
     assert not out["ok"], f"{values} was accepted"
     assert message in out["error"], out["error"]
-

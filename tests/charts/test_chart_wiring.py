@@ -89,7 +89,6 @@ def test_redis_url_reaches_operator_and_router(render: Any) -> None:
             assert url == "rediss://:$(REDIS_PASSWORD)@redis.data.svc:6380/2"
 
 
-
 def test_default_pool_token_is_the_one_the_router_mounts() -> None:
     result = installed("full")
     objs = manifests(result)
@@ -101,4 +100,3 @@ def test_default_pool_token_is_the_one_the_router_mounts() -> None:
     assert sources[0]["name"] == token["metadata"]["name"] and sources[0]["optional"] is False
     assert all(s["optional"] for s in sources[1:]), "pools made later by the operator may lack a Secret yet"
     assert len(base64.b64decode(token["data"]["token"])) >= 32
-

@@ -1,7 +1,8 @@
 """Compile Triton kernels for sm_90 without a GPU, in a subprocess (the interpreter flag must be off).
 
 A test passes the body of a script that calls `compile_(fn, signature, constexprs, ...)` (or, for
-the fused row kernels, `compile_row_variants`) for its kernels and checks the PTX; `run_hopper_compile` runs it after this preamble and expects "ok".
+the fused row kernels, `compile_row_variants`) for its kernels and checks the PTX;
+`run_hopper_compile` runs it after this preamble and expects "ok".
 """
 
 from __future__ import annotations

@@ -102,4 +102,3 @@ def mapping(kind: str, g: torch.Generator, tokens: int, k: int, slots: int) -> t
     if kind == "all_none":
         return torch.full((tokens, k), -1)
     raise ValueError(kind)
-

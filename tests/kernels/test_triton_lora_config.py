@@ -73,5 +73,3 @@ def test_plan_refuses_a_launch_bound_below_the_chunks() -> None:
     with pytest.raises(ValueError, match="launches cover 3"):
         plan_lora_triton(torch.randn(tokens, d_in, device=DEVICE), lora_a, [torch.zeros(slots, 16, 16, device=DEVICE)],
                          torch.full((1, slots), 16, dtype=torch.int32, device=DEVICE), meta)
-
-

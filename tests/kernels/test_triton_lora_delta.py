@@ -108,4 +108,3 @@ def test_storing_expand_refuses_what_it_cannot_do() -> None:
     launch_shrink(plan, zero=delta)
     with pytest.raises(ValueError, match="does not zero"):
         launch_expand(plan, delta, store=True)
-
