@@ -105,6 +105,7 @@ class _Fleet:
     prefix: str
     demo: list[str]
     router: RouterServer | None = None
+    router_catalog: dict[str, str] | None = None  # the router's own catalog (updated in place)
     controller: object | None = None
     tasks: list[asyncio.Task] = field(default_factory=list)
     http: httpx.AsyncClient | None = None
@@ -187,9 +188,13 @@ class _Fleet:
         app = create_app(settings, store=memory)
         self.router = RouterServer(app, o.host, o.port, o.log_level)
         await self.router.start()
+        self.router_catalog = app.state.gateway.catalog  # built by the app's startup, done by now
 
     async def wait_placed(self, controller, stopped: asyncio.Event) -> None:
-        """Until every demo adapter is Ready and the router routes to the workers and lists them."""
+        """Until every demo adapter is Ready and the router routes to the workers, lists them and has
+        them in its catalog. /v1/models lists what the workers hold too, but only the catalog lets
+        the router cold-load an adapter (a composed request needs its adapters on one worker); with
+        Redis the catalog reaches the router at its next store exchange, up to a poll later."""
         assert self.http is not None
         deadline = time.monotonic() + self.options.ready_timeout_s
         while not stopped.is_set():
@@ -200,7 +205,8 @@ class _Fleet:
                 with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
                     ready = (await self.http.get(f"{self.router_url}/ready", timeout=1.0)).status_code == 200
                     models = (await self.http.get(f"{self.router_url}/v1/models", timeout=1.0)).json()["data"]
-                    router_ok = ready and set(self.demo) <= {m["id"] for m in models}
+                    router_ok = (ready and set(self.demo) <= {m["id"] for m in models}
+                                 and set(self.demo) <= (self.router_catalog or {}).keys())
             if placed and router_ok:
                 return
             if time.monotonic() > deadline:
