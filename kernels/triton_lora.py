@@ -149,7 +149,10 @@ SHRINK_WARPS = (4, 2)
 # The shrink's K tile for chunks of at most 16 rows (wider chunks take 64) and both launches'
 # pipeline stages, with at most and above SHRINK_FEW_CHUNKS chunks. K tiles of 512 and 1024 (2
 # stages) above 16 chunks were no faster alone and slower in the engine (docs/benchmarks-history.md).
-SHRINK_BLOCK_K = (128, 128)
+# With few chunks 256 rather than 128 (nineteenth session): alone 5-7% faster at 16 tokens on one
+# adapter; in the engine at batch 64, six paired passes, 8 adapters 0.927-0.928 -> 0.930-0.935 of
+# base-only, 1 adapter 0.953-0.956 -> 0.952-0.955.
+SHRINK_BLOCK_K = (256, 128)
 NUM_STAGES = (3, 3)
 SHRINK_FEW_CHUNKS = 16
 # The shrink a row at a time for a step of one-pair chunks (`LoraMeta.one_pair_chunks`): (K tile,
