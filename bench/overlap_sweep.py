@@ -179,7 +179,8 @@ VARIANTS = {
          {"linear_deferred": read_speed_linear.linear_deferred, "ONE_LAUNCH": False}),
     # The eighteenth session's sweep (kernels-sweep-eighteenth-h200.json): at 16 tokens on 1 adapter a
     # K tile of 256 in the tl.dot shrink of steps with at most 16 chunks was 5-7% faster alone in
-    # every module; those steps are the engine's 1- and 8-adapter decode. Not yet timed there:
+    # every module; those steps are the engine's 1- and 8-adapter decode. Timed there in the nineteenth
+    # session (overlap-sweep-k256*-h200.json: 8 adapters 0.927-0.928 -> 0.930-0.935) and adopted:
     "fourteenth session's defaults, few-chunk shrink K tile 256":
         ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
          {**FOURTEENTH_KNOBS, "SHRINK_BLOCK_K": (256, 128)}),
