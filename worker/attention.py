@@ -16,17 +16,14 @@ RoPE, norm and SiLU torch ops with the fused kernels of `lorafleet.kernels.rms_n
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lorafleet.worker.config import ConfigError
 
 ATTENTION_BACKENDS = ("torch", "triton")
-_CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(slots=True)
@@ -91,8 +88,8 @@ def paged_attention(
         meta.prefill_plan = plan_prefill(meta, k_cache.shape[1], q.device)
     out = torch.empty_like(q)
     for group in meta.prefill_plan:
-        if group.mask is None:
-            _one_sequence(q, k_cache, v_cache, meta, group.seqs[0], scale, out)
+        if group.dst is None:
+            _one_sequence(q, k_cache, v_cache, meta, group, scale, out)
         else:
             _padded_batch(q, k_cache, v_cache, group, scale, out)
     return out
@@ -115,8 +112,10 @@ PREFILL_GATHER_TOKENS = 1 << 16
 
 @dataclass(slots=True)
 class PrefillGroup:
-    """Sequences of a prefill step attended in one padded SDPA call (or one sequence on its own:
-    then only `seqs` is set). Tensors are on the model's device."""
+    """Sequences of a prefill step attended in one padded SDPA call, or one sequence on its own
+    (then `src`, `dst` and `key_invalid` are None, `tables` is its `[blocks]` and `mask` its
+    `[n, ctx]`, or None when nothing of it is cached). Tensors are on the model's device, made once
+    a step rather than in every layer."""
 
     seqs: list[int]
     n_max: int = 0  # padded new tokens per sequence
@@ -164,7 +163,7 @@ def plan_prefill(meta: AttentionMetadata, block_size: int, device: torch.device)
     plan = []
     for seqs in group_prefill(meta.query_lens, meta.context_lens):
         if len(seqs) == 1:
-            plan.append(PrefillGroup(seqs=seqs))
+            plan.append(_alone(meta, seqs[0], block_size, device))
             continue
         n_lens = torch.tensor([meta.query_lens[i] for i in seqs])
         ctxs = torch.tensor([meta.context_lens[i] for i in seqs])
@@ -184,6 +183,17 @@ def plan_prefill(meta: AttentionMetadata, block_size: int, device: torch.device)
             key_invalid=(kpos.unsqueeze(0) >= ctxs.unsqueeze(1)).view(len(seqs), ctx_max, 1, 1).to(device),
         ))
     return plan
+
+
+def _alone(meta: AttentionMetadata, i: int, block_size: int, device: torch.device) -> PrefillGroup:
+    """Sequence i's group of one: its blocks, and its mask where part of it is cached."""
+    n, ctx = meta.query_lens[i], meta.context_lens[i]
+    tables = meta.block_tables[i, : (ctx + block_size - 1) // block_size].long()
+    mask = None  # no cached prefix: plain causal attention (SDPA's flash kernel takes no mask)
+    if n != ctx:  # query j sits at absolute position ctx - n + j and sees keys 0..that position
+        qpos = torch.arange(ctx - n, ctx, device=device).unsqueeze(1)
+        mask = torch.arange(ctx, device=device).unsqueeze(0) <= qpos  # [n, ctx]
+    return PrefillGroup(seqs=[i], n_max=n, ctx_max=ctx, tables=tables, mask=mask)
 
 
 def _padded_batch(
@@ -206,23 +216,13 @@ def _padded_batch(
 
 
 def _one_sequence(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, i: int, scale: float,
-    out: torch.Tensor,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, group: PrefillGroup,
+    scale: float, out: torch.Tensor,
 ) -> None:
-    n, ctx, start = meta.query_lens[i], meta.context_lens[i], meta.query_start[i]
-    block_size = k_cache.shape[1]
-    blocks = meta.block_tables[i, : (ctx + block_size - 1) // block_size].long()
-    k = k_cache[blocks].flatten(0, 1)[:ctx]  # [ctx, kv_heads, head_dim]
-    v = v_cache[blocks].flatten(0, 1)[:ctx]
-    qi = q[start : start + n]
-    if n == ctx:  # no cached prefix: plain causal attention (SDPA's flash kernel takes no mask)
-        out[start : start + n] = _sdpa(qi.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, scale)[0]
-        return
-    # Query j sits at absolute position ctx - n + j and sees keys 0..that position.
-    qpos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
-    kpos = torch.arange(ctx, device=q.device).unsqueeze(0)
-    mask = kpos <= qpos  # [n, ctx]
-    out[start : start + n] = _sdpa(qi.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, scale)[0]
+    n, ctx, start = group.n_max, group.ctx_max, meta.query_start[group.seqs[0]]
+    k = k_cache[group.tables].flatten(0, 1)[:ctx]  # [ctx, kv_heads, head_dim]
+    v = v_cache[group.tables].flatten(0, 1)[:ctx]
+    out[start : start + n] = _sdpa(q[start : start + n].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), group.mask, scale)[0]
 
 
 def decode_attention(
@@ -268,13 +268,21 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     extra = {"enable_gqa": True} if grouped and _SDPA_GQA else {}
     # cuDNN's SDPA builds a graph per new shape, and decode changes the context length every step:
     # measured on an H200, 1.8 ms of host time per call. The other CUDA backends have no such cost.
-    ctx = sdpa_kernel(_CUDA_BACKENDS) if q.is_cuda else nullcontext()
-    with ctx:
+    # Turned off around the call by its flag alone: torch's `sdpa_kernel` context costs 29 µs of host
+    # time a call on the H200 machine, more than a layer's attention kernel on a 512-token prompt
+    # (22 µs).
+    no_cudnn = q.is_cuda and torch.backends.cuda.cudnn_sdp_enabled()
+    if no_cudnn:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
             attn_mask=None if mask is None else mask.unsqueeze(1) if mask.dim() == 3 else mask,
             is_causal=mask is None, scale=scale, **extra,
         )
+    finally:
+        if no_cudnn:
+            torch.backends.cuda.enable_cudnn_sdp(True)
     return out.transpose(1, 2)
 
 

@@ -161,3 +161,36 @@ def test_batched_prefill_on_cuda(dtype, tol, seed: int) -> None:
         start = meta.query_start[i]
         torch.testing.assert_close(out[start : start + n].double(),
                                    oracle(q[start : start + n], keys[i], values[i], n, scale), atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cudnn_before", [True, False])
+def test_cudnn_sdpa_is_off_during_the_call_only(cudnn_before: bool, monkeypatch) -> None:
+    """cuDNN's SDPA (a graph built per new shape, ~1.8 ms of host time a call) is off while the
+    attention runs and set back as it was afterwards, also when SDPA raises."""
+    from lorafleet.worker import attention
+
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        if kwargs.get("scale") == 0.5:
+            raise RuntimeError("boom")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    previous = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(cudnn_before)
+    try:
+        # a long fresh prompt alone (causal, no mask), two short rows padded into one masked call
+        q, k_cache, v_cache, meta, keys, values = prefill_case(0, [200, 9, 3], [200, 9, 11], 32, 8, 128, torch.bfloat16)
+        meta.block_tables, meta.context_lens_t = meta.block_tables.cuda(), meta.context_lens_t.cuda()
+        paged_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), meta, 0.3)
+        assert len(seen) == 2 and not any(seen) and torch.backends.cuda.cudnn_sdp_enabled() == cudnn_before
+        with pytest.raises(RuntimeError, match="boom"):
+            paged_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), meta, 0.5)
+        assert torch.backends.cuda.cudnn_sdp_enabled() == cudnn_before
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(previous)
