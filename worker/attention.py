@@ -118,12 +118,12 @@ class PrefillGroup:
     a step rather than in every layer."""
 
     seqs: list[int]
-    n_max: int = 0  # padded new tokens per sequence
-    ctx_max: int = 0  # padded context
+    n_max: int = 0  # padded new tokens per sequence (alone: its new tokens)
+    ctx_max: int = 0  # padded context (alone: its context)
     src: torch.Tensor | None = None  # [tokens] int64: the group's rows of q / out
     dst: torch.Tensor | None = None  # [tokens] int64: the same rows in the padded [B * n_max] layout
-    tables: torch.Tensor | None = None  # [B, blocks] int64: block tables cut to ctx_max
-    mask: torch.Tensor | None = None  # [B, n_max, ctx_max] bool: query sees key
+    tables: torch.Tensor | None = None  # [B, blocks] int64: block tables cut to ctx_max (alone: [blocks])
+    mask: torch.Tensor | None = None  # [B, n_max, ctx_max] bool: query sees key (alone: [n, ctx] or None)
     key_invalid: torch.Tensor | None = None  # [B, ctx_max, 1, 1] bool: key past the sequence's context
 
 
@@ -188,7 +188,7 @@ def plan_prefill(meta: AttentionMetadata, block_size: int, device: torch.device)
 def _alone(meta: AttentionMetadata, i: int, block_size: int, device: torch.device) -> PrefillGroup:
     """Sequence i's group of one: its blocks, and its mask where part of it is cached."""
     n, ctx = meta.query_lens[i], meta.context_lens[i]
-    tables = meta.block_tables[i, : (ctx + block_size - 1) // block_size].long()
+    tables = meta.block_tables[i, : (ctx + block_size - 1) // block_size].to(device, torch.int64)
     mask = None  # no cached prefix: plain causal attention (SDPA's flash kernel takes no mask)
     if n != ctx:  # query j sits at absolute position ctx - n + j and sees keys 0..that position
         qpos = torch.arange(ctx - n, ctx, device=device).unsqueeze(1)
@@ -268,9 +268,10 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     extra = {"enable_gqa": True} if grouped and _SDPA_GQA else {}
     # cuDNN's SDPA builds a graph per new shape, and decode changes the context length every step:
     # measured on an H200, 1.8 ms of host time per call. The other CUDA backends have no such cost.
-    # Turned off around the call by its flag alone: torch's `sdpa_kernel` context costs 29 µs of host
-    # time a call on the H200 machine, more than a layer's attention kernel on a 512-token prompt
-    # (22 µs).
+    # Turned off around the call by its flag alone (the other backends follow the process's flags,
+    # all on by default): torch's `sdpa_kernel` context costs 29 µs of host time a call on the H200
+    # machine, more than a layer's attention kernel on a 512-token prompt (22 µs). The flag is the
+    # process's: one thread runs the model (the engine's).
     no_cudnn = q.is_cuda and torch.backends.cuda.cudnn_sdp_enabled()
     if no_cudnn:
         torch.backends.cuda.enable_cudnn_sdp(False)

@@ -163,6 +163,28 @@ def test_batched_prefill_on_cuda(dtype, tol, seed: int) -> None:
                                    oracle(q[start : start + n], keys[i], values[i], n, scale), atol=tol, rtol=tol)
 
 
+def test_cpu_attention_leaves_the_sdpa_flags_alone(monkeypatch) -> None:
+    """On the CPU the cuDNN flag (a CUDA backend's) is neither read nor changed."""
+    from lorafleet.worker import attention
+
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    previous = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        q, k_cache, v_cache, meta, _, _ = prefill_case(0, [200, 9, 3], [200, 9, 11])
+        paged_attention(q, k_cache, v_cache, meta, 0.3)
+        assert seen == [True, True] and torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(previous)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("cudnn_before", [True, False])
@@ -176,7 +198,7 @@ def test_cudnn_sdpa_is_off_during_the_call_only(cudnn_before: bool, monkeypatch)
 
     def spy(*args, **kwargs):
         seen.append(torch.backends.cuda.cudnn_sdp_enabled())
-        if kwargs.get("scale") == 0.5:
+        if kwargs.get("scale") == 0.5 and len(seen) == 4:  # the second call's padded group
             raise RuntimeError("boom")
         return real(*args, **kwargs)
 
@@ -191,6 +213,6 @@ def test_cudnn_sdpa_is_off_during_the_call_only(cudnn_before: bool, monkeypatch)
         assert len(seen) == 2 and not any(seen) and torch.backends.cuda.cudnn_sdp_enabled() == cudnn_before
         with pytest.raises(RuntimeError, match="boom"):
             paged_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), meta, 0.5)
-        assert torch.backends.cuda.cudnn_sdp_enabled() == cudnn_before
+        assert len(seen) == 4 and not any(seen) and torch.backends.cuda.cudnn_sdp_enabled() == cudnn_before
     finally:
         torch.backends.cuda.enable_cudnn_sdp(previous)
