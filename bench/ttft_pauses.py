@@ -1,14 +1,17 @@
 """Time to first token of one fresh 512-token prompt, back to back and after idle pauses (an H200 experiment).
 
-    python -m bench.ttft_pauses [--prompts 8] [--pauses 0,0.5,2,0] [--out FILE]
+    python -m bench.ttft_pauses [--prompts 8] [--pauses 0,0.5,0,2,0] [--out FILE]
 
 `bench/engine.py` reports the median of five prompts run back to back. On the lent H200 machines that
 figure moved between runs and machines (15.7-34 ms) while the kernels took ~11.3 ms; this runs
 series of prompts, each after a pause of the given length (0: back to back; a series of 0 after a
-longer pause shows how long a slow spell lasts), and records per prompt the wall time, the GPU
-time between events recorded before the request and after its first token (a host-bound prefill
-shows in both), and the SM clock NVML reports before and after. Rows: pause_s, prompt, ms, gpu_ms,
-sm_mhz_before, sm_mhz_after; a summary per series (median, min, max).
+longer pause shows how long a slow spell lasts), and records per prompt, timed as bench/engine.py
+times it (from the first step after the request is queued to its first token on the host): the wall
+time, the GPU time between events recorded at those two points (a host-bound prefill shows in
+both), and the SM clock NVML reports just before and after (`torch.cuda.clock_rate`, which needs
+pynvml; NVML's reading is a recent sample, so a dip shorter than its sampling is not ruled out).
+Rows: series, pause_s, prompt, ms, gpu_ms, sm_mhz_before, sm_mhz_after; a summary per series
+(median (the upper one for an even count), min, max).
 """
 
 from __future__ import annotations
