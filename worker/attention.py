@@ -79,17 +79,23 @@ def paged_attention(
     q: `[T, heads, head_dim]` -> `[T, heads, head_dim]`. Decode-only steps run as one batch through
     `decode_attention`. Other steps (prefill chunks) batch their sequences into padded SDPA calls
     with an offset causal mask (`plan_prefill`, once per step); a sequence too long to pad others to
-    runs alone, with SDPA's mask-free causal kernel when nothing of it is cached.
+    runs alone, with SDPA's mask-free causal kernel when nothing of it is cached. The output need not
+    be contiguous: a step of one sequence returns SDPA's output as it comes (on CUDA its fused
+    kernels write it token-major, so the caller's reshape costs no copy).
     """
     if meta.all_decode:
         return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens_t, scale, backend,
                                 max_context=None if meta.fixed_shapes else max(meta.context_lens))
     if meta.prefill_plan is None:
         meta.prefill_plan = plan_prefill(meta, k_cache.shape[1], q.device)
+    plan = meta.prefill_plan
+    if len(plan) == 1 and plan[0].dst is None:  # the step's one sequence: SDPA's output as it comes
+        return _one_sequence(q, k_cache, v_cache, meta, plan[0], scale)
     out = torch.empty_like(q)
-    for group in meta.prefill_plan:
+    for group in plan:
         if group.dst is None:
-            _one_sequence(q, k_cache, v_cache, meta, group, scale, out)
+            start = meta.query_start[group.seqs[0]]
+            out[start : start + group.n_max] = _one_sequence(q, k_cache, v_cache, meta, group, scale)
         else:
             _padded_batch(q, k_cache, v_cache, group, scale, out)
     return out
@@ -217,12 +223,13 @@ def _padded_batch(
 
 def _one_sequence(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, group: PrefillGroup,
-    scale: float, out: torch.Tensor,
-) -> None:
+    scale: float,
+) -> torch.Tensor:
+    """A group of one -> its rows of the output, `[n, heads, head_dim]` (strided as SDPA returns them)."""
     n, ctx, start = group.n_max, group.ctx_max, meta.query_start[group.seqs[0]]
     k = k_cache[group.tables].flatten(0, 1)[:ctx]  # [ctx, kv_heads, head_dim]
     v = v_cache[group.tables].flatten(0, 1)[:ctx]
-    out[start : start + n] = _sdpa(q[start : start + n].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), group.mask, scale)[0]
+    return _sdpa(q[start : start + n].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), group.mask, scale)[0]
 
 
 def decode_attention(
