@@ -94,3 +94,34 @@ def test_typed_views_equal_plain_views():
         assert got.shape == want.shape and got.stride() == want.stride() and torch.equal(got, want), info.name
         if info.begin % info.dtype.itemsize == 0:
             assert got.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()  # a view, not a copy
+
+
+def _safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    from safetensors.torch import save
+
+    return save(tensors)
+
+
+def test_valid_headers_are_parsed_once(monkeypatch):
+    """A header seen before (same bytes, same file size) comes from the cache, as the same infos; the
+    same header over a file of another size is checked again, and refused; invalid headers are never
+    kept; the cache keeps the 16 most recent headers of at most 1 MiB."""
+    from lorafleet.worker.lora import safetensors_view as sv
+
+    monkeypatch.setattr(sv, "_PARSED", type(sv._PARSED)())
+    data = _safetensors_bytes({"a": torch.zeros(2, 3), "b": torch.ones(4, dtype=torch.bfloat16)})
+    first = sv.parse_safetensors(data, "f")
+    again = sv.parse_safetensors(data, "f")
+    assert again == first and all(x is y for x, y in zip(again, first)) and len(sv._PARSED) == 1
+    assert [(i.name, i.dtype, i.shape) for i in first] == [("a", torch.float32, (2, 3)), ("b", torch.bfloat16, (4,))]
+    with pytest.raises(AdapterError, match="the file has"):
+        sv.parse_safetensors(data + b"\0" * 8, "f")
+    with pytest.raises(AdapterError, match="do not hold"):
+        sv.parse_safetensors(data[:8] + data[8:].replace(b"[2,3]", b"[3,3]"), "f")
+    assert len(sv._PARSED) == 1
+    for k in range(20):
+        sv.parse_safetensors(_safetensors_bytes({f"t{k}": torch.zeros(1)}), "f")
+    assert len(sv._PARSED) == sv._PARSED_MAX and (bytes(data[8 : 8 + int.from_bytes(data[:8], "little")]), len(data)) not in sv._PARSED
+    monkeypatch.setattr(sv, "_PARSED_MAX_BYTES", 16)
+    sv._PARSED.clear()
+    assert sv.parse_safetensors(data, "f") == first and not sv._PARSED
