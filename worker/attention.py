@@ -89,7 +89,7 @@ def paged_attention(
     if meta.prefill_plan is None:
         meta.prefill_plan = plan_prefill(meta, k_cache.shape[1], q.device)
     plan = meta.prefill_plan
-    if len(plan) == 1 and plan[0].dst is None:  # the step's one sequence: SDPA's output as it comes
+    if len(plan) == 1 and plan[0].dst is None and plan[0].n_max == q.shape[0]:  # SDPA's output as it comes
         return _one_sequence(q, k_cache, v_cache, meta, plan[0], scale)
     out = torch.empty_like(q)
     for group in plan:

@@ -187,6 +187,21 @@ def test_cpu_attention_leaves_the_sdpa_flags_alone(monkeypatch) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("query_lens, context_lens", [([200], [200]), ([50], [120]), ([1], [37])])
+def test_one_sequence_step_on_cuda(query_lens, context_lens) -> None:
+    """A step of one sequence returns SDPA's output as it comes (no copy into a new tensor): right
+    against the oracle at the seed model's head shape, fresh or with a cached prefix."""
+    q, k_cache, v_cache, meta, keys, values = prefill_case(2, query_lens, context_lens, 32, 8, 128, torch.bfloat16)
+    meta.block_tables, meta.context_lens_t = meta.block_tables.cuda(), meta.context_lens_t.cuda()
+    scale = 128**-0.5
+    out = paged_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), meta, scale)
+    assert out.shape == q.shape
+    n = query_lens[0]
+    torch.testing.assert_close(out.cpu().double(), oracle(q, keys[0], values[0], n, scale), atol=4e-2, rtol=4e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("cudnn_before", [True, False])
 def test_cudnn_sdpa_is_off_during_the_call_only(cudnn_before: bool, monkeypatch) -> None:
     """cuDNN's SDPA (a graph built per new shape, ~1.8 ms of host time a call) is off while the
