@@ -105,7 +105,7 @@ def _safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
 def test_valid_headers_are_parsed_once(monkeypatch):
     """A header seen before (same bytes, same file size) comes from the cache, as the same infos; the
     same header over a file of another size is checked again, and refused; invalid headers are never
-    kept; the cache keeps the 16 most recent headers of at most 1 MiB."""
+    kept; the cache keeps the 16 most recently used headers of at most 256 KiB."""
     from lorafleet.worker.lora import safetensors_view as sv
 
     monkeypatch.setattr(sv, "_PARSED", type(sv._PARSED)())
@@ -119,9 +119,15 @@ def test_valid_headers_are_parsed_once(monkeypatch):
     with pytest.raises(AdapterError, match="do not hold"):
         sv.parse_safetensors(data[:8] + data[8:].replace(b"[2,3]", b"[3,3]"), "f")
     assert len(sv._PARSED) == 1
+    key = (bytes(data[8 : 8 + int.from_bytes(data[:8], "little")]), len(data))
     for k in range(20):
         sv.parse_safetensors(_safetensors_bytes({f"t{k}": torch.zeros(1)}), "f")
-    assert len(sv._PARSED) == sv._PARSED_MAX and (bytes(data[8 : 8 + int.from_bytes(data[:8], "little")]), len(data)) not in sv._PARSED
+        if k < 10:
+            sv.parse_safetensors(data, "f")  # used again: kept past older entries
+    assert len(sv._PARSED) == sv._PARSED_MAX and key in sv._PARSED
+    for k in range(20, 36):
+        sv.parse_safetensors(_safetensors_bytes({f"t{k}": torch.zeros(1)}), "f")
+    assert len(sv._PARSED) == sv._PARSED_MAX and key not in sv._PARSED
     monkeypatch.setattr(sv, "_PARSED_MAX_BYTES", 16)
     sv._PARSED.clear()
     assert sv.parse_safetensors(data, "f") == first and not sv._PARSED

@@ -26,11 +26,12 @@ _ST_DTYPES = {
 }
 _MAX_HEADER = 100_000_000  # the safetensors library's cap
 # Headers parsed and found valid, by (header bytes, file size): a fleet's adapters mostly share one
-# layout (same rank and targets), and a seed-shape header (448 tensors, 60 KB of JSON) takes ~2.5 ms
-# of Python to parse and check, in the read's thread, beside the engine loop.
+# layout (same rank and targets), and a seed-shape header (448 tensors, 60 KB of JSON) takes 2.5-4.3
+# ms of Python to parse and check, in the read's thread, beside the engine loop. A kept header holds
+# its bytes and its parsed infos (a crafted 1 MiB header parses into ~6 MB): 256 KiB at most each.
 _PARSED: OrderedDict[tuple[bytes, int], tuple[TensorInfo, ...]] = OrderedDict()
 _PARSED_MAX = 16  # headers kept, each at most _PARSED_MAX_BYTES
-_PARSED_MAX_BYTES = 1 << 20
+_PARSED_MAX_BYTES = 256 << 10
 _PARSED_LOCK = threading.Lock()
 
 
