@@ -2,7 +2,7 @@
 (`Metadata::validate`: offsets contiguous from 0 to the end of the file, sizes matching dtype x
 shape, a bounded UTF-8 JSON header), and its tensors as zero-copy views of the bytes read
 (`file_bytes.read_file`), wherever those bytes are (host or GPU). Valid headers are kept (the 16
-most recent): the next file with the same header and size is not parsed again."""
+most recently used): the next file with the same header and size is not parsed again."""
 
 from __future__ import annotations
 
