@@ -107,9 +107,11 @@ def case_token_slots(case: Case) -> torch.Tensor:
     return torch.stack([(first + j) % case.adapters for j in range(case.k)], 1).to(torch.int32)
 
 
-def case_meta(case: Case, token_slots: torch.Tensor, token_scales: torch.Tensor) -> LoraMeta:
-    """The case's step metadata as the engine launches it."""
-    meta = build_lora_meta(token_slots, token_scales, case.adapters, DEVICE)
+def case_meta(
+    case: Case, token_slots: torch.Tensor, token_scales: torch.Tensor, chunk_size: int | None = None
+) -> LoraMeta:
+    """The case's step metadata as the engine launches it (chunk_size: None = `default_chunk_size`)."""
+    meta = build_lora_meta(token_slots, token_scales, case.adapters, DEVICE, chunk_size=chunk_size)
     meta.rank_bound = case.rank  # as ModelRunner sets it: the step's largest true rank
     meta.launch_chunks = chunk_class(meta.num_chunks, meta.max_chunks)  # as a decode graph launches
     return meta

@@ -107,14 +107,16 @@ def run_case(
     g: torch.Generator,
     config: LoraKernelConfig | None = None,
     baselines: bool = True,
+    chunk_size: int | None = None,
 ) -> dict:
     d_in, outs = MODULES[case.module]
     sets, token_slots, token_scales, ranks = make_case_inputs(case, g)
-    meta = case_meta(case, token_slots, token_scales)
+    meta = case_meta(case, token_slots, token_scales, chunk_size)
     ranks_dev = torch.tensor(ranks, dtype=torch.int32, device=DEVICE)
     row = dict(asdict(case))
     act_bytes = case.tokens * (d_in + 2 * sum(outs)) * BYTES
-    row.update(floor_us=round((adapter_bytes(case) + act_bytes) / bandwidth * 1e6, 2), n_sets=len(sets))
+    row.update(floor_us=round((adapter_bytes(case) + act_bytes) / bandwidth * 1e6, 2), n_sets=len(sets),
+               chunk_size=meta.chunk_size)
     if config is None:  # the table's rows (a sweep compares configs only)
         row["copy_us"] = round(copy_us(adapter_bytes(case) + act_bytes), 2)
     us, err = check_and_time(sets, ranks, ranks_dev, meta, config)

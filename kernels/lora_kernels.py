@@ -179,6 +179,7 @@ def _lora_expand_kernel(
     Y_EARLY: tl.constexpr,
     STORE: tl.constexpr,
     ROWS: tl.constexpr,
+    AHEAD: tl.constexpr,
 ):
     """y[token(pair), col_s + n] += scale(pair) · Σ_r part[:, pair, s*R_PAD + r] · B_s[slot, n, r].
 
@@ -281,12 +282,33 @@ def _lora_expand_kernel(
             h = h.to(b0_ptr.dtype.element_ty)
 
         _write_tile(y_rows + offs_n[None, :], _dot(h, bt, IEEE), mask, cur, Y_EARLY, ATOMIC, STORE)
-        for n0 in range(n_lo + BLOCK_N, n_hi, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < n_hi
-            bt = _load_b_tile(b_base, offs_n, n_mask, r_mask, r_load, R_MAX, B_RANK_MAJOR, UPCAST)
-            acc = _dot(h, bt, IEEE)
-            _write_tile(y_rows + offs_n[None, :], acc, m_mask[:, None] & n_mask[None, :], acc, False, ATOMIC, STORE)
+        if AHEAD == 2:  # tile i+1's B and y loaded before tile i's multiply and store
+            offs_n = n_lo + BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = m_mask[:, None] & (offs_n < n_hi)[None, :]
+            bt = _load_b_tile(b_base, offs_n, offs_n < n_hi, r_mask, r_load, R_MAX, B_RANK_MAJOR, UPCAST)
+            y_cur = _load_y_ahead(y_rows + offs_n[None, :], mask, ATOMIC, STORE)
+            for n0 in range(n_lo + BLOCK_N, n_hi, BLOCK_N):
+                offs_next = n0 + BLOCK_N + tl.arange(0, BLOCK_N)
+                mask_next = m_mask[:, None] & (offs_next < n_hi)[None, :]
+                bt_next = _load_b_tile(b_base, offs_next, offs_next < n_hi, r_mask, r_load, R_MAX, B_RANK_MAJOR,
+                                       UPCAST)
+                y_next = _load_y_ahead(y_rows + offs_next[None, :], mask_next, ATOMIC, STORE)
+                _write_tile(y_rows + offs_n[None, :], _dot(h, bt, IEEE), mask, y_cur, not (ATOMIC or STORE),
+                            ATOMIC, STORE)
+                offs_n, mask, bt, y_cur = offs_next, mask_next, bt_next, y_next
+        else:
+            for n0 in range(n_lo + BLOCK_N, n_hi, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                n_mask = offs_n < n_hi
+                mask = m_mask[:, None] & n_mask[None, :]
+                bt = _load_b_tile(b_base, offs_n, n_mask, r_mask, r_load, R_MAX, B_RANK_MAJOR, UPCAST)
+                if AHEAD == 1:  # y loaded with B, before the multiply
+                    y_cur = _load_y_ahead(y_rows + offs_n[None, :], mask, ATOMIC, STORE)
+                    _write_tile(y_rows + offs_n[None, :], _dot(h, bt, IEEE), mask, y_cur, not (ATOMIC or STORE),
+                                ATOMIC, STORE)
+                else:
+                    acc = _dot(h, bt, IEEE)
+                    _write_tile(y_rows + offs_n[None, :], acc, mask, acc, False, ATOMIC, STORE)
 
 
 @triton.jit
@@ -336,6 +358,17 @@ def _write_tile(y_ptrs, acc, mask, cur, CUR_LOADED: tl.constexpr, ATOMIC: tl.con
         if not CUR_LOADED:
             cur = tl.load(y_ptrs, mask=mask, other=0.0)
         tl.store(y_ptrs, (cur.to(tl.float32) + acc).to(y_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_y_ahead(y_ptrs, mask, ATOMIC: tl.constexpr, STORE: tl.constexpr):
+    """y's tile for a plain `+=` (`_write_tile` with CUR_LOADED), loaded ahead of the multiply;
+    with ATOMIC or STORE nothing is read (a placeholder of the tile's shape)."""
+    if ATOMIC or STORE:
+        cur = tl.zeros(mask.shape, dtype=y_ptrs.dtype.element_ty)
+    else:
+        cur = tl.load(y_ptrs, mask=mask, other=0.0)
+    return cur
 
 
 @triton.jit

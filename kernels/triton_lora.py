@@ -171,6 +171,10 @@ SHRINK_ROWS: tuple[int, int] | tuple[()] = (256, 4)
 # 7-17% on 48 (144 and 192 were slower than 160-176), and in the engine 0.775/0.777 -> 0.779/0.778
 # (fourteenth session).
 EXPAND_ROWS: tuple[int, int] | tuple[int, int, int] | tuple[()] = (512, 2, 168)
+# The tl.dot expand's tiles after its first: 0 = each tile's B, multiply, then (adding into y) y's
+# load and store; 1 = y loaded with B, before the multiply; 2 = the next tile's B and y loaded
+# before this tile's multiply and store.
+EXPAND_AHEAD = 0
 
 
 @dataclass(slots=True)
@@ -363,6 +367,7 @@ def launch_expand(plan: LoraLaunch, y: torch.Tensor, store: bool = False) -> Non
         Y_EARLY=not (plan.shrink_zeroes or store or atomic),
         STORE=store,
         ROWS=cfg.expand_rows,
+        AHEAD=EXPAND_AHEAD,
         num_warps=cfg.expand_warps,
         num_stages=cfg.num_stages,
         **({} if cfg.expand_maxnreg is None else {"maxnreg": cfg.expand_maxnreg}),
