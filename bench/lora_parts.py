@@ -81,7 +81,7 @@ def variants(default: LoraKernelConfig) -> dict[str, list[LoraKernelConfig]]:
         expand.add(replace(default, num_stages=stages))
     for block_n, warps in ((128, 1), (128, 2), (256, 1), (256, 2), (512, 1), (512, 2), (512, 4), (1024, 2),
                            (1024, 4)):  # a row at a time
-        expand.add(replace(default, expand_rows=True, block_n=block_n, n_per_prog=block_n, expand_warps=warps))
+        expand.add(replace(default, expand_rows=True, expand_ahead=False, block_n=block_n, n_per_prog=block_n, expand_warps=warps))
     return {"shrink": sorted(shrink, key=str), "expand": sorted(expand, key=str)}
 
 

@@ -184,18 +184,21 @@ VARIANTS = {
     "fourteenth session's defaults, few-chunk shrink K tile 256":
         ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
          {**FOURTEENTH_KNOBS, "SHRINK_BLOCK_K": (256, 128)}),
-    # The twentieth session: the tl.dot expand's later tiles with their loads ahead
-    # (`triton_lora.EXPAND_AHEAD`: 1 = y with B, before the multiply; 2 = the next tile's B and y
-    # before this tile's multiply); with the storing expand of decode steps only B is ahead.
-    **{f"nineteenth session's defaults, expand loads ahead {v}":
-       ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
-        {**FOURTEENTH_KNOBS, "SHRINK_BLOCK_K": (256, 128), "EXPAND_AHEAD": v})
-       for v in (1, 2)},
+    # The twentieth session: the tl.dot expand's next tile loaded before this one is written
+    # (`triton_lora.EXPAND_AHEAD`), in every launch of several tiles a program (measured at commit
+    # f1b180c, overlap-sweep-ahead-h200.json: 8 adapters 0.933 -> 0.932; the decode side path's
+    # storing expand loads only B ahead), then only with few chunks (the default since).
+    "nineteenth session's defaults, expand loads ahead":
+        ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
+         {**FOURTEENTH_KNOBS, "SHRINK_BLOCK_K": (256, 128), "EXPAND_AHEAD": (True, True)}),
+    "twentieth session's defaults (expand loads ahead with few chunks)":
+        ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
+         {**FOURTEENTH_KNOBS, "SHRINK_BLOCK_K": (256, 128), "EXPAND_AHEAD": (True, False)}),
 }
 # The triton_lora (and lora_meta) knobs a variant's seventh element may set; every other variant runs
 # the sixth session's values, which all variants before them ran with.
 KERNEL_KNOBS = {"SHRINK_WARPS": (4, 4), "WIDE_EXPAND": (256, 512), "SHRINK_BLOCK_K": (128, 128), "NUM_STAGES": (3, 3),
-                "SHRINK_ROWS": (), "ONE_PAIR_CHUNKS": (1.5, 2), "EXPAND_ROWS": (), "EXPAND_AHEAD": 0,
+                "SHRINK_ROWS": (), "ONE_PAIR_CHUNKS": (1.5, 2), "EXPAND_ROWS": (), "EXPAND_AHEAD": (False, False),
                 "launch_shrink": triton_lora.launch_shrink,
                 "launch_expand": triton_lora.launch_expand,
                 "linear_deferred": LlamaModel._linear_deferred, "ONE_LAUNCH": True}

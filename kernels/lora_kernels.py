@@ -191,6 +191,9 @@ def _lora_expand_kernel(
     zeros. Rows of tokens in no chunk are left as they were.
     Y_EARLY: the first tile's y is loaded before `gdc_wait` (not with STORE or ATOMIC, nor when the
     shrink zeroes y).
+    AHEAD (N_PER_PROG > BLOCK_N): each tile after the first is loaded (B, and y for a plain `+=`)
+    before the previous tile is multiplied and written, so a program has two tiles' loads in
+    flight; for launches of few programs, where each program's load latency sets the time.
     ROWS (N_PER_PROG == BLOCK_N: one B tile a program): each row of the chunk as its own
     multiply-and-sum in registers (B tile × the row's rank-r activations, summed over r), no
     `tl.dot`: for chunks of about one row (decode with as many adapters as tokens), where a
@@ -282,7 +285,7 @@ def _lora_expand_kernel(
             h = h.to(b0_ptr.dtype.element_ty)
 
         _write_tile(y_rows + offs_n[None, :], _dot(h, bt, IEEE), mask, cur, Y_EARLY, ATOMIC, STORE)
-        if AHEAD == 2:  # tile i+1's B and y loaded before tile i's multiply and store
+        if AHEAD and N_PER_PROG > BLOCK_N:  # tile i+1's B and y loaded before tile i's multiply and store
             offs_n = n_lo + BLOCK_N + tl.arange(0, BLOCK_N)
             mask = m_mask[:, None] & (offs_n < n_hi)[None, :]
             bt = _load_b_tile(b_base, offs_n, offs_n < n_hi, r_mask, r_load, R_MAX, B_RANK_MAJOR, UPCAST)
@@ -300,15 +303,9 @@ def _lora_expand_kernel(
             for n0 in range(n_lo + BLOCK_N, n_hi, BLOCK_N):
                 offs_n = n0 + tl.arange(0, BLOCK_N)
                 n_mask = offs_n < n_hi
-                mask = m_mask[:, None] & n_mask[None, :]
                 bt = _load_b_tile(b_base, offs_n, n_mask, r_mask, r_load, R_MAX, B_RANK_MAJOR, UPCAST)
-                if AHEAD == 1:  # y loaded with B, before the multiply
-                    y_cur = _load_y_ahead(y_rows + offs_n[None, :], mask, ATOMIC, STORE)
-                    _write_tile(y_rows + offs_n[None, :], _dot(h, bt, IEEE), mask, y_cur, not (ATOMIC or STORE),
-                                ATOMIC, STORE)
-                else:
-                    acc = _dot(h, bt, IEEE)
-                    _write_tile(y_rows + offs_n[None, :], acc, mask, acc, False, ATOMIC, STORE)
+                acc = _dot(h, bt, IEEE)
+                _write_tile(y_rows + offs_n[None, :], acc, m_mask[:, None] & n_mask[None, :], acc, False, ATOMIC, STORE)
 
 
 @triton.jit

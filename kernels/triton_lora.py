@@ -73,6 +73,7 @@ class LoraKernelConfig:
     shrink_rows: bool = False  # the shrink's multiply-and-sum a row (lora_kernels, ROWS) instead of tl.dot
     expand_rows: bool = False  # the expand's likewise, one B tile a program (n_per_prog == block_n)
     expand_maxnreg: int | None = None  # registers a thread the expand may hold (ptxas' cap); None = its choice
+    expand_ahead: bool = False  # the tl.dot expand loads each next tile before writing this one (lora_kernels, AHEAD)
 
     def __post_init__(self) -> None:
         # Checked here, not by Triton: the interpreter takes a K tile below 16, the compiler does
@@ -95,6 +96,8 @@ class LoraKernelConfig:
             raise ValueError(f"expand_maxnreg must be None or an int in [32, 255], got {self.expand_maxnreg!r}")
         if self.expand_rows and self.n_per_prog != self.block_n:
             raise ValueError(f"a row-at-a-time expand takes one B tile a program: n_per_prog == block_n, got {self}")
+        if self.expand_rows and self.expand_ahead:
+            raise ValueError(f"expand_ahead is a mode of the tl.dot expand, not of the row-at-a-time one: {self}")
 
 
 def pick_config(
@@ -134,6 +137,7 @@ def pick_config(
         split_k=split_k, block_k=block_k, block_n=block_n, n_per_prog=max(n_per_prog, block_n),
         shrink_warps=shrink_warps, expand_warps=expand_warps, num_stages=NUM_STAGES[many], shrink_rows=rows,
         expand_rows=expand_rows, expand_maxnreg=maxnreg,
+        expand_ahead=EXPAND_AHEAD[many] and not expand_rows and n_per_prog > block_n,
     )
 
 
@@ -171,10 +175,15 @@ SHRINK_ROWS: tuple[int, int] | tuple[()] = (256, 4)
 # 7-17% on 48 (144 and 192 were slower than 160-176), and in the engine 0.775/0.777 -> 0.779/0.778
 # (fourteenth session).
 EXPAND_ROWS: tuple[int, int] | tuple[int, int, int] | tuple[()] = (512, 2, 168)
-# The tl.dot expand's tiles after its first: 0 = each tile's B, multiply, then (adding into y) y's
-# load and store; 1 = y loaded with B, before the multiply; 2 = the next tile's B and y loaded
-# before this tile's multiply and store.
-EXPAND_AHEAD = 0
+# The tl.dot expand's next tile (B, and y when adding into it) loaded before this tile is multiplied
+# and written (`expand_ahead`), in programs of several tiles, with at most and above
+# SHRINK_FEW_CHUNKS chunks. Alone on the H200 (twentieth session, bench/expand_ahead.py,
+# expand-ahead-h200.json): with few chunks every row of several tiles a program 3-18% faster (8
+# adapters at 16-64 tokens 0.82-0.96x, one adapter at 256 tokens 0.91-0.96x; the k = 2 rows
+# 0.97-1.02x); with many chunks (64-128 adapters at 256 tokens) 0.98-1.14x, so off. Loading y
+# with B but not ahead of the previous tile changed nothing (0.98-1.003x: the compiler does it).
+# In the engine at batch 64 (the side path's storing expand: B only) 8 adapters 0.933 -> 0.932.
+EXPAND_AHEAD = (True, False)
 
 
 @dataclass(slots=True)
@@ -367,7 +376,7 @@ def launch_expand(plan: LoraLaunch, y: torch.Tensor, store: bool = False) -> Non
         Y_EARLY=not (plan.shrink_zeroes or store or atomic),
         STORE=store,
         ROWS=cfg.expand_rows,
-        AHEAD=EXPAND_AHEAD,
+        AHEAD=cfg.expand_ahead,
         num_warps=cfg.expand_warps,
         num_stages=cfg.num_stages,
         **({} if cfg.expand_maxnreg is None else {"maxnreg": cfg.expand_maxnreg}),

@@ -110,6 +110,32 @@ CASES = [
         LoraKernelConfig(split_k=2, block_k=32, block_n=32, n_per_prog=64),
     ),
     ("chunk64-prefill", 70, 1, 72, [24, 24], [[8, 16]] * 2, "one_adapter", torch.float16, 64, None),
+    # The expand's next tile loaded ahead (expand_ahead): 3-4 tiles a program, the last one partial
+    # and one past each slice's end; adding into y with k = 1, then atomically with k = 2.
+    (
+        "ahead-k1",
+        33,
+        1,
+        40,
+        [70, 36],
+        [[16, 8, 0, 16]] * 2,
+        "random_with_none",
+        torch.float16,
+        None,
+        LoraKernelConfig(split_k=2, block_k=32, block_n=16, n_per_prog=64, expand_ahead=True),
+    ),
+    (
+        "ahead-k2",
+        21,
+        2,
+        48,
+        [50],
+        [[16, 7, 16, 8]],
+        "random_with_none",
+        torch.float32,
+        None,
+        LoraKernelConfig(split_k=3, block_k=32, block_n=16, n_per_prog=48, expand_ahead=True),
+    ),
     # The shrink a row at a time (ROWS): a row a chunk, then chunks of many rows with k = 2 and empty
     # K splits (K tile 64 over 40 features in 3 splits), three slices with a rank-0 one.
     (

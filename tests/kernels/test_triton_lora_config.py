@@ -41,6 +41,20 @@ def test_pick_config_runs_the_expand_a_row_at_a_time_only_where_asked(monkeypatc
     assert not triton_lora.pick_config(64, 3, 4096, 16, one_pair=True).expand_rows
 
 
+def test_pick_config_loads_the_next_expand_tile_ahead_only_where_asked(monkeypatch) -> None:
+    """EXPAND_AHEAD: for programs of several tl.dot tiles, with few chunks (by default) or many."""
+    from lorafleet.kernels import triton_lora
+
+    assert triton_lora.pick_config(8, 3, 4096, 16).expand_ahead  # 8 adapters' decode: 256 columns, 128 a tile
+    assert triton_lora.pick_config(16, 2, 4096, 64).expand_ahead  # prefill chunks: 256 columns, 64 a tile
+    assert not triton_lora.pick_config(4, 3, 4096, 16).expand_ahead  # one tile a program
+    assert not triton_lora.pick_config(64, 3, 4096, 16).expand_ahead  # many chunks
+    assert not triton_lora.pick_config(64, 3, 4096, 16, one_pair=True).expand_ahead  # the row expand
+    monkeypatch.setattr(triton_lora, "EXPAND_AHEAD", (False, True))
+    assert not triton_lora.pick_config(8, 3, 4096, 16).expand_ahead
+    assert triton_lora.pick_config(64, 3, 4096, 16).expand_ahead
+
+
 @pytest.mark.parametrize("bad,says", [
     (dict(block_k=8), "block_k must be a power of two >= 16"), (dict(block_k=48), "block_k"),
     (dict(block_n=8), "block_n"), (dict(block_n=96), "block_n"), (dict(shrink_warps=3), "shrink_warps"),
@@ -49,6 +63,7 @@ def test_pick_config_runs_the_expand_a_row_at_a_time_only_where_asked(monkeypatc
     (dict(split_k=True), "split_k must be an int"), (dict(expand_rows=True), "n_per_prog == block_n"),
     (dict(expand_maxnreg=16), "expand_maxnreg"), (dict(expand_maxnreg=256), "expand_maxnreg"),
     (dict(expand_maxnreg=168.0), "expand_maxnreg"),
+    (dict(expand_rows=True, n_per_prog=32, expand_ahead=True), "expand_ahead"),
 ])
 def test_kernel_config_refuses_what_the_compiler_would(bad: dict, says: str) -> None:
     """A K tile below 16 runs under the interpreter but fails to compile for the GPU (`tl.dot`

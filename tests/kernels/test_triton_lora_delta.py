@@ -51,13 +51,14 @@ def test_shrink_zeroes_the_delta_it_expands_into(k: int, launch_bound: int | Non
 
 @pytest.mark.parametrize("launch_bound", [None, 8])
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("chunk_size,rows", [(16, False), (64, False), (16, True)])
+@pytest.mark.parametrize("chunk_size,rows", [(16, False), (64, False), (16, True), (16, "ahead")])
 def test_storing_expand_writes_only_rows_with_an_adapter(launch_bound: int | None, layout: str,
-                                                         chunk_size: int, rows: bool) -> None:
+                                                         chunk_size: int, rows: bool | str) -> None:
     """One adapter per token: the expand stores (`=`) into an unzeroed delta. Rows of tokens with
     an adapter match the reference, a slot's untargeted slice (rank 0) included, which must read 0;
     rows without one keep what was there (NaN here), and `meta.has_lora` names exactly the others.
-    Decode-sized (16) and prefill-sized (64) chunks, both B layouts; the expand a row at a time."""
+    Decode-sized (16) and prefill-sized (64) chunks, both B layouts; the expand a row at a time,
+    and with its next tile loaded ahead."""
     from lorafleet.kernels.triton_lora import launch_expand, launch_shrink, pick_config, plan_lora_triton
 
     g = torch.Generator().manual_seed(21)
@@ -73,9 +74,12 @@ def test_storing_expand_writes_only_rows_with_an_adapter(launch_bound: int | Non
     x = torch.randn(tokens, d_in, generator=g).to(DEVICE)
     delta = torch.full((tokens, sum(outs)), float("nan"), device=DEVICE)
     config = None
-    if rows:  # 256 columns a program: 700 ends inside a tile
-        config = replace(pick_config(meta.num_chunks, len(outs), d_in, chunk_size), expand_rows=True, block_n=256,
-                         n_per_prog=256)
+    if rows == "ahead":  # 4 tiles of 64 columns a program: 700 ends inside the third
+        config = replace(pick_config(meta.num_chunks, len(outs), d_in, chunk_size), block_n=64, n_per_prog=256,
+                         expand_ahead=True)
+    elif rows:  # 256 columns a program: 700 ends inside a tile
+        config = replace(pick_config(meta.num_chunks, len(outs), d_in, chunk_size), expand_rows=True, expand_ahead=False,
+                         block_n=256, n_per_prog=256)
     plan = plan_lora_triton(x, lora_a, lora_b, ranks_dev, meta, config)
     assert plan is not None
     launch_shrink(plan)
