@@ -137,7 +137,7 @@ def pick_config(
         split_k=split_k, block_k=block_k, block_n=block_n, n_per_prog=max(n_per_prog, block_n),
         shrink_warps=shrink_warps, expand_warps=expand_warps, num_stages=NUM_STAGES[many], shrink_rows=rows,
         expand_rows=expand_rows, expand_maxnreg=maxnreg,
-        expand_ahead=EXPAND_AHEAD[many] and not expand_rows and n_per_prog > block_n,
+        expand_ahead=EXPAND_AHEAD[many] and chunk_size <= 16 and not expand_rows and n_per_prog > block_n,
     )
 
 
@@ -176,13 +176,15 @@ SHRINK_ROWS: tuple[int, int] | tuple[()] = (256, 4)
 # (fourteenth session).
 EXPAND_ROWS: tuple[int, int] | tuple[int, int, int] | tuple[()] = (512, 2, 168)
 # The tl.dot expand's next tile (B, and y when adding into it) loaded before this tile is multiplied
-# and written (`expand_ahead`), in programs of several tiles, with at most and above
-# SHRINK_FEW_CHUNKS chunks. Alone on the H200 (twentieth session, bench/expand_ahead.py,
+# and written (`expand_ahead`), in programs of several tiles of chunks of at most 16 rows, with at
+# most and above SHRINK_FEW_CHUNKS chunks. Alone on the H200 (twentieth session, bench/expand_ahead.py,
 # expand-ahead-h200.json): with few chunks every row of several tiles a program 3-18% faster (8
 # adapters at 16-64 tokens 0.82-0.96x, one adapter at 256 tokens 0.91-0.96x; the k = 2 rows
-# 0.97-1.02x); with many chunks (64-128 adapters at 256 tokens) 0.98-1.14x, so off. Loading y
-# with B but not ahead of the previous tile changed nothing (0.98-1.003x: the compiler does it).
-# In the engine at batch 64 (the side path's storing expand: B only) 8 adapters 0.933 -> 0.932.
+# 0.97-1.02x); with many chunks (64-128 adapters at 256 tokens) 0.98-1.14x, so off. Chunks of 64
+# rows (1,024 tokens on 1 or 8 adapters, expand-ahead-prefill-h200.json): 0.96-0.97x, but gate/up,
+# the longest, 1.05x, so off. Loading y with B but not ahead of the previous tile changed nothing
+# (0.98-1.003x: the compiler does it). In the engine at batch 64 (the side path's storing expand:
+# B only) 8 adapters 0.933 -> 0.932.
 EXPAND_AHEAD = (True, False)
 
 

@@ -42,11 +42,12 @@ def test_pick_config_runs_the_expand_a_row_at_a_time_only_where_asked(monkeypatc
 
 
 def test_pick_config_loads_the_next_expand_tile_ahead_only_where_asked(monkeypatch) -> None:
-    """EXPAND_AHEAD: for programs of several tl.dot tiles, with few chunks (by default) or many."""
+    """EXPAND_AHEAD: for programs of several tl.dot tiles of at most 16 rows, with few chunks (by
+    default) or many."""
     from lorafleet.kernels import triton_lora
 
     assert triton_lora.pick_config(8, 3, 4096, 16).expand_ahead  # 8 adapters' decode: 256 columns, 128 a tile
-    assert triton_lora.pick_config(16, 2, 4096, 64).expand_ahead  # prefill chunks: 256 columns, 64 a tile
+    assert not triton_lora.pick_config(16, 2, 4096, 64).expand_ahead  # chunks of 64 rows (prefill)
     assert not triton_lora.pick_config(4, 3, 4096, 16).expand_ahead  # one tile a program
     assert not triton_lora.pick_config(64, 3, 4096, 16).expand_ahead  # many chunks
     assert not triton_lora.pick_config(64, 3, 4096, 16, one_pair=True).expand_ahead  # the row expand
