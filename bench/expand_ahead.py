@@ -5,8 +5,7 @@
 
 For each case (bench/kernels.py's table with at least --min-tokens tokens, or --cases at rank 16),
 `add_lora_triton` at `pick_config`'s default is timed under each setting of EXPAND_AHEAD in turn
-(off: never; few: with at most SHRINK_FEW_CHUNKS chunks, the default; all: always; few-early:
-as few, with EXPAND_AHEAD_EARLY, the second tile's loads before the wait for the shrink), --rounds
+(off: never; few: with at most SHRINK_FEW_CHUNKS chunks, the default; all: always), --rounds
 times over (settings interleaved within a case, so a drift of the machine hits all of them). A
 setting applies only to expands of several tiles a program (`pick_config`). Timing as in
 bench/kernels.py. Prints each case's median per setting and its ratio to the first; rows
@@ -14,7 +13,9 @@ bench/kernels.py. Prints each case's median per setting and its ratio to the fir
 
 `expand-ahead-h200.json` is from the knob's first form (commit f1b180c): one int for every launch,
 0 = off, 1 = y loaded with B (no change), 2 = ahead, programs of one tile included (where it ran
-1.1-1.5x slower: hence only several tiles now).
+1.1-1.5x slower: hence only several tiles now). `expand-ahead-early-h200.json` is from commit f0797df,
+whose setting few-early also issued the second tile's loads with the first's, before the wait for
+the shrink (`EXPAND_AHEAD_EARLY`, removed after it: docs/benchmarks-history.md, twentieth session).
 """
 
 from __future__ import annotations
@@ -32,9 +33,7 @@ from bench.kernel_cases import MODULES, case_meta, case_token_slots, main_cases,
 from bench.kernel_runner import run_case
 from lorafleet.kernels import triton_lora
 
-# name -> (EXPAND_AHEAD, EXPAND_AHEAD_EARLY)
-SETTINGS = {"off": ((False, False), False), "few": ((True, False), False), "all": ((True, True), False),
-            "few-early": ((True, False), True)}
+SETTINGS = {"off": (False, False), "few": (True, False), "all": (True, True)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator().manual_seed(0)
     bandwidth = measure_copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
-    rows, initial = [], (triton_lora.EXPAND_AHEAD, triton_lora.EXPAND_AHEAD_EARLY)
+    rows, initial = [], triton_lora.EXPAND_AHEAD
     try:
         for case in cases:
             d_in, outs = MODULES[case.module]
@@ -63,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             us: dict[str, list[float]] = {s: [] for s in settings}
             for rnd in range(args.rounds):
                 for name in settings:
-                    triton_lora.EXPAND_AHEAD, triton_lora.EXPAND_AHEAD_EARLY = SETTINGS[name]
+                    triton_lora.EXPAND_AHEAD = SETTINGS[name]
                     cfg = triton_lora.pick_config(meta.num_chunks, len(outs), d_in, meta.chunk_size,
                                                   meta.one_pair_chunks)
                     row = run_case(case, bandwidth, g, config=cfg, baselines=False)
@@ -78,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.out).write_text(json.dumps(rows, indent=1))
             torch.cuda.empty_cache()
     finally:
-        triton_lora.EXPAND_AHEAD, triton_lora.EXPAND_AHEAD_EARLY = initial
+        triton_lora.EXPAND_AHEAD = initial
     return 0
 
 

@@ -187,23 +187,20 @@ VARIANTS = {
     # The twentieth session: the tl.dot expand's next tile loaded before this one is written
     # (`triton_lora.EXPAND_AHEAD`), in every launch of several tiles a program (measured at commit
     # f1b180c, overlap-sweep-ahead-h200.json: 8 adapters 0.933 -> 0.932; the decode side path's
-    # storing expand loads only B ahead), then only with few chunks (the default since).
+    # storing expand loads only B ahead), then only with few chunks (the default since). A variant
+    # that also issued the second tile's loads before the wait for the shrink (f0797df,
+    # overlap-sweep-ahead-early-h200.json) lost and was removed with its knob.
     "nineteenth session's defaults, expand loads ahead":
         ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
          {**FOURTEENTH_KNOBS, "SHRINK_BLOCK_K": (256, 128), "EXPAND_AHEAD": (True, True)}),
     "twentieth session's defaults (expand loads ahead with few chunks)":
         ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
          {**FOURTEENTH_KNOBS, "SHRINK_BLOCK_K": (256, 128), "EXPAND_AHEAD": (True, False)}),
-    "twentieth session's defaults, the second tile's loads before the wait":
-        ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
-         {**FOURTEENTH_KNOBS, "SHRINK_BLOCK_K": (256, 128), "EXPAND_AHEAD": (True, False),
-          "EXPAND_AHEAD_EARLY": True}),
 }
 # The triton_lora (and lora_meta) knobs a variant's seventh element may set; every other variant runs
 # the sixth session's values, which all variants before them ran with.
 KERNEL_KNOBS = {"SHRINK_WARPS": (4, 4), "WIDE_EXPAND": (256, 512), "SHRINK_BLOCK_K": (128, 128), "NUM_STAGES": (3, 3),
                 "SHRINK_ROWS": (), "ONE_PAIR_CHUNKS": (1.5, 2), "EXPAND_ROWS": (), "EXPAND_AHEAD": (False, False),
-                "EXPAND_AHEAD_EARLY": False,
                 "launch_shrink": triton_lora.launch_shrink,
                 "launch_expand": triton_lora.launch_expand,
                 "linear_deferred": LlamaModel._linear_deferred, "ONE_LAUNCH": True}

@@ -193,9 +193,7 @@ def _lora_expand_kernel(
     shrink zeroes y).
     AHEAD (N_PER_PROG > BLOCK_N): each tile after the first is loaded (B, and y for a plain `+=`)
     before the previous tile is multiplied and written, so a program has two tiles' loads in
-    flight; for launches of few programs, where each program's load latency sets the time. With
-    AHEAD == 2 the second tile's are issued with the first's, before `gdc_wait` (its y only with
-    Y_EARLY).
+    flight; for launches of few programs, where each program's load latency sets the time.
     ROWS (N_PER_PROG == BLOCK_N: one B tile a program): each row of the chunk as its own
     multiply-and-sum in registers (B tile × the row's rank-r activations, summed over r), no
     `tl.dot`: for chunks of about one row (decode with as many adapters as tokens), where a
@@ -276,12 +274,6 @@ def _lora_expand_kernel(
             cur = tl.load(y_rows + offs_n[None, :], mask=mask, other=0.0)
         else:
             cur = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # unused
-        if AHEAD == 2 and N_PER_PROG > BLOCK_N:  # the second tile's loads before the wait too
-            offs_n1 = n_lo + BLOCK_N + tl.arange(0, BLOCK_N)
-            mask1 = m_mask[:, None] & (offs_n1 < n_hi)[None, :]
-            bt1 = _load_b_tile(b_base, offs_n1, offs_n1 < n_hi, r_mask, r_load, R_MAX, B_RANK_MAJOR, UPCAST)
-            if Y_EARLY:
-                y1 = tl.load(y_rows + offs_n1[None, :], mask=mask1, other=0.0)
         p = part_ptr + offs_m[:, None].to(tl.int64) * stride_pm + s * R_PAD + offs_r[None, :]
         if PDL:  # launched early (programmatic dependent launch): wait for the shrink's partials
             tl.extra.cuda.gdc_wait()
@@ -294,17 +286,10 @@ def _lora_expand_kernel(
 
         _write_tile(y_rows + offs_n[None, :], _dot(h, bt, IEEE), mask, cur, Y_EARLY, ATOMIC, STORE)
         if AHEAD and N_PER_PROG > BLOCK_N:  # tile i+1's B and y loaded before tile i's multiply and store
-            if AHEAD == 2:
-                offs_n, mask, bt = offs_n1, mask1, bt1
-                if Y_EARLY:
-                    y_cur = y1
-                else:
-                    y_cur = _load_y_ahead(y_rows + offs_n[None, :], mask, ATOMIC, STORE)
-            else:
-                offs_n = n_lo + BLOCK_N + tl.arange(0, BLOCK_N)
-                mask = m_mask[:, None] & (offs_n < n_hi)[None, :]
-                bt = _load_b_tile(b_base, offs_n, offs_n < n_hi, r_mask, r_load, R_MAX, B_RANK_MAJOR, UPCAST)
-                y_cur = _load_y_ahead(y_rows + offs_n[None, :], mask, ATOMIC, STORE)
+            offs_n = n_lo + BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = m_mask[:, None] & (offs_n < n_hi)[None, :]
+            bt = _load_b_tile(b_base, offs_n, offs_n < n_hi, r_mask, r_load, R_MAX, B_RANK_MAJOR, UPCAST)
+            y_cur = _load_y_ahead(y_rows + offs_n[None, :], mask, ATOMIC, STORE)
             for n0 in range(n_lo + BLOCK_N, n_hi, BLOCK_N):
                 offs_next = n0 + BLOCK_N + tl.arange(0, BLOCK_N)
                 mask_next = m_mask[:, None] & (offs_next < n_hi)[None, :]

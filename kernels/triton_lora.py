@@ -186,9 +186,6 @@ EXPAND_ROWS: tuple[int, int] | tuple[int, int, int] | tuple[()] = (512, 2, 168)
 # (0.98-1.003x: the compiler does it). In the engine at batch 64 (the side path's storing expand:
 # B only) 8 adapters 0.933 -> 0.932.
 EXPAND_AHEAD = (True, False)
-# With `expand_ahead`, also issue the second tile's loads with the first's, before the expand waits
-# for the shrink (programmatic dependent launch), rather than after the first tile is written.
-EXPAND_AHEAD_EARLY = False
 
 
 @dataclass(slots=True)
@@ -381,7 +378,7 @@ def launch_expand(plan: LoraLaunch, y: torch.Tensor, store: bool = False) -> Non
         Y_EARLY=not (plan.shrink_zeroes or store or atomic),
         STORE=store,
         ROWS=cfg.expand_rows,
-        AHEAD=(2 if EXPAND_AHEAD_EARLY else 1) if cfg.expand_ahead else 0,
+        AHEAD=cfg.expand_ahead,
         num_warps=cfg.expand_warps,
         num_stages=cfg.num_stages,
         **({} if cfg.expand_maxnreg is None else {"maxnreg": cfg.expand_maxnreg}),
