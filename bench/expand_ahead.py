@@ -5,7 +5,8 @@
 
 For each case (bench/kernels.py's table with at least --min-tokens tokens, or --cases at rank 16),
 `add_lora_triton` at `pick_config`'s default is timed under each setting of EXPAND_AHEAD in turn
-(off: never; few: with at most SHRINK_FEW_CHUNKS chunks, the default; all: always), --rounds
+(off: never; few: with at most SHRINK_FEW_CHUNKS chunks, the default; all: always; few-loop: as
+few, without the last tile peeled, `EXPAND_AHEAD_PEEL`), --rounds
 times over (settings interleaved within a case, so a drift of the machine hits all of them). A
 setting applies only to expands of several tiles a program (`pick_config`). Timing as in
 bench/kernels.py. Prints each case's median per setting and its ratio to the first; rows
@@ -33,7 +34,9 @@ from bench.kernel_cases import MODULES, case_meta, case_token_slots, main_cases,
 from bench.kernel_runner import run_case
 from lorafleet.kernels import triton_lora
 
-SETTINGS = {"off": (False, False), "few": (True, False), "all": (True, True)}
+# name -> (EXPAND_AHEAD, EXPAND_AHEAD_PEEL)
+SETTINGS = {"off": ((False, False), True), "few": ((True, False), True), "all": ((True, True), True),
+            "few-loop": ((True, False), False)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,10 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--min-tokens", type=int, default=16)
     ap.add_argument("--max-adapters", type=int, default=None, help="only the table's cases with at most this many")
-    ap.add_argument("--cases", default=None, help="MODULE:TOKENS:ADAPTERS,... (rank 16) instead of the table's")
+    ap.add_argument("--cases", default=None, help="MODULE:TOKENS:ADAPTERS,... (rank 16) instead of the table's (then --min-tokens and --max-adapters do not apply)")
     ap.add_argument("--out", default="bench/results/expand-ahead-h200.json")
     args = ap.parse_args(argv)
     settings = args.settings.split(",")
+    unknown = sorted(set(settings) - set(SETTINGS))
+    if unknown:
+        ap.error(f"unknown settings {unknown}; choose from {sorted(SETTINGS)}")
     cases = parse_cases(args.cases) if args.cases else [
         c for c in main_cases(False)
         if c.tokens >= args.min_tokens and (args.max_adapters is None or c.adapters <= args.max_adapters)]
@@ -53,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator().manual_seed(0)
     bandwidth = measure_copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
-    rows, initial = [], triton_lora.EXPAND_AHEAD
+    rows, initial = [], (triton_lora.EXPAND_AHEAD, triton_lora.EXPAND_AHEAD_PEEL)
     try:
         for case in cases:
             d_in, outs = MODULES[case.module]
@@ -62,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             us: dict[str, list[float]] = {s: [] for s in settings}
             for rnd in range(args.rounds):
                 for name in settings:
-                    triton_lora.EXPAND_AHEAD = SETTINGS[name]
+                    triton_lora.EXPAND_AHEAD, triton_lora.EXPAND_AHEAD_PEEL = SETTINGS[name]
                     cfg = triton_lora.pick_config(meta.num_chunks, len(outs), d_in, meta.chunk_size,
                                                   meta.one_pair_chunks)
                     row = run_case(case, bandwidth, g, config=cfg, baselines=False)
@@ -77,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.out).write_text(json.dumps(rows, indent=1))
             torch.cuda.empty_cache()
     finally:
-        triton_lora.EXPAND_AHEAD = initial
+        triton_lora.EXPAND_AHEAD, triton_lora.EXPAND_AHEAD_PEEL = initial
     return 0
 
 

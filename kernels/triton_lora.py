@@ -186,6 +186,9 @@ EXPAND_ROWS: tuple[int, int] | tuple[int, int, int] | tuple[()] = (512, 2, 168)
 # (0.98-1.003x: the compiler does it). In the engine at batch 64 (the side path's storing expand:
 # B only) 8 adapters 0.933 -> 0.932.
 EXPAND_AHEAD = (True, False)
+# With `expand_ahead`, the last tile peeled off the loop (no load past the column group's end, and a
+# group of one tile skips the lookahead) rather than each iteration loading the next tile.
+EXPAND_AHEAD_PEEL = True
 
 
 @dataclass(slots=True)
@@ -378,7 +381,7 @@ def launch_expand(plan: LoraLaunch, y: torch.Tensor, store: bool = False) -> Non
         Y_EARLY=not (plan.shrink_zeroes or store or atomic),
         STORE=store,
         ROWS=cfg.expand_rows,
-        AHEAD=cfg.expand_ahead,
+        AHEAD=(2 if EXPAND_AHEAD_PEEL else 1) if cfg.expand_ahead else 0,
         num_warps=cfg.expand_warps,
         num_stages=cfg.num_stages,
         **({} if cfg.expand_maxnreg is None else {"maxnreg": cfg.expand_maxnreg}),

@@ -111,7 +111,8 @@ CASES = [
     ),
     ("chunk64-prefill", 70, 1, 72, [24, 24], [[8, 16]] * 2, "one_adapter", torch.float16, 64, None),
     # The expand's next tile loaded ahead (expand_ahead): 3-4 tiles a program, the last one partial
-    # and one past each slice's end; adding into y with k = 1, then atomically with k = 2.
+    # and one past each slice's end; adding into y with k = 1, then atomically with k = 2 and
+    # column groups that end inside a tile (40 columns, 16 a tile).
     (
         "ahead-k1",
         33,
@@ -134,7 +135,7 @@ CASES = [
         "random_with_none",
         torch.float32,
         None,
-        LoraKernelConfig(split_k=3, block_k=32, block_n=16, n_per_prog=48, expand_ahead=True),
+        LoraKernelConfig(split_k=3, block_k=32, block_n=16, n_per_prog=40, expand_ahead=True),
     ),
     # The shrink a row at a time (ROWS): a row a chunk, then chunks of many rows with k = 2 and empty
     # K splits (K tile 64 over 40 features in 3 splits), three slices with a rank-0 one.
