@@ -5,8 +5,7 @@
 
 For each case (bench/kernels.py's table with at least --min-tokens tokens, or --cases at rank 16),
 `add_lora_triton` at `pick_config`'s default is timed under each setting of EXPAND_AHEAD in turn
-(off: never; few: with at most SHRINK_FEW_CHUNKS chunks, the default; all: always; few-loop: as
-few, without the last tile peeled, `EXPAND_AHEAD_PEEL`), --rounds
+(off: never; few: with at most SHRINK_FEW_CHUNKS chunks, the default; all: always), --rounds
 times over (settings interleaved within a case, so a drift of the machine hits all of them). A
 setting applies only to expands of several tiles a program (`pick_config`). Timing as in
 bench/kernels.py. Prints each case's median per setting and its ratio to the first; rows
@@ -16,7 +15,9 @@ bench/kernels.py. Prints each case's median per setting and its ratio to the fir
 0 = off, 1 = y loaded with B (no change), 2 = ahead, programs of one tile included (where it ran
 1.1-1.5x slower: hence only several tiles now). `expand-ahead-early-h200.json` is from commit f0797df,
 whose setting few-early also issued the second tile's loads with the first's, before the wait for
-the shrink (`EXPAND_AHEAD_EARLY`, removed after it: docs/benchmarks-history.md, twentieth session).
+the shrink (`EXPAND_AHEAD_EARLY`, removed after it: docs/benchmarks-history.md, twentieth session);
+`expand-ahead-peel-h200.json` from 42b7abd, whose few was the lookahead with the last tile peeled
+off the loop (`EXPAND_AHEAD_PEEL`, removed after it) and few-loop the loop form kept.
 """
 
 from __future__ import annotations
@@ -34,9 +35,7 @@ from bench.kernel_cases import MODULES, case_meta, case_token_slots, main_cases,
 from bench.kernel_runner import run_case
 from lorafleet.kernels import triton_lora
 
-# name -> (EXPAND_AHEAD, EXPAND_AHEAD_PEEL)
-SETTINGS = {"off": ((False, False), True), "few": ((True, False), True), "all": ((True, True), True),
-            "few-loop": ((True, False), False)}
+SETTINGS = {"off": (False, False), "few": (True, False), "all": (True, True)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator().manual_seed(0)
     bandwidth = measure_copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
-    rows, initial = [], (triton_lora.EXPAND_AHEAD, triton_lora.EXPAND_AHEAD_PEEL)
+    rows, initial = [], triton_lora.EXPAND_AHEAD
     try:
         for case in cases:
             d_in, outs = MODULES[case.module]
@@ -68,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             us: dict[str, list[float]] = {s: [] for s in settings}
             for rnd in range(args.rounds):
                 for name in settings:
-                    triton_lora.EXPAND_AHEAD, triton_lora.EXPAND_AHEAD_PEEL = SETTINGS[name]
+                    triton_lora.EXPAND_AHEAD = SETTINGS[name]
                     cfg = triton_lora.pick_config(meta.num_chunks, len(outs), d_in, meta.chunk_size,
                                                   meta.one_pair_chunks)
                     row = run_case(case, bandwidth, g, config=cfg, baselines=False)
@@ -83,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.out).write_text(json.dumps(rows, indent=1))
             torch.cuda.empty_cache()
     finally:
-        triton_lora.EXPAND_AHEAD, triton_lora.EXPAND_AHEAD_PEEL = initial
+        triton_lora.EXPAND_AHEAD = initial
     return 0
 
 

@@ -185,9 +185,11 @@ VARIANTS = {
         ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
          {**FOURTEENTH_KNOBS, "SHRINK_BLOCK_K": (256, 128)}),
     # The twentieth session: the tl.dot expand's next tile loaded before this one is written
-    # (`triton_lora.EXPAND_AHEAD`), in every launch of several tiles a program (measured at commit
-    # f1b180c, overlap-sweep-ahead-h200.json: 8 adapters 0.933 -> 0.932; the decode side path's
-    # storing expand loads only B ahead), then only with few chunks (the default since). A variant
+    # (`triton_lora.EXPAND_AHEAD`), everywhere; measured at commit f1b180c as that commit's
+    # "expand loads ahead 2", whose programs of one tile took the lookahead too, which none of the
+    # engine's 8-adapter decode launches has (overlap-sweep-ahead-h200.json: 8 adapters 0.933 ->
+    # 0.932; the decode side path's storing expand loads only B ahead), then only with few chunks
+    # (the default since). A variant
     # that also issued the second tile's loads before the wait for the shrink (f0797df,
     # overlap-sweep-ahead-early-h200.json) lost and was removed with its knob.
     "nineteenth session's defaults, expand loads ahead":

@@ -192,8 +192,9 @@ def _lora_expand_kernel(
     Y_EARLY: the first tile's y is loaded before `gdc_wait` (not with STORE or ATOMIC, nor when the
     shrink zeroes y).
     AHEAD (N_PER_PROG > BLOCK_N): each tile after the first is loaded (B, and y for a plain `+=`)
-    before the previous tile is multiplied and written, so a program has two tiles' loads in
-    flight; for launches of few programs, where each program's load latency sets the time.
+    before the previous tile is multiplied and written (its B and y loads issued together; the
+    last iteration's loads past the group are masked off); for launches of few programs, where each
+    program's load latency sets the time.
     ROWS (N_PER_PROG == BLOCK_N: one B tile a program): each row of the chunk as its own
     multiply-and-sum in registers (B tile × the row's rank-r activations, summed over r), no
     `tl.dot`: for chunks of about one row (decode with as many adapters as tokens), where a
@@ -285,7 +286,7 @@ def _lora_expand_kernel(
             h = h.to(b0_ptr.dtype.element_ty)
 
         _write_tile(y_rows + offs_n[None, :], _dot(h, bt, IEEE), mask, cur, Y_EARLY, ATOMIC, STORE)
-        if AHEAD == 1 and N_PER_PROG > BLOCK_N:  # tile i+1's B and y loaded before tile i's multiply and store
+        if AHEAD and N_PER_PROG > BLOCK_N:  # tile i+1's B and y loaded before tile i's multiply and store
             offs_n = n_lo + BLOCK_N + tl.arange(0, BLOCK_N)
             mask = m_mask[:, None] & (offs_n < n_hi)[None, :]
             bt = _load_b_tile(b_base, offs_n, offs_n < n_hi, r_mask, r_load, R_MAX, B_RANK_MAJOR, UPCAST)
@@ -299,23 +300,6 @@ def _lora_expand_kernel(
                 _write_tile(y_rows + offs_n[None, :], _dot(h, bt, IEEE), mask, y_cur, not (ATOMIC or STORE),
                             ATOMIC, STORE)
                 offs_n, mask, bt, y_cur = offs_next, mask_next, bt_next, y_next
-        elif AHEAD == 2 and N_PER_PROG > BLOCK_N:  # the same with the last tile peeled: nothing past n_hi
-            if n_lo + BLOCK_N < n_hi:
-                t_offs = n_lo + BLOCK_N + tl.arange(0, BLOCK_N)
-                t_mask = m_mask[:, None] & (t_offs < n_hi)[None, :]
-                t_b = _load_b_tile(b_base, t_offs, t_offs < n_hi, r_mask, r_load, R_MAX, B_RANK_MAJOR, UPCAST)
-                t_y = _load_y_ahead(y_rows + t_offs[None, :], t_mask, ATOMIC, STORE)
-                for n0 in range(n_lo + 2 * BLOCK_N, n_hi, BLOCK_N):
-                    offs_next = n0 + tl.arange(0, BLOCK_N)
-                    mask_next = m_mask[:, None] & (offs_next < n_hi)[None, :]
-                    b_next = _load_b_tile(b_base, offs_next, offs_next < n_hi, r_mask, r_load, R_MAX, B_RANK_MAJOR,
-                                          UPCAST)
-                    y_next = _load_y_ahead(y_rows + offs_next[None, :], mask_next, ATOMIC, STORE)
-                    _write_tile(y_rows + t_offs[None, :], _dot(h, t_b, IEEE), t_mask, t_y, not (ATOMIC or STORE),
-                                ATOMIC, STORE)
-                    t_offs, t_mask, t_b, t_y = offs_next, mask_next, b_next, y_next
-                _write_tile(y_rows + t_offs[None, :], _dot(h, t_b, IEEE), t_mask, t_y, not (ATOMIC or STORE),
-                            ATOMIC, STORE)
         else:
             for n0 in range(n_lo + BLOCK_N, n_hi, BLOCK_N):
                 offs_n = n0 + tl.arange(0, BLOCK_N)

@@ -178,17 +178,15 @@ EXPAND_ROWS: tuple[int, int] | tuple[int, int, int] | tuple[()] = (512, 2, 168)
 # The tl.dot expand's next tile (B, and y when adding into it) loaded before this tile is multiplied
 # and written (`expand_ahead`), in programs of several tiles of chunks of at most 16 rows, with at
 # most and above SHRINK_FEW_CHUNKS chunks. Alone on the H200 (twentieth session, bench/expand_ahead.py,
-# expand-ahead-h200.json): with few chunks every row of several tiles a program 3-18% faster (8
-# adapters at 16-64 tokens 0.82-0.96x, one adapter at 256 tokens 0.91-0.96x; the k = 2 rows
-# 0.97-1.02x); with many chunks (64-128 adapters at 256 tokens) 0.98-1.14x, so off. Chunks of 64
-# rows (1,024 tokens on 1 or 8 adapters, expand-ahead-prefill-h200.json): 0.96-0.97x, but gate/up,
-# the longest, 1.05x, so off. Loading y with B but not ahead of the previous tile changed nothing
-# (0.98-1.003x: the compiler does it). In the engine at batch 64 (the side path's storing expand:
-# B only) 8 adapters 0.933 -> 0.932.
+# expand-ahead-h200.json): with few chunks the rows of several tiles a program 3-18% faster (8
+# adapters at 16-64 tokens 0.82-0.96x, 1 or 8 adapters at 256 tokens 0.91-0.97x), except gate/up
+# with out-major B (1.03x) and the k = 2 rows (0.97-1.02x); with many chunks (64-128 adapters at 256
+# tokens) 0.95-1.14x, so off. Chunks of 64 rows (1,024 tokens on 1 or 8 adapters,
+# expand-ahead-prefill-h200.json): 0.96-0.97x, but gate/up, the longest, 1.05x, so off. In the
+# engine at batch 64 (the side path's storing expand: B only) 8 adapters 0.933 -> 0.932. Issuing the
+# second tile's loads before the wait for the shrink, and peeling the last tile off the loop, both
+# lost (docs/benchmarks-history.md, twentieth session).
 EXPAND_AHEAD = (True, False)
-# With `expand_ahead`, the last tile peeled off the loop (no load past the column group's end, and a
-# group of one tile skips the lookahead) rather than each iteration loading the next tile.
-EXPAND_AHEAD_PEEL = True
 
 
 @dataclass(slots=True)
@@ -381,7 +379,7 @@ def launch_expand(plan: LoraLaunch, y: torch.Tensor, store: bool = False) -> Non
         Y_EARLY=not (plan.shrink_zeroes or store or atomic),
         STORE=store,
         ROWS=cfg.expand_rows,
-        AHEAD=(2 if EXPAND_AHEAD_PEEL else 1) if cfg.expand_ahead else 0,
+        AHEAD=cfg.expand_ahead,
         num_warps=cfg.expand_warps,
         num_stages=cfg.num_stages,
         **({} if cfg.expand_maxnreg is None else {"maxnreg": cfg.expand_maxnreg}),

@@ -28,8 +28,8 @@ for pdl in (False, True):
     for atomic, early, store in ((True, False, False), (False, True, False), (False, False, False),
                                  (False, False, True)):
         # (B rank-major, a row at a time, the tl.dot loop's loads ahead: triton_lora.EXPAND_AHEAD)
-        for rank_major, rows, ahead in ((False, False, 0), (True, False, 0), (False, True, 0), (True, True, 0),
-                                        (False, False, 1), (True, False, 1), (False, False, 2), (True, False, 2)):
+        for rank_major, rows, ahead in ((False, False, False), (True, False, False), (False, True, False),
+                                        (True, True, False), (False, False, True), (True, False, True)):
             k = compile_(tk._lora_expand_kernel, expand,
                          dict(R_MAX=16, R_PAD=16, R_BLOCK=16, B_RANK_MAJOR=rank_major, BLOCK_M=16,
                               BLOCK_N=256 if rows else 128, N_PER_PROG=256 if rows else 512, UPCAST=False,
@@ -49,11 +49,11 @@ for r_tile in (1, 8):
                                                   ZERO_BLOCK=1024, ROWS=True), stages=3)
     compile_(tk._lora_expand_kernel, expand, dict(R_MAX=64, R_PAD=16, R_BLOCK=r_tile, B_RANK_MAJOR=True, BLOCK_M=16,
                                                   BLOCK_N=512, N_PER_PROG=512, UPCAST=False, IEEE=False, ATOMIC=False,
-                                                  PDL=True, Y_EARLY=True, STORE=False, ROWS=True, AHEAD=0), warps=2, stages=3)
+                                                  PDL=True, Y_EARLY=True, STORE=False, ROWS=True, AHEAD=False), warps=2, stages=3)
 # The row expand under a register cap (LoraKernelConfig.expand_maxnreg): ptxas is told so.
 k = compile_(tk._lora_expand_kernel, expand, dict(R_MAX=16, R_PAD=16, R_BLOCK=16, B_RANK_MAJOR=True, BLOCK_M=16,
                                                   BLOCK_N=512, N_PER_PROG=512, UPCAST=False, IEEE=False, ATOMIC=False,
-                                                  PDL=True, Y_EARLY=True, STORE=False, ROWS=True, AHEAD=0), warps=2, stages=3,
+                                                  PDL=True, Y_EARLY=True, STORE=False, ROWS=True, AHEAD=False), warps=2, stages=3,
              maxnreg=168)
 assert ".maxnreg 168" in k.asm["ptx"], "the cap reaches the PTX"
 print("ok")
