@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     start, rows = time.monotonic(), []
     for spec in args.cases.split(","):
+        if time.monotonic() - start > args.budget_s:
+            print(f"budget spent: stopped before {spec}", flush=True)
+            break
         module, tokens, adapters = spec.split(":")
         case = Case(module, int(tokens), int(adapters), 16, 16)
         d_in, outs = MODULES[module]
@@ -63,9 +66,6 @@ def main(argv: list[str] | None = None) -> int:
         for chunk in (int(c) for c in args.chunk_sizes.split(",")):
             if chunk > 16 and chunk > per_adapter:  # no chunk would be longer than 16 rows
                 continue
-            if time.monotonic() - start > args.budget_s:
-                print(f"budget spent: stopped before {spec} chunk {chunk}", flush=True)
-                break
             slots = case_token_slots(case)
             meta = case_meta(case, slots, torch.ones(slots.shape), chunk)
             default = pick_config(meta.num_chunks, len(outs), d_in, meta.chunk_size, meta.one_pair_chunks)

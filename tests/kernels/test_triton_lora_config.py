@@ -50,10 +50,10 @@ def test_pick_config_loads_the_next_expand_tile_ahead_only_where_asked(monkeypat
     assert not triton_lora.pick_config(16, 2, 4096, 64).expand_ahead  # chunks of 64 rows (prefill)
     assert not triton_lora.pick_config(4, 3, 4096, 16).expand_ahead  # one tile a program
     assert not triton_lora.pick_config(64, 3, 4096, 16).expand_ahead  # many chunks
-    assert not triton_lora.pick_config(64, 3, 4096, 16, one_pair=True).expand_ahead  # the row expand
     monkeypatch.setattr(triton_lora, "EXPAND_AHEAD", (False, True))
     assert not triton_lora.pick_config(8, 3, 4096, 16).expand_ahead
     assert triton_lora.pick_config(64, 3, 4096, 16).expand_ahead
+    assert not triton_lora.pick_config(64, 3, 4096, 16, one_pair=True).expand_ahead  # the row expand: never
 
 
 @pytest.mark.parametrize("bad,says", [
