@@ -24,17 +24,19 @@ import torch
 from bench.graph_timing import measure_copy_bandwidth
 from bench.kernel_cases import MODULES, Case, case_meta, case_token_slots
 from bench.kernel_runner import run_case
-from lorafleet.kernels.triton_lora import LoraKernelConfig, pick_config
+from lorafleet.kernels.triton_lora import LoraKernelConfig, expand_ahead_for, pick_config
 
 DEFAULT_CASES = ",".join(f"{m}:256:{a}" for a in (1, 8, 64, 128) for m in MODULES)
 
 
-def configs_for(default: LoraKernelConfig) -> list[LoraKernelConfig]:
-    """The default and one knob changed at a time (a smaller grid than kernel_sweep's)."""
+def configs_for(default: LoraKernelConfig, num_chunks: int, chunk_size: int) -> list[LoraKernelConfig]:
+    """The default and one knob changed at a time (a smaller grid than kernel_sweep's); tiles with
+    `expand_ahead` as `pick_config` would set it for them."""
     out = {default}
     for n_per_prog, block_n in ((128, 64), (128, 128), (256, 64), (256, 128), (256, 256), (512, 128),
                                 (512, 512), (1024, 256)):
-        out.add(replace(default, n_per_prog=n_per_prog, block_n=block_n, expand_rows=False))
+        out.add(replace(default, n_per_prog=n_per_prog, block_n=block_n, expand_rows=False,
+                        expand_ahead=expand_ahead_for(num_chunks, chunk_size, n_per_prog, block_n)))
     for split_k in {max(1, default.split_k // 2), default.split_k * 2}:
         out.add(replace(default, split_k=split_k))
     out.add(replace(default, expand_warps=8))
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             meta = case_meta(case, slots, torch.ones(slots.shape), chunk)
             default = pick_config(meta.num_chunks, len(outs), d_in, meta.chunk_size, meta.one_pair_chunks)
             case_rows = []
-            for cfg in configs_for(default):
+            for cfg in configs_for(default, meta.num_chunks, meta.chunk_size):
                 row = run_case(case, bandwidth, g, config=cfg, baselines=False, chunk_size=chunk)
                 row.update(asdict(cfg), default=cfg == default)
                 case_rows.append(row)

@@ -32,6 +32,7 @@ import torch
 
 from lorafleet.kernels.triton_lora import (
     LoraKernelConfig,
+    expand_ahead_for,
     launch_expand,
     launch_shrink,
     pick_config,
@@ -58,7 +59,9 @@ def part_floors(case: kb.Case, split_k: int, bandwidth: float) -> dict[str, floa
     return {"shrink": shrink / bandwidth * 1e6, "expand": expand / bandwidth * 1e6}
 
 
-def variants(default: LoraKernelConfig) -> dict[str, list[LoraKernelConfig]]:
+def variants(default: LoraKernelConfig, num_chunks: int, chunk_size: int) -> dict[str, list[LoraKernelConfig]]:
+    """Each part's knobs changed one at a time from the default; the expand's tiles with
+    `expand_ahead` as `pick_config` would set it for them."""
     shrink = {default}
     for split_k in (max(1, default.split_k // 2), default.split_k * 2):
         shrink.add(replace(default, split_k=split_k))
@@ -74,7 +77,8 @@ def variants(default: LoraKernelConfig) -> dict[str, list[LoraKernelConfig]]:
     for n_per_prog in (128, 256, 512, 1024, 2048):
         for block_n in (64, 128, 256):
             if block_n <= n_per_prog:
-                expand.add(replace(default, n_per_prog=n_per_prog, block_n=block_n, expand_rows=False))
+                expand.add(replace(default, n_per_prog=n_per_prog, block_n=block_n, expand_rows=False,
+                                   expand_ahead=expand_ahead_for(num_chunks, chunk_size, n_per_prog, block_n)))
     for warps in (2, 8):
         expand.add(replace(default, expand_warps=warps))
     for stages in (1, 2, 4):
@@ -120,7 +124,7 @@ def run_case(case: kb.Case, bandwidth: float, g: torch.Generator, store: bool,
     rows.append({**head, "part": "copy", "us": round(us, 2), "floor_us": round(floor, 2)})
     print(f"{case.module:8s} T={case.tokens} A={case.adapters} copy of the shrink's bytes: {us:6.2f} µs, "
           f"floor {floor:.2f}", flush=True)
-    for part, cfgs in variants(default).items():
+    for part, cfgs in variants(default, meta.num_chunks, meta.chunk_size).items():
         if parts and part not in parts:
             cfgs = [default]
         timed = []

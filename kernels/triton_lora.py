@@ -137,8 +137,15 @@ def pick_config(
         split_k=split_k, block_k=block_k, block_n=block_n, n_per_prog=max(n_per_prog, block_n),
         shrink_warps=shrink_warps, expand_warps=expand_warps, num_stages=NUM_STAGES[many], shrink_rows=rows,
         expand_rows=expand_rows, expand_maxnreg=maxnreg,
-        expand_ahead=EXPAND_AHEAD[many] and chunk_size <= 16 and not expand_rows and n_per_prog > block_n,
+        expand_ahead=expand_ahead_for(num_chunks, chunk_size, n_per_prog, block_n, expand_rows),
     )
+
+
+def expand_ahead_for(num_chunks: int, chunk_size: int, n_per_prog: int, block_n: int, expand_rows: bool = False) -> bool:
+    """`pick_config`'s choice of `expand_ahead` for these tiles (EXPAND_AHEAD): the tl.dot expand,
+    chunks of at most 16 rows, several tiles a program; public so launch-config sweeps that change
+    the tiles keep the rule."""
+    return EXPAND_AHEAD[num_chunks > SHRINK_FEW_CHUNKS] and chunk_size <= 16 and not expand_rows and n_per_prog > block_n
 
 
 # pick_config's knobs, module-level so bench/overlap_sweep.py can compare them in the engine.

@@ -49,6 +49,7 @@ def test_pick_config_loads_the_next_expand_tile_ahead_only_where_asked(monkeypat
     assert triton_lora.pick_config(8, 3, 4096, 16).expand_ahead  # 8 adapters' decode: 256 columns, 128 a tile
     assert not triton_lora.pick_config(16, 2, 4096, 64).expand_ahead  # chunks of 64 rows (prefill)
     assert not triton_lora.pick_config(4, 3, 4096, 16).expand_ahead  # one tile a program
+    assert triton_lora.expand_ahead_for(4, 16, 256, 128)  # ... but with two tiles it would (the sweeps' view)
     assert not triton_lora.pick_config(64, 3, 4096, 16).expand_ahead  # many chunks
     monkeypatch.setattr(triton_lora, "EXPAND_AHEAD", (False, True))
     assert not triton_lora.pick_config(8, 3, 4096, 16).expand_ahead
