@@ -24,7 +24,7 @@ import torch
 from bench.graph_timing import measure_copy_bandwidth
 from bench.kernel_cases import MODULES, Case, case_meta, case_token_slots
 from bench.kernel_runner import run_case
-from lorafleet.kernels.triton_lora import LoraKernelConfig, expand_ahead_for, pick_config
+from lorafleet.kernels.triton_lora import LoraKernelConfig, config_for_meta, expand_ahead_for
 
 DEFAULT_CASES = ",".join(f"{m}:256:{a}" for a in (1, 8, 64, 128) for m in MODULES)
 
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             slots = case_token_slots(case)
             meta = case_meta(case, slots, torch.ones(slots.shape), chunk)
-            default = pick_config(meta.num_chunks, len(outs), d_in, meta.chunk_size, meta.one_pair_chunks)
+            default = config_for_meta(meta, len(outs), d_in)
             case_rows = []
             for cfg in configs_for(default, meta.num_chunks, meta.chunk_size):
                 row = run_case(case, bandwidth, g, config=cfg, baselines=False, chunk_size=chunk)

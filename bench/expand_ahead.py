@@ -68,8 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             for rnd in range(args.rounds):
                 for name in settings:
                     triton_lora.EXPAND_AHEAD = SETTINGS[name]
-                    cfg = triton_lora.pick_config(meta.num_chunks, len(outs), d_in, meta.chunk_size,
-                                                  meta.one_pair_chunks)
+                    cfg = triton_lora.config_for_meta(meta, len(outs), d_in)
                     row = run_case(case, bandwidth, g, config=cfg, baselines=False)
                     us[name].append(row["lora_us"])
                     rows.append({**asdict(case), "setting": name, "expand_ahead": cfg.expand_ahead, "round": rnd,

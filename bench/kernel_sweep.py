@@ -9,7 +9,7 @@ import torch
 
 from bench.kernel_cases import MODULES, Case, case_meta, case_token_slots
 from bench.kernel_runner import run_case
-from lorafleet.kernels.triton_lora import expand_ahead_for, pick_config
+from lorafleet.kernels.triton_lora import config_for_meta, expand_ahead_for
 
 SWEEP_CASES = [(16, 1), (64, 8), (64, 64), (256, 128)]
 
@@ -23,7 +23,7 @@ def sweep(bandwidth: float, g: torch.Generator, cases: list[tuple[int, int]] = S
             case = Case(module, tokens, adapters, 16, 16)
             slots = case_token_slots(case)
             meta = case_meta(case, slots, torch.ones(slots.shape))
-            default = pick_config(meta.num_chunks, n_slices, d_in, meta.chunk_size, meta.one_pair_chunks)
+            default = config_for_meta(meta, n_slices, d_in)
             configs = {default}
             for n_per_prog in (128, 256, 512, 1024, 2048, 4096):
                 for block_n in (64, 128, 256):

@@ -32,10 +32,10 @@ import torch
 
 from lorafleet.kernels.triton_lora import (
     LoraKernelConfig,
+    config_for_meta,
     expand_ahead_for,
     launch_expand,
     launch_shrink,
-    pick_config,
     plan_lora_triton,
 )
 
@@ -95,7 +95,7 @@ def run_case(case: kb.Case, bandwidth: float, g: torch.Generator, store: bool,
     sets, token_slots, token_scales, ranks = kb.make_case_inputs(case, g)
     meta = kb.case_meta(case, token_slots, token_scales)
     ranks_dev = torch.tensor(ranks, dtype=torch.int32, device="cuda")
-    default = pick_config(meta.num_chunks, len(outs), d_in, meta.chunk_size, meta.one_pair_chunks)
+    default = config_for_meta(meta, len(outs), d_in)
 
     def plans(cfg: LoraKernelConfig, pdl: bool) -> list:
         return [plan_lora_triton(s.x, s.lora_a, s.lora_b, ranks_dev, meta, cfg, pdl) for s in sets]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from lorafleet.kernels.triton_lora import launch_expand, launch_shrink, pick_config, plan_lora_triton
+from lorafleet.kernels.triton_lora import config_for_meta, launch_expand, launch_shrink, plan_lora_triton
 
 if __package__ in (None, ""):  # run as a script: make `bench.*` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -36,7 +36,7 @@ def main() -> None:
         sets, token_slots, token_scales, _ = make_case_inputs(case, g)
         meta = case_meta(case, token_slots, token_scales)
         ranks_dev = torch.full((len(outs), case.adapters), case.rank, dtype=torch.int32, device="cuda")
-        cfg = pick_config(meta.num_chunks, len(outs), d_in, meta.chunk_size, meta.one_pair_chunks)
+        cfg = config_for_meta(meta, len(outs), d_in)
         s = sets[0]
         plan = plan_lora_triton(s.x, s.lora_a, s.lora_b, ranks_dev, meta, cfg, pdl=False)
         for _ in range(2):

@@ -141,6 +141,12 @@ def pick_config(
     )
 
 
+def config_for_meta(meta: LoraMeta, n_slices: int, in_features: int) -> LoraKernelConfig:
+    """`pick_config` for a step's metadata (its chunks, chunk size and one-pair flag): what
+    `plan_lora_triton` launches with when given no config."""
+    return pick_config(meta.num_chunks, n_slices, in_features, meta.chunk_size, meta.one_pair_chunks)
+
+
 def expand_ahead_for(num_chunks: int, chunk_size: int, n_per_prog: int, block_n: int, expand_rows: bool = False) -> bool:
     """`pick_config`'s choice of `expand_ahead` for these tiles (EXPAND_AHEAD): the tl.dot expand,
     chunks of at most 16 rows, several tiles a program; public so launch-config sweeps that change
@@ -267,7 +273,7 @@ def plan_lora_triton(
     interp = interpreting()
     if pdl is None:
         pdl = pdl_supported_for(x)
-    cfg = config or pick_config(meta.num_chunks, n_slices, in_features, meta.chunk_size, meta.one_pair_chunks)
+    cfg = config or config_for_meta(meta, n_slices, in_features)
     # Rank tiles cover the step's largest true rank (meta.rank_bound), not the pool's r_max; the
     # partials keep BLOCK_R-multiple columns (tl.dot's), the row-at-a-time modes, which need no
     # tl.dot, tiles of only the bound's power of two (`rows_rank`, see LoraLaunch).
