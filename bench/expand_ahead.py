@@ -22,66 +22,20 @@ off the loop (`EXPAND_AHEAD_PEEL`, removed after it) and few-loop the loop form 
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-from dataclasses import asdict
-from pathlib import Path
-
-import torch
-
-from bench.graph_timing import measure_copy_bandwidth
-from bench.kernel_cases import MODULES, case_meta, case_token_slots, main_cases, parse_cases
-from bench.kernel_runner import run_case
-from lorafleet.kernels import triton_lora
+from bench import knob_ab
 
 SETTINGS = {"off": (False, False), "few": (True, False), "all": (True, True)}
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--settings", default="off,few,all")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--min-tokens", type=int, default=16)
-    ap.add_argument("--max-adapters", type=int, default=None, help="only the table's cases with at most this many")
-    ap.add_argument("--cases", default=None, help="MODULE:TOKENS:ADAPTERS,... (rank 16) instead of the table's (then --min-tokens and --max-adapters do not apply)")
-    ap.add_argument("--out", default="bench/results/expand-ahead-h200.json")
+    ap = knob_ab.parser(__doc__.splitlines()[0], "bench/results/expand-ahead-h200.json", settings="off,few,all")
     args = ap.parse_args(argv)
     settings = args.settings.split(",")
     unknown = sorted(set(settings) - set(SETTINGS))
     if unknown:
         ap.error(f"unknown settings {unknown}; choose from {sorted(SETTINGS)}")
-    cases = parse_cases(args.cases) if args.cases else [
-        c for c in main_cases(False)
-        if c.tokens >= args.min_tokens and (args.max_adapters is None or c.adapters <= args.max_adapters)]
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(0)
-    bandwidth = measure_copy_bandwidth()
-    print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
-    rows, initial = [], triton_lora.EXPAND_AHEAD
-    try:
-        for case in cases:
-            d_in, outs = MODULES[case.module]
-            slots = case_token_slots(case)
-            meta = case_meta(case, slots, torch.ones(slots.shape))
-            us: dict[str, list[float]] = {s: [] for s in settings}
-            for rnd in range(args.rounds):
-                for name in settings:
-                    triton_lora.EXPAND_AHEAD = SETTINGS[name]
-                    cfg = triton_lora.config_for_meta(meta, len(outs), d_in)
-                    row = run_case(case, bandwidth, g, config=cfg, baselines=False)
-                    us[name].append(row["lora_us"])
-                    rows.append({**asdict(case), "setting": name, "expand_ahead": cfg.expand_ahead, "round": rnd,
-                                 "lora_us": row["lora_us"], "floor_us": row["floor_us"], "rel_err": row["rel_err"]})
-            med = {s: statistics.median(t) for s, t in us.items()}
-            print(f"{case.module:8s} T={case.tokens:4d} A={case.adapters:3d} r={case.rank:2d}/{case.pool_rank:2d} "
-                  f"k={case.k} {case.b_layout[:4]}: " + "  ".join(
-                      f"{s}: {med[s]:6.2f} ({med[s] / med[settings[0]]:.3f})" for s in settings), flush=True)
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(rows, indent=1))
-            torch.cuda.empty_cache()
-    finally:
-        triton_lora.EXPAND_AHEAD = initial
+    knob_ab.run("EXPAND_AHEAD", {s: SETTINGS[s] for s in settings}, args,
+                row_extra=lambda cfg: {"expand_ahead": cfg.expand_ahead})
     return 0
 
 

@@ -1,0 +1,121 @@
+"""A `triton_lora` knob's settings timed against each other over the kernel table's cases, on the GPU.
+
+    python -m bench.knob_ab --knob EXPAND_SPLIT_SUM --settings loop,unroll,tile [--rounds 2]
+                            [--min-tokens 16] [--max-adapters N] [--cases MODULE:TOKENS:ADAPTERS,...]
+                            [--out bench/results/knob-ab-h200.json]
+
+For each case (bench/kernels.py's table with at least --min-tokens tokens, or --cases at rank 16),
+`add_lora_triton` at `pick_config`'s default is timed with the module-level knob `triton_lora.KNOB`
+set to each setting in turn (a setting is a Python literal, or a plain string), --rounds times over,
+settings interleaved within a case so a drift of the machine hits all of them. Timing as in
+bench/kernels.py. Prints each case's median per setting and its ratio to the first; rows
+{case..., setting, round, lora_us, floor_us, rel_err, config}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from bench.graph_timing import measure_copy_bandwidth
+from bench.kernel_cases import MODULES, case_meta, case_token_slots, main_cases, parse_cases
+from bench.kernel_runner import run_case
+from lorafleet.kernels import triton_lora
+
+
+def parse_setting(text: str) -> object:
+    """A Python literal ("(True, False)", "32"), else the text itself ("tile")."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def split_settings(text: str) -> list[str]:
+    """Comma-separated settings, commas inside brackets kept: "(True, False),(False, False)" is two."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    parts.append(text[start:].strip())
+    return parts
+
+
+def run(knob: str, settings: dict[str, object], args: argparse.Namespace,
+        row_extra: Callable[[triton_lora.LoraKernelConfig], dict] = asdict) -> list[dict]:
+    """Time each case under each setting of `triton_lora.<knob>`; the knob is restored after."""
+    cases = parse_cases(args.cases) if args.cases else [
+        c for c in main_cases(False)
+        if c.tokens >= args.min_tokens and (args.max_adapters is None or c.adapters <= args.max_adapters)]
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    bandwidth = measure_copy_bandwidth()
+    print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
+          f"{knob}: {settings}", flush=True)
+    names = list(settings)
+    rows, initial = [], getattr(triton_lora, knob)
+    try:
+        for case in cases:
+            d_in, outs = MODULES[case.module]
+            slots = case_token_slots(case)
+            meta = case_meta(case, slots, torch.ones(slots.shape))
+            us: dict[str, list[float]] = {s: [] for s in names}
+            for rnd in range(args.rounds):
+                for name in names:
+                    setattr(triton_lora, knob, settings[name])
+                    cfg = triton_lora.config_for_meta(meta, len(outs), d_in)
+                    row = run_case(case, bandwidth, g, config=cfg, baselines=False)
+                    us[name].append(row["lora_us"])
+                    rows.append({**asdict(case), "setting": name, "round": rnd, "lora_us": row["lora_us"],
+                                 "floor_us": row["floor_us"], "rel_err": row["rel_err"], **row_extra(cfg)})
+            med = {s: statistics.median(t) for s, t in us.items()}
+            print(f"{case.module:8s} T={case.tokens:4d} A={case.adapters:3d} r={case.rank:2d}/{case.pool_rank:2d} "
+                  f"k={case.k} {case.b_layout[:4]}: " + "  ".join(
+                      f"{s}: {med[s]:6.2f} ({med[s] / med[names[0]]:.3f})" for s in names), flush=True)
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(rows, indent=1))
+            torch.cuda.empty_cache()
+    finally:
+        setattr(triton_lora, knob, initial)
+    return rows
+
+
+def parser(description: str, out: str, settings: str | None = None) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=description)
+    if settings is None:
+        ap.add_argument("--knob", required=True, help="a module-level name in lorafleet.kernels.triton_lora")
+        ap.add_argument("--settings", required=True, help="comma-separated values (Python literals or strings)")
+    else:
+        ap.add_argument("--settings", default=settings)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--min-tokens", type=int, default=16)
+    ap.add_argument("--max-adapters", type=int, default=None, help="only the table's cases with at most this many")
+    ap.add_argument("--cases", default=None, help="MODULE:TOKENS:ADAPTERS,... (rank 16) instead of the table's "
+                                                  "(then --min-tokens and --max-adapters do not apply)")
+    ap.add_argument("--out", default=out)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser(__doc__.splitlines()[0], "bench/results/knob-ab-h200.json")
+    args = ap.parse_args(argv)
+    if not hasattr(triton_lora, args.knob):
+        ap.error(f"triton_lora has no {args.knob}")
+    run(args.knob, {p: parse_setting(p) for p in split_settings(args.settings)}, args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
