@@ -180,6 +180,7 @@ def _lora_expand_kernel(
     STORE: tl.constexpr,
     ROWS: tl.constexpr,
     AHEAD: tl.constexpr,
+    SPLIT_SUM: tl.constexpr,
 ):
     """y[token(pair), col_s + n] += scale(pair) · Σ_r part[:, pair, s*R_PAD + r] · B_s[slot, n, r].
 
@@ -191,6 +192,9 @@ def _lora_expand_kernel(
     zeros. Rows of tokens in no chunk are left as they were.
     Y_EARLY: the first tile's y is loaded before `gdc_wait` (not with STORE or ATOMIC, nor when the
     shrink zeroes y).
+    SPLIT_SUM: how the K splits' partials are summed after the wait (`_sum_splits`): 0 a split a
+    loop iteration; n > 0 all n (= SPLIT_K) unrolled, their loads in one round; -n: n splits a round
+    as one [n, ...] load summed over its first axis.
     AHEAD (N_PER_PROG > BLOCK_N): each tile after the first is loaded (B, and y for a plain `+=`)
     before the previous tile is multiplied and written (its B and y loads issued together; the
     last iteration's loads past the group are masked off); for launches of few programs, where each
@@ -268,7 +272,7 @@ def _lora_expand_kernel(
     if ROWS:
         _expand_rows(y_ptr + col0 + offs_n, bt.to(tl.float32), n_mask, part_ptr + s * R_PAD + offs_r, r_mask,
                      r_load, offs_m, tok, scale, start, end, SPLIT_K, stride_yt, stride_ps, stride_pm, ATOMIC, PDL,
-                     Y_EARLY, STORE)
+                     Y_EARLY, STORE, SPLIT_SUM)
     else:  # (not after a return: the tl.dot path must not be compiled with ROWS' rank tiles below 16)
         mask = m_mask[:, None] & n_mask[None, :]
         if Y_EARLY:
@@ -278,9 +282,7 @@ def _lora_expand_kernel(
         p = part_ptr + offs_m[:, None].to(tl.int64) * stride_pm + s * R_PAD + offs_r[None, :]
         if PDL:  # launched early (programmatic dependent launch): wait for the shrink's partials
             tl.extra.cuda.gdc_wait()
-        h = tl.zeros((BLOCK_M, R_BLOCK), dtype=tl.float32)
-        for sp in range(0, SPLIT_K):
-            h += tl.load(p + sp * stride_ps, mask=m_mask[:, None] & r_load[None, :], other=0.0)
+        h = _sum_splits(p, m_mask[:, None] & r_load[None, :], SPLIT_K, stride_ps, SPLIT_SUM)
         h = tl.where(r_mask[None, :], h * scale[:, None], 0.0)
         if not UPCAST:
             h = h.to(b0_ptr.dtype.element_ty)
@@ -312,7 +314,7 @@ def _lora_expand_kernel(
 @triton.jit
 def _expand_rows(y_cols, bt, n_mask, p_cols, r_mask, r_load, offs_m, tok, scale, start, end, SPLIT_K,
                  stride_yt, stride_ps, stride_pm, ATOMIC: tl.constexpr, PDL: tl.constexpr, Y_EARLY: tl.constexpr,
-                 STORE: tl.constexpr):
+                 STORE: tl.constexpr, SPLIT_SUM: tl.constexpr):
     """The expand's ROWS mode, from its B tile on: y[token(m), cols] (+)= scale(m) · Σ_r h_m[r] · bt[r, :]
     for each pair m of the chunk. bt `[R_BLOCK, BLOCK_N]` fp32 (zero past the true rank); tok and
     scale are the chunk's `[BLOCK_M]` vectors (offs_m: their pairs), picked a row at a time in
@@ -324,9 +326,8 @@ def _expand_rows(y_cols, bt, n_mask, p_cols, r_mask, r_load, offs_m, tok, scale,
         tl.extra.cuda.gdc_wait()
     p_cols += start.to(tl.int64) * stride_pm
     for m in range(start, end):
-        h = tl.zeros(r_mask.shape, dtype=tl.float32)
-        for sp in range(0, SPLIT_K):
-            h += tl.load(p_cols + sp * stride_ps + (m - start) * stride_pm, mask=r_load, other=0.0)
+        h = tl.sum(_sum_splits((p_cols + (m - start) * stride_pm)[None, :], r_load[None, :], SPLIT_K, stride_ps,
+                               SPLIT_SUM), axis=0)
         h = tl.where(r_mask, h * tl.sum(tl.where(offs_m == m, scale, 0.0)), 0.0)
         acc = tl.sum(bt * h[:, None], axis=0)
         y_row = y_cols + tl.sum(tl.where(offs_m == m, tok, 0)) * stride_yt
@@ -343,6 +344,33 @@ def _expand_rows(y_cols, bt, n_mask, p_cols, r_mask, r_load, offs_m, tok, scale,
             else:
                 cur = tl.load(y_row, mask=n_mask, other=0.0).to(tl.float32)
             tl.store(y_row, (cur + acc).to(y_row.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _sum_splits(p, mask, SPLIT_K, stride_ps, SPLIT_SUM: tl.constexpr):
+    """Σ_sp part at p + sp·stride_ps over the SPLIT_K splits (p: a 2-D block of pointers), masked.
+    SPLIT_SUM 0: a split a loop iteration (the loop is not software-pipelined: ptxas unrolls it by 4
+    and issues each group's loads after the previous group's adds, a round of L2 latency a group);
+    n > 0 (n == SPLIT_K): unrolled, every split's loads independent in straight-line code, which
+    ptxas issues back to back; -n: n splits a round, loaded as one [n, ...] block and summed over its
+    first axis."""
+    if SPLIT_SUM > 0:
+        h = tl.load(p, mask=mask, other=0.0)
+        for sp in tl.static_range(1, SPLIT_SUM):
+            h += tl.load(p + sp * stride_ps, mask=mask, other=0.0)
+    elif SPLIT_SUM < 0:
+        offs = tl.arange(0, -SPLIT_SUM)
+        h = tl.zeros(p.shape, dtype=tl.float32)
+        for sp0 in range(0, SPLIT_K, -SPLIT_SUM):
+            sp = sp0 + offs
+            t = tl.load(p[None, :, :] + sp[:, None, None] * stride_ps,
+                        mask=(sp < SPLIT_K)[:, None, None] & mask[None, :, :], other=0.0)
+            h += tl.sum(t, axis=0)
+    else:
+        h = tl.zeros(p.shape, dtype=tl.float32)
+        for sp in range(0, SPLIT_K):
+            h += tl.load(p + sp * stride_ps, mask=mask, other=0.0)
+    return h
 
 
 @triton.jit

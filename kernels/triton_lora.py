@@ -74,6 +74,7 @@ class LoraKernelConfig:
     expand_rows: bool = False  # the expand's likewise, one B tile a program (n_per_prog == block_n)
     expand_maxnreg: int | None = None  # registers a thread the expand may hold (ptxas' cap); None = its choice
     expand_ahead: bool = False  # the tl.dot expand loads each next tile before writing this one (lora_kernels, AHEAD)
+    split_sum: str = "loop"  # how the expand sums the K splits' partials: "loop", "unroll", "tile" (split_sum_code)
 
     def __post_init__(self) -> None:
         # Checked here, not by Triton: the interpreter takes a K tile below 16, the compiler does
@@ -98,6 +99,8 @@ class LoraKernelConfig:
             raise ValueError(f"a row-at-a-time expand takes one B tile a program: n_per_prog == block_n, got {self}")
         if self.expand_rows and self.expand_ahead:
             raise ValueError(f"expand_ahead is a mode of the tl.dot expand, not of the row-at-a-time one: {self}")
+        if self.split_sum not in SPLIT_SUMS:
+            raise ValueError(f"split_sum must be one of {SPLIT_SUMS}, got {self.split_sum!r}")
 
 
 def pick_config(
@@ -138,6 +141,7 @@ def pick_config(
         shrink_warps=shrink_warps, expand_warps=expand_warps, num_stages=NUM_STAGES[many], shrink_rows=rows,
         expand_rows=expand_rows, expand_maxnreg=maxnreg,
         expand_ahead=expand_ahead_for(num_chunks, chunk_size, n_per_prog, block_n, expand_rows),
+        split_sum=EXPAND_SPLIT_SUM,
     )
 
 
@@ -200,6 +204,25 @@ EXPAND_ROWS: tuple[int, int] | tuple[int, int, int] | tuple[()] = (512, 2, 168)
 # second tile's loads before the wait for the shrink, and peeling the last tile off the loop, both
 # lost (docs/benchmarks-history.md, twentieth session).
 EXPAND_AHEAD = (True, False)
+
+
+# How the expand sums the shrink's K-split partials after its wait (`LoraKernelConfig.split_sum`,
+# lora_kernels._sum_splits): "loop", a split a loop iteration (ptxas unrolls it by 4 and issues each
+# group's loads after the previous group's adds: down_proj's 28 splits are 7 rounds of L2 latency);
+# "unroll", the splits unrolled in straight-line code (up to MAX_UNROLLED_SPLITS); "tile", up to
+# MAX_UNROLLED_SPLITS splits a round loaded as one block and summed over its first axis.
+SPLIT_SUMS = ("loop", "unroll", "tile")
+EXPAND_SPLIT_SUM = "loop"
+MAX_UNROLLED_SPLITS = 32
+
+
+def split_sum_code(split_sum: str, split_k: int) -> int:
+    """The expand's SPLIT_SUM constexpr for a config's split_sum at split_k splits (see _sum_splits)."""
+    if split_k <= 1 or split_sum == "loop":
+        return 0
+    if split_sum == "unroll":
+        return split_k if split_k <= MAX_UNROLLED_SPLITS else 0
+    return -min(triton.next_power_of_2(split_k), MAX_UNROLLED_SPLITS)
 
 
 @dataclass(slots=True)
@@ -393,6 +416,7 @@ def launch_expand(plan: LoraLaunch, y: torch.Tensor, store: bool = False) -> Non
         STORE=store,
         ROWS=cfg.expand_rows,
         AHEAD=cfg.expand_ahead,
+        SPLIT_SUM=split_sum_code(cfg.split_sum, cfg.split_k),
         num_warps=cfg.expand_warps,
         num_stages=cfg.num_stages,
         **({} if cfg.expand_maxnreg is None else {"maxnreg": cfg.expand_maxnreg}),

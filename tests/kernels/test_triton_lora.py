@@ -9,6 +9,8 @@ Every case runs both B layouts (out-major, and rank-major as the slot pool store
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -219,6 +221,37 @@ def test_triton_matches_reference(
     )
     assert not torch.isnan(y_tri).any()
     torch.testing.assert_close(y_tri.float(), y_ref.float(), **TOL[dtype])
+
+# Every way the expand can sum the shrink's K splits (`LoraKernelConfig.split_sum`), on the cases of
+# several splits, tl.dot and row-at-a-time expands both; "tile" with 3 splits pads its block to 4 and
+# masks the rest, and 5 splits of a short K leave some splits empty (their partials are zeros).
+SPLIT_CASES = [c for c in CASES if c[-1] is not None and c[-1].split_k > 1]
+
+
+@pytest.mark.parametrize("splits", [None, 5], ids=["as-given", "five"])
+@pytest.mark.parametrize("split_sum", ["loop", "unroll", "tile"])
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=[c[0] for c in SPLIT_CASES])
+def test_every_split_sum_matches_reference(case, split_sum, splits) -> None:
+    case_id, tokens, k, d_in, outs, ranks, kind, dtype, chunk_size, config = case
+    config = replace(config, split_sum=split_sum, split_k=splits or config.split_k)
+    g = torch.Generator().manual_seed(tokens + 7 * k + d_in)
+    token_slots = mapping(kind, g, tokens, k, len(ranks[0]))
+    _, y_ref, y_tri = run_both(tokens, tokens, k, d_in, outs, ranks, token_slots, dtype, chunk_size, config)
+    assert not torch.isnan(y_tri).any()
+    torch.testing.assert_close(y_tri.float(), y_ref.float(), **TOL[dtype])
+
+
+def test_split_sum_codes() -> None:
+    """The expand's SPLIT_SUM constexpr: 0 for the loop and for one split; the split count unrolled
+    up to the bound (the loop past it); the tile a power of two, at most the bound."""
+    from lorafleet.kernels.triton_lora import MAX_UNROLLED_SPLITS, split_sum_code
+
+    assert [split_sum_code("loop", n) for n in (1, 8, 28)] == [0, 0, 0]
+    assert [split_sum_code("unroll", n) for n in (1, 3, 28, MAX_UNROLLED_SPLITS + 1)] == [0, 3, 28, 0]
+    assert [split_sum_code("tile", n) for n in (1, 3, 28, 100)] == [0, -4, -32, -MAX_UNROLLED_SPLITS]
+    with pytest.raises(ValueError, match="split_sum"):
+        LoraKernelConfig(split_k=2, block_k=32, block_n=16, split_sum="tree")
+
 
 def test_mixed_b_layouts_fall_back_to_a_copy() -> None:
     """One rank-major and one out-major slice: still correct (the kernel gets contiguous copies)."""
