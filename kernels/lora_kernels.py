@@ -193,8 +193,7 @@ def _lora_expand_kernel(
     Y_EARLY: the first tile's y is loaded before `gdc_wait` (not with STORE or ATOMIC, nor when the
     shrink zeroes y).
     SPLIT_SUM: how the K splits' partials are summed after the wait (`_sum_splits`): 0 a split a
-    loop iteration; n > 0 all n (= SPLIT_K) unrolled, their loads in one round; -n: n splits a round
-    as one [n, ...] load summed over its first axis.
+    loop iteration; n > 0 all n (= SPLIT_K) unrolled, their loads in one round.
     AHEAD (N_PER_PROG > BLOCK_N): each tile after the first is loaded (B, and y for a plain `+=`)
     before the previous tile is multiplied and written (its B and y loads issued together; the
     last iteration's loads past the group are masked off); for launches of few programs, where each
@@ -352,20 +351,11 @@ def _sum_splits(p, mask, SPLIT_K, stride_ps, SPLIT_SUM: tl.constexpr):
     SPLIT_SUM 0: a split a loop iteration (the loop is not software-pipelined: ptxas unrolls it by 4
     and issues each group's loads after the previous group's adds, a round of L2 latency a group);
     n > 0 (n == SPLIT_K): unrolled, every split's loads independent in straight-line code, which
-    ptxas issues back to back; -n: n splits a round, loaded as one [n, ...] block and summed over its
-    first axis."""
+    ptxas issues back to back."""
     if SPLIT_SUM > 0:
         h = tl.load(p, mask=mask, other=0.0)
         for sp in tl.static_range(1, SPLIT_SUM):
             h += tl.load(p + sp * stride_ps, mask=mask, other=0.0)
-    elif SPLIT_SUM < 0:
-        offs = tl.arange(0, -SPLIT_SUM)
-        h = tl.zeros(p.shape, dtype=tl.float32)
-        for sp0 in range(0, SPLIT_K, -SPLIT_SUM):
-            sp = sp0 + offs
-            t = tl.load(p[None, :, :] + sp[:, None, None] * stride_ps,
-                        mask=(sp < SPLIT_K)[:, None, None] & mask[None, :, :], other=0.0)
-            h += tl.sum(t, axis=0)
     else:
         h = tl.zeros(p.shape, dtype=tl.float32)
         for sp in range(0, SPLIT_K):

@@ -74,7 +74,7 @@ class LoraKernelConfig:
     expand_rows: bool = False  # the expand's likewise, one B tile a program (n_per_prog == block_n)
     expand_maxnreg: int | None = None  # registers a thread the expand may hold (ptxas' cap); None = its choice
     expand_ahead: bool = False  # the tl.dot expand loads each next tile before writing this one (lora_kernels, AHEAD)
-    split_sum: str = "loop"  # how the expand sums the K splits' partials: "loop", "unroll", "tile" (split_sum_code)
+    split_sum: str = "unroll"  # how the expand sums the K splits' partials: "loop" or "unroll" (split_sum_code)
 
     def __post_init__(self) -> None:
         # Checked here, not by Triton: the interpreter takes a K tile below 16, the compiler does
@@ -209,20 +209,31 @@ EXPAND_AHEAD = (True, False)
 # How the expand sums the shrink's K-split partials after its wait (`LoraKernelConfig.split_sum`,
 # lora_kernels._sum_splits): "loop", a split a loop iteration (ptxas unrolls it by 4 and issues each
 # group's loads after the previous group's adds: down_proj's 28 splits are 7 rounds of L2 latency);
-# "unroll", the splits unrolled in straight-line code (up to MAX_UNROLLED_SPLITS); "tile", up to
-# MAX_UNROLLED_SPLITS splits a round loaded as one block and summed over its first axis.
-SPLIT_SUMS = ("loop", "unroll", "tile")
-EXPAND_SPLIT_SUM = "loop"
+# "unroll", the splits in straight-line code, their loads in one round, for launches of at most
+# MAX_UNROLLED_SPLITS splits whose partial reads (`partial_read_bytes`) stay within
+# UNROLL_MAX_PARTIAL_BYTES (the loop above). Alone on the H200 (twenty-first session, `python -m
+# bench.knob_ab --knob EXPAND_SPLIT_SUM`, split-sum-h200.json): down 0.87-0.93x at 16-256 tokens on
+# 1-8 adapters, the other rows 0.93-1.00x, except gate/up at 256 tokens on 1 and 8 adapters (1.10x,
+# 1.02x: 15 MB of partials read at once), which the bytes bound keeps on the loop
+# (split-sum-rule-h200.json); one [splits, ...] block load a round instead lost (1.0-1.38x). In the
+# engine at batch 64 within the noise (overlap-sweep-split-sum-h200.json: 64 adapters 0.774-0.777 ->
+# 0.778-0.779, 8 adapters 0.929-0.930 -> 0.928-0.931).
+SPLIT_SUMS = ("loop", "unroll")
+EXPAND_SPLIT_SUM = "unroll"
 MAX_UNROLLED_SPLITS = 32
+UNROLL_MAX_PARTIAL_BYTES = 12 << 20
 
 
-def split_sum_code(split_sum: str, split_k: int) -> int:
-    """The expand's SPLIT_SUM constexpr for a config's split_sum at split_k splits (see _sum_splits)."""
-    if split_k <= 1 or split_sum == "loop":
-        return 0
-    if split_sum == "unroll":
-        return split_k if split_k <= MAX_UNROLLED_SPLITS else 0
-    return -min(triton.next_power_of_2(split_k), MAX_UNROLLED_SPLITS)
+def partial_read_bytes(num_chunks: int, column_groups: int, split_k: int, rows: int, r_pad: int) -> int:
+    """What an expand launch reads of the shrink's partials, at most: every program (a chunk's
+    column group) reads its chunk's `rows` rows of r_pad fp32 partials from each split."""
+    return num_chunks * column_groups * split_k * rows * r_pad * 4
+
+
+def split_sum_code(split_sum: str, split_k: int, partial_bytes: int = 0) -> int:
+    """The expand's SPLIT_SUM constexpr (see _sum_splits): 0 for the loop, else the split count."""
+    unrolled = split_sum == "unroll" and split_k <= MAX_UNROLLED_SPLITS and partial_bytes <= UNROLL_MAX_PARTIAL_BYTES
+    return split_k if unrolled and split_k > 1 else 0
 
 
 @dataclass(slots=True)
@@ -416,7 +427,8 @@ def launch_expand(plan: LoraLaunch, y: torch.Tensor, store: bool = False) -> Non
         STORE=store,
         ROWS=cfg.expand_rows,
         AHEAD=cfg.expand_ahead,
-        SPLIT_SUM=split_sum_code(cfg.split_sum, cfg.split_k),
+        SPLIT_SUM=split_sum_code(cfg.split_sum, cfg.split_k, partial_read_bytes(
+            meta.num_chunks, sum(groups), cfg.split_k, 1 if cfg.expand_rows else meta.chunk_size, r_pad)),
         num_warps=cfg.expand_warps,
         num_stages=cfg.num_stages,
         **({} if cfg.expand_maxnreg is None else {"maxnreg": cfg.expand_maxnreg}),

@@ -222,14 +222,14 @@ def test_triton_matches_reference(
     assert not torch.isnan(y_tri).any()
     torch.testing.assert_close(y_tri.float(), y_ref.float(), **TOL[dtype])
 
-# Every way the expand can sum the shrink's K splits (`LoraKernelConfig.split_sum`), on the cases of
-# several splits, tl.dot and row-at-a-time expands both; "tile" with 3 splits pads its block to 4 and
-# masks the rest, and 5 splits of a short K leave some splits empty (their partials are zeros).
+# Both ways the expand can sum the shrink's K splits (`LoraKernelConfig.split_sum`), on the cases of
+# several splits, tl.dot and row-at-a-time expands both; 5 splits of a short K leave some splits
+# empty (their partials are zeros).
 SPLIT_CASES = [c for c in CASES if c[-1] is not None and c[-1].split_k > 1]
 
 
 @pytest.mark.parametrize("splits", [None, 5], ids=["as-given", "five"])
-@pytest.mark.parametrize("split_sum", ["loop", "unroll", "tile"])
+@pytest.mark.parametrize("split_sum", ["loop", "unroll"])
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=[c[0] for c in SPLIT_CASES])
 def test_every_split_sum_matches_reference(case, split_sum, splits) -> None:
     case_id, tokens, k, d_in, outs, ranks, kind, dtype, chunk_size, config = case
@@ -242,15 +242,24 @@ def test_every_split_sum_matches_reference(case, split_sum, splits) -> None:
 
 
 def test_split_sum_codes() -> None:
-    """The expand's SPLIT_SUM constexpr: 0 for the loop and for one split; the split count unrolled
-    up to the bound (the loop past it); the tile a power of two, at most the bound."""
-    from lorafleet.kernels.triton_lora import MAX_UNROLLED_SPLITS, split_sum_code
+    """The expand's SPLIT_SUM constexpr: 0 (the loop) for the loop, for one split, past the unroll
+    bound and for launches that would read more partials than UNROLL_MAX_PARTIAL_BYTES; else the
+    split count."""
+    from lorafleet.kernels.triton_lora import (
+        MAX_UNROLLED_SPLITS,
+        UNROLL_MAX_PARTIAL_BYTES,
+        partial_read_bytes,
+        split_sum_code,
+    )
 
     assert [split_sum_code("loop", n) for n in (1, 8, 28)] == [0, 0, 0]
     assert [split_sum_code("unroll", n) for n in (1, 3, 28, MAX_UNROLLED_SPLITS + 1)] == [0, 3, 28, 0]
-    assert [split_sum_code("tile", n) for n in (1, 3, 28, 100)] == [0, -4, -32, -MAX_UNROLLED_SPLITS]
+    # gate/up at 256 tokens on one adapter: 16 chunks x 112 column groups x 8 splits x 16 rows x 16 ranks
+    assert partial_read_bytes(16, 112, 8, 16, 16) == 14_680_064 > UNROLL_MAX_PARTIAL_BYTES
+    assert split_sum_code("unroll", 8, partial_read_bytes(16, 112, 8, 16, 16)) == 0
+    assert split_sum_code("unroll", 8, partial_read_bytes(64, 16, 8, 16, 16)) == 8  # o at 256 tokens, 64 adapters
     with pytest.raises(ValueError, match="split_sum"):
-        LoraKernelConfig(split_k=2, block_k=32, block_n=16, split_sum="tree")
+        LoraKernelConfig(split_k=2, block_k=32, block_n=16, split_sum="tile")
 
 
 def test_mixed_b_layouts_fall_back_to_a_copy() -> None:
