@@ -50,9 +50,6 @@ def _lora_shrink_kernel(
     ZERO: tl.constexpr,
     ZERO_BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
-    ROWS_LATE_SUM: tl.constexpr,
-    ROWS_STAGES: tl.constexpr,
-    ROWS_UNROLL: tl.constexpr,
 ):
     """part[split, pair, s*R_PAD + r] = Σ_{k in split} x[token(pair), k] · A_s[slot, r, k].
 
@@ -64,11 +61,6 @@ def _lora_shrink_kernel(
     products summed over K), no `tl.dot` and no shared-memory staging: for chunks of about one row
     (decode with as many adapters as tokens), where a BLOCK_M-row `tl.dot` tile is mostly padding.
     Each further row re-reads the A tile (from L1/L2).
-    ROWS_LATE_SUM: the ROWS products are added up elementwise over the K tiles and summed across
-    K (a reduction between threads) once, after the last tile, instead of once per tile: the K loop
-    then holds no shuffles or barriers, and one tile's loads need not wait for the previous tile's
-    reduction. Its K loop then runs with ROWS_STAGES pipeline stages (None: not pipelined; the
-    loads staged through shared memory with cp.async) and unrolled ROWS_UNROLL times (None: not).
     """
     if PDL:  # every program has started: the expand may launch and run its prologue meanwhile
         tl.extra.cuda.gdc_launch_dependents()
@@ -115,27 +107,13 @@ def _lora_shrink_kernel(
         p_rows = part_ptr + pid_k * stride_ps + start.to(tl.int64) * stride_pm + s * R_PAD + offs_r
         for m in range(start, end):
             x_row = x_ptr + tl.load(sorted_token_ptr + m).to(tl.int64) * stride_xt
-            if ROWS_LATE_SUM:
-                prods = tl.zeros((BLOCK_RANK, BLOCK_K), dtype=tl.float32)
-                for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=ROWS_STAGES, loop_unroll_factor=ROWS_UNROLL):
-                    offs_k = k0 + tl.arange(0, BLOCK_K)
-                    k_mask = offs_k < k_hi
-                    at = tl.load(a_cols + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-                    # x's row loaded once per rank row, in the A tile's own layout (from L1 after the
-                    # first): a [BLOCK_K] load broadcast across the tile is a layout conversion
-                    # through shared memory, barriers in the loop
-                    xv = tl.load(x_row + offs_k[None, :] + 0 * offs_r[:, None], mask=k_mask[None, :] & r_mask[:, None],
-                                 other=0.0)
-                    prods += at.to(tl.float32) * xv.to(tl.float32)
-                row = tl.sum(prods, axis=1)
-            else:
-                row = tl.zeros((BLOCK_RANK,), dtype=tl.float32)
-                for k0 in range(k_lo, k_hi, BLOCK_K):
-                    offs_k = k0 + tl.arange(0, BLOCK_K)
-                    k_mask = offs_k < k_hi
-                    at = tl.load(a_cols + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-                    xv = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
-                    row += tl.sum(at.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
+            row = tl.zeros((BLOCK_RANK,), dtype=tl.float32)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_mask = offs_k < k_hi
+                at = tl.load(a_cols + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+                xv = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
+                row += tl.sum(at.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
             # Written even when this split's K range is empty, as below.
             tl.store(p_rows + (m - start) * stride_pm, row, mask=r_mask)
     else:  # (not after a return: the tl.dot path must not be compiled with ROWS' rank tiles below 16)

@@ -75,7 +75,6 @@ class LoraKernelConfig:
     expand_maxnreg: int | None = None  # registers a thread the expand may hold (ptxas' cap); None = its choice
     expand_ahead: bool = False  # the tl.dot expand loads each next tile before writing this one (lora_kernels, AHEAD)
     split_sum: str = "unroll"  # how the expand sums the K splits' partials: "loop" or "unroll" (split_sum_code)
-    shrink_rows_sum: int = 0  # the row shrink's K loop: 0 a sum across K each tile, else one at the end (SHRINK_ROWS_SUMS)
 
     def __post_init__(self) -> None:
         # Checked here, not by Triton: the interpreter takes a K tile below 16, the compiler does
@@ -100,8 +99,6 @@ class LoraKernelConfig:
             raise ValueError(f"a row-at-a-time expand takes one B tile a program: n_per_prog == block_n, got {self}")
         if self.expand_rows and self.expand_ahead:
             raise ValueError(f"expand_ahead is a mode of the tl.dot expand, not of the row-at-a-time one: {self}")
-        if not 0 <= self.shrink_rows_sum < len(SHRINK_ROWS_SUMS):
-            raise ValueError(f"shrink_rows_sum must index SHRINK_ROWS_SUMS, got {self.shrink_rows_sum!r}")
         if self.split_sum not in SPLIT_SUMS:
             raise ValueError(f"split_sum must be one of {SPLIT_SUMS}, got {self.split_sum!r}")
 
@@ -144,7 +141,7 @@ def pick_config(
         shrink_warps=shrink_warps, expand_warps=expand_warps, num_stages=NUM_STAGES[many], shrink_rows=rows,
         expand_rows=expand_rows, expand_maxnreg=maxnreg,
         expand_ahead=expand_ahead_for(num_chunks, chunk_size, n_per_prog, block_n, expand_rows),
-        split_sum=EXPAND_SPLIT_SUM, shrink_rows_sum=SHRINK_ROWS_SUM,
+        split_sum=EXPAND_SPLIT_SUM,
     )
 
 
@@ -185,13 +182,6 @@ SHRINK_FEW_CHUNKS = 16
 # 0.764/0.762 of base-only with K tile 256 (512: 0.756/0.755; 256 with 2 warps: 0.755), 8
 # adapters unchanged (docs/benchmarks-history.md, eighth session).
 SHRINK_ROWS: tuple[int, int] | tuple[()] = (256, 4)
-# The row shrink's K loop (`shrink_rows_sum`, an index into SHRINK_ROWS_SUMS: the kernel's
-# (ROWS_LATE_SUM, ROWS_STAGES, ROWS_UNROLL)): 0 sums across K after each K tile, which compiled for
-# sm_90 is 20 shuffles and barriers between one tile's loads and the next's (down_proj's K range of
-# 1,792 a split is 7 tiles of 256); the others sum once, after the last tile, the loop plain (1),
-# pipelined through shared memory in 2 or 3 stages (2, 3) or unrolled twice (4).
-SHRINK_ROWS_SUMS = ((False, None, None), (True, None, None), (True, 2, None), (True, 3, None), (True, None, 2))
-SHRINK_ROWS_SUM = 0
 # The expand a row at a time for a step of one-pair chunks: (columns a program, warps[, ptxas'
 # register cap]); () = never. Alone (64 tokens on 64 adapters, the storing expand,
 # lora-parts-expand-rows2-h200.json) 7-14% faster than the tl.dot expand and the pair 5-22% faster
@@ -381,7 +371,6 @@ def launch_shrink(plan: LoraLaunch, zero: torch.Tensor | None = None) -> None:
         ZERO=zero is not None,
         ZERO_BLOCK=1024,
         ROWS=cfg.shrink_rows,
-        **dict(zip(("ROWS_LATE_SUM", "ROWS_STAGES", "ROWS_UNROLL"), SHRINK_ROWS_SUMS[cfg.shrink_rows_sum], strict=True)),
         num_warps=cfg.shrink_warps,
         num_stages=cfg.num_stages,
     )

@@ -21,8 +21,7 @@ expand = {"y_ptr": p, "b0_ptr": p, "b1_ptr": p, "b2_ptr": p, **ptrs, "sorted_sca
 for pdl in (False, True):
     for zero, rows in ((False, False), (True, False), (False, True), (True, True)):
         compile_(tk._lora_shrink_kernel, shrink, dict(R_MAX=16, R_PAD=16, R_BLOCKS=1, BLOCK_M=16, BLOCK_K=128, BLOCK_RANK=16,
-                                   UPCAST=False, IEEE=False, PDL=pdl, ZERO=zero, ZERO_BLOCK=1024, ROWS=rows,
-                                   ROWS_LATE_SUM=False, ROWS_STAGES=None, ROWS_UNROLL=None),
+                                   UPCAST=False, IEEE=False, PDL=pdl, ZERO=zero, ZERO_BLOCK=1024, ROWS=rows),
                  stages=3)
     # (ATOMIC, Y_EARLY, STORE): k > 1; y read before the wait; y read after it (the shrink zeroed
     # it); the storing expand.
@@ -47,14 +46,7 @@ for pdl in (False, True):
 for r_tile in (1, 8):
     compile_(tk._lora_shrink_kernel, shrink, dict(R_MAX=64, R_PAD=16, R_BLOCKS=1, BLOCK_M=16, BLOCK_K=256,
                                                   BLOCK_RANK=r_tile, UPCAST=False, IEEE=False, PDL=True, ZERO=False,
-                                                  ZERO_BLOCK=1024, ROWS=True, ROWS_LATE_SUM=r_tile == 8,
-                                                  ROWS_STAGES=None, ROWS_UNROLL=None), stages=3)
-# The row shrink's K loop summed across K once at the end, pipelined or unrolled (triton_lora.SHRINK_ROWS_SUMS).
-for late, stages, unroll in ((True, 2, None), (True, 3, None), (True, None, 2)):
-    compile_(tk._lora_shrink_kernel, shrink, dict(R_MAX=16, R_PAD=16, R_BLOCKS=1, BLOCK_M=16, BLOCK_K=256, BLOCK_RANK=16,
-                                                  UPCAST=False, IEEE=False, PDL=True, ZERO=False, ZERO_BLOCK=1024,
-                                                  ROWS=True, ROWS_LATE_SUM=late, ROWS_STAGES=stages,
-                                                  ROWS_UNROLL=unroll), stages=3, divisible=("K", "K_PER_SPLIT"))
+                                                  ZERO_BLOCK=1024, ROWS=True), stages=3)
     compile_(tk._lora_expand_kernel, expand, dict(R_MAX=64, R_PAD=16, R_BLOCK=r_tile, B_RANK_MAJOR=True, BLOCK_M=16,
                                                   BLOCK_N=512, N_PER_PROG=512, UPCAST=False, IEEE=False, ATOMIC=False,
                                                   PDL=True, Y_EARLY=True, STORE=False, ROWS=True, AHEAD=False, SPLIT_SUM=0), warps=2, stages=3)

@@ -241,24 +241,6 @@ def test_every_split_sum_matches_reference(case, split_sum, splits) -> None:
     torch.testing.assert_close(y_tri.float(), y_ref.float(), **TOL[dtype])
 
 
-ROW_SHRINK_CASES = [c for c in CASES if c[-1] is not None and c[-1].shrink_rows]
-
-
-@pytest.mark.parametrize("rows_sum", [0, 1, 2, 3, 4])
-@pytest.mark.parametrize("case", ROW_SHRINK_CASES, ids=[c[0] for c in ROW_SHRINK_CASES])
-def test_row_shrink_sums_match_reference(case, rows_sum) -> None:
-    """Every form of the row shrink's K loop (`shrink_rows_sum`: the sum across K after each K tile,
-    or once after the last, pipelined or unrolled), with K ranges of several tiles, empty splits and
-    ranks that do not fill the rank tile."""
-    case_id, tokens, k, d_in, outs, ranks, kind, dtype, chunk_size, config = case
-    config = replace(config, shrink_rows_sum=rows_sum)
-    g = torch.Generator().manual_seed(tokens + 7 * k + d_in)
-    token_slots = mapping(kind, g, tokens, k, len(ranks[0]))
-    _, y_ref, y_tri = run_both(tokens, tokens, k, d_in, outs, ranks, token_slots, dtype, chunk_size, config)
-    assert not torch.isnan(y_tri).any()
-    torch.testing.assert_close(y_tri.float(), y_ref.float(), **TOL[dtype])
-
-
 def test_split_sum_codes() -> None:
     """The expand's SPLIT_SUM constexpr: 0 (the loop) for the loop, for one split, past the unroll
     bound and for launches that would read more partials than UNROLL_MAX_PARTIAL_BYTES; else the
