@@ -1,6 +1,6 @@
 """A `triton_lora` knob's settings timed against each other over the kernel table's cases, on the GPU.
 
-    python -m bench.knob_ab --knob EXPAND_SPLIT_SUM --settings loop,unroll,tile [--rounds 2]
+    python -m bench.knob_ab --knob EXPAND_SPLIT_SUM --settings loop,unroll [--rounds 2]
                             [--min-tokens 16] [--max-adapters N] [--cases MODULE:TOKENS:ADAPTERS,...]
                             [--out bench/results/knob-ab-h200.json]
 
@@ -9,7 +9,7 @@ For each case (bench/kernels.py's table with at least --min-tokens tokens, or --
 set to each setting in turn (a setting is a Python literal, or a plain string), --rounds times over,
 settings interleaved within a case so a drift of the machine hits all of them. Timing as in
 bench/kernels.py. Prints each case's median per setting and its ratio to the first; rows
-{case..., setting, round, lora_us, floor_us, rel_err, config}.
+{case..., setting, round, lora_us, floor_us, rel_err, and the launch config's fields}.
 """
 
 from __future__ import annotations

@@ -215,9 +215,9 @@ EXPAND_AHEAD = (True, False)
 # bench.knob_ab --knob EXPAND_SPLIT_SUM`, split-sum-h200.json): down 0.87-0.93x at 16-256 tokens on
 # 1-8 adapters, the other rows 0.93-1.00x, except gate/up at 256 tokens on 1 and 8 adapters (1.10x,
 # 1.02x: 15 MB of partials read at once), which the bytes bound keeps on the loop
-# (split-sum-rule-h200.json); one [splits, ...] block load a round instead lost (1.0-1.38x). In the
-# engine at batch 64 within the noise (overlap-sweep-split-sum-h200.json: 64 adapters 0.774-0.777 ->
-# 0.778-0.779, 8 adapters 0.929-0.930 -> 0.928-0.931).
+# (split-sum-rule-h200.json); one [splits, ...] block load a round instead was slower in most rows
+# (0.97-1.38x). In the engine at batch 64 within the noise (overlap-sweep-split-sum-h200.json: 64
+# adapters 0.774-0.777 -> 0.778-0.779, 8 adapters 0.929-0.930 -> 0.928-0.931).
 SPLIT_SUMS = ("loop", "unroll")
 EXPAND_SPLIT_SUM = "unroll"
 MAX_UNROLLED_SPLITS = 32
