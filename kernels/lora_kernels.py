@@ -50,6 +50,7 @@ def _lora_shrink_kernel(
     ZERO: tl.constexpr,
     ZERO_BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
+    META_ROUND: tl.constexpr,
 ):
     """part[split, pair, s*R_PAD + r] = Σ_{k in split} x[token(pair), k] · A_s[slot, r, k].
 
@@ -82,7 +83,7 @@ def _lora_shrink_kernel(
     slot = tl.load(chunk_slot_ptr + pid_c)
     start = tl.load(chunk_start_ptr + pid_c)
     end = tl.load(chunk_end_ptr + pid_c)
-    if slot < 0:
+    if _chunk_skipped(slot, start, end, META_ROUND):
         return
     s = pid_sr // R_BLOCKS
     r0 = (pid_sr % R_BLOCKS) * BLOCK_RANK
@@ -181,6 +182,7 @@ def _lora_expand_kernel(
     ROWS: tl.constexpr,
     AHEAD: tl.constexpr,
     SPLIT_SUM: tl.constexpr,
+    META_ROUND: tl.constexpr,
 ):
     """y[token(pair), col_s + n] += scale(pair) · Σ_r part[:, pair, s*R_PAD + r] · B_s[slot, n, r].
 
@@ -210,7 +212,7 @@ def _lora_expand_kernel(
     slot = tl.load(chunk_slot_ptr + pid_c)  # with start and end: one round of loads (see the shrink)
     start = tl.load(chunk_start_ptr + pid_c)
     end = tl.load(chunk_end_ptr + pid_c)
-    if slot < 0:
+    if _chunk_skipped(slot, start, end, META_ROUND):
         if PDL:  # even with nothing to do: the kernel must not complete before the shrink has
             tl.extra.cuda.gdc_wait()
         return
@@ -343,6 +345,17 @@ def _expand_rows(y_cols, bt, n_mask, p_cols, r_mask, r_load, offs_m, tok, scale,
             else:
                 cur = tl.load(y_row, mask=n_mask, other=0.0).to(tl.float32)
             tl.store(y_row, (cur + acc).to(y_row.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _chunk_skipped(slot, start, end, META_ROUND: tl.constexpr):
+    """Whether a program's chunk has nothing to do: a padding chunk (slot -1). META_ROUND: an empty
+    range counts too (never the case in a real chunk), so the branch needs start and end as well and
+    the compiler cannot sink their loads below it: all three go out in one round, where otherwise
+    start and end are loaded only after the slot has come back."""
+    if META_ROUND:
+        return (slot < 0) | (end <= start)
+    return slot < 0
 
 
 @triton.jit

@@ -75,6 +75,7 @@ class LoraKernelConfig:
     expand_maxnreg: int | None = None  # registers a thread the expand may hold (ptxas' cap); None = its choice
     expand_ahead: bool = False  # the tl.dot expand loads each next tile before writing this one (lora_kernels, AHEAD)
     split_sum: str = "unroll"  # how the expand sums the K splits' partials: "loop" or "unroll" (split_sum_code)
+    meta_round: bool = False  # both kernels load a chunk's slot, start and end in one round (lora_kernels, META_ROUND)
 
     def __post_init__(self) -> None:
         # Checked here, not by Triton: the interpreter takes a K tile below 16, the compiler does
@@ -141,7 +142,7 @@ def pick_config(
         shrink_warps=shrink_warps, expand_warps=expand_warps, num_stages=NUM_STAGES[many], shrink_rows=rows,
         expand_rows=expand_rows, expand_maxnreg=maxnreg,
         expand_ahead=expand_ahead_for(num_chunks, chunk_size, n_per_prog, block_n, expand_rows),
-        split_sum=EXPAND_SPLIT_SUM,
+        split_sum=EXPAND_SPLIT_SUM, meta_round=CHUNK_META_ROUND,
     )
 
 
@@ -234,6 +235,16 @@ def split_sum_code(split_sum: str, split_k: int, partial_bytes: int = 0) -> int:
     """The expand's SPLIT_SUM constexpr (see _sum_splits): 0 for the loop, else the split count."""
     unrolled = split_sum == "unroll" and split_k <= MAX_UNROLLED_SPLITS and partial_bytes <= UNROLL_MAX_PARTIAL_BYTES
     return split_k if unrolled and split_k > 1 else 0
+
+
+# Both kernels' first loads, a chunk's slot, start and end, in one round (`meta_round`): compiled for
+# sm_90 the compiler sinks the start and end loads below the padding chunk's early exit, which needs
+# only the slot, so they go out after the slot has come back: four dependent rounds of loads before
+# the shrink's data (slot; start, end and rank; tokens; x and A), three with the exit on all three.
+# Alone on the H200 (twenty-first session, `python -m bench.knob_ab --knob CHUNK_META_ROUND`,
+# meta-round-h200.json, meta-round-64-h200.json): 64 tokens on 64 adapters qkv 0.96x, gate/up 0.98x,
+# o and down 0.99-1.00x; the few-adapter rows 0.99-1.03x. Off until timed in the engine.
+CHUNK_META_ROUND = False
 
 
 @dataclass(slots=True)
@@ -371,6 +382,7 @@ def launch_shrink(plan: LoraLaunch, zero: torch.Tensor | None = None) -> None:
         ZERO=zero is not None,
         ZERO_BLOCK=1024,
         ROWS=cfg.shrink_rows,
+        META_ROUND=cfg.meta_round,
         num_warps=cfg.shrink_warps,
         num_stages=cfg.num_stages,
     )
@@ -429,6 +441,7 @@ def launch_expand(plan: LoraLaunch, y: torch.Tensor, store: bool = False) -> Non
         AHEAD=cfg.expand_ahead,
         SPLIT_SUM=split_sum_code(cfg.split_sum, cfg.split_k, partial_read_bytes(
             meta.num_chunks, sum(groups), cfg.split_k, 1 if cfg.expand_rows else meta.chunk_size, r_pad)),
+        META_ROUND=cfg.meta_round,
         num_warps=cfg.expand_warps,
         num_stages=cfg.num_stages,
         **({} if cfg.expand_maxnreg is None else {"maxnreg": cfg.expand_maxnreg}),

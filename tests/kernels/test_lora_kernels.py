@@ -21,7 +21,7 @@ expand = {"y_ptr": p, "b0_ptr": p, "b1_ptr": p, "b2_ptr": p, **ptrs, "sorted_sca
 for pdl in (False, True):
     for zero, rows in ((False, False), (True, False), (False, True), (True, True)):
         compile_(tk._lora_shrink_kernel, shrink, dict(R_MAX=16, R_PAD=16, R_BLOCKS=1, BLOCK_M=16, BLOCK_K=128, BLOCK_RANK=16,
-                                   UPCAST=False, IEEE=False, PDL=pdl, ZERO=zero, ZERO_BLOCK=1024, ROWS=rows),
+                                   UPCAST=False, IEEE=False, PDL=pdl, ZERO=zero, ZERO_BLOCK=1024, ROWS=rows, META_ROUND=pdl),
                  stages=3)
     # (ATOMIC, Y_EARLY, STORE): k > 1; y read before the wait; y read after it (the shrink zeroed
     # it); the storing expand.
@@ -34,7 +34,7 @@ for pdl in (False, True):
                          dict(R_MAX=16, R_PAD=16, R_BLOCK=16, B_RANK_MAJOR=rank_major, BLOCK_M=16,
                               BLOCK_N=256 if rows else 128, N_PER_PROG=256 if rows else 512, UPCAST=False,
                               IEEE=False, ATOMIC=atomic, PDL=pdl, Y_EARLY=early, STORE=store, ROWS=rows,
-                              AHEAD=ahead, SPLIT_SUM=0), stages=3)
+                              AHEAD=ahead, SPLIT_SUM=0, META_ROUND=pdl), stages=3)
             ptx = k.asm["ptx"]
             assert bool(re.search(r"\b(atom|red)\.global", ptx)) == atomic, "atomics only for k > 1"
             # PDL: every program waits for the shrink, those with nothing to do too (the kernels
@@ -46,10 +46,10 @@ for pdl in (False, True):
 for r_tile in (1, 8):
     compile_(tk._lora_shrink_kernel, shrink, dict(R_MAX=64, R_PAD=16, R_BLOCKS=1, BLOCK_M=16, BLOCK_K=256,
                                                   BLOCK_RANK=r_tile, UPCAST=False, IEEE=False, PDL=True, ZERO=False,
-                                                  ZERO_BLOCK=1024, ROWS=True), stages=3)
+                                                  ZERO_BLOCK=1024, ROWS=True, META_ROUND=True), stages=3)
     compile_(tk._lora_expand_kernel, expand, dict(R_MAX=64, R_PAD=16, R_BLOCK=r_tile, B_RANK_MAJOR=True, BLOCK_M=16,
                                                   BLOCK_N=512, N_PER_PROG=512, UPCAST=False, IEEE=False, ATOMIC=False,
-                                                  PDL=True, Y_EARLY=True, STORE=False, ROWS=True, AHEAD=False, SPLIT_SUM=0), warps=2, stages=3)
+                                                  PDL=True, Y_EARLY=True, STORE=False, ROWS=True, AHEAD=False, SPLIT_SUM=0, META_ROUND=True), warps=2, stages=3)
 # The expand's sum over the K splits unrolled (triton_lora.split_sum_code), in the tl.dot and
 # row-at-a-time modes: 28 splits put every split's loads in the code after the wait, where the loop
 # (0) has a few a trip; ptxas then issues them back to back.
@@ -60,14 +60,14 @@ for rows in (False, True):
                      dict(R_MAX=16, R_PAD=16, R_BLOCK=16, B_RANK_MAJOR=True, BLOCK_M=16,
                           BLOCK_N=512 if rows else 128, N_PER_PROG=512 if rows else 256, UPCAST=False, IEEE=False,
                           ATOMIC=False, PDL=True, Y_EARLY=True, STORE=False, ROWS=rows, AHEAD=not rows,
-                          SPLIT_SUM=split_sum), warps=2 if rows else 4, stages=3)
+                          SPLIT_SUM=split_sum, META_ROUND=False), warps=2 if rows else 4, stages=3)
         loads[split_sum] = k.asm["ptx"].split("griddepcontrol.wait", 1)[1].count("ld.global")
     assert loads[28] >= loads[0] + 24, (rows, loads)
 # The row expand under a register cap (LoraKernelConfig.expand_maxnreg): ptxas is told so.
 k = compile_(tk._lora_expand_kernel, expand, dict(R_MAX=16, R_PAD=16, R_BLOCK=16, B_RANK_MAJOR=True, BLOCK_M=16,
                                                   BLOCK_N=512, N_PER_PROG=512, UPCAST=False, IEEE=False, ATOMIC=False,
-                                                  PDL=True, Y_EARLY=True, STORE=False, ROWS=True, AHEAD=False, SPLIT_SUM=0), warps=2, stages=3,
-             maxnreg=168)
+                                                  PDL=True, Y_EARLY=True, STORE=False, ROWS=True, AHEAD=False, SPLIT_SUM=0,
+                                                  META_ROUND=True), warps=2, stages=3, maxnreg=168)
 assert ".maxnreg 168" in k.asm["ptx"], "the cap reaches the PTX"
 print("ok")
 """

@@ -241,6 +241,24 @@ def test_every_split_sum_matches_reference(case, split_sum, splits) -> None:
     torch.testing.assert_close(y_tri.float(), y_ref.float(), **TOL[dtype])
 
 
+@pytest.mark.parametrize(
+    "case_id,tokens,k,d_in,outs,ranks,kind,dtype,chunk_size,config", CASES, ids=[c[0] for c in CASES])
+def test_chunk_meta_in_one_round_matches_reference(
+    case_id, tokens, k, d_in, outs, ranks, kind, dtype, chunk_size, config, monkeypatch
+) -> None:
+    """The kernels' early exit on the chunk's slot, start and end together (`meta_round`): padding
+    chunks, empty segments and tokens without an adapter come out as without it."""
+    from lorafleet.kernels import triton_lora
+
+    monkeypatch.setattr(triton_lora, "CHUNK_META_ROUND", True)  # the configs pick_config makes
+    config = config and replace(config, meta_round=True)
+    g = torch.Generator().manual_seed(tokens + 7 * k + d_in)
+    token_slots = mapping(kind, g, tokens, k, len(ranks[0]))
+    _, y_ref, y_tri = run_both(tokens, tokens, k, d_in, outs, ranks, token_slots, dtype, chunk_size, config)
+    assert not torch.isnan(y_tri).any()
+    torch.testing.assert_close(y_tri.float(), y_ref.float(), **TOL[dtype])
+
+
 def test_split_sum_codes() -> None:
     """The expand's SPLIT_SUM constexpr: 0 (the loop) for the loop, for one split, past the unroll
     bound and for launches that would read more partials than UNROLL_MAX_PARTIAL_BYTES; else the
