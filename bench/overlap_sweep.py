@@ -213,12 +213,18 @@ VARIANTS = {
         ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
          {**FOURTEENTH_KNOBS, "SHRINK_BLOCK_K": (256, 128), "EXPAND_AHEAD": (True, False),
           "EXPAND_SPLIT_SUM": "unroll"}),
+    # A chunk's slot, start and end loaded in one round (`triton_lora.CHUNK_META_ROUND`; alone qkv 0.96x
+    # and gate/up 0.98x at 64 tokens on 64 adapters, meta-round*-h200.json), on the same defaults:
+    "twenty-first session's defaults, chunk meta in one round":
+        ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
+         {**FOURTEENTH_KNOBS, "SHRINK_BLOCK_K": (256, 128), "EXPAND_AHEAD": (True, False),
+          "EXPAND_SPLIT_SUM": "unroll", "CHUNK_META_ROUND": True}),
 }
 # The triton_lora (and lora_meta) knobs a variant's seventh element may set; every other variant runs
 # the sixth session's values, which all variants before them ran with.
 KERNEL_KNOBS = {"SHRINK_WARPS": (4, 4), "WIDE_EXPAND": (256, 512), "SHRINK_BLOCK_K": (128, 128), "NUM_STAGES": (3, 3),
                 "SHRINK_ROWS": (), "ONE_PAIR_CHUNKS": (1.5, 2), "EXPAND_ROWS": (), "EXPAND_AHEAD": (False, False),
-                "EXPAND_SPLIT_SUM": "loop",
+                "EXPAND_SPLIT_SUM": "loop", "CHUNK_META_ROUND": False,
                 "launch_shrink": triton_lora.launch_shrink,
                 "launch_expand": triton_lora.launch_expand,
                 "linear_deferred": LlamaModel._linear_deferred, "ONE_LAUNCH": True}
