@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Run here, where pip reaches PyPI: the worker's HTTP stack (what the GPU image lacks: FastAPI,
-# uvicorn, pydantic, the openai client and their needs) as CPython 3.12 x86-64 wheels in .whl/
-# (git-ignored), at the versions installed here. Carry .whl to the GPU machine; bench/gpu_env.sh
+# uvicorn, pydantic, the openai client and those of their needs the image does not hold; it has
+# anyio, annotated-doc, click, h11, httpx, idna, prometheus-client, typing-extensions) as CPython
+# 3.12 x86-64 wheels in .whl/ (git-ignored), at the versions installed here. gpu_env.sh warns when
+# they do not import there. Carry .whl to the GPU machine; bench/gpu_env.sh
 # installs them there, so the HTTP suites (tests/worker/test_api_gpu.py, test_admin_gpu.py) run:
 #   bash bench/gpu_wheels.sh     # here, once
 #   source bench/gpu_env.sh && pytest -m gpu tests/kernels tests/worker tests/bench   # there

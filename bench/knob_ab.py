@@ -113,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not hasattr(triton_lora, args.knob):
         ap.error(f"triton_lora has no {args.knob}")
-    run(args.knob, {p: parse_setting(p) for p in split_settings(args.settings)}, args)
+    parts = split_settings(args.settings)
+    if "" in parts or len(set(parts)) != len(parts):
+        ap.error(f"--settings needs distinct, non-empty values: {args.settings!r}")
+    run(args.knob, {p: parse_setting(p) for p in parts}, args)
     return 0
 
 

@@ -208,7 +208,8 @@ VARIANTS = {
     # or 3 stages or unrolled twice, against the sum after each tile (form 0), on the same defaults
     # (commit b0d4687's `triton_lora.SHRINK_ROWS_SUM`, removed after it: overlap-sweep-rows-sum-h200.json,
     # 64 adapters 0.781 / 0.780 with form 0, 0.742-0.783 with the others; docs/benchmarks-history.md,
-    # twenty-first session). Kept as the row of form 0, the twenty-first session's defaults:
+    # twenty-first session). Kept as the row of form 0, the twenty-first session's defaults (the same
+    # settings as the variant before it; the name is the one that run's rows carry):
     "twenty-first session's defaults, row shrink's K loop 0":
         ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
          {**FOURTEENTH_KNOBS, "SHRINK_BLOCK_K": (256, 128), "EXPAND_AHEAD": (True, False),

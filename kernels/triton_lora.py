@@ -226,8 +226,10 @@ UNROLL_MAX_PARTIAL_BYTES = 12 << 20
 
 
 def partial_read_bytes(num_chunks: int, column_groups: int, split_k: int, rows: int, r_pad: int) -> int:
-    """What an expand launch reads of the shrink's partials, at most: every program (a chunk's
-    column group) reads its chunk's `rows` rows of r_pad fp32 partials from each split."""
+    """About what an expand launch reads of the shrink's partials: every program (a chunk's column
+    group) reads `rows` rows of r_pad fp32 partials from each split (launch_expand passes the chunk
+    size, an upper bound, or 1 for the row-at-a-time expand, whose one-pair steps have a few chunks
+    of 2)."""
     return num_chunks * column_groups * split_k * rows * r_pad * 4
 
 

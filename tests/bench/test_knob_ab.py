@@ -22,3 +22,10 @@ def test_unknown_knob_is_a_usage_error(knob_ab, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         knob_ab.main(["--knob", "NO_SUCH_KNOB", "--settings", "1,2"])
     assert exc.value.code == 2 and "triton_lora has no NO_SUCH_KNOB" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("settings", ["loop,loop", "loop,", "loop,,unroll"])
+def test_repeated_or_empty_settings_are_a_usage_error(knob_ab, capsys, settings) -> None:
+    with pytest.raises(SystemExit) as exc:
+        knob_ab.main(["--knob", "EXPAND_SPLIT_SUM", "--settings", settings])
+    assert exc.value.code == 2 and "distinct, non-empty" in capsys.readouterr().err

@@ -18,11 +18,13 @@ shrink = {"x_ptr": p, "a0_ptr": p, "a1_ptr": p, "a2_ptr": p, **ptrs, "part_ptr":
 expand = {"y_ptr": p, "b0_ptr": p, "b1_ptr": p, "b2_ptr": p, **ptrs, "sorted_scale_ptr": "*fp32",
           "part_ptr": "*fp32", **{n: i32 for n in ("OUT0", "OUT1", "OUT2", "GROUPS0", "GROUPS1", "SPLIT_K",
                                                    "stride_yt", "stride_rs", "stride_ps", "stride_pm")}}
-for pdl in (False, True):
+# (PDL, the chunk meta in one round, the expand's split sum unrolled over 8 splits): the default on
+# Hopper is the second; the others as the knobs can set them.
+for pdl, meta_round, split_sum in ((False, False, 0), (True, False, 8), (True, True, 8), (True, False, 0)):
     for zero, rows in ((False, False), (True, False), (False, True), (True, True)):
         compile_(tk._lora_shrink_kernel, shrink, dict(R_MAX=16, R_PAD=16, R_BLOCKS=1, BLOCK_M=16, BLOCK_K=128, BLOCK_RANK=16,
-                                   UPCAST=False, IEEE=False, PDL=pdl, ZERO=zero, ZERO_BLOCK=1024, ROWS=rows, META_ROUND=pdl),
-                 stages=3)
+                                   UPCAST=False, IEEE=False, PDL=pdl, ZERO=zero, ZERO_BLOCK=1024, ROWS=rows,
+                                   META_ROUND=meta_round), stages=3)
     # (ATOMIC, Y_EARLY, STORE): k > 1; y read before the wait; y read after it (the shrink zeroed
     # it); the storing expand.
     for atomic, early, store in ((True, False, False), (False, True, False), (False, False, False),
@@ -34,7 +36,7 @@ for pdl in (False, True):
                          dict(R_MAX=16, R_PAD=16, R_BLOCK=16, B_RANK_MAJOR=rank_major, BLOCK_M=16,
                               BLOCK_N=256 if rows else 128, N_PER_PROG=256 if rows else 512, UPCAST=False,
                               IEEE=False, ATOMIC=atomic, PDL=pdl, Y_EARLY=early, STORE=store, ROWS=rows,
-                              AHEAD=ahead, SPLIT_SUM=0, META_ROUND=pdl), stages=3)
+                              AHEAD=ahead, SPLIT_SUM=split_sum, META_ROUND=meta_round), stages=3)
             ptx = k.asm["ptx"]
             assert bool(re.search(r"\b(atom|red)\.global", ptx)) == atomic, "atomics only for k > 1"
             # PDL: every program waits for the shrink, those with nothing to do too (the kernels

@@ -259,6 +259,39 @@ def test_chunk_meta_in_one_round_matches_reference(
     torch.testing.assert_close(y_tri.float(), y_ref.float(), **TOL[dtype])
 
 
+@pytest.mark.parametrize(
+    "split_sum,meta_round,tokens,expect", [("unroll", False, 16, 3), ("loop", True, 16, 0), ("unroll", True, 320, 0)],
+    ids=["unrolled", "loop", "past-the-bytes-bound"])
+def test_launches_hand_the_kernels_the_config(split_sum, meta_round, tokens, expect, monkeypatch) -> None:
+    """What the two launches pass for the config's split sum and chunk-meta round: the split count
+    when unrolled, 0 for the loop and for a launch whose partial reads pass UNROLL_MAX_PARTIAL_BYTES
+    (320 tokens on 4 adapters: 20 chunks x 256 column groups x 3 splits x 16 rows x 16 ranks, 15 MiB);
+    META_ROUND to both."""
+    from lorafleet.kernels import triton_lora
+
+    seen: dict[str, dict] = {}
+
+    class Spy:  # stands in for a @triton.jit kernel: kernel[grid](*args, **constexprs)
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.__setitem__(self.name, kw)
+
+    monkeypatch.setattr(triton_lora, "_lora_shrink_kernel", Spy("shrink"))
+    monkeypatch.setattr(triton_lora, "_lora_expand_kernel", Spy("expand"))
+    g = torch.Generator().manual_seed(0)
+    lora_a, lora_b = make_weights(g, 4, 16, 64, [4096], [[16, 16, 16, 16]], torch.float32, "cpu", "rank_major")
+    slots = (torch.arange(tokens) % 4).reshape(tokens, 1).to(torch.int32)
+    meta = build_lora_meta(slots, torch.ones(tokens, 1), 4, device="cpu", chunk_size=16)
+    config = LoraKernelConfig(split_k=3, block_k=32, block_n=16, n_per_prog=16, split_sum=split_sum,
+                              meta_round=meta_round)
+    add_lora_triton(torch.zeros(tokens, 4096), torch.randn(tokens, 64), lora_a, lora_b,
+                    torch.full((1, 4), 16, dtype=torch.int32), meta, config=config)
+    assert seen["expand"]["SPLIT_SUM"] == expect
+    assert seen["shrink"]["META_ROUND"] is meta_round and seen["expand"]["META_ROUND"] is meta_round
+
+
 def test_split_sum_codes() -> None:
     """The expand's SPLIT_SUM constexpr: 0 (the loop) for the loop, for one split, past the unroll
     bound and for launches that would read more partials than UNROLL_MAX_PARTIAL_BYTES; else the
