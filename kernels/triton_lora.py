@@ -218,7 +218,11 @@ EXPAND_AHEAD = (True, False)
 # 1.02x: 15 MB of partials read at once), which the bytes bound keeps on the loop
 # (split-sum-rule-h200.json); one [splits, ...] block load a round instead was slower in most rows
 # (0.97-1.38x). In the engine at batch 64 within the noise (overlap-sweep-split-sum-h200.json: 64
-# adapters 0.774-0.777 -> 0.778-0.779, 8 adapters 0.929-0.930 -> 0.928-0.931).
+# adapters 0.774-0.777 -> 0.778-0.779, 8 adapters 0.929-0.930 -> 0.928-0.931). Its cost: each
+# unrolled split count is a compiled variant of the expand of its own (at the seed shape 2, 4 or 8
+# splits for qkv, o and gate/up, up to 16 and 28 for down), which Triton compiles on first use
+# where the loop needed one; the engine's warm-up covers the few its two prompts meet, and its
+# LoRA decode graphs, captured on first use, compile theirs then.
 SPLIT_SUMS = ("loop", "unroll")
 EXPAND_SPLIT_SUM = "unroll"
 MAX_UNROLLED_SPLITS = 32
