@@ -214,6 +214,12 @@ CASES = [
 def test_triton_matches_reference(
     case_id, tokens, k, d_in, outs, ranks, kind, dtype, chunk_size, config, layout
 ) -> None:
+    check_case((case_id, tokens, k, d_in, outs, ranks, kind, dtype, chunk_size, config), config, layout)
+
+
+def check_case(case: tuple, config: LoraKernelConfig | None, layout: str = "out_major") -> None:
+    """One of CASES through the Triton path (with `config`) against the torch reference."""
+    _case_id, tokens, k, d_in, outs, ranks, kind, dtype, chunk_size, _ = case
     g = torch.Generator().manual_seed(tokens + 7 * k + d_in)
     token_slots = mapping(kind, g, tokens, k, len(ranks[0]))
     _, y_ref, y_tri = run_both(
@@ -232,31 +238,18 @@ SPLIT_CASES = [c for c in CASES if c[-1] is not None and c[-1].split_k > 1]
 @pytest.mark.parametrize("split_sum", ["loop", "unroll"])
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=[c[0] for c in SPLIT_CASES])
 def test_every_split_sum_matches_reference(case, split_sum, splits) -> None:
-    case_id, tokens, k, d_in, outs, ranks, kind, dtype, chunk_size, config = case
-    config = replace(config, split_sum=split_sum, split_k=splits or config.split_k)
-    g = torch.Generator().manual_seed(tokens + 7 * k + d_in)
-    token_slots = mapping(kind, g, tokens, k, len(ranks[0]))
-    _, y_ref, y_tri = run_both(tokens, tokens, k, d_in, outs, ranks, token_slots, dtype, chunk_size, config)
-    assert not torch.isnan(y_tri).any()
-    torch.testing.assert_close(y_tri.float(), y_ref.float(), **TOL[dtype])
+    config = case[-1]
+    check_case(case, replace(config, split_sum=split_sum, split_k=splits or config.split_k))
 
 
-@pytest.mark.parametrize(
-    "case_id,tokens,k,d_in,outs,ranks,kind,dtype,chunk_size,config", CASES, ids=[c[0] for c in CASES])
-def test_chunk_meta_in_one_round_matches_reference(
-    case_id, tokens, k, d_in, outs, ranks, kind, dtype, chunk_size, config, monkeypatch
-) -> None:
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_chunk_meta_in_one_round_matches_reference(case, monkeypatch) -> None:
     """The kernels' early exit on the chunk's slot, start and end together (`meta_round`): padding
     chunks, empty segments and tokens without an adapter come out as without it."""
     from lorafleet.kernels import triton_lora
 
     monkeypatch.setattr(triton_lora, "CHUNK_META_ROUND", True)  # the configs pick_config makes
-    config = config and replace(config, meta_round=True)
-    g = torch.Generator().manual_seed(tokens + 7 * k + d_in)
-    token_slots = mapping(kind, g, tokens, k, len(ranks[0]))
-    _, y_ref, y_tri = run_both(tokens, tokens, k, d_in, outs, ranks, token_slots, dtype, chunk_size, config)
-    assert not torch.isnan(y_tri).any()
-    torch.testing.assert_close(y_tri.float(), y_ref.float(), **TOL[dtype])
+    check_case(case, case[-1] and replace(case[-1], meta_round=True))
 
 
 @pytest.mark.parametrize(
