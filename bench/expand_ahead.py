@@ -1,4 +1,4 @@
-"""The tl.dot expand's loads ahead (`triton_lora.EXPAND_AHEAD`) over the kernel table's cases, on the GPU.
+"""The tl.dot expand's loads ahead (`lora_config.EXPAND_AHEAD`) over the kernel table's cases, on the GPU.
 
     python -m bench.expand_ahead [--settings off,few,all] [--rounds 2] [--min-tokens 16] [--max-adapters N]
                                  [--cases MODULE:TOKENS:ADAPTERS,...] [--out bench/results/expand-ahead-h200.json]

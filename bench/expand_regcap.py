@@ -2,7 +2,7 @@
 
     python -m bench.expand_regcap [--out bench/results/expand-regcap-h200.json]
 
-At rank 16 the row expand (`triton_lora.EXPAND_ROWS`: 512 columns, 2 warps) holds 204 registers a
+At rank 16 the row expand (`lora_config.EXPAND_ROWS`: 512 columns, 2 warps) holds 204 registers a
 thread, so 4 programs fit an SM. Each cap sets `EXPAND_ROWS[2]` (what `pick_config` passes as
 `LoraKernelConfig.expand_maxnreg`) and times every module at 64 tokens on 64 and on 48 rank-16
 adapters (one-pair steps: the rows run) as `bench/kernels.py` times its rows. The uncapped run
@@ -20,7 +20,7 @@ import torch
 from bench.graph_timing import measure_copy_bandwidth
 from bench.kernel_cases import MODULES, Case
 from bench.kernel_runner import run_case
-from lorafleet.kernels import triton_lora
+from lorafleet.kernels import lora_config
 
 CAPS = (None, 144, 160, 168, 176, 192, None)
 SHAPES = ((64, 64), (64, 48))
@@ -32,10 +32,10 @@ def main() -> None:
     args = ap.parse_args()
     bandwidth = measure_copy_bandwidth()
     g = torch.Generator().manual_seed(0)
-    columns, warps = triton_lora.EXPAND_ROWS[:2]
+    columns, warps = lora_config.EXPAND_ROWS[:2]
     rows = []
     for cap in CAPS:
-        triton_lora.EXPAND_ROWS = (columns, warps) if cap is None else (columns, warps, cap)
+        lora_config.EXPAND_ROWS = (columns, warps) if cap is None else (columns, warps, cap)
         cells = []
         for module in MODULES:
             for tokens, adapters in SHAPES:

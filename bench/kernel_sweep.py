@@ -9,7 +9,7 @@ import torch
 
 from bench.kernel_cases import MODULES, Case, case_meta, case_token_slots
 from bench.kernel_runner import run_case
-from lorafleet.kernels.triton_lora import config_for_meta, expand_ahead_for
+from lorafleet.kernels.lora_config import config_for_meta, expand_ahead_for
 
 SWEEP_CASES = [(16, 1), (64, 8), (64, 64), (256, 128)]
 

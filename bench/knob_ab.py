@@ -1,11 +1,11 @@
-"""A `triton_lora` knob's settings timed against each other over the kernel table's cases, on the GPU.
+"""A `lora_config` knob's settings timed against each other over the kernel table's cases, on the GPU.
 
     python -m bench.knob_ab --knob EXPAND_SPLIT_SUM --settings loop,unroll [--rounds 2]
                             [--min-tokens 16] [--max-adapters N] [--cases MODULE:TOKENS:ADAPTERS,...]
                             [--out bench/results/knob-ab-h200.json]
 
 For each case (bench/kernels.py's table with at least --min-tokens tokens, or --cases at rank 16),
-`add_lora_triton` at `pick_config`'s default is timed with the module-level knob `triton_lora.KNOB`
+`add_lora_triton` at `pick_config`'s default is timed with the module-level knob `lora_config.KNOB`
 set to each setting in turn (a setting is a Python literal, or a plain string), --rounds times over,
 settings interleaved within a case so a drift of the machine hits all of them. Timing as in
 bench/kernels.py. Prints each case's median per setting and its ratio to the first; rows
@@ -27,7 +27,7 @@ import torch
 from bench.graph_timing import measure_copy_bandwidth
 from bench.kernel_cases import MODULES, case_meta, case_token_slots, main_cases, parse_cases
 from bench.kernel_runner import run_case
-from lorafleet.kernels import triton_lora
+from lorafleet.kernels import lora_config
 
 
 def parse_setting(text: str) -> object:
@@ -54,8 +54,8 @@ def split_settings(text: str) -> list[str]:
 
 
 def run(knob: str, settings: dict[str, object], args: argparse.Namespace,
-        row_extra: Callable[[triton_lora.LoraKernelConfig], dict] = asdict) -> list[dict]:
-    """Time each case under each setting of `triton_lora.<knob>`; the knob is restored after."""
+        row_extra: Callable[[lora_config.LoraKernelConfig], dict] = asdict) -> list[dict]:
+    """Time each case under each setting of `lora_config.<knob>`; the knob is restored after."""
     cases = parse_cases(args.cases) if args.cases else [
         c for c in main_cases(False)
         if c.tokens >= args.min_tokens and (args.max_adapters is None or c.adapters <= args.max_adapters)]
@@ -65,7 +65,7 @@ def run(knob: str, settings: dict[str, object], args: argparse.Namespace,
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
           f"{knob}: {settings}", flush=True)
     names = list(settings)
-    rows, initial = [], getattr(triton_lora, knob)
+    rows, initial = [], getattr(lora_config, knob)
     try:
         for case in cases:
             d_in, outs = MODULES[case.module]
@@ -74,8 +74,8 @@ def run(knob: str, settings: dict[str, object], args: argparse.Namespace,
             us: dict[str, list[float]] = {s: [] for s in names}
             for rnd in range(args.rounds):
                 for name in names:
-                    setattr(triton_lora, knob, settings[name])
-                    cfg = triton_lora.config_for_meta(meta, len(outs), d_in)
+                    setattr(lora_config, knob, settings[name])
+                    cfg = lora_config.config_for_meta(meta, len(outs), d_in)
                     row = run_case(case, bandwidth, g, config=cfg, baselines=False)
                     us[name].append(row["lora_us"])
                     rows.append({**asdict(case), "setting": name, "round": rnd, "lora_us": row["lora_us"],
@@ -88,14 +88,14 @@ def run(knob: str, settings: dict[str, object], args: argparse.Namespace,
             Path(args.out).write_text(json.dumps(rows, indent=1))
             torch.cuda.empty_cache()
     finally:
-        setattr(triton_lora, knob, initial)
+        setattr(lora_config, knob, initial)
     return rows
 
 
 def parser(description: str, out: str, settings: str | None = None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=description)
     if settings is None:
-        ap.add_argument("--knob", required=True, help="a module-level name in lorafleet.kernels.triton_lora")
+        ap.add_argument("--knob", required=True, help="a module-level name in lorafleet.kernels.lora_config")
         ap.add_argument("--settings", required=True, help="comma-separated values (Python literals or strings)")
     else:
         ap.add_argument("--settings", default=settings)
@@ -111,8 +111,8 @@ def parser(description: str, out: str, settings: str | None = None) -> argparse.
 def main(argv: list[str] | None = None) -> int:
     ap = parser(__doc__.splitlines()[0], "bench/results/knob-ab-h200.json")
     args = ap.parse_args(argv)
-    if not hasattr(triton_lora, args.knob):
-        ap.error(f"triton_lora has no {args.knob}")
+    if not hasattr(lora_config, args.knob):
+        ap.error(f"lora_config has no {args.knob}")
     parts = split_settings(args.settings)
     if "" in parts or len(set(parts)) != len(parts):
         ap.error(f"--settings needs distinct, non-empty values: {args.settings!r}")

@@ -30,14 +30,8 @@ from pathlib import Path
 
 import torch
 
-from lorafleet.kernels.triton_lora import (
-    LoraKernelConfig,
-    config_for_meta,
-    expand_ahead_for,
-    launch_expand,
-    launch_shrink,
-    plan_lora_triton,
-)
+from lorafleet.kernels.lora_config import LoraKernelConfig, config_for_meta, expand_ahead_for
+from lorafleet.kernels.triton_lora import launch_expand, launch_shrink, plan_lora_triton
 
 if __package__ in (None, ""):  # run as a script: make `bench.*` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

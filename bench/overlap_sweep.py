@@ -8,7 +8,7 @@ second stream rather than after it) and `lora_linear.GEMM_SM_CARVEOUT` (SMs the 
 free for the LoRA kernels, with at most and above `lora_linear.FEW_CHUNKS` chunks; only cuBLASLt honours
 it) and where the shrink zeroes the delta rather than a memset launch (`lora_linear.ZERO_IN_SHRINK`:
 never, always, or above FEW_CHUNKS as the engine does), and, from the seventh session's variants
-on, `triton_lora.pick_config`'s knobs (KERNEL_KNOBS), then drops the captured decode graphs and
+on, `lora_config.pick_config`'s knobs (KERNEL_KNOBS), then drops the captured decode graphs and
 times async decode at batch 64 on the seed shape, as `bench/engine.py` does. Rows: variant, adapters, tok/s,
 ratio to the same variant's base-only run (or the first variant's where it has none).
 """
@@ -25,7 +25,7 @@ import torch
 from bench import lora_bytes_only, read_speed_linear
 from bench.engine_build import experiment_engine
 from bench.engine_workload import adapter_sets, decode_run
-from lorafleet.kernels import lora_linear, lora_meta, triton_lora
+from lorafleet.kernels import lora_config, lora_linear, lora_meta, triton_lora
 from lorafleet.worker.models.llama import LlamaModel
 
 # The fourteenth session's kernel knobs (its 168-register variant below), the fifteenth session's baseline.
@@ -185,7 +185,7 @@ VARIANTS = {
         ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
          {**FOURTEENTH_KNOBS, "SHRINK_BLOCK_K": (256, 128)}),
     # The twentieth session: the tl.dot expand's next tile loaded before this one is written
-    # (`triton_lora.EXPAND_AHEAD`), everywhere; measured at commit f1b180c as that commit's
+    # (`lora_config.EXPAND_AHEAD`), everywhere; measured at commit f1b180c as that commit's
     # "expand loads ahead 2", whose programs of one tile took the lookahead too, which none of the
     # engine's 8-adapter decode launches has (overlap-sweep-ahead-h200.json: 8 adapters 0.933 ->
     # 0.932; the decode side path's storing expand loads only B ahead), then only with few chunks
@@ -199,14 +199,14 @@ VARIANTS = {
         ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
          {**FOURTEENTH_KNOBS, "SHRINK_BLOCK_K": (256, 128), "EXPAND_AHEAD": (True, False)}),
     # The twenty-first session: the expand's sum over the shrink's K splits unrolled, every split's
-    # loads in one round (`triton_lora.EXPAND_SPLIT_SUM`), on the twentieth's defaults.
+    # loads in one round (`lora_config.EXPAND_SPLIT_SUM`), on the twentieth's defaults.
     "twentieth session's defaults, splits summed unrolled":
         ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
          {**FOURTEENTH_KNOBS, "SHRINK_BLOCK_K": (256, 128), "EXPAND_AHEAD": (True, False),
           "EXPAND_SPLIT_SUM": "unroll"}),
     # The row shrink (64 adapters) summing across K once, after its last K tile, plain, pipelined in 2
     # or 3 stages or unrolled twice, against the sum after each tile (form 0), on the same defaults
-    # (commit b0d4687's `triton_lora.SHRINK_ROWS_SUM`, removed after it: overlap-sweep-rows-sum-h200.json,
+    # (commit b0d4687's `lora_config.SHRINK_ROWS_SUM`, removed after it: overlap-sweep-rows-sum-h200.json,
     # 64 adapters 0.781 / 0.780 with form 0, 0.742-0.783 with the others; docs/benchmarks-history.md,
     # twenty-first session). Kept as the row of form 0, the twenty-first session's defaults (the same
     # settings as the variant before it; the name is the one that run's rows carry):
@@ -214,14 +214,14 @@ VARIANTS = {
         ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
          {**FOURTEENTH_KNOBS, "SHRINK_BLOCK_K": (256, 128), "EXPAND_AHEAD": (True, False),
           "EXPAND_SPLIT_SUM": "unroll"}),
-    # A chunk's slot, start and end loaded in one round (`triton_lora.CHUNK_META_ROUND`; alone qkv 0.96x
+    # A chunk's slot, start and end loaded in one round (`lora_config.CHUNK_META_ROUND`; alone qkv 0.96x
     # and gate/up 0.98x at 64 tokens on 64 adapters, meta-round*-h200.json), on the same defaults:
     "twenty-first session's defaults, chunk meta in one round":
         ("cublaslt", 1 << 30, (48, 80, 48, 48), "many", (True, True), (True, True),
          {**FOURTEENTH_KNOBS, "SHRINK_BLOCK_K": (256, 128), "EXPAND_AHEAD": (True, False),
           "EXPAND_SPLIT_SUM": "unroll", "CHUNK_META_ROUND": True}),
 }
-# The triton_lora (and lora_meta) knobs a variant's seventh element may set; every other variant runs
+# The lora_config (triton_lora, lora_meta) knobs a variant's seventh element may set; every other variant runs
 # the sixth session's values, which all variants before them ran with.
 KERNEL_KNOBS = {"SHRINK_WARPS": (4, 4), "WIDE_EXPAND": (256, 512), "SHRINK_BLOCK_K": (128, 128), "NUM_STAGES": (3, 3),
                 "SHRINK_ROWS": (), "ONE_PAIR_CHUNKS": (1.5, 2), "EXPAND_ROWS": (), "EXPAND_AHEAD": (False, False),
@@ -256,7 +256,7 @@ def main() -> None:
         lora_linear.GEMM_FIRST = rest[0] if rest else (False, False)
         lora_linear.DELTA_STORE = rest[1] if len(rest) > 1 else (False, False)
         for knob, value in {**KERNEL_KNOBS, **(rest[2] if len(rest) > 2 else {})}.items():
-            home, attr = KNOB_HOMES.get(knob, (triton_lora if hasattr(triton_lora, knob) else lora_meta, knob))
+            home, attr = KNOB_HOMES.get(knob, (next(m for m in (lora_config, triton_lora, lora_meta) if hasattr(m, knob)), knob))
             setattr(home, attr, value)
         lora_linear.FEW_CHUNKS = 0 if zero == "always" else few_chunks
         torch.backends.cuda.preferred_blas_library(blas)

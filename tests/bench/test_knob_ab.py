@@ -21,7 +21,7 @@ def test_settings_keep_tuples_and_read_literals(knob_ab) -> None:
 def test_unknown_knob_is_a_usage_error(knob_ab, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         knob_ab.main(["--knob", "NO_SUCH_KNOB", "--settings", "1,2"])
-    assert exc.value.code == 2 and "triton_lora has no NO_SUCH_KNOB" in capsys.readouterr().err
+    assert exc.value.code == 2 and "lora_config has no NO_SUCH_KNOB" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("settings", ["loop,loop", "loop,", "loop,,unroll"])

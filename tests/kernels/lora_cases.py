@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from lorafleet.kernels.lora_config import LoraKernelConfig
 from lorafleet.kernels.lora_meta import build_lora_meta
 from lorafleet.kernels.lora_ops import add_lora, lora_b_layout, new_lora_b
-from lorafleet.kernels.triton_lora import LoraKernelConfig, add_lora_triton
+from lorafleet.kernels.triton_lora import add_lora_triton
 
 LAYOUTS = ["out_major", "rank_major"]
 

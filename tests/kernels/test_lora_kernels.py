@@ -29,7 +29,7 @@ for pdl, meta_round, split_sum in ((False, False, 0), (True, False, 8), (True, T
     # it); the storing expand.
     for atomic, early, store in ((True, False, False), (False, True, False), (False, False, False),
                                  (False, False, True)):
-        # (B rank-major, a row at a time, the tl.dot loop's loads ahead: triton_lora.EXPAND_AHEAD)
+        # (B rank-major, a row at a time, the tl.dot loop's loads ahead: lora_config.EXPAND_AHEAD)
         for rank_major, rows, ahead in ((False, False, False), (True, False, False), (False, True, False),
                                         (True, True, False), (False, False, True), (True, False, True)):
             k = compile_(tk._lora_expand_kernel, expand,
@@ -52,7 +52,7 @@ for r_tile in (1, 8):
     compile_(tk._lora_expand_kernel, expand, dict(R_MAX=64, R_PAD=16, R_BLOCK=r_tile, B_RANK_MAJOR=True, BLOCK_M=16,
                                                   BLOCK_N=512, N_PER_PROG=512, UPCAST=False, IEEE=False, ATOMIC=False,
                                                   PDL=True, Y_EARLY=True, STORE=False, ROWS=True, AHEAD=False, SPLIT_SUM=0, META_ROUND=True), warps=2, stages=3)
-# The expand's sum over the K splits unrolled (triton_lora.split_sum_code), in the tl.dot and
+# The expand's sum over the K splits unrolled (lora_config.split_sum_code), in the tl.dot and
 # row-at-a-time modes: 28 splits put every split's loads in the code after the wait, where the loop
 # (0) has a few a trip; ptxas then issues them back to back.
 for rows in (False, True):

@@ -14,9 +14,10 @@ from dataclasses import replace
 import pytest
 import torch
 
+from lorafleet.kernels.lora_config import LoraKernelConfig
 from lorafleet.kernels.lora_meta import build_lora_meta
 from lorafleet.kernels.lora_ops import add_lora
-from lorafleet.kernels.triton_lora import LoraKernelConfig, add_lora_triton
+from lorafleet.kernels.triton_lora import add_lora_triton
 from tests.kernels.lora_cases import DEVICE, LAYOUTS, TOL, make_weights, mapping, run_both
 
 # (case id, tokens, k, d_in, outs, ranks per slice, mapping, dtype, chunk_size, config)
@@ -246,9 +247,9 @@ def test_every_split_sum_matches_reference(case, split_sum, splits) -> None:
 def test_chunk_meta_in_one_round_matches_reference(case, monkeypatch) -> None:
     """The kernels' early exit on the chunk's slot, start and end together (`meta_round`): padding
     chunks, empty segments and tokens without an adapter come out as without it."""
-    from lorafleet.kernels import triton_lora
+    from lorafleet.kernels import lora_config
 
-    monkeypatch.setattr(triton_lora, "CHUNK_META_ROUND", True)  # the configs pick_config makes
+    monkeypatch.setattr(lora_config, "CHUNK_META_ROUND", True)  # the configs pick_config makes
     check_case(case, case[-1] and replace(case[-1], meta_round=True))
 
 
@@ -289,7 +290,7 @@ def test_split_sum_codes() -> None:
     """The expand's SPLIT_SUM constexpr: 0 (the loop) for the loop, for one split, past the unroll
     bound and for launches that would read more partials than UNROLL_MAX_PARTIAL_BYTES; else the
     split count."""
-    from lorafleet.kernels.triton_lora import (
+    from lorafleet.kernels.lora_config import (
         MAX_UNROLLED_SPLITS,
         UNROLL_MAX_PARTIAL_BYTES,
         partial_read_bytes,

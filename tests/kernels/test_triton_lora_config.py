@@ -6,55 +6,55 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lorafleet.kernels.lora_config import LoraKernelConfig
 from lorafleet.kernels.lora_meta import build_lora_meta
-from lorafleet.kernels.triton_lora import LoraKernelConfig
 from tests.kernels.lora_cases import DEVICE, make_weights
 
 
 def test_pick_config_runs_the_shrink_a_row_at_a_time_only_where_asked(monkeypatch) -> None:
     """SHRINK_ROWS: for a step of one-pair chunks, decode-sized only, with its K tile and warps;
     never while it is empty."""
-    from lorafleet.kernels import triton_lora
+    from lorafleet.kernels import lora_config
 
-    cfg = triton_lora.pick_config(64, 3, 4096, 16, one_pair=True)
-    assert (cfg.shrink_rows, cfg.block_k, cfg.shrink_warps) == (True, *triton_lora.SHRINK_ROWS)
-    assert not triton_lora.pick_config(64, 3, 4096, 16).shrink_rows  # chunks of several pairs
-    assert not triton_lora.pick_config(64, 3, 4096, 64, one_pair=True).shrink_rows  # prefill chunks
-    monkeypatch.setattr(triton_lora, "SHRINK_ROWS", ())
-    assert not triton_lora.pick_config(64, 3, 4096, 16, one_pair=True).shrink_rows
+    cfg = lora_config.pick_config(64, 3, 4096, 16, one_pair=True)
+    assert (cfg.shrink_rows, cfg.block_k, cfg.shrink_warps) == (True, *lora_config.SHRINK_ROWS)
+    assert not lora_config.pick_config(64, 3, 4096, 16).shrink_rows  # chunks of several pairs
+    assert not lora_config.pick_config(64, 3, 4096, 64, one_pair=True).shrink_rows  # prefill chunks
+    monkeypatch.setattr(lora_config, "SHRINK_ROWS", ())
+    assert not lora_config.pick_config(64, 3, 4096, 16, one_pair=True).shrink_rows
 
 
 def test_pick_config_runs_the_expand_a_row_at_a_time_only_where_asked(monkeypatch) -> None:
     """EXPAND_ROWS: likewise, one B tile of its width a program, with its warps."""
-    from lorafleet.kernels import triton_lora
+    from lorafleet.kernels import lora_config
 
-    monkeypatch.setattr(triton_lora, "EXPAND_ROWS", (256, 8))
-    cfg = triton_lora.pick_config(64, 3, 4096, 16, one_pair=True)
+    monkeypatch.setattr(lora_config, "EXPAND_ROWS", (256, 8))
+    cfg = lora_config.pick_config(64, 3, 4096, 16, one_pair=True)
     assert (cfg.expand_rows, cfg.block_n, cfg.n_per_prog, cfg.expand_warps) == (True, 256, 256, 8)
     assert cfg.expand_maxnreg is None  # no register cap unless EXPAND_ROWS names one
-    monkeypatch.setattr(triton_lora, "EXPAND_ROWS", (256, 8, 168))
-    assert triton_lora.pick_config(64, 3, 4096, 16, one_pair=True).expand_maxnreg == 168
-    assert triton_lora.pick_config(64, 3, 4096, 16).expand_maxnreg is None  # the tl.dot expand: never
-    assert not triton_lora.pick_config(64, 3, 4096, 16).expand_rows  # chunks of several pairs
-    assert not triton_lora.pick_config(64, 3, 4096, 64, one_pair=True).expand_rows  # prefill chunks
-    monkeypatch.setattr(triton_lora, "EXPAND_ROWS", ())
-    assert not triton_lora.pick_config(64, 3, 4096, 16, one_pair=True).expand_rows
+    monkeypatch.setattr(lora_config, "EXPAND_ROWS", (256, 8, 168))
+    assert lora_config.pick_config(64, 3, 4096, 16, one_pair=True).expand_maxnreg == 168
+    assert lora_config.pick_config(64, 3, 4096, 16).expand_maxnreg is None  # the tl.dot expand: never
+    assert not lora_config.pick_config(64, 3, 4096, 16).expand_rows  # chunks of several pairs
+    assert not lora_config.pick_config(64, 3, 4096, 64, one_pair=True).expand_rows  # prefill chunks
+    monkeypatch.setattr(lora_config, "EXPAND_ROWS", ())
+    assert not lora_config.pick_config(64, 3, 4096, 16, one_pair=True).expand_rows
 
 
 def test_pick_config_loads_the_next_expand_tile_ahead_only_where_asked(monkeypatch) -> None:
     """EXPAND_AHEAD: for programs of several tl.dot tiles of at most 16 rows, with few chunks (by
     default) or many."""
-    from lorafleet.kernels import triton_lora
+    from lorafleet.kernels import lora_config
 
-    assert triton_lora.pick_config(8, 3, 4096, 16).expand_ahead  # 8 adapters' decode: 256 columns, 128 a tile
-    assert not triton_lora.pick_config(16, 2, 4096, 64).expand_ahead  # chunks of 64 rows (prefill)
-    assert not triton_lora.pick_config(4, 3, 4096, 16).expand_ahead  # one tile a program
-    assert triton_lora.expand_ahead_for(4, 16, 256, 128)  # ... but with two tiles it would (the sweeps' view)
-    assert not triton_lora.pick_config(64, 3, 4096, 16).expand_ahead  # many chunks
-    monkeypatch.setattr(triton_lora, "EXPAND_AHEAD", (False, True))
-    assert not triton_lora.pick_config(8, 3, 4096, 16).expand_ahead
-    assert triton_lora.pick_config(64, 3, 4096, 16).expand_ahead
-    assert not triton_lora.pick_config(64, 3, 4096, 16, one_pair=True).expand_ahead  # the row expand: never
+    assert lora_config.pick_config(8, 3, 4096, 16).expand_ahead  # 8 adapters' decode: 256 columns, 128 a tile
+    assert not lora_config.pick_config(16, 2, 4096, 64).expand_ahead  # chunks of 64 rows (prefill)
+    assert not lora_config.pick_config(4, 3, 4096, 16).expand_ahead  # one tile a program
+    assert lora_config.expand_ahead_for(4, 16, 256, 128)  # ... but with two tiles it would (the sweeps' view)
+    assert not lora_config.pick_config(64, 3, 4096, 16).expand_ahead  # many chunks
+    monkeypatch.setattr(lora_config, "EXPAND_AHEAD", (False, True))
+    assert not lora_config.pick_config(8, 3, 4096, 16).expand_ahead
+    assert lora_config.pick_config(64, 3, 4096, 16).expand_ahead
+    assert not lora_config.pick_config(64, 3, 4096, 16, one_pair=True).expand_ahead  # the row expand: never
 
 
 @pytest.mark.parametrize("bad,says", [

@@ -10,11 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lorafleet.kernels.lora_config import LoraKernelConfig
 from lorafleet.kernels.lora_linear import linear_lora_deferred
 from lorafleet.kernels.lora_meta import build_lora_meta
 from lorafleet.kernels.lora_ops import add_lora
 from lorafleet.kernels.pdl import pdl_supported
-from lorafleet.kernels.triton_lora import LoraKernelConfig, add_lora_triton
+from lorafleet.kernels.triton_lora import add_lora_triton
 from tests.kernels.lora_cases import HAS_CUDA, LAYOUTS, make_weights, run_both
 
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")

@@ -211,12 +211,12 @@ def test_triton_paths_with_rank_classes_match_torch_on_cpu(demo_model, modules, 
     against the torch reference engine: same tokens, logits within 1e-4. With `rows_from` 0 the
     shrink runs a row at a time in every step of one-pair chunks (the default takes it above 16
     chunks, which these batches never have), keyed apart from the steps of fuller chunks."""
-    from lorafleet.kernels import lora_meta, triton_lora
+    from lorafleet.kernels import lora_config, lora_meta
 
     monkeypatch.setattr(lora_meta, "ONE_PAIR_MIN_CHUNKS", rows_from)
     picked = []
-    pick = triton_lora.pick_config
-    monkeypatch.setattr(triton_lora, "pick_config", lambda *a, **kw: picked.append(pick(*a, **kw)) or picked[-1])
+    pick = lora_config.pick_config
+    monkeypatch.setattr(lora_config, "pick_config", lambda *a, **kw: picked.append(pick(*a, **kw)) or picked[-1])
     eager = _engine(demo_model, modules, "cpu", graphs=False, enable_prefix_caching=False, max_lora_rank=64)
     fast = _engine(demo_model, modules, "cpu", graphs=True, enable_prefix_caching=False, max_lora_rank=64,
                    lora_backend="triton", attention_backend="triton")
