@@ -24,7 +24,7 @@ import torch
 from bench.graph_timing import measure_copy_bandwidth
 from bench.kernel_cases import MODULES, Case, case_meta, case_token_slots
 from bench.kernel_runner import run_case
-from lorafleet.kernels.lora_config import LoraKernelConfig, config_for_meta, expand_ahead_for
+from lorafleet.kernels.lora_config import LoraKernelConfig, config_for_meta, with_expand_tiles
 
 DEFAULT_CASES = ",".join(f"{m}:256:{a}" for a in (1, 8, 64, 128) for m in MODULES)
 
@@ -35,8 +35,7 @@ def configs_for(default: LoraKernelConfig, num_chunks: int, chunk_size: int) -> 
     out = {default}
     for n_per_prog, block_n in ((128, 64), (128, 128), (256, 64), (256, 128), (256, 256), (512, 128),
                                 (512, 512), (1024, 256)):
-        out.add(replace(default, n_per_prog=n_per_prog, block_n=block_n, expand_rows=False,
-                        expand_ahead=expand_ahead_for(num_chunks, chunk_size, n_per_prog, block_n)))
+        out.add(with_expand_tiles(default, num_chunks, chunk_size, n_per_prog, block_n))
     for split_k in {max(1, default.split_k // 2), default.split_k * 2}:
         out.add(replace(default, split_k=split_k))
     out.add(replace(default, expand_warps=8))

@@ -9,7 +9,7 @@ import torch
 
 from bench.kernel_cases import MODULES, Case, case_meta, case_token_slots
 from bench.kernel_runner import run_case
-from lorafleet.kernels.lora_config import config_for_meta, expand_ahead_for
+from lorafleet.kernels.lora_config import config_for_meta, with_expand_tiles
 
 SWEEP_CASES = [(16, 1), (64, 8), (64, 64), (256, 128)]
 
@@ -28,9 +28,7 @@ def sweep(bandwidth: float, g: torch.Generator, cases: list[tuple[int, int]] = S
             for n_per_prog in (128, 256, 512, 1024, 2048, 4096):
                 for block_n in (64, 128, 256):
                     if block_n <= n_per_prog:
-                        configs.add(replace(default, n_per_prog=n_per_prog, block_n=block_n, expand_rows=False,
-                                            expand_ahead=expand_ahead_for(meta.num_chunks, meta.chunk_size,
-                                                                          n_per_prog, block_n)))
+                        configs.add(with_expand_tiles(default, meta.num_chunks, meta.chunk_size, n_per_prog, block_n))
             for split_k in (1, max(1, default.split_k // 2), default.split_k * 2):
                 configs.add(replace(default, split_k=split_k))
             for block_k in (64, 128, 256):

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from lorafleet.kernels.lora_config import LoraKernelConfig, config_for_meta, expand_ahead_for
+from lorafleet.kernels.lora_config import LoraKernelConfig, config_for_meta, with_expand_tiles
 from lorafleet.kernels.triton_lora import launch_expand, launch_shrink, plan_lora_triton
 
 if __package__ in (None, ""):  # run as a script: make `bench.*` importable
@@ -71,8 +71,7 @@ def variants(default: LoraKernelConfig, num_chunks: int, chunk_size: int) -> dic
     for n_per_prog in (128, 256, 512, 1024, 2048):
         for block_n in (64, 128, 256):
             if block_n <= n_per_prog:
-                expand.add(replace(default, n_per_prog=n_per_prog, block_n=block_n, expand_rows=False,
-                                   expand_ahead=expand_ahead_for(num_chunks, chunk_size, n_per_prog, block_n)))
+                expand.add(with_expand_tiles(default, num_chunks, chunk_size, n_per_prog, block_n))
     for warps in (2, 8):
         expand.add(replace(default, expand_warps=warps))
     for stages in (1, 2, 4):

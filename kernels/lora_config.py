@@ -8,7 +8,7 @@ engine). `lorafleet.kernels.triton_lora` plans and launches with a config.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import triton
 
@@ -110,9 +110,16 @@ def config_for_meta(meta: LoraMeta, n_slices: int, in_features: int) -> LoraKern
 
 def expand_ahead_for(num_chunks: int, chunk_size: int, n_per_prog: int, block_n: int, expand_rows: bool = False) -> bool:
     """`pick_config`'s choice of `expand_ahead` for these tiles (EXPAND_AHEAD): the tl.dot expand,
-    chunks of at most 16 rows, several tiles a program; public so launch-config sweeps that change
-    the tiles keep the rule."""
+    chunks of at most 16 rows, several tiles a program (`with_expand_tiles` keeps it for other tiles)."""
     return EXPAND_AHEAD[num_chunks > SHRINK_FEW_CHUNKS] and chunk_size <= 16 and not expand_rows and n_per_prog > block_n
+
+
+def with_expand_tiles(cfg: LoraKernelConfig, num_chunks: int, chunk_size: int, n_per_prog: int,
+                      block_n: int) -> LoraKernelConfig:
+    """cfg with the tl.dot expand's tiles changed (n_per_prog columns a program in block_n tiles),
+    `expand_ahead` as `pick_config`'s rule sets it for them: for launch-config sweeps."""
+    return replace(cfg, n_per_prog=n_per_prog, block_n=block_n, expand_rows=False,
+                   expand_ahead=expand_ahead_for(num_chunks, chunk_size, n_per_prog, block_n))
 
 
 # pick_config's knobs, module-level so bench/overlap_sweep.py can compare them in the engine.

@@ -49,7 +49,11 @@ def test_pick_config_loads_the_next_expand_tile_ahead_only_where_asked(monkeypat
     assert lora_config.pick_config(8, 3, 4096, 16).expand_ahead  # 8 adapters' decode: 256 columns, 128 a tile
     assert not lora_config.pick_config(16, 2, 4096, 64).expand_ahead  # chunks of 64 rows (prefill)
     assert not lora_config.pick_config(4, 3, 4096, 16).expand_ahead  # one tile a program
-    assert lora_config.expand_ahead_for(4, 16, 256, 128)  # ... but with two tiles it would (the sweeps' view)
+    one_tile = lora_config.pick_config(4, 3, 4096, 16)  # ... but a sweep giving it two tiles gets the lookahead
+    assert lora_config.with_expand_tiles(one_tile, 4, 16, 256, 128).expand_ahead
+    assert not lora_config.with_expand_tiles(one_tile, 4, 16, 128, 128).expand_ahead
+    rows = lora_config.pick_config(64, 3, 4096, 16, one_pair=True)  # a sweep's tl.dot tiles for a row-expand step
+    assert rows.expand_rows and not lora_config.with_expand_tiles(rows, 64, 16, 256, 128).expand_rows
     assert not lora_config.pick_config(64, 3, 4096, 16).expand_ahead  # many chunks
     monkeypatch.setattr(lora_config, "EXPAND_AHEAD", (False, True))
     assert not lora_config.pick_config(8, 3, 4096, 16).expand_ahead
