@@ -232,6 +232,16 @@ KERNEL_KNOBS = {"SHRINK_WARPS": (4, 4), "WIDE_EXPAND": (256, 512), "SHRINK_BLOCK
 KNOB_HOMES = {"linear_deferred": (LlamaModel, "_linear_deferred"), "ONE_LAUNCH": (read_speed_linear, "ONE_LAUNCH")}
 
 
+def knob_home(knob: str) -> tuple[object, str]:
+    """Where a variant's knob lives: KNOB_HOMES, else the first of lora_config, triton_lora, lora_meta that has it."""
+    if knob in KNOB_HOMES:
+        return KNOB_HOMES[knob]
+    home = next((m for m in (lora_config, triton_lora, lora_meta) if hasattr(m, knob)), None)
+    if home is None:
+        raise KeyError(f"knob {knob!r} is in none of lora_config, triton_lora, lora_meta")
+    return home, knob
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--adapters", default="0,1,8,64")
@@ -256,8 +266,7 @@ def main() -> None:
         lora_linear.GEMM_FIRST = rest[0] if rest else (False, False)
         lora_linear.DELTA_STORE = rest[1] if len(rest) > 1 else (False, False)
         for knob, value in {**KERNEL_KNOBS, **(rest[2] if len(rest) > 2 else {})}.items():
-            home, attr = KNOB_HOMES.get(knob, (next(m for m in (lora_config, triton_lora, lora_meta) if hasattr(m, knob)), knob))
-            setattr(home, attr, value)
+            setattr(*knob_home(knob), value)
         lora_linear.FEW_CHUNKS = 0 if zero == "always" else few_chunks
         torch.backends.cuda.preferred_blas_library(blas)
         graphs._graphs.clear()  # recapture under this variant's settings
