@@ -212,5 +212,9 @@ def split_sum_code(split_sum: str, split_k: int, partial_bytes: int = 0) -> int:
 # the shrink's data (slot; start, end and rank; tokens; x and A), three with the exit on all three.
 # Alone on the H200 (twenty-first session, `python -m bench.knob_ab --knob CHUNK_META_ROUND`,
 # meta-round-h200.json, meta-round-64-h200.json): 64 tokens on 64 adapters qkv 0.96x, gate/up 0.98x,
-# o and down 0.99-1.00x; the few-adapter rows 0.99-1.03x. Off until timed in the engine.
-CHUNK_META_ROUND = False
+# o and down 0.99-1.00x; the few-adapter rows 0.99-1.03x (qkv at 16 tokens on 1 adapter the 1.03x).
+# In the engine (twenty-second session, `python -m bench.overlap_sweep --variants 62,63 --adapters 0,1,8,64
+# --repeats 3 --new-tokens 128`, overlap-sweep-meta-round-h200.json), on against off in each of three
+# passes: 64 adapters 0.783/0.781/0.779 vs 0.783/0.777/0.777 of base-only, 8 adapters 0.940/0.936/0.937
+# vs 0.938/0.932/0.935: never behind, by noise-sized margins. On.
+CHUNK_META_ROUND = True
