@@ -1,7 +1,8 @@
 """Admin routes (bearer token): load and unload adapters with vLLM's request shapes, and the
 `GET /v1/adapters` inventory the router and the operator read.
 
-Load: `lora_path` must resolve (realpath, so `..` and symlinks are followed first) inside
+Load: `lora_name` may not be the base model's served name (`model` naming it means the base).
+`lora_path` must resolve (realpath, so `..` and symlinks are followed first) inside
 `--adapter-root`; a relative path is taken relative to it. The folder is validated and read in a
 thread before anything is evicted. Same name and same content → 200 (`created: false`); same name
 and different content → 409 (unless `load_inplace` and no request uses the old version). Identical
@@ -66,6 +67,10 @@ def resolve_adapter_path(lora_path: str, adapter_root: str | None) -> str:
 @router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(body: LoadLoraAdapterRequest, runtime: Admin) -> dict:
     runtime.require_engine()
+    base = runtime.settings.model_name
+    if body.lora_name == base:  # such an adapter could never be asked for
+        raise ApiError(400, f"lora_name {base!r} is the base model's name; choose another", param="lora_name",
+                       reason="base_model_name")
     path = resolve_adapter_path(body.lora_path, runtime.settings.adapter_root)
     key = (body.lora_name, path, body.load_inplace)
     task = runtime.loads.get(key)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -80,17 +82,35 @@ async def models(runtime: Runtime) -> dict[str, Any]:
 
 
 def _prepare_prompts(runtime: WorkerRuntime, prompts: list[str | list[int]]) -> list[list[int]]:
-    """Tokenize here (the tokenizer is safe to share) so max_tokens can default to the room left."""
+    """Tokenize here (the tokenizer is safe to share) so max_tokens can default to the room left.
+
+    Called in a thread (`asyncio.to_thread`): a 1 MB prompt takes ~0.4 s to tokenize, which on the
+    event loop stalled every other request's stream.
+    """
     engine = runtime.require_engine().engine
     if len(prompts) > runtime.settings.max_request_prompts:
         raise ApiError(400, f"at most {runtime.settings.max_request_prompts} prompts per request", param="prompt")
+    for p in prompts:  # all of them before tokenizing any
+        if isinstance(p, str):
+            engine.check_prompt_chars(len(p))
     out = []
     for p in prompts:
-        ids = engine.tokenizer.encode(p) if isinstance(p, str) else list(p)
+        ids = engine.tokenize(p) if isinstance(p, str) else list(p)
         if not ids:
             raise ApiError(400, "the prompt is empty", param="prompt")
         out.append(ids)
     return out
+
+
+def _prepare_chat(runtime: WorkerRuntime, body: oai.ChatCompletionRequest) -> list[int]:
+    """The chat template applied and tokenized, in a thread like `_prepare_prompts`; messages too
+    long to fit are refused before the template runs."""
+    engine = runtime.require_engine().engine
+    messages = body.template_messages()
+    engine.check_prompt_chars(sum(len(m["content"]) for m in messages))
+    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+    (ids,) = _prepare_prompts(runtime, [text])
+    return ids
 
 
 @router.post("/v1/completions")
@@ -99,24 +119,23 @@ async def completions(body: oai.CompletionRequest, request: Request, runtime: Ru
     model = body.model or runtime.settings.model_name
     try:
         adapters = resolve_adapters(body.model, body.lora_adapters, runtime.settings)
-        prompts = _prepare_prompts(runtime, body.prompts())
+        prompts = await asyncio.to_thread(_prepare_prompts, runtime, body.prompts())
         # OpenAI's (and vLLM's) default for the legacy completions endpoint is 16 tokens.
         sampling = [body.sampling(body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs)] * len(prompts)
     except Exception as exc:  # noqa: BLE001 - mapped to 4xx; a bug re-raises
         raise from_engine(exc) from None
     streams = await submit_all(engine, prompts, sampling, adapters)
     rid = oai.new_id("cmpl")
-    token_text = _token_text(runtime)
+    token_text, token_bytes = _token_text(runtime), _token_bytes(runtime)
+    offsets = [oai.TextOffsets(token_bytes) for _ in prompts]
 
     if body.stream:
         created = oai.now()
-        offsets = [0] * len(prompts)
 
         def chunk(i: int, out: RequestOutput) -> list[dict]:
             lp = None
             if body.logprobs is not None and out.logprobs:
                 lp = oai.completion_logprobs(out.logprobs, token_text, offsets[i])
-                offsets[i] += sum(len(t) for t in lp["tokens"])
             if not out.text_delta and not out.finished and lp is None:
                 return []
             return [oai.completion_chunk(rid, created, model, i, out.text_delta, out.finish_reason, lp)]
@@ -130,7 +149,7 @@ async def completions(body: oai.CompletionRequest, request: Request, runtime: Ru
     results = await collect(request, streams)
     choices = []
     for i, r in enumerate(results):
-        lp = oai.completion_logprobs(r.logprobs, token_text) if body.logprobs is not None else None
+        lp = oai.completion_logprobs(r.logprobs, token_text, offsets[i]) if body.logprobs is not None else None
         choices.append({"index": i, "text": "".join(r.text), "logprobs": lp, "finish_reason": r.finish_reason})
     use = oai.usage(sum(r.prompt_tokens for r in results), sum(r.generated for r in results))
     return JSONResponse(oai.completion_response(rid, model, choices, use))
@@ -142,10 +161,7 @@ async def chat_completions(body: oai.ChatCompletionRequest, request: Request, ru
     model = body.model or runtime.settings.model_name
     try:
         adapters = resolve_adapters(body.model, body.lora_adapters, runtime.settings)
-        text = engine.engine.tokenizer.apply_chat_template(
-            body.template_messages(), add_generation_prompt=body.add_generation_prompt
-        )
-        (ids,) = _prepare_prompts(runtime, [text])
+        ids = await asyncio.to_thread(_prepare_chat, runtime, body)
         k = body.logprobs_k()
         max_tokens = body.max_completion_tokens or body.max_tokens
         sampling = body.sampling(max_tokens or default_max_tokens(engine.engine.max_model_len, len(ids)), k)
@@ -153,14 +169,14 @@ async def chat_completions(body: oai.ChatCompletionRequest, request: Request, ru
         raise from_engine(exc) from None
     streams = await submit_all(engine, [ids], [sampling], adapters)
     rid = oai.new_id("chatcmpl")
-    token_text = _token_text(runtime)
+    token_text, token_bytes = _token_text(runtime), _token_bytes(runtime)
 
     if body.stream:
         created = oai.now()
         first = [oai.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None)]
 
         def chunk(_i: int, out: RequestOutput) -> list[dict]:
-            lp = oai.chat_logprobs(out.logprobs, token_text) if k is not None and out.logprobs else None
+            lp = oai.chat_logprobs(out.logprobs, token_text, token_bytes) if k is not None and out.logprobs else None
             chunks = []
             if out.text_delta or lp is not None:
                 chunks.append(oai.chat_chunk(rid, created, model, {"content": out.text_delta}, None, lp))
@@ -175,15 +191,19 @@ async def chat_completions(body: oai.ChatCompletionRequest, request: Request, ru
         return streaming_response(stream_events(streams, chunk, final, first))
 
     (r,) = await collect(request, streams)
-    lp = oai.chat_logprobs(r.logprobs, token_text) if k is not None else None
+    lp = oai.chat_logprobs(r.logprobs, token_text, token_bytes) if k is not None else None
     return JSONResponse(oai.chat_response(rid, model, "".join(r.text), r.finish_reason, lp,
                                           oai.usage(r.prompt_tokens, r.generated)))
 
 
-def _token_text(runtime: WorkerRuntime):
+def _token_text(runtime: WorkerRuntime) -> Callable[[int], str]:
     tokenizer = runtime.require_engine().engine.tokenizer
 
     def text(token_id: int) -> str:
         return tokenizer.decode([token_id], skip_special_tokens=False)
 
     return text
+
+
+def _token_bytes(runtime: WorkerRuntime) -> Callable[[int], bytes]:
+    return runtime.require_engine().engine.tokenizer.token_bytes

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -71,13 +72,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status, exc.message, exc.param, exc.reason, headers)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_request: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        where = ".".join(loc)
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", "invalid request"))
-        return error_response(400, message, param=where or None)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        message, param = validation_message(exc.errors(), request.headers.get("content-type"))
+        return error_response(400, message, param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, exc: StarletteHTTPException):
@@ -87,3 +84,25 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def internal_error(_request: Request, exc: Exception):
         log.exception("internal error")
         return error_response(500, f"internal error: {type(exc).__name__}")
+
+
+def validation_message(errors: Sequence[Any], content_type: str | None) -> tuple[str, str | None]:
+    """The first validation error as `(message, param)`, `param` being its dotted field path.
+
+    A body not sent as `application/json` is not parsed (FastAPI's strict content type: a browser
+    may send text/plain or a form cross-site without a CORS preflight), so the body as a whole
+    fails, as "Input should be a valid dictionary"; say what to send instead.
+    """
+    first = errors[0] if errors else {}
+    loc = tuple(first.get("loc", ()))
+    if loc == ("body",) and not _is_json(content_type):
+        sent = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+        return f"the request body must be JSON sent with Content-Type: application/json ({sent} was sent)", None
+    where = ".".join(str(p) for p in loc if p != "body")
+    msg = str(first.get("msg", "invalid request"))
+    return (f"{where}: {msg}" if where else msg), where or None
+
+
+def _is_json(content_type: str | None) -> bool:
+    media = (content_type or "").split(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))

@@ -72,6 +72,9 @@ class LLMEngine:
         self.tokenizer = Tokenizer(tokenizer_dir or model_dir)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
+        # Longer text cannot fit even if every token were the vocabulary's longest: it is refused
+        # before tokenizing (20 MB took 20 s to tokenize, only to be refused for its length).
+        self.max_prompt_chars = self.max_model_len * self.tokenizer.max_token_chars
 
         if self.device.type == "cuda":
             prefer_blas(os.environ.get("LORAFLEET_BLAS", "cublaslt"))
@@ -205,6 +208,19 @@ class LLMEngine:
         return elapsed
 
     # -- requests ------------------------------------------------------------------------------
+    def check_prompt_chars(self, chars: int) -> None:
+        """Raises RequestError for text too long to fit the context, whatever its tokens."""
+        if chars > self.max_prompt_chars:
+            raise RequestError(
+                f"the prompt is {chars} characters long; at most {self.max_prompt_chars} characters can fit "
+                f"this model's context of {self.max_model_len} tokens"
+            )
+
+    def tokenize(self, prompt: str) -> list[int]:
+        """Token ids of `prompt`, refused first if it is too long to fit (safe from any thread)."""
+        self.check_prompt_chars(len(prompt))
+        return self.tokenizer.encode(prompt)
+
     def add_request(
         self,
         prompt: str | list[int],
@@ -213,11 +229,14 @@ class LLMEngine:
     ) -> int:
         """Queue a request; returns its id. Raises RequestError / AdapterNotFound before queueing."""
         sampling = sampling or SamplingParams()
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise RequestError("the prompt is empty")
-        if any(not 0 <= t < self.model_config.vocab_size for t in ids):
-            raise RequestError(f"prompt token ids must be in 0..{self.model_config.vocab_size - 1}")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise RequestError(f"prompt token ids must be in 0..{vocab - 1}")
+        if any(not 0 <= t < vocab for t in sampling.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be in 0..{vocab - 1}")
         if len(ids) + sampling.max_tokens > self.max_model_len:
             raise RequestError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the model's "
@@ -237,7 +256,13 @@ class LLMEngine:
         salt = "|".join(f"{n}#{self.registry.entries[n].generation}*{s!r}" for n, s in adapters)
         seq = Sequence(seq_id=next(self._ids), prompt_ids=ids, sampling=sampling, adapters=adapters,
                        cache_salt=salt, arrival=time.monotonic())
-        self._tracked[seq.seq_id] = TrackedRequest(seq, IncrementalDetokenizer(self.tokenizer, ids))
+        try:  # a seeded request's generator now: a seed torch refuses fails this request, not a step
+            self.runner.generator_for(seq)
+        except (RuntimeError, ValueError, OverflowError) as exc:
+            self.registry.release(seq.adapter_names)
+            raise RequestError(f"seed {sampling.seed} cannot seed a random generator: {exc}") from None
+        stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self._eos_ids)
+        self._tracked[seq.seq_id] = TrackedRequest(seq, IncrementalDetokenizer(self.tokenizer, ids), stop_ids)
         self.scheduler.add(seq)
         return seq.seq_id
 
@@ -302,7 +327,7 @@ class LLMEngine:
         seq.output_ids.append(token)
         self.generated_tokens += 1
         reason = None
-        stop_token = (not sp.ignore_eos and token in self._eos_ids) or token in sp.stop_token_ids
+        stop_token = token in tracked.stop_ids
         if stop_token:
             reason = "stop"
         elif len(seq.output_ids) >= sp.max_tokens or len(seq) >= self.max_model_len:

@@ -1,13 +1,27 @@
 """OpenAI request bodies (with vLLM's extra sampling fields and the RFC's `lora_adapters`) and the
-response / stream-chunk shapes, as plain builders. Torch-free; raw dicts only at this boundary."""
+response / stream-chunk shapes, as plain builders. Torch-free; raw dicts only at this boundary.
+
+Request fields keep JSON's types (pydantic's strict mode): `max_tokens: true` or `"stream": "false"`
+is a 400, not 1 or false by coercion.
+"""
 
 from __future__ import annotations
 
+import codecs
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from lorafleet.protocol import LoraAdapterRef
 from lorafleet.worker.sampling import TokenLogprobs
@@ -23,7 +37,7 @@ class UnsupportedField(ValueError):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     include_usage: bool = False
 
@@ -31,7 +45,7 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     """Fields shared by completions and chat; unknown fields are ignored, as OpenAI and vLLM do."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -84,12 +98,24 @@ class _SamplingFields(BaseModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
+PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+
+
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt_shape(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """One message naming the four shapes, not the first union member's ("prompt.str: ...")."""
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("prompt_type", f"must be {PROMPT_SHAPES}") from None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -112,14 +138,14 @@ class CompletionRequest(_SamplingFields):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -131,8 +157,10 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         for part in self.content:
-            if part.type != "text" or part.text is None:
+            if part.type != "text":
                 raise UnsupportedField("messages", f"content part type {part.type!r} is not supported (text only)")
+            if part.text is None:
+                raise ValueError("a content part of type 'text' is missing its 'text' string")
         return "".join(part.text or "" for part in self.content)
 
 
@@ -173,26 +201,38 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def completion_logprobs(lps: list[TokenLogprobs], token_text, offset: int = 0) -> dict[str, Any]:
+class TextOffsets:
+    """Where each generated token starts in the text, in characters, one request's tokens after
+    another (kept across stream chunks). Counted over the tokens' bytes: a token holding part of a
+    character has no text of its own (its decoded text is U+FFFD), so each character counts once,
+    and a token starts at the character holding its first byte."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes]) -> None:
+        self._token_bytes = token_bytes
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._chars = 0
+
+    def next(self, token_id: int) -> int:
+        start = self._chars
+        self._chars += len(self._utf8.decode(self._token_bytes(token_id)))
+        return start
+
+
+def completion_logprobs(lps: list[TokenLogprobs], token_text: Callable[[int], str],
+                        offsets: TextOffsets) -> dict[str, Any]:
     """OpenAI's legacy completions logprobs: parallel lists per generated token."""
-    tokens, offsets = [], []
-    for lp in lps:
-        offsets.append(offset)
-        text = token_text(lp.token_id)
-        tokens.append(text)
-        offset += len(text)
     return {
-        "tokens": tokens,
+        "tokens": [token_text(lp.token_id) for lp in lps],
         "token_logprobs": [lp.logprob for lp in lps],
         "top_logprobs": [{token_text(t): v for t, v in lp.top} if lp.top else None for lp in lps],
-        "text_offset": offsets,
+        "text_offset": [offsets.next(lp.token_id) for lp in lps],
     }
 
 
-def chat_logprobs(lps: list[TokenLogprobs], token_text) -> dict[str, Any]:
+def chat_logprobs(lps: list[TokenLogprobs], token_text: Callable[[int], str],
+                  token_bytes: Callable[[int], bytes]) -> dict[str, Any]:
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": token_text(token_id), "logprob": logprob, "bytes": list(token_bytes(token_id))}
 
     return {
         "content": [

@@ -40,10 +40,12 @@ class Completion:
 
 @dataclass(slots=True)
 class TrackedRequest:
-    """A request the engine tracks: its sequence, its detokenizer, the text returned so far."""
+    """A request the engine tracks: its sequence, its detokenizer, its stop tokens, the text
+    returned so far."""
 
     seq: Sequence
     detok: IncrementalDetokenizer
+    stop_ids: frozenset[int] = frozenset()  # stop_token_ids, and EOS unless ignore_eos: checked per token
     emitted: int = 0  # characters of text already returned
 
     def text_delta(self, reason: str | None, stop_token: bool) -> tuple[str, str | None]:

@@ -55,7 +55,7 @@ def sample(
     generators: list[torch.Generator | None],  # a row's own generator (seeded requests), else None
     greedy: GreedyPick | None = None,
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """One token per row. Rows with temperature 0 (or top_k 1) take the argmax.
+    """One token per row. Greedy rows (temperature below 1e-5, or top_k 1) take the argmax.
 
     A sampled row with a generator draws from it; one without draws from the device's shared
     generator. A row whose logits are not finite (an overflow in half precision) gets token -1:

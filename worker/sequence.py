@@ -12,6 +12,16 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+# torch's generators take a seed in this range (negative ones wrap to 2**64 + seed); outside it
+# `manual_seed` raised inside the engine step, failing every request of the batch.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# Below this temperature a request is greedy, as in vLLM: in float32 a smaller one is 0 or
+# subnormal, and logits / temperature overflows.
+MIN_TEMPERATURE = 1e-5
+# vLLM has no cap; 8 requests of 200,000 ids each slowed a whole worker (a scan per token).
+MAX_STOP_TOKEN_IDS = 64
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """OpenAI-style sampling knobs; validated at construction so a bad request fails before queueing."""
@@ -35,6 +45,10 @@ class SamplingParams:
             (self.top_k >= 0, "top_k must be >= 0"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in 0..20"),
             (len(self.stop) <= 16 and all(self.stop), "stop: at most 16 non-empty strings"),
+            (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+             f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids ({len(self.stop_token_ids)} given)"),
+            (self.seed is None or SEED_MIN <= self.seed <= SEED_MAX,
+             f"seed must be in {SEED_MIN}..{SEED_MAX}, the range torch's generators take"),
         ]
         for ok, message in checks:
             if not ok:
@@ -42,7 +56,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
 
 @dataclass(slots=True)

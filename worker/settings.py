@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lorafleet.worker.config import EngineConfig
+from lorafleet.worker.config import ConfigError, EngineConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +23,12 @@ class WorkerSettings:
     # Once the engine is built, take start-up's objects out of the cycle collector (gc_freeze.py).
     # Off only where many workers start in one process (tests).
     freeze_gc: bool = True
+
+    def __post_init__(self) -> None:
+        # `model: <base name>` means the base model, so an adapter of that name could never be asked for.
+        if any(name == self.model_name for name, _ in self.lora_modules):
+            raise ConfigError(f"--lora-modules: adapter name {self.model_name!r} is the base model's served name "
+                              "(--served-model-name, else --model); choose another")
 
     @property
     def model_name(self) -> str:

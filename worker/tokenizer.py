@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 # Used when the folder has no chat template (documented in the README).
@@ -34,9 +35,26 @@ class Tokenizer:
         self.chat_template: str = template or DEFAULT_CHAT_TEMPLATE
         self.has_own_chat_template = template is not None
         self.vocab_size = self._tok.get_vocab_size()
+        # The most characters one token stands for: a piece's length bounds its text's (a byte-level
+        # piece has a character per byte; "▁" is one space; "<0xE2>" is less than one character).
+        self.max_token_chars = max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+        self._added_ids = frozenset(self._tok.get_added_tokens_decoder())
+        self._pieces = _PieceDecoding.of(self._tok.decoder)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """Raises ValueError for text UTF-8 cannot hold (a lone surrogate, from JSON's "\\ud800").
+
+        `encode_batch` because it lets go of the GIL (`encode` holds it): a server tokenizing in a
+        thread keeps its event loop serving.
+        """
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"the text has a lone surrogate U+{ord(text[exc.start]):04X} at character {exc.start}: it is not "
+                "valid Unicode (a \\uD800-\\uDFFF escape is only valid as half of a surrogate pair)"
+            ) from None
+        ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id, *ids]
         return ids
@@ -46,6 +64,16 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str:
         return self._tok.id_to_token(token_id) or ""
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (OpenAI's logprobs `bytes`): with byte-level or byte-fallback
+        pieces a token may hold part of a UTF-8 character, which `decode([token_id])` turns into
+        U+FFFD; these bytes, concatenated over tokens, are the text's."""
+        piece = self.id_to_token(token_id)
+        if token_id in self._added_ids:
+            return piece.encode()
+        raw = self._pieces.bytes_of(piece)
+        return raw if raw is not None else self.decode([token_id], skip_special_tokens=False).encode()
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         import jinja2
@@ -66,6 +94,55 @@ class Tokenizer:
             )
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template failed: {exc}") from None
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: a character per byte, printable ones standing for themselves
+    and the others (controls, space, ...) moved to 256 upwards in their order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {chr(b): b for b in kept} | {chr(256 + i): b for i, b in enumerate(moved)}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class _PieceDecoding:
+    """How a tokenizer's decoder turns one vocabulary piece into bytes, read from its settings:
+    byte-level (GPT-2, Llama 3, Qwen), or SentencePiece's "▁" for a space with byte-fallback
+    pieces (Llama 2, Mistral). Other decoders: None (the caller decodes the token as text)."""
+
+    def __init__(self, byte_level: bool, byte_fallback: bool, replace: list[tuple[str, str]]) -> None:
+        self.byte_level = byte_level
+        self.byte_fallback = byte_fallback
+        self.replace = replace
+
+    @classmethod
+    def of(cls, decoder: object | None) -> _PieceDecoding:
+        pending = [json.loads(decoder.__getstate__())] if decoder is not None else []
+        kinds, replace = set(), []
+        while pending:
+            d = pending.pop(0)
+            kinds.add(d.get("type"))
+            pending.extend(d.get("decoders") or ())
+            if d.get("type") == "Replace" and "String" in (d.get("pattern") or {}):
+                replace.append((d["pattern"]["String"], d.get("content", "")))
+            elif d.get("type") == "Metaspace":
+                replace.append((d.get("replacement", "▁"), " "))
+        return cls("ByteLevel" in kinds, "ByteFallback" in kinds, replace)
+
+    def bytes_of(self, piece: str) -> bytes | None:
+        if self.byte_level:
+            raw = [_BYTE_LEVEL.get(c) for c in piece]
+            return None if None in raw else bytes(raw)  # type: ignore[arg-type]
+        if self.byte_fallback and (m := _BYTE_PIECE.fullmatch(piece)):
+            return bytes([int(m[1], 16)])
+        if not (self.byte_fallback or self.replace):
+            return None
+        for old, new in self.replace:
+            piece = piece.replace(old, new)
+        return piece.encode()
 
 
 def _token_text(value: object) -> str | None:

@@ -254,6 +254,19 @@ def test_unload_with_request_in_flight_finishes_it(worker):
     wait_for(lambda: inventory(worker)["num_requests_running"] == 0)
 
 
+def test_an_adapter_named_after_the_base_model_is_refused(worker):
+    """`model: "demo"` means the base model: an adapter under that name could never be asked for,
+    and `/v1/models` listed the name twice."""
+    r = load(worker, "demo", "poem")
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "lora_name" and err["reason"] == "base_model_name"
+    assert "'demo'" in err["message"] and "base model" in err["message"]
+    ids = [m["id"] for m in httpx.get(f"{worker.url}/v1/models").json()["data"]]
+    assert ids.count("demo") == 1
+    assert "demo" not in {a["name"] for a in inventory(worker)["adapters"]}
+
+
 def test_validation_error_bodies_are_400(worker):
     for body in ({}, {"lora_name": "x"}, {"lora_name": "../x", "lora_path": "poem"}, {"lora_name": "x", "lora_path": ""}):
         r = httpx.post(f"{worker.admin_url}/v1/load_lora_adapter", json=body, headers=auth())

@@ -148,6 +148,57 @@ def test_logprobs(client, offline):
     assert all(e.logprob >= e.top_logprobs[0].logprob - 1e-5 for e in content)
 
 
+SPLIT_TEXT = "✓ café, wörld ☃"  # byte-level BPE splits these characters over several tokens
+
+
+def forcing(tokens: list[int]):
+    """A logits hook under which greedy decoding emits `tokens`, one per step."""
+
+    def hook(seqs, logits):
+        for row, seq in enumerate(seqs):
+            if len(seq.output_ids) < len(tokens):
+                logits[row] = -20.0
+                logits[row, tokens[len(seq.output_ids)]] = 20.0
+
+    return hook
+
+
+def test_logprobs_bytes_are_each_tokens_own_bytes(worker, offline):
+    """A token holding part of a character: chat's `bytes` are that part (they were U+FFFD's
+    239, 191, 189), so a response's bytes add up to its content; completions' `text_offset`
+    counts each character once, at the token holding its first byte, streamed or not."""
+    tok = offline.tokenizer
+    forced = tok.encode(SPLIT_TEXT, add_special_tokens=False)
+    assert sum(tok.decode([t]) == "\ufffd" for t in forced) >= 4
+    common = {"model": "demo", "max_tokens": len(forced), "temperature": 0, "ignore_eos": True}
+    worker.engine.logits_hook = forcing(forced)
+    try:
+        chat = httpx.post(f"{worker.url}/v1/chat/completions", timeout=30, json={
+            **common, "messages": MESSAGES, "logprobs": True, "top_logprobs": 2}).json()
+        plain = httpx.post(f"{worker.url}/v1/completions", timeout=30, json={**common, "prompt": PROMPT, "logprobs": 1})
+        with httpx.stream("POST", f"{worker.url}/v1/completions", timeout=30,
+                          json={**common, "prompt": PROMPT, "logprobs": 1, "stream": True}) as r:
+            events = [json.loads(ln.removeprefix("data: ")) for ln in r.iter_lines()
+                      if ln.startswith("data: ") and ln != "data: [DONE]"]
+    finally:
+        worker.engine.logits_hook = None
+
+    assert chat["choices"][0]["message"]["content"] == SPLIT_TEXT
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == len(forced)
+    assert b"".join(bytes(e["bytes"]) for e in content) == SPLIT_TEXT.encode()
+    assert all(e["top_logprobs"][0]["bytes"] == e["bytes"] for e in content)  # greedy: the chosen one is first
+
+    choice = plain.json()["choices"][0]
+    assert choice["text"] == SPLIT_TEXT
+    raw = SPLIT_TEXT.encode()
+    starts = [sum(len(bytes(e["bytes"])) for e in content[:i]) for i in range(len(content))]
+    want = [len(raw[:b].decode("utf-8", errors="ignore")) for b in starts]  # the character holding byte b
+    assert choice["logprobs"]["text_offset"] == want
+    streamed = [o for e in events for o in (e["choices"][0]["logprobs"] or {}).get("text_offset", [])]
+    assert streamed == want
+
+
 # -- errors: OpenAI envelope, 4xx, never a 500 --------------------------------------------------------
 
 

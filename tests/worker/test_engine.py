@@ -115,6 +115,51 @@ def test_request_errors(engine):
     assert all(e.in_flight == 0 for e in engine.registry.entries.values())
 
 
+def test_stop_token_ids_are_capped_and_checked_against_the_vocabulary(engine):
+    vocab = engine.model_config.vocab_size
+    with pytest.raises(ValueError, match="at most 64"):
+        SamplingParams(stop_token_ids=(7,) * 65)
+    for bad in ((vocab,), (3, -1)):
+        with pytest.raises(RequestError, match=f"stop_token_ids must be in 0..{vocab - 1}"):
+            engine.add_request("hi", SamplingParams(stop_token_ids=bad))
+    assert not engine.has_unfinished()
+    assert all(e.in_flight == 0 for e in engine.registry.entries.values())
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
+def test_a_seed_outside_torchs_range_is_refused_with_its_request(seed):
+    with pytest.raises(ValueError, match="seed must be in -9223372036854775808..18446744073709551615"):
+        SamplingParams(seed=seed)
+
+
+def test_a_generator_that_cannot_be_seeded_fails_its_request_only(engine, monkeypatch):
+    """Defence in depth: a seeded request gets its generator when it is queued, so a seed torch
+    refuses fails that request (RequestError), never the step that would have sampled it."""
+    def refuse(seq):
+        raise RuntimeError("no generator for you")
+
+    monkeypatch.setattr(engine.runner, "generator_for", refuse)
+    with pytest.raises(RequestError, match="seed 5.*no generator for you"):
+        engine.add_request("hi", SamplingParams(seed=5), [("sql", 1.0)])
+    monkeypatch.undo()
+    assert not engine.has_unfinished() and engine.registry.entries["sql"].in_flight == 0
+    assert not engine.runner._generators
+    out = engine.generate(["hi"], SamplingParams(max_tokens=4, seed=5, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
+
+
+def test_text_that_cannot_fit_is_refused_before_tokenizing(engine, monkeypatch):
+    limit = engine.max_prompt_chars
+    assert limit == engine.max_model_len * engine.tokenizer.max_token_chars
+    longest = max(range(engine.tokenizer.vocab_size), key=lambda t: len(engine.tokenizer.id_to_token(t)))
+    # Even text made of the longest token only needs more than max_model_len tokens past the limit.
+    piece = engine.tokenizer.decode([longest], skip_special_tokens=False)
+    assert len(engine.tokenizer.encode(piece * (limit // len(piece) + 1), add_special_tokens=False)) > engine.max_model_len
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda *a, **k: pytest.fail("tokenized"))
+    with pytest.raises(RequestError, match=f"at most {limit} characters"):
+        engine.add_request("x" * (limit + 1))
+
+
 def test_abort_frees_blocks_and_adapter(engine):
     rid = engine.add_request("Hello world", GREEDY, [("sql", 1.0)])
     engine.step()

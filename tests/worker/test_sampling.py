@@ -214,6 +214,19 @@ def test_mixed_greedy_and_sampled_rows(device):
     assert any(hot)  # temperature 5 wanders off the argmax
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 1e-45, 1e-38, 9.9e-6])
+def test_a_temperature_below_1e_5_is_greedy(device, temperature):
+    """As float32 such a temperature is 0 or subnormal: logits / T overflowed to inf (nan at 0 / 0)
+    and the first overflowing token won, not the best one."""
+    assert SamplingParams(temperature=temperature).greedy and not SamplingParams(temperature=1e-5).greedy
+    logits = torch.tensor([[30.0, 0.0, 50.0, 40.0, -3.0, 45.0]] * 16, device=device)
+    params = [SamplingParams(temperature=temperature, seed=i if i % 2 else None, logprobs=1) for i in range(16)]
+    gens = [gen(i, device) if i % 2 else None for i in range(16)]
+    tokens, logprobs = sample(logits, params, gens)
+    assert tokens == [2] * 16
+    assert all(lp.top[0][0] == 2 for lp in logprobs)
+
+
 def test_non_finite_rows_get_minus_one_and_leave_the_others_alone(device):
     torch.manual_seed(4)
     good = (torch.randn(3, 50) * 2).to(device)

@@ -71,3 +71,91 @@ def test_streamed_text_equals_one_decode_over_long_outputs(which, metaspace_toke
         final = detok.finish(output)
         assert final.startswith(streamed) and final == detok.text
         assert tok.decode(prompt) + final == tok.decode(prompt + output)
+
+
+@pytest.mark.parametrize("text", ["a\ud800b", "\udfff", "ok \ud83d"])
+def test_a_lone_surrogate_is_a_value_error_that_says_where(demo_model, text):
+    """JSON's "\\ud800" escape parses to a string UTF-8 cannot hold; the tokenizer raised TypeError."""
+    tok = Tokenizer(demo_model)
+    at = next(i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF)
+    with pytest.raises(ValueError, match=f"lone surrogate U\\+{ord(text[at]):04X} at character {at}"):
+        tok.encode(text)
+
+
+def test_token_bytes_are_the_byte_level_pieces_raw_bytes(demo_model):
+    """Each token's bytes through GPT-2's byte map (transformers' copy as the oracle): a character
+    split over tokens gives each its own part, where decode([id]) gives U+FFFD to both."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    tok = Tokenizer(demo_model)
+    special = set(tok._tok.get_added_tokens_decoder())
+    for t in range(tok.vocab_size):
+        piece = tok.id_to_token(t)
+        want = piece.encode() if t in special else bytes(byte_of[c] for c in piece)
+        assert tok.token_bytes(t) == want, (t, piece)
+    text = "✓ café, wörld ☃ 語 </s>"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any(tok.decode([t]) == "\ufffd" for t in ids)
+    assert b"".join(tok.token_bytes(t) for t in ids) == text.encode()
+
+
+def test_token_bytes_of_sentencepiece_pieces(metaspace_tokenizer, tmp_path):
+    """"▁" is a space; a byte-fallback piece `<0xE2>` is that byte."""
+    tok = metaspace_tokenizer
+    ids = tok.encode("héllo wörld", add_special_tokens=False)
+    assert b"".join(tok.token_bytes(t) for t in ids) == " héllo wörld".encode()
+
+    # Llama 2's shape: pieces for the bytes in the vocabulary, used for characters it lacks.
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁": 257, "a": 258, "b": 259, "▁a": 260,
+             "▁b": 261}
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[("▁", "a"), ("▁", "b")], unk_token="<unk>", byte_fallback=True))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace()
+    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    hf.add_special_tokens(["<s>", "</s>"])
+    (tmp_path / "bf").mkdir()
+    hf.save(str(tmp_path / "bf" / "tokenizer.json"))
+    fallback = Tokenizer(tmp_path / "bf")
+    ids = fallback.encode("a ☃ b", add_special_tokens=False)
+    assert [fallback.id_to_token(t) for t in ids] == ["▁a", "▁", "<0xE2>", "<0x98>", "<0x83>", "▁b"]
+    assert b"".join(fallback.token_bytes(t) for t in ids) == " a ☃ b".encode()
+    assert fallback.token_bytes(fallback._tok.token_to_id("</s>")) == b"</s>"
+
+
+def test_max_token_chars_bounds_every_tokens_text(demo_model, metaspace_tokenizer):
+    """No token stands for more characters: text longer than max_model_len times this cannot fit."""
+    for tok in (Tokenizer(demo_model), metaspace_tokenizer):
+        longest = max(len(tok.decode([t], skip_special_tokens=False)) for t in range(tok.vocab_size))
+        assert 1 < longest <= tok.max_token_chars
+
+
+def test_encoding_lets_other_threads_run(demo_model):
+    """The server tokenizes in a thread so its event loop keeps serving; that only helps if the
+    tokenizer lets go of the GIL (`encode` held it: a 1 MB prompt froze every other thread 0.4 s)."""
+    import threading
+    import time
+
+    tok = Tokenizer(demo_model)
+    text = "hello world " * 90_000
+    gaps: list[float] = []
+    done = threading.Event()
+
+    def tick() -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            time.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    time.sleep(0.02)
+    t0 = time.perf_counter()
+    ids = tok.encode(text)
+    took = time.perf_counter() - t0
+    done.set()
+    ticker.join()
+    assert len(ids) > 100_000 and took > 0.1
+    assert max(gaps) < took / 3, (max(gaps), took)

@@ -1,0 +1,22 @@
+"""`lorafleet worker`'s flags: settings the worker cannot serve are refused at start-up, with why."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorafleet.worker.cli import build_parser, main, settings_from_args
+from lorafleet.worker.config import ConfigError
+
+
+@pytest.mark.parametrize("served", ["demo", None], ids=["served-name", "model-path"])
+def test_a_start_up_adapter_named_after_the_base_model_is_refused(demo_model, demo_adapters, served, capsys):
+    """`model: <base name>` means the base, so such an adapter could never be asked for."""
+    base = served or str(demo_model)
+    argv = ["--model", str(demo_model), "--lora-modules", f"sql={demo_adapters['sql']}",
+            f"{base}={demo_adapters['poem']}"]
+    argv += ["--served-model-name", served] if served else []
+    with pytest.raises(ConfigError, match="--lora-modules"):
+        settings_from_args(build_parser().parse_args(argv))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{base!r}" in err and "base model" in err
