@@ -18,6 +18,7 @@ import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
 from lorafleet.placement_store import MemoryPlacementStore, PlacementStore, RedisPlacementStore
 from lorafleet.protocol import ErrorResponse
@@ -61,6 +62,24 @@ def error(
     return JSONResponse(
         ErrorResponse.of(message, type_, code).model_dump(), status_code=status, headers=headers
     )
+
+
+async def http_error(request: Request, exc: Exception) -> JSONResponse:
+    """Routing errors (unknown path, wrong method) in OpenAI's envelope, worded as OpenAI does."""
+    assert isinstance(exc, HTTPException)
+    where = f"{request.method} {request.url.path}"
+    if exc.status_code == 404:
+        message = f"Invalid URL ({where})"
+    elif exc.status_code == 405:
+        message = f"Invalid method for URL ({where})"
+    else:
+        message = str(exc.detail)
+    return error(exc.status_code, message, "invalid_request_error", **(exc.headers or {}))
+
+
+async def internal_error(_request: Request, exc: Exception) -> JSONResponse:
+    """A bug's 500 in the envelope too (Starlette re-raises it afterwards, so the server logs it)."""
+    return error(500, f"internal error: {type(exc).__name__}", "server_error")
 
 
 def create_app(settings: RouterSettings, *, store: PlacementStore | None = None) -> FastAPI:
@@ -156,6 +175,8 @@ def create_app(settings: RouterSettings, *, store: PlacementStore | None = None)
     )
     app.include_router(router)
     app.add_middleware(ProxyRoutes)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, internal_error)  # in front of ProxyRoutes too
     return app
 
 

@@ -2,7 +2,8 @@
 
 Request path: authenticate → read and cap the body → resolve model/adapters and check the tenant may
 use them → tenant limits → schedule (pure policy) → load if cold (single flight) → forward (retry
-before the first byte) → relay.
+before the first byte) → relay. From the forward on, a client that disconnects cancels the upstream
+request (uvicorn's `send` does not raise once the client is gone: `receive` says so).
 
 `ProxyRoutes` sits in front of FastAPI's router and takes these two routes straight from the ASGI
 scope: no routing table, dependency injection or Request/Response objects on the hot path (together
@@ -16,7 +17,8 @@ import asyncio
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -31,7 +33,9 @@ from lorafleet.protocol import (
 from lorafleet.router.fleet import Replica
 from lorafleet.router.loader import LoadFailed
 from lorafleet.router.proxy import (
+    NOT_LOADED_STATUS,
     StreamBroken,
+    Upstream,
     UpstreamFailed,
     downstream_headers,
     relay_stream,
@@ -50,19 +54,24 @@ log = logging.getLogger("lorafleet.router")
 
 PROXIED = frozenset({"/v1/completions", "/v1/chat/completions"})
 _JSON = (b"content-type", b"application/json")
+CLIENT_GONE = "499"  # the requests metric's status for a client that left (nginx's code)
+T = TypeVar("T")
 
 
 class ProxyRoutes:
-    """ASGI middleware: POSTs to the proxied paths are served here, the rest by `app`."""
+    """ASGI middleware: the proxied paths are served here (POST only), the rest by `app`."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] in PROXIED and scope["method"] == "POST":
+        if scope["type"] != "http" or scope["path"] not in PROXIED:
+            await self.app(scope, receive, send)
+        elif scope["method"] == "POST":
             await generate(scope["app"].state.gateway, scope, receive, send)
         else:
-            await self.app(scope, receive, send)
+            message = f"Invalid method for URL ({scope['method']} {scope['path']})"
+            await respond_error(send, 405, message, "invalid_request_error", headers={"Allow": "POST"})
 
 
 # ---- responses ---------------------------------------------------------------------------------
@@ -88,13 +97,14 @@ async def respond_error(
     await respond(send, status, body, [_JSON, *extra])
 
 
-async def model_not_found(send: Send, model: object) -> None:
+async def model_not_found(send: Send, model: str, param: str | None = None) -> None:
     await respond_error(
         send,
         404,
         f"The model `{model}` does not exist or you do not have access to it.",
         "invalid_request_error",
         "model_not_found",
+        param,
     )
 
 
@@ -128,35 +138,81 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes | None:
 
 
 class ClientGone(Exception):
-    """The client disconnected before its request was read."""
+    """The client disconnected (before its request was read, or while it was being served)."""
 
 
-def check_caps(payload: dict[str, Any], s: RouterSettings) -> str | None:
-    for name in ("max_tokens", "max_completion_tokens"):
-        value = payload.get(name)
-        if value is not None and (not isinstance(value, int) or value < 0 or value > s.max_tokens_cap):
-            return f"`{name}` must be an integer in [0, {s.max_tokens_cap}]"
-    n = payload.get("n")
-    if n is not None and (not isinstance(n, int) or n < 1 or n > s.max_n):
-        return f"`n` must be an integer in [1, {s.max_n}]"
+async def disconnected(receive: Receive) -> None:
+    """Returns when the client disconnects; call only once the body is read (the rest is that)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_gone(work: Coroutine[Any, Any, T], gone: asyncio.Future[None]) -> T:
+    """`work`'s result, unless the client disconnects first: then `work` is cancelled (closing its
+    upstream request, which makes the worker abort) and ClientGone is raised."""
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.wait((task,))  # let its cleanup run
+        raise ClientGone
+    finally:
+        task.cancel()  # no-op once done; stops it when this request itself is cancelled
+
+
+def check_fields(payload: dict[str, Any], s: RouterSettings, chat: bool) -> tuple[str, str] | None:
+    """(param, message) for a field the worker would refuse or the router caps, else None.
+
+    The worker's rules (`worker/openai_protocol.py`): integer fields take JSON integers, not
+    booleans; `max_tokens` (and chat's `max_completion_tokens`) at least 1, `n` present means not
+    null; `stream` a JSON boolean. The messages use the worker's (pydantic's) wording.
+    """
+    ranges = {"max_tokens": (1, s.max_tokens_cap), "n": (1, s.max_n)}
+    if chat:
+        ranges["max_completion_tokens"] = (1, s.max_tokens_cap)
+    for name, (low, high) in ranges.items():
+        if name not in payload or (payload[name] is None and name != "n"):
+            continue
+        value = payload[name]
+        if not isinstance(value, int) or isinstance(value, bool):
+            return name, f"{name}: Input should be a valid integer"
+        if value < low:
+            return name, f"{name}: Input should be greater than or equal to {low}"
+        if value > high:
+            return name, f"{name}: Input should be less than or equal to {high}"
+    if "stream" in payload and not isinstance(payload["stream"], bool):
+        return "stream", "stream: Input should be a valid boolean"
     return None
 
 
-def resolve(payload: dict[str, Any], gw: Gateway) -> tuple[str, tuple[str, ...]] | None:
-    """(base model, adapters) for the request's `model` / `lora_adapters`, or None if unknown.
+class UnknownModel(Exception):
+    """The request names a model or adapter that no replica serves and the catalog lacks."""
 
-    Raises ValidationError for a malformed `lora_adapters` (only composed requests pay for pydantic).
+    def __init__(self, name: str, param: str | None = None) -> None:
+        super().__init__(name)
+        self.name = name
+        self.param = param
+
+
+def resolve(payload: dict[str, Any], gw: Gateway) -> tuple[str, tuple[str, ...]]:
+    """(base model, adapters) for the request's (string) `model` / `lora_adapters`.
+
+    Raises UnknownModel naming what is unknown, and ValidationError for a malformed `lora_adapters`
+    (only composed requests pay for pydantic).
     """
-    model = payload.get("model")
-    if not isinstance(model, str):
-        return None
+    model = payload["model"]
     bases = gw.fleet.base_models()
     if model in bases:
         refs = [LoraAdapterRef.model_validate(r) for r in payload.get("lora_adapters") or []]
         adapters = tuple(dict.fromkeys(r.name for r in refs))
-        return (model, adapters) if all(gw.sync.known(a) for a in adapters) else None
+        missing = next((a for a in adapters if not gw.sync.known(a)), None)
+        if missing is not None:
+            raise UnknownModel(missing, "lora_adapters")
+        return model, adapters
     if not gw.sync.known(model):
-        return None
+        raise UnknownModel(model)
     base = next(
         (r.inventory.model for r in gw.fleet.replicas.values() if r.inventory and model in r.residency()),
         None,
@@ -187,20 +243,28 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
         payload = None
     if not isinstance(payload, dict):
         return await respond_error(send, 400, "Request body must be a JSON object.", "invalid_request_error")
-    problem = check_caps(payload, gw.settings)
+    model = payload.get("model")
+    if model is None:
+        return await respond_error(send, 400, "`model` is required.", "invalid_request_error", param="model")
+    if not isinstance(model, str):
+        message = "model: Input should be a valid string"
+        return await respond_error(send, 400, message, "invalid_request_error", param="model")
+    problem = check_fields(payload, gw.settings, scope["path"] == "/v1/chat/completions")
     if problem:
-        return await respond_error(send, 400, problem, "invalid_request_error")
+        return await respond_error(send, 400, problem[1], "invalid_request_error", param=problem[0])
     try:
-        resolved = resolve(payload, gw)
+        base, adapters = resolve(payload, gw)
     except ValidationError as exc:
         message = f"invalid `lora_adapters`: {exc.errors()[0]['msg']}"
         return await respond_error(send, 400, message, "invalid_request_error", param="lora_adapters")
-    if resolved is None:
-        return await model_not_found(send, payload.get("model"))
-    base, adapters = resolved
+    except UnknownModel as exc:
+        return await model_not_found(send, exc.name, exc.param)
     # Another tenant's adapter answers exactly like an unknown one: no existence oracle.
-    if not tenant.may_use_model(base) or not all(tenant.may_use_adapter(a) for a in adapters):
-        return await model_not_found(send, payload.get("model"))
+    if not tenant.may_use_model(base):
+        return await model_not_found(send, model)
+    denied = next((a for a in adapters if not tenant.may_use_adapter(a)), None)
+    if denied is not None:
+        return await model_not_found(send, denied, None if denied == model else "lora_adapters")
     adapter_label = "+".join(adapters) or "(base)"
     try:
         lease = await gw.limiter.acquire(tenant)
@@ -222,62 +286,72 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
     excluded: set[str] = set()
     waited = 0.0  # load waits and upstream time are not the router's own latency
     why: list[str] = []  # each attempt's failure, then why no attempt followed: all of it in the 503
-    for attempt in range(gw.settings.max_attempts):
-        if attempt > 0 and not gw.budget.try_spend():
-            why.append("retry budget exhausted")
-            break
-        try:
-            decision = gw.policy.schedule(req, gw.fleet.views(exclude=excluded))
-        except NoEndpoint as exc:
-            why.append(str(exc))
-            break
-        replica = gw.fleet.replicas[decision.endpoint.name]
-        gw.metrics.routes.labels(decision.reason).inc()
-        claim(replica, adapters)
-        t0 = time.perf_counter()
-        try:
-            await prepare(gw, replica, decision, adapters)
-            headers = upstream_headers(scope["headers"], {HEADER_TENANT: tenant.name})
-            upstream = await send_once(gw.upstream, replica.url + path, body, headers, stream)
-        except (LoadFailed, UpstreamFailed) as exc:
-            waited += time.perf_counter() - t0
-            release(gw, replica, adapters)
-            if gw.fleet.record_failure(replica.name, exc.unreachable):
-                gw.metrics.ejections.labels(replica.name).inc()
-                log.warning(
-                    "ejected replica %s after %d failures", replica.name, gw.settings.eject_after_failures
+    gone = asyncio.get_running_loop().create_task(disconnected(receive))
+    try:
+        for attempt in range(gw.settings.max_attempts):
+            if attempt > 0 and not gw.budget.try_spend():
+                why.append("retry budget exhausted")
+                break
+            try:
+                decision = gw.policy.schedule(req, gw.fleet.views(exclude=excluded))
+            except NoEndpoint as exc:
+                why.append(str(exc))
+                break
+            replica = gw.fleet.replicas[decision.endpoint.name]
+            gw.metrics.routes.labels(decision.reason).inc()
+            claim(replica, adapters)
+            t0 = time.perf_counter()
+            try:
+                await prepare(gw, replica, decision, adapters)
+                headers = upstream_headers(scope["headers"], {HEADER_TENANT: tenant.name})
+                url = replica.url + path
+                upstream = await unless_gone(
+                    send_once(gw.upstream, url, body, headers, stream, names_adapters=bool(adapters)), gone
                 )
-            excluded.add(replica.name)
-            why.append(f"{replica.name}: {exc}")
-            gw.metrics.retries.labels(getattr(exc, "reason", "load")).inc()
-            continue
-        gw.fleet.record_success(replica.name)
-        waited += time.perf_counter() - t0
-        out_headers = downstream_headers(
-            upstream.raw_headers, {HEADER_REPLICA: replica.name, HEADER_ROUTE_REASON: decision.reason}
-        )
-        status = str(upstream.status)
-        gw.metrics.added_latency.observe(max(0.0, time.perf_counter() - started - waited))
-        if upstream.response is None:
-            await finish(gw, replica, adapters, lease, tenant, adapter_label, status)
-            return await respond(send, upstream.status, upstream.body, out_headers)
-        ok = False
-        try:
-            if not upstream.content_type:
-                out_headers.append((b"content-type", b"text/event-stream"))
-            await send({"type": "http.response.start", "status": upstream.status, "headers": out_headers})
-            async for chunk in relay_stream(upstream.response):
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b""})
-            ok = True
-        except (StreamBroken, OSError):  # upstream broke (the client got an SSE error) or the client left
-            pass
-        finally:
-            upstream.response.close()
-            await finish(
-                gw, replica, adapters, lease, tenant, adapter_label, status if ok else "stream_error"
+            except ClientGone:
+                return await finish(gw, replica, adapters, lease, tenant, adapter_label, CLIENT_GONE)
+            except (LoadFailed, UpstreamFailed) as exc:
+                waited += time.perf_counter() - t0
+                release(gw, replica, adapters)
+                why.append(f"{replica.name}: {exc}")
+                gw.metrics.retries.labels(getattr(exc, "reason", "load")).inc()
+                if isinstance(exc, UpstreamFailed) and exc.status == NOT_LOADED_STATUS:
+                    # Stale routing, not a failing replica: the adapter left it after our last view
+                    # (the operator moved it, the worker evicted it). Schedule again on the truth: a
+                    # replica that holds it, else a cold load (this replica stays a candidate).
+                    now = gw.fleet.clock()
+                    for a in adapters:
+                        replica.note(a, None, now)
+                    continue
+                if gw.fleet.record_failure(replica.name, exc.unreachable):
+                    gw.metrics.ejections.labels(replica.name).inc()
+                    log.warning(
+                        "ejected replica %s after %d failures", replica.name, gw.settings.eject_after_failures
+                    )
+                excluded.add(replica.name)
+                continue
+            gw.fleet.record_success(replica.name)
+            waited += time.perf_counter() - t0
+            out_headers = downstream_headers(
+                upstream.raw_headers, {HEADER_REPLICA: replica.name, HEADER_ROUTE_REASON: decision.reason}
             )
-        return
+            status = str(upstream.status)
+            gw.metrics.added_latency.observe(max(0.0, time.perf_counter() - started - waited))
+            if upstream.response is None:
+                await finish(gw, replica, adapters, lease, tenant, adapter_label, status)
+                return await respond(send, upstream.status, upstream.body, out_headers)
+            try:
+                await unless_gone(relay(send, upstream, out_headers), gone)
+            except (StreamBroken, OSError):  # upstream broke (the client got an SSE error) or send failed
+                status = "stream_error"
+            except ClientGone:
+                status = CLIENT_GONE
+            finally:
+                upstream.response.close()  # mid-stream, this makes the worker abort
+                await finish(gw, replica, adapters, lease, tenant, adapter_label, status)
+            return
+    finally:
+        gone.cancel()
     await lease.release()
     gw.metrics.requests.labels(tenant.name, adapter_label, "503").inc()
     await respond_error(
@@ -287,6 +361,17 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
         "service_unavailable",
         headers={"Retry-After": "1"},
     )
+
+
+async def relay(send: Send, upstream: Upstream, headers: list[tuple[bytes, bytes]]) -> None:
+    """A streamed answer to the client, chunk by chunk as the worker sends it."""
+    assert upstream.response is not None
+    if not upstream.content_type:
+        headers.append((b"content-type", b"text/event-stream"))
+    await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
+    async for chunk in relay_stream(upstream.response):
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
 
 
 def claim(replica: Replica, adapters: tuple[str, ...]) -> None:

@@ -3,7 +3,12 @@
 Retries happen only before the client has seen a byte. A non-streamed request is retried on
 connection errors, dropped connections and 503s (generation has no side effects to undo); a
 streamed one is retried until its first byte, after which a failure ends the stream with an SSE
-error event (the client already holds a partial answer).
+error event (the client already holds a partial answer). A worker's 404 for a request that names
+adapters is stale routing, not an answer: the adapter left that worker after the view the router
+routed on (the operator moved it, the worker evicted it), so the request is scheduled again.
+
+A client that goes away cancels the attempt; cancelling closes the upstream connection, which is
+what makes the worker abort the generation.
 
 The upstream client is aiohttp: its C response parser and plain keep-alive pool cost a fraction of
 httpx's per request, which is most of the router's budget at 1,000 req/s per core. (httpx stays for
@@ -133,6 +138,8 @@ class UpstreamFailed(Exception):
 
 
 RETRYABLE_STATUS = {502, 503}
+# vLLM's "The model `x` does not exist." and our worker's "adapter 'x' is not loaded on this worker".
+NOT_LOADED_STATUS = 404
 
 
 @dataclass(slots=True)
@@ -147,9 +154,18 @@ class Upstream:
 
 
 async def send_once(
-    session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str], stream: bool
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    stream: bool,
+    names_adapters: bool = False,
 ) -> Upstream:
-    """One attempt. Raises UpstreamFailed for failures that are safe to retry elsewhere."""
+    """One attempt. Raises UpstreamFailed for failures that are safe to retry elsewhere.
+
+    `names_adapters`: the request names adapters, so a 404 means one of them is not loaded there.
+    Cancelled (the client left), it closes the upstream connection: the worker aborts the request.
+    """
     try:
         response = await session.post(url, data=body, headers=headers)
     except aiohttp.ClientConnectorError as exc:
@@ -162,6 +178,9 @@ async def send_once(
     if status in RETRYABLE_STATUS:
         response.close()
         raise UpstreamFailed(f"http_{status}", unreachable=False, status=status)
+    if status == NOT_LOADED_STATUS and names_adapters:
+        response.close()
+        raise UpstreamFailed("not_loaded", unreachable=False, status=status)
     out = Upstream(status, response.raw_headers, response.headers.get("content-type", ""))
     if stream:
         out.response = response
@@ -171,6 +190,9 @@ async def send_once(
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # died mid-answer: the client saw nothing
         response.close()
         raise UpstreamFailed("dropped", unreachable=False) from exc
+    except BaseException:  # cancelled: drop the connection rather than finish reading the answer
+        response.close()
+        raise
     response.release()
     return out
 

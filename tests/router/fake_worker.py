@@ -3,7 +3,9 @@
 Speaks the same wire models as the real worker (`lorafleet.protocol`): OpenAI completions and chat
 (SSE streaming), `/v1/models`, `/v1/adapters`, bearer-protected load/unload with vLLM's shapes,
 `/health`, `/ready`, `/metrics`. Generated text names the worker and the model so a test can see
-where a request ran. `/fake/stats` (test only) counts loads and served requests.
+where a request ran; `max_tokens` sets how many tokens it takes (`token_delay_s` each). A client
+that disconnects aborts its request, as on the real worker. `/fake/stats` (test only) counts loads,
+served requests and requests aborted by a disconnect.
 
 Run as a process (so a test can kill it): `python tests/router/fake_worker.py --port P --name N
 --lora-modules a=/adapters/a ...`; `FakeWorkerProcess` does that and waits for /health. Swap it
@@ -65,6 +67,7 @@ def create_fake_worker(cfg: FakeWorkerConfig) -> FastAPI:
     loads: Counter[str] = Counter()
     served: Counter[str] = Counter()
     inflight: Counter[str] = Counter()
+    aborted: Counter[str] = Counter()
     loading: dict[str, asyncio.Future[None]] = {}
 
     if cfg.admin_port is not None:
@@ -95,7 +98,13 @@ def create_fake_worker(cfg: FakeWorkerConfig) -> FastAPI:
 
     @app.get("/fake/stats")
     async def stats() -> dict:
-        return {"name": cfg.name, "loads": dict(loads), "served": dict(served), "resident": list(resident)}
+        return {
+            "name": cfg.name,
+            "loads": dict(loads),
+            "served": dict(served),
+            "aborted": dict(aborted),
+            "resident": list(resident),
+        }
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -182,6 +191,8 @@ def create_fake_worker(cfg: FakeWorkerConfig) -> FastAPI:
             resident.move_to_end(n)
             inflight[n] += 1
         served[model] += 1
+        max_tokens = payload.get("max_tokens")
+        tokens = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else cfg.tokens
         text = f"[{cfg.name}] {model}"
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
@@ -193,7 +204,11 @@ def create_fake_worker(cfg: FakeWorkerConfig) -> FastAPI:
 
         if not payload.get("stream"):
             try:
-                await asyncio.sleep(cfg.token_delay_s * cfg.tokens)
+                for _ in range(tokens):
+                    await asyncio.sleep(cfg.token_delay_s)
+                    if await request.is_disconnected():
+                        aborted[model] += 1
+                        return _err(499, "client disconnected")
             finally:
                 done()
             choice = (
@@ -201,7 +216,7 @@ def create_fake_worker(cfg: FakeWorkerConfig) -> FastAPI:
                 if chat
                 else {"index": 0, "text": text, "finish_reason": "stop", "logprobs": None}
             )
-            usage = {"prompt_tokens": 3, "completion_tokens": cfg.tokens, "total_tokens": 3 + cfg.tokens}
+            usage = {"prompt_tokens": 3, "completion_tokens": tokens, "total_tokens": 3 + tokens}
             return JSONResponse(
                 {
                     "id": "cmpl-fake",
@@ -215,8 +230,9 @@ def create_fake_worker(cfg: FakeWorkerConfig) -> FastAPI:
             )
 
         async def events():
+            finished = False
             try:
-                pieces = [f"[{cfg.name}]"] + [f" {model}"] + [""] * max(0, cfg.tokens - 2)
+                pieces = [f"[{cfg.name}]"] + [f" {model}"] + [""] * max(0, tokens - 2)
                 for i, piece in enumerate(pieces):
                     await asyncio.sleep(cfg.token_delay_s)
                     last = i == len(pieces) - 1
@@ -234,7 +250,10 @@ def create_fake_worker(cfg: FakeWorkerConfig) -> FastAPI:
                     }
                     yield f"data: {json.dumps(chunk)}\n\n".encode()
                 yield b"data: [DONE]\n\n"
+                finished = True
             finally:
+                if not finished:  # cancelled: the client went away mid-stream
+                    aborted[model] += 1
                 done()
 
         return StreamingResponse(events(), media_type="text/event-stream")

@@ -1,0 +1,187 @@
+"""The proxied routes: field checks as the worker makes them, stale routing (a worker's "not loaded"
+404), client disconnects reaching the worker, and every error in OpenAI's envelope."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from lorafleet.router.generate import check_fields
+from lorafleet.router.settings import RouterSettings
+from tests.router.conftest import ADMIN_TOKEN, RouterThread, router_settings, start_workers
+from tests.router.fake_worker import FakeWorkerProcess
+
+pytestmark = pytest.mark.timeout(120)
+
+SETTINGS = RouterSettings(max_tokens_cap=8192, max_n=8)
+
+
+@pytest.mark.parametrize(
+    ("payload", "chat", "expected"),
+    [
+        ({}, False, None),
+        ({"max_tokens": 1, "n": 1, "stream": True}, False, None),
+        ({"max_tokens": None, "max_completion_tokens": None}, True, None),
+        ({"max_tokens": 0}, False, ("max_tokens", "max_tokens: Input should be greater than or equal to 1")),
+        ({"max_tokens": True}, False, ("max_tokens", "max_tokens: Input should be a valid integer")),
+        ({"max_tokens": "5"}, False, ("max_tokens", "max_tokens: Input should be a valid integer")),
+        (
+            {"max_tokens": 8193},
+            False,
+            ("max_tokens", "max_tokens: Input should be less than or equal to 8192"),
+        ),
+        (
+            {"max_completion_tokens": 0},
+            True,
+            ("max_completion_tokens", "max_completion_tokens: Input should be greater than or equal to 1"),
+        ),
+        ({"max_completion_tokens": 0}, False, None),  # completions has no such field: the worker ignores it
+        ({"n": False}, False, ("n", "n: Input should be a valid integer")),
+        ({"n": None}, False, ("n", "n: Input should be a valid integer")),
+        ({"n": 9}, False, ("n", "n: Input should be less than or equal to 8")),
+        ({"stream": "false"}, False, ("stream", "stream: Input should be a valid boolean")),
+        ({"stream": 0}, False, ("stream", "stream: Input should be a valid boolean")),
+        ({"stream": None}, False, ("stream", "stream: Input should be a valid boolean")),
+    ],
+)
+def test_check_fields_refuses_what_the_worker_refuses(payload, chat, expected):
+    assert check_fields(payload, SETTINGS, chat) == expected
+
+
+def unload(worker: FakeWorkerProcess, name: str) -> None:
+    """Behind the router's back, as the operator's reconciler (or the worker's own LRU) does."""
+    resp = httpx.post(
+        worker.admin_url + "/v1/unload_lora_adapter",
+        json={"lora_name": name},
+        headers={"authorization": f"Bearer {ADMIN_TOKEN}"},
+    )
+    assert resp.status_code == 200, resp.text
+
+
+def test_not_loaded_404_goes_to_another_replica_that_holds_it():
+    workers = start_workers([{"name": f"w{i}", "lora_modules": {"a": "/adapters/a"}} for i in range(2)])
+    try:
+        # No poll after start-up: the router keeps routing on its stale view.
+        with RouterThread(router_settings(workers, poll_interval_s=60.0)) as router:
+            first = httpx.post(router.url + "/v1/completions", json={"model": "a", "prompt": "x"})
+            assert first.status_code == 200, first.text
+            chosen = first.headers["x-lorafleet-replica"]
+            holder = next(w for w in workers if chosen == f"127.0.0.1:{w.port}")
+            other = next(w for w in workers if w is not holder)
+            unload(holder, "a")
+            resp = httpx.post(router.url + "/v1/completions", json={"model": "a", "prompt": "x"})
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["choices"][0]["text"] == f"[{other.cfg.name}] a"
+            assert router.metric("lorafleet_router_retries_total", reason="not_loaded") == 1
+            assert router.metric("lorafleet_router_ejections_total") == 0
+            assert all(w.stats()["loads"] == {} for w in workers)  # served where it was, no load
+    finally:
+        for w in workers:
+            w.kill()
+
+
+def test_not_loaded_404_takes_the_cold_load_path(two_workers):
+    w0, _ = two_workers
+    with RouterThread(router_settings(two_workers, poll_interval_s=60.0)) as router:
+        unload(w0, "a")  # the only copy
+        with httpx.stream(
+            "POST", router.url + "/v1/completions", json={"model": "a", "prompt": "x", "stream": True}
+        ) as resp:
+            assert resp.status_code == 200, resp.read()
+            events = [line for line in resp.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and '" a"' in "".join(events)
+        assert router.metric("lorafleet_router_retries_total", reason="not_loaded") == 1
+        assert sum(w.stats()["loads"].get("a", 0) for w in two_workers) == 1
+
+
+def wait_for(predicate, timeout_s: float) -> float:
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout_s, "condition not reached in time"
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_disconnect_aborts_the_worker_request(two_workers, stream):
+    w0, _ = two_workers
+    # 400 tokens at 5 ms: about 2 s of generation (more with the event loop's timer granularity).
+    body = {"model": "a", "prompt": "x", "max_tokens": 400, "stream": stream}
+    with RouterThread(router_settings(two_workers)) as router, httpx.Client(timeout=0.5) as client:
+        if stream:
+            with client.stream("POST", router.url + "/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                next(resp.iter_raw())  # the first event: the worker is generating
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                client.post(router.url + "/v1/completions", json=body)
+        client.close()  # the client leaves mid-generation
+        elapsed = wait_for(lambda: w0.stats()["aborted"].get("a") == 1, timeout_s=1.5)
+        assert elapsed < 1.0, f"the worker's request outlived the client by {elapsed:.2f}s"
+        wait_for(lambda: router.metric("lorafleet_router_requests_total", status="499") == 1, timeout_s=1.0)
+        assert w0.stats()["aborted"] == {"a": 1}
+
+
+def test_every_error_is_in_the_openai_envelope(two_workers):
+    with RouterThread(router_settings(two_workers)) as router:
+        cases = [
+            ("GET", "/v1/completions", None, 405, "Invalid method for URL (GET /v1/completions)"),
+            ("GET", "/v1/chat/completions", None, 405, "Invalid method for URL (GET /v1/chat/completions)"),
+            ("POST", "/v1/models", None, 405, "Invalid method for URL (POST /v1/models)"),
+            ("GET", "/v1/nope", None, 404, "Invalid URL (GET /v1/nope)"),
+            ("POST", "/v1/completions", {"prompt": "x"}, 400, "`model` is required."),
+            (
+                "POST",
+                "/v1/completions",
+                {"model": 5, "prompt": "x"},
+                400,
+                "model: Input should be a valid string",
+            ),
+            (
+                "POST",
+                "/v1/completions",
+                {"model": "a", "prompt": "x", "max_tokens": 0},
+                400,
+                "max_tokens: Input should be greater than or equal to 1",
+            ),
+            (
+                "POST",
+                "/v1/completions",
+                {"model": "a", "prompt": "x", "max_tokens": True},
+                400,
+                "max_tokens: Input should be a valid integer",
+            ),
+            (
+                "POST",
+                "/v1/completions",
+                {"model": "a", "prompt": "x", "stream": "false"},
+                400,
+                "stream: Input should be a valid boolean",
+            ),
+            (
+                "POST",
+                "/v1/completions",
+                {"model": "nope", "prompt": "x"},
+                404,
+                "The model `nope` does not exist or you do not have access to it.",
+            ),
+            (
+                "POST",
+                "/v1/completions",
+                {"model": "demo-base", "prompt": "x", "lora_adapters": [{"name": "a"}, {"name": "ghost"}]},
+                404,
+                "The model `ghost` does not exist or you do not have access to it.",
+            ),
+        ]
+        for method, path, body, status, message in cases:
+            resp = httpx.request(method, router.url + path, json=body)
+            assert resp.status_code == status, (method, path, body, resp.text)
+            error = resp.json()["error"]
+            assert set(error) >= {"message", "type", "param", "code"}, resp.text
+            assert error["message"] == message, (method, path, body, resp.text)
+            if status == 405:
+                assert resp.headers["allow"] in ("POST", "GET"), resp.headers
+        ok = httpx.post(router.url + "/v1/completions", json={"model": "a", "prompt": "x", "stream": False})
+        assert ok.status_code == 200, ok.text
