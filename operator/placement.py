@@ -17,6 +17,12 @@ Rules, in order:
 5. Never more loaded adapters on a pod than its capacity: a load that would overflow a pod waits
    for that pod's unloads. If nothing at all could proceed (two adapters swapping full pods), the
    unload blocking the first waiting load is let through, so the fleet cannot deadlock.
+6. Hysteresis: a copy beyond the desired pods, on a usable pod, is kept while it is in use (the
+   caller says which: requests in flight or used lately) and the adapter stays within its `max`.
+   Such copies come from the routers, which load a busy adapter on a second replica before the
+   demand average the placement reads catches up, or from a demand that just dropped; unloading
+   them at once would make routers load them back, round after round. A kept copy still yields
+   its slot to a desired load on that pod.
 """
 
 from __future__ import annotations
@@ -132,18 +138,22 @@ def plan(
     inventories: Mapping[str, Iterable[str]],
     demand: Mapping[str, float] | None = None,
     settings: PlacementSettings = PlacementSettings(),
+    in_use: Mapping[str, Iterable[str]] | None = None,
 ) -> list[Action]:
-    """Actions that move the observed placement towards the desired one (rules 4-5).
+    """Actions that move the observed placement towards the desired one (rules 4-6).
 
     `inventories` maps a pod name to the adapter names its worker reports loaded; a pod missing
     from it is unknown (not yet polled) and gets no action. Adapters found on a pod but not in
     `adapters` (deleted, or loaded by hand) are unloaded: the operator owns the workers' adapters.
+    `in_use` maps a pod to the adapters serving traffic there (rule 6).
     Unloads come before loads (a load may count on an unload's room); execute them in order, or
     all unloads concurrently and then all loads.
     """
     pods = list(pods)
     adapters = list(adapters)
     by_name = {p.name: p for p in pods}
+    max_of = {a.name: a.max_replicas for a in adapters}
+    busy = {pod: set(names) for pod, names in (in_use or {}).items()}
     target = assign(adapters, pods, demand, settings)
     observed: dict[str, set[str]] = {}
     for pod, names in inventories.items():
@@ -153,6 +163,7 @@ def plan(
 
     loads: list[Action] = []
     unloads: list[Action] = []
+    kept: dict[str, list[str]] = {}  # pod -> copies kept by rule 6 (they yield to a desired load)
     for name in sorted(set(observed) | set(target.pods)):
         want = set(target.pods.get(name, ()))
         have = observed.get(name, set())
@@ -165,10 +176,16 @@ def plan(
         # Make-before-break: every wanted replica is loaded (and one is wanted somewhere at all,
         # so an adapter whose pods all drain keeps serving until a new pod appears).
         settled = want <= have and (bool(want) or target.wanted.get(name, 0) == 0)
+        spare = max_of.get(name, 0) - len(want)  # copies rule 6 may keep beyond the desired pods
         for pod in sorted(extra):
             if name not in target.pods:
                 unloads.append(Action("unload", name, pod, "not wanted"))
-            elif settled:
+            elif not settled:
+                continue
+            elif spare > 0 and by_name[pod].usable and name in busy.get(pod, ()):
+                kept.setdefault(pod, []).append(name)
+                spare -= 1
+            else:
                 reason = "drained" if not by_name[pod].usable else "moved"
                 unloads.append(Action("unload", name, pod, reason))
 
@@ -182,6 +199,10 @@ def plan(
     adding: dict[str, int] = {}
     for a in loads:
         room = by_name[a.pod].capacity - loaded_count[a.pod] + unloading.get(a.pod, 0) - adding.get(a.pod, 0)
+        if room <= 0 and kept.get(a.pod):
+            unloads.append(Action("unload", kept[a.pod].pop(0), a.pod, "make room"))
+            unloading[a.pod] = unloading.get(a.pod, 0) + 1
+            room += 1
         if room > 0:
             admitted.append(a)
             adding[a.pod] = adding.get(a.pod, 0) + 1

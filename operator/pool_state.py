@@ -26,6 +26,9 @@ class ReconcilerSettings:
     status_concurrency: int = 32  # status writes in flight
     demand_window_s: float = 300.0
     publish_ttl_s: float = 45.0
+    # A copy beyond the placement's pods (a router's, or one demand no longer asks for) stays while
+    # it served a request this recently (placement rule 6): no unload/reload flapping with routers.
+    idle_unload_s: float = 60.0
 
 
 @dataclass(slots=True)
@@ -58,6 +61,18 @@ class RoundResult:
     actions: int = 0
     errors: int = 0
     changed: bool = False
+
+
+def in_use(inventories: Mapping[str, AdapterInventory], now: float, idle_s: float) -> dict[str, set[str]]:
+    """Pod -> adapters with requests in flight or used within `idle_s` (workers' unix seconds)."""
+    return {
+        pod: {
+            a.name
+            for a in inv.adapters
+            if a.requests_in_flight > 0 or (a.last_used is not None and now - a.last_used < idle_s)
+        }
+        for pod, inv in inventories.items()
+    }
 
 
 def check_loaded(

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,7 @@ class PoolReconciler:
     loaded: dict[str, set[str]] = field(default_factory=dict)  # pod -> resident adapters (verified)
     digests: dict[str, str] = field(default_factory=dict)  # adapter -> digest a worker reported
     pool_status: dict[str, Any] | None = None
+    clock: Callable[[], float] = time.time  # unix seconds, as the workers' `last_used`
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _resync: bool = True
     _round_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -185,7 +187,9 @@ class PoolReconciler:
         demand = await self._demand()
         settings = placement.PlacementSettings(requests_per_replica=pool.requests_per_replica)
         target = placement.assign(wants, views, demand, settings)
-        actions = placement.plan(wants, views, {p: self.loaded[p] for p in self.inventories}, demand, settings)
+        in_use = pool_state.in_use(self.inventories, self.clock(), self.settings.idle_unload_s)
+        loaded = {p: self.loaded[p] for p in self.inventories}
+        actions = placement.plan(wants, views, loaded, demand, settings, in_use)
         result.actions = len(actions)
         if actions:
             result.errors += await self._execute(actions)
@@ -227,27 +231,35 @@ class PoolReconciler:
                         self.loaded.setdefault(action.pod, set()).add(action.adapter)
                         pool_state.note_digests(self.digests, inv)
                     else:
+                        # Withdraw first: routers stop sending it here before the worker drops it.
+                        # (A router still routing on an older poll gets the worker's 404 and retries.)
+                        await self._record_residency(action.pod, action.adapter, None)
                         await self.workers.unload(url, token, action.adapter)
                         self.loaded.setdefault(action.pod, set()).discard(action.adapter)
                 except LoadRefused as exc:
                     if record is not None:
                         record.failure = (exc.reason, exc.message)
+                    return
                 except WorkerError as exc:
                     errors += 1
                     log.info("%s %s on %s: %s", action.kind, action.adapter, action.pod, exc)
                     return
-            if self.store is not None:
-                tier = "cpu" if action.kind == "load" else None
-                try:
-                    await self.store.record_residency(action.pod, action.adapter, tier, self.settings.publish_ttl_s)
-                except Exception as exc:
-                    log.debug("placement store write failed: %s", exc)
+            if action.kind == "load":  # published only once the inventory shows it loaded
+                await self._record_residency(action.pod, action.adapter, "cpu")
 
         unloads = [a for a in actions if a.kind == "unload"]
         loads = [a for a in actions if a.kind == "load"]
         await asyncio.gather(*(one(a) for a in unloads))
         await asyncio.gather(*(one(a) for a in loads))
         return errors
+
+    async def _record_residency(self, pod: str, adapter: str, tier: str | None) -> None:
+        if self.store is None:
+            return
+        try:
+            await self.store.record_residency(pod, adapter, tier, self.settings.publish_ttl_s)
+        except Exception as exc:  # advisory: the round's publish writes the whole residency again
+            log.debug("placement store write failed: %s", exc)
 
     async def _publish(self) -> None:
         if self.store is None or self.pool is None:

@@ -192,3 +192,43 @@ def test_placement_of_lists_only_ready_pods() -> None:
         "a": ("p0", "p1"),
         "b": ("p0",),
     }
+
+
+def home_of(name: str, pool: list[PodView]) -> str:
+    return assign([AdapterWant(name)], pool).pods[name][0]
+
+
+@pytest.mark.parametrize(
+    ("max_replicas", "used", "draining", "expected"),
+    [
+        (2, True, False, []),  # within max and serving: kept (no flapping with the routers)
+        (2, False, False, ["moved"]),  # idle: unloaded
+        (1, True, False, ["moved"]),  # beyond the adapter's max: unloaded even in use
+        (2, True, True, ["drained"]),  # a draining pod is emptied all the same
+    ],
+)
+def test_a_copy_in_use_beyond_the_placement(max_replicas, used, draining, expected) -> None:
+    pool = [PodView("p0", 4), PodView("p1", 4)]
+    home = home_of("a", pool)
+    other = "p1" if home == "p0" else "p0"
+    pool = [PodView(p.name, 4, draining=draining and p.name == other) for p in pool]
+    actions = plan(
+        [AdapterWant("a", 1, max_replicas)],
+        pool,
+        {home: ["a"], other: ["a"]},
+        in_use={other: ["a"] if used else []},
+    )
+    assert actions == [Action("unload", "a", other, reason) for reason in expected]
+
+
+def test_a_kept_copy_yields_its_slot_to_a_desired_load() -> None:
+    pool = [PodView("p0", 1), PodView("p1", 1)]
+    home = home_of("a", pool)
+    other = "p1" if home == "p0" else "p0"
+    b = next(f"b{i}" for i in range(100) if home_of(f"b{i}", pool) == other)
+    adapters = [AdapterWant("a", 1, 2), AdapterWant(b, 1, 1)]
+    inventories = {home: ["a"], other: ["a"]}
+    assert plan(adapters, pool, inventories, in_use={other: ["a"]}) == [
+        Action("unload", "a", other, "make room"),
+        Action("load", b, other, "placed"),
+    ]

@@ -1,0 +1,138 @@
+"""The reconcile loop against stub workers and a recording placement store (no HTTP, no kopf):
+the order of store writes around loads and unloads, and no flapping of copies in use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lorafleet.operator import placement
+from lorafleet.operator.pool_state import PodState, ReconcilerSettings
+from lorafleet.operator.reconciler import PoolReconciler
+from lorafleet.operator.spec import PoolSpec, parse_adapter
+from lorafleet.operator.worker_client import LoadRefused
+from lorafleet.placement_store import MemoryPlacementStore
+from lorafleet.protocol import AdapterInfo, AdapterInventory
+
+NOW = 1_000_000.0
+PODS = ("p0", "p1")
+
+
+@dataclass(slots=True)
+class StubWorkers:
+    """`WorkerClient`'s interface over in-memory workers; a worker's URL is its pod's name."""
+
+    events: list[tuple]
+    held: dict[str, dict[str, AdapterInfo]] = field(default_factory=lambda: {p: {} for p in PODS})
+    refuse: set[str] = field(default_factory=set)
+
+    async def inventory(self, url: str, token: str) -> AdapterInventory:
+        return AdapterInventory(
+            model="base",
+            max_loras=4,
+            max_cpu_loras=8,
+            max_lora_rank=64,
+            max_loras_per_request=4,
+            adapters=list(self.held[url].values()),
+        )
+
+    async def load(self, url: str, token: str, name: str, path: str) -> AdapterInventory:
+        self.events.append(("load", url, name))
+        if name in self.refuse:
+            raise LoadRefused(400, "not an adapter")
+        self.held[url][name] = info(name)
+        return await self.inventory(url, token)
+
+    async def unload(self, url: str, token: str, name: str) -> AdapterInventory:
+        self.events.append(("unload", url, name))
+        self.held[url].pop(name, None)
+        return await self.inventory(url, token)
+
+
+class RecordingStore(MemoryPlacementStore):
+    def __init__(self, events: list[tuple]) -> None:
+        super().__init__()
+        self.events = events
+
+    async def record_residency(self, replica: str, adapter: str, tier: str | None, ttl_s: float) -> None:
+        self.events.append(("store", replica, adapter, tier))
+        await super().record_residency(replica, adapter, tier, ttl_s)
+
+
+def info(name: str, last_used: float | None = None, in_flight: int = 0) -> AdapterInfo:
+    return AdapterInfo(
+        name=name,
+        tier="cpu",
+        rank=8,
+        alpha=16.0,
+        digest="sha256:" + "0" * 64,
+        path=f"/adapters/{name}",
+        requests_in_flight=in_flight,
+        last_used=last_used,
+    )
+
+
+def make(adapters: dict[str, tuple[int, int]]) -> tuple[PoolReconciler, StubWorkers, list[tuple]]:
+    events: list[tuple] = []
+    workers = StubWorkers(events)
+    reconciler = PoolReconciler(
+        "ns",
+        "pool",
+        workers,
+        None,
+        RecordingStore(events),
+        ReconcilerSettings(),  # type: ignore[arg-type]
+        url_of=lambda pod, _port: pod.name,
+        clock=lambda: NOW,
+    )
+    reconciler.set_pool(PoolSpec("ns", "pool", "img", "/model", "base"), "token")
+    for pod in PODS:
+        reconciler.observe_pod(PodState(pod, "10.0.0.1", ready=True, draining=False))
+    for name, (lo, hi) in adapters.items():
+        spec = parse_adapter("ns", name, {"pool": "pool", "source": name, "replicas": {"min": lo, "max": hi}})
+        reconciler.upsert_adapter(spec, 1, None)
+    return reconciler, workers, events
+
+
+def home_and_other(name: str) -> tuple[str, str]:
+    views = [placement.PodView(p, 8) for p in PODS]
+    (home,) = placement.assign([placement.AdapterWant(name)], views).pods[name]
+    return home, next(p for p in PODS if p != home)
+
+
+async def test_an_unload_withdraws_the_residency_from_the_store_first():
+    reconciler, workers, events = make({"a": (1, 1)})
+    home, other = home_and_other("a")
+    workers.held[home]["a"] = info("a")
+    workers.held[other]["a"] = info("a")  # one copy too many, idle
+    await reconciler.reconcile_once()
+    assert "a" not in workers.held[other] and "a" in workers.held[home]
+    withdrawn = events.index(("store", other, "a", None))
+    assert withdrawn < events.index(("unload", other, "a")), events
+
+
+async def test_residency_is_published_only_after_a_load_succeeded():
+    reconciler, workers, events = make({"a": (1, 1), "bad": (1, 1)})
+    workers.refuse.add("bad")
+    await reconciler.reconcile_once()
+    (home,) = [p for p in PODS if "a" in workers.held[p]]
+    assert events.index(("load", home, "a")) < events.index(("store", home, "a", "cpu"))
+    assert not [e for e in events if e[0] == "store" and e[2] == "bad"], events  # refused: never published
+    assert reconciler.adapters["bad"].failure is not None
+
+
+async def test_a_copy_in_use_beyond_the_placement_is_kept_until_idle():
+    """A router's second copy under load (demand below one replica's worth) is not unloaded at every
+    round, only once it has been idle for `idle_unload_s`, and only within the adapter's max."""
+    reconciler, workers, events = make({"a": (1, 2), "b": (1, 1)})
+    for name in ("a", "b"):
+        home, other = home_and_other(name)
+        workers.held[home][name] = info(name, last_used=NOW - 1)
+        workers.held[other][name] = info(name, last_used=NOW - 1)  # the router's copy, serving
+    for _ in range(3):
+        reconciler.wake(resync=True)
+        await reconciler.reconcile_once()
+    assert [e[1:] for e in events if e[0] == "unload"] == [(home_and_other("b")[1], "b")]  # b's max is 1
+    reconciler.clock = lambda: NOW - 1 + reconciler.settings.idle_unload_s  # idle long enough
+    reconciler.wake(resync=True)
+    await reconciler.reconcile_once()
+    assert {p for p in PODS if "a" in workers.held[p]} == {home_and_other("a")[0]}
