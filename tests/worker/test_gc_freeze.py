@@ -25,7 +25,9 @@ def test_freeze_collects_then_freezes():
     del node
     try:
         frozen = freeze_startup_objects()
-        assert frozen == gc.get_freeze_count() > 1000
+        # At most what it returned: another thread (tqdm's monitor, left by earlier tests) may free
+        # a few frozen objects between the two counts (a fresh-clone CI run saw 596,076 -> 596,072).
+        assert 1000 < gc.get_freeze_count() <= frozen
         assert gone() is None
     finally:
         gc.unfreeze()
