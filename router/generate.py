@@ -33,7 +33,6 @@ from lorafleet.protocol import (
 from lorafleet.router.fleet import Replica
 from lorafleet.router.loader import LoadFailed
 from lorafleet.router.proxy import (
-    NOT_LOADED_STATUS,
     StreamBroken,
     Upstream,
     UpstreamFailed,
@@ -196,16 +195,25 @@ class UnknownModel(Exception):
         self.param = param
 
 
+def lora_adapter_list(value: Any) -> list[Any]:
+    """`lora_adapters` as the list it must be (absent or null: none); raises ValueError otherwise."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ValueError("Input should be a valid list")
+    return value
+
+
 def resolve(payload: dict[str, Any], gw: Gateway) -> tuple[str, tuple[str, ...]]:
     """(base model, adapters) for the request's (string) `model` / `lora_adapters`.
 
-    Raises UnknownModel naming what is unknown, and ValidationError for a malformed `lora_adapters`
-    (only composed requests pay for pydantic).
+    Raises UnknownModel naming what is unknown, and ValueError (pydantic's ValidationError) for a
+    malformed `lora_adapters` (only composed requests pay for pydantic).
     """
     model = payload["model"]
     bases = gw.fleet.base_models()
     if model in bases:
-        refs = [LoraAdapterRef.model_validate(r) for r in payload.get("lora_adapters") or []]
+        refs = [LoraAdapterRef.model_validate(r) for r in lora_adapter_list(payload.get("lora_adapters"))]
         adapters = tuple(dict.fromkeys(r.name for r in refs))
         missing = next((a for a in adapters if not gw.sync.known(a)), None)
         if missing is not None:
@@ -239,7 +247,7 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
         )
     try:
         payload = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser's stack
         payload = None
     if not isinstance(payload, dict):
         return await respond_error(send, 400, "Request body must be a JSON object.", "invalid_request_error")
@@ -254,8 +262,9 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
         return await respond_error(send, 400, problem[1], "invalid_request_error", param=problem[0])
     try:
         base, adapters = resolve(payload, gw)
-    except ValidationError as exc:
-        message = f"invalid `lora_adapters`: {exc.errors()[0]['msg']}"
+    except ValueError as exc:  # pydantic's ValidationError is one
+        detail = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+        message = f"invalid `lora_adapters`: {detail}"
         return await respond_error(send, 400, message, "invalid_request_error", param="lora_adapters")
     except UnknownModel as exc:
         return await model_not_found(send, exc.name, exc.param)
@@ -306,7 +315,7 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
                 headers = upstream_headers(scope["headers"], {HEADER_TENANT: tenant.name})
                 url = replica.url + path
                 upstream = await unless_gone(
-                    send_once(gw.upstream, url, body, headers, stream, names_adapters=bool(adapters)), gone
+                    send_once(gw.upstream, url, body, headers, stream, adapters), gone
                 )
             except ClientGone:
                 return await finish(gw, replica, adapters, lease, tenant, adapter_label, CLIENT_GONE)
@@ -315,12 +324,12 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
                 release(gw, replica, adapters)
                 why.append(f"{replica.name}: {exc}")
                 gw.metrics.retries.labels(getattr(exc, "reason", "load")).inc()
-                if isinstance(exc, UpstreamFailed) and exc.status == NOT_LOADED_STATUS:
+                if isinstance(exc, UpstreamFailed) and exc.missing:
                     # Stale routing, not a failing replica: the adapter left it after our last view
                     # (the operator moved it, the worker evicted it). Schedule again on the truth: a
                     # replica that holds it, else a cold load (this replica stays a candidate).
                     now = gw.fleet.clock()
-                    for a in adapters:
+                    for a in exc.missing:
                         replica.note(a, None, now)
                     continue
                 if gw.fleet.record_failure(replica.name, exc.unreachable):

@@ -130,16 +130,30 @@ class RetryBudget:
 class UpstreamFailed(Exception):
     """The replica failed before the client saw a byte: the request may go elsewhere."""
 
-    def __init__(self, reason: str, unreachable: bool, status: int | None = None) -> None:
+    def __init__(
+        self, reason: str, unreachable: bool, status: int | None = None, missing: tuple[str, ...] = ()
+    ) -> None:
         super().__init__(reason)
         self.reason = reason
         self.unreachable = unreachable
         self.status = status
+        self.missing = missing  # "not_loaded": the request's adapters the worker says it lacks
 
 
 RETRYABLE_STATUS = {502, 503}
-# vLLM's "The model `x` does not exist." and our worker's "adapter 'x' is not loaded on this worker".
 NOT_LOADED_STATUS = 404
+
+
+def not_loaded(body: bytes, adapters: tuple[str, ...]) -> tuple[str, ...]:
+    """The request's adapters a worker's 404 body names: our worker's "adapter 'x' is not loaded on
+    this worker" and vLLM's "The model `x` does not exist." (any other 404 names none of them)."""
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return ()
+    if not isinstance(message, str):
+        return ()
+    return tuple(a for a in adapters if f"'{a}'" in message or f"`{a}`" in message or f'"{a}"' in message)
 
 
 @dataclass(slots=True)
@@ -159,11 +173,12 @@ async def send_once(
     body: bytes,
     headers: dict[str, str],
     stream: bool,
-    names_adapters: bool = False,
+    adapters: tuple[str, ...] = (),
 ) -> Upstream:
     """One attempt. Raises UpstreamFailed for failures that are safe to retry elsewhere.
 
-    `names_adapters`: the request names adapters, so a 404 means one of them is not loaded there.
+    `adapters`: the request's; a 404 naming some of them means they are not loaded there (stale
+    routing: UpstreamFailed "not_loaded" with those names), any other 404 is the answer.
     Cancelled (the client left), it closes the upstream connection: the worker aborts the request.
     """
     try:
@@ -178,11 +193,8 @@ async def send_once(
     if status in RETRYABLE_STATUS:
         response.close()
         raise UpstreamFailed(f"http_{status}", unreachable=False, status=status)
-    if status == NOT_LOADED_STATUS and names_adapters:
-        response.close()
-        raise UpstreamFailed("not_loaded", unreachable=False, status=status)
     out = Upstream(status, response.raw_headers, response.headers.get("content-type", ""))
-    if stream:
+    if stream and not (status == NOT_LOADED_STATUS and adapters):
         out.response = response
         return out
     try:
@@ -194,6 +206,10 @@ async def send_once(
         response.close()
         raise
     response.release()
+    if status == NOT_LOADED_STATUS and adapters:
+        missing = not_loaded(out.body, adapters)
+        if missing:
+            raise UpstreamFailed("not_loaded", unreachable=False, status=status, missing=missing)
     return out
 
 

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from lorafleet.router.generate import check_fields
+from lorafleet.router.proxy import not_loaded
 from lorafleet.router.settings import RouterSettings
 from tests.router.conftest import ADMIN_TOKEN, RouterThread, router_settings, start_workers
 from tests.router.fake_worker import FakeWorkerProcess
@@ -96,6 +97,37 @@ def test_not_loaded_404_takes_the_cold_load_path(two_workers):
         assert sum(w.stats()["loads"].get("a", 0) for w in two_workers) == 1
 
 
+def test_a_composed_requests_stale_404_marks_only_the_adapter_it_names():
+    workers = start_workers([{"name": "w0", "lora_modules": {"a": "/adapters/a", "b": "/adapters/b"}}])
+    body = {"model": "demo-base", "prompt": "x", "lora_adapters": [{"name": "a"}, {"name": "b"}]}
+    try:
+        with RouterThread(router_settings(workers, poll_interval_s=60.0)) as router:
+            assert httpx.post(router.url + "/v1/completions", json=body).status_code == 200
+            unload(workers[0], "a")
+            resp = httpx.post(router.url + "/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            assert router.metric("lorafleet_router_retries_total", reason="not_loaded") == 1
+            assert workers[0].stats()["loads"] == {"a": 1}  # b, still there, was not loaded again
+    finally:
+        for w in workers:
+            w.kill()
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (b'{"error": {"message": "The model `a` does not exist."}}', ("a",)),  # vLLM
+        (b'{"error": {"message": "adapter \'b\' is not loaded on this worker"}}', ("b",)),  # ours
+        (b'{"error": {"message": "adapter \'ab\' is not loaded on this worker"}}', ()),  # another name
+        (b'{"detail": "Not Found"}', ()),
+        (b"not json", ()),
+        (b'{"error": {"message": 5}}', ()),
+    ],
+)
+def test_not_loaded_reads_which_adapters_a_404_names(body, expected):
+    assert not_loaded(body, ("a", "b")) == expected
+
+
 def wait_for(predicate, timeout_s: float) -> float:
     started = time.monotonic()
     while not predicate():
@@ -163,6 +195,13 @@ def test_every_error_is_in_the_openai_envelope(two_workers):
             (
                 "POST",
                 "/v1/completions",
+                {"model": "demo-base", "prompt": "x", "lora_adapters": 5},
+                400,
+                "invalid `lora_adapters`: Input should be a valid list",
+            ),
+            (
+                "POST",
+                "/v1/completions",
                 {"model": "nope", "prompt": "x"},
                 404,
                 "The model `nope` does not exist or you do not have access to it.",
@@ -183,5 +222,8 @@ def test_every_error_is_in_the_openai_envelope(two_workers):
             assert error["message"] == message, (method, path, body, resp.text)
             if status == 405:
                 assert resp.headers["allow"] in ("POST", "GET"), resp.headers
+        deep = b"[" * 100_000 + b"]" * 100_000  # parses past Python's recursion limit
+        resp = httpx.post(router.url + "/v1/completions", content=deep, headers={"content-type": "application/json"})
+        assert resp.status_code == 400 and resp.json()["error"]["message"] == "Request body must be a JSON object."
         ok = httpx.post(router.url + "/v1/completions", json={"model": "a", "prompt": "x", "stream": False})
         assert ok.status_code == 200, ok.text
