@@ -60,6 +60,9 @@ class AdapterInfo(BaseModel):
     requests_in_flight: int = 0
     pinned: bool = False
     last_used: float | None = None  # unix seconds
+    # Seconds since its last use when the worker answered, by the worker's own clock (None: never
+    # used): what the placement's idle rule reads, free of clock skew between machines.
+    idle_s: float | None = None
 
 
 class AdapterInventory(BaseModel):

@@ -14,7 +14,7 @@ from typing import Any
 from lorafleet.operator import placement
 from lorafleet.operator.spec import AdapterSpec, PoolSpec, digest_matches
 from lorafleet.operator.status import AdapterObservation, adapter_status, pool_phase, status_changed
-from lorafleet.protocol import AdapterInventory
+from lorafleet.protocol import AdapterInfo, AdapterInventory
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,13 +64,21 @@ class RoundResult:
 
 
 def in_use(inventories: Mapping[str, AdapterInventory], now: float, idle_s: float) -> dict[str, set[str]]:
-    """Pod -> adapters with requests in flight or used within `idle_s` (workers' unix seconds)."""
+    """Pod -> adapters with requests in flight or used within `idle_s`, as of each inventory's poll.
+
+    Idleness is the worker's own `idle_s` (its clock, at its answer), not `now - last_used`: that
+    would compare two machines' clocks, and between polls (a round woken by an event reuses the
+    last inventory) count the inventory's age as idle time. A use after the poll shows at the next
+    one; until then the copy is judged on what the poll saw. `now - last_used` (unix seconds) only
+    for a worker that does not report `idle_s`."""
+
+    def idle(a: AdapterInfo) -> float | None:
+        if a.idle_s is not None:
+            return a.idle_s
+        return None if a.last_used is None else now - a.last_used
+
     return {
-        pod: {
-            a.name
-            for a in inv.adapters
-            if a.requests_in_flight > 0 or (a.last_used is not None and now - a.last_used < idle_s)
-        }
+        pod: {a.name for a in inv.adapters if a.requests_in_flight > 0 or ((t := idle(a)) is not None and t < idle_s)}
         for pod, inv in inventories.items()
     }
 

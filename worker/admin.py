@@ -150,11 +150,16 @@ async def adapters(runtime: Admin) -> AdapterInventory:
     def inventory() -> AdapterInventory:
         e = engine.engine
         reg = e.registry
+        now = reg.clock()
+
+        def idle(last_used: float | None) -> float | None:
+            return None if last_used is None else round(max(0.0, now - last_used), 3)
+
         infos = [
             AdapterInfo(name=n, tier=reg.tier(n), rank=reg.entries[n].rank, alpha=reg.entries[n].alpha,
                         digest=reg.entries[n].digest.value, path=reg.entries[n].path,
                         requests_in_flight=reg.entries[n].in_flight, pinned=reg.entries[n].pinned,
-                        last_used=reg.entries[n].last_used)
+                        last_used=reg.entries[n].last_used, idle_s=idle(reg.entries[n].last_used))
             for n in reg.names()
         ]
         return AdapterInventory(

@@ -58,7 +58,7 @@ class RecordingStore(MemoryPlacementStore):
         await super().record_residency(replica, adapter, tier, ttl_s)
 
 
-def info(name: str, last_used: float | None = None, in_flight: int = 0) -> AdapterInfo:
+def info(name: str, last_used: float | None = None, in_flight: int = 0, idle_s: float | None = None) -> AdapterInfo:
     return AdapterInfo(
         name=name,
         tier="cpu",
@@ -68,6 +68,7 @@ def info(name: str, last_used: float | None = None, in_flight: int = 0) -> Adapt
         path=f"/adapters/{name}",
         requests_in_flight=in_flight,
         last_used=last_used,
+        idle_s=idle_s,
     )
 
 
@@ -136,3 +137,24 @@ async def test_a_copy_in_use_beyond_the_placement_is_kept_until_idle():
     reconciler.wake(resync=True)
     await reconciler.reconcile_once()
     assert {p for p in PODS if "a" in workers.held[p]} == {home_and_other("a")[0]}
+
+
+async def test_idleness_is_the_workers_own_as_of_its_poll():
+    """The worker's `idle_s` decides, not the operator's clock against the worker's `last_used`
+    (another machine's clock), and a round between polls does not count the inventory's age as
+    idle time: a copy 30 s idle at the poll stays, whatever the clocks say, until a poll shows it
+    idle for `idle_unload_s`."""
+    reconciler, workers, events = make({"a": (1, 2)})
+    home, other = home_and_other("a")
+    skewed = NOW - 3600  # the worker's clock an hour behind the operator's
+    workers.held[home]["a"] = info("a", last_used=skewed, idle_s=30.0)
+    workers.held[other]["a"] = info("a", last_used=skewed, idle_s=30.0)  # the router's copy
+    await reconciler.reconcile_once()
+    reconciler.clock = lambda: NOW + 45  # a round woken by an event, on the same inventory
+    reconciler.wake()
+    await reconciler.reconcile_once()
+    assert not [e for e in events if e[0] == "unload"], events
+    workers.held[other]["a"] = info("a", last_used=skewed, idle_s=reconciler.settings.idle_unload_s)
+    reconciler.wake(resync=True)  # a poll shows it idle long enough
+    await reconciler.reconcile_once()
+    assert [e[1:] for e in events if e[0] == "unload"] == [(other, "a")]

@@ -70,9 +70,14 @@ def unload(worker, name: str, headers=None) -> httpx.Response:
 
 
 def inventory(worker) -> dict:
+    """The worker's inventory, each adapter's `idle_s` checked and dropped (it grows between calls)."""
     r = httpx.get(f"{worker.admin_url}/v1/adapters", headers=auth())
     assert r.status_code == 200, r.text
-    return r.json()
+    inv = r.json()
+    for a in inv["adapters"]:
+        idle = a.pop("idle_s")
+        assert (idle is None) == (a["last_used"] is None) and (idle is None or idle >= 0), a
+    return inv
 
 
 def models(worker) -> set[str]:
