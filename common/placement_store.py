@@ -63,7 +63,8 @@ class PlacementStore(Protocol):
     async def record_demand(self, counts: Mapping[str, int]) -> None: ...
 
     async def demand(self, window_s: float = 300.0) -> dict[str, float]:
-        """Requests per second per adapter over the last `window_s` (whole minutes)."""
+        """Requests per second per adapter over the last `window_s` (whole minutes: the ones before
+        this one, and this one so far)."""
 
     async def set_catalog(self, entries: Mapping[str, str]) -> None: ...
 
@@ -77,6 +78,16 @@ class PlacementStore(Protocol):
 
 def _minute(now: float) -> int:
     return int(now // DEMAND_BUCKET_S)
+
+
+def _window(now: float, window_s: float) -> tuple[range, float]:
+    """The minute buckets a demand window reads, and the seconds they cover: the whole minutes
+    before this one and this one's part so far (dividing by whole minutes under-read a rate by up
+    to a minute's worth early in each minute: 20% of a 5-minute window)."""
+    minutes = max(1, int(window_s // DEMAND_BUCKET_S))
+    current = _minute(now)
+    covered = (minutes - 1) * DEMAND_BUCKET_S + max(1.0, now - current * DEMAND_BUCKET_S)
+    return range(current - minutes + 1, current + 1), covered
 
 
 @dataclass(slots=True)
@@ -141,14 +152,12 @@ class MemoryPlacementStore:
             del self._demand[minute]
 
     async def demand(self, window_s: float = 300.0) -> dict[str, float]:
-        now = self.clock()
-        minutes = max(1, int(window_s // DEMAND_BUCKET_S))
-        current = _minute(now)
+        buckets, covered = _window(self.clock(), window_s)
         totals: dict[str, int] = {}
-        for minute in range(current - minutes + 1, current + 1):
+        for minute in buckets:
             for name, n in self._demand.get(minute, {}).items():
                 totals[name] = totals.get(name, 0) + n
-        return {name: n / (minutes * DEMAND_BUCKET_S) for name, n in totals.items()}
+        return {name: n / covered for name, n in totals.items()}
 
     async def set_catalog(self, entries: Mapping[str, str]) -> None:
         self._catalog.update(entries)
@@ -247,17 +256,16 @@ class RedisPlacementStore:
             await pipe.execute()
 
     async def demand(self, window_s: float = 300.0) -> dict[str, float]:
-        minutes = max(1, int(window_s // DEMAND_BUCKET_S))
-        current = _minute(self._clock())
+        buckets, covered = _window(self._clock(), window_s)
         async with self._r.pipeline(transaction=False) as pipe:
-            for minute in range(current - minutes + 1, current + 1):
+            for minute in buckets:
                 pipe.hgetall(self._k("demand", str(minute)))
             rows = await pipe.execute()
         totals: dict[str, int] = {}
         for row in rows:
             for name, n in row.items():
                 totals[name] = totals.get(name, 0) + int(n)
-        return {name: n / (minutes * DEMAND_BUCKET_S) for name, n in totals.items()}
+        return {name: n / covered for name, n in totals.items()}
 
     async def set_catalog(self, entries: Mapping[str, str]) -> None:
         if entries:

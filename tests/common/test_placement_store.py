@@ -102,7 +102,10 @@ async def test_demand_rates(store_and_clock):
     clock.now += 60
     await store.record_demand({"a": 30})
     rates = await store.demand(window_s=120)
-    assert rates == pytest.approx({"a": 0.5, "b": 0.05})
+    # The window's buckets cover the last minute and 5 s of this one: 65 s, not 120.
+    assert rates == pytest.approx({"a": 60 / 65, "b": 6 / 65})
+    clock.now += 54  # a second before this minute's end: 119 s
+    assert await store.demand(window_s=120) == pytest.approx({"a": 60 / 119, "b": 6 / 119})
     clock.now += 600
     assert await store.demand(window_s=120) == {}
 
