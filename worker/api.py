@@ -95,7 +95,7 @@ def _prepare_prompts(runtime: WorkerRuntime, prompts: list[str | list[int]]) -> 
             engine.check_prompt_chars(len(p))
     out = []
     for p in prompts:
-        ids = engine.tokenize(p) if isinstance(p, str) else list(p)
+        ids = engine.tokenizer.encode(p) if isinstance(p, str) else list(p)  # lengths checked above
         if not ids:
             raise ApiError(400, "the prompt is empty", param="prompt")
         out.append(ids)

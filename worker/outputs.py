@@ -45,7 +45,7 @@ class TrackedRequest:
 
     seq: Sequence
     detok: IncrementalDetokenizer
-    stop_ids: frozenset[int] = frozenset()  # stop_token_ids, and EOS unless ignore_eos: checked per token
+    stop_ids: frozenset[int]  # stop_token_ids, and EOS unless ignore_eos: checked per token
     emitted: int = 0  # characters of text already returned
 
     def text_delta(self, reason: str | None, stop_token: bool) -> tuple[str, str | None]:
