@@ -1,8 +1,11 @@
 """`lorafleet adapters`: manage the adapters of a running local fleet with LoraAdapter manifests.
 
     lorafleet adapters apply -f FILE [-f FILE ...]   validate like kubectl, apply, wait until Ready
-    lorafleet adapters get                           NAME POOL PHASE READY REPLICAS (like kubectl get)
-    lorafleet adapters delete NAME ...               unload everywhere
+    lorafleet adapters get [NAME ...] [-o wide|yaml|json|name]
+                                                     NAME POOL PHASE READY REPLICAS AGE, as kubectl
+                                                     prints the CRD's columns; `-o wide` adds the
+                                                     source and why an adapter is not Ready
+    lorafleet adapters delete NAME ... | -f FILE     unload everywhere
 
 `apply` writes each validated spec to the run directory with a new generation; the fleet's control
 loop (`lorafleet up`, the operator's reconciler) places and loads it and reports the status that
@@ -16,29 +19,49 @@ import json
 import sys
 import time
 import urllib.request
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from lorafleet.manifests import IGNORED_KINDS, KIND, ManifestError, load_documents, parse_adapter_manifest
+from lorafleet.operator.spec import API_VERSION
 from lorafleet.process_group import pid_alive
 from lorafleet.run_dir import DEFAULT_RUN_DIR, NotRunning, RunDir
 
+RESOURCE = "loraadapter.lorafleet.dev"
+OUTPUTS = ("wide", "yaml", "json", "name")
+
 
 def build_parser() -> argparse.ArgumentParser:
+    run_dir_help = "the fleet's run directory (default .lorafleet)"
     p = argparse.ArgumentParser(prog="lorafleet adapters", description="Manage the adapters of a local fleet.")
-    p.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR, help="the fleet's run directory (default .lorafleet)")
+    p.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR, help=run_dir_help)
+    # Also after the command, where kubectl users put their flags; SUPPRESS keeps the one given first.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--run-dir", type=Path, default=argparse.SUPPRESS, help=run_dir_help)
     sub = p.add_subparsers(dest="command", required=True)
-    apply = sub.add_parser("apply", help="apply LoraAdapter manifests (YAML, as for kubectl apply)")
+    apply = sub.add_parser("apply", parents=[common], help="apply LoraAdapter manifests (YAML, as for kubectl apply)")
     apply.add_argument("-f", "--filename", action="append", required=True, help="manifest file, folder or - for stdin")
     apply.add_argument("--wait", type=float, default=120.0, help="seconds to wait for Ready (0: do not wait)")
-    sub.add_parser("get", help="list adapters and their status")
-    delete = sub.add_parser("delete", help="delete adapters (unloaded from every worker)")
-    delete.add_argument("names", nargs="+")
+    get = sub.add_parser("get", parents=[common], help="list adapters and their status")
+    get.add_argument("names", nargs="*", metavar="NAME", help="only these adapters (default: all)")
+    get.add_argument("-o", "--output", choices=OUTPUTS, default=None,
+                     help="wide: also the source and why an adapter is not Ready; yaml/json: the whole object; "
+                          "name: resource/name")
+    delete = sub.add_parser("delete", parents=[common], help="delete adapters (unloaded from every worker)")
+    delete.add_argument("names", nargs="*", metavar="NAME")
+    delete.add_argument("-f", "--filename", action="append", default=[],
+                        help="delete the adapters a manifest file or folder names (- for stdin)")
     return p
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "delete" and not args.names and not args.filename:
+        parser.error("delete: name the adapters, or give -f FILE")
     run_dir = RunDir(args.run_dir.resolve())
     try:
         state = run_dir.read_state()
@@ -52,9 +75,15 @@ def main(argv: list[str]) -> int:
     if args.command == "apply":
         return apply(run_dir, args.filename, args.wait)
     if args.command == "get":
-        print(format_table(run_dir.read_status()))
-        return 0
-    return delete(run_dir, args.names)
+        return get(run_dir, args.names, args.output)
+    names = list(args.names)
+    if args.filename:
+        try:
+            names += manifest_names(read_sources(args.filename))
+        except (OSError, ManifestError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    return delete(run_dir, names)
 
 
 def read_sources(filenames: list[str]) -> list[tuple[str, str]]:
@@ -111,8 +140,8 @@ def apply(run_dir: RunDir, filenames: list[str], wait_s: float) -> int:
             else:
                 verb = "configured" if old is not None else "created"
                 generation = int(old.get("generation", 0)) + 1 if old is not None else 1
-                run_dir.write_desired(manifest.name, manifest.spec, generation)
-                current[manifest.name] = {"spec": manifest.spec, "generation": generation}
+                created = old.get("creationTimestamp") if old is not None else None
+                current[manifest.name] = run_dir.write_desired(manifest.name, manifest.spec, generation, created)
             applied[manifest.name] = generation
             print(f"loraadapter.lorafleet.dev/{manifest.name} {verb}")
     if applied and wait_s > 0:
@@ -200,12 +229,93 @@ def delete(run_dir: RunDir, names: list[str]) -> int:
     return 1 if missing else 0
 
 
-def format_table(statuses: dict[str, Any]) -> str:
-    rows = [("NAME", "POOL", "PHASE", "READY", "REPLICAS")]
-    for name in sorted(statuses):
-        entry = statuses[name]
-        status = entry.get("status") or {}
-        rows.append((name, (entry.get("spec") or {}).get("pool", ""), status.get("phase", "Pending"),
-                     str(status.get("readyReplicas", 0)), str(status.get("desiredReplicas", 0))))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+def manifest_names(sources: list[tuple[str, str]]) -> list[str]:
+    """The LoraAdapter names in manifest files, as `kubectl delete -f` reads them (specs unchecked)."""
+    names: list[str] = []
+    for label, text in sources:
+        for doc in load_documents(text, label):
+            if doc.get("kind") == KIND:
+                name = (doc.get("metadata") or {}).get("name")
+                if not isinstance(name, str) or not name:
+                    raise ManifestError(f"{label}: a {KIND} without metadata.name")
+                names.append(name)
+    return names
+
+
+def get(run_dir: RunDir, names: list[str], output: str | None) -> int:
+    objects = adapter_objects(run_dir.read_desired(), run_dir.read_status())
+    missing = [n for n in names if n not in objects]
+    for name in missing:
+        print(f'Error from server (NotFound): loraadapters.lorafleet.dev "{name}" not found', file=sys.stderr)
+    chosen = [objects[n] for n in names if n in objects] if names else [objects[n] for n in sorted(objects)]
+    if chosen or output in ("json", "yaml"):
+        print(render(chosen, output, single=len(names) == 1, now=datetime.now(timezone.utc)))
+    elif not names:
+        print("No resources found.", file=sys.stderr)
+    return 1 if missing else 0
+
+
+def adapter_objects(desired: dict[str, Any], statuses: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """name -> the LoraAdapter as the API server would return it: the applied spec (`desired/`, what
+    exists) with the status the fleet's reconciler last reported for it (Pending before that)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, entry in desired.items():
+        metadata: dict[str, Any] = {"name": name, "generation": int(entry.get("generation", 1))}
+        if entry.get("creationTimestamp"):
+            metadata["creationTimestamp"] = entry["creationTimestamp"]
+        status = (statuses.get(name) or {}).get("status") or {"phase": "Pending"}
+        out[name] = {"apiVersion": API_VERSION, "kind": KIND, "metadata": metadata,
+                     "spec": entry.get("spec") or {}, "status": status}
+    return out
+
+
+def render(objects: list[dict[str, Any]], output: str | None, *, single: bool, now: datetime) -> str:
+    if output == "name":
+        return "\n".join(f"{RESOURCE}/{o['metadata']['name']}" for o in objects)
+    if output in ("json", "yaml"):
+        doc: Any = objects[0] if single and objects else {"apiVersion": "v1", "kind": "List", "items": objects}
+        if output == "json":
+            return json.dumps(doc, indent=4)
+        return yaml.safe_dump(doc, sort_keys=False, default_flow_style=False).rstrip("\n")
+    return format_table(objects, wide=output == "wide", now=now)
+
+
+def format_table(objects: list[dict[str, Any]], *, wide: bool = False, now: datetime | None = None) -> str:
+    """kubectl's table of the CRD's printer columns (NAME POOL PHASE READY REPLICAS AGE); wide adds
+    SOURCE and, for an adapter that is not Ready, the reason and message of its Ready condition."""
+    header = ["NAME", "POOL", "PHASE", "READY", "REPLICAS", "AGE"] + (["SOURCE", "REASON", "MESSAGE"] if wide else [])
+    rows = [header]
+    for obj in objects:
+        spec, status = obj["spec"], obj["status"]
+        row = [obj["metadata"]["name"], str(spec.get("pool", "")), str(status.get("phase", "Pending")),
+               str(status.get("readyReplicas", 0)), str(status.get("desiredReplicas", 0)),
+               age(obj["metadata"].get("creationTimestamp"), now or datetime.now(timezone.utc))]
+        if wide:
+            reason, message = not_ready(status)
+            row += [str(spec.get("source", "")), reason, message]
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     return "\n".join("   ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
+
+
+def not_ready(status: dict[str, Any]) -> tuple[str, str]:
+    """(reason, message) of the Ready condition when it is not True, else ("", "")."""
+    for cond in status.get("conditions") or ():
+        if cond.get("type") == "Ready" and cond.get("status") != "True":
+            return str(cond.get("reason") or ""), " ".join(str(cond.get("message") or "").split())
+    return "", ""
+
+
+def age(timestamp: str | None, now: datetime) -> str:
+    """kubectl's short age: 42s, 5m, 3h, 2d (<unknown> without a timestamp)."""
+    if not timestamp:
+        return "<unknown>"
+    try:
+        created = datetime.strptime(timestamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    except ValueError:
+        return "<unknown>"
+    seconds = max(0, int((now - created).total_seconds()))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"

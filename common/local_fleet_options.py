@@ -53,17 +53,37 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"placement store when it answers (default {DEFAULT_REDIS_URL}); else embedded state")
     p.add_argument("--no-redis", action="store_true", help="embedded in-process state even if Redis answers")
     p.add_argument("--worker-port", type=int, default=None, help="first worker port (default: free ports)")
-    p.add_argument("--max-loras", type=int, default=d.max_loras, help="adapters per batch on each worker")
-    p.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras, help="adapters each worker holds")
-    p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank)
-    p.add_argument("--ready-timeout", type=float, default=d.ready_timeout_s, help="seconds to wait for the fleet")
+    p.add_argument("--max-loras", type=int, default=d.max_loras,
+                   help=f"adapters per batch on each worker (default {d.max_loras})")
+    p.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras,
+                   help=f"adapters each worker holds (default {d.max_cpu_loras})")
+    p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
+                   help=f"largest adapter rank the workers load (default {d.max_lora_rank})")
+    p.add_argument("--ready-timeout", type=float, default=d.ready_timeout_s,
+                   help=f"seconds to wait for the fleet (default {d.ready_timeout_s:g})")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     return p
 
 
 def options_from_args(args: argparse.Namespace) -> UpOptions:
+    """The options, checked before anything starts (a worker refusing them would say so only in its log)."""
+    from lorafleet.worker.config import ConfigError, EngineConfig  # torch-free
+
     if args.workers < 1:
         raise FleetError("--workers must be at least 1")
+    for flag, port in (("--port", args.port), ("--worker-port", args.worker_port)):
+        if port is not None and not 1 <= port <= 65535:
+            raise FleetError(f"{flag} {port}: a port is 1..65535")
+    if args.worker_port is not None and args.worker_port + args.workers - 1 > 65535:
+        raise FleetError(f"--worker-port {args.worker_port}: {args.workers} workers need ports up to "
+                         f"{args.worker_port + args.workers - 1}, past 65535")
+    if not args.ready_timeout > 0:
+        raise FleetError(f"--ready-timeout {args.ready_timeout:g}: must be more than 0 seconds")
+    try:
+        EngineConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
+    except ConfigError as exc:  # the workers' own rules, named by the flags given here
+        flag = str(exc).split()[0].replace("_", "-")
+        raise FleetError(f"--{flag}: {exc}") from None
     return UpOptions(
         host=args.host, port=args.port, workers=args.workers, device=args.device,
         assets=args.assets or default_assets_dir(), run_dir=args.run_dir,

@@ -34,6 +34,7 @@ class Child:
     name: str
     process: subprocess.Popen
     log_path: Path
+    log_start: int = 0  # the log's size when this child started: earlier runs' lines are not its own
 
     @property
     def pid(self) -> int:
@@ -43,8 +44,11 @@ class Child:
         return self.process.poll() is None
 
     def log_tail(self, lines: int = 20) -> str:
+        """The last lines this child wrote (the log is appended to across runs)."""
         try:
-            text = self.log_path.read_text(errors="replace")
+            with open(self.log_path, "rb") as f:
+                f.seek(self.log_start)
+                text = f.read().decode(errors="replace")
         except OSError:
             return ""
         return "\n".join(text.splitlines()[-lines:])
@@ -54,6 +58,7 @@ def spawn(name: str, argv: Sequence[str], log_path: Path, env: Mapping[str, str]
     """Start `argv` in a new session (its own process group), stdout and stderr into `log_path`."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
+        start = log.tell()
         process = subprocess.Popen(
             list(argv),
             stdin=subprocess.DEVNULL,
@@ -63,7 +68,7 @@ def spawn(name: str, argv: Sequence[str], log_path: Path, env: Mapping[str, str]
             start_new_session=True,
             preexec_fn=_die_with_parent,
         )
-    return Child(name, process, log_path)
+    return Child(name, process, log_path, start)
 
 
 def stop(children: Sequence[Child], grace_s: float = 10.0) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -133,7 +134,7 @@ class RunDir:
         return self.desired / f"{name}.json"
 
     def read_desired(self) -> dict[str, dict[str, Any]]:
-        """name -> {"spec": {...}, "generation": int} for every applied adapter."""
+        """name -> {"spec": {...}, "generation": int, "creationTimestamp": str} for every applied adapter."""
         out: dict[str, dict[str, Any]] = {}
         for path in sorted(self.desired.glob("*.json")):
             try:
@@ -142,8 +143,13 @@ class RunDir:
                 continue  # removed or being replaced right now: the next poll sees it
         return out
 
-    def write_desired(self, name: str, spec: dict[str, Any], generation: int) -> None:
-        write_json(self.desired_path(name), {"spec": spec, "generation": generation})
+    def write_desired(self, name: str, spec: dict[str, Any], generation: int,
+                      created: str | None = None) -> dict[str, Any]:
+        """Writes and returns the entry; `created` (RFC 3339) is kept across updates, now when new."""
+        entry = {"spec": spec, "generation": generation,
+                 "creationTimestamp": created or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        write_json(self.desired_path(name), entry)
+        return entry
 
     def delete_desired(self, name: str) -> bool:
         try:
