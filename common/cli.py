@@ -23,12 +23,27 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def lora_module_arg(text: str) -> tuple[str, str]:
-    """argparse type for vLLM's `--lora-modules name=path` (shared by the worker, router and CLI tools)."""
+    """argparse type for vLLM's `--lora-modules` (shared by the worker, router and CLI tools): `name=path`,
+    or vLLM's JSON form `{"name": ..., "path": ..., "base_model_name": ...}` (base_model_name is
+    accepted and not used: an adapter here always serves on the worker's one base model)."""
     import argparse
+    import json
 
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"--lora-modules: {text!r} is not valid JSON ({exc})") from None
+        unknown = sorted(set(spec) - {"name", "path", "base_model_name"})
+        name, path = spec.get("name"), spec.get("path")
+        if unknown or not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise argparse.ArgumentTypeError(
+                f"--lora-modules expects {{\"name\": ..., \"path\": ...}} (and optionally \"base_model_name\"), "
+                f"got {text!r}" + (f": unknown key(s) {', '.join(unknown)}" if unknown else ""))
+        return name, path
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"--lora-modules expects name=path, got {text!r}")
+        raise argparse.ArgumentTypeError(f"--lora-modules expects name=path or vLLM's JSON form, got {text!r}")
     return name, path
 
 

@@ -20,3 +20,26 @@ def test_a_start_up_adapter_named_after_the_base_model_is_refused(demo_model, de
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"{base!r}" in err and "base model" in err
+
+
+def test_lora_modules_take_vllms_json_form_too(demo_model, demo_adapters):
+    argv = ["--model", str(demo_model), "--lora-modules", f"sql={demo_adapters['sql']}",
+            '{"name": "poem", "path": "%s", "base_model_name": "demo"}' % demo_adapters["poem"],
+            "--lora-modules", '{"name": "code", "path": "%s"}' % demo_adapters["code"]]
+    settings = settings_from_args(build_parser().parse_args(argv))
+    assert settings.lora_modules == (("sql", str(demo_adapters["sql"])), ("poem", str(demo_adapters["poem"])),
+                                     ("code", str(demo_adapters["code"])))
+
+
+@pytest.mark.parametrize("value, message", [
+    ("sql", "expects name=path or vLLM's JSON form"),
+    ('{"name": "sql"', "is not valid JSON"),
+    ('{"name": "sql"}', 'expects {"name": ..., "path": ...}'),
+    ('{"name": "sql", "path": "/a", "rank": 8}', "unknown key(s) rank"),
+    ('{"name": 5, "path": "/a"}', 'expects {"name": ..., "path": ...}'),
+])
+def test_bad_lora_modules_say_what_is_expected(demo_model, value, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["--model", str(demo_model), "--lora-modules", value])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
