@@ -185,6 +185,10 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # None: size from memory (CUDA) or a default (CPU)
     kv_cache_memory_fraction: float = 0.9  # of the GPU memory left after weights and slots
+    # vLLM's --gpu-memory-utilization: the most of the GPU's memory this worker may hold (weights,
+    # slots, KV cache, activations); what is in use when the KV cache is sized counts against it,
+    # other processes' memory included. None: the KV cache takes kv_cache_memory_fraction of what is free.
+    gpu_memory_utilization: float | None = None
     max_num_seqs: int = 64  # running requests
     max_num_batched_tokens: int = 2048  # token budget per step (prefill chunks + decodes)
     max_model_len: int | None = None
@@ -222,6 +226,9 @@ class EngineConfig:
             (1 <= self.max_loras_per_request <= self.max_loras, "max_loras_per_request must be in 1..max_loras"),
             (self.block_size in (8, 16, 32, 64, 128), "block_size must be one of 8, 16, 32, 64, 128"),
             (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+            (0 < self.kv_cache_memory_fraction <= 1, "kv_cache_memory_fraction must be in (0, 1]"),
+            (self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
+             "gpu_memory_utilization must be in (0, 1]"),
             (self.max_num_batched_tokens >= self.block_size, "max_num_batched_tokens must be >= block_size"),
             (self.device in ("cpu", "cuda") or self.device.startswith("cuda:"), "device must be cpu or cuda[:N]"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype must be auto|float32|bfloat16|float16"),

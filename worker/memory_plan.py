@@ -2,7 +2,8 @@
 
 The KV cache is sized last, after the weights and the adapter slots: `num_kv_blocks` if set;
 on CUDA a fraction (`kv_cache_memory_fraction`) of the GPU memory then free, less room for the
-largest step's activations; on CPU a fixed default. The plan is logged in the seed guide's terms
+largest step's activations, or, with vLLM's `gpu_memory_utilization`, what is left of that share of
+the whole GPU after everything in use and that room; on CPU a fixed default. The plan is logged in the seed guide's terms
 (weights, adapter slots, KV blocks) under the engine's logger.
 """
 
@@ -25,12 +26,22 @@ def plan_kv_blocks(config: EngineConfig, model: ModelConfig, device: torch.devic
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
+        free, total = torch.cuda.mem_get_info(device)
         # Leave room for activations of the largest step (a few hidden-sized buffers per token).
         reserve = 4 * config.max_num_batched_tokens * model.intermediate_size * 4 + (1 << 30)
-        blocks = int((free - reserve) * config.kv_cache_memory_fraction) // per_block
+        utilization = config.gpu_memory_utilization
+        if utilization is None:
+            blocks = int((free - reserve) * config.kv_cache_memory_fraction) // per_block
+        else:  # vLLM's budget: everything in use now counts against utilization x total
+            blocks = (int(total * utilization) - (total - free) - reserve) // per_block
         if blocks < 1:
-            raise ConfigError("no GPU memory left for the KV cache after weights and adapter slots")
+            gib = 1 << 30
+            budget = (f"--gpu-memory-utilization {utilization:g} allows {total * utilization / gib:.2f} GiB"
+                      if utilization is not None else f"{free / gib:.2f} GiB are free")
+            raise ConfigError(
+                f"no GPU memory left for the KV cache: {(total - free) / gib:.2f} GiB of {total / gib:.2f} GiB in use "
+                f"(weights, adapter slots, other processes), {budget}, {reserve / gib:.2f} GiB kept for "
+                "activations; lower --max-loras or --max-lora-rank, or free the GPU")
         return blocks
     return CPU_DEFAULT_KV_BLOCKS
 
