@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from lorafleet.worker.cli import build_parser, main, settings_from_args
@@ -24,8 +26,8 @@ def test_a_start_up_adapter_named_after_the_base_model_is_refused(demo_model, de
 
 def test_lora_modules_take_vllms_json_form_too(demo_model, demo_adapters):
     argv = ["--model", str(demo_model), "--lora-modules", f"sql={demo_adapters['sql']}",
-            '{"name": "poem", "path": "%s", "base_model_name": "demo"}' % demo_adapters["poem"],
-            "--lora-modules", '{"name": "code", "path": "%s"}' % demo_adapters["code"]]
+            json.dumps({"name": "poem", "path": str(demo_adapters["poem"]), "base_model_name": "demo"}),
+            "--lora-modules", json.dumps({"name": "code", "path": str(demo_adapters["code"])})]
     settings = settings_from_args(build_parser().parse_args(argv))
     assert settings.lora_modules == (("sql", str(demo_adapters["sql"])), ("poem", str(demo_adapters["poem"])),
                                      ("code", str(demo_adapters["code"])))
