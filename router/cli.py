@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
     p.add_argument("--max-tokens-cap", type=int, default=d.max_tokens_cap)
-    p.add_argument("--max-n", type=int, default=d.max_n)
+    p.add_argument("--max-n", type=int, default=d.max_n,
+                   help=f"most choices (`n`) per prompt a request may ask for (default {d.max_n}, the worker's limit)")
     p.add_argument("--log-level", default="info")
     p.add_argument(
         "--hash-api-key",

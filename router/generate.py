@@ -164,24 +164,26 @@ async def unless_gone(work: Coroutine[Any, Any, T], gone: asyncio.Future[None]) 
 def check_fields(payload: dict[str, Any], s: RouterSettings, chat: bool) -> tuple[str, str] | None:
     """(param, message) for a field the worker would refuse or the router caps, else None.
 
-    The worker's rules (`worker/openai_protocol.py`): integer fields take JSON integers, not
-    booleans; `max_tokens` (and chat's `max_completion_tokens`) at least 1, `n` present means not
-    null; `stream` a JSON boolean. The messages use the worker's (pydantic's) wording.
+    The worker's rules (`worker/openai_protocol.py`): JSON null means "not given" (OpenAI's rule);
+    integer fields take JSON integers, not booleans; `max_tokens` (and chat's
+    `max_completion_tokens`) and `n` at least 1; `stream` a JSON boolean. The messages use the
+    worker's (pydantic's) wording. The caps (`max_tokens_cap`, `max_n`) are the router's own.
     """
     ranges = {"max_tokens": (1, s.max_tokens_cap), "n": (1, s.max_n)}
     if chat:
         ranges["max_completion_tokens"] = (1, s.max_tokens_cap)
     for name, (low, high) in ranges.items():
-        if name not in payload or (payload[name] is None and name != "n"):
+        value = payload.get(name)
+        if value is None:
             continue
-        value = payload[name]
         if not isinstance(value, int) or isinstance(value, bool):
             return name, f"{name}: Input should be a valid integer"
         if value < low:
             return name, f"{name}: Input should be greater than or equal to {low}"
         if value > high:
             return name, f"{name}: Input should be less than or equal to {high}"
-    if "stream" in payload and not isinstance(payload["stream"], bool):
+    stream = payload.get("stream")
+    if stream is not None and not isinstance(stream, bool):
         return "stream", "stream: Input should be a valid boolean"
     return None
 

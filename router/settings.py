@@ -46,7 +46,7 @@ class RouterSettings:
     max_connections: int = 1000
     max_body_bytes: int = 1 << 20
     max_tokens_cap: int = 8192
-    max_n: int = 8
+    max_n: int = 16  # choices per prompt; the worker serves up to 16 (worker/openai_protocol.py MAX_N)
     # Retries: attempts per request, and a fleet-wide budget (share of requests, plus a floor/s).
     max_attempts: int = 3
     retry_budget_ratio: float = 0.2

@@ -117,21 +117,23 @@ def _prepare_chat(runtime: WorkerRuntime, body: oai.ChatCompletionRequest) -> li
 async def completions(body: oai.CompletionRequest, request: Request, runtime: Runtime) -> Response:
     engine = runtime.require_engine()
     model = body.model or runtime.settings.model_name
+    created, n = oai.now(), body.n
     try:
+        body.check_supported()
         adapters = resolve_adapters(body.model, body.lora_adapters, runtime.settings)
         prompts = await asyncio.to_thread(_prepare_prompts, runtime, body.prompts())
         # OpenAI's (and vLLM's) default for the legacy completions endpoint is 16 tokens.
-        sampling = [body.sampling(body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs)] * len(prompts)
+        choices = oai.per_choice(body.sampling(body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs), n)
     except Exception as exc:  # noqa: BLE001 - mapped to 4xx; a bug re-raises
         raise from_engine(exc) from None
-    streams = await submit_all(engine, prompts, sampling, adapters)
+    # Choice i*n + j is prompt i's j-th choice (vLLM's order).
+    streams = await submit_all(engine, [ids for ids in prompts for _ in range(n)], choices * len(prompts), adapters)
     rid = oai.new_id("cmpl")
     token_text, token_bytes = _token_text(runtime), _token_bytes(runtime)
-    offsets = [oai.TextOffsets(token_bytes) for _ in prompts]
+    offsets = [oai.TextOffsets(token_bytes) for _ in streams]
+    prompt_tokens = sum(map(len, prompts))  # once per prompt, whatever n is
 
     if body.stream:
-        created = oai.now()
-
         def chunk(i: int, out: RequestOutput) -> list[dict]:
             lp = None
             if body.logprobs is not None and out.logprobs:
@@ -142,58 +144,63 @@ async def completions(body: oai.CompletionRequest, request: Request, runtime: Ru
 
         final = None
         if body.include_usage:
-            def final(p: int, g: int) -> dict:
-                return oai.usage_chunk(rid, created, model, "text_completion", oai.usage(p, g))
-        return streaming_response(stream_events(streams, chunk, final))
+            def final(use: dict) -> dict:
+                return oai.usage_chunk(rid, created, model, "text_completion", use)
+        return streaming_response(stream_events(streams, chunk, final, prompt_tokens,
+                                                continuous_usage=body.continuous_usage))
 
     results = await collect(request, streams)
-    choices = []
+    out = []
     for i, r in enumerate(results):
         lp = oai.completion_logprobs(r.logprobs, token_text, offsets[i]) if body.logprobs is not None else None
-        choices.append({"index": i, "text": "".join(r.text), "logprobs": lp, "finish_reason": r.finish_reason})
-    use = oai.usage(sum(r.prompt_tokens for r in results), sum(r.generated for r in results))
-    return JSONResponse(oai.completion_response(rid, model, choices, use))
+        out.append({"index": i, "text": "".join(r.text), "logprobs": lp, "finish_reason": r.finish_reason})
+    use = oai.usage(prompt_tokens, sum(r.generated for r in results))
+    return JSONResponse(oai.completion_response(rid, created, model, out, use))
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: oai.ChatCompletionRequest, request: Request, runtime: Runtime) -> Response:
     engine = runtime.require_engine()
     model = body.model or runtime.settings.model_name
+    created, n = oai.now(), body.n
     try:
+        body.check_supported()
         adapters = resolve_adapters(body.model, body.lora_adapters, runtime.settings)
         ids = await asyncio.to_thread(_prepare_chat, runtime, body)
         k = body.logprobs_k()
+        # vLLM's rule: max_completion_tokens (OpenAI's newer name) over max_tokens.
         max_tokens = body.max_completion_tokens or body.max_tokens
         sampling = body.sampling(max_tokens or default_max_tokens(engine.engine.max_model_len, len(ids)), k)
     except Exception as exc:  # noqa: BLE001 - mapped to 4xx; a bug re-raises
         raise from_engine(exc) from None
-    streams = await submit_all(engine, [ids], [sampling], adapters)
+    streams = await submit_all(engine, [ids] * n, oai.per_choice(sampling, n), adapters)
     rid = oai.new_id("chatcmpl")
     token_text, token_bytes = _token_text(runtime), _token_bytes(runtime)
 
     if body.stream:
-        created = oai.now()
-        first = [oai.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None)]
+        first = [oai.chat_chunk(rid, created, model, i, {"role": "assistant", "content": ""}, None) for i in range(n)]
 
-        def chunk(_i: int, out: RequestOutput) -> list[dict]:
+        def chunk(i: int, out: RequestOutput) -> list[dict]:
             lp = oai.chat_logprobs(out.logprobs, token_text, token_bytes) if k is not None and out.logprobs else None
             chunks = []
             if out.text_delta or lp is not None:
-                chunks.append(oai.chat_chunk(rid, created, model, {"content": out.text_delta}, None, lp))
+                chunks.append(oai.chat_chunk(rid, created, model, i, {"content": out.text_delta}, None, lp))
             if out.finished:
-                chunks.append(oai.chat_chunk(rid, created, model, {}, out.finish_reason))
+                chunks.append(oai.chat_chunk(rid, created, model, i, {}, out.finish_reason))
             return chunks
 
         final = None
         if body.include_usage:
-            def final(p: int, g: int) -> dict:
-                return oai.usage_chunk(rid, created, model, "chat.completion.chunk", oai.usage(p, g))
-        return streaming_response(stream_events(streams, chunk, final, first))
+            def final(use: dict) -> dict:
+                return oai.usage_chunk(rid, created, model, "chat.completion.chunk", use)
+        return streaming_response(stream_events(streams, chunk, final, len(ids), first, body.continuous_usage))
 
-    (r,) = await collect(request, streams)
-    lp = oai.chat_logprobs(r.logprobs, token_text, token_bytes) if k is not None else None
-    return JSONResponse(oai.chat_response(rid, model, "".join(r.text), r.finish_reason, lp,
-                                          oai.usage(r.prompt_tokens, r.generated)))
+    results = await collect(request, streams)
+    out = [oai.chat_choice(i, "".join(r.text), r.finish_reason,
+                           oai.chat_logprobs(r.logprobs, token_text, token_bytes) if k is not None else None)
+           for i, r in enumerate(results)]
+    use = oai.usage(len(ids), sum(r.generated for r in results))
+    return JSONResponse(oai.chat_response(rid, created, model, out, use))
 
 
 def _token_text(runtime: WorkerRuntime) -> Callable[[int], str]:

@@ -2,12 +2,15 @@
 response / stream-chunk shapes, as plain builders. Torch-free; raw dicts only at this boundary.
 
 Request fields keep JSON's types (pydantic's strict mode): `max_tokens: true` or `"stream": "false"`
-is a 400, not 1 or false by coercion.
+is a 400, not 1 or false by coercion. JSON `null` for an optional field means "not given", as in
+OpenAI's API. A field this worker does not implement (`tools`, `response_format` json, vLLM's
+`min_p`, ...) is a 400 naming it unless its value changes nothing; other unknown fields are ignored.
 """
 
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable
@@ -20,12 +23,16 @@ from pydantic import (
     ValidationError,
     ValidatorFunctionWrapHandler,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
 from lorafleet.protocol import LoraAdapterRef
 from lorafleet.worker.sampling import TokenLogprobs
-from lorafleet.worker.sequence import SamplingParams
+from lorafleet.worker.sequence import SEED_MAX, SamplingParams
+
+# Choices per prompt (`n`); vLLM has no cap, but each choice is a sequence with its own KV blocks.
+MAX_N = 16
 
 
 class UnsupportedField(ValueError):
@@ -36,22 +43,78 @@ class UnsupportedField(ValueError):
         self.param = param
 
 
-class StreamOptions(BaseModel):
+class _Body(BaseModel):
+    """A JSON object of the API: strict types, unknown fields ignored, null = the field's default."""
+
     model_config = ConfigDict(extra="ignore", strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """OpenAI takes `"n": null` or `"stream": null` as not given; strict pydantic refused them."""
+        if not isinstance(data, dict) or None not in data.values():
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
 
 
-class _SamplingFields(BaseModel):
-    """Fields shared by completions and chat; unknown fields are ignored, as OpenAI and vLLM do."""
+def _off(*harmless: Any) -> Callable[[Any], bool]:
+    """A check that a field's value changes nothing: null, empty, or one of `harmless`."""
+    return lambda v: v is None or v in ([], {}, "") or any(type(v) is type(h) and v == h for h in harmless)
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+
+def _text_format(v: Any) -> bool:
+    return v is None or (isinstance(v, dict) and v.get("type") == "text")
+
+
+def _text_modalities(v: Any) -> bool:
+    return v is None or (isinstance(v, list) and all(m == "text" for m in v))
+
+
+# Fields a client may send that this worker does not implement: each is accepted only at a value that
+# changes nothing (check, what is not supported); any other value is a 400 naming the field rather
+# than an answer that silently ignores it (a JSON schema not followed, a tool never called).
+UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "tools": (_off(), "tools (function calling) are not supported"),
+    "tool_choice": (_off("none", "auto"), "tool_choice other than 'none' or 'auto' is not supported (no tools)"),
+    "functions": (_off(), "functions (function calling) are not supported"),
+    "function_call": (_off("none", "auto"), "function_call other than 'none' or 'auto' is not supported"),
+    "response_format": (_text_format, "response_format other than {'type': 'text'} is not supported"),
+    "modalities": (_text_modalities, "modalities other than ['text'] are not supported"),
+    "audio": (_off(), "audio output is not supported"),
+    # vLLM's extra parameters
+    "guided_json": (_off(), "guided decoding (guided_json) is not supported"),
+    "guided_regex": (_off(), "guided decoding (guided_regex) is not supported"),
+    "guided_choice": (_off(), "guided decoding (guided_choice) is not supported"),
+    "guided_grammar": (_off(), "guided decoding (guided_grammar) is not supported"),
+    "structured_outputs": (_off(), "structured_outputs is not supported"),
+    "repetition_penalty": (_off(1, 1.0), "repetition_penalty other than 1 is not supported"),
+    "min_p": (_off(0, 0.0), "min_p other than 0 is not supported"),
+    "min_tokens": (_off(0), "min_tokens other than 0 is not supported"),
+    "use_beam_search": (_off(False), "use_beam_search is not supported"),
+    "prompt_logprobs": (_off(), "prompt_logprobs is not supported"),
+    "allowed_token_ids": (_off(), "allowed_token_ids is not supported"),
+    "bad_words": (_off(), "bad_words is not supported"),
+    "logits_processors": (_off(), "logits_processors is not supported"),
+}
+
+
+class _SamplingFields(_Body):
+    """Fields shared by completions and chat; unknown fields are ignored, as OpenAI and vLLM do
+    (kept, so the ones in UNSUPPORTED can be checked)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -59,6 +122,8 @@ class _SamplingFields(BaseModel):
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
+    best_of: int | None = None  # completions in OpenAI's API; vLLM's chat takes it too
+    echo: bool = False  # completions: the prompt before the text; vLLM's chat: the last message
     user: str | None = None
     # vLLM's extra sampling parameters
     top_k: int | None = Field(default=None, ge=-1)
@@ -68,17 +133,28 @@ class _SamplingFields(BaseModel):
     # The RFC's composition field: several adapters with static scales (then `model` is the base)
     lora_adapters: list[LoraAdapterRef] | None = None
 
-    def _check_supported(self) -> None:
-        if self.n != 1:
-            raise UnsupportedField("n", "only n=1 is supported")
-        if self.presence_penalty or self.frequency_penalty:
-            raise UnsupportedField("presence_penalty", "presence_penalty and frequency_penalty are not supported")
+    def check_supported(self) -> None:
+        """Raises UnsupportedField (HTTP 400) for a field set to a value this worker cannot honour."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise UnsupportedField(name, f"{name} other than 0 is not supported")
         if self.logit_bias:
             raise UnsupportedField("logit_bias", "logit_bias is not supported")
+        if self.echo:
+            raise UnsupportedField("echo", "echo is not supported")
+        if self.best_of is not None and self.best_of < self.n:
+            raise UnsupportedField("best_of", "best_of must be greater than or equal to n")
+        if self.best_of is not None and self.best_of > self.n:
+            raise UnsupportedField("best_of", "best_of greater than n is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise UnsupportedField("stream_options", "stream_options is only allowed when stream is true")
+        for name, value in (self.model_extra or {}).items():
+            rule = UNSUPPORTED.get(name)
+            if rule is not None and not rule[0](value):
+                raise UnsupportedField(name, rule[1])
 
     def sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises ValueError (HTTP 400) for values the engine refuses."""
-        self._check_supported()
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
             max_tokens=max_tokens,
@@ -97,6 +173,20 @@ class _SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+def per_choice(sampling: SamplingParams, n: int) -> list[SamplingParams]:
+    """The sampling of each of a prompt's `n` choices. Seeded, choice i draws from seed + i (vLLM's
+    rule): the choices differ, and the same request gives them again. Past the top of the seed
+    range, seed + i wraps to its negative form, which torch takes as the same seed."""
+    if sampling.seed is None:
+        return [sampling] * n
+    seeds = [sampling.seed + i for i in range(n)]
+    return [dataclasses.replace(sampling, seed=s - 2**64 if s > SEED_MAX else s) for s in seeds]
+
 
 PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of lists of token ids"
 
@@ -104,8 +194,6 @@ PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of l
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
-    best_of: int | None = None
     suffix: str | None = None
 
     @field_validator("prompt", mode="wrap")
@@ -127,26 +215,18 @@ class CompletionRequest(_SamplingFields):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 
-    def _check_supported(self) -> None:
-        super()._check_supported()
-        if self.echo:
-            raise UnsupportedField("echo", "echo is not supported")
-        if self.best_of not in (None, 1):
-            raise UnsupportedField("best_of", "best_of is not supported")
+    def check_supported(self) -> None:
+        super().check_supported()
         if self.suffix:
             raise UnsupportedField("suffix", "suffix is not supported")
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
+class TextPart(_Body):
     type: str
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
+class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -241,8 +321,8 @@ def chat_logprobs(lps: list[TokenLogprobs], token_text: Callable[[int], str],
     }
 
 
-def completion_response(rid: str, model: str, choices: list[dict], use: dict) -> dict[str, Any]:
-    return {"id": rid, "object": "text_completion", "created": now(), "model": model, "choices": choices,
+def completion_response(rid: str, created: int, model: str, choices: list[dict], use: dict) -> dict[str, Any]:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
             "usage": use}
 
 
@@ -254,21 +334,21 @@ def completion_chunk(rid: str, created: int, model: str, index: int, text: str, 
     }
 
 
-def chat_response(rid: str, model: str, text: str, finish_reason: str, logprobs: dict | None,
-                  use: dict) -> dict[str, Any]:
-    return {
-        "id": rid, "object": "chat.completion", "created": now(), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                     "finish_reason": finish_reason}],
-        "usage": use,
-    }
+def chat_choice(index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish_reason}
 
 
-def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason: str | None,
+def chat_response(rid: str, created: int, model: str, choices: list[dict], use: dict) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+            "usage": use}
+
+
+def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict, finish_reason: str | None,
                logprobs: dict | None = None) -> dict[str, Any]:
     return {
         "id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
 
 

@@ -18,6 +18,7 @@ from fastapi.responses import StreamingResponse
 from lorafleet.protocol import LoraAdapterRef
 from lorafleet.worker.async_engine import AsyncEngine, RequestStream
 from lorafleet.worker.errors import ApiError, error_response, from_engine
+from lorafleet.worker.openai_protocol import usage
 from lorafleet.worker.outputs import RequestOutput
 from lorafleet.worker.sampling import TokenLogprobs
 from lorafleet.worker.sequence import SamplingParams
@@ -58,24 +59,37 @@ def default_max_tokens(max_model_len: int, prompt_len: int) -> int:
 class _Result:
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-    prompt_tokens: int = 0
     generated: int = 0
     finish_reason: str = "stop"
 
 
 async def submit_all(engine: AsyncEngine, prompts: list[str | list[int]], sampling: list[SamplingParams],
                      adapters: tuple[tuple[str, float], ...]) -> list[RequestStream]:
-    streams: list[RequestStream] = []
+    """Queue every sequence of a request (prompts × choices) at once: their commands reach the engine
+    thread together, so they start in the same step rather than one step apart. If one is refused
+    (or the caller is cancelled), those already queued are cancelled."""
+    tasks = [asyncio.ensure_future(engine.submit(p, sp, adapters)) for p, sp in zip(prompts, sampling, strict=True)]
     try:
-        for prompt, sp in zip(prompts, sampling, strict=True):
-            streams.append(await engine.submit(prompt, sp, adapters))
-    except BaseException as exc:
-        for s in streams:
-            s.cancel()
-        if isinstance(exc, Exception):
-            raise from_engine(exc) from None
+        await asyncio.wait(tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()  # one still queueing aborts itself (`AsyncEngine.submit`)
+        _cancel_queued(tasks)
         raise
-    return streams
+    failed = next((t for t in tasks if t.cancelled() or t.exception() is not None), None)
+    if failed is not None:
+        _cancel_queued(tasks)
+        try:
+            failed.result()  # raises its error
+        except Exception as exc:  # noqa: BLE001 - mapped to 4xx; a bug re-raises
+            raise from_engine(exc) from None
+    return [t.result() for t in tasks]
+
+
+def _cancel_queued(tasks: list[asyncio.Future[RequestStream]]) -> None:
+    for t in tasks:
+        if t.done() and not t.cancelled() and t.exception() is None:
+            t.result().cancel()
 
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -119,7 +133,7 @@ async def collect(request: Request, streams: list[RequestStream]) -> list[_Resul
             r = results[i]
             r.text.append(out.text_delta)
             r.logprobs.extend(out.logprobs)
-            r.prompt_tokens, r.generated = out.num_prompt_tokens, out.num_generated
+            r.generated = out.num_generated
             if out.finished:
                 r.finish_reason = out.finish_reason or "stop"
 
@@ -153,24 +167,31 @@ def streaming_response(events: AsyncIterator[str]) -> StreamingResponse:
 async def stream_events(
     streams: list[RequestStream],
     chunk: Callable[[int, RequestOutput], list[dict]],
-    final: Callable[[int, int], dict] | None,
+    final: Callable[[dict[str, int]], dict] | None,
+    prompt_tokens: int,
     first: list[dict] | None = None,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
     """SSE events: `first`, one or more chunks per output, a usage chunk if asked, then `[DONE]`.
 
+    `prompt_tokens`: the request's, each prompt counted once however many choices it has.
+    `continuous_usage` (vLLM's `continuous_usage_stats`): every chunk carries the usage so far.
     Cancelled (client gone) or failed: the requests are aborted in `finally`.
     """
-    prompt_tokens = [0] * len(streams)
     generated = [0] * len(streams)
     try:
         for payload in first or ():
+            if continuous_usage:
+                payload["usage"] = usage(prompt_tokens, 0)
             yield sse(payload)
         async for i, out in _merged(streams):
-            prompt_tokens[i], generated[i] = out.num_prompt_tokens, out.num_generated
+            generated[i] = out.num_generated
             for payload in chunk(i, out):
+                if continuous_usage:
+                    payload["usage"] = usage(prompt_tokens, sum(generated))
                 yield sse(payload)
         if final is not None:
-            yield sse(final(sum(prompt_tokens), sum(generated)))
+            yield sse(final(usage(prompt_tokens, sum(generated))))
         yield SSE_DONE
     except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band, as vLLM does
         log.warning("stream failed: %s", exc)

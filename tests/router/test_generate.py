@@ -40,11 +40,13 @@ SETTINGS = RouterSettings(max_tokens_cap=8192, max_n=8)
         ),
         ({"max_completion_tokens": 0}, False, None),  # completions has no such field: the worker ignores it
         ({"n": False}, False, ("n", "n: Input should be a valid integer")),
-        ({"n": None}, False, ("n", "n: Input should be a valid integer")),
+        ({"n": None, "stream": None, "max_tokens": None}, False, None),  # null: not given (OpenAI's rule)
+        ({"n": None, "stream": None, "max_completion_tokens": None}, True, None),
+        ({"n": 0}, False, ("n", "n: Input should be greater than or equal to 1")),
+        ({"n": 8}, False, None),
         ({"n": 9}, False, ("n", "n: Input should be less than or equal to 8")),
         ({"stream": "false"}, False, ("stream", "stream: Input should be a valid boolean")),
         ({"stream": 0}, False, ("stream", "stream: Input should be a valid boolean")),
-        ({"stream": None}, False, ("stream", "stream: Input should be a valid boolean")),
     ],
 )
 def test_check_fields_refuses_what_the_worker_refuses(payload, chat, expected):
@@ -227,3 +229,9 @@ def test_every_error_is_in_the_openai_envelope(two_workers):
         assert resp.status_code == 400 and resp.json()["error"]["message"] == "Request body must be a JSON object."
         ok = httpx.post(router.url + "/v1/completions", json={"model": "a", "prompt": "x", "stream": False})
         assert ok.status_code == 200, ok.text
+
+
+def test_the_routers_default_n_cap_is_the_workers() -> None:
+    from lorafleet.worker.openai_protocol import MAX_N
+
+    assert RouterSettings().max_n == MAX_N

@@ -1,0 +1,99 @@
+"""The router in front of a real worker (in-process, CPU, demo model), driven by the official `openai`
+client: JSON null is "not given", `n` choices pass through (streamed or not), and what the worker
+refuses reaches the client as the worker's 400."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from lorafleet.router.settings import RouterSettings
+from tests.router.conftest import RouterThread
+from tests.worker.worker_harness import TOKEN, RunningWorker, worker_settings
+
+pytest.importorskip("torch")
+pytestmark = pytest.mark.timeout(240)
+
+PROMPT = "The router sends each request to"
+CHAT = [{"role": "user", "content": "hi"}]
+MAX_N = 4  # the router's cap here, below the worker's 16
+
+
+@pytest.fixture(scope="module")
+def worker(demo_model, demo_adapters, tmp_path_factory):
+    token_file = tmp_path_factory.mktemp("token") / "token"
+    token_file.write_text(TOKEN)
+    w = RunningWorker(worker_settings(demo_model, demo_adapters, token_file=token_file)).start()
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="module")
+def router(worker, demo_adapters):
+    settings = RouterSettings(workers=(worker.url,), admin_token=TOKEN, poll_interval_s=0.2, max_n=MAX_N,
+                              lora_modules={n: str(p) for n, p in demo_adapters.items()})
+    with RouterThread(settings) as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def via_router(router):
+    return openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def direct(worker):
+    return openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_null_fields_are_not_given(router, route):
+    """The router refused `"stream": null` and `"n": null` (400) before the worker saw them."""
+    body = {"model": "sql", "max_tokens": 3, "stream": None, "n": None, "temperature": None, "seed": None,
+            "stop": None, "stream_options": None, "logprobs": None, "user": None, "max_completion_tokens": None}
+    body |= {"prompt": PROMPT} if route == "completions" else {"messages": CHAT}
+    r = httpx.post(f"{router.url}/v1/{route}", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("application/json") and len(r.json()["choices"]) == 1
+
+
+def test_the_official_client_sending_none_through_the_router(via_router):
+    r = via_router.completions.create(model="sql", prompt=PROMPT, max_tokens=3, n=None, stream=None, seed=None)
+    assert len(r.choices) == 1 and r.object == "text_completion"
+
+
+def test_n_choices_through_the_router_match_the_worker(via_router, direct):
+    kw = dict(model="poem", prompt=PROMPT, max_tokens=6, temperature=1.0, seed=21, n=3)
+    want = direct.completions.create(**kw)
+    got = via_router.completions.create(**kw)
+    assert [(c.index, c.text) for c in got.choices] == [(c.index, c.text) for c in want.choices]
+    assert got.usage.model_dump() == want.usage.model_dump()
+    chunks = list(via_router.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    streamed: dict[int, str] = {}
+    for c in chunks:
+        for ch in c.choices:
+            streamed[ch.index] = streamed.get(ch.index, "") + ch.text
+    assert streamed == {c.index: c.text for c in want.choices}
+    assert chunks[-1].usage.model_dump() == want.usage.model_dump()
+
+
+def test_n_chat_streamed_through_the_router(via_router):
+    chunks = list(via_router.chat.completions.create(model="chat", messages=CHAT, max_tokens=4, n=2, seed=2,
+                                                     temperature=1.0, stream=True))
+    assert {ch.index for c in chunks for ch in c.choices} == {0, 1}
+    assert sorted(ch.index for c in chunks for ch in c.choices if ch.finish_reason) == [0, 1]
+
+
+def test_n_above_the_routers_cap_is_its_400(via_router):
+    with pytest.raises(openai.BadRequestError) as err:
+        via_router.completions.create(model="sql", prompt=PROMPT, max_tokens=2, n=MAX_N + 1)
+    assert err.value.body["param"] == "n"
+    assert err.value.body["message"] == f"n: Input should be less than or equal to {MAX_N}"
+
+
+def test_an_unsupported_feature_is_the_workers_400(via_router):
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        via_router.chat.completions.create(model="chat", messages=CHAT, max_tokens=2, tools=[tool], stream=True)
+    assert err.value.body["param"] == "tools" and "not supported" in err.value.body["message"]

@@ -1,0 +1,331 @@
+"""What a client of OpenAI's API (or vLLM's) expects from the worker, through the official `openai`
+client where it can send it: JSON null as "not given", `n` choices per prompt, `max_completion_tokens`,
+`stream_options`, and a 400 naming each field the worker does not implement (never silence)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.worker.worker_harness import RunningWorker, wait_for, worker_settings
+
+PROMPT = "The router sends each request to"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def worker(demo_model, demo_adapters):
+    w = RunningWorker(worker_settings(demo_model, demo_adapters)).start()
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="module")
+def client(worker):
+    return openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def post(worker, route: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{worker.url}/v1/{route}", json=body, timeout=60)
+
+
+def events(worker, route: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{worker.url}/v1/{route}", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        lines = [ln.removeprefix("data: ") for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+def refused(r: httpx.Response, param: str | None) -> str:
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == 400 and err["param"] == param, err
+    return err["message"]
+
+
+def texts_by_index(chunks, field: str = "text") -> dict[int, str]:
+    out: dict[int, str] = {}
+    for c in chunks:
+        for ch in c.choices:
+            piece = ch.text if field == "text" else (ch.delta.content or "")
+            out[ch.index] = out.get(ch.index, "") + piece
+    return out
+
+
+# -- null means "not given" ---------------------------------------------------------------------------
+
+NULLABLE = ["stream", "n", "temperature", "top_p", "max_tokens", "stop", "seed", "logprobs", "stream_options",
+            "presence_penalty", "frequency_penalty", "user", "logit_bias", "echo", "best_of", "suffix", "top_k",
+            "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "lora_adapters"]
+NULLABLE_CHAT = ["stream", "n", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "stream_options",
+                 "seed", "stop", "add_generation_prompt", "tools", "tool_choice", "response_format"]
+
+
+@pytest.mark.parametrize("field", NULLABLE)
+def test_null_is_the_default_on_completions(worker, field):
+    """`"stream": null` and `"n": null` were 400s (strict types): OpenAI takes null as not given."""
+    body = {"model": "sql", "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    want = post(worker, "completions", body).json()
+    r = post(worker, "completions", {**body, field: None})
+    assert r.status_code == 200, r.text
+    got = r.json()  # not streamed, one choice, no logprobs: the defaults
+    assert len(got["choices"]) == 1 and got["choices"][0]["logprobs"] is None
+    if field == "max_tokens":
+        assert got["usage"]["completion_tokens"] == 16  # the completions default
+    elif field != "temperature":
+        assert got["choices"][0]["text"] == want["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("field", NULLABLE_CHAT)
+def test_null_is_the_default_on_chat(worker, field):
+    limit = "max_completion_tokens" if field == "max_tokens" else "max_tokens"
+    body = {"model": "chat", "messages": CHAT, limit: 5, "temperature": 0, "ignore_eos": True}
+    want = post(worker, "chat/completions", body).json()
+    r = post(worker, "chat/completions", {**body, field: None})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert len(got["choices"]) == 1 and got["choices"][0]["logprobs"] is None
+    assert got["choices"][0]["message"] == want["choices"][0]["message"]
+    assert got["usage"] == want["usage"]
+
+
+def test_the_official_client_sending_none_is_served(client):
+    """The `openai` client sends an explicit None as JSON null."""
+    kw = dict(stream=None, n=None, temperature=None, top_p=None, stop=None, seed=None, logprobs=None,
+              stream_options=None, presence_penalty=None, frequency_penalty=None, user=None)
+    r = client.completions.create(model="sql", prompt=PROMPT, max_tokens=None, **kw)
+    assert len(r.choices) == 1 and r.usage.completion_tokens >= 1
+    c = client.chat.completions.create(model="sql", messages=CHAT, max_tokens=4, max_completion_tokens=None,
+                                       top_logprobs=None, **kw)
+    assert len(c.choices) == 1 and c.choices[0].message.role == "assistant"
+
+
+@pytest.mark.parametrize("route,field,value", [
+    ("completions", "stream", "false"),
+    ("completions", "n", True),
+    ("completions", "n", "2"),
+    ("chat/completions", "stream", 0),
+    ("chat/completions", "logprobs", "true"),
+])
+def test_wrong_types_are_still_400(worker, route, field, value):
+    body = {"model": "demo", "max_tokens": 2, field: value}
+    body |= {"prompt": PROMPT} if route == "completions" else {"messages": CHAT}
+    assert refused(post(worker, route, body), field).startswith(f"{field}: ")
+
+
+# -- n choices per prompt -------------------------------------------------------------------------------
+
+
+def test_n_choices_are_seeded_distinct_and_reproducible(client):
+    """n was refused (400); choice i of a seeded request draws from seed + i, as in vLLM."""
+    kw = dict(model="poem", prompt=PROMPT, max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
+    r = client.completions.create(n=3, seed=11, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.text for c in r.choices]
+    assert len(set(texts)) == 3
+    alone = [client.completions.create(seed=11 + i, **kw) for i in range(3)]
+    assert texts == [a.choices[0].text for a in alone]
+    assert [c.text for c in client.completions.create(n=3, seed=11, **kw).choices] == texts
+    # usage: the prompt once, the completion tokens of every choice
+    assert r.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert r.usage.completion_tokens == 3 * 8
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 24
+
+
+def test_n_seed_at_the_top_of_the_range_wraps(client):
+    kw = dict(model="poem", prompt=PROMPT, max_tokens=6, temperature=1.0)
+    r = client.completions.create(n=2, seed=2**64 - 1, **kw)
+    assert r.choices[1].text == client.completions.create(seed=0, **kw).choices[0].text
+
+
+def test_n_with_several_prompts_orders_choices_by_prompt(client):
+    kw = dict(model="sql", max_tokens=6, temperature=0)
+    r = client.completions.create(prompt=[PROMPT, "Roses are red"], n=2, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    first = client.completions.create(prompt=PROMPT, **kw)
+    second = client.completions.create(prompt="Roses are red", **kw)
+    assert [c.text for c in r.choices] == [first.choices[0].text] * 2 + [second.choices[0].text] * 2
+    assert r.usage.prompt_tokens == first.usage.prompt_tokens + second.usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(c.usage.completion_tokens for c in (first, second)) * 2
+
+
+def test_n_streamed_completions_carry_their_choice_index(client):
+    kw = dict(model="code", prompt=PROMPT, max_tokens=7, temperature=0.9, seed=5, n=3,
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert texts_by_index(chunks) == {c.index: c.text for c in whole.choices}
+    finishes = {ch.index: ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason}
+    assert finishes == {0: "length", 1: "length", 2: "length"}
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    assert all(c.id == chunks[0].id and c.object == "text_completion" for c in chunks)
+
+
+def test_n_chat_plain_and_streamed(client):
+    kw = dict(model="chat", messages=CHAT, max_tokens=6, temperature=1.0, seed=3, n=2,
+              extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw)
+    assert [c.index for c in whole.choices] == [0, 1]
+    assert all(c.message.role == "assistant" and c.finish_reason == "length" for c in whole.choices)
+    assert whole.choices[0].message.content != whole.choices[1].message.content
+    assert whole.usage.completion_tokens == 12
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    roles = [ch.index for c in chunks for ch in c.choices if ch.delta.role == "assistant"]
+    assert roles == [0, 1]  # one role chunk per choice, first
+    assert texts_by_index(chunks, "delta") == {c.index: c.message.content for c in whole.choices}
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+
+
+def test_n_with_logprobs_gives_each_choice_its_own(client):
+    r = client.completions.create(model="sql", prompt=PROMPT, max_tokens=4, n=2, seed=1, logprobs=1,
+                                  extra_body={"ignore_eos": True})
+    for c in r.choices:
+        assert len(c.logprobs.tokens) == 4 and "".join(c.logprobs.tokens) != ""
+    assert r.choices[0].logprobs.token_logprobs != r.choices[1].logprobs.token_logprobs
+
+
+@pytest.mark.parametrize("n,needle", [(17, "less than or equal to 16"), (0, "greater than or equal to 1")])
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_n_out_of_range_is_400(worker, route, n, needle):
+    body = {"model": "demo", "max_tokens": 2, "n": n}
+    body |= {"prompt": PROMPT} if route == "completions" else {"messages": CHAT}
+    assert refused(post(worker, route, body), "n") == f"n: Input should be {needle}"
+
+
+def test_best_of_equal_to_n_is_served_other_values_are_400(worker):
+    body = {"model": "demo", "prompt": PROMPT, "max_tokens": 2, "n": 2}
+    r = post(worker, "completions", {**body, "best_of": 2})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+    assert "greater than or equal to n" in refused(post(worker, "completions", {**body, "best_of": 1}), "best_of")
+    assert "not supported" in refused(post(worker, "completions", {**body, "best_of": 3}), "best_of")
+
+
+# -- max_completion_tokens -------------------------------------------------------------------------------
+
+
+def test_max_completion_tokens_bounds_chat_and_wins_over_max_tokens(client):
+    kw = dict(model="chat", messages=CHAT, temperature=0, extra_body={"ignore_eos": True})
+    assert client.chat.completions.create(max_completion_tokens=3, **kw).usage.completion_tokens == 3
+    r = client.chat.completions.create(max_completion_tokens=3, max_tokens=7, **kw)
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+
+
+# -- stream_options ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(worker, route):
+    body = {"model": "demo", "max_tokens": 5, "temperature": 0, "ignore_eos": True, "n": 2,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body |= {"prompt": PROMPT} if route == "completions" else {"messages": CHAT}
+    chunks = events(worker, route, body)
+    used = [c["usage"]["completion_tokens"] for c in chunks]
+    assert used == sorted(used) and used[-1] == 10
+    assert len({c["usage"]["prompt_tokens"] for c in chunks}) == 1 and chunks[0]["usage"]["prompt_tokens"] > 0
+    assert chunks[-1]["choices"] == []
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_stream_options_without_stream_is_400(worker, route):
+    """OpenAI and vLLM refuse it; it was silently ignored."""
+    body = {"model": "demo", "max_tokens": 2, "stream_options": {"include_usage": True}}
+    body |= {"prompt": PROMPT} if route == "completions" else {"messages": CHAT}
+    assert "stream" in refused(post(worker, route, body), "stream_options")
+
+
+def test_include_usage_false_sends_no_usage_chunk(worker):
+    chunks = events(worker, "completions", {"model": "demo", "prompt": PROMPT, "max_tokens": 3,
+                                            "stream_options": {"include_usage": False}})
+    assert all(c["choices"] and "usage" not in c for c in chunks)
+
+
+# -- fields not implemented: a 400 that names them; harmless values accepted ------------------------------
+
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+UNSUPPORTED = [
+    ("tools", [TOOL]),
+    ("tool_choice", "required"),
+    ("tool_choice", {"type": "function", "function": {"name": "lookup"}}),
+    ("functions", [{"name": "lookup"}]),
+    ("function_call", {"name": "lookup"}),
+    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+    ("logit_bias", {"50": 100}),
+    ("presence_penalty", 0.5),
+    ("frequency_penalty", -0.5),
+    ("echo", True),
+    ("best_of", 2),
+    ("modalities", ["text", "audio"]),
+    ("guided_json", {"type": "object"}),
+    ("guided_choice", ["a", "b"]),
+    ("repetition_penalty", 1.2),
+    ("min_p", 0.1),
+    ("min_tokens", 3),
+    ("use_beam_search", True),
+]
+HARMLESS = [
+    ("user", "u-1"), ("metadata", {"k": "v"}), ("store", False), ("parallel_tool_calls", True),
+    ("service_tier", "auto"), ("tool_choice", "none"), ("tool_choice", "auto"), ("tools", []),
+    ("response_format", {"type": "text"}), ("logit_bias", {}), ("repetition_penalty", 1.0), ("min_p", 0),
+    ("modalities", ["text"]), ("presence_penalty", 0), ("best_of", 1), ("reasoning_effort", "low"),
+]
+
+
+@pytest.mark.parametrize("field,value", UNSUPPORTED, ids=[f"{f}-{i}" for i, (f, _) in enumerate(UNSUPPORTED)])
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_unsupported_features_are_400_naming_the_field(worker, field, value, stream):
+    """tools, response_format json, functions, vLLM's guided decoding and penalties were ignored: the
+    answer looked right and was not what was asked for."""
+    body = {"model": "demo", "messages": CHAT, "max_tokens": 2, "stream": stream, field: value}
+    assert field in refused(post(worker, "chat/completions", body), field)
+
+
+@pytest.mark.parametrize("field,value", [("suffix", " end"), ("echo", True), ("logit_bias", {"7": -100}),
+                                         ("best_of", 3), ("guided_regex", "[a-z]+")])
+def test_unsupported_completions_fields_are_400(worker, field, value):
+    body = {"model": "demo", "prompt": PROMPT, "max_tokens": 2, field: value}
+    assert field in refused(post(worker, "completions", body), field)
+
+
+@pytest.mark.parametrize("field,value", HARMLESS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(HARMLESS)])
+def test_harmless_fields_are_accepted(worker, field, value):
+    body = {"model": "demo", "messages": CHAT, "max_tokens": 2, field: value}
+    r = post(worker, "chat/completions", body)
+    assert r.status_code == 200, r.text
+
+
+def test_the_official_client_gets_a_typed_error_for_tools(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="demo", messages=CHAT, max_tokens=2, tools=[TOOL])
+    assert err.value.body["param"] == "tools"
+
+
+# -- response shape -------------------------------------------------------------------------------------
+
+
+def test_ids_objects_and_created_are_consistent(worker):
+    body = {"model": "demo", "prompt": PROMPT, "max_tokens": 2}
+    r = post(worker, "completions", body).json()
+    assert r["object"] == "text_completion" and r["id"].startswith("cmpl-") and isinstance(r["created"], int)
+    chunks = events(worker, "chat/completions", {"model": "demo", "messages": CHAT, "max_tokens": 3})
+    assert {c["created"] for c in chunks} == {chunks[0]["created"]}
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert chunks[0]["id"].startswith("chatcmpl-") and {c["id"] for c in chunks} == {chunks[0]["id"]}
+
+
+def test_a_refused_prompt_cancels_the_choices_already_queued(worker):
+    """All of a request's sequences are queued together; one refused (a token id out of the
+    vocabulary) leaves none of the others running."""
+    body = {"model": "demo", "prompt": [[5, 6, 7], [10**9]], "n": 3, "max_tokens": 2000, "ignore_eos": True}
+    assert "token ids" in refused(post(worker, "completions", body), None)
+
+    def idle() -> bool:
+        text = httpx.get(f"{worker.url}/metrics").text
+        return ('vllm:num_requests_running{model_name="demo"} 0.0' in text
+                and 'vllm:num_requests_waiting{model_name="demo"} 0.0' in text)
+
+    wait_for(idle, timeout=2)
