@@ -7,9 +7,9 @@ inventory the router routes on and the operator reconciles against.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Tier = Literal["gpu", "cpu", "disk"]
 
@@ -40,12 +40,20 @@ class UnloadLoraAdapterRequest(BaseModel):
 
 
 class LoraAdapterRef(BaseModel):
-    """One entry of the RFC's request-level `lora_adapters` field."""
+    """One entry of the RFC's request-level `lora_adapters` field. JSON's types are kept, as in the
+    request around it (`"scale": "0.5"` or `true` is refused, not coerced); a null scale is the default."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str = Field(min_length=1, max_length=128)
     scale: float = Field(default=1.0, ge=-100.0, le=100.0, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_scale_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "scale" in data and data["scale"] is None:
+            return {k: v for k, v in data.items() if k != "scale"}
+        return data
 
 
 class AdapterInfo(BaseModel):

@@ -206,16 +206,33 @@ def lora_adapter_list(value: Any) -> list[Any]:
     return value
 
 
+class BadAdapterRef(ValueError):
+    """An entry of `lora_adapters` the worker would refuse; `param` is its field's path, as the worker names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def adapter_ref(index: int, value: Any) -> LoraAdapterRef:
+    try:
+        return LoraAdapterRef.model_validate(value)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(["lora_adapters", str(index), *(str(p) for p in first["loc"])])
+        raise BadAdapterRef(param, f"{param}: {first['msg']}") from None
+
+
 def resolve(payload: dict[str, Any], gw: Gateway) -> tuple[str, tuple[str, ...]]:
     """(base model, adapters) for the request's (string) `model` / `lora_adapters`.
 
-    Raises UnknownModel naming what is unknown, and ValueError (pydantic's ValidationError) for a
-    malformed `lora_adapters` (only composed requests pay for pydantic).
+    Raises UnknownModel naming what is unknown, BadAdapterRef for a malformed entry of
+    `lora_adapters` (only composed requests pay for pydantic) and ValueError for a non-list.
     """
     model = payload["model"]
     bases = gw.fleet.base_models()
     if model in bases:
-        refs = [LoraAdapterRef.model_validate(r) for r in lora_adapter_list(payload.get("lora_adapters"))]
+        refs = [adapter_ref(i, r) for i, r in enumerate(lora_adapter_list(payload.get("lora_adapters")))]
         adapters = tuple(dict.fromkeys(r.name for r in refs))
         missing = next((a for a in adapters if not gw.sync.known(a)), None)
         if missing is not None:
@@ -264,9 +281,10 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
         return await respond_error(send, 400, problem[1], "invalid_request_error", param=problem[0])
     try:
         base, adapters = resolve(payload, gw)
-    except ValueError as exc:  # pydantic's ValidationError is one
-        detail = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
-        message = f"invalid `lora_adapters`: {detail}"
+    except BadAdapterRef as exc:
+        return await respond_error(send, 400, str(exc), "invalid_request_error", param=exc.param)
+    except ValueError as exc:
+        message = f"invalid `lora_adapters`: {exc}"
         return await respond_error(send, 400, message, "invalid_request_error", param="lora_adapters")
     except UnknownModel as exc:
         return await model_not_found(send, exc.name, exc.param)

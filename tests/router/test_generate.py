@@ -204,6 +204,13 @@ def test_every_error_is_in_the_openai_envelope(two_workers):
             (
                 "POST",
                 "/v1/completions",
+                {"model": "demo-base", "prompt": "x", "lora_adapters": [{"name": "a", "scale": "0.5"}]},
+                400,
+                "lora_adapters.0.scale: Input should be a valid number",  # the worker's wording
+            ),
+            (
+                "POST",
+                "/v1/completions",
                 {"model": "nope", "prompt": "x"},
                 404,
                 "The model `nope` does not exist or you do not have access to it.",

@@ -345,3 +345,22 @@ def test_a_refused_prompt_cancels_the_choices_already_queued(worker):
                 and 'vllm:num_requests_waiting{model_name="demo"} 0.0' in text)
 
     wait_for(idle, timeout=2)
+
+
+# -- lora_adapters entries ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale", ["0.5", True])
+def test_a_lora_adapters_scale_keeps_jsons_type(worker, scale):
+    """Was coerced ("0.5" -> 0.5, true -> 1.0) while the rest of the request was strict."""
+    body = {"model": "demo", "prompt": "x", "max_tokens": 1, "lora_adapters": [{"name": "sql", "scale": scale}]}
+    assert refused(post(worker, "completions", body), "lora_adapters.0.scale").startswith(
+        "lora_adapters.0.scale: Input should be a valid number")
+
+
+def test_a_null_lora_adapters_scale_is_the_default(worker):
+    base = {"model": "demo", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    null = post(worker, "completions", base | {"lora_adapters": [{"name": "sql", "scale": None}]})
+    one = post(worker, "completions", base | {"lora_adapters": [{"name": "sql", "scale": 1.0}]})
+    assert null.status_code == 200, null.text
+    assert null.json()["choices"][0]["text"] == one.json()["choices"][0]["text"]
