@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -220,11 +221,12 @@ async def list_models(request: Request, gw: GatewayDep) -> JSONResponse:
     for replica in gw.fleet.replicas.values():
         adapters.update(a for a in replica.residency() if a not in gw.sync.retired)
     parent = bases[0] if len(bases) == 1 else None
+    created = int(time.time())  # the listing's time, as the worker (and vLLM) stamp their model cards
     data: list[dict[str, Any]] = [
-        {"id": m, "object": "model", "created": 0, "owned_by": "lorafleet"} for m in bases
+        {"id": m, "object": "model", "created": created, "owned_by": "lorafleet"} for m in bases
     ]
     data += [
-        {"id": a, "object": "model", "created": 0, "owned_by": "lorafleet", "parent": parent}
+        {"id": a, "object": "model", "created": created, "owned_by": "lorafleet", "parent": parent}
         for a in sorted(adapters)
         if tenant.may_use_adapter(a)
     ]

@@ -183,7 +183,10 @@ def test_tenants_keys_visibility_and_limits(two_workers, tmp_path):
         assert complete(acme, "a")[1] == "[w0] a"
         with pytest.raises(openai.NotFoundError):
             complete(acme, "b")  # beta's adapter: looks like it does not exist
-        assert {m.id for m in acme.models.list()} == {"demo-base", "a", "c"}
+        before = int(time.time())
+        listed = acme.models.list().data
+        assert {m.id for m in listed} == {"demo-base", "a", "c"}
+        assert all(before <= m.created <= time.time() for m in listed)  # was 0
         assert {m.id for m in beta.models.list()} == {"demo-base", "b"}
         assert complete(beta, "b")[1] == "[w1] b"
         assert complete(beta, "b")[1] == "[w1] b"
