@@ -23,6 +23,7 @@ import asyncio
 import hashlib
 import logging
 import os
+from typing import Any
 
 from lorafleet.operator.pool_state import ReconcilerSettings
 
@@ -43,8 +44,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kopf peering name for HA (several operators, one active); default: standalone")
     p.add_argument("--priority", type=int, default=None,
                    help="peering priority; must differ between replicas (default: derived from the pod name)")
+    p.add_argument("--liveness", default=None, metavar="URL",
+                   help="serve kopf's health endpoint for a livenessProbe, e.g. http://0.0.0.0:8080/healthz "
+                        "(default: none)")
     p.add_argument("--verbose", "-v", action="store_true")
     return p
+
+
+def operator_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """`kopf.operator`'s arguments for the parsed flags (registry aside)."""
+    namespaces = () if args.all_namespaces else (args.namespace or [os.environ.get("POD_NAMESPACE", "default")])
+    # Equal priorities freeze every peer; derive distinct ones from the (unique) pod name.
+    priority = args.priority
+    if priority is None:
+        pod = os.environ.get("HOSTNAME") or os.urandom(8).hex()
+        priority = int(hashlib.sha256(pod.encode()).hexdigest()[:6], 16) if args.peering else 0
+    return {
+        "clusterwide": args.all_namespaces,
+        "namespaces": namespaces,
+        "standalone": args.peering is None,
+        "peering_name": args.peering,
+        "priority": priority,
+        "liveness_endpoint": args.liveness,
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -63,20 +85,5 @@ def main(argv: list[str]) -> int:
     )
     registry = kopf.OperatorRegistry()
     register(registry, config)
-    namespaces = () if args.all_namespaces else (args.namespace or [os.environ.get("POD_NAMESPACE", "default")])
-    # Equal priorities freeze every peer; derive distinct ones from the (unique) pod name.
-    priority = args.priority
-    if priority is None:
-        pod = os.environ.get("HOSTNAME") or os.urandom(8).hex()
-        priority = int(hashlib.sha256(pod.encode()).hexdigest()[:6], 16) if args.peering else 0
-    asyncio.run(
-        kopf.operator(
-            registry=registry,
-            clusterwide=args.all_namespaces,
-            namespaces=namespaces,
-            standalone=args.peering is None,
-            peering_name=args.peering,
-            priority=priority,
-        )
-    )
+    asyncio.run(kopf.operator(registry=registry, **operator_kwargs(args)))
     return 0

@@ -149,16 +149,18 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     @kopf.on.update(*POOLS, field="spec", registry=registry)
     async def pool_apply(
         spec: kopf.Spec, name: str, namespace: str, body: kopf.Body, meta: kopf.Meta,
-        memo: kopf.Memo, patch: kopf.Patch, **_: Any,
+        memo: kopf.Memo, patch: kopf.Patch, retry: int, **_: Any,
     ) -> None:
         fleet: Fleet = memo.fleet
+        previous = body.get("status", {}).get("conditions")
+        generation = meta.get("generation")
         try:
             pool = parse_pool(namespace, name, spec)
         except SpecError as exc:
-            fleet.pool(namespace, name).set_pool(None, None)
+            fleet.pool(namespace, name).set_pool(None, None, problem=("PoolInvalid", f"LoraPool {name}: {exc}"))
             patch.status["phase"] = "Failed"
             patch.status["conditions"] = render_conditions(
-                [Condition("Reconciled", False, exc.reason, str(exc))], body.get("status", {}).get("conditions"), None
+                [Condition("Reconciled", False, exc.reason, str(exc))], previous, generation
             )
             return
         assert fleet.kube is not None
@@ -168,14 +170,31 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
                 kopf.adopt(child, owner=body)
                 await _apply_child(fleet.kube, child)
         except (KubeError, OSError) as exc:
-            raise kopf.TemporaryError(f"children of {name}: {exc}", delay=5) from exc
+            # Shown on the pool (kopf applies the patch whatever the handler raises).
+            patch.status["conditions"] = render_conditions(
+                [Condition("Reconciled", False, "ChildrenNotApplied", f"workers' objects not applied: {exc}")],
+                previous, generation,
+            )
+            status = exc.status if isinstance(exc, KubeError) else 0
+            if status in (400, 422):  # the API server refuses what this spec builds: wait for a new spec
+                patch.status["phase"] = "Failed"
+                raise kopf.PermanentError(f"children of {name} refused: {exc}") from exc
+            # Transient (network, 5xx), or maybe not (403: RBAC, quota): retry with backoff, each
+            # retry being a warning Event too; a new spec is picked up at the next retry.
+            raise kopf.TemporaryError(f"children of {name}: {exc}", delay=min(5 * 2 ** retry, 60)) from exc
         fleet.pool(namespace, name).set_pool(pool, token)
-        patch.status["observedGeneration"] = meta.get("generation")
+        patch.status["observedGeneration"] = generation
+        patch.status["conditions"] = render_conditions(
+            [Condition("Reconciled", True, "Reconciled", f"{pool.workload_kind}, Service, PodDisruptionBudget "
+                       f"and Secret {pool.token_secret} are up to date")],
+            previous, generation,
+        )
 
     @kopf.on.delete(*POOLS, optional=True, registry=registry)
     async def pool_delete(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
         # Children go with their owner (garbage collection); adapters stay, Pending, until a pool returns.
-        memo.fleet.pool(namespace, name).set_pool(None, None)
+        # The pool's daemon is stopped by now: its reconciler writes their statuses here, once.
+        await memo.fleet.pool(namespace, name).pool_deleted()
 
     @kopf.daemon(*POOLS, cancellation_timeout=1.0, registry=registry)
     async def pool_loop(name: str, namespace: str, memo: kopf.Memo, stopped: Any, logger: logging.Logger, **_: Any) -> None:
@@ -207,20 +226,23 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
             # Permanent: mark Failed once; the next attempt comes with the next spec change.
             reconciler = fleet.forget_adapter(namespace, name)
             if reconciler is not None:
-                await reconciler.unload_everywhere(name)
+                await reconciler.unload_everywhere(name, keep_catalog=fleet.name_shared(namespace, name))
             patch.status.update(failed_status(exc.reason, str(exc), meta.get("generation"), dict(status)))
             return
-        fleet.upsert_adapter(adapter, meta.get("generation"), dict(status) if status else None)
+        fleet.upsert_adapter(adapter, meta.get("generation"), dict(status) if status else None,
+                             meta.get("creationTimestamp"))
 
     @kopf.on.delete(*ADAPTERS, registry=registry)
     async def adapter_delete(spec: kopf.Spec, name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
         fleet: Fleet = memo.fleet
         fleet.forget_adapter(namespace, name)
+        shared = fleet.name_shared(namespace, name)  # another namespace's adapter of that name: its entry
         pool = spec.get("pool")
         if not pool or (namespace, pool) not in fleet.pools:
-            await fleet.remove_from_catalog(name)
+            if not shared:
+                await fleet.remove_from_catalog(name)
             return  # never placed anywhere this operator knows
-        pending = await fleet.pool(namespace, pool).unload_everywhere(name)
+        pending = await fleet.pool(namespace, pool).unload_everywhere(name, keep_catalog=shared)
         if pending:
             raise kopf.TemporaryError(f"unload of {name} not verified on {', '.join(pending)}", delay=2)
 
@@ -280,8 +302,8 @@ async def _adopt_existing_adapters(fleet: Fleet, namespace: str, pool: str, logg
         if meta.get("deletionTimestamp") or (item.get("spec") or {}).get("pool") != pool:
             continue
         try:
-            adapter = parse_adapter(namespace, meta["name"], item["spec"])
-        except SpecError:
+            adapter = parse_adapter(namespace, meta["name"], item.get("spec") or {})
+        except SpecError:  # adapter_apply marks it Failed; the others must not wait for it
             continue
         if (namespace, adapter.name) not in fleet.adapter_pool:
-            fleet.upsert_adapter(adapter, meta.get("generation"), item.get("status"))
+            fleet.upsert_adapter(adapter, meta.get("generation"), item.get("status"), meta.get("creationTimestamp"))

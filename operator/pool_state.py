@@ -8,7 +8,7 @@ ready replicas, the digest to report, and the statuses the adapters and the pool
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lorafleet.operator import placement
@@ -54,6 +54,35 @@ class AdapterRecord:
     generation: int | None
     status: dict[str, Any] | None  # last status known to be on the object
     failure: tuple[str, str] | None = None  # permanent, cleared when the spec changes
+    # Another namespace's LoraAdapter serves this name (names are global to the router); set and
+    # cleared by the fleet as adapters of that name come and go.
+    conflict: tuple[str, str] | None = None
+    # Pods where this operator loaded the spec's source (and sha256) itself: their copies are current.
+    verified: set[str] = field(default_factory=set)
+    # The source changed since copies were loaded: every copy not in `verified` is an old version.
+    outdated: bool = False
+
+    @property
+    def problem(self) -> tuple[str, str] | None:
+        """Why the adapter is Failed and served nowhere, if it is."""
+        return self.failure or self.conflict
+
+    def succeed(self, old: AdapterRecord | None) -> None:
+        """Carry over what still holds from the record this one replaces (a spec change, or the
+        same spec again); without one, `status.source` tells what the loaded copies came from."""
+        if old is None:
+            shown = (self.status or {}).get("source")
+            self.outdated = shown is not None and shown != self.spec.source  # changed while no operator ran
+            return
+        self.conflict = old.conflict
+        if old.spec == self.spec:
+            self.failure = old.failure
+        if self.status is None:  # still what the object shows
+            self.status = old.status
+        if (old.spec.source, old.spec.sha256) == (self.spec.source, self.spec.sha256):
+            self.verified, self.outdated = old.verified, old.outdated
+        else:  # a new sha256 alone leaves copies of the right content alone (check_loaded decides)
+            self.outdated = old.outdated or old.spec.source != self.spec.source
 
 
 @dataclass(slots=True)
@@ -89,16 +118,47 @@ def check_loaded(
     loaded: Mapping[str, set[str]],
     max_lora_rank: int,
 ) -> None:
-    """Permanent failures visible only after a load: digest or rank as reported by the worker."""
+    """Permanent failures visible only after a load: digest or rank as reported by the worker.
+
+    A digest that differs fails the adapter only on a copy this operator loaded from the current
+    spec: any other copy (loaded before the spec's sha256 or source changed, or by a router) may
+    just be an old version, which `stale_copies` has reloaded first."""
     for pod, inv in inventories.items():
         for info in inv.adapters:
             record = adapters.get(info.name)
-            if record is None or record.failure is not None or info.name not in loaded.get(pod, ()):
+            if record is None or record.problem is not None or info.name not in loaded.get(pod, ()):
                 continue
             if not digest_matches(record.spec.sha256, info.digest):
-                record.failure = ("DigestMismatch", f"worker {pod} reports {info.digest}, spec wants sha256:{record.spec.sha256}")
+                if pod in record.verified:
+                    record.failure = ("DigestMismatch", f"worker {pod} reports {info.digest}, spec wants sha256:{record.spec.sha256}")
             elif info.rank > max_lora_rank:
                 record.failure = ("RankTooHigh", f"rank {info.rank} exceeds maxLoraRank {max_lora_rank}")
+
+
+def stale_copies(
+    adapters: Mapping[str, AdapterRecord],
+    inventories: Mapping[str, AdapterInventory],
+    loaded: Mapping[str, set[str]],
+) -> set[tuple[str, str]]:
+    """(pod, adapter) copies that may not hold the spec's content, to reload in place: loaded from
+    an older source, or with a digest other than the spec's sha256, and not loaded by us since."""
+    out = set()
+    for pod, names in loaded.items():
+        # `loaded` may be ahead of the last poll (a load this round): such a copy has no info yet.
+        infos = {a.name: a for a in inventories[pod].adapters} if pod in inventories else {}
+        for name in names:
+            record = adapters.get(name)
+            if record is None or record.problem is not None or pod in record.verified:
+                continue
+            info = infos.get(name)
+            if record.outdated or (info is not None and not digest_matches(record.spec.sha256, info.digest)):
+                out.add((pod, name))
+    return out
+
+
+def without(loaded: Mapping[str, set[str]], copies: set[tuple[str, str]]) -> dict[str, set[str]]:
+    """`loaded` less some (pod, adapter) copies."""
+    return {pod: {n for n in names if (pod, n) not in copies} for pod, names in loaded.items()}
 
 
 def ready_replicas(pods: Mapping[str, PodState], loaded: Mapping[str, set[str]], adapter: str) -> int:
@@ -148,10 +208,12 @@ def status_writes(
             placed=placed,
             ready=ready_replicas(pods, loaded, name),
             loading=name in loading,
-            failure=record.failure,
+            failure=record.problem,
             placed_reason=why,
             placed_message=detail,
             digest=digest_of(loaded, digests, name),
+            # What the copies were loaded from: the spec's, once no copy of an older source is left.
+            source=(record.status or {}).get("source") if record.outdated else record.spec.source,
         )
         new = adapter_status(obs, record.status)
         if status_changed(record.status, new):

@@ -7,7 +7,7 @@ when nothing changes in Kubernetes.
 One loop per pool, not one per adapter: placement is pool-wide (capacity is shared), and a loop
 that polls each worker once per round scales to thousands of adapters with a handful of requests.
 The records it keeps, and the pure read-outs of them (verification, readiness, statuses), are in
-`pool_state`.
+`pool_state`; the status writes to the API in `status_writer`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorafleet.operator import placement, pool_state
-from lorafleet.operator.kube import KubeClient, KubeError, NotFound
+from lorafleet.operator import placement, pool_state, status_writer
+from lorafleet.operator.kube import KubeClient
 from lorafleet.operator.pool_state import (
     AdapterRecord,
     PodState,
@@ -29,7 +29,7 @@ from lorafleet.operator.pool_state import (
     UrlOf,
     pod_url,
 )
-from lorafleet.operator.spec import API_VERSION, AdapterSpec, PoolSpec, SpecError, check_against_pool
+from lorafleet.operator.spec import AdapterSpec, PoolSpec, SpecError, check_against_pool
 from lorafleet.operator.worker_client import LoadRefused, WorkerClient, WorkerError, resident
 from lorafleet.protocol import AdapterInventory
 
@@ -56,6 +56,7 @@ class PoolReconciler:
     # set_pool has been called in this process (a None pool then means deleted or invalid); before
     # that, after an operator restart, rounds write no statuses (they would read "PoolNotFound").
     pool_known: bool = False
+    pool_problem: tuple[str, str] | None = None  # (reason, message) while the pool is deleted or invalid
     adapters: dict[str, AdapterRecord] = field(default_factory=dict)
     pods: dict[str, PodState] = field(default_factory=dict)
     inventories: dict[str, AdapterInventory] = field(default_factory=dict)
@@ -66,19 +67,41 @@ class PoolReconciler:
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _resync: bool = True
     _round_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _crashes: int = 0  # rounds in a row that raised: their retries back off
 
     # ---- inputs from the handlers -------------------------------------------------------------
 
-    def set_pool(self, pool: PoolSpec | None, token: str | None) -> None:
+    def set_pool(self, pool: PoolSpec | None, token: str | None, problem: tuple[str, str] | None = None) -> None:
+        """The pool's spec (None: deleted, or invalid with `problem` = (reason, message))."""
         self.pool, self.token, self.pool_known = pool, token, True
+        self.pool_problem = None if pool is not None else problem or ("PoolNotFound", f"LoraPool {self.name} not found")
+        self.pool_status = None  # the handler may have written the phase meanwhile (Failed): write it again
         self.wake(resync=True)
 
+    async def pool_deleted(self) -> None:
+        """The LoraPool is gone (its workers go with it): its adapters read Pending, PoolNotFound, and
+        leave the router's catalog, so that no router cold-loads them on another pool's workers.
+
+        Runs one round itself: the pool's daemon, which runs the loop, has stopped with the pool.
+        """
+        self.set_pool(None, None)
+        async with self._round_lock:
+            self.pods.clear()
+            self.inventories.clear()
+            self.loaded.clear()
+            if self.store is not None:
+                for name, record in list(self.adapters.items()):
+                    if record.conflict is not None:
+                        continue  # the name's catalog entry is another namespace's adapter's
+                    try:
+                        await self.store.remove_catalog(name)
+                    except Exception as exc:
+                        log.warning("placement store: %s not removed from the catalog: %s", name, exc)
+            await self._reconcile_once()
+
     def upsert_adapter(self, spec: AdapterSpec, generation: int | None, status: Mapping[str, Any] | None) -> None:
-        old = self.adapters.get(spec.name)
         record = AdapterRecord(spec, generation, dict(status) if status else None)
-        if old is not None and old.spec == spec:
-            record.failure = old.failure
-            record.status = old.status if record.status is None else record.status
+        record.succeed(self.adapters.get(spec.name))
         self.adapters[spec.name] = record
         self.wake()
 
@@ -95,6 +118,8 @@ class PoolReconciler:
         self.pods.pop(name, None)
         self.inventories.pop(name, None)
         self.loaded.pop(name, None)
+        for record in self.adapters.values():
+            record.verified.discard(name)  # a pod of that name again is a new worker
         self.wake()
 
     def wake(self, resync: bool = False) -> None:
@@ -113,7 +138,14 @@ class PoolReconciler:
             self._wake.clear()
             delay = 0.0
             for _ in range(self.settings.max_rounds_per_wake):
-                result = await self.reconcile_once()
+                try:
+                    result = await self.reconcile_once()
+                except Exception:  # a bug or an unforeseen answer must not stop the pool's loop
+                    self._crashes += 1
+                    delay = min(self.settings.retry_s * 2 ** self._crashes, 60.0)
+                    log.exception("pool %s/%s: reconcile round failed; retrying in %.0f s", self.namespace, self.name, delay)
+                    break
+                self._crashes = 0
                 if result.errors:
                     delay = self.settings.retry_s
                 if not result.actions:
@@ -150,8 +182,8 @@ class PoolReconciler:
     async def _reconcile_once(self) -> RoundResult:
         result = RoundResult()
         if self.pool is None or self.token is None:
-            if self.pool_known:  # deleted or invalid; unknown yet: the pool handler has not run
-                await self._write_statuses(None, set(), reason="PoolNotFound", message=f"LoraPool {self.name} not found")
+            if self.pool_known and self.pool_problem is not None:  # deleted or invalid; unknown yet: no handler ran
+                await self._write_statuses(None, set(), reason=self.pool_problem[0], message=self.pool_problem[1])
             return result
         pool = self.pool
         live = [p for p in self.pods.values() if p.ip and (p.ready or p.draining)]
@@ -169,11 +201,19 @@ class PoolReconciler:
                 except SpecError as exc:
                     record.failure = (exc.reason, str(exc))
         pool_state.check_loaded(self.adapters, self.inventories, self.loaded, pool.engine.max_lora_rank)
+        stale = pool_state.stale_copies(self.adapters, self.inventories, self.loaded)
+        if stale:
+            result.errors += await self._reload(stale)
+            stale = pool_state.stale_copies(self.adapters, self.inventories, self.loaded)
+        if len(self.inventories) == len(live):  # every worker seen: no copy of an older source is left
+            for record in self.adapters.values():
+                if record.outdated and not any(name == record.spec.name for _, name in stale):
+                    record.outdated = False
 
         wants = [
             placement.AdapterWant(r.spec.name, r.spec.min_replicas, r.spec.max_replicas, r.spec.pinned)
             for r in self.adapters.values()
-            if r.failure is None
+            if r.problem is None
         ]
         views = [
             placement.PodView(
@@ -194,7 +234,9 @@ class PoolReconciler:
         if actions:
             result.errors += await self._execute(actions)
         await self._publish()
-        refused = await self._write_statuses(target, {a.adapter for a in actions if a.kind == "load"})
+        # An old version still loaded (its reload is refused for now) is not a ready replica.
+        loading = {a.adapter for a in actions if a.kind == "load"} | {name for _, name in stale}
+        refused = await self._write_statuses(target, loading, current=pool_state.without(self.loaded, stale))
         result.changed = bool(actions) or refused
         return result
 
@@ -226,9 +268,9 @@ class PoolReconciler:
                     if action.kind == "load":
                         if record is None:
                             return
-                        path = f"{pool.adapter_mount.rstrip('/')}/{record.spec.source}"
-                        inv = await self.workers.load(url, token, action.adapter, path)
+                        inv = await self.workers.load(url, token, action.adapter, self._source_path(record.spec))
                         self.loaded.setdefault(action.pod, set()).add(action.adapter)
+                        record.verified.add(action.pod)
                         pool_state.note_digests(self.digests, inv)
                     else:
                         # Withdraw first: routers stop sending it here before the worker drops it.
@@ -253,6 +295,40 @@ class PoolReconciler:
         await asyncio.gather(*(one(a) for a in loads))
         return errors
 
+    def _source_path(self, spec: AdapterSpec) -> str:
+        assert self.pool is not None
+        return f"{self.pool.adapter_mount.rstrip('/')}/{spec.source}"
+
+    async def _reload(self, copies: set[tuple[str, str]]) -> int:
+        """Replace old versions in place (a new source or sha256): the worker swaps the weights once
+        no request runs on them, so the adapter never leaves the worker. Returns the transient errors."""
+        assert self.pool is not None and self.token is not None
+        pool, token = self.pool, self.token
+        errors = 0
+
+        async def one(pod_name: str, name: str) -> None:
+            nonlocal errors
+            pod, record = self.pods.get(pod_name), self.adapters.get(name)
+            if pod is None or pod.ip is None or record is None:
+                return
+            try:
+                inv = await self.workers.load(self.url_of(pod, pool.admin_port), token, name,
+                                              self._source_path(record.spec), inplace=True)
+            except LoadRefused as exc:  # the new version is unusable: Failed, and unloaded like any
+                record.failure = (exc.reason, exc.message)
+                return
+            except WorkerError as exc:  # e.g. requests still run on the old weights
+                errors += 1
+                log.info("reload of %s on %s: %s", name, pod_name, exc)
+                return
+            record.verified.add(pod_name)
+            self.inventories[pod_name] = inv
+            self.loaded[pod_name] = resident(inv)
+            pool_state.note_digests(self.digests, inv)
+
+        await asyncio.gather(*(one(pod, name) for pod, name in sorted(copies)))
+        return errors
+
     async def _record_residency(self, pod: str, adapter: str, tier: str | None) -> None:
         if self.store is None:
             return
@@ -273,11 +349,7 @@ class PoolReconciler:
                 adapters = {n: tiers.get(n, "cpu") for n in self.loaded.get(name, ())}
                 url = self.url_of(pod, self.pool.http_port)
                 await self.store.publish_replica(name, url, self.pool.served_name, adapters, self.settings.publish_ttl_s)
-            catalog = {
-                r.spec.name: f"{self.pool.adapter_mount.rstrip('/')}/{r.spec.source}"
-                for r in self.adapters.values()
-                if r.failure is None
-            }
+            catalog = {r.spec.name: self._source_path(r.spec) for r in self.adapters.values() if r.problem is None}
             await self.store.set_catalog(catalog)
         except Exception as exc:  # the router keeps its last view; the next round publishes again
             log.warning("placement store publish failed: %s", exc)
@@ -291,65 +363,38 @@ class PoolReconciler:
         loading: set[str],
         reason: str = "InsufficientCapacity",
         message: str = "",
+        current: dict[str, set[str]] | None = None,
     ) -> bool:
+        loaded = self.loaded if current is None else current
         writes = pool_state.status_writes(
-            self.adapters, self.pods, self.inventories, self.loaded, self.digests, target, loading, reason, message
+            self.adapters, self.pods, self.inventories, loaded, self.digests, target, loading, reason, message
         )
         if writes:
-            await self._patch_statuses(writes)
+            await status_writer.patch_adapter_statuses(
+                self.kube, self.namespace, self.adapters, writes, self.settings.status_concurrency
+            )
         await self._write_pool_status()
         return bool(writes)
-
-    async def _patch_statuses(self, writes: list[tuple[AdapterRecord, dict[str, Any]]]) -> None:
-        if self.kube is None:
-            for record, new in writes:
-                record.status = new
-            return
-        sem = asyncio.Semaphore(self.settings.status_concurrency)
-
-        async def one(record: AdapterRecord, new: dict[str, Any]) -> None:
-            path = KubeClient.path(API_VERSION, "loraadapters", self.namespace, record.spec.name, "status")
-            async with sem:
-                try:
-                    await self.kube.patch(path, {"status": new})
-                    record.status = new
-                    # An upsert during the write (kopf's resume handler on restart, say) replaced the
-                    # record with one built from the event's older status: the object has `new` all
-                    # the same, so remember it there too, or the status is never rewritten.
-                    current = self.adapters.get(record.spec.name)
-                    if current is not None and current is not record:
-                        current.status = new
-                except NotFound:
-                    pass  # deleted meanwhile
-                except (KubeError, OSError) as exc:
-                    log.warning("status of %s not written: %s", record.spec.name, exc)
-
-        await asyncio.gather(*(one(r, s) for r, s in writes))
 
     async def _write_pool_status(self) -> None:
         if self.pool is None or self.kube is None:
             return
         new = pool_state.pool_status_of(self.pool, self.pods, self.adapters)
-        if self.pool_status == new:
-            return
-        path = KubeClient.path(API_VERSION, "lorapools", self.namespace, self.name, "status")
-        try:
-            await self.kube.patch(path, {"status": new})
+        if self.pool_status != new and await status_writer.patch_pool_status(self.kube, self.namespace, self.name, new):
             self.pool_status = new
-        except (KubeError, OSError) as exc:
-            log.warning("pool status not written: %s", exc)
 
     # ---- finalizer support ---------------------------------------------------------------------
 
-    async def unload_everywhere(self, adapter: str) -> list[str]:
+    async def unload_everywhere(self, adapter: str, keep_catalog: bool = False) -> list[str]:
         """Unload `adapter` from every ready worker; returns the pods where that is not yet verified.
 
         Pods that vanished or are not Ready count as unloaded: a restarted worker holds nothing, and
-        the drift repair unloads any stray copy once it is back.
+        the drift repair unloads any stray copy once it is back. `keep_catalog`: the router's catalog
+        entry of that name is another namespace's adapter's.
         """
         self.forget_adapter(adapter)
         async with self._round_lock:  # no round may load it again meanwhile
-            if self.store is not None:
+            if self.store is not None and not keep_catalog:
                 try:  # first, so that no router cold-loads it back while the unloads run
                     await self.store.remove_catalog(adapter)
                 except Exception as exc:

@@ -81,49 +81,127 @@ class AdapterSpec:
     tenants: tuple[str, ...] = ()
 
 
+_MISSING = object()
+# A LoraPool's name names its Deployment/StatefulSet, headless Service (an RFC 1035 label) and the
+# pod label `lorafleet.dev/pool`; a StatefulSet's `controller-revision-hash` label (`<name>-<10>`)
+# caps it at 52 characters. The CRD's schema has the same rule.
+_POOL_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+POOL_NAME_MAX = 52
+_PERCENT = re.compile(r"^[0-9]+%$")
+
+
+def _mapping(raw: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
+    value = raw.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise SpecError("InvalidSpec", f"{where}{key} must be an object, not {type(value).__name__}")
+    return value
+
+
+def _int(raw: Mapping[str, Any], key: str, default: int, lo: int, hi: int, where: str) -> int:
+    """An integer field within [lo, hi]; wrong types and ranges are a SpecError naming the field."""
+    value = raw.get(key, _MISSING)
+    if value is _MISSING or value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError("InvalidSpec", f"{where}{key} must be an integer, not {value!r}")
+    if not lo <= value <= hi:
+        raise SpecError("InvalidSpec", f"{where}{key} must be between {lo} and {hi}, not {value}")
+    return value
+
+
+def _str(raw: Mapping[str, Any], key: str, default: str | None, where: str, choices: tuple[str, ...] = ()) -> str | None:
+    value = raw.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise SpecError("InvalidSpec", f"{where}{key} must be a string, not {value!r}")
+    if choices and value not in choices:
+        raise SpecError("InvalidSpec", f"{where}{key} must be one of {', '.join(choices)}, not {value!r}")
+    return value
+
+
+def _bool(raw: Mapping[str, Any], key: str, default: bool, where: str) -> bool:
+    value = raw.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):  # bool("false") is True: never coerce
+        raise SpecError("InvalidSpec", f"{where}{key} must be true or false, not {value!r}")
+    return value
+
+
+def check_pool_name(name: str) -> None:
+    if len(name) > POOL_NAME_MAX or not _POOL_NAME.match(name):
+        raise SpecError(
+            "InvalidName",
+            f"LoraPool name {name!r} must be a DNS label of at most {POOL_NAME_MAX} characters "
+            "(lowercase letters, digits, '-'; starting with a letter): it names the workers' Service",
+        )
+
+
 def parse_pool(namespace: str, name: str, spec: Mapping[str, Any]) -> PoolSpec:
-    model = spec.get("model") or {}
+    check_pool_name(name)
+    model = _mapping(spec, "model", "spec.")
     if not spec.get("image"):
         raise SpecError("MissingImage", "spec.image is required")
     if not model.get("path") or not model.get("servedName"):
         raise SpecError("MissingModel", "spec.model.path and spec.model.servedName are required")
-    engine_raw = spec.get("engine") or {}
+    engine_raw = _mapping(spec, "engine", "spec.")
+    where = "spec.engine."
     engine = EngineSpec(
-        max_loras=int(engine_raw.get("maxLoras", 4)),
-        max_cpu_loras=int(engine_raw.get("maxCpuLoras", 16)),
-        max_lora_rank=int(engine_raw.get("maxLoraRank", 64)),
-        max_loras_per_request=int(engine_raw.get("maxLorasPerRequest", 4)),
-        device=str(engine_raw.get("device", "cuda")),
-        dtype=str(engine_raw.get("dtype", "auto")),
+        max_loras=_int(engine_raw, "maxLoras", 4, 1, 256, where),
+        max_cpu_loras=_int(engine_raw, "maxCpuLoras", 16, 1, 4096, where),
+        max_lora_rank=_int(engine_raw, "maxLoraRank", 64, 1, 1024, where),
+        max_loras_per_request=_int(engine_raw, "maxLorasPerRequest", 4, 1, 16, where),
+        device=str(_str(engine_raw, "device", "cuda", where, ("cpu", "cuda"))),
+        dtype=str(_str(engine_raw, "dtype", "auto", where, ("auto", "float16", "bfloat16", "float32"))),
     )
     if engine.max_loras > engine.max_cpu_loras:
         raise SpecError("InvalidEngine", "engine.maxLoras must be <= engine.maxCpuLoras")
-    volume = spec.get("adapterVolume") or {}
-    ports = spec.get("ports") or {}
+    volume = _mapping(spec, "adapterVolume", "spec.")
+    ports = _mapping(spec, "ports", "spec.")
+    placement = _mapping(spec, "placement", "spec.")
+    resources = _mapping(spec, "resources", "spec.")
+    for key in resources:
+        _mapping(resources, key, "spec.resources.")
+    rate = placement.get("requestsPerReplica", 5.0)
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
+        raise SpecError("InvalidSpec", f"spec.placement.requestsPerReplica must be a number > 0, not {rate!r}")
+    mount = str(_str(volume, "mountPath", "/adapters", "spec.adapterVolume."))
+    if not mount.startswith("/"):
+        raise SpecError("InvalidSpec", f"spec.adapterVolume.mountPath must be absolute, not {mount!r}")
     pool = PoolSpec(
         namespace=namespace,
         name=name,
         image=str(spec["image"]),
         model_path=str(model["path"]),
         served_name=str(model["servedName"]),
-        model_claim=model.get("claimName"),
-        replicas=int(spec.get("replicas", 2)),
-        workload_kind=str(spec.get("workloadKind", "Deployment")),
-        image_pull_policy=str(spec.get("imagePullPolicy", "IfNotPresent")),
-        resources=spec.get("resources"),
+        model_claim=_str(model, "claimName", None, "spec.model.") or None,
+        replicas=_int(spec, "replicas", 2, 0, 1000, "spec."),
+        workload_kind=str(_str(spec, "workloadKind", "Deployment", "spec.", ("Deployment", "StatefulSet"))),
+        image_pull_policy=str(_str(spec, "imagePullPolicy", "IfNotPresent", "spec.", ("Always", "IfNotPresent", "Never"))),
+        resources=resources or None,
         engine=engine,
-        adapter_claim=volume.get("claimName"),
-        adapter_mount=str(volume.get("mountPath", "/adapters")),
-        http_port=int(ports.get("http", 8000)),
-        admin_port=int(ports.get("admin", 8001)),
-        requests_per_replica=float((spec.get("placement") or {}).get("requestsPerReplica", 5.0)),
-        max_unavailable=spec.get("maxUnavailable", 1),
+        adapter_claim=_str(volume, "claimName", None, "spec.adapterVolume.") or None,
+        adapter_mount=mount,
+        http_port=_int(ports, "http", 8000, 1, 65535, "spec.ports."),
+        admin_port=_int(ports, "admin", 8001, 1, 65535, "spec.ports."),
+        requests_per_replica=float(rate),
+        max_unavailable=_max_unavailable(spec.get("maxUnavailable", 1)),
     )
     if pool.http_port == pool.admin_port:
         raise SpecError("InvalidPorts", "ports.http and ports.admin must differ")
-    if pool.workload_kind not in ("Deployment", "StatefulSet"):
-        raise SpecError("InvalidWorkloadKind", f"workloadKind {pool.workload_kind!r} is not Deployment or StatefulSet")
     return pool
+
+
+def _max_unavailable(value: Any) -> int | str:
+    """A PodDisruptionBudget's maxUnavailable: a count >= 0 or a percentage ("25%")."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and _PERCENT.match(value) and int(value[:-1]) <= 100:
+        return value
+    raise SpecError("InvalidSpec", f"spec.maxUnavailable must be a count >= 0 or a percentage like '25%', not {value!r}")
 
 
 def parse_adapter(namespace: str, name: str, spec: Mapping[str, Any]) -> AdapterSpec:
@@ -131,36 +209,47 @@ def parse_adapter(namespace: str, name: str, spec: Mapping[str, Any]) -> Adapter
     source = spec.get("source")
     if not pool:
         raise SpecError("MissingPool", "spec.pool is required")
+    if not isinstance(pool, str):
+        raise SpecError("InvalidSpec", f"spec.pool must be a string, not {pool!r}")
     if not source or not isinstance(source, str):
         raise SpecError("MissingSource", "spec.source is required")
     if "://" in source:
         raise SpecError("SourceNotAllowed", f"remote source {source!r} is not allow-listed; put it on the pool's volume")
     if source.startswith("/") or ".." in source.split("/"):
         raise SpecError("SourceOutsideVolume", f"source {source!r} must be relative to the adapter volume, without '..'")
-    replicas = spec.get("replicas") or {}
-    lo, hi = int(replicas.get("min", 1)), int(replicas.get("max", 1))
-    if lo < 0 or hi < 1 or lo > hi:
+    replicas = _mapping(spec, "replicas", "spec.")
+    lo = _int(replicas, "min", 1, 0, 1000, "spec.replicas.")
+    hi = _int(replicas, "max", 1, 1, 1000, "spec.replicas.")
+    if lo > hi:
         raise SpecError("InvalidReplicas", f"replicas.min ({lo}) must be between 0 and replicas.max ({hi})")
     sha = spec.get("sha256")
-    if sha is not None and not _SHA256.match(str(sha)):
+    if sha is not None and not (isinstance(sha, str) and _SHA256.match(sha)):
         raise SpecError("InvalidDigest", "sha256 must be 64 lowercase hex digits")
+    tenants = spec.get("tenants") or ()
+    if not isinstance(tenants, (list, tuple)) or not all(isinstance(t, str) and t for t in tenants):
+        raise SpecError("InvalidSpec", f"spec.tenants must be a list of tenant names, not {tenants!r}")
     rank = spec.get("rank")
     return AdapterSpec(
         namespace=namespace,
         name=name,
-        pool=str(pool),
+        pool=pool,
         source=source,
         sha256=sha,
-        rank=int(rank) if rank is not None else None,
+        rank=_int(spec, "rank", 0, 1, 1024, "spec.") if rank is not None else None,
         min_replicas=lo,
         max_replicas=hi,
-        pinned=bool(spec.get("pinned", False)),
-        tenants=tuple(spec.get("tenants") or ()),
+        pinned=_bool(spec, "pinned", False, "spec."),
+        tenants=tuple(tenants),
     )
 
 
 def check_against_pool(adapter: AdapterSpec, pool: PoolSpec) -> None:
     """Checks that need the pool; raise before any load so nothing is evicted for a doomed adapter."""
+    if adapter.name == pool.served_name:  # `model=<name>` would mean the base model: never this adapter
+        raise SpecError(
+            "NameIsBaseModel",
+            f"adapter name {adapter.name!r} is pool {pool.name}'s base model name (spec.model.servedName); rename it",
+        )
     if adapter.rank is not None and adapter.rank > pool.engine.max_lora_rank:
         raise SpecError(
             "RankTooHigh",

@@ -1,8 +1,8 @@
 """Status phase machine and conditions (pure).
 
 Phases of a LoraAdapter:
-  Failed    a permanent error (invalid spec, rank too high, digest mismatch, load refused);
-            left alone until the spec changes.
+  Failed    a permanent error (invalid spec, rank too high, digest mismatch, load refused),
+            left alone until the spec changes; or its name served by another namespace's adapter.
   Ready     readyReplicas >= desiredReplicas.
   Loading   loads are in flight and fewer replicas than desired are ready.
   Degraded  some replicas ready, fewer than desired, nothing in flight (e.g. short of capacity).
@@ -39,6 +39,7 @@ class AdapterObservation:
     placed_reason: str = "Placed"
     placed_message: str = ""
     digest: str | None = None
+    source: str | None = None  # the spec.source the loaded copies come from
 
 
 def adapter_phase(obs: AdapterObservation) -> str:
@@ -58,20 +59,20 @@ def adapter_conditions(obs: AdapterObservation) -> list[Condition]:
         return [validated, Condition("Placed", False, reason, ""), Condition("Ready", False, reason, message)]
     placed_ok = obs.placed >= obs.desired
     ready_ok = obs.ready >= obs.desired
+    placed_message = obs.placed_message or f"{obs.placed}/{obs.desired} replicas assigned"
+    ready_message = f"{obs.ready}/{obs.desired} replicas loaded"
+    if ready_ok:
+        ready_reason = "Loaded"
+    elif obs.loading:
+        ready_reason = "Loading"
+    elif not placed_ok:  # why it is not loaded: the placement's reason (e.g. PoolNotFound), not "NotLoaded"
+        ready_reason, ready_message = obs.placed_reason, f"{ready_message}: {placed_message}"
+    else:
+        ready_reason = "NotLoaded"
     return [
         Condition("Validated", True, "Valid", ""),
-        Condition(
-            "Placed",
-            placed_ok,
-            "Placed" if placed_ok else obs.placed_reason,
-            obs.placed_message or f"{obs.placed}/{obs.desired} replicas assigned",
-        ),
-        Condition(
-            "Ready",
-            ready_ok,
-            "Loaded" if ready_ok else ("Loading" if obs.loading else "NotLoaded"),
-            f"{obs.ready}/{obs.desired} replicas loaded",
-        ),
+        Condition("Placed", placed_ok, "Placed" if placed_ok else obs.placed_reason, placed_message),
+        Condition("Ready", ready_ok, ready_reason, ready_message),
     ]
 
 
@@ -114,6 +115,8 @@ def adapter_status(obs: AdapterObservation, previous: Mapping[str, Any] | None) 
         status["observedGeneration"] = obs.generation
     if obs.digest:
         status["digest"] = obs.digest
+    if obs.source:
+        status["source"] = obs.source
     return status
 
 

@@ -4,7 +4,8 @@ Never trust a 200: vLLM-style engines have answered 200 to an unload and kept th
 every call the client re-reads `GET /v1/adapters` and reports what is actually resident.
 
 Errors:
-  WorkerUnavailable  transport errors, timeouts, 5xx, 401/403 (token mid-rotation): retry later.
+  WorkerUnavailable  transport errors, timeouts, 5xx, 401/403 (token mid-rotation), a 409 while
+                     requests still run on the adapter's old weights: retry later.
   LoadRefused        4xx other than auth: the adapter itself is bad (traversal, rank, format,
                      409 same name with different content); permanent until the spec changes.
 """
@@ -45,6 +46,19 @@ class NotVerified(WorkerError):
 
 def resident(inventory: AdapterInventory) -> set[str]:
     return {a.name for a in inventory.adapters if a.tier in RESIDENT_TIERS}
+
+
+# 409 reasons that pass once requests still running on the old weights finish (worker/admin.py).
+BUSY_REASONS = ("in_use", "draining")
+
+
+def _error_reason(response: httpx.Response) -> str | None:
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    err = body.get("error") if isinstance(body, dict) else None
+    return err.get("reason") if isinstance(err, dict) else None
 
 
 def _error_text(response: httpx.Response) -> str:
@@ -89,13 +103,20 @@ class WorkerClient:
         response = await self._call("GET", f"{base_url}/v1/adapters", token)
         if response.status_code != 200:
             raise WorkerUnavailable(f"inventory {base_url}: {response.status_code}")
-        return AdapterInventory.model_validate(response.json())
+        try:
+            return AdapterInventory.model_validate(response.json())
+        except ValueError as exc:  # JSON or schema: not (yet) a worker of ours on that port
+            raise WorkerUnavailable(f"inventory {base_url}: not an adapter inventory: {str(exc)[:200]}") from exc
 
-    async def load(self, base_url: str, token: str, name: str, path: str) -> AdapterInventory:
-        body = LoadLoraAdapterRequest(lora_name=name, lora_path=path).model_dump(exclude_defaults=True)
+    async def load(self, base_url: str, token: str, name: str, path: str, inplace: bool = False) -> AdapterInventory:
+        """Load `name` from `path`; `inplace` replaces a copy of other content (a new source or
+        sha256), atomically on the worker, once no request runs on the old one."""
+        body = LoadLoraAdapterRequest(lora_name=name, lora_path=path, load_inplace=inplace).model_dump(exclude_defaults=True)
         response = await self._call("POST", f"{base_url}/v1/load_lora_adapter", token, body)
         if response.status_code >= 400:
             text = _error_text(response)
+            if response.status_code == 409 and _error_reason(response) in BUSY_REASONS:
+                raise WorkerUnavailable(f"load {name} on {base_url}: {text}")
             # vLLM answers 400 "already loaded" for a name it holds: the inventory decides.
             if not (response.status_code == 400 and "already" in text.lower()):
                 raise LoadRefused(response.status_code, text)

@@ -74,10 +74,12 @@ class OperatorRunner:
     """Starts/stops (cancels, as a SIGKILL would) the kopf operator in this event loop."""
 
     def __init__(self, api: PatchedEmulator, resync_s: float = 1.0, peering: str | None = None,
-                 priority: int = 0) -> None:
+                 priority: int = 0, liveness: str | None = None, namespaces: tuple[str, ...] = ("default",)) -> None:
         self.api = api
+        self.namespaces = list(namespaces)  # each must exist in the emulator (`api.add_namespace`)
         self.resync_s = resync_s
         self.peering, self.priority = peering, priority  # None: standalone
+        self.liveness = liveness  # kopf's health endpoint URL (`lorafleet operator --liveness`)
         self.task: asyncio.Task | None = None
         self.memo: Any = None
 
@@ -105,8 +107,8 @@ class OperatorRunner:
         self.memo = kopf.Memo()
         ready = asyncio.Event()
         self.task = asyncio.create_task(kopf.operator(
-            registry=registry, settings=settings, standalone=self.peering is None, namespaces=["default"],
-            peering_name=self.peering, priority=self.priority,
+            registry=registry, settings=settings, standalone=self.peering is None, namespaces=self.namespaces,
+            peering_name=self.peering, priority=self.priority, liveness_endpoint=self.liveness,
             memo=self.memo, ready_flag=ready,
         ))
         await asyncio.wait_for(ready.wait(), timeout=10)

@@ -1,7 +1,8 @@
 """A stand-in worker admin API (FastAPI) with the real worker's contract, for operator tests.
 
 Implements `GET /v1/adapters`, `POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter`,
-`/health`, `/ready`, bearer-token checked. Adapters are directories under `adapter_root` with an
+`/health`, `/ready`, bearer-token checked; `load_inplace` replaces other content unless requests
+are in flight (409 `in_use`, as the real worker). Adapters are directories under `adapter_root` with an
 `adapter_config.json` (`r`, `lora_alpha`); the digest is sha256 over that file. Knobs inject the
 failures the operator must survive: a worker that is down, restarts empty, or answers 200 to an
 unload and keeps the adapter (as vLLM has).
@@ -89,10 +90,13 @@ def create_app(state: FakeWorkerState) -> FastAPI:
             return _error(400, f"rank {rank} exceeds max_lora_rank {state.max_lora_rank}")
         digest = "sha256:" + hashlib.sha256(raw).hexdigest()
         old = state.adapters.get(body.lora_name)
-        if old is not None:
-            if old.digest != digest:
-                return _error(409, f"{body.lora_name} is loaded with different content")
+        if old is not None and old.digest == digest:
             return JSONResponse({"status": "ok", "already_loaded": True})
+        if old is not None and not body.load_inplace:
+            return _error(409, f"{body.lora_name} is loaded with different content", reason="conflict")
+        if old is not None and old.requests_in_flight:  # as the real worker: swap once they finish
+            return _error(409, f"{body.lora_name} has requests in flight", reason="in_use")
+        state.adapters.pop(body.lora_name, None)  # load_inplace: the new version replaces the old
         while len(state.adapters) >= state.max_cpu_loras:  # LRU eviction, as a real worker would
             state.adapters.pop(next(iter(state.adapters)))
         tier = "gpu" if len(state.adapters) < state.max_loras else "cpu"
@@ -114,8 +118,11 @@ def create_app(state: FakeWorkerState) -> FastAPI:
     return app
 
 
-def _error(code: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": code}}, status_code=code)
+def _error(code: int, message: str, reason: str | None = None) -> JSONResponse:
+    error = {"message": message, "type": "invalid_request_error", "code": code}
+    if reason is not None:
+        error["reason"] = reason
+    return JSONResponse({"error": error}, status_code=code)
 
 
 class FakeWorker:

@@ -17,6 +17,8 @@ added after the start are not announced on the namespace watch (in-process tests
 `settings.scanning.disabled = True` and exact namespace names); no admission (CEL, schema) — the
 CRD schema is tested separately. The API's own conventions (Status errors, label selectors,
 Tables) are in `kube_api`; watch streams, which resume from a resourceVersion, in `kube_watch`.
+Knob: `refuse_creates` fails creates of a resource as admission would (a quota, a webhook, a field
+the real API server validates), and `create_attempts` counts the creates asked for.
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ class PatchedEmulator(kmock.KubernetesEmulator):
     _namespaces: dict[str, dict[str, Any]] = attrs.field(factory=dict, init=False)
     _write_lock: asyncio.Lock = attrs.field(factory=asyncio.Lock, init=False)
     writes: dict[tuple[str, str, str], int] = attrs.field(factory=dict, init=False)  # (plural, ns, name) -> writes
+    # plural -> (code, reason, message): creates of that resource are refused, as admission would
+    # (a quota, a policy webhook, a field the real API server validates and kmock does not).
+    refuse_creates: dict[str, tuple[int, str, str]] = attrs.field(factory=dict, init=False)
+    create_attempts: dict[str, int] = attrs.field(factory=dict, init=False)  # plural -> creates asked for
     _watch: WatchLog = attrs.field(factory=WatchLog, init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -258,6 +264,9 @@ class PatchedEmulator(kmock.KubernetesEmulator):
         body.setdefault("kind", self._kinds[res])
 
     async def _create(self, res: Any, key: Any, body: dict[str, Any]) -> dict[str, Any]:
+        self.create_attempts[res.plural] = self.create_attempts.get(res.plural, 0) + 1
+        if res.plural in self.refuse_creates:
+            raise ApiError(*self.refuse_creates[res.plural])
         if not key[2]:
             raise ApiError(422, "Invalid", "metadata.name is required")
         if key in self.objects and not self.objects[key].deleted:

@@ -7,6 +7,7 @@ label selectors, server-side Tables for `kubectl get` (printer columns), and tim
 from __future__ import annotations
 
 import datetime
+import re
 from typing import Any
 
 import aiohttp.web
@@ -24,11 +25,21 @@ def age(ts: str | None) -> str:
     return f"{s}s" if s < 120 else f"{s // 60}m"
 
 
+_FILTER = re.compile(r'^(\w+)\[\?\(@\.(\w+)==["\'](.*?)["\']\)\]$')
+
+
 def jsonpath(obj: Any, path: str) -> Any:
-    for part in path.strip(".").split("."):
+    """A printer column's JSONPath: dotted fields, and list filters like `conditions[?(@.type=="Ready")]`."""
+    parts = re.findall(r'(?:[^.\[]+(?:\[[^\]]*\])?)', path.strip("."))
+    for part in parts:
         if not isinstance(obj, dict):
             return None
-        obj = obj.get(part)
+        m = _FILTER.match(part)
+        if m is None:
+            obj = obj.get(part)
+            continue
+        key, field, value = m.groups()
+        obj = next((item for item in obj.get(key) or () if isinstance(item, dict) and item.get(field) == value), None)
     return obj
 
 

@@ -73,6 +73,46 @@ def test_rank_checked_against_pool() -> None:
         check_against_pool(parse_adapter("ns", "a", {"pool": "p", "source": "a", "rank": 64}), pool)
 
 
+def test_an_adapter_named_like_the_base_model_is_refused_before_any_load() -> None:
+    pool = parse_pool("ns", "p", POOL)
+    with pytest.raises(SpecError) as info:
+        check_against_pool(parse_adapter("ns", "llama", {"pool": "p", "source": "a"}), pool)
+    assert info.value.reason == "NameIsBaseModel"
+
+
+@pytest.mark.parametrize(("patch", "field"), [
+    ({"replicas": "3"}, "spec.replicas"),
+    ({"replicas": -1}, "spec.replicas"),
+    ({"engine": {"maxLoraRank": 1.5}}, "spec.engine.maxLoraRank"),
+    ({"engine": {"device": "tpu"}}, "spec.engine.device"),
+    ({"engine": []}, "spec.engine"),
+    ({"ports": {"http": 70000}}, "spec.ports.http"),
+    ({"adapterVolume": {"mountPath": "adapters"}}, "spec.adapterVolume.mountPath"),
+    ({"placement": {"requestsPerReplica": 0}}, "spec.placement.requestsPerReplica"),
+    ({"maxUnavailable": "half"}, "spec.maxUnavailable"),
+])
+def test_a_mistyped_pool_is_a_spec_error_naming_the_field(patch: dict, field: str) -> None:
+    """Not a ValueError from int() that kopf retries forever, nor a Deployment the API refuses."""
+    with pytest.raises(SpecError) as info:
+        parse_pool("ns", "p", {**POOL, **patch})
+    assert info.value.reason == "InvalidSpec" and field in str(info.value)
+
+
+@pytest.mark.parametrize(("patch", "field"), [
+    ({"replicas": {"min": "lots"}}, "spec.replicas.min"),
+    ({"replicas": {"max": 0}}, "spec.replicas.max"),
+    ({"replicas": [1, 2]}, "spec.replicas"),
+    ({"rank": "8"}, "spec.rank"),
+    ({"pinned": "false"}, "spec.pinned"),
+    ({"tenants": "acme"}, "spec.tenants"),
+    ({"pool": ["p"]}, "spec.pool"),
+])
+def test_a_mistyped_adapter_is_a_spec_error_naming_the_field(patch: dict, field: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_adapter("ns", "a", {"pool": "p", "source": "a", **patch})
+    assert info.value.reason == "InvalidSpec" and field in str(info.value)
+
+
 def test_pool_spec_errors() -> None:
     with pytest.raises(SpecError):
         parse_pool("ns", "p", {**POOL, "engine": {"maxLoras": 9, "maxCpuLoras": 8}})

@@ -68,8 +68,8 @@ async def test_adapters_ready_on_k_pods_and_kubectl_columns(
     assert conds == {"Validated": "True", "Placed": "True", "Ready": "True"}
     out = await kubectl("get", "loraadapters")
     header = out.splitlines()[0].split()
-    assert header == ["NAME", "POOL", "PHASE", "READY", "REPLICAS", "AGE"]
-    assert any(line.split()[:5] == ["a2", "pool", "Ready", "2", "2"] for line in out.splitlines())
+    assert header == ["NAME", "POOL", "PHASE", "READY", "REPLICAS", "REASON", "AGE"]
+    assert any(line.split()[:6] == ["a2", "pool", "Ready", "2", "2", "Loaded"] for line in out.splitlines())
     assert "a1" in await kubectl("get", "lora")  # short name
     # The pool's children exist, owned by the pool.
     pool_uid = api.get(LP, "default", "pool")["metadata"]["uid"]

@@ -1,15 +1,18 @@
 """The reconcile loop against stub workers and a recording placement store (no HTTP, no kopf):
-the order of store writes around loads and unloads, and no flapping of copies in use."""
+the order of store writes around loads and unloads, no flapping of copies in use, and old
+versions (a source or sha256 changed) replaced in place."""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 from dataclasses import dataclass, field
 
 from lorafleet.operator import placement
 from lorafleet.operator.pool_state import PodState, ReconcilerSettings
 from lorafleet.operator.reconciler import PoolReconciler
 from lorafleet.operator.spec import PoolSpec, parse_adapter
-from lorafleet.operator.worker_client import LoadRefused
+from lorafleet.operator.worker_client import LoadRefused, WorkerUnavailable
 from lorafleet.placement_store import MemoryPlacementStore
 from lorafleet.protocol import AdapterInfo, AdapterInventory
 
@@ -24,8 +27,12 @@ class StubWorkers:
     events: list[tuple]
     held: dict[str, dict[str, AdapterInfo]] = field(default_factory=lambda: {p: {} for p in PODS})
     refuse: set[str] = field(default_factory=set)
+    broken: int = 0  # inventory calls left that raise what no worker client should (a bug)
 
     async def inventory(self, url: str, token: str) -> AdapterInventory:
+        if self.broken > 0:
+            self.broken -= 1
+            raise RuntimeError("unforeseen")
         return AdapterInventory(
             model="base",
             max_loras=4,
@@ -35,11 +42,18 @@ class StubWorkers:
             adapters=list(self.held[url].values()),
         )
 
-    async def load(self, url: str, token: str, name: str, path: str) -> AdapterInventory:
-        self.events.append(("load", url, name))
+    async def load(self, url: str, token: str, name: str, path: str, inplace: bool = False) -> AdapterInventory:
+        self.events.append(("reload" if inplace else "load", url, name))
         if name in self.refuse:
             raise LoadRefused(400, "not an adapter")
-        self.held[url][name] = info(name)
+        old = self.held[url].get(name)
+        new = info(name, path=path)
+        if old is not None and old.digest != new.digest:
+            if not inplace:
+                raise LoadRefused(409, f"{name} is loaded with different content")
+            if old.requests_in_flight:
+                raise WorkerUnavailable(f"{name} has requests in flight")
+        self.held[url][name] = new
         return await self.inventory(url, token)
 
     async def unload(self, url: str, token: str, name: str) -> AdapterInventory:
@@ -58,14 +72,21 @@ class RecordingStore(MemoryPlacementStore):
         await super().record_residency(replica, adapter, tier, ttl_s)
 
 
-def info(name: str, last_used: float | None = None, in_flight: int = 0, idle_s: float | None = None) -> AdapterInfo:
+def digest_of(path: str) -> str:
+    """The stub's content: one digest per source folder."""
+    return "sha256:" + hashlib.sha256(path.encode()).hexdigest()
+
+
+def info(name: str, last_used: float | None = None, in_flight: int = 0, idle_s: float | None = None,
+         path: str | None = None) -> AdapterInfo:
+    path = path or f"/adapters/{name}"
     return AdapterInfo(
         name=name,
         tier="cpu",
         rank=8,
         alpha=16.0,
-        digest="sha256:" + "0" * 64,
-        path=f"/adapters/{name}",
+        digest=digest_of(path),
+        path=path,
         requests_in_flight=in_flight,
         last_used=last_used,
         idle_s=idle_s,
@@ -158,3 +179,82 @@ async def test_idleness_is_the_workers_own_as_of_its_poll():
     reconciler.wake(resync=True)  # a poll shows it idle long enough
     await reconciler.reconcile_once()
     assert [e[1:] for e in events if e[0] == "unload"] == [(other, "a")]
+
+
+def respec(reconciler: PoolReconciler, name: str, status: dict | None = None, **spec: object) -> None:
+    full = {"pool": "pool", "source": name, "replicas": {"min": 1, "max": 1}, **spec}
+    reconciler.upsert_adapter(parse_adapter("ns", name, full), 2, status)
+
+
+async def test_a_source_changed_while_no_operator_ran_is_reloaded():
+    """After a restart only `status.source` tells that the copies come from an older source."""
+    reconciler, workers, events = make({})
+    home, _ = home_and_other("a")
+    workers.held[home]["a"] = info("a", path="/adapters/a-v1")
+    respec(reconciler, "a", status={"phase": "Ready", "source": "a-v1"}, source="a-v2")
+    await reconciler.reconcile_once()
+    assert workers.held[home]["a"].digest == digest_of("/adapters/a-v2")
+    assert [e for e in events if e[0] in ("load", "reload", "unload")] == [("reload", home, "a")]
+    assert reconciler.adapters["a"].status["source"] == "a-v2"
+    events.clear()
+    for _ in range(2):  # settled: the current copy is not reloaded again
+        reconciler.wake(resync=True)
+        await reconciler.reconcile_once()
+    assert not [e for e in events if e[0] in ("load", "reload", "unload")], events
+
+
+async def test_an_old_version_in_use_is_swapped_once_its_requests_finish():
+    reconciler, workers, events = make({"a": (1, 1)})
+    await reconciler.reconcile_once()
+    (home,) = [p for p in PODS if "a" in workers.held[p]]
+    workers.held[home]["a"] = info("a", in_flight=3)
+    respec(reconciler, "a", source="a-v2")
+    result = await reconciler.reconcile_once()
+    assert result.errors == 1  # retried soon, not failed
+    status = reconciler.adapters["a"].status
+    assert (status["phase"], status["readyReplicas"], status["source"]) == ("Loading", 0, "a"), status
+    workers.held[home]["a"] = info("a", in_flight=0)
+    await reconciler.reconcile_once()
+    assert workers.held[home]["a"].digest == digest_of("/adapters/a-v2")
+    status = reconciler.adapters["a"].status
+    assert (status["phase"], status["readyReplicas"], status["source"]) == ("Ready", 1, "a-v2"), status
+    assert not [e for e in events if e[0] == "unload"], events
+
+
+async def test_only_a_copy_loaded_from_the_spec_can_mismatch_its_sha256():
+    """A copy someone else loaded (a router, an older spec) with another digest is reloaded; the
+    adapter fails DigestMismatch only when the spec's own source gives another digest."""
+    reconciler, workers, events = make({})
+    home, _ = home_and_other("a")
+    workers.held[home]["a"] = info("a", path="/adapters/elsewhere")
+    respec(reconciler, "a", sha256=digest_of("/adapters/a").removeprefix("sha256:"))
+    await reconciler.reconcile_once()
+    assert reconciler.adapters["a"].failure is None
+    assert workers.held[home]["a"].digest == digest_of("/adapters/a")
+    respec(reconciler, "a", sha256="f" * 64)  # the spec's source cannot give this
+    await reconciler.reconcile_once()  # reloaded: same content, now loaded by us
+    reconciler.wake(resync=True)
+    await reconciler.reconcile_once()
+    assert reconciler.adapters["a"].failure is not None
+    assert reconciler.adapters["a"].failure[0] == "DigestMismatch"
+
+
+async def test_a_round_that_raises_does_not_end_the_pools_loop():
+    """An unforeseen exception (a bug, an answer nobody expected) is logged and retried with
+    backoff; the loop, which is the pool's kopf daemon, must not die with it."""
+    reconciler, workers, events = make({"a": (1, 1)})
+    reconciler.settings = ReconcilerSettings(retry_s=0.05)
+    workers.broken = 4
+    stopped = asyncio.Event()
+    loop = asyncio.create_task(reconciler.run(stopped))
+    try:
+        for _ in range(100):
+            if any("a" in held for held in workers.held.values()):
+                break
+            await asyncio.sleep(0.05)
+        assert not loop.done(), loop
+        assert any("a" in held for held in workers.held.values()), events
+    finally:
+        stopped.set()
+        reconciler.wake()
+        await asyncio.wait_for(loop, 2)

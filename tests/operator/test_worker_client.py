@@ -103,6 +103,18 @@ async def test_a_refused_load_is_permanent(client: WorkerClient, real_worker: Ru
     assert name == "sql" or name not in resident(await client.inventory(real_worker.admin_url, TOKEN))
 
 
+async def test_a_load_in_place_replaces_other_content(client: WorkerClient, real_worker: RunningWorker,
+                                                      adapter_root: Path) -> None:
+    """What the operator does when a LoraAdapter's source changes: the name keeps serving, with the
+    new weights, without an unload in between."""
+    await client.load(real_worker.admin_url, TOKEN, "swap", str(adapter_root / "sql"))
+    before = next(a for a in (await client.inventory(real_worker.admin_url, TOKEN)).adapters if a.name == "swap")
+    inv = await client.load(real_worker.admin_url, TOKEN, "swap", str(adapter_root / "chat"), inplace=True)
+    after = next(a for a in inv.adapters if a.name == "swap")
+    assert after.digest != before.digest and after.path.endswith("/chat")
+    await client.unload(real_worker.admin_url, TOKEN, "swap")
+
+
 async def test_a_wrong_token_is_transient_not_a_bad_adapter(client: WorkerClient, real_worker: RunningWorker,
                                                             adapter_root: Path) -> None:
     # 401 says nothing about the adapter: the pool's Secret and the pod's mounted copy disagree (a
@@ -182,4 +194,26 @@ async def test_vllms_already_loaded_400_defers_to_the_inventory() -> None:
     client = scripted(400, body, [])  # "already loaded", yet not there: not trusted either
     with pytest.raises(NotVerified):
         await client.load("http://w", TOKEN, "a1", "/a/a1")
+    await client.close()
+
+
+@pytest.mark.parametrize(("reason", "error"), [("in_use", WorkerUnavailable), ("draining", WorkerUnavailable),
+                                              ("conflict", LoadRefused)])
+async def test_a_conflict_with_requests_in_flight_is_transient(reason: str, error: type) -> None:
+    """The old version still serves requests: the swap waits for them; other 409s are permanent."""
+    body = {"error": {"message": "adapter 'a1' has 2 requests in flight", "code": 409, "reason": reason}}
+    client = scripted(409, body, ["a1"])
+    with pytest.raises(error):
+        await client.load("http://w", TOKEN, "a1", "/a/a1", inplace=True)
+    await client.close()
+
+
+@pytest.mark.parametrize("answer", [httpx.Response(200, text="<html>hello</html>"),
+                                    httpx.Response(200, json={"adapters": "none"})], ids=["html", "wrong-shape"])
+async def test_an_inventory_that_is_not_one_is_transient(answer: httpx.Response) -> None:
+    """Something else on the admin port (a starting pod, an older worker) must not crash the pool's
+    reconcile loop: the worker counts as unavailable this round."""
+    client = WorkerClient(httpx.AsyncClient(transport=httpx.MockTransport(lambda _request: answer)))
+    with pytest.raises(WorkerUnavailable, match="not an adapter inventory"):
+        await client.inventory("http://w", TOKEN)
     await client.close()
