@@ -50,8 +50,18 @@ def test_optional_objects_follow_their_switches() -> None:
     ({"tenants": {"open": True, "existingSecret": "t"}}, "contradicts"),
     ({"router": {"workerAdminPort": 8000}}, "must differ"),
     ({"router": {"adminTokenPools": ["Bad_Name"]}}, "adminTokenPools"),
+    # A pool name the LoraPool CRD refuses (its Service name is an RFC 1035 label, at most 52 long).
+    ({"defaultPool": {"enabled": True, "name": "3llama"}}, "/defaultPool/name"),
+    ({"defaultPool": {"enabled": True, "name": "l" * 53}}, "/defaultPool/name"),
+    ({"router": {"replicas": -1}}, "/router/replicas"),
+    ({"image": {"worker": {"pullPolicy": "always"}}}, "/image/worker/pullPolicy"),
+    ({"router": {"podDisruptionBudget": {"maxUnavailable": "most"}}}, "/router/podDisruptionBudget/maxUnavailable"),
+    ({"router": {"ingress": {"enabled": True, "hosts": []}}}, "needs at least one router.ingress.hosts"),
+    ({"tenants": {"list": [{"name": "a", "apiKeySha256": ["a" * 64]}, {"name": "b", "apiKeySha256": ["a" * 64]}]}},
+     "listed twice"),
 ], ids=["enum", "unknown-key", "scope", "hash", "ha-without-peering", "replicas-without-redis", "external-no-host",
-        "open-and-keys", "same-ports", "bad-pool-name"])
+        "open-and-keys", "same-ports", "bad-pool-name", "pool-name-digit", "pool-name-long", "negative-replicas",
+        "pull-policy", "pdb", "ingress-without-hosts", "shared-key-hash"])
 def test_bad_values_are_refused_with_a_message(helm: None, values: dict[str, Any], message: str) -> None:
     out = run_helm("install", values)
     assert not out["ok"], f"{values} was accepted"

@@ -161,6 +161,20 @@ app.kubernetes.io/component: {{ .component }}
 {{- if eq (int .Values.router.workerPort) (int .Values.router.workerAdminPort) }}
 {{- fail "router.workerPort and router.workerAdminPort must differ (LoraPool spec.ports.http and spec.ports.admin)" }}
 {{- end }}
+{{- if and .Values.router.enabled .Values.router.ingress.enabled (not .Values.router.ingress.hosts) }}
+{{- fail "router.ingress.enabled=true needs at least one router.ingress.hosts entry (an Ingress without rules is refused)" }}
+{{- end }}
+{{- $owners := dict }}
+{{- range .Values.tenants.list }}
+{{- $tenant := .name }}
+{{- range .apiKeySha256 }}
+{{- $hash := trimPrefix "sha256:" . }}
+{{- if hasKey $owners $hash }}
+{{- fail (printf "tenants.list: API key hash %s is listed twice (tenants %q and %q); the router refuses to start with it" $hash (get $owners $hash) $tenant) }}
+{{- end }}
+{{- $_ := set $owners $hash $tenant }}
+{{- end }}
+{{- end }}
 {{- if and .Values.tenants.open (or .Values.tenants.list .Values.tenants.existingSecret) }}
 {{- fail "tenants.open=true contradicts tenants.list / tenants.existingSecret: pick one" }}
 {{- end }}
