@@ -29,6 +29,10 @@ class ReconcilerSettings:
     # A copy beyond the placement's pods (a router's, or one demand no longer asks for) stays while
     # it served a request this recently (placement rule 6): no unload/reload flapping with routers.
     idle_unload_s: float = 60.0
+    # An old version's in-place reload waits this long for a moment without requests on it; then
+    # the copy is drained instead (unloaded: new requests go elsewhere, those running finish with the
+    # old weights) and the new version loaded once they have, so a busy adapter still gets updated.
+    reload_grace_s: float = 30.0
 
 
 @dataclass(slots=True)
@@ -61,6 +65,8 @@ class AdapterRecord:
     verified: set[str] = field(default_factory=set)
     # The source changed since copies were loaded: every copy not in `verified` is an old version.
     outdated: bool = False
+    # pod -> when an in-place reload there was first refused because requests ran on the old version.
+    busy_since: dict[str, float] = field(default_factory=dict)
 
     @property
     def problem(self) -> tuple[str, str] | None:

@@ -30,7 +30,7 @@ from lorafleet.operator.pool_state import (
     pod_url,
 )
 from lorafleet.operator.spec import AdapterSpec, PoolSpec, SpecError, check_against_pool
-from lorafleet.operator.worker_client import LoadRefused, WorkerClient, WorkerError, resident
+from lorafleet.operator.worker_client import LoadRefused, WorkerBusy, WorkerClient, WorkerError, resident
 from lorafleet.protocol import AdapterInventory
 
 log = logging.getLogger("lorafleet.operator")
@@ -301,7 +301,8 @@ class PoolReconciler:
 
     async def _reload(self, copies: set[tuple[str, str]]) -> int:
         """Replace old versions in place (a new source or sha256): the worker swaps the weights once
-        no request runs on them, so the adapter never leaves the worker. Returns the transient errors."""
+        no request runs on them, so the adapter never leaves the worker. A copy kept busy past
+        `reload_grace_s` is drained instead (`_drain`). Returns the transient errors."""
         assert self.pool is not None and self.token is not None
         pool, token = self.pool, self.token
         errors = 0
@@ -311,16 +312,25 @@ class PoolReconciler:
             pod, record = self.pods.get(pod_name), self.adapters.get(name)
             if pod is None or pod.ip is None or record is None:
                 return
+            url = self.url_of(pod, pool.admin_port)
             try:
-                inv = await self.workers.load(self.url_of(pod, pool.admin_port), token, name,
-                                              self._source_path(record.spec), inplace=True)
+                inv = await self.workers.load(url, token, name, self._source_path(record.spec), inplace=True)
             except LoadRefused as exc:  # the new version is unusable: Failed, and unloaded like any
                 record.failure = (exc.reason, exc.message)
                 return
-            except WorkerError as exc:  # e.g. requests still run on the old weights
+            except WorkerBusy as exc:  # requests still run on the old weights
+                errors += 1
+                since = record.busy_since.setdefault(pod_name, self.clock())
+                if self.clock() - since >= self.settings.reload_grace_s:
+                    await self._drain(url, token, pod_name, name)
+                else:
+                    log.info("reload of %s on %s: %s", name, pod_name, exc)
+                return
+            except WorkerError as exc:
                 errors += 1
                 log.info("reload of %s on %s: %s", name, pod_name, exc)
                 return
+            record.busy_since.pop(pod_name, None)
             record.verified.add(pod_name)
             self.inventories[pod_name] = inv
             self.loaded[pod_name] = resident(inv)
@@ -328,6 +338,24 @@ class PoolReconciler:
 
         await asyncio.gather(*(one(pod, name) for pod, name in sorted(copies)))
         return errors
+
+    async def _drain(self, url: str, token: str, pod: str, name: str) -> None:
+        """Unload an old version that never went idle: routers stop sending it here (withdrawn
+        first; one on an older poll gets the worker's 404 and goes elsewhere), its running requests
+        finish with the old weights, and the placement loads the new version (the worker answers
+        `draining` until those requests end: retried)."""
+        log.info("reload of %s on %s: busy for %.0f s; draining the old version", name, pod,
+                 self.settings.reload_grace_s)
+        try:
+            await self._record_residency(pod, name, None)
+            await self.workers.unload(url, token, name)
+        except WorkerError as exc:
+            log.info("drain of %s on %s: %s", name, pod, exc)
+            return
+        self.loaded.setdefault(pod, set()).discard(name)
+        record = self.adapters.get(name)
+        if record is not None:
+            record.busy_since.pop(pod, None)
 
     async def _record_residency(self, pod: str, adapter: str, tier: str | None) -> None:
         if self.store is None:

@@ -27,6 +27,14 @@ class WorkerUnavailable(WorkerError):
     """Transient: the worker cannot answer now."""
 
 
+class WorkerBusy(WorkerUnavailable):
+    """A 409 that passes once the requests running on the old weights finish (`in_use`, `draining`)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class LoadRefused(WorkerError):
     """Permanent for this adapter spec: the worker rejected the adapter."""
 
@@ -115,8 +123,9 @@ class WorkerClient:
         response = await self._call("POST", f"{base_url}/v1/load_lora_adapter", token, body)
         if response.status_code >= 400:
             text = _error_text(response)
-            if response.status_code == 409 and _error_reason(response) in BUSY_REASONS:
-                raise WorkerUnavailable(f"load {name} on {base_url}: {text}")
+            reason = _error_reason(response)
+            if response.status_code == 409 and reason in BUSY_REASONS:
+                raise WorkerBusy(reason, f"load {name} on {base_url}: {text}")
             # vLLM answers 400 "already loaded" for a name it holds: the inventory decides.
             if not (response.status_code == 400 and "already" in text.lower()):
                 raise LoadRefused(response.status_code, text)

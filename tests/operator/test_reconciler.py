@@ -12,7 +12,7 @@ from lorafleet.operator import placement
 from lorafleet.operator.pool_state import PodState, ReconcilerSettings
 from lorafleet.operator.reconciler import PoolReconciler
 from lorafleet.operator.spec import PoolSpec, parse_adapter
-from lorafleet.operator.worker_client import LoadRefused, WorkerUnavailable
+from lorafleet.operator.worker_client import LoadRefused, WorkerBusy
 from lorafleet.placement_store import MemoryPlacementStore
 from lorafleet.protocol import AdapterInfo, AdapterInventory
 
@@ -52,7 +52,7 @@ class StubWorkers:
             if not inplace:
                 raise LoadRefused(409, f"{name} is loaded with different content")
             if old.requests_in_flight:
-                raise WorkerUnavailable(f"{name} has requests in flight")
+                raise WorkerBusy("in_use", f"{name} has requests in flight")
         self.held[url][name] = new
         return await self.inventory(url, token)
 
@@ -219,6 +219,37 @@ async def test_an_old_version_in_use_is_swapped_once_its_requests_finish():
     status = reconciler.adapters["a"].status
     assert (status["phase"], status["readyReplicas"], status["source"]) == ("Ready", 1, "a-v2"), status
     assert not [e for e in events if e[0] == "unload"], events
+
+
+async def test_an_old_version_never_idle_is_drained_after_the_grace():
+    """Under steady traffic the in-place swap never finds a moment without requests: after
+    `reload_grace_s` the old copy is withdrawn and unloaded (its requests finish with it on the
+    worker) and the new version loaded, instead of retrying for ever."""
+    reconciler, workers, events = make({"a": (1, 1)})
+    now = [NOW]
+    reconciler.clock = lambda: now[0]
+    await reconciler.reconcile_once()
+    (home,) = [p for p in PODS if "a" in workers.held[p]]
+    workers.held[home]["a"] = info("a", in_flight=3)
+    respec(reconciler, "a", source="a-v2")
+    events.clear()
+    for step in (0.0, 15.0, 14.9):  # within the grace: retried in place, never unloaded
+        now[0] += step
+        assert (await reconciler.reconcile_once()).errors >= 1
+    assert [e[0] for e in events if e[0] in ("load", "reload", "unload")] == ["reload"] * 3
+    assert workers.held[home]["a"].digest == digest_of("/adapters/a")
+    now[0] += 0.1  # 30 s since the first refusal
+    events.clear()
+    await reconciler.reconcile_once()
+    calls = [e for e in events if e[0] in ("load", "reload", "unload", "store")]
+    assert calls[:3] == [("reload", home, "a"), ("store", home, "a", None), ("unload", home, "a")], calls
+    for _ in range(2):
+        reconciler.wake(resync=True)
+        await reconciler.reconcile_once()
+    loaded = [p for p in PODS if "a" in workers.held[p]]
+    assert len(loaded) == 1 and workers.held[loaded[0]]["a"].digest == digest_of("/adapters/a-v2")
+    status = reconciler.adapters["a"].status
+    assert (status["phase"], status["readyReplicas"], status["source"]) == ("Ready", 1, "a-v2"), status
 
 
 async def test_only_a_copy_loaded_from_the_spec_can_mismatch_its_sha256():
