@@ -46,12 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks, help="KV blocks (default: from memory)")
-    p.add_argument("--kv-cache-memory-fraction", type=float, default=d.kv_cache_memory_fraction,
+    p.add_argument("--kv-cache-memory-fraction", type=float, default=None,
                    help="the KV cache's share of the GPU memory free after weights and adapter slots "
                         f"(default {d.kv_cache_memory_fraction:g})")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="vLLM's: the most of the whole GPU's memory this worker may use; the KV cache gets "
-                        "what is left of it (default: size by --kv-cache-memory-fraction)")
+                   help="vLLM's: this worker's share of the GPU's memory (weights, slots, KV cache, activations), "
+                        "so several workers can share a GPU; instead of --kv-cache-memory-fraction")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching)
     p.add_argument("--lora-backend", default=d.lora_backend, choices=["auto", "torch", "triton"])
     p.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "triton"],
@@ -75,17 +75,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
+    if args.gpu_memory_utilization is not None and args.kv_cache_memory_fraction is not None:
+        raise ConfigError("--gpu-memory-utilization and --kv-cache-memory-fraction size the KV cache two ways; give one")
+    fraction = {} if args.kv_cache_memory_fraction is None else {"kv_cache_memory_fraction": args.kv_cache_memory_fraction}
     engine = EngineConfig(
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
         max_loras_per_request=args.max_loras_per_request, block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+        num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         device=args.device, dtype=args.dtype, lora_backend=args.lora_backend,
         attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs, async_scheduling=args.async_scheduling,
         warmup=args.warmup,
-        pinned_adapters=tuple(args.pinned_lora_modules), seed=args.seed,
+        pinned_adapters=tuple(args.pinned_lora_modules), seed=args.seed, **fraction,
     )
     return WorkerSettings(
         model=args.model, served_model_name=args.served_model_name, tokenizer=args.tokenizer, host=args.host,

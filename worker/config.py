@@ -185,9 +185,9 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # None: size from memory (CUDA) or a default (CPU)
     kv_cache_memory_fraction: float = 0.9  # of the GPU memory left after weights and slots
-    # vLLM's --gpu-memory-utilization: the most of the GPU's memory this worker may hold (weights,
-    # slots, KV cache, activations); what is in use when the KV cache is sized counts against it,
-    # other processes' memory included. None: the KV cache takes kv_cache_memory_fraction of what is free.
+    # vLLM's --gpu-memory-utilization: this worker's share of the GPU's memory (weights, slots, KV
+    # cache, activations), measured from what was free when it started, so two workers at 0.45 can
+    # share a GPU. None: the KV cache takes kv_cache_memory_fraction of what is free.
     gpu_memory_utilization: float | None = None
     max_num_seqs: int = 64  # running requests
     max_num_batched_tokens: int = 2048  # token budget per step (prefill chunks + decodes)

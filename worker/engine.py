@@ -36,7 +36,7 @@ from lorafleet.worker.device_setup import (
 from lorafleet.worker.lora.adapter import AdapterError
 from lorafleet.worker.lora.registry import AdapterRegistry
 from lorafleet.worker.lora.slots import LoraSlots
-from lorafleet.worker.memory_plan import log_memory_plan, memory_plan, plan_kv_blocks
+from lorafleet.worker.memory_plan import free_at_start, log_memory_plan, memory_plan, plan_kv_blocks
 from lorafleet.worker.model_runner import LogitsHook, ModelRunner
 from lorafleet.worker.models.llama import LlamaModel, iter_checkpoint
 from lorafleet.worker.outputs import Completion, RequestOutput, TrackedRequest
@@ -68,6 +68,7 @@ class LLMEngine:
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device cuda was asked for, but no CUDA device is available")
+        baseline_free = free_at_start(self.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         self.tokenizer = Tokenizer(tokenizer_dir or model_dir)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
@@ -95,7 +96,7 @@ class LLMEngine:
         self.registry = AdapterRegistry(self.model_config, config, self.slots, self.dtype)
 
         num_blocks = plan_kv_blocks(config, self.model_config, self.device,
-                                    ModelRunner.kv_bytes_per_block(self.model, config.block_size))
+                                    ModelRunner.kv_bytes_per_block(self.model, config.block_size), baseline_free)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.max_loras, config.max_loras_per_request)
         if self.use_graphs:

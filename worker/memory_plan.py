@@ -2,9 +2,9 @@
 
 The KV cache is sized last, after the weights and the adapter slots: `num_kv_blocks` if set;
 on CUDA a fraction (`kv_cache_memory_fraction`) of the GPU memory then free, less room for the
-largest step's activations, or, with vLLM's `gpu_memory_utilization`, what is left of that share of
-the whole GPU after everything in use and that room; on CPU a fixed default. The plan is logged in the seed guide's terms
-(weights, adapter slots, KV blocks) under the engine's logger.
+largest step's activations, or, with vLLM's `gpu_memory_utilization`, what this worker's share of
+the GPU leaves after its weights, slots and that room; on CPU a fixed default. The plan is logged
+in the seed guide's terms (weights, adapter slots, KV blocks) under the engine's logger.
 """
 
 from __future__ import annotations
@@ -21,29 +21,52 @@ log = logging.getLogger("lorafleet.engine")
 CPU_DEFAULT_KV_BLOCKS = 2048
 
 
-def plan_kv_blocks(config: EngineConfig, model: ModelConfig, device: torch.device, per_block: int) -> int:
-    """KV cache blocks of `per_block` bytes (`ModelRunner.kv_bytes_per_block`)."""
+def free_at_start(device: torch.device) -> int | None:
+    """The device's free memory before the engine allocates anything (CUDA only): the baseline that
+    `gpu_memory_utilization` measures this worker's own use from, as vLLM does."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
+def plan_kv_blocks(config: EngineConfig, model: ModelConfig, device: torch.device, per_block: int,
+                   baseline_free: int | None = None) -> int:
+    """KV cache blocks of `per_block` bytes (`ModelRunner.kv_bytes_per_block`).
+
+    `gpu_memory_utilization` U is a per-worker share (vLLM's meaning: two workers at 0.45 share a
+    GPU): the KV cache gets U x total less what this worker took since `baseline_free` (weights,
+    slots) and the activations' room, and never more than is free.
+    """
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        # Leave room for activations of the largest step (a few hidden-sized buffers per token).
-        reserve = 4 * config.max_num_batched_tokens * model.intermediate_size * 4 + (1 << 30)
-        utilization = config.gpu_memory_utilization
-        if utilization is None:
-            blocks = int((free - reserve) * config.kv_cache_memory_fraction) // per_block
-        else:  # vLLM's budget: everything in use now counts against utilization x total
-            blocks = (int(total * utilization) - (total - free) - reserve) // per_block
+    if device.type != "cuda":
+        return CPU_DEFAULT_KV_BLOCKS
+    gib = 1 << 30
+    free, total = torch.cuda.mem_get_info(device)
+    # Leave room for activations of the largest step (a few hidden-sized buffers per token).
+    reserve = 4 * config.max_num_batched_tokens * model.intermediate_size * 4 + (1 << 30)
+    utilization = config.gpu_memory_utilization
+    if utilization is None:
+        blocks = int((free - reserve) * config.kv_cache_memory_fraction) // per_block
         if blocks < 1:
-            gib = 1 << 30
-            budget = (f"--gpu-memory-utilization {utilization:g} allows {total * utilization / gib:.2f} GiB"
-                      if utilization is not None else f"{free / gib:.2f} GiB are free")
             raise ConfigError(
-                f"no GPU memory left for the KV cache: {(total - free) / gib:.2f} GiB of {total / gib:.2f} GiB in use "
-                f"(weights, adapter slots, other processes), {budget}, {reserve / gib:.2f} GiB kept for "
-                "activations; lower --max-loras or --max-lora-rank, or free the GPU")
+                f"no GPU memory left for the KV cache: {free / gib:.2f} GiB of {total / gib:.2f} GiB free after the "
+                f"weights and adapter slots, {reserve / gib:.2f} GiB kept for activations; lower --max-loras or "
+                "--max-lora-rank, or free the GPU")
         return blocks
-    return CPU_DEFAULT_KV_BLOCKS
+    share = int(total * utilization)
+    baseline = free if baseline_free is None else baseline_free
+    if share > baseline:
+        raise ConfigError(
+            f"--gpu-memory-utilization {utilization:g} asks for {share / gib:.2f} GiB of the GPU's {total / gib:.2f} GiB, "
+            f"but only {baseline / gib:.2f} GiB were free when this worker started (other processes hold the rest); "
+            "lower it or free the GPU")
+    used = baseline - free  # this worker's weights and slots (and whatever else it allocated)
+    blocks = (min(share - used, free) - reserve) // per_block
+    if blocks < 1:
+        raise ConfigError(
+            f"--gpu-memory-utilization {utilization:g} ({share / gib:.2f} GiB) leaves no room for the KV cache: "
+            f"this worker's weights and adapter slots take {used / gib:.2f} GiB and {reserve / gib:.2f} GiB are kept "
+            "for activations; raise it, or lower --max-loras or --max-lora-rank")
+    return blocks
 
 
 def memory_plan(config: EngineConfig, weights_bytes: int, slot_bytes: int, adapter_bytes: dict[str, int],

@@ -57,16 +57,15 @@ def test_cuda_prefetch_copies_on_a_side_stream(demo_model, demo_adapters):
     assert engine.registry.stats.gpu_misses >= 4
 
 
-def test_cuda_gpu_memory_utilization_bounds_what_the_process_holds(demo_model):
-    """vLLM's --gpu-memory-utilization: with the KV cache made, everything in use on the device
-    (this process's weights, slots, KV cache, CUDA context, and any other process) stays within
-    the share, less the activations' room, and the KV cache is most of what the share left."""
+def test_cuda_gpu_memory_utilization_is_this_workers_share(demo_model):
+    """vLLM's --gpu-memory-utilization: what the engine takes from the device (weights, slots, KV
+    cache) stays within its share of the GPU, memory others hold is not charged to it, and the
+    KV cache is the bulk of the share (less the activations' room, ~1 GiB for this model)."""
     torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info()
-    share = min(0.9, (total - free) / total + 0.05)  # 5% of the GPU above what is in use now
+    free_before, total = torch.cuda.mem_get_info()
+    share = 0.05  # ~7 GiB of an H200, whatever this test process already holds
     engine = LLMEngine(demo_model, EngineConfig(max_loras=2, max_cpu_loras=4, device="cuda", warmup=False,
                                                 cuda_graphs=False, gpu_memory_utilization=share))
     free_after, _ = torch.cuda.mem_get_info()
-    kv = engine.memory_plan["kv_bytes"]
-    assert total - free_after <= share * total
-    assert kv > 0.5 * (share * total - (total - free)) - (2 << 30)  # KV took the bulk of the share, less activations' room
+    assert free_before - free_after <= share * total
+    assert engine.memory_plan["kv_bytes"] >= share * total - (2 << 30)
