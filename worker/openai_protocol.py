@@ -60,7 +60,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
+    continuous_usage_stats: bool = False  # vLLM: with include_usage, every chunk carries its choice's usage
 
 
 def _off(*harmless: Any) -> Callable[[Any], bool]:
@@ -146,7 +146,7 @@ class _SamplingFields(_Body):
             raise UnsupportedField("best_of", "best_of must be greater than or equal to n")
         if self.best_of is not None and self.best_of > self.n:
             raise UnsupportedField("best_of", "best_of greater than n is not supported")
-        if self.stream_options is not None and not self.stream:
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise UnsupportedField("stream_options", "stream_options is only allowed when stream is true")
         for name, value in (self.model_extra or {}).items():
             rule = UNSUPPORTED.get(name)
@@ -175,7 +175,8 @@ class _SamplingFields(_Body):
 
     @property
     def continuous_usage(self) -> bool:
-        return bool(self.stream and self.stream_options and self.stream_options.continuous_usage_stats)
+        """vLLM's rule: per-chunk usage needs include_usage too."""
+        return bool(self.include_usage and self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 def per_choice(sampling: SamplingParams, n: int) -> list[SamplingParams]:

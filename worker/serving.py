@@ -174,8 +174,10 @@ async def stream_events(
 ) -> AsyncIterator[str]:
     """SSE events: `first`, one or more chunks per output, a usage chunk if asked, then `[DONE]`.
 
-    `prompt_tokens`: the request's, each prompt counted once however many choices it has.
-    `continuous_usage` (vLLM's `continuous_usage_stats`): every chunk carries the usage so far.
+    `prompt_tokens`: the request's, each prompt counted once however many choices it has (the
+    last chunk's usage). `continuous_usage` (vLLM's `continuous_usage_stats` with `include_usage`):
+    every chunk also carries its own choice's usage so far, as vLLM reports it (its prompt's tokens
+    and that choice's completion tokens; `first`, the chat role chunks, have one prompt).
     Cancelled (client gone) or failed: the requests are aborted in `finally`.
     """
     generated = [0] * len(streams)
@@ -188,7 +190,7 @@ async def stream_events(
             generated[i] = out.num_generated
             for payload in chunk(i, out):
                 if continuous_usage:
-                    payload["usage"] = usage(prompt_tokens, sum(generated))
+                    payload["usage"] = usage(out.num_prompt_tokens, out.num_generated)
                 yield sse(payload)
         if final is not None:
             yield sse(final(usage(prompt_tokens, sum(generated))))

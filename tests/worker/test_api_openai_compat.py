@@ -234,15 +234,27 @@ def test_max_completion_tokens_bounds_chat_and_wins_over_max_tokens(client):
 
 
 @pytest.mark.parametrize("route", ["completions", "chat/completions"])
-def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(worker, route):
+def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(worker, route):
+    """vLLM's continuous_usage_stats (with include_usage): a chunk's usage is its choice's so far."""
     body = {"model": "demo", "max_tokens": 5, "temperature": 0, "ignore_eos": True, "n": 2,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     body |= {"prompt": PROMPT} if route == "completions" else {"messages": CHAT}
     chunks = events(worker, route, body)
-    used = [c["usage"]["completion_tokens"] for c in chunks]
-    assert used == sorted(used) and used[-1] == 10
-    assert len({c["usage"]["prompt_tokens"] for c in chunks}) == 1 and chunks[0]["usage"]["prompt_tokens"] > 0
-    assert chunks[-1]["choices"] == []
+    *per_choice, last = chunks
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 10
+    prompt_tokens = last["usage"]["prompt_tokens"]
+    for index in (0, 1):
+        used = [c["usage"] for c in per_choice if c["choices"][0]["index"] == index]
+        assert {u["prompt_tokens"] for u in used} == {prompt_tokens}
+        counts = [u["completion_tokens"] for u in used]
+        assert counts == sorted(counts) and counts[-1] == 5, counts
+        assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in used)
+
+
+@pytest.mark.parametrize("options", [{"continuous_usage_stats": True}, {"include_usage": True}])
+def test_chunks_carry_usage_only_with_both_options(worker, options):
+    body = {"model": "demo", "prompt": PROMPT, "max_tokens": 3, "stream_options": options}
+    assert all("usage" not in c for c in events(worker, "completions", body) if c["choices"])
 
 
 @pytest.mark.parametrize("route", ["completions", "chat/completions"])
@@ -251,6 +263,8 @@ def test_stream_options_without_stream_is_400(worker, route):
     body = {"model": "demo", "max_tokens": 2, "stream_options": {"include_usage": True}}
     body |= {"prompt": PROMPT} if route == "completions" else {"messages": CHAT}
     assert "stream" in refused(post(worker, route, body), "stream_options")
+    empty = post(worker, route, body | {"stream_options": {}})  # vLLM refuses only options that say something
+    assert empty.status_code == 200, empty.text
 
 
 def test_include_usage_false_sends_no_usage_chunk(worker):
