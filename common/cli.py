@@ -76,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lorafleet {name}: missing dependency {exc.name!r}; install `lorafleet[all]`", file=sys.stderr)
         return 2
     try:
-        return int(module.main(rest) or 0)
+        code = int(module.main(rest) or 0)
+        sys.stdout.flush()  # here, not at exit: output smaller than the buffer is written now
+        return code
     except BrokenPipeError:  # `lorafleet adapters get | head`: the reader left; no traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so exit's flush cannot fail again
         return 141  # 128 + SIGPIPE, as a shell reports a command killed by it

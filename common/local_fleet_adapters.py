@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     run_dir_help = "the fleet's run directory (default .lorafleet)"
     p = argparse.ArgumentParser(prog="lorafleet adapters", description="Manage the adapters of a local fleet.")
     p.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR, help=run_dir_help)
-    # Also after the command, where kubectl users put their flags; SUPPRESS keeps the one given first.
+    # Also after the command, where kubectl users put their flags (SUPPRESS: absent there, the one
+    # before the command stands; given in both places, the later one wins).
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--run-dir", type=Path, default=argparse.SUPPRESS, help=run_dir_help)
     sub = p.add_subparsers(dest="command", required=True)
@@ -234,8 +235,11 @@ def manifest_names(sources: list[tuple[str, str]]) -> list[str]:
     names: list[str] = []
     for label, text in sources:
         for doc in load_documents(text, label):
+            if not isinstance(doc, dict):
+                raise ManifestError(f"{label}: a document that is not an object: {doc!r:.60}")
             if doc.get("kind") == KIND:
-                name = (doc.get("metadata") or {}).get("name")
+                metadata = doc.get("metadata")
+                name = metadata.get("name") if isinstance(metadata, dict) else None
                 if not isinstance(name, str) or not name:
                     raise ManifestError(f"{label}: a {KIND} without metadata.name")
                 names.append(name)
@@ -248,7 +252,7 @@ def get(run_dir: RunDir, names: list[str], output: str | None) -> int:
     for name in missing:
         print(f'Error from server (NotFound): loraadapters.lorafleet.dev "{name}" not found', file=sys.stderr)
     chosen = [objects[n] for n in names if n in objects] if names else [objects[n] for n in sorted(objects)]
-    if chosen or output in ("json", "yaml"):
+    if chosen or (output in ("json", "yaml") and not names):  # kubectl: an empty List, or only the errors
         print(render(chosen, output, single=len(names) == 1, now=datetime.now(timezone.utc)))
     elif not names:
         print("No resources found.", file=sys.stderr)

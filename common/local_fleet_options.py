@@ -81,9 +81,9 @@ def options_from_args(args: argparse.Namespace) -> UpOptions:
         raise FleetError(f"--ready-timeout {args.ready_timeout:g}: must be more than 0 seconds")
     try:
         EngineConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
-    except ConfigError as exc:  # the workers' own rules, named by the flags given here
-        flag = str(exc).split()[0].replace("_", "-")
-        raise FleetError(f"--{flag}: {exc}") from None
+    except ConfigError as exc:  # the workers' own rules, said with the flags (and their values)
+        values = f"--max-loras {args.max_loras}, --max-cpu-loras {args.max_cpu_loras}, --max-lora-rank {args.max_lora_rank}"
+        raise FleetError(f"{str(exc).replace('_', '-')} ({values})") from None
     return UpOptions(
         host=args.host, port=args.port, workers=args.workers, device=args.device,
         assets=args.assets or default_assets_dir(), run_dir=args.run_dir,

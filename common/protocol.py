@@ -13,6 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Tier = Literal["gpu", "cpu", "disk"]
 
+# Choices per prompt (`n`) a worker serves; the router's --max-n may only lower it. vLLM has no
+# cap, but each choice is a sequence with its own KV blocks.
+MAX_N = 16
+
 # Internal headers the router sets towards workers; stripped from client requests.
 HEADER_REPLICA = "x-lorafleet-replica"
 HEADER_ROUTE_REASON = "x-lorafleet-route"

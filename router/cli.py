@@ -9,6 +9,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from lorafleet.cli import lora_module_arg
+from lorafleet.protocol import MAX_N
 from lorafleet.router.discovery import parse_worker
 from lorafleet.router.scheduling.policies import POLICIES
 from lorafleet.router.settings import RouterSettings
@@ -98,6 +99,8 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         args.admin_token_file.read_text()  # fail at start-up, not at the first cold load
     if args.admin_token_dir is not None and not args.admin_token_dir.is_dir():
         raise NotADirectoryError(f"--admin-token-dir {args.admin_token_dir}: not a directory")
+    if not 1 <= args.max_n <= MAX_N:
+        raise ValueError(f"--max-n {args.max_n}: must be in 1..{MAX_N}, the most choices a worker serves")
     return RouterSettings(
         host=args.host,
         port=args.port,

@@ -8,6 +8,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Literal
 
+from lorafleet.protocol import MAX_N
+
 
 @dataclass(frozen=True, slots=True)
 class RouterSettings:
@@ -46,7 +48,7 @@ class RouterSettings:
     max_connections: int = 1000
     max_body_bytes: int = 1 << 20
     max_tokens_cap: int = 8192
-    max_n: int = 16  # choices per prompt; the worker serves up to 16 (worker/openai_protocol.py MAX_N)
+    max_n: int = MAX_N  # choices per prompt; at most the workers' MAX_N
     # Retries: attempts per request, and a fleet-wide budget (share of requests, plus a floor/s).
     max_attempts: int = 3
     retry_budget_ratio: float = 0.2

@@ -81,6 +81,14 @@ async def models(runtime: Runtime) -> dict[str, Any]:
     return {"object": "list", "data": data}
 
 
+def check_sequences(count: int, max_num_seqs: int) -> None:
+    """One request's sequences (prompts x n) must fit in one running batch: more could never run
+    together, and would queue ahead of every other client's requests."""
+    if count > max_num_seqs:
+        raise ApiError(400, f"prompts x n = {count} sequences, more than this worker runs at once "
+                            f"(max_num_seqs {max_num_seqs}); send fewer prompts or a smaller n", param="n")
+
+
 def _prepare_prompts(runtime: WorkerRuntime, prompts: list[str | list[int]]) -> list[list[int]]:
     """Tokenize here (the tokenizer is safe to share) so max_tokens can default to the room left.
 
@@ -122,6 +130,7 @@ async def completions(body: oai.CompletionRequest, request: Request, runtime: Ru
         body.check_supported()
         adapters = resolve_adapters(body.model, body.lora_adapters, runtime.settings)
         prompts = await asyncio.to_thread(_prepare_prompts, runtime, body.prompts())
+        check_sequences(len(prompts) * n, engine.engine.config.max_num_seqs)
         # OpenAI's (and vLLM's) default for the legacy completions endpoint is 16 tokens.
         choices = oai.per_choice(body.sampling(body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs), n)
     except Exception as exc:  # noqa: BLE001 - mapped to 4xx; a bug re-raises
@@ -167,6 +176,7 @@ async def chat_completions(body: oai.ChatCompletionRequest, request: Request, ru
         body.check_supported()
         adapters = resolve_adapters(body.model, body.lora_adapters, runtime.settings)
         ids = await asyncio.to_thread(_prepare_chat, runtime, body)
+        check_sequences(n, engine.engine.config.max_num_seqs)
         k = body.logprobs_k()
         # vLLM's rule: max_completion_tokens (OpenAI's newer name) over max_tokens.
         max_tokens = body.max_completion_tokens or body.max_tokens

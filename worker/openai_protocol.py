@@ -27,12 +27,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from lorafleet.protocol import LoraAdapterRef
+from lorafleet.protocol import MAX_N, LoraAdapterRef
 from lorafleet.worker.sampling import TokenLogprobs
 from lorafleet.worker.sequence import SEED_MAX, SamplingParams
-
-# Choices per prompt (`n`); vLLM has no cap, but each choice is a sequence with its own KV blocks.
-MAX_N = 16
 
 
 class UnsupportedField(ValueError):

@@ -153,3 +153,34 @@ def test_output_into_a_closed_pipe_is_quiet(run_dir: RunDir) -> None:
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141, err
     assert "Traceback" not in err
+
+
+def test_a_small_output_into_a_pipe_already_closed_is_quiet(run_dir: RunDir) -> None:
+    """Output smaller than stdout's buffer is written at exit unless flushed in `main` (exit 120 and
+    "Exception ignored" without PYTHONUNBUFFERED, the usual case)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before anything is written
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    code = "import sys; from lorafleet.cli import main; sys.exit(main(sys.argv[1:]))"
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, "adapters", "get", "--run-dir", str(run_dir.root)],
+                              stdout=write_end, stderr=subprocess.PIPE, env=env, timeout=60)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141, proc.stderr.decode()
+    assert b"Exception ignored" not in proc.stderr and b"Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("text", ["kind: LoraAdapter\nmetadata: foo\n", "kind: List\nitems: [1]\n"])
+def test_delete_by_a_malformed_manifest_is_an_error_not_a_traceback(run_dir: RunDir, capsys: pytest.CaptureFixture,
+                                                                   tmp_path: Path, text: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    code, _, err = run(run_dir, capsys, "delete", "-f", str(path))
+    assert code == 1 and err.startswith("error: ")
+    assert set(run_dir.read_desired()) == {"sql", "broken", "fresh"}
+
+
+def test_get_only_unknown_names_prints_only_the_errors(run_dir: RunDir, capsys: pytest.CaptureFixture) -> None:
+    code, out, err = run(run_dir, capsys, "get", "nope", "-o", "json")
+    assert code == 1 and out == "" and "NotFound" in err

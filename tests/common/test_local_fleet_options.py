@@ -29,9 +29,10 @@ def test_defaults_pass() -> None:
     (["--worker-port", "70000"], "--worker-port 70000: a port is 1..65535"),
     (["--worker-port", "65535", "--workers", "3"], "3 workers need ports up to 65537, past 65535"),
     (["--ready-timeout", "0"], "--ready-timeout 0: must be more than 0 seconds"),
-    (["--max-loras", "0"], "--max-loras: max_loras must be >= 1"),
-    (["--max-lora-rank", "1024"], "--max-lora-rank: max_lora_rank must be in 1..512"),
-    (["--max-loras", "8", "--max-cpu-loras", "4"], "--max-cpu-loras: max_cpu_loras must be >= max_loras"),
+    (["--max-loras", "0"], "max-loras must be >= 1 (--max-loras 0,"),
+    (["--max-lora-rank", "1024"], "max-lora-rank must be in 1..512 (--max-loras 8, --max-cpu-loras 32, --max-lora-rank 1024)"),
+    # The default --max-cpu-loras (32) is named with its value, not blamed as if given.
+    (["--max-loras", "100"], "max-cpu-loras must be >= max-loras (--max-loras 100, --max-cpu-loras 32,"),
 ])
 def test_bad_options_are_refused_before_starting(argv: list[str], message: str) -> None:
     with pytest.raises(FleetError) as info:

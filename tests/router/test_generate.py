@@ -238,7 +238,11 @@ def test_every_error_is_in_the_openai_envelope(two_workers):
         assert ok.status_code == 200, ok.text
 
 
-def test_the_routers_default_n_cap_is_the_workers() -> None:
-    from lorafleet.worker.openai_protocol import MAX_N
+def test_the_routers_n_cap_is_at_most_the_workers() -> None:
+    from lorafleet.protocol import MAX_N
+    from lorafleet.router.cli import build_parser, settings_from_args
 
     assert RouterSettings().max_n == MAX_N
+    assert settings_from_args(build_parser().parse_args(["--max-n", "4"])).max_n == 4
+    with pytest.raises(ValueError, match=f"--max-n 32: must be in 1..{MAX_N}"):
+        settings_from_args(build_parser().parse_args(["--max-n", "32"]))

@@ -378,3 +378,11 @@ def test_a_null_lora_adapters_scale_is_the_default(worker):
     one = post(worker, "completions", base | {"lora_adapters": [{"name": "sql", "scale": 1.0}]})
     assert null.status_code == 200, null.text
     assert null.json()["choices"][0]["text"] == one.json()["choices"][0]["text"]
+
+
+def test_a_request_larger_than_a_running_batch_is_400(worker):
+    """prompts x n beyond max_num_seqs (64 here) could never run together; 16 x 16 queued 256."""
+    body = {"model": "demo", "max_tokens": 1, "n": 16}
+    assert post(worker, "completions", body | {"prompt": [PROMPT] * 4}).status_code == 200
+    message = refused(post(worker, "completions", body | {"prompt": [PROMPT] * 5}), "n")
+    assert message.startswith("prompts x n = 80 sequences, more than this worker runs at once (max_num_seqs 64)")
