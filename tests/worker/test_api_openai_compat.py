@@ -10,10 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.worker.worker_harness import RunningWorker, wait_for, worker_settings
-
-PROMPT = "The router sends each request to"
-CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+from tests.worker.worker_harness import CHAT, PROMPT, RunningWorker, wait_for, worker_settings
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,7 @@ import pytest
 
 from lorafleet.worker.engine import LLMEngine
 from lorafleet.worker.sequence import SamplingParams
-from tests.worker.worker_harness import RunningWorker, worker_settings
-
-PROMPT = "The router sends each request to"
-CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+from tests.worker.worker_harness import CHAT, PROMPT, RunningWorker, worker_settings
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,9 @@ from lorafleet.worker.config import EngineConfig
 from lorafleet.worker.settings import WorkerSettings
 
 TOKEN = "s3cret-admin-token"
+# The public API suites' prompt and chat.
+PROMPT = "The router sends each request to"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 class ServerThread:
