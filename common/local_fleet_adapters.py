@@ -4,7 +4,7 @@
     lorafleet adapters get [NAME ...] [-o wide|yaml|json|name]
                                                      NAME POOL PHASE READY REPLICAS AGE, as kubectl
                                                      prints the CRD's columns; `-o wide` adds the
-                                                     source and why an adapter is not Ready
+                                                     source and the Ready condition's reason and message
     lorafleet adapters delete NAME ... | -f FILE     unload everywhere
 
 `apply` writes each validated spec to the run directory with a new generation; the fleet's control
@@ -174,7 +174,14 @@ def wait_ready(run_dir: RunDir, applied: dict[str, int], wait_s: float) -> set[s
             if entry.get("generation") != generation or status.get("observedGeneration") != generation:
                 continue
             phase = status.get("phase")
-            if phase == "Ready":
+            refused = next((c for c in status.get("conditions") or () if c.get("type") == "Updated"
+                            and c.get("status") == "False"), None)
+            if refused is not None:  # the old version serves; this spec's was refused
+                print(f"error: loraadapter.lorafleet.dev/{name} update refused: {refused.get('reason')}: "
+                      f"{refused.get('message')} (the version from source {status.get('source')!r} still serves)",
+                      file=sys.stderr)
+                del pending[name]
+            elif phase == "Ready":
                 print(f"loraadapter.lorafleet.dev/{name} Ready ({status.get('readyReplicas', 0)}/"
                       f"{status.get('desiredReplicas', 0)} replicas)")
                 del pending[name]
@@ -286,7 +293,7 @@ def render(objects: list[dict[str, Any]], output: str | None, *, single: bool, n
 
 def format_table(objects: list[dict[str, Any]], *, wide: bool = False, now: datetime | None = None) -> str:
     """kubectl's table of the CRD's printer columns (NAME POOL PHASE READY REPLICAS AGE); wide adds
-    SOURCE and, for an adapter that is not Ready, the reason and message of its Ready condition."""
+    SOURCE and the Ready condition's reason and message."""
     header = ["NAME", "POOL", "PHASE", "READY", "REPLICAS", "AGE"] + (["SOURCE", "REASON", "MESSAGE"] if wide else [])
     rows = [header]
     for obj in objects:
@@ -295,17 +302,17 @@ def format_table(objects: list[dict[str, Any]], *, wide: bool = False, now: date
                str(status.get("readyReplicas", 0)), str(status.get("desiredReplicas", 0)),
                age(obj["metadata"].get("creationTimestamp"), now or datetime.now(timezone.utc))]
         if wide:
-            reason, message = not_ready(status)
+            reason, message = ready_condition(status)
             row += [str(spec.get("source", "")), reason, message]
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     return "\n".join("   ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 
 
-def not_ready(status: dict[str, Any]) -> tuple[str, str]:
-    """(reason, message) of the Ready condition when it is not True, else ("", "")."""
+def ready_condition(status: dict[str, Any]) -> tuple[str, str]:
+    """(reason, message) of the Ready condition (the CRD's Reason and Message columns)."""
     for cond in status.get("conditions") or ():
-        if cond.get("type") == "Ready" and cond.get("status") != "True":
+        if cond.get("type") == "Ready":
             return str(cond.get("reason") or ""), " ".join(str(cond.get("message") or "").split())
     return "", ""
 

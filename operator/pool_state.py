@@ -67,6 +67,11 @@ class AdapterRecord:
     outdated: bool = False
     # pod -> when an in-place reload there was first refused because requests ran on the old version.
     busy_since: dict[str, float] = field(default_factory=dict)
+    # A worker refused this spec's new content (reason, message) while copies of an older version
+    # served: they keep serving (a failed rollout leaves the old version up, as a Deployment's
+    # does), new copies are loaded from `serving_path`, and nothing is retried until the spec changes.
+    update_refused: tuple[str, str] | None = None
+    serving_path: str | None = None  # where the serving copies were loaded from (the worker's inventory)
 
     @property
     def problem(self) -> tuple[str, str] | None:
@@ -154,7 +159,7 @@ def stale_copies(
         infos = {a.name: a for a in inventories[pod].adapters} if pod in inventories else {}
         for name in names:
             record = adapters.get(name)
-            if record is None or record.problem is not None or pod in record.verified:
+            if record is None or record.problem is not None or record.update_refused or pod in record.verified:
                 continue
             info = infos.get(name)
             if record.outdated or (info is not None and not digest_matches(record.spec.sha256, info.digest)):
@@ -215,6 +220,7 @@ def status_writes(
             ready=ready_replicas(pods, loaded, name),
             loading=name in loading,
             failure=record.problem,
+            update_refused=record.update_refused,
             placed_reason=why,
             placed_message=detail,
             digest=digest_of(loaded, digests, name),

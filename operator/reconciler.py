@@ -207,7 +207,7 @@ class PoolReconciler:
             stale = pool_state.stale_copies(self.adapters, self.inventories, self.loaded)
         if len(self.inventories) == len(live):  # every worker seen: no copy of an older source is left
             for record in self.adapters.values():
-                if record.outdated and not any(name == record.spec.name for _, name in stale):
+                if record.outdated and not record.update_refused and not any(name == record.spec.name for _, name in stale):
                     record.outdated = False
 
         wants = [
@@ -268,9 +268,11 @@ class PoolReconciler:
                     if action.kind == "load":
                         if record is None:
                             return
-                        inv = await self.workers.load(url, token, action.adapter, self._source_path(record.spec))
+                        path = record.serving_path or self._source_path(record.spec)
+                        inv = await self.workers.load(url, token, action.adapter, path)
                         self.loaded.setdefault(action.pod, set()).add(action.adapter)
-                        record.verified.add(action.pod)
+                        if record.serving_path is None:  # a copy of the spec's own content
+                            record.verified.add(action.pod)
                         pool_state.note_digests(self.digests, inv)
                     else:
                         # Withdraw first: routers stop sending it here before the worker drops it.
@@ -315,8 +317,19 @@ class PoolReconciler:
             url = self.url_of(pod, pool.admin_port)
             try:
                 inv = await self.workers.load(url, token, name, self._source_path(record.spec), inplace=True)
-            except LoadRefused as exc:  # the new version is unusable: Failed, and unloaded like any
-                record.failure = (exc.reason, exc.message)
+            except LoadRefused as exc:  # the new version is unusable: the old one keeps serving
+                try:  # what serves there now (the round's inventory may predate this round's loads)
+                    inv = await self.workers.inventory(url, token)
+                except WorkerError:
+                    inv = self.inventories.get(pod_name)
+                info = next((a for a in inv.adapters if a.name == name), None) if inv is not None else None
+                if info is None:  # nothing known to serve: as any refused load
+                    record.failure = (exc.reason, exc.message)
+                    return
+                record.update_refused = (exc.reason, exc.message)
+                record.serving_path = info.path
+                log.warning("update of %s refused on %s (%s); the old version from %s keeps serving",
+                            name, pod_name, exc.message, info.path)
                 return
             except WorkerBusy as exc:  # requests still run on the old weights
                 errors += 1
@@ -377,7 +390,8 @@ class PoolReconciler:
                 adapters = {n: tiers.get(n, "cpu") for n in self.loaded.get(name, ())}
                 url = self.url_of(pod, self.pool.http_port)
                 await self.store.publish_replica(name, url, self.pool.served_name, adapters, self.settings.publish_ttl_s)
-            catalog = {r.spec.name: self._source_path(r.spec) for r in self.adapters.values() if r.problem is None}
+            catalog = {r.spec.name: r.serving_path or self._source_path(r.spec)
+                       for r in self.adapters.values() if r.problem is None}
             await self.store.set_catalog(catalog)
         except Exception as exc:  # the router keeps its last view; the next round publishes again
             log.warning("placement store publish failed: %s", exc)

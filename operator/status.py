@@ -40,6 +40,7 @@ class AdapterObservation:
     placed_message: str = ""
     digest: str | None = None
     source: str | None = None  # the spec.source the loaded copies come from
+    update_refused: tuple[str, str] | None = None  # (reason, message): the old version still serves
 
 
 def adapter_phase(obs: AdapterObservation) -> str:
@@ -61,7 +62,11 @@ def adapter_conditions(obs: AdapterObservation) -> list[Condition]:
     ready_ok = obs.ready >= obs.desired
     placed_message = obs.placed_message or f"{obs.placed}/{obs.desired} replicas assigned"
     ready_message = f"{obs.ready}/{obs.desired} replicas loaded"
-    if ready_ok:
+    if ready_ok and obs.update_refused is not None:  # serving, but not what the spec asks for
+        ready_reason = "UpdateRefused"
+        ready_message = (f"{ready_message} from source {obs.source!r}, the version before this spec's; "
+                         f"the update was refused: {obs.update_refused[1]}")
+    elif ready_ok:
         ready_reason = "Loaded"
     elif obs.loading:
         ready_reason = "Loading"
@@ -69,11 +74,14 @@ def adapter_conditions(obs: AdapterObservation) -> list[Condition]:
         ready_reason, ready_message = obs.placed_reason, f"{ready_message}: {placed_message}"
     else:
         ready_reason = "NotLoaded"
-    return [
+    conditions = [
         Condition("Validated", True, "Valid", ""),
         Condition("Placed", placed_ok, "Placed" if placed_ok else obs.placed_reason, placed_message),
         Condition("Ready", ready_ok, ready_reason, ready_message),
     ]
+    if obs.update_refused is not None:
+        conditions.append(Condition("Updated", False, *obs.update_refused))
+    return conditions
 
 
 def _now() -> str:

@@ -76,13 +76,13 @@ def test_get_lists_every_applied_adapter_with_the_crd_columns(run_dir: RunDir, c
     assert code == 0
 
 
-def test_get_wide_says_why_an_adapter_is_not_ready(run_dir: RunDir, capsys: pytest.CaptureFixture) -> None:
+def test_get_wide_shows_the_ready_conditions_reason(run_dir: RunDir, capsys: pytest.CaptureFixture) -> None:
     code, out, _ = run(run_dir, capsys, "get", "broken", "sql", "-o", "wide")
     header, broken, sql = out.splitlines()
     assert header.split()[6:] == ["SOURCE", "REASON", "MESSAGE"]
     assert broken.split()[0] == "broken"  # in the order asked for
     assert broken.endswith("LoadRefused   adapter_model.safetensors is not a valid safetensors file")
-    assert sql.split()[-1] == "sql" and "Loaded" not in sql  # Ready: no reason shown
+    assert sql.split()[6:] == ["sql", "Loaded", "2", "of", "2"]
     assert code == 0
 
 
@@ -184,3 +184,19 @@ def test_delete_by_a_malformed_manifest_is_an_error_not_a_traceback(run_dir: Run
 def test_get_only_unknown_names_prints_only_the_errors(run_dir: RunDir, capsys: pytest.CaptureFixture) -> None:
     code, out, err = run(run_dir, capsys, "get", "nope", "-o", "json")
     assert code == 1 and out == "" and "NotFound" in err
+
+
+def test_apply_reports_an_update_the_workers_refused(run_dir: RunDir, capsys: pytest.CaptureFixture,
+                                                     tmp_path: Path) -> None:
+    """The old version keeps serving (phase Ready), but the applied spec did not take: an error."""
+    refused = {**READY_STATUS, "observedGeneration": 2, "source": "sql", "conditions": [
+        {"type": "Ready", "status": "True", "reason": "UpdateRefused", "message": "1/1 replicas loaded from source 'sql'"},
+        {"type": "Updated", "status": "False", "reason": "LoadRefused", "message": "no adapter_config.json"},
+    ]}
+    run_dir.write_status({"sql": {"generation": 2, "spec": {"pool": "local"}, "status": refused}})
+    path = tmp_path / "sql.yaml"
+    path.write_text(manifest("sql", source="fresh"))
+    code, out, err = run(run_dir, capsys, "apply", "-f", str(path), "--wait", "5")
+    assert code == 1 and "loraadapter.lorafleet.dev/sql configured" in out
+    assert ("error: loraadapter.lorafleet.dev/sql update refused: LoadRefused: no adapter_config.json "
+            "(the version from source 'sql' still serves)") in err

@@ -1,6 +1,6 @@
 """Changing a LoraAdapter's source or sha256 in place (kopf against kmock, kubectl, fake workers):
 the workers end up holding the new version, swapped in place (never unloaded), and the status says
-which source and digest they hold."""
+which source and digest they hold; a version the workers refuse leaves the old one serving."""
 
 from __future__ import annotations
 
@@ -61,15 +61,29 @@ async def test_a_new_sha256_with_its_source_is_not_a_mismatch(
     assert unloads(kubelet, "a") == 0
 
 
-async def test_a_source_that_does_not_exist_fails_the_update(
+async def test_a_refused_update_leaves_the_old_version_serving(
     api: PatchedEmulator, kubectl: Kubectl, kubelet: Kubelet, operator: OperatorRunner, tmp_path: Path
 ) -> None:
-    """No silent success with the old version still served: Failed, with the worker's reason."""
-    write_adapter(tmp_path, "v1")
+    """A failed rollout leaves the old version up, as a Deployment's does, and says so: Ready
+    (the old version serves) with reason UpdateRefused, an Updated=False condition carrying the
+    worker's reason, and status.source still the old one. Fixing the spec then rolls it out."""
+    v1, v2 = write_adapter(tmp_path, "v1"), write_adapter(tmp_path, "v2", rank=4)
     await apply(kubectl, tmp_path, pool_manifest(tmp_path), adapter_manifest("a", source="v1"))
     await eventually(lambda: status(api, "a").get("phase") == "Ready")
     await apply(kubectl, tmp_path, adapter_manifest("a", source="v1-typo"))
-    await eventually(lambda: status(api, "a").get("phase") == "Failed")
-    validated = next(c for c in status(api, "a")["conditions"] if c["type"] == "Validated")
-    assert validated["reason"] == "LoadRefused" and "v1-typo" in validated["message"], validated
-    await eventually(lambda: copies(kubelet, "a") == set())  # a Failed adapter is served nowhere
+
+    def refused() -> bool:
+        conds = {c["type"]: c for c in status(api, "a").get("conditions", ())}
+        return conds.get("Updated", {}).get("status") == "False" and conds["Ready"]["reason"] == "UpdateRefused"
+
+    await eventually(refused)
+    st = status(api, "a")
+    conds = {c["type"]: c for c in st["conditions"]}
+    assert st["phase"] == "Ready" and st["source"] == "v1" and st["readyReplicas"] == 1, st
+    assert conds["Updated"]["reason"] == "LoadRefused" and "v1-typo" in conds["Updated"]["message"], conds
+    assert "from source 'v1'" in conds["Ready"]["message"] and conds["Ready"]["status"] == "True"
+    assert copies(kubelet, "a") == {digest(v1)} and unloads(kubelet, "a") == 0  # still served
+    await apply(kubectl, tmp_path, adapter_manifest("a", source="v2"))
+    await eventually(lambda: copies(kubelet, "a") == {digest(v2)} and status(api, "a").get("source") == "v2")
+    await eventually(lambda: "Updated" not in {c["type"] for c in status(api, "a")["conditions"]}
+                     and status(api, "a")["phase"] == "Ready")

@@ -26,7 +26,7 @@ class StubWorkers:
 
     events: list[tuple]
     held: dict[str, dict[str, AdapterInfo]] = field(default_factory=lambda: {p: {} for p in PODS})
-    refuse: set[str] = field(default_factory=set)
+    refuse: set[str] = field(default_factory=set)  # adapter names, or source paths, whose loads are refused
     broken: int = 0  # inventory calls left that raise what no worker client should (a bug)
 
     async def inventory(self, url: str, token: str) -> AdapterInventory:
@@ -44,7 +44,7 @@ class StubWorkers:
 
     async def load(self, url: str, token: str, name: str, path: str, inplace: bool = False) -> AdapterInventory:
         self.events.append(("reload" if inplace else "load", url, name))
-        if name in self.refuse:
+        if name in self.refuse or path in self.refuse:
             raise LoadRefused(400, "not an adapter")
         old = self.held[url].get(name)
         new = info(name, path=path)
@@ -250,6 +250,42 @@ async def test_an_old_version_never_idle_is_drained_after_the_grace():
     assert len(loaded) == 1 and workers.held[loaded[0]]["a"].digest == digest_of("/adapters/a-v2")
     status = reconciler.adapters["a"].status
     assert (status["phase"], status["readyReplicas"], status["source"]) == ("Ready", 1, "a-v2"), status
+
+
+async def test_a_refused_update_leaves_the_old_version_serving_and_scaling():
+    """The new source is refused: the old copy stays (not Failed, not unloaded), the status says
+    so, nothing is retried for this spec, a new copy (more replicas) and the router's catalog
+    use the old version's path; a new spec rolls out again."""
+    reconciler, workers, events = make({"a": (1, 1)})
+    await reconciler.reconcile_once()
+    (home,) = [p for p in PODS if "a" in workers.held[p]]
+    workers.refuse.add("/adapters/a-bad")
+    respec(reconciler, "a", source="a-bad")
+    await reconciler.reconcile_once()
+    record = reconciler.adapters["a"]
+    assert record.problem is None and record.update_refused == ("LoadRefused", "not an adapter")
+    assert workers.held[home]["a"].digest == digest_of("/adapters/a")
+    status = record.status
+    conds = {c["type"]: c for c in status["conditions"]}
+    assert (status["phase"], status["readyReplicas"], status["source"]) == ("Ready", 1, "a"), status
+    assert (conds["Ready"]["status"], conds["Ready"]["reason"]) == ("True", "UpdateRefused")
+    assert (conds["Updated"]["status"], conds["Updated"]["reason"]) == ("False", "LoadRefused")
+    assert await reconciler.store.catalog() == {"a": "/adapters/a"}
+    events.clear()
+    respec(reconciler, "a", source="a-bad", replicas={"min": 2, "max": 2})  # more replicas, same refused source
+    record = reconciler.adapters["a"]
+    record.update_refused, record.serving_path = ("LoadRefused", "not an adapter"), "/adapters/a"  # as the round left it
+    for _ in range(2):
+        await reconciler.reconcile_once()
+    assert [e for e in events if e[0] in ("load", "reload", "unload")] == [("load", next(p for p in PODS if p != home), "a")]
+    assert all(workers.held[p]["a"].digest == digest_of("/adapters/a") for p in PODS)
+    assert reconciler.adapters["a"].status["readyReplicas"] == 2
+    respec(reconciler, "a", source="a-v2", replicas={"min": 2, "max": 2})
+    for _ in range(2):
+        await reconciler.reconcile_once()
+    assert all(workers.held[p]["a"].digest == digest_of("/adapters/a-v2") for p in PODS)
+    status = reconciler.adapters["a"].status
+    assert status["source"] == "a-v2" and "Updated" not in {c["type"] for c in status["conditions"]}
 
 
 async def test_only_a_copy_loaded_from_the_spec_can_mismatch_its_sha256():
