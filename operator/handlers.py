@@ -177,7 +177,10 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
             )
             status = exc.status if isinstance(exc, KubeError) else 0
             if status in (400, 422):  # the API server refuses what this spec builds: wait for a new spec
-                patch.status["phase"] = "Failed"
+                if fleet.pool(namespace, name).pool is None:  # no workers from an earlier spec either
+                    patch.status["phase"] = "Failed"
+                # else the earlier spec's workers still serve: the phase stays theirs (the pool's
+                # loop writes it), the Reconciled condition says the new spec was refused
                 raise kopf.PermanentError(f"children of {name} refused: {exc}") from exc
             # Transient (network, 5xx), or maybe not (403: RBAC, quota): retry with backoff, each
             # retry being a warning Event too; a new spec is picked up at the next retry.

@@ -72,6 +72,14 @@ class AdapterRecord:
     # does), new copies are loaded from `serving_path`, and nothing is retried until the spec changes.
     update_refused: tuple[str, str] | None = None
     serving_path: str | None = None  # where the serving copies were loaded from (the worker's inventory)
+    # The digest a worker reported for this spec's content after this operator loaded it: any copy
+    # with another digest (a router's load from an older catalog, a pod that missed the rollout, a
+    # disk-tier entry) is an old version. The spec's sha256, when it has one, says it up front.
+    current_digest: str | None = None
+
+    @property
+    def expected_digest(self) -> str | None:
+        return f"sha256:{self.spec.sha256}" if self.spec.sha256 else self.current_digest
 
     @property
     def problem(self) -> tuple[str, str] | None:
@@ -92,6 +100,8 @@ class AdapterRecord:
             self.status = old.status
         if (old.spec.source, old.spec.sha256) == (self.spec.source, self.spec.sha256):
             self.verified, self.outdated = old.verified, old.outdated
+            self.current_digest, self.busy_since = old.current_digest, old.busy_since
+            self.update_refused, self.serving_path = old.update_refused, old.serving_path
         else:  # a new sha256 alone leaves copies of the right content alone (check_loaded decides)
             self.outdated = old.outdated or old.spec.source != self.spec.source
 
@@ -146,25 +156,28 @@ def check_loaded(
                 record.failure = ("RankTooHigh", f"rank {info.rank} exceeds maxLoraRank {max_lora_rank}")
 
 
-def stale_copies(
-    adapters: Mapping[str, AdapterRecord],
-    inventories: Mapping[str, AdapterInventory],
-    loaded: Mapping[str, set[str]],
-) -> set[tuple[str, str]]:
-    """(pod, adapter) copies that may not hold the spec's content, to reload in place: loaded from
-    an older source, or with a digest other than the spec's sha256, and not loaded by us since."""
+def stale_copies(adapters: Mapping[str, AdapterRecord], inventories: Mapping[str, AdapterInventory]) -> set[tuple[str, str]]:
+    """(pod, adapter) copies that may not hold the spec's content, to reload in place.
+
+    Every entry of every inventory counts, whatever its tier (a disk-tier entry is read again from
+    its old path on its next use). With the content's digest known (the spec's sha256, or what a
+    worker reported after this operator's own load), a copy is stale when its digest differs; until
+    then, when the source changed and this operator has not loaded that copy since. Copies this
+    operator loaded from the current spec are never stale here (`check_loaded` judges them)."""
     out = set()
-    for pod, names in loaded.items():
-        # `loaded` may be ahead of the last poll (a load this round): such a copy has no info yet.
-        infos = {a.name: a for a in inventories[pod].adapters} if pod in inventories else {}
-        for name in names:
-            record = adapters.get(name)
+    for pod, inv in inventories.items():
+        for info in inv.adapters:
+            record = adapters.get(info.name)
             if record is None or record.problem is not None or record.update_refused or pod in record.verified:
                 continue
-            info = infos.get(name)
-            if record.outdated or (info is not None and not digest_matches(record.spec.sha256, info.digest)):
-                out.add((pod, name))
+            expected = record.expected_digest
+            if not same_digest(info.digest, expected) if expected is not None else record.outdated:
+                out.add((pod, info.name))
     return out
+
+
+def same_digest(a: str, b: str) -> bool:
+    return a.removeprefix("sha256:") == b.removeprefix("sha256:")
 
 
 def without(loaded: Mapping[str, set[str]], copies: set[tuple[str, str]]) -> dict[str, set[str]]:
@@ -207,7 +220,8 @@ def status_writes(
     writes: list[tuple[AdapterRecord, dict[str, Any]]] = []
     for record in list(adapters.values()):
         name = record.spec.name
-        wanted = target.wanted.get(name, record.spec.min_replicas) if target else record.spec.min_replicas
+        # No target: the pool is deleted or invalid, and even a min-0 adapter is not served (not Ready).
+        wanted = target.wanted.get(name, record.spec.min_replicas) if target else max(record.spec.min_replicas, 1)
         placed = len(target.pods.get(name, ())) if target else 0
         why, detail = reason, message
         if target is not None and placed < wanted:

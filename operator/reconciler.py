@@ -29,9 +29,12 @@ from lorafleet.operator.pool_state import (
     UrlOf,
     pod_url,
 )
-from lorafleet.operator.spec import AdapterSpec, PoolSpec, SpecError, check_against_pool
+from lorafleet.operator.spec import AdapterSpec, PoolSpec, SpecError, check_against_pool, digest_matches
 from lorafleet.operator.worker_client import LoadRefused, WorkerBusy, WorkerClient, WorkerError, resident
 from lorafleet.protocol import AdapterInventory
+
+# Failure reasons that depend on the pool's spec (its maxLoraRank, its served name), not the adapter's alone.
+POOL_FAILURES = frozenset({"RankTooHigh", "NameIsBaseModel"})
 
 log = logging.getLogger("lorafleet.operator")
 
@@ -73,6 +76,10 @@ class PoolReconciler:
 
     def set_pool(self, pool: PoolSpec | None, token: str | None, problem: tuple[str, str] | None = None) -> None:
         """The pool's spec (None: deleted, or invalid with `problem` = (reason, message))."""
+        if pool != self.pool:  # failures judged against the old pool are judged again against this one
+            for record in self.adapters.values():
+                if record.failure is not None and record.failure[0] in POOL_FAILURES:
+                    record.failure = None
         self.pool, self.token, self.pool_known = pool, token, True
         self.pool_problem = None if pool is not None else problem or ("PoolNotFound", f"LoraPool {self.name} not found")
         self.pool_status = None  # the handler may have written the phase meanwhile (Failed): write it again
@@ -100,10 +107,12 @@ class PoolReconciler:
             await self._reconcile_once()
 
     def upsert_adapter(self, spec: AdapterSpec, generation: int | None, status: Mapping[str, Any] | None) -> None:
+        old = self.adapters.get(spec.name)
         record = AdapterRecord(spec, generation, dict(status) if status else None)
-        record.succeed(self.adapters.get(spec.name))
+        record.succeed(old)
         self.adapters[spec.name] = record
-        self.wake()
+        # New content: the round polls every worker first, so it sees every copy of the old one.
+        self.wake(resync=record.outdated or (old is not None and old.spec.sha256 != spec.sha256))
 
     def forget_adapter(self, name: str) -> None:
         if self.adapters.pop(name, None) is not None:
@@ -120,6 +129,7 @@ class PoolReconciler:
         self.loaded.pop(name, None)
         for record in self.adapters.values():
             record.verified.discard(name)  # a pod of that name again is a new worker
+            record.busy_since.pop(name, None)
         self.wake()
 
     def wake(self, resync: bool = False) -> None:
@@ -142,7 +152,7 @@ class PoolReconciler:
                     result = await self.reconcile_once()
                 except Exception:  # a bug or an unforeseen answer must not stop the pool's loop
                     self._crashes += 1
-                    delay = min(self.settings.retry_s * 2 ** self._crashes, 60.0)
+                    delay = min(self.settings.retry_s * 2 ** min(self._crashes, 6), 60.0)
                     log.exception("pool %s/%s: reconcile round failed; retrying in %.0f s", self.namespace, self.name, delay)
                     break
                 self._crashes = 0
@@ -201,10 +211,10 @@ class PoolReconciler:
                 except SpecError as exc:
                     record.failure = (exc.reason, str(exc))
         pool_state.check_loaded(self.adapters, self.inventories, self.loaded, pool.engine.max_lora_rank)
-        stale = pool_state.stale_copies(self.adapters, self.inventories, self.loaded)
+        stale = pool_state.stale_copies(self.adapters, self.inventories)
         if stale:
             result.errors += await self._reload(stale)
-            stale = pool_state.stale_copies(self.adapters, self.inventories, self.loaded)
+            stale = pool_state.stale_copies(self.adapters, self.inventories)
         if len(self.inventories) == len(live):  # every worker seen: no copy of an older source is left
             for record in self.adapters.values():
                 if record.outdated and not record.update_refused and not any(name == record.spec.name for _, name in stale):
@@ -269,10 +279,14 @@ class PoolReconciler:
                         if record is None:
                             return
                         path = record.serving_path or self._source_path(record.spec)
-                        inv = await self.workers.load(url, token, action.adapter, path)
+                        # In place: this operator owns the name's content, so an old version the
+                        # pod still lists (a disk-tier entry, a router's copy) is replaced, not a 409.
+                        inv = await self.workers.load(url, token, action.adapter, path, inplace=True)
                         self.loaded.setdefault(action.pod, set()).add(action.adapter)
+                        self._note_copy(action.pod, inv, action.adapter)
                         if record.serving_path is None:  # a copy of the spec's own content
                             record.verified.add(action.pod)
+                            record.current_digest = _digest_of(inv, action.adapter) or record.current_digest
                         pool_state.note_digests(self.digests, inv)
                     else:
                         # Withdraw first: routers stop sending it here before the worker drops it.
@@ -282,7 +296,7 @@ class PoolReconciler:
                         self.loaded.setdefault(action.pod, set()).discard(action.adapter)
                 except LoadRefused as exc:
                     if record is not None:
-                        record.failure = (exc.reason, exc.message)
+                        await self._refused(record, exc, url, action.pod)
                     return
                 except WorkerError as exc:
                     errors += 1
@@ -296,6 +310,17 @@ class PoolReconciler:
         await asyncio.gather(*(one(a) for a in unloads))
         await asyncio.gather(*(one(a) for a in loads))
         return errors
+
+    def _note_copy(self, pod: str, inventory: AdapterInventory, name: str) -> None:
+        """Put what `inventory` (a worker's answer to a load) says of `name` into the pod's cached
+        inventory, leaving its other entries as the last poll saw them (loads run concurrently)."""
+        info = next((a for a in inventory.adapters if a.name == name), None)
+        cached = self.inventories.get(pod)
+        if cached is None:
+            self.inventories[pod] = inventory
+        elif info is not None:
+            others = [a for a in cached.adapters if a.name != name]
+            self.inventories[pod] = cached.model_copy(update={"adapters": [*others, info]})
 
     def _source_path(self, spec: AdapterSpec) -> str:
         assert self.pool is not None
@@ -315,21 +340,11 @@ class PoolReconciler:
             if pod is None or pod.ip is None or record is None:
                 return
             url = self.url_of(pod, pool.admin_port)
+            before = _digest_of(self.inventories.get(pod_name), name)
             try:
                 inv = await self.workers.load(url, token, name, self._source_path(record.spec), inplace=True)
             except LoadRefused as exc:  # the new version is unusable: the old one keeps serving
-                try:  # what serves there now (the round's inventory may predate this round's loads)
-                    inv = await self.workers.inventory(url, token)
-                except WorkerError:
-                    inv = self.inventories.get(pod_name)
-                info = next((a for a in inv.adapters if a.name == name), None) if inv is not None else None
-                if info is None:  # nothing known to serve: as any refused load
-                    record.failure = (exc.reason, exc.message)
-                    return
-                record.update_refused = (exc.reason, exc.message)
-                record.serving_path = info.path
-                log.warning("update of %s refused on %s (%s); the old version from %s keeps serving",
-                            name, pod_name, exc.message, info.path)
+                await self._refused(record, exc, url, pod_name)
                 return
             except WorkerBusy as exc:  # requests still run on the old weights
                 errors += 1
@@ -344,13 +359,52 @@ class PoolReconciler:
                 log.info("reload of %s on %s: %s", name, pod_name, exc)
                 return
             record.busy_since.pop(pod_name, None)
-            record.verified.add(pod_name)
             self.inventories[pod_name] = inv
             self.loaded[pod_name] = resident(inv)
             pool_state.note_digests(self.digests, inv)
+            after = _digest_of(inv, name)
+            if record.spec.sha256 and after is not None and after == before and not digest_matches(record.spec.sha256, after):
+                # The source still holds the old content (a sha256 bumped before the files were
+                # copied, or a typo): that version keeps serving, reported; no DigestMismatch outage.
+                record.update_refused = ("DigestMismatch", f"{record.spec.source!r} on worker {pod_name} still holds "
+                                         f"{after}, spec wants sha256:{record.spec.sha256}")
+                record.serving_path = self._source_path(record.spec)
+                return
+            record.verified.add(pod_name)  # judged by check_loaded, as any copy loaded from the spec
+            record.current_digest = after or record.current_digest
 
-        await asyncio.gather(*(one(pod, name) for pod, name in sorted(copies)))
+        async def per_pod(pod_name: str, names: list[str]) -> None:
+            for name in names:  # one at a time: each answer replaces the pod's inventory
+                await one(pod_name, name)
+
+        by_pod: dict[str, list[str]] = {}
+        for pod_name, name in sorted(copies):
+            by_pod.setdefault(pod_name, []).append(name)
+        await asyncio.gather(*(per_pod(pod_name, names) for pod_name, names in by_pod.items()))
         return errors
+
+    async def _refused(self, record: AdapterRecord, exc: LoadRefused, url: str, pod_name: str) -> None:
+        """A worker refused the spec's content. With a version of the adapter serving anywhere (the
+        pod's own copy, asked again, or another pod's), that version keeps serving and the update
+        is reported refused; with none, the adapter is Failed, as any refused first load."""
+        assert self.token is not None
+        try:  # what serves there now (the round's inventory may predate this round's loads)
+            here = await self.workers.inventory(url, token=self.token)
+        except WorkerError:
+            here = self.inventories.get(pod_name)
+        name = record.spec.name
+        copies = [a for inv in (here, *(v for k, v in self.inventories.items() if k != pod_name)) if inv is not None
+                  for a in inv.adapters if a.name == name]
+        if record.serving_path is not None or not copies:
+            if record.serving_path is None:
+                record.failure = (exc.reason, exc.message)
+            else:  # the serving version's own path refused (its files gone?): no new copies of it
+                log.warning("load of %s from %s refused on %s: %s", name, record.serving_path, pod_name, exc.message)
+            return
+        record.update_refused = (exc.reason, exc.message)
+        record.serving_path = copies[0].path
+        log.warning("update of %s refused on %s (%s); the version from %s keeps serving",
+                    name, pod_name, exc.message, copies[0].path)
 
     async def _drain(self, url: str, token: str, pod: str, name: str) -> None:
         """Unload an old version that never went idle: routers stop sending it here (withdrawn
@@ -468,3 +522,10 @@ class PoolReconciler:
                     except Exception:
                         pass
         return sorted(pending)
+
+
+def _digest_of(inventory: AdapterInventory | None, name: str) -> str | None:
+    """The digest `inventory` reports for `name`, if it lists it."""
+    if inventory is None:
+        return None
+    return next((a.digest for a in inventory.adapters if a.name == name), None)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from lorafleet.operator import placement
 from lorafleet.operator.pool_state import PodState, ReconcilerSettings
 from lorafleet.operator.reconciler import PoolReconciler
-from lorafleet.operator.spec import PoolSpec, parse_adapter
+from lorafleet.operator.spec import EngineSpec, PoolSpec, parse_adapter
 from lorafleet.operator.worker_client import LoadRefused, WorkerBusy
 from lorafleet.placement_store import MemoryPlacementStore
 from lorafleet.protocol import AdapterInfo, AdapterInventory
@@ -43,10 +43,10 @@ class StubWorkers:
         )
 
     async def load(self, url: str, token: str, name: str, path: str, inplace: bool = False) -> AdapterInventory:
-        self.events.append(("reload" if inplace else "load", url, name))
+        old = self.held[url].get(name)
+        self.events.append(("reload" if inplace and old is not None else "load", url, name))
         if name in self.refuse or path in self.refuse:
             raise LoadRefused(400, "not an adapter")
-        old = self.held[url].get(name)
         new = info(name, path=path)
         if old is not None and old.digest != new.digest:
             if not inplace:
@@ -78,11 +78,11 @@ def digest_of(path: str) -> str:
 
 
 def info(name: str, last_used: float | None = None, in_flight: int = 0, idle_s: float | None = None,
-         path: str | None = None) -> AdapterInfo:
+         path: str | None = None, tier: str = "cpu") -> AdapterInfo:
     path = path or f"/adapters/{name}"
     return AdapterInfo(
         name=name,
-        tier="cpu",
+        tier=tier,
         rank=8,
         alpha=16.0,
         digest=digest_of(path),
@@ -273,8 +273,7 @@ async def test_a_refused_update_leaves_the_old_version_serving_and_scaling():
     assert await reconciler.store.catalog() == {"a": "/adapters/a"}
     events.clear()
     respec(reconciler, "a", source="a-bad", replicas={"min": 2, "max": 2})  # more replicas, same refused source
-    record = reconciler.adapters["a"]
-    record.update_refused, record.serving_path = ("LoadRefused", "not an adapter"), "/adapters/a"  # as the round left it
+    assert reconciler.adapters["a"].update_refused is not None  # carried over: the content asked for is the same
     for _ in range(2):
         await reconciler.reconcile_once()
     assert [e for e in events if e[0] in ("load", "reload", "unload")] == [("load", next(p for p in PODS if p != home), "a")]
@@ -288,9 +287,9 @@ async def test_a_refused_update_leaves_the_old_version_serving_and_scaling():
     assert status["source"] == "a-v2" and "Updated" not in {c["type"] for c in status["conditions"]}
 
 
-async def test_only_a_copy_loaded_from_the_spec_can_mismatch_its_sha256():
+async def test_a_digest_mismatch_fails_only_a_first_version():
     """A copy someone else loaded (a router, an older spec) with another digest is reloaded; the
-    adapter fails DigestMismatch only when the spec's own source gives another digest."""
+    adapter fails DigestMismatch only when the spec's own source, loaded first, gives another digest."""
     reconciler, workers, events = make({})
     home, _ = home_and_other("a")
     workers.held[home]["a"] = info("a", path="/adapters/elsewhere")
@@ -298,19 +297,113 @@ async def test_only_a_copy_loaded_from_the_spec_can_mismatch_its_sha256():
     await reconciler.reconcile_once()
     assert reconciler.adapters["a"].failure is None
     assert workers.held[home]["a"].digest == digest_of("/adapters/a")
-    respec(reconciler, "a", sha256="f" * 64)  # the spec's source cannot give this
-    await reconciler.reconcile_once()  # reloaded: same content, now loaded by us
+    # A sha256 its source cannot give (bumped before the files were copied, or a typo): the reload
+    # is a no-op, so the version it has keeps serving, reported, rather than a DigestMismatch outage.
+    respec(reconciler, "a", sha256="f" * 64)
+    await reconciler.reconcile_once()
     reconciler.wake(resync=True)
     await reconciler.reconcile_once()
-    assert reconciler.adapters["a"].failure is not None
-    assert reconciler.adapters["a"].failure[0] == "DigestMismatch"
+    record = reconciler.adapters["a"]
+    assert record.failure is None and record.update_refused is not None and record.update_refused[0] == "DigestMismatch"
+    assert workers.held[home]["a"].digest == digest_of("/adapters/a")
+    conds = {c["type"]: c for c in record.status["conditions"]}
+    assert conds["Ready"]["reason"] == "UpdateRefused" and conds["Updated"]["reason"] == "DigestMismatch"
+    # A first load whose content does not match: Failed, and served nowhere.
+    respec(reconciler, "b", sha256="f" * 64)
+    for _ in range(2):
+        reconciler.wake(resync=True)
+        await reconciler.reconcile_once()
+    assert reconciler.adapters["b"].failure is not None and reconciler.adapters["b"].failure[0] == "DigestMismatch"
+    assert not any("b" in held for held in workers.held.values())
+
+
+async def test_a_copy_of_the_old_version_found_after_the_rollout_is_reloaded():
+    """A router cold-loaded the old version from the catalog before the rollout published the new
+    path (or a pod missed the rollout): once the new content's digest is known, any copy with
+    another digest is old, whatever the rollout's bookkeeping says."""
+    reconciler, workers, events = make({"a": (2, 2)})
+    await reconciler.reconcile_once()
+    respec(reconciler, "a", source="a-v2", replicas={"min": 2, "max": 2})
+    await reconciler.reconcile_once()
+    assert all(workers.held[p]["a"].digest == digest_of("/adapters/a-v2") for p in PODS)
+    # p1 restarts (a new worker) and a router, on the catalog it read before, loads the old version there.
+    reconciler.remove_pod("p1")
+    reconciler.observe_pod(PodState("p1", "10.0.0.1", ready=True, draining=False))
+    workers.held["p1"] = {"a": info("a", path="/adapters/a")}
+    for _ in range(2):
+        reconciler.wake(resync=True)
+        await reconciler.reconcile_once()
+    assert workers.held["p1"]["a"].digest == digest_of("/adapters/a-v2")
+    assert reconciler.adapters["a"].failure is None and reconciler.adapters["a"].status["readyReplicas"] == 2
+
+
+async def test_an_old_disk_tier_entry_is_replaced_not_a_content_conflict():
+    """A pod that still lists an old version (evicted to the disk tier, so not resident) gets the
+    new one in place when the placement loads there; a plain load was a 409 that failed the adapter."""
+    reconciler, workers, events = make({"a": (2, 2)})
+    home, other = home_and_other("a")
+    workers.held[other]["a"] = info("a", path="/adapters/a-old", tier="disk")
+    for _ in range(3):
+        reconciler.wake(resync=True)
+        await reconciler.reconcile_once()
+    record = reconciler.adapters["a"]
+    assert record.problem is None, record.problem
+    assert all(workers.held[p]["a"].digest == digest_of("/adapters/a") for p in PODS)
+    assert record.status["phase"] == "Ready" and record.status["readyReplicas"] == 2
+
+
+async def test_a_new_copy_refused_while_the_old_version_serves_is_an_update_refusal():
+    """Source and replicas changed in one edit: the in-place reload of the old copy fails for a
+    while (a busy worker), the placement's new copy is refused: the old version keeps serving."""
+    reconciler, workers, events = make({"a": (1, 1)})
+    await reconciler.reconcile_once()
+    home, other = home_and_other("a")
+    workers.held[home]["a"] = info("a", in_flight=2)
+    workers.refuse.add("/adapters/a-bad")
+    respec(reconciler, "a", source="a-bad", replicas={"min": 2, "max": 2})
+    for _ in range(2):
+        await reconciler.reconcile_once()
+    record = reconciler.adapters["a"]
+    assert record.failure is None and record.update_refused is not None, (record.failure, record.update_refused)
+    assert workers.held[home]["a"].digest == digest_of("/adapters/a")  # never unloaded
+    assert record.serving_path == "/adapters/a"
+
+
+async def test_pool_dependent_failures_are_judged_again_when_the_pool_changes():
+    reconciler, workers, events = make({})
+    reconciler.upsert_adapter(parse_adapter("ns", "a", {"pool": "pool", "source": "a", "rank": 32}), 1, None)
+    small = PoolSpec("ns", "pool", "img", "/model", "base", engine=EngineSpec(max_lora_rank=16))
+    reconciler.set_pool(small, "token")
+    await reconciler.reconcile_once()
+    assert reconciler.adapters["a"].failure[0] == "RankTooHigh"
+    reconciler.set_pool(PoolSpec("ns", "pool", "img", "/model", "base"), "token")  # maxLoraRank back to 64
+    await reconciler.reconcile_once()
+    assert reconciler.adapters["a"].failure is None
+    assert any("a" in held for held in workers.held.values())
+
+
+async def test_a_min_zero_adapter_of_a_deleted_pool_is_not_ready():
+    reconciler, workers, events = make({"a": (0, 1)})
+    await reconciler.reconcile_once()
+    reconciler.set_pool(None, None)
+    await reconciler.reconcile_once()
+    status = reconciler.adapters["a"].status
+    assert status["phase"] == "Pending" and status["conditions"][-1]["reason"] == "PoolNotFound", status
+
+
+def test_a_removed_pod_forgets_its_busy_reload() -> None:
+    reconciler, workers, events = make({"a": (1, 1)})
+    reconciler.adapters["a"].busy_since["p0"] = NOW - 3600
+    reconciler.remove_pod("p0")
+    assert reconciler.adapters["a"].busy_since == {}
 
 
 async def test_a_round_that_raises_does_not_end_the_pools_loop():
     """An unforeseen exception (a bug, an answer nobody expected) is logged and retried with
     backoff; the loop, which is the pool's kopf daemon, must not die with it."""
     reconciler, workers, events = make({"a": (1, 1)})
-    reconciler.settings = ReconcilerSettings(retry_s=0.05)
+    reconciler.settings = ReconcilerSettings(retry_s=0.001)
+    reconciler._crashes = 5000  # a bug that raised for hours: the backoff must not overflow (2.0 ** 5001)
     workers.broken = 4
     stopped = asyncio.Event()
     loop = asyncio.create_task(reconciler.run(stopped))
