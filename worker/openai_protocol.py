@@ -298,11 +298,13 @@ class TextOffsets:
 
 def completion_logprobs(lps: list[TokenLogprobs], token_text: Callable[[int], str],
                         offsets: TextOffsets) -> dict[str, Any]:
-    """OpenAI's legacy completions logprobs: parallel lists per generated token."""
+    """OpenAI's legacy completions logprobs: parallel lists per generated token. As OpenAI (and
+    vLLM) do, each `top_logprobs` entry also holds the sampled token, so it has up to `logprobs` + 1
+    entries (`logprobs: 0`: the sampled token alone). Tokens with the same text share one key."""
     return {
         "tokens": [token_text(lp.token_id) for lp in lps],
         "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{token_text(t): v for t, v in lp.top} if lp.top else None for lp in lps],
+        "top_logprobs": [{**{token_text(t): v for t, v in lp.top}, token_text(lp.token_id): lp.logprob} for lp in lps],
         "text_offset": [offsets.next(lp.token_id) for lp in lps],
     }
 

@@ -383,3 +383,17 @@ def test_a_request_larger_than_a_running_batch_is_400(worker):
     assert post(worker, "completions", body | {"prompt": [PROMPT] * 4}).status_code == 200
     message = refused(post(worker, "completions", body | {"prompt": [PROMPT] * 5}), "n")
     assert message.startswith("prompts x n = 80 sequences, more than this worker runs at once (max_num_seqs 64)")
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_completions_top_logprobs_hold_the_sampled_token(client, k):
+    """OpenAI: "the API will always return the logprob of the sampled token" (up to logprobs + 1
+    entries); logprobs 0 gave `top_logprobs: [null, ...]`, and a sampled token outside the top k
+    was missing from its entry."""
+    r = client.completions.create(model="poem", prompt=PROMPT, max_tokens=12, temperature=1.5, seed=3, logprobs=k,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert top is not None and top[token] == logprob and len(top) <= k + 1
+    if k == 0:
+        assert all(len(top) == 1 for top in lp.top_logprobs)
