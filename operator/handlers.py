@@ -177,7 +177,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
             )
             status = exc.status if isinstance(exc, KubeError) else 0
             if status in (400, 422):  # the API server refuses what this spec builds: wait for a new spec
-                if fleet.pool(namespace, name).pool is None:  # no workers from an earlier spec either
+                serving = fleet.pool(namespace, name).pool is not None or body.get("status", {}).get("readyReplicas", 0)
+                if not serving:  # no workers from an earlier spec either (also across an operator restart)
                     patch.status["phase"] = "Failed"
                 # else the earlier spec's workers still serve: the phase stays theirs (the pool's
                 # loop writes it), the Reconciled condition says the new spec was refused

@@ -7,13 +7,15 @@ ready replicas, the digest to report, and the statuses the adapters and the pool
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from lorafleet.operator import placement
 from lorafleet.operator.spec import AdapterSpec, PoolSpec, digest_matches
 from lorafleet.operator.status import AdapterObservation, adapter_status, pool_phase, status_changed
+from lorafleet.operator.worker_client import RESIDENT_TIERS
 from lorafleet.protocol import AdapterInfo, AdapterInventory
 
 
@@ -61,25 +63,49 @@ class AdapterRecord:
     # Another namespace's LoraAdapter serves this name (names are global to the router); set and
     # cleared by the fleet as adapters of that name come and go.
     conflict: tuple[str, str] | None = None
-    # Pods where this operator loaded the spec's source (and sha256) itself: their copies are current.
-    verified: set[str] = field(default_factory=set)
-    # The source changed since copies were loaded: every copy not in `verified` is an old version.
+    # pod -> the digest its copy had right after this operator loaded the record's target there
+    # (`target_path`); dropped when a poll shows that copy gone or changed (`sync_verified`).
+    verified: dict[str, str] = field(default_factory=dict)
+    # The source changed since copies were loaded: until a digest says which copies are current,
+    # every copy not in `verified` is an old version.
     outdated: bool = False
     # pod -> when an in-place reload there was first refused because requests ran on the old version.
     busy_since: dict[str, float] = field(default_factory=dict)
-    # A worker refused this spec's new content (reason, message) while copies of an older version
-    # served: they keep serving (a failed rollout leaves the old version up, as a Deployment's
-    # does), new copies are loaded from `serving_path`, and nothing is retried until the spec changes.
+    # A worker refused this spec's content (reason, message), or it does not have the spec's
+    # sha256, while another version served: that version keeps serving (a failed rollout leaves
+    # the old version up, as a Deployment's does) and is the target (`serving_path`,
+    # `serving_digest`) until a probe of the spec's content succeeds (`next_probe`) or the spec
+    # changes.
     update_refused: tuple[str, str] | None = None
-    serving_path: str | None = None  # where the serving copies were loaded from (the worker's inventory)
+    serving_path: str | None = None
+    serving_digest: str | None = None
+    next_probe: float = 0.0  # clock time of the next try of the spec's content while refused
+    probe_delay: float = 0.0
     # The digest a worker reported for this spec's content after this operator loaded it: any copy
     # with another digest (a router's load from an older catalog, a pod that missed the rollout, a
     # disk-tier entry) is an old version. The spec's sha256, when it has one, says it up front.
     current_digest: str | None = None
+    # The content the record this one replaced served (its target digest): the version to keep
+    # serving if this spec's is refused.
+    previous_digest: str | None = None
 
     @property
     def expected_digest(self) -> str | None:
         return f"sha256:{self.spec.sha256}" if self.spec.sha256 else self.current_digest
+
+    @property
+    def target_digest(self) -> str | None:
+        """The content every copy should have: the serving version while an update is refused."""
+        return self.serving_digest if self.update_refused else self.expected_digest
+
+    def refuse_update(self, reason: str, message: str, path: str, digest: str | None, now: float) -> None:
+        self.update_refused, self.serving_path, self.serving_digest = (reason, message), path, digest
+        self.probe_delay = 30.0
+        self.next_probe = now + self.probe_delay
+
+    def accept_update(self) -> None:
+        self.update_refused = self.serving_path = self.serving_digest = None
+        self.verified.clear()  # they held the serving version, no longer the target
 
     @property
     def problem(self) -> tuple[str, str] | None:
@@ -99,11 +125,12 @@ class AdapterRecord:
         if self.status is None:  # still what the object shows
             self.status = old.status
         if (old.spec.source, old.spec.sha256) == (self.spec.source, self.spec.sha256):
-            self.verified, self.outdated = old.verified, old.outdated
-            self.current_digest, self.busy_since = old.current_digest, old.busy_since
-            self.update_refused, self.serving_path = old.update_refused, old.serving_path
+            for name in ("verified", "outdated", "current_digest", "busy_since", "update_refused", "serving_path",
+                         "serving_digest", "next_probe", "probe_delay", "previous_digest"):
+                setattr(self, name, getattr(old, name))
         else:  # a new sha256 alone leaves copies of the right content alone (check_loaded decides)
             self.outdated = old.outdated or old.spec.source != self.spec.source
+            self.previous_digest = old.target_digest or old.previous_digest
 
 
 @dataclass(slots=True)
@@ -150,34 +177,60 @@ def check_loaded(
             if record is None or record.problem is not None or info.name not in loaded.get(pod, ()):
                 continue
             if not digest_matches(record.spec.sha256, info.digest):
-                if pod in record.verified:
+                if pod in record.verified and not record.update_refused:  # the spec's content, loaded by us
                     record.failure = ("DigestMismatch", f"worker {pod} reports {info.digest}, spec wants sha256:{record.spec.sha256}")
             elif info.rank > max_lora_rank:
                 record.failure = ("RankTooHigh", f"rank {info.rank} exceeds maxLoraRank {max_lora_rank}")
 
 
+def sync_verified(adapters: Mapping[str, AdapterRecord], inventories: Mapping[str, AdapterInventory]) -> None:
+    """Forget a pod's verified copy once a poll shows it gone or holding other content (an unload, a
+    restarted worker, a router's load of another version there)."""
+    for pod, inv in inventories.items():
+        listed = {a.name: a.digest for a in inv.adapters}
+        for record in adapters.values():
+            seen = record.verified.get(pod)
+            if seen is not None and not (record.spec.name in listed and same_digest(listed[record.spec.name], seen)):
+                del record.verified[pod]
+
+
 def stale_copies(adapters: Mapping[str, AdapterRecord], inventories: Mapping[str, AdapterInventory]) -> set[tuple[str, str]]:
-    """(pod, adapter) copies that may not hold the spec's content, to reload in place.
+    """(pod, adapter) copies that may not hold the record's target content, to reload in place.
 
     Every entry of every inventory counts, whatever its tier (a disk-tier entry is read again from
-    its old path on its next use). With the content's digest known (the spec's sha256, or what a
-    worker reported after this operator's own load), a copy is stale when its digest differs; until
-    then, when the source changed and this operator has not loaded that copy since. Copies this
-    operator loaded from the current spec are never stale here (`check_loaded` judges them)."""
+    its old path on its next use). With the target's digest known (the spec's sha256, what a
+    worker reported after this operator's own load, or the serving version's while an update is
+    refused), a copy is stale when its digest differs; until then, when the source changed and
+    this operator has not loaded that copy since. Copies this operator loaded are judged by
+    `check_loaded` instead."""
     out = set()
     for pod, inv in inventories.items():
         for info in inv.adapters:
             record = adapters.get(info.name)
-            if record is None or record.problem is not None or record.update_refused or pod in record.verified:
+            if record is None or record.problem is not None or pod in record.verified:
                 continue
-            expected = record.expected_digest
-            if not same_digest(info.digest, expected) if expected is not None else record.outdated:
+            target = record.target_digest
+            if not same_digest(info.digest, target) if target is not None else (record.outdated and not record.update_refused):
                 out.add((pod, info.name))
     return out
 
 
 def same_digest(a: str, b: str) -> bool:
-    return a.removeprefix("sha256:") == b.removeprefix("sha256:")
+    return a.removeprefix("sha256:").lower() == b.removeprefix("sha256:").lower()
+
+
+def serving_version(record: AdapterRecord, copies: Sequence[AdapterInfo]) -> AdapterInfo | None:
+    """The version to keep serving when the spec's content is refused: the content the previous
+    spec served if a copy still has it, else the content most copies have (resident ones first)."""
+    others = [c for c in copies if record.expected_digest is None or not same_digest(c.digest, record.expected_digest)]
+    if not others:
+        return None
+    if record.previous_digest is not None:
+        for c in others:
+            if same_digest(c.digest, record.previous_digest):
+                return c
+    counts = Counter(c.digest.lower() for c in others)
+    return max(others, key=lambda c: (counts[c.digest.lower()], c.tier in RESIDENT_TIERS))
 
 
 def without(loaded: Mapping[str, set[str]], copies: set[tuple[str, str]]) -> dict[str, set[str]]:
@@ -198,10 +251,17 @@ def note_digests(digests: dict[str, str], inventory: AdapterInventory) -> None:
         digests[info.name] = info.digest
 
 
-def digest_of(loaded: Mapping[str, set[str]], digests: Mapping[str, str], adapter: str) -> str | None:
-    if any(adapter in names for names in loaded.values()):
-        return digests.get(adapter)
-    return None
+def digest_of(loaded: Mapping[str, set[str]], digests: Mapping[str, str], adapter: str,
+              inventories: Mapping[str, AdapterInventory] | None = None, target: str | None = None) -> str | None:
+    """The digest to show for a loaded adapter: its target's when a loaded copy has it, else the
+    last one a worker reported."""
+    if not any(adapter in names for names in loaded.values()):
+        return None
+    if target is not None and inventories is not None:
+        for inv in inventories.values():
+            if any(a.name == adapter and a.tier in RESIDENT_TIERS and same_digest(a.digest, target) for a in inv.adapters):
+                return target if target.startswith("sha256:") else f"sha256:{target}"
+    return digests.get(adapter)
 
 
 def status_writes(
@@ -237,7 +297,7 @@ def status_writes(
             update_refused=record.update_refused,
             placed_reason=why,
             placed_message=detail,
-            digest=digest_of(loaded, digests, name),
+            digest=digest_of(loaded, digests, name, inventories, record.target_digest),
             # What the copies were loaded from: the spec's, once no copy of an older source is left.
             source=(record.status or {}).get("source") if record.outdated else record.spec.source,
         )

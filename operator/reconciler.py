@@ -31,7 +31,7 @@ from lorafleet.operator.pool_state import (
 )
 from lorafleet.operator.spec import AdapterSpec, PoolSpec, SpecError, check_against_pool, digest_matches
 from lorafleet.operator.worker_client import LoadRefused, WorkerBusy, WorkerClient, WorkerError, resident
-from lorafleet.protocol import AdapterInventory
+from lorafleet.protocol import AdapterInfo, AdapterInventory
 
 # Failure reasons that depend on the pool's spec (its maxLoraRank, its served name), not the adapter's alone.
 POOL_FAILURES = frozenset({"RankTooHigh", "NameIsBaseModel"})
@@ -128,7 +128,7 @@ class PoolReconciler:
         self.inventories.pop(name, None)
         self.loaded.pop(name, None)
         for record in self.adapters.values():
-            record.verified.discard(name)  # a pod of that name again is a new worker
+            record.verified.pop(name, None)  # a pod of that name again is a new worker
             record.busy_since.pop(name, None)
         self.wake()
 
@@ -210,7 +210,14 @@ class PoolReconciler:
                     check_against_pool(record.spec, pool)
                 except SpecError as exc:
                     record.failure = (exc.reason, str(exc))
+        pool_state.sync_verified(self.adapters, self.inventories)
         pool_state.check_loaded(self.adapters, self.inventories, self.loaded, pool.engine.max_lora_rank)
+        if len(self.inventories) == len(live):  # every worker seen
+            for record in self.adapters.values():  # a refused update with no version left to serve: try afresh
+                if record.update_refused and not any(a.name == record.spec.name for inv in self.inventories.values()
+                                                     for a in inv.adapters):
+                    record.accept_update()
+        result.errors += await self._probe_refused()
         stale = pool_state.stale_copies(self.adapters, self.inventories)
         if stale:
             result.errors += await self._reload(stale)
@@ -278,15 +285,13 @@ class PoolReconciler:
                     if action.kind == "load":
                         if record is None:
                             return
-                        path = record.serving_path or self._source_path(record.spec)
+                        before = _info_of(self.inventories.get(action.pod), action.adapter)
                         # In place: this operator owns the name's content, so an old version the
                         # pod still lists (a disk-tier entry, a router's copy) is replaced, not a 409.
-                        inv = await self.workers.load(url, token, action.adapter, path, inplace=True)
+                        inv = await self.workers.load(url, token, action.adapter, self._target_path(record), inplace=True)
                         self.loaded.setdefault(action.pod, set()).add(action.adapter)
                         self._note_copy(action.pod, inv, action.adapter)
-                        if record.serving_path is None:  # a copy of the spec's own content
-                            record.verified.add(action.pod)
-                            record.current_digest = _digest_of(inv, action.adapter) or record.current_digest
+                        self._adopt(record, action.pod, inv, before)
                         pool_state.note_digests(self.digests, inv)
                     else:
                         # Withdraw first: routers stop sending it here before the worker drops it.
@@ -294,6 +299,8 @@ class PoolReconciler:
                         await self._record_residency(action.pod, action.adapter, None)
                         await self.workers.unload(url, token, action.adapter)
                         self.loaded.setdefault(action.pod, set()).discard(action.adapter)
+                        if record is not None:
+                            record.verified.pop(action.pod, None)
                 except LoadRefused as exc:
                     if record is not None:
                         await self._refused(record, exc, url, action.pod)
@@ -326,85 +333,155 @@ class PoolReconciler:
         assert self.pool is not None
         return f"{self.pool.adapter_mount.rstrip('/')}/{spec.source}"
 
+    def _target_path(self, record: AdapterRecord) -> str:
+        """Where copies of the record's target come from: the serving version's path while an
+        update is refused, else the spec's source."""
+        return record.serving_path if record.update_refused and record.serving_path else self._source_path(record.spec)
+
+    def _copies(self, name: str, skip: str | None = None) -> list[AdapterInfo]:
+        return [a for pod, inv in self.inventories.items() if pod != skip for a in inv.adapters if a.name == name]
+
+    def _adopt(self, record: AdapterRecord, pod: str, inventory: AdapterInventory, before: AdapterInfo | None) -> None:
+        """Judge a copy this operator just loaded (or reloaded) from the record's target path.
+
+        The spec's content without the spec's sha256 while another version is listed (this pod's
+        copy before the reload, or any other pod's): that version keeps serving and the update is
+        refused (DigestMismatch); no other version anywhere: the copy is verified and
+        `check_loaded` fails the adapter, a first version of the wrong content being served nowhere."""
+        digest = _digest_of(inventory, record.spec.name)
+        if digest is None:
+            return
+        if not record.update_refused and not digest_matches(record.spec.sha256, digest):
+            candidates = ([before] if before is not None else []) + self._copies(record.spec.name, skip=pod)
+            version = pool_state.serving_version(record, candidates)
+            if version is not None:
+                record.refuse_update("DigestMismatch", f"{record.spec.source!r} gives {digest} on worker {pod}, the "
+                                     f"spec wants sha256:{record.spec.sha256}", version.path, version.digest, self.clock())
+                log.warning("update of %s: %s; %s keeps serving", record.spec.name, record.update_refused[1], version.path)
+                return
+        record.verified[pod] = digest
+        if record.update_refused:
+            record.serving_digest = record.serving_digest or digest
+        else:
+            record.current_digest = digest
+
     async def _reload(self, copies: set[tuple[str, str]]) -> int:
-        """Replace old versions in place (a new source or sha256): the worker swaps the weights once
-        no request runs on them, so the adapter never leaves the worker. A copy kept busy past
+        """Bring copies to the record's target in place (a new source or sha256, or back to the
+        serving version after a refused update): the worker swaps the weights once no request runs
+        on them, so the adapter never leaves the worker. One copy of each adapter goes first (a
+        canary): the others follow in the same round only if it took. A copy kept busy past
         `reload_grace_s` is drained instead (`_drain`). Returns the transient errors."""
         assert self.pool is not None and self.token is not None
         pool, token = self.pool, self.token
         errors = 0
+        locks: dict[str, asyncio.Lock] = {}
 
-        async def one(pod_name: str, name: str) -> None:
+        async def one(pod_name: str, name: str) -> bool:
             nonlocal errors
             pod, record = self.pods.get(pod_name), self.adapters.get(name)
-            if pod is None or pod.ip is None or record is None:
-                return
+            if pod is None or pod.ip is None or record is None or record.problem is not None:
+                return False
             url = self.url_of(pod, pool.admin_port)
-            before = _digest_of(self.inventories.get(pod_name), name)
-            try:
-                inv = await self.workers.load(url, token, name, self._source_path(record.spec), inplace=True)
-            except LoadRefused as exc:  # the new version is unusable: the old one keeps serving
-                await self._refused(record, exc, url, pod_name)
-                return
-            except WorkerBusy as exc:  # requests still run on the old weights
-                errors += 1
-                since = record.busy_since.setdefault(pod_name, self.clock())
-                if self.clock() - since >= self.settings.reload_grace_s:
-                    await self._drain(url, token, pod_name, name)
-                else:
+            async with locks.setdefault(pod_name, asyncio.Lock()):  # each answer replaces the pod's inventory
+                before = _info_of(self.inventories.get(pod_name), name)
+                refused_before = record.update_refused
+                try:
+                    inv = await self.workers.load(url, token, name, self._target_path(record), inplace=True)
+                except LoadRefused as exc:  # the new version is unusable: the old one keeps serving
+                    await self._refused(record, exc, url, pod_name)
+                    return False
+                except WorkerBusy as exc:  # requests still run on the old weights
+                    errors += 1
+                    since = record.busy_since.setdefault(pod_name, self.clock())
+                    if self.clock() - since >= self.settings.reload_grace_s:
+                        await self._drain(url, token, pod_name, name)
+                    else:
+                        log.info("reload of %s on %s: %s", name, pod_name, exc)
+                    return False
+                except WorkerError as exc:
+                    errors += 1
                     log.info("reload of %s on %s: %s", name, pod_name, exc)
-                return
+                    return False
+                record.busy_since.pop(pod_name, None)
+                self.inventories[pod_name] = inv
+                self.loaded[pod_name] = resident(inv)
+                pool_state.note_digests(self.digests, inv)
+                self._adopt(record, pod_name, inv, before)
+                return record.update_refused == refused_before and record.problem is None
+
+        async def adapter(name: str, pods: list[str]) -> None:
+            canary, *rest = pods
+            if await one(canary, name):
+                await asyncio.gather(*(one(pod_name, name) for pod_name in rest))
+
+        by_adapter: dict[str, list[str]] = {}
+        for pod_name, name in sorted(copies):
+            by_adapter.setdefault(name, []).append(pod_name)
+        await asyncio.gather(*(adapter(name, pods) for name, pods in by_adapter.items()))
+        return errors
+
+    async def _probe_refused(self) -> int:
+        """Try a refused update's content again on one copy, with backoff (30 s doubling to 10 min):
+        the files may have been fixed in place under the same source and sha256."""
+        assert self.pool is not None and self.token is not None
+        now, errors = self.clock(), 0
+        for record in list(self.adapters.values()):
+            if not record.update_refused or record.problem is not None or now < record.next_probe:
+                continue
+            record.probe_delay = min(max(record.probe_delay, 30.0) * 2, 600.0)
+            record.next_probe = now + record.probe_delay
+            name = record.spec.name
+            pod_name = next((p for p, inv in sorted(self.inventories.items()) if _info_of(inv, name) is not None), None)
+            pod = self.pods.get(pod_name) if pod_name is not None else None
+            if pod is None or pod.ip is None:
+                continue
+            url = self.url_of(pod, self.pool.admin_port)
+            try:
+                inv = await self.workers.load(url, self.token, name, self._source_path(record.spec), inplace=True)
+            except LoadRefused as exc:
+                record.update_refused = (exc.reason, exc.message)
+                continue
             except WorkerError as exc:
                 errors += 1
-                log.info("reload of %s on %s: %s", name, pod_name, exc)
-                return
-            record.busy_since.pop(pod_name, None)
+                log.info("probe of %s's update on %s: %s", name, pod_name, exc)
+                continue
             self.inventories[pod_name] = inv
             self.loaded[pod_name] = resident(inv)
-            pool_state.note_digests(self.digests, inv)
-            after = _digest_of(inv, name)
-            if record.spec.sha256 and after is not None and after == before and not digest_matches(record.spec.sha256, after):
-                # The source still holds the old content (a sha256 bumped before the files were
-                # copied, or a typo): that version keeps serving, reported; no DigestMismatch outage.
-                record.update_refused = ("DigestMismatch", f"{record.spec.source!r} on worker {pod_name} still holds "
-                                         f"{after}, spec wants sha256:{record.spec.sha256}")
-                record.serving_path = self._source_path(record.spec)
-                return
-            record.verified.add(pod_name)  # judged by check_loaded, as any copy loaded from the spec
-            record.current_digest = after or record.current_digest
-
-        async def per_pod(pod_name: str, names: list[str]) -> None:
-            for name in names:  # one at a time: each answer replaces the pod's inventory
-                await one(pod_name, name)
-
-        by_pod: dict[str, list[str]] = {}
-        for pod_name, name in sorted(copies):
-            by_pod.setdefault(pod_name, []).append(name)
-        await asyncio.gather(*(per_pod(pod_name, names) for pod_name, names in by_pod.items()))
+            digest = _digest_of(inv, name)
+            if digest is not None and digest_matches(record.spec.sha256, digest):
+                log.info("update of %s now loads on %s: rolling it out", name, pod_name)
+                record.accept_update()
+                record.verified[pod_name] = digest
+                record.current_digest = digest
+            # else still not the spec's content: the copy goes back to the serving version (stale)
         return errors
 
     async def _refused(self, record: AdapterRecord, exc: LoadRefused, url: str, pod_name: str) -> None:
-        """A worker refused the spec's content. With a version of the adapter serving anywhere (the
-        pod's own copy, asked again, or another pod's), that version keeps serving and the update
-        is reported refused; with none, the adapter is Failed, as any refused first load."""
+        """A worker refused the load. Of the serving version's own path (its files gone?): logged,
+        no new copies of it. Of the spec's content while another version is listed: that version
+        keeps serving, the update refused, unless the spec's content already serves elsewhere (then
+        it is this worker's problem, logged). Nothing listed anywhere: Failed, as any refused first load."""
         assert self.token is not None
+        name = record.spec.name
+        if record.update_refused:
+            log.warning("load of %s from %s refused on %s: %s", name, record.serving_path, pod_name, exc.message)
+            return
         try:  # what serves there now (the round's inventory may predate this round's loads)
             here = await self.workers.inventory(url, token=self.token)
         except WorkerError:
             here = self.inventories.get(pod_name)
-        name = record.spec.name
-        copies = [a for inv in (here, *(v for k, v in self.inventories.items() if k != pod_name)) if inv is not None
-                  for a in inv.adapters if a.name == name]
-        if record.serving_path is not None or not copies:
-            if record.serving_path is None:
-                record.failure = (exc.reason, exc.message)
-            else:  # the serving version's own path refused (its files gone?): no new copies of it
-                log.warning("load of %s from %s refused on %s: %s", name, record.serving_path, pod_name, exc.message)
+        copies = [a for a in (here.adapters if here is not None else ()) if a.name == name] + self._copies(name, skip=pod_name)
+        expected = record.expected_digest
+        if expected is not None and any(pool_state.same_digest(c.digest, expected) for c in copies):
+            log.warning("load of %s refused on %s while the same content serves elsewhere: %s", name, pod_name, exc.message)
             return
-        record.update_refused = (exc.reason, exc.message)
-        record.serving_path = copies[0].path
+        version = pool_state.serving_version(record, copies)
+        if version is None:
+            record.failure = (exc.reason, exc.message)
+            return
+        record.refuse_update(exc.reason, exc.message, version.path, version.digest, self.clock())
         log.warning("update of %s refused on %s (%s); the version from %s keeps serving",
-                    name, pod_name, exc.message, copies[0].path)
+                    name, pod_name, exc.message, version.path)
 
     async def _drain(self, url: str, token: str, pod: str, name: str) -> None:
         """Unload an old version that never went idle: routers stop sending it here (withdrawn
@@ -423,6 +500,7 @@ class PoolReconciler:
         record = self.adapters.get(name)
         if record is not None:
             record.busy_since.pop(pod, None)
+            record.verified.pop(pod, None)
 
     async def _record_residency(self, pod: str, adapter: str, tier: str | None) -> None:
         if self.store is None:
@@ -444,8 +522,7 @@ class PoolReconciler:
                 adapters = {n: tiers.get(n, "cpu") for n in self.loaded.get(name, ())}
                 url = self.url_of(pod, self.pool.http_port)
                 await self.store.publish_replica(name, url, self.pool.served_name, adapters, self.settings.publish_ttl_s)
-            catalog = {r.spec.name: r.serving_path or self._source_path(r.spec)
-                       for r in self.adapters.values() if r.problem is None}
+            catalog = {r.spec.name: self._target_path(r) for r in self.adapters.values() if r.problem is None}
             await self.store.set_catalog(catalog)
         except Exception as exc:  # the router keeps its last view; the next round publishes again
             log.warning("placement store publish failed: %s", exc)
@@ -524,8 +601,13 @@ class PoolReconciler:
         return sorted(pending)
 
 
-def _digest_of(inventory: AdapterInventory | None, name: str) -> str | None:
-    """The digest `inventory` reports for `name`, if it lists it."""
+def _info_of(inventory: AdapterInventory | None, name: str) -> AdapterInfo | None:
+    """What `inventory` lists for `name`, if anything."""
     if inventory is None:
         return None
-    return next((a.digest for a in inventory.adapters if a.name == name), None)
+    return next((a for a in inventory.adapters if a.name == name), None)
+
+
+def _digest_of(inventory: AdapterInventory | None, name: str) -> str | None:
+    info = _info_of(inventory, name)
+    return info.digest if info is not None else None

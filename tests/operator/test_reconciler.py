@@ -8,10 +8,10 @@ import asyncio
 import hashlib
 from dataclasses import dataclass, field
 
-from lorafleet.operator import placement
-from lorafleet.operator.pool_state import PodState, ReconcilerSettings
+from lorafleet.operator import placement, pool_state
+from lorafleet.operator.pool_state import AdapterRecord, PodState, ReconcilerSettings
 from lorafleet.operator.reconciler import PoolReconciler
-from lorafleet.operator.spec import EngineSpec, PoolSpec, parse_adapter
+from lorafleet.operator.spec import EngineSpec, PoolSpec, digest_matches, parse_adapter
 from lorafleet.operator.worker_client import LoadRefused, WorkerBusy
 from lorafleet.placement_store import MemoryPlacementStore
 from lorafleet.protocol import AdapterInfo, AdapterInventory
@@ -396,6 +396,103 @@ def test_a_removed_pod_forgets_its_busy_reload() -> None:
     reconciler.adapters["a"].busy_since["p0"] = NOW - 3600
     reconciler.remove_pod("p0")
     assert reconciler.adapters["a"].busy_since == {}
+
+
+async def test_a_sha256_no_copy_matches_keeps_the_served_version_with_an_older_one_around():
+    """Pod p1 holds an older version (after an operator restart nothing marks it ours), p0 the
+    source's content; the spec's sha256 is bumped before the files are copied. The reloads give
+    p0's content again, p1's becomes it too: the served version stays, UpdateRefused with
+    DigestMismatch, and neither copy is unloaded (was: p1's reload verified it and the adapter
+    failed DigestMismatch, unloaded everywhere)."""
+    reconciler, workers, events = make({"a": (2, 2)})
+    await reconciler.reconcile_once()
+    served = digest_of("/adapters/a")
+    reconciler.remove_pod("p1")
+    reconciler.observe_pod(PodState("p1", "10.0.0.1", ready=True, draining=False))
+    workers.held["p1"] = {"a": info("a", path="/adapters/a-older", tier="disk")}
+    respec(reconciler, "a", sha256="f" * 64, replicas={"min": 2, "max": 2})
+    for _ in range(3):
+        reconciler.wake(resync=True)
+        await reconciler.reconcile_once()
+    record = reconciler.adapters["a"]
+    assert record.failure is None and record.update_refused is not None, (record.failure, record.update_refused)
+    assert record.update_refused[0] == "DigestMismatch" and record.serving_digest == served
+    assert all(workers.held[p]["a"].digest == served for p in PODS)
+    assert not [e for e in events if e[0] == "unload"], events
+    status = record.status
+    assert (status["phase"], status["readyReplicas"], status["digest"]) == ("Ready", 2, served), status
+
+
+def test_the_version_kept_serving_is_the_previous_specs() -> None:
+    record = AdapterRecord(parse_adapter("ns", "a", {"pool": "pool", "source": "v3"}), 1, None)
+    record.previous_digest = "sha256:" + "b" * 64
+    v1 = info("a", path="/adapters/v1", tier="disk").model_copy(update={"digest": "sha256:" + "a" * 64})
+    v2 = info("a", path="/adapters/v2").model_copy(update={"digest": "SHA256:" + "B" * 64})  # any case
+    assert pool_state.serving_version(record, [v1, v2]) is v2
+    record.previous_digest = None  # unknown: the content most copies have, resident ones first
+    v2b = v2.model_copy(update={"path": "/adapters/v2b"})
+    assert pool_state.serving_version(record, [v1, v2, v2b]).digest == v2.digest
+    assert pool_state.serving_version(record, [v1]) is v1
+    assert pool_state.serving_version(record, []) is None
+
+
+async def test_a_refused_update_is_probed_again_and_rolls_out_once_the_files_are_fixed():
+    reconciler, workers, events = make({"a": (2, 2)})
+    now = [NOW]
+    reconciler.clock = lambda: now[0]
+    await reconciler.reconcile_once()
+    workers.refuse.add("/adapters/a-v2")  # not there yet
+    respec(reconciler, "a", source="a-v2", replicas={"min": 2, "max": 2})
+    await reconciler.reconcile_once()
+    assert reconciler.adapters["a"].update_refused is not None
+    events.clear()
+    now[0] += 10.0  # before the first probe (30 s): nothing tried
+    reconciler.wake(resync=True)
+    await reconciler.reconcile_once()
+    assert not [e for e in events if e[0] in ("load", "reload")], events
+    workers.refuse.discard("/adapters/a-v2")  # the files arrive
+    now[0] += 25.0
+    for _ in range(2):
+        reconciler.wake(resync=True)
+        await reconciler.reconcile_once()
+    record = reconciler.adapters["a"]
+    assert record.update_refused is None and all(workers.held[p]["a"].digest == digest_of("/adapters/a-v2") for p in PODS)
+    assert record.status["source"] == "a-v2" and "Updated" not in {c["type"] for c in record.status["conditions"]}
+
+
+async def test_an_old_version_where_a_verified_copy_was_is_reloaded():
+    """A verified copy is forgotten once a poll shows other content there (scaled down, then a
+    router loaded the old version from an older catalog): it is reloaded, not trusted for ever."""
+    reconciler, workers, events = make({"a": (1, 1)})
+    await reconciler.reconcile_once()
+    (home,) = [p for p in PODS if "a" in workers.held[p]]
+    respec(reconciler, "a", source="a-v2")
+    await reconciler.reconcile_once()
+    workers.held[home]["a"] = info("a", path="/adapters/a")  # the old version again, behind our back
+    for _ in range(2):
+        reconciler.wake(resync=True)
+        await reconciler.reconcile_once()
+    assert workers.held[home]["a"].digest == digest_of("/adapters/a-v2")
+
+
+async def test_a_refused_update_with_no_version_left_is_tried_afresh():
+    reconciler, workers, events = make({"a": (1, 1)})
+    await reconciler.reconcile_once()
+    workers.refuse.add("/adapters/a-bad")
+    respec(reconciler, "a", source="a-bad")
+    await reconciler.reconcile_once()
+    assert reconciler.adapters["a"].update_refused is not None
+    for held in workers.held.values():
+        held.clear()  # every worker replaced; nothing serves the old version any more
+    for _ in range(2):
+        reconciler.wake(resync=True)
+        await reconciler.reconcile_once()
+    record = reconciler.adapters["a"]
+    assert record.update_refused is None and record.failure is not None and record.failure[0] == "LoadRefused"
+
+
+def test_digests_compare_without_case_or_prefix() -> None:
+    assert pool_state.same_digest("sha256:ABCD", "abcd") and digest_matches("ABCD", "sha256:abcd")
 
 
 async def test_a_round_that_raises_does_not_end_the_pools_loop():

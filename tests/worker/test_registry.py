@@ -86,6 +86,16 @@ def test_in_flight_and_pinned_are_never_evicted(make_registry, demo_adapters):
     assert "sql" in reg.gpu_resident()
 
 
+def test_loading_a_disk_tier_adapter_again_makes_it_resident(make_registry, demo_adapters):
+    """The same content again is no new entry, but the load asked for it resident: a disk-tier entry
+    stayed on disk, and the operator, which verifies a load by the inventory's tier, retried for ever."""
+    reg = make_registry(max_loras=2, max_cpu_loras=2)
+    register(reg, demo_adapters, "sql", "chat", "poem")
+    assert reg.tier("sql") == "disk"
+    _, created = reg.register("sql", reg.read(str(demo_adapters["sql"])))
+    assert not created and reg.tier("sql") == "cpu"
+
+
 def test_same_content_is_idempotent_and_different_content_conflicts(make_registry, demo_adapters):
     reg = make_registry()
     register(reg, demo_adapters, "sql")

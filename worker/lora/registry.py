@@ -115,6 +115,8 @@ class AdapterRegistry:
                     "unload it first or load the new version under a new name",
                 )
             old.pinned = old.pinned or pinned
+            if name not in self.cpu:  # a disk-tier entry: the load asked for it resident, and it is read now
+                self.insert_cpu(name, weights)
             return old, False
         if old is not None:  # the old version still drains requests in flight
             if old.digest.value == weights.digest.value:
