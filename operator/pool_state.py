@@ -7,7 +7,6 @@ ready replicas, the digest to report, and the statuses the adapters and the pool
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,6 +117,7 @@ class AdapterRecord:
         if old is None:
             shown = (self.status or {}).get("source")
             self.outdated = shown is not None and shown != self.spec.source  # changed while no operator ran
+            self.previous_digest = (self.status or {}).get("digest")  # what the copies held, as last reported
             return
         self.conflict = old.conflict
         if old.spec == self.spec:
@@ -130,7 +130,7 @@ class AdapterRecord:
                 setattr(self, name, getattr(old, name))
         else:  # a new sha256 alone leaves copies of the right content alone (check_loaded decides)
             self.outdated = old.outdated or old.spec.source != self.spec.source
-            self.previous_digest = old.target_digest or old.previous_digest
+            self.previous_digest = old.target_digest or old.previous_digest or (old.status or {}).get("digest")
 
 
 @dataclass(slots=True)
@@ -216,21 +216,17 @@ def stale_copies(adapters: Mapping[str, AdapterRecord], inventories: Mapping[str
 
 
 def same_digest(a: str, b: str) -> bool:
-    return a.removeprefix("sha256:").lower() == b.removeprefix("sha256:").lower()
+    return a.lower().removeprefix("sha256:") == b.lower().removeprefix("sha256:")
 
 
 def serving_version(record: AdapterRecord, copies: Sequence[AdapterInfo]) -> AdapterInfo | None:
-    """The version to keep serving when the spec's content is refused: the content the previous
-    spec served if a copy still has it, else the content most copies have (resident ones first)."""
-    others = [c for c in copies if record.expected_digest is None or not same_digest(c.digest, record.expected_digest)]
-    if not others:
-        return None
-    if record.previous_digest is not None:
-        for c in others:
-            if same_digest(c.digest, record.previous_digest):
-                return c
-    counts = Counter(c.digest.lower() for c in others)
-    return max(others, key=lambda c: (counts[c.digest.lower()], c.tier in RESIDENT_TIERS))
+    """The version to keep serving when the spec's content is refused: a copy (resident first) of
+    the content the previous spec served (which may be the refused bytes themselves, when only
+    the sha256 changed). None when that content is unknown or no copy has it: a first version, or
+    leftovers of some other adapter of that name, are no version to fall back on."""
+    previous = record.previous_digest
+    matching = [c for c in copies if previous is not None and same_digest(c.digest, previous)]
+    return max(matching, key=lambda c: c.tier in RESIDENT_TIERS) if matching else None
 
 
 def without(loaded: Mapping[str, set[str]], copies: set[tuple[str, str]]) -> dict[str, set[str]]:

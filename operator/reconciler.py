@@ -13,6 +13,7 @@ The records it keeps, and the pure read-outs of them (verification, readiness, s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -30,8 +31,19 @@ from lorafleet.operator.pool_state import (
     pod_url,
 )
 from lorafleet.operator.spec import AdapterSpec, PoolSpec, SpecError, check_against_pool, digest_matches
-from lorafleet.operator.worker_client import LoadRefused, WorkerBusy, WorkerClient, WorkerError, resident
+from lorafleet.operator.worker_client import (
+    RESIDENT_TIERS,
+    LoadRefused,
+    WorkerBusy,
+    WorkerClient,
+    WorkerError,
+    resident,
+)
 from lorafleet.protocol import AdapterInfo, AdapterInventory
+
+# The scratch name a refused update's content is probed under: `_` is in no Kubernetes object name,
+# so no LoraAdapter can have it.
+PROBE_SUFFIX = "__lorafleet_probe"
 
 # Failure reasons that depend on the pool's spec (its maxLoraRank, its served name), not the adapter's alone.
 POOL_FAILURES = frozenset({"RankTooHigh", "NameIsBaseModel"})
@@ -71,6 +83,9 @@ class PoolReconciler:
     _resync: bool = True
     _round_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _crashes: int = 0  # rounds in a row that raised: their retries back off
+    # (pod, adapter) copies of a new version loaded beside a busy old one (`_load_spare`): kept by
+    # the placement, as copies in use are, until the old one is drained.
+    _spares: set[tuple[str, str]] = field(default_factory=set)
 
     # ---- inputs from the handlers -------------------------------------------------------------
 
@@ -212,11 +227,6 @@ class PoolReconciler:
                     record.failure = (exc.reason, str(exc))
         pool_state.sync_verified(self.adapters, self.inventories)
         pool_state.check_loaded(self.adapters, self.inventories, self.loaded, pool.engine.max_lora_rank)
-        if len(self.inventories) == len(live):  # every worker seen
-            for record in self.adapters.values():  # a refused update with no version left to serve: try afresh
-                if record.update_refused and not any(a.name == record.spec.name for inv in self.inventories.values()
-                                                     for a in inv.adapters):
-                    record.accept_update()
         result.errors += await self._probe_refused()
         stale = pool_state.stale_copies(self.adapters, self.inventories)
         if stale:
@@ -245,8 +255,14 @@ class PoolReconciler:
         settings = placement.PlacementSettings(requests_per_replica=pool.requests_per_replica)
         target = placement.assign(wants, views, demand, settings)
         in_use = pool_state.in_use(self.inventories, self.clock(), self.settings.idle_unload_s)
-        loaded = {p: self.loaded[p] for p in self.inventories}
-        actions = placement.plan(wants, views, loaded, demand, settings, in_use)
+        self._spares = {(pod, name) for pod, name in self._spares if _info_of(self.inventories.get(pod), name) is not None}
+        for pod, name in self._spares:
+            in_use.setdefault(pod, set()).add(name)
+        # Old versions being replaced are the rollout's (reload, drain), not the placement's: it
+        # neither counts nor unloads them, so a new version's copy beside a busy old one stays.
+        loaded = pool_state.without({p: self.loaded[p] for p in self.inventories}, stale)
+        actions = [a for a in placement.plan(wants, views, loaded, demand, settings, in_use)
+                   if (a.pod, a.adapter) not in stale]  # a load there is the rollout's reload
         result.actions = len(actions)
         if actions:
             result.errors += await self._execute(actions)
@@ -351,19 +367,27 @@ class PoolReconciler:
         digest = _digest_of(inventory, record.spec.name)
         if digest is None:
             return
-        if not record.update_refused and not digest_matches(record.spec.sha256, digest):
-            candidates = ([before] if before is not None else []) + self._copies(record.spec.name, skip=pod)
-            version = pool_state.serving_version(record, candidates)
+        if record.update_refused:  # a copy of the serving version, unless a concurrent load took refused content
+            record.serving_digest = record.serving_digest or digest
+            if pool_state.same_digest(digest, record.serving_digest):
+                record.verified[pod] = digest
+            return
+        if not digest_matches(record.spec.sha256, digest):
+            others = self._copies(record.spec.name, skip=pod)
+            expected = record.expected_digest
+            if expected is not None and any(pool_state.same_digest(c.digest, expected) for c in others):
+                # The spec's content serves elsewhere: this worker's volume gives other bytes.
+                log.warning("%s on worker %s is %s, not the spec's sha256 as elsewhere: not verified", record.spec.name,
+                            pod, digest)
+                return
+            version = pool_state.serving_version(record, ([before] if before is not None else []) + others)
             if version is not None:
                 record.refuse_update("DigestMismatch", f"{record.spec.source!r} gives {digest} on worker {pod}, the "
                                      f"spec wants sha256:{record.spec.sha256}", version.path, version.digest, self.clock())
                 log.warning("update of %s: %s; %s keeps serving", record.spec.name, record.update_refused[1], version.path)
                 return
         record.verified[pod] = digest
-        if record.update_refused:
-            record.serving_digest = record.serving_digest or digest
-        else:
-            record.current_digest = digest
+        record.current_digest = digest
 
     async def _reload(self, copies: set[tuple[str, str]]) -> int:
         """Bring copies to the record's target in place (a new source or sha256, or back to the
@@ -388,15 +412,16 @@ class PoolReconciler:
                 try:
                     inv = await self.workers.load(url, token, name, self._target_path(record), inplace=True)
                 except LoadRefused as exc:  # the new version is unusable: the old one keeps serving
-                    await self._refused(record, exc, url, pod_name)
-                    return False
+                    return await self._refused(record, exc, url, pod_name)
                 except WorkerBusy as exc:  # requests still run on the old weights
                     errors += 1
                     since = record.busy_since.setdefault(pod_name, self.clock())
-                    if self.clock() - since >= self.settings.reload_grace_s:
-                        await self._drain(url, token, pod_name, name)
-                    else:
+                    if self.clock() - since < self.settings.reload_grace_s:
                         log.info("reload of %s on %s: %s", name, pod_name, exc)
+                    elif self._target_elsewhere(record, pod_name):
+                        await self._drain(url, token, pod_name, name)
+                    else:  # make before break: the target on another worker first, judged there
+                        await self._load_spare(record, pod_name)
                     return False
                 except WorkerError as exc:
                     errors += 1
@@ -421,8 +446,9 @@ class PoolReconciler:
         return errors
 
     async def _probe_refused(self) -> int:
-        """Try a refused update's content again on one copy, with backoff (30 s doubling to 10 min):
-        the files may have been fixed in place under the same source and sha256."""
+        """Try a refused update's content again, with backoff (30 s doubling to 10 min): the files
+        may have been fixed in place under the same source and sha256. The probe loads it under a
+        scratch name and unloads it again, so no serving copy ever holds content not yet judged."""
         assert self.pool is not None and self.token is not None
         now, errors = self.clock(), 0
         for record in list(self.adapters.values()):
@@ -430,12 +456,11 @@ class PoolReconciler:
                 continue
             record.probe_delay = min(max(record.probe_delay, 30.0) * 2, 600.0)
             record.next_probe = now + record.probe_delay
-            name = record.spec.name
-            pod_name = next((p for p, inv in sorted(self.inventories.items()) if _info_of(inv, name) is not None), None)
-            pod = self.pods.get(pod_name) if pod_name is not None else None
-            if pod is None or pod.ip is None:
+            pod = next((self.pods[p] for p in sorted(self.inventories) if p in self.pods and self.pods[p].ip
+                        and self.pods[p].ready and not self.pods[p].draining), None)
+            if pod is None:
                 continue
-            url = self.url_of(pod, self.pool.admin_port)
+            url, name = self.url_of(pod, self.pool.admin_port), f"{record.spec.name}{PROBE_SUFFIX}"
             try:
                 inv = await self.workers.load(url, self.token, name, self._source_path(record.spec), inplace=True)
             except LoadRefused as exc:
@@ -443,45 +468,92 @@ class PoolReconciler:
                 continue
             except WorkerError as exc:
                 errors += 1
-                log.info("probe of %s's update on %s: %s", name, pod_name, exc)
+                log.info("probe of %s's update on %s: %s", record.spec.name, pod.name, exc)
                 continue
-            self.inventories[pod_name] = inv
-            self.loaded[pod_name] = resident(inv)
+            finally:
+                with contextlib.suppress(WorkerError):
+                    await self.workers.unload(url, self.token, name)
             digest = _digest_of(inv, name)
             if digest is not None and digest_matches(record.spec.sha256, digest):
-                log.info("update of %s now loads on %s: rolling it out", name, pod_name)
+                log.info("update of %s now loads (%s): rolling it out", record.spec.name, digest)
                 record.accept_update()
-                record.verified[pod_name] = digest
-                record.current_digest = digest
-            # else still not the spec's content: the copy goes back to the serving version (stale)
+                record.current_digest = digest  # the copies now differ from it: stale, reloaded
+            elif digest is not None:
+                record.update_refused = ("DigestMismatch", f"{record.spec.source!r} gives {digest}, the spec wants "
+                                         f"sha256:{record.spec.sha256}")
         return errors
 
-    async def _refused(self, record: AdapterRecord, exc: LoadRefused, url: str, pod_name: str) -> None:
-        """A worker refused the load. Of the serving version's own path (its files gone?): logged,
-        no new copies of it. Of the spec's content while another version is listed: that version
-        keeps serving, the update refused, unless the spec's content already serves elsewhere (then
-        it is this worker's problem, logged). Nothing listed anywhere: Failed, as any refused first load."""
+    async def _refused(self, record: AdapterRecord, exc: LoadRefused, url: str, pod_name: str) -> bool:
+        """A worker refused the load; returns whether a rollout may go on to other copies.
+
+        Of the serving version's own path (its files gone?): with no copy of the adapter left
+        anywhere, the refusal is dropped and the spec tried afresh (a first load); else logged. Of
+        the spec's content while it serves elsewhere: this worker's problem, logged. While the
+        previous spec's version is listed: that version keeps serving, the update refused. Else
+        Failed, as any refused first load."""
         assert self.token is not None
         name = record.spec.name
-        if record.update_refused:
-            log.warning("load of %s from %s refused on %s: %s", name, record.serving_path, pod_name, exc.message)
-            return
         try:  # what serves there now (the round's inventory may predate this round's loads)
             here = await self.workers.inventory(url, token=self.token)
         except WorkerError:
             here = self.inventories.get(pod_name)
         copies = [a for a in (here.adapters if here is not None else ()) if a.name == name] + self._copies(name, skip=pod_name)
+        if record.update_refused:
+            log.warning("load of %s from %s refused on %s: %s", name, record.serving_path, pod_name, exc.message)
+            if not copies:
+                record.accept_update()
+            return False
         expected = record.expected_digest
         if expected is not None and any(pool_state.same_digest(c.digest, expected) for c in copies):
             log.warning("load of %s refused on %s while the same content serves elsewhere: %s", name, pod_name, exc.message)
-            return
+            return True
         version = pool_state.serving_version(record, copies)
         if version is None:
             record.failure = (exc.reason, exc.message)
-            return
+            return False
         record.refuse_update(exc.reason, exc.message, version.path, version.digest, self.clock())
         log.warning("update of %s refused on %s (%s); the version from %s keeps serving",
                     name, pod_name, exc.message, version.path)
+        return False
+
+    def _target_elsewhere(self, record: AdapterRecord, pod_name: str) -> bool:
+        """Whether a resident copy of the record's target serves on another worker."""
+        target = record.target_digest
+        return any(pod != pod_name and (target is None and pod in record.verified or target is not None and any(
+            a.name == record.spec.name and a.tier in RESIDENT_TIERS and pool_state.same_digest(a.digest, target)
+            for a in inv.adapters)) for pod, inv in self.inventories.items())
+
+    async def _load_spare(self, record: AdapterRecord, busy_pod: str) -> None:
+        """The target on a worker that holds no copy (the fewest adapters first), so the busy one is
+        drained only once the target serves (and is judged) elsewhere. A pool of one worker has no
+        spare: the busy copy is drained, as before."""
+        assert self.pool is not None and self.token is not None
+        name = record.spec.name
+        spares = sorted((len(inv.adapters), pod) for pod, inv in self.inventories.items()
+                        if pod != busy_pod and _info_of(inv, name) is None and (p := self.pods.get(pod)) is not None
+                        and p.ready and not p.draining and p.ip)
+        if not spares:
+            pod = self.pods.get(busy_pod)
+            if pod is not None and pod.ip:
+                await self._drain(self.url_of(pod, self.pool.admin_port), self.token, busy_pod, name)
+            return
+        spare = spares[0][1]
+        url = self.url_of(self.pods[spare], self.pool.admin_port)
+        log.info("%s busy on %s past the grace: loading the new version on %s first", name, busy_pod, spare)
+        try:
+            inv = await self.workers.load(url, self.token, name, self._target_path(record), inplace=True)
+        except LoadRefused as exc:
+            await self._refused(record, exc, url, spare)
+            return
+        except WorkerError as exc:
+            log.info("load of %s on %s: %s", name, spare, exc)
+            return
+        self.loaded.setdefault(spare, set()).add(name)
+        self._note_copy(spare, inv, name)
+        self._adopt(record, spare, inv, None)
+        self._spares.add((spare, name))
+        pool_state.note_digests(self.digests, inv)
+        await self._record_residency(spare, name, "cpu")
 
     async def _drain(self, url: str, token: str, pod: str, name: str) -> None:
         """Unload an old version that never went idle: routers stop sending it here (withdrawn
@@ -497,6 +569,7 @@ class PoolReconciler:
             log.info("drain of %s on %s: %s", name, pod, exc)
             return
         self.loaded.setdefault(pod, set()).discard(name)
+        self._spares = {(p, n) for p, n in self._spares if n != name}  # the new version replaces it now
         record = self.adapters.get(name)
         if record is not None:
             record.busy_since.pop(pod, None)
@@ -583,7 +656,7 @@ class PoolReconciler:
             url = self.url_of(pod, self.pool.admin_port)
             try:
                 inv = await self.workers.inventory(url, self.token)
-                if adapter in resident(inv):
+                if _info_of(inv, adapter) is not None:  # disk-tier entries too: a later adapter of that name must not find them
                     inv = await self.workers.unload(url, self.token, adapter)
                 self.inventories[pod.name] = inv
                 self.loaded[pod.name] = resident(inv)

@@ -259,4 +259,4 @@ def check_against_pool(adapter: AdapterSpec, pool: PoolSpec) -> None:
 
 def digest_matches(expected_hex: str | None, reported: str) -> bool:
     """Workers report "sha256:<hex>"; the manifest holds the bare hex."""
-    return expected_hex is None or reported.removeprefix("sha256:").lower() == expected_hex.lower()
+    return expected_hex is None or reported.lower().removeprefix("sha256:") == expected_hex.lower()

@@ -222,14 +222,15 @@ async def test_an_old_version_in_use_is_swapped_once_its_requests_finish():
 
 
 async def test_an_old_version_never_idle_is_drained_after_the_grace():
-    """Under steady traffic the in-place swap never finds a moment without requests: after
-    `reload_grace_s` the old copy is withdrawn and unloaded (its requests finish with it on the
-    worker) and the new version loaded, instead of retrying for ever."""
+    """Under steady traffic the in-place swap never finds a moment without requests. After
+    `reload_grace_s` the new version is loaded on another worker first (make before break: it is
+    judged there while the old copy still serves), then the old copy is withdrawn and unloaded
+    (its requests finish with it on the worker), instead of retrying for ever."""
     reconciler, workers, events = make({"a": (1, 1)})
     now = [NOW]
     reconciler.clock = lambda: now[0]
     await reconciler.reconcile_once()
-    (home,) = [p for p in PODS if "a" in workers.held[p]]
+    home, other = home_and_other("a")
     workers.held[home]["a"] = info("a", in_flight=3)
     respec(reconciler, "a", source="a-v2")
     events.clear()
@@ -241,15 +242,45 @@ async def test_an_old_version_never_idle_is_drained_after_the_grace():
     now[0] += 0.1  # 30 s since the first refusal
     events.clear()
     await reconciler.reconcile_once()
+    calls = [e for e in events if e[0] in ("load", "reload", "unload")]
+    assert calls[:2] == [("reload", home, "a"), ("load", other, "a")], calls  # the new version elsewhere first
+    assert workers.held[home]["a"].digest == digest_of("/adapters/a")  # the old one still serves
+    events.clear()
+    reconciler.wake(resync=True)
+    await reconciler.reconcile_once()
     calls = [e for e in events if e[0] in ("load", "reload", "unload", "store")]
-    assert calls[:3] == [("reload", home, "a"), ("store", home, "a", None), ("unload", home, "a")], calls
+    assert ("store", home, "a", None) in calls and ("unload", home, "a") in calls, calls  # now drained
+    assert calls.index(("store", home, "a", None)) < calls.index(("unload", home, "a"))
     for _ in range(2):
         reconciler.wake(resync=True)
         await reconciler.reconcile_once()
     loaded = [p for p in PODS if "a" in workers.held[p]]
-    assert len(loaded) == 1 and workers.held[loaded[0]]["a"].digest == digest_of("/adapters/a-v2")
+    assert loaded and all(workers.held[p]["a"].digest == digest_of("/adapters/a-v2") for p in loaded)
     status = reconciler.adapters["a"].status
-    assert (status["phase"], status["readyReplicas"], status["source"]) == ("Ready", 1, "a-v2"), status
+    assert (status["phase"], status["source"]) == ("Ready", "a-v2"), status
+
+
+async def test_a_busy_copy_is_not_drained_for_a_version_judged_wrong_on_the_spare():
+    """The only copy is busy and the new source's content does not have the spec's sha256 (a
+    refused folder is refused before the worker looks at requests in flight; this is the case that
+    gets past the grace): judged on the spare worker, the update is refused there and the busy copy
+    is never drained (was: drained, then the new content failed DigestMismatch, served nowhere)."""
+    reconciler, workers, events = make({"a": (1, 1)})
+    now = [NOW]
+    reconciler.clock = lambda: now[0]
+    await reconciler.reconcile_once()
+    home, other = home_and_other("a")
+    workers.held[home]["a"] = info("a", in_flight=3)
+    respec(reconciler, "a", source="a-v2", sha256="f" * 64)
+    for step in (0.0, 31.0, 10.0, 10.0):
+        now[0] += step
+        reconciler.wake(resync=True)
+        await reconciler.reconcile_once()
+    record = reconciler.adapters["a"]
+    assert record.failure is None and record.update_refused is not None
+    assert workers.held[home]["a"].digest == digest_of("/adapters/a")
+    assert ("unload", home, "a") not in events, events
+    assert all(held["a"].digest == digest_of("/adapters/a") for held in workers.held.values() if "a" in held)
 
 
 async def test_a_refused_update_leaves_the_old_version_serving_and_scaling():
@@ -427,13 +458,12 @@ def test_the_version_kept_serving_is_the_previous_specs() -> None:
     record = AdapterRecord(parse_adapter("ns", "a", {"pool": "pool", "source": "v3"}), 1, None)
     record.previous_digest = "sha256:" + "b" * 64
     v1 = info("a", path="/adapters/v1", tier="disk").model_copy(update={"digest": "sha256:" + "a" * 64})
+    v2_disk = info("a", path="/adapters/v2-disk", tier="disk").model_copy(update={"digest": "sha256:" + "b" * 64})
     v2 = info("a", path="/adapters/v2").model_copy(update={"digest": "SHA256:" + "B" * 64})  # any case
-    assert pool_state.serving_version(record, [v1, v2]) is v2
-    record.previous_digest = None  # unknown: the content most copies have, resident ones first
-    v2b = v2.model_copy(update={"path": "/adapters/v2b"})
-    assert pool_state.serving_version(record, [v1, v2, v2b]).digest == v2.digest
-    assert pool_state.serving_version(record, [v1]) is v1
-    assert pool_state.serving_version(record, []) is None
+    assert pool_state.serving_version(record, [v1, v2_disk, v2]) is v2  # the previous content, resident first
+    assert pool_state.serving_version(record, [v1]) is None  # leftovers of other content are no fallback
+    record.previous_digest = None  # a first version: nothing to fall back on
+    assert pool_state.serving_version(record, [v1, v2]) is None
 
 
 async def test_a_refused_update_is_probed_again_and_rolls_out_once_the_files_are_fixed():
@@ -475,7 +505,9 @@ async def test_an_old_version_where_a_verified_copy_was_is_reloaded():
     assert workers.held[home]["a"].digest == digest_of("/adapters/a-v2")
 
 
-async def test_a_refused_update_with_no_version_left_is_tried_afresh():
+async def test_a_refused_update_with_no_version_left_is_served_from_the_old_path_or_fails():
+    """Every copy gone (workers replaced): the old version is loaded back from its path; once that
+    is refused too (its files gone), the refusal is dropped and the spec tried as a first load."""
     reconciler, workers, events = make({"a": (1, 1)})
     await reconciler.reconcile_once()
     workers.refuse.add("/adapters/a-bad")
@@ -483,8 +515,16 @@ async def test_a_refused_update_with_no_version_left_is_tried_afresh():
     await reconciler.reconcile_once()
     assert reconciler.adapters["a"].update_refused is not None
     for held in workers.held.values():
-        held.clear()  # every worker replaced; nothing serves the old version any more
+        held.clear()
     for _ in range(2):
+        reconciler.wake(resync=True)
+        await reconciler.reconcile_once()
+    assert [p for p in PODS if workers.held[p].get("a") and workers.held[p]["a"].digest == digest_of("/adapters/a")]
+    assert reconciler.adapters["a"].status["phase"] == "Ready"
+    for held in workers.held.values():
+        held.clear()
+    workers.refuse.add("/adapters/a")  # the old version's files are gone too
+    for _ in range(3):
         reconciler.wake(resync=True)
         await reconciler.reconcile_once()
     record = reconciler.adapters["a"]

@@ -115,6 +115,7 @@ class AdapterRegistry:
                     "unload it first or load the new version under a new name",
                 )
             old.pinned = old.pinned or pinned
+            old.path = weights.path  # where it was last loaded from (an older folder may be gone)
             if name not in self.cpu:  # a disk-tier entry: the load asked for it resident, and it is read now
                 self.insert_cpu(name, weights)
             return old, False
