@@ -221,17 +221,24 @@ async def test_an_old_version_in_use_is_swapped_once_its_requests_finish():
     assert not [e for e in events if e[0] == "unload"], events
 
 
-async def test_an_old_version_never_idle_is_drained_after_the_grace():
-    """Under steady traffic the in-place swap never finds a moment without requests. After
-    `reload_grace_s` the new version is loaded on another worker first (make before break: it is
-    judged there while the old copy still serves), then the old copy is withdrawn and unloaded
-    (its requests finish with it on the worker), instead of retrying for ever."""
+async def one_busy_copy() -> tuple[PoolReconciler, StubWorkers, list[tuple], list[float], str, str]:
+    """Adapter `a` (one replica) loaded on its home pod, which now always has requests in flight;
+    the reconciler's clock is `now[0]`."""
     reconciler, workers, events = make({"a": (1, 1)})
     now = [NOW]
     reconciler.clock = lambda: now[0]
     await reconciler.reconcile_once()
     home, other = home_and_other("a")
     workers.held[home]["a"] = info("a", in_flight=3)
+    return reconciler, workers, events, now, home, other
+
+
+async def test_an_old_version_never_idle_is_drained_after_the_grace():
+    """Under steady traffic the in-place swap never finds a moment without requests. After
+    `reload_grace_s` the new version is loaded on another worker first (make before break: it is
+    judged there while the old copy still serves), then the old copy is withdrawn and unloaded
+    (its requests finish with it on the worker), instead of retrying for ever."""
+    reconciler, workers, events, now, home, other = await one_busy_copy()
     respec(reconciler, "a", source="a-v2")
     events.clear()
     for step in (0.0, 15.0, 14.9):  # within the grace: retried in place, never unloaded
@@ -265,12 +272,7 @@ async def test_a_busy_copy_is_not_drained_for_a_version_judged_wrong_on_the_spar
     refused folder is refused before the worker looks at requests in flight; this is the case that
     gets past the grace): judged on the spare worker, the update is refused there and the busy copy
     is never drained (was: drained, then the new content failed DigestMismatch, served nowhere)."""
-    reconciler, workers, events = make({"a": (1, 1)})
-    now = [NOW]
-    reconciler.clock = lambda: now[0]
-    await reconciler.reconcile_once()
-    home, other = home_and_other("a")
-    workers.held[home]["a"] = info("a", in_flight=3)
+    reconciler, workers, events, now, home, other = await one_busy_copy()
     respec(reconciler, "a", source="a-v2", sha256="f" * 64)
     for step in (0.0, 31.0, 10.0, 10.0):
         now[0] += step

@@ -10,14 +10,12 @@ import httpx
 import openai
 import pytest
 
-from tests.worker.worker_harness import CHAT, PROMPT, RunningWorker, wait_for, worker_settings
+from tests.worker.worker_harness import CHAT, PROMPT, serve, wait_for
 
 
 @pytest.fixture(scope="module")
 def worker(demo_model, demo_adapters):
-    w = RunningWorker(worker_settings(demo_model, demo_adapters)).start()
-    yield w
-    w.stop()
+    yield from serve(demo_model, demo_adapters)
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,12 @@ import pytest
 
 from lorafleet.worker.engine import LLMEngine
 from lorafleet.worker.sequence import SamplingParams
-from tests.worker.worker_harness import CHAT, PROMPT, RunningWorker, worker_settings
+from tests.worker.worker_harness import CHAT, PROMPT, serve
 
 
 @pytest.fixture(scope="module")
 def worker(demo_model, demo_adapters):
-    w = RunningWorker(worker_settings(demo_model, demo_adapters)).start()
-    yield w
-    w.stop()
+    yield from serve(demo_model, demo_adapters)
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -93,6 +94,15 @@ def worker_settings(demo_model: Path, adapters: dict[str, Path], token_file: Pat
 
 def auth(token: str = TOKEN) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
+
+
+def serve(demo_model: Path, adapters: dict[str, Path], **settings: object) -> Iterator[RunningWorker]:
+    """A module fixture's body: a worker on the demo model (`worker_settings`), stopped after."""
+    w = RunningWorker(worker_settings(demo_model, adapters, **settings)).start()
+    try:
+        yield w
+    finally:
+        w.stop()
 
 
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
