@@ -130,7 +130,10 @@ class AdapterRecord:
                 setattr(self, name, getattr(old, name))
         else:  # a new sha256 alone leaves copies of the right content alone (check_loaded decides)
             self.outdated = old.outdated or old.spec.source != self.spec.source
-            self.previous_digest = old.target_digest or old.previous_digest or (old.status or {}).get("digest")
+            # The old spec's content only if some copy held it (refused, or loaded by us); an edit
+            # made before the previous one was judged keeps what was serving before that.
+            held = old.target_digest if (old.update_refused or old.verified) else None
+            self.previous_digest = held or old.previous_digest or (old.status or {}).get("digest")
 
 
 @dataclass(slots=True)

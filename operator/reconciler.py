@@ -255,7 +255,9 @@ class PoolReconciler:
         settings = placement.PlacementSettings(requests_per_replica=pool.requests_per_replica)
         target = placement.assign(wants, views, demand, settings)
         in_use = pool_state.in_use(self.inventories, self.clock(), self.settings.idle_unload_s)
-        self._spares = {(pod, name) for pod, name in self._spares if _info_of(self.inventories.get(pod), name) is not None}
+        # A spare stays while its copy is listed and an old copy of that adapter is still being replaced.
+        self._spares = {(pod, name) for pod, name in self._spares
+                        if _info_of(self.inventories.get(pod), name) is not None and any(n == name for _, n in stale)}
         for pod, name in self._spares:
             in_use.setdefault(pod, set()).add(name)
         # Old versions being replaced are the rollout's (reload, drain), not the placement's: it
@@ -483,6 +485,33 @@ class PoolReconciler:
                                          f"sha256:{record.spec.sha256}")
         return errors
 
+    async def _judge_scratch(self, record: AdapterRecord, url: str, pod_name: str) -> bool:
+        """Load the record's target under a scratch name on `pod_name` and unload it again: whether
+        it loads with the spec's sha256. A refusal or another digest refuses the update (the copy
+        there still serves the old version)."""
+        assert self.token is not None
+        scratch = f"{record.spec.name}{PROBE_SUFFIX}"
+        try:
+            inv = await self.workers.load(url, self.token, scratch, self._target_path(record), inplace=True)
+        except LoadRefused as exc:
+            await self._refused(record, exc, url, pod_name)
+            return False
+        except WorkerError as exc:
+            log.info("trial load of %s on %s: %s", record.spec.name, pod_name, exc)
+            return False
+        finally:
+            with contextlib.suppress(WorkerError):
+                await self.workers.unload(url, self.token, scratch)
+        digest = _digest_of(inv, scratch)
+        if record.update_refused or digest is None or digest_matches(record.spec.sha256, digest):
+            return True
+        here = _info_of(self.inventories.get(pod_name), record.spec.name)
+        if here is None:
+            return True
+        record.refuse_update("DigestMismatch", f"{record.spec.source!r} gives {digest}, the spec wants "
+                             f"sha256:{record.spec.sha256}", here.path, here.digest, self.clock())
+        return False
+
     async def _refused(self, record: AdapterRecord, exc: LoadRefused, url: str, pod_name: str) -> bool:
         """A worker refused the load; returns whether a rollout may go on to other copies.
 
@@ -532,10 +561,12 @@ class PoolReconciler:
         spares = sorted((len(inv.adapters), pod) for pod, inv in self.inventories.items()
                         if pod != busy_pod and _info_of(inv, name) is None and (p := self.pods.get(pod)) is not None
                         and p.ready and not p.draining and p.ip)
-        if not spares:
+        if not spares:  # no other worker to judge it on: judged under a scratch name first, then drained
             pod = self.pods.get(busy_pod)
             if pod is not None and pod.ip:
-                await self._drain(self.url_of(pod, self.pool.admin_port), self.token, busy_pod, name)
+                url = self.url_of(pod, self.pool.admin_port)
+                if await self._judge_scratch(record, url, busy_pod):
+                    await self._drain(url, self.token, busy_pod, name)
             return
         spare = spares[0][1]
         url = self.url_of(self.pods[spare], self.pool.admin_port)

@@ -456,6 +456,33 @@ async def test_a_sha256_no_copy_matches_keeps_the_served_version_with_an_older_o
     assert (status["phase"], status["readyReplicas"], status["digest"]) == ("Ready", 2, served), status
 
 
+async def test_a_busy_copy_on_a_pool_of_one_is_judged_under_a_scratch_name_before_a_drain():
+    """No other worker to load the new version on: it is tried under a scratch name beside the busy
+    copy; content without the spec's sha256 refuses the update, and the copy is never drained."""
+    reconciler, workers, events, now, home, other = await one_busy_copy()
+    reconciler.remove_pod(other)
+    respec(reconciler, "a", source="a-v2", sha256="f" * 64)
+    for step in (0.0, 31.0, 10.0):
+        now[0] += step
+        reconciler.wake(resync=True)
+        await reconciler.reconcile_once()
+    record = reconciler.adapters["a"]
+    assert record.failure is None and record.update_refused is not None and record.update_refused[0] == "DigestMismatch"
+    assert ("load", home, "a__lorafleet_probe") in events and ("unload", home, "a__lorafleet_probe") in events
+    assert ("unload", home, "a") not in events and workers.held[home]["a"].digest == digest_of("/adapters/a")
+
+
+async def test_an_edit_before_the_last_one_was_judged_keeps_the_serving_version_to_fall_back_on():
+    """B's canary never ran (busy) before the user edited again to C: C's fallback is what
+    served before B (X), not B's content, which no copy ever held."""
+    reconciler, workers, events, now, home, other = await one_busy_copy()
+    served = digest_of("/adapters/a")
+    respec(reconciler, "a", source="a-v2", sha256="b" * 64)
+    await reconciler.reconcile_once()
+    respec(reconciler, "a", source="a-v3", sha256="c" * 64)
+    assert reconciler.adapters["a"].previous_digest == served
+
+
 def test_the_version_kept_serving_is_the_previous_specs() -> None:
     record = AdapterRecord(parse_adapter("ns", "a", {"pool": "pool", "source": "v3"}), 1, None)
     record.previous_digest = "sha256:" + "b" * 64
