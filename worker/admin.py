@@ -147,9 +147,14 @@ async def adapters(runtime: Admin) -> AdapterInventory:
     engine = runtime.require_engine()
     s = runtime.settings
 
-    def inventory() -> AdapterInventory:
+    def inventory() -> AdapterInventory | list:
         e = engine.engine
         reg = e.registry
+        # A digest still hashing is never joined here, on the engine thread (it would stall every
+        # request's steps for the hash, ~0.1 s per 80 MiB): the caller waits for it and asks again.
+        hashing = [reg.entries[n].digest for n in reg.names() if not reg.entries[n].digest.ready]
+        if hashing:
+            return hashing
         now = reg.clock()
 
         def idle(last_used: float | None) -> float | None:
@@ -170,7 +175,8 @@ async def adapters(runtime: Admin) -> AdapterInventory:
         )
 
     # Digests still hashing (an adapter loaded in the last ~0.1 s) are waited for off the engine thread.
-    pending = await engine.call(lambda: [en.digest for en in engine.engine.registry.entries.values() if not en.digest.ready])
-    if pending:
-        await asyncio.to_thread(lambda: [d.value for d in pending])
-    return await engine.call(inventory)
+    while True:
+        answer = await engine.call(inventory)
+        if isinstance(answer, AdapterInventory):
+            return answer
+        await asyncio.to_thread(lambda pending=answer: [d.value for d in pending])

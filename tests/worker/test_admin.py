@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import shutil
+import threading
 import time
 
 import httpx
@@ -295,3 +296,52 @@ def test_admin_routes_on_their_own_port(demo_model, demo_adapters, layout):
         assert httpx.post(f"{w.admin_url}/v1/completions", json={"model": "demo", "prompt": "x"}).status_code == 404
     finally:
         w.stop()
+
+
+class SlowDigest:
+    """A digest still hashing: `value` blocks until `finish()`; records the threads that waited."""
+
+    def __init__(self, value: str) -> None:
+        self._value, self._done, self.readers = value, threading.Event(), []
+
+    @property
+    def ready(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def value(self) -> str:
+        if not self._done.is_set():  # a read that waits for the hash
+            self.readers.append(threading.current_thread().name)
+        self._done.wait(10)
+        return self._value
+
+    def finish(self) -> None:
+        self._done.set()
+
+
+def test_the_inventory_never_waits_for_a_digest_on_the_engine_thread(worker, monkeypatch):
+    """An adapter registered between the inventory's look for digests still hashing and the
+    inventory itself had its digest joined on the engine thread, stalling every request's steps
+    for the hash (~0.1 s per 80 MiB). Here a load lands right after the first engine call."""
+    entry = worker.engine.registry.entries["chat"]
+    real, slow = entry.digest, SlowDigest(entry.digest.value)
+    engine = worker.runtime.engine
+    calls = []
+    original = engine.call
+
+    async def call(fn, *args, **kwargs):
+        result = await original(fn, *args, **kwargs)
+        if not calls:  # right after the first engine call: a new version registers, hashing
+            entry.digest = slow
+            threading.Timer(0.3, slow.finish).start()
+        calls.append(fn)
+        return result
+
+    monkeypatch.setattr(engine, "call", call)
+    try:
+        inv = httpx.get(f"{worker.url}/v1/adapters", headers=auth(), timeout=30)
+        assert inv.status_code == 200
+        assert "engine" not in slow.readers, slow.readers
+    finally:
+        slow.finish()
+        entry.digest = real
