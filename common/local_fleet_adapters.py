@@ -174,9 +174,8 @@ def wait_ready(run_dir: RunDir, applied: dict[str, int], wait_s: float) -> set[s
             if entry.get("generation") != generation or status.get("observedGeneration") != generation:
                 continue
             phase = status.get("phase")
-            refused = next((c for c in status.get("conditions") or () if c.get("type") == "Updated"
-                            and c.get("status") == "False"), None)
-            if refused is not None:  # the old version serves; this spec's was refused
+            refused = condition(status, "Updated")
+            if refused is not None and refused.get("status") == "False":  # the old version serves; this spec's was refused
                 print(f"error: loraadapter.lorafleet.dev/{name} update refused: {refused.get('reason')}: "
                       f"{refused.get('message')} (the version from source {status.get('source')!r} still serves)",
                       file=sys.stderr)
@@ -232,7 +231,7 @@ def delete(run_dir: RunDir, names: list[str]) -> int:
         if run_dir.delete_desired(name):
             print(f'loraadapter.lorafleet.dev "{name}" deleted')
         else:
-            print(f'Error from server (NotFound): loraadapters.lorafleet.dev "{name}" not found', file=sys.stderr)
+            not_found(name)
             missing = True
     return 1 if missing else 0
 
@@ -257,7 +256,7 @@ def get(run_dir: RunDir, names: list[str], output: str | None) -> int:
     objects = adapter_objects(run_dir.read_desired(), run_dir.read_status())
     missing = [n for n in names if n not in objects]
     for name in missing:
-        print(f'Error from server (NotFound): loraadapters.lorafleet.dev "{name}" not found', file=sys.stderr)
+        not_found(name)
     chosen = [objects[n] for n in names if n in objects] if names else [objects[n] for n in sorted(objects)]
     if chosen or (output in ("json", "yaml") and not names):  # kubectl: an empty List, or only the errors
         print(render(chosen, output, single=len(names) == 1, now=datetime.now(timezone.utc)))
@@ -309,12 +308,19 @@ def format_table(objects: list[dict[str, Any]], *, wide: bool = False, now: date
     return "\n".join("   ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 
 
+def condition(status: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    """The status's condition of type `kind`, if it has one."""
+    return next((c for c in status.get("conditions") or () if c.get("type") == kind), None)
+
+
 def ready_condition(status: dict[str, Any]) -> tuple[str, str]:
     """(reason, message) of the Ready condition (the CRD's Reason and Message columns)."""
-    for cond in status.get("conditions") or ():
-        if cond.get("type") == "Ready":
-            return str(cond.get("reason") or ""), " ".join(str(cond.get("message") or "").split())
-    return "", ""
+    ready = condition(status, "Ready") or {}
+    return str(ready.get("reason") or ""), " ".join(str(ready.get("message") or "").split())
+
+
+def not_found(name: str) -> None:
+    print(f'Error from server (NotFound): loraadapters.lorafleet.dev "{name}" not found', file=sys.stderr)
 
 
 def age(timestamp: str | None, now: datetime) -> str:
