@@ -97,7 +97,7 @@ def pick_config(
         split_k=split_k, block_k=block_k, block_n=block_n, n_per_prog=max(n_per_prog, block_n),
         shrink_warps=shrink_warps, expand_warps=expand_warps, num_stages=NUM_STAGES[many], shrink_rows=rows,
         expand_rows=expand_rows, expand_maxnreg=maxnreg,
-        expand_ahead=expand_ahead_for(num_chunks, chunk_size, n_per_prog, block_n, expand_rows),
+        expand_ahead=_expand_ahead_for(num_chunks, chunk_size, n_per_prog, block_n),
         split_sum=EXPAND_SPLIT_SUM, meta_round=CHUNK_META_ROUND,
     )
 
@@ -108,10 +108,11 @@ def config_for_meta(meta: LoraMeta, n_slices: int, in_features: int) -> LoraKern
     return pick_config(meta.num_chunks, n_slices, in_features, meta.chunk_size, meta.one_pair_chunks)
 
 
-def expand_ahead_for(num_chunks: int, chunk_size: int, n_per_prog: int, block_n: int, expand_rows: bool = False) -> bool:
-    """`pick_config`'s choice of `expand_ahead` for these tiles (EXPAND_AHEAD): the tl.dot expand,
-    chunks of at most 16 rows, several tiles a program (`with_expand_tiles` keeps it for other tiles)."""
-    return EXPAND_AHEAD[num_chunks > SHRINK_FEW_CHUNKS] and chunk_size <= 16 and not expand_rows and n_per_prog > block_n
+def _expand_ahead_for(num_chunks: int, chunk_size: int, n_per_prog: int, block_n: int) -> bool:
+    """`pick_config`'s choice of `expand_ahead` for these tiles (EXPAND_AHEAD): chunks of at most 16
+    rows, several tiles a program, so never the row expand, whose one tile is its program's
+    (`with_expand_tiles` keeps the rule for other tiles)."""
+    return EXPAND_AHEAD[num_chunks > SHRINK_FEW_CHUNKS] and chunk_size <= 16 and n_per_prog > block_n
 
 
 def with_expand_tiles(cfg: LoraKernelConfig, num_chunks: int, chunk_size: int, n_per_prog: int,
@@ -119,7 +120,7 @@ def with_expand_tiles(cfg: LoraKernelConfig, num_chunks: int, chunk_size: int, n
     """cfg with the tl.dot expand's tiles changed (n_per_prog columns a program in block_n tiles),
     `expand_ahead` as `pick_config`'s rule sets it for them: for launch-config sweeps."""
     return replace(cfg, n_per_prog=n_per_prog, block_n=block_n, expand_rows=False,
-                   expand_ahead=expand_ahead_for(num_chunks, chunk_size, n_per_prog, block_n))
+                   expand_ahead=_expand_ahead_for(num_chunks, chunk_size, n_per_prog, block_n))
 
 
 # pick_config's knobs, module-level so bench/overlap_sweep.py can compare them in the engine.

@@ -207,15 +207,9 @@ CASES = [
 ]
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize(
-    "case_id,tokens,k,d_in,outs,ranks,kind,dtype,chunk_size,config",
-    CASES,
-    ids=[c[0] for c in CASES],
-)
-def test_triton_matches_reference(
-    case_id, tokens, k, d_in, outs, ranks, kind, dtype, chunk_size, config, layout
-) -> None:
-    check_case((case_id, tokens, k, d_in, outs, ranks, kind, dtype, chunk_size, config), config, layout)
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_triton_matches_reference(case, layout) -> None:
+    check_case(case, case[-1], layout)
 
 
 def check_case(case: tuple, config: LoraKernelConfig | None, layout: str = "out_major") -> None:
@@ -243,14 +237,16 @@ def test_every_split_sum_matches_reference(case, split_sum, splits) -> None:
     check_case(case, replace(config, split_sum=split_sum, split_k=splits or config.split_k))
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_chunk_meta_in_one_round_matches_reference(case, monkeypatch) -> None:
+# The cases with a config of their own (the others take pick_config's, which has meta_round on as
+# CHUNK_META_ROUND is, and run so in test_triton_matches_reference).
+META_CASES = [c for c in CASES if c[-1] is not None]
+
+
+@pytest.mark.parametrize("case", META_CASES, ids=[c[0] for c in META_CASES])
+def test_chunk_meta_in_one_round_matches_reference(case) -> None:
     """The kernels' early exit on the chunk's slot, start and end together (`meta_round`): padding
     chunks, empty segments and tokens without an adapter come out as without it."""
-    from lorafleet.kernels import lora_config
-
-    monkeypatch.setattr(lora_config, "CHUNK_META_ROUND", True)  # the configs pick_config makes
-    check_case(case, case[-1] and replace(case[-1], meta_round=True))
+    check_case(case, replace(case[-1], meta_round=True))
 
 
 @pytest.mark.parametrize(
