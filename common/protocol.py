@@ -43,21 +43,29 @@ class UnloadLoraAdapterRequest(BaseModel):
     lora_int_id: int | None = None
 
 
-class LoraAdapterRef(BaseModel):
-    """One entry of the RFC's request-level `lora_adapters` field. JSON's types are kept, as in the
-    request around it (`"scale": "0.5"` or `true` is refused, not coerced); a null scale is the default."""
+class JsonBody(BaseModel):
+    """A JSON object of the OpenAI-style API: JSON's types kept (pydantic's strict mode: `"0.5"` or
+    `true` for a number is refused, not coerced) and null for an optional field meaning "not
+    given", as OpenAI takes it (`"n": null`, `"stream": null`). Unknown fields are ignored."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    name: str = Field(min_length=1, max_length=128)
-    scale: float = Field(default=1.0, ge=-100.0, le=100.0, allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     @model_validator(mode="before")
     @classmethod
-    def _null_scale_is_default(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "scale" in data and data["scale"] is None:
-            return {k: v for k, v in data.items() if k != "scale"}
-        return data
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or None not in data.values():
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+
+
+class LoraAdapterRef(JsonBody):
+    """One entry of the RFC's request-level `lora_adapters` field (a null scale is the default)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=128)
+    scale: float = Field(default=1.0, ge=-100.0, le=100.0, allow_inf_nan=False)
 
 
 class AdapterInfo(BaseModel):

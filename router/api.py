@@ -26,7 +26,7 @@ from lorafleet.protocol import ErrorResponse
 from lorafleet.router.admin_tokens import AdminTokens
 from lorafleet.router.discovery import SA_DIR, Discovery, KubernetesDiscovery, StaticDiscovery
 from lorafleet.router.fleet import Fleet
-from lorafleet.router.generate import ProxyRoutes
+from lorafleet.router.generate import ProxyRoutes, invalid_method
 from lorafleet.router.loader import AdapterLoader
 from lorafleet.router.metrics import RouterMetrics
 from lorafleet.router.placement import PlacementSync
@@ -72,7 +72,7 @@ async def http_error(request: Request, exc: Exception) -> JSONResponse:
     if exc.status_code == 404:
         message = f"Invalid URL ({where})"
     elif exc.status_code == 405:
-        message = f"Invalid method for URL ({where})"
+        message = invalid_method(request.method, request.url.path)
     else:
         message = str(exc.detail)
     return error(exc.status_code, message, "invalid_request_error", **(exc.headers or {}))

@@ -20,7 +20,7 @@ import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lorafleet.protocol import (
@@ -69,8 +69,13 @@ class ProxyRoutes:
         elif scope["method"] == "POST":
             await generate(scope["app"].state.gateway, scope, receive, send)
         else:
-            message = f"Invalid method for URL ({scope['method']} {scope['path']})"
+            message = invalid_method(scope["method"], scope["path"])
             await respond_error(send, 405, message, "invalid_request_error", headers={"Allow": "POST"})
+
+
+def invalid_method(method: str, path: str) -> str:
+    """OpenAI's wording for a method a path does not take."""
+    return f"Invalid method for URL ({method} {path})"
 
 
 # ---- responses ---------------------------------------------------------------------------------
@@ -197,42 +202,21 @@ class UnknownModel(Exception):
         self.param = param
 
 
-def lora_adapter_list(value: Any) -> list[Any]:
-    """`lora_adapters` as the list it must be (absent or null: none); raises ValueError otherwise."""
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise ValueError("Input should be a valid list")
-    return value
-
-
-class BadAdapterRef(ValueError):
-    """An entry of `lora_adapters` the worker would refuse; `param` is its field's path, as the worker names it."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def adapter_ref(index: int, value: Any) -> LoraAdapterRef:
-    try:
-        return LoraAdapterRef.model_validate(value)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(["lora_adapters", str(index), *(str(p) for p in first["loc"])])
-        raise BadAdapterRef(param, f"{param}: {first['msg']}") from None
+# `lora_adapters` as the worker parses it (absent or null: none).
+ADAPTER_REFS = TypeAdapter(list[LoraAdapterRef])
 
 
 def resolve(payload: dict[str, Any], gw: Gateway) -> tuple[str, tuple[str, ...]]:
     """(base model, adapters) for the request's (string) `model` / `lora_adapters`.
 
-    Raises UnknownModel naming what is unknown, BadAdapterRef for a malformed entry of
-    `lora_adapters` (only composed requests pay for pydantic) and ValueError for a non-list.
+    Raises UnknownModel naming what is unknown, and pydantic's ValidationError for a malformed
+    `lora_adapters` (only composed requests pay for pydantic).
     """
     model = payload["model"]
     bases = gw.fleet.base_models()
     if model in bases:
-        refs = [adapter_ref(i, r) for i, r in enumerate(lora_adapter_list(payload.get("lora_adapters")))]
+        raw = payload.get("lora_adapters")
+        refs = ADAPTER_REFS.validate_python(raw) if raw is not None else []
         adapters = tuple(dict.fromkeys(r.name for r in refs))
         missing = next((a for a in adapters if not gw.sync.known(a)), None)
         if missing is not None:
@@ -281,11 +265,11 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
         return await respond_error(send, 400, problem[1], "invalid_request_error", param=problem[0])
     try:
         base, adapters = resolve(payload, gw)
-    except BadAdapterRef as exc:
-        return await respond_error(send, 400, str(exc), "invalid_request_error", param=exc.param)
-    except ValueError as exc:
-        message = f"invalid `lora_adapters`: {exc}"
-        return await respond_error(send, 400, message, "invalid_request_error", param="lora_adapters")
+    except ValidationError as exc:  # named as the worker names it: lora_adapters.0.scale
+        first = exc.errors()[0]
+        param = ".".join(["lora_adapters", *(str(p) for p in first["loc"])])
+        message = f"{param}: {first['msg']}" if first["loc"] else f"invalid `lora_adapters`: {first['msg']}"
+        return await respond_error(send, 400, message, "invalid_request_error", param=param)
     except UnknownModel as exc:
         return await model_not_found(send, exc.name, exc.param)
     # Another tenant's adapter answers exactly like an unknown one: no existence oracle.

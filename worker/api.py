@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from functools import partial
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -129,8 +130,9 @@ async def completions(body: oai.CompletionRequest, request: Request, runtime: Ru
     try:
         body.check_supported()
         adapters = resolve_adapters(body.model, body.lora_adapters, runtime.settings)
-        prompts = await asyncio.to_thread(_prepare_prompts, runtime, body.prompts())
-        check_sequences(len(prompts) * n, engine.engine.config.max_num_seqs)
+        raw = body.prompts()
+        check_sequences(len(raw) * n, engine.engine.config.max_num_seqs)  # before the tokenizing it spares
+        prompts = await asyncio.to_thread(_prepare_prompts, runtime, raw)
         # OpenAI's (and vLLM's) default for the legacy completions endpoint is 16 tokens.
         choices = oai.per_choice(body.sampling(body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs), n)
     except Exception as exc:  # noqa: BLE001 - mapped to 4xx; a bug re-raises
@@ -151,20 +153,16 @@ async def completions(body: oai.CompletionRequest, request: Request, runtime: Ru
                 return []
             return [oai.completion_chunk(rid, created, model, i, out.text_delta, out.finish_reason, lp)]
 
-        final = None
-        if body.include_usage:
-            def final(use: dict) -> dict:
-                return oai.usage_chunk(rid, created, model, "text_completion", use)
+        final = partial(oai.usage_chunk, rid, created, model, "text_completion") if body.include_usage else None
         return streaming_response(stream_events(streams, chunk, final, prompt_tokens,
                                                 continuous_usage=body.continuous_usage))
 
     results = await collect(request, streams)
-    out = []
-    for i, r in enumerate(results):
-        lp = oai.completion_logprobs(r.logprobs, token_text, offsets[i]) if body.logprobs is not None else None
-        out.append({"index": i, "text": "".join(r.text), "logprobs": lp, "finish_reason": r.finish_reason})
+    out = [oai.completion_choice(i, "".join(r.text), r.finish_reason,
+                                 oai.completion_logprobs(r.logprobs, token_text, offsets[i]) if body.logprobs is not None else None)
+           for i, r in enumerate(results)]
     use = oai.usage(prompt_tokens, sum(r.generated for r in results))
-    return JSONResponse(oai.completion_response(rid, created, model, out, use))
+    return JSONResponse(oai.response("text_completion", rid, created, model, out, use))
 
 
 @router.post("/v1/chat/completions")
@@ -175,8 +173,8 @@ async def chat_completions(body: oai.ChatCompletionRequest, request: Request, ru
     try:
         body.check_supported()
         adapters = resolve_adapters(body.model, body.lora_adapters, runtime.settings)
-        ids = await asyncio.to_thread(_prepare_chat, runtime, body)
         check_sequences(n, engine.engine.config.max_num_seqs)
+        ids = await asyncio.to_thread(_prepare_chat, runtime, body)
         k = body.logprobs_k()
         # vLLM's rule: max_completion_tokens (OpenAI's newer name) over max_tokens.
         max_tokens = body.max_completion_tokens or body.max_tokens
@@ -199,10 +197,7 @@ async def chat_completions(body: oai.ChatCompletionRequest, request: Request, ru
                 chunks.append(oai.chat_chunk(rid, created, model, i, {}, out.finish_reason))
             return chunks
 
-        final = None
-        if body.include_usage:
-            def final(use: dict) -> dict:
-                return oai.usage_chunk(rid, created, model, "chat.completion.chunk", use)
+        final = partial(oai.usage_chunk, rid, created, model, "chat.completion.chunk") if body.include_usage else None
         return streaming_response(stream_events(streams, chunk, final, len(ids), first, body.continuous_usage))
 
     results = await collect(request, streams)
@@ -210,7 +205,7 @@ async def chat_completions(body: oai.ChatCompletionRequest, request: Request, ru
                            oai.chat_logprobs(r.logprobs, token_text, token_bytes) if k is not None else None)
            for i, r in enumerate(results)]
     use = oai.usage(len(ids), sum(r.generated for r in results))
-    return JSONResponse(oai.chat_response(rid, created, model, out, use))
+    return JSONResponse(oai.response("chat.completion", rid, created, model, out, use))
 
 
 def _token_text(runtime: WorkerRuntime) -> Callable[[int], str]:

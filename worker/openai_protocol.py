@@ -17,17 +17,15 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     ValidationError,
     ValidatorFunctionWrapHandler,
     field_validator,
-    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
-from lorafleet.protocol import MAX_N, LoraAdapterRef
+from lorafleet.protocol import MAX_N, JsonBody, LoraAdapterRef
 from lorafleet.worker.sampling import TokenLogprobs
 from lorafleet.worker.sequence import SEED_MAX, SamplingParams
 
@@ -40,22 +38,7 @@ class UnsupportedField(ValueError):
         self.param = param
 
 
-class _Body(BaseModel):
-    """A JSON object of the API: strict types, unknown fields ignored, null = the field's default."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_default(cls, data: Any) -> Any:
-        """OpenAI takes `"n": null` or `"stream": null` as not given; strict pydantic refused them."""
-        if not isinstance(data, dict) or None not in data.values():
-            return data
-        fields = cls.model_fields
-        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
-
-
-class StreamOptions(_Body):
+class StreamOptions(JsonBody):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: with include_usage, every chunk carries its choice's usage
 
@@ -101,11 +84,11 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(JsonBody):
     """Fields shared by completions and chat; unknown fields are ignored, as OpenAI and vLLM do
     (kept, so the ones in UNSUPPORTED can be checked)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -219,12 +202,12 @@ class CompletionRequest(_SamplingFields):
             raise UnsupportedField("suffix", "suffix is not supported")
 
 
-class TextPart(_Body):
+class TextPart(JsonBody):
     type: str
     text: str | None = None
 
 
-class ChatMessage(_Body):
+class ChatMessage(JsonBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -301,10 +284,11 @@ def completion_logprobs(lps: list[TokenLogprobs], token_text: Callable[[int], st
     """OpenAI's legacy completions logprobs: parallel lists per generated token. As OpenAI (and
     vLLM) do, each `top_logprobs` entry also holds the sampled token, so it has up to `logprobs` + 1
     entries (`logprobs: 0`: the sampled token alone). Tokens with the same text share one key."""
+    tokens = [token_text(lp.token_id) for lp in lps]
     return {
-        "tokens": [token_text(lp.token_id) for lp in lps],
+        "tokens": tokens,
         "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{**{token_text(t): v for t, v in lp.top}, token_text(lp.token_id): lp.logprob} for lp in lps],
+        "top_logprobs": [{**{token_text(t): v for t, v in lp.top}, text: lp.logprob} for lp, text in zip(lps, tokens)],
         "text_offset": [offsets.next(lp.token_id) for lp in lps],
     }
 
@@ -321,27 +305,26 @@ def chat_logprobs(lps: list[TokenLogprobs], token_text: Callable[[int], str],
     }
 
 
-def completion_response(rid: str, created: int, model: str, choices: list[dict], use: dict) -> dict[str, Any]:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-            "usage": use}
+def response(obj: str, rid: str, created: int, model: str, choices: list[dict], use: dict) -> dict[str, Any]:
+    """A whole (not streamed) answer: `obj` is "text_completion" or "chat.completion"."""
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices, "usage": use}
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def completion_chunk(rid: str, created: int, model: str, index: int, text: str, finish_reason: str | None,
                      logprobs: dict | None = None) -> dict[str, Any]:
     return {
         "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+        "choices": [completion_choice(index, text, finish_reason, logprobs)],
     }
 
 
 def chat_choice(index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict[str, Any]:
     return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
             "finish_reason": finish_reason}
-
-
-def chat_response(rid: str, created: int, model: str, choices: list[dict], use: dict) -> dict[str, Any]:
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-            "usage": use}
 
 
 def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict, finish_reason: str | None,
