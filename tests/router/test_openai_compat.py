@@ -10,12 +10,11 @@ import pytest
 
 from lorafleet.router.settings import RouterSettings
 from tests.router.conftest import RouterThread
-from tests.worker.worker_harness import TOKEN, RunningWorker, worker_settings
+from tests.worker.worker_harness import PROMPT, TOKEN, serve
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.timeout(240)
 
-PROMPT = "The router sends each request to"
 CHAT = [{"role": "user", "content": "hi"}]
 MAX_N = 4  # the router's cap here, below the worker's 16
 
@@ -24,9 +23,7 @@ MAX_N = 4  # the router's cap here, below the worker's 16
 def worker(demo_model, demo_adapters, tmp_path_factory):
     token_file = tmp_path_factory.mktemp("token") / "token"
     token_file.write_text(TOKEN)
-    w = RunningWorker(worker_settings(demo_model, demo_adapters, token_file=token_file)).start()
-    yield w
-    w.stop()
+    yield from serve(demo_model, demo_adapters, token_file=token_file)
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +94,24 @@ def test_an_unsupported_feature_is_the_workers_400(via_router):
     with pytest.raises(openai.BadRequestError) as err:
         via_router.chat.completions.create(model="chat", messages=CHAT, max_tokens=2, tools=[tool], stream=True)
     assert err.value.body["param"] == "tools" and "not supported" in err.value.body["message"]
+
+
+# The router's own field checks (`check_fields`, refusing before routing), with the worker as the oracle:
+# the same 400, message and param whichever of the two refuses.
+ROUTER_CHECKED = [
+    ("completions", {"max_tokens": 0}), ("completions", {"max_tokens": True}), ("completions", {"max_tokens": "5"}),
+    ("completions", {"n": 0}), ("completions", {"n": False}), ("completions", {"stream": "false"}),
+    ("completions", {"stream": 0}), ("chat/completions", {"max_completion_tokens": 0}),
+    ("chat/completions", {"stream": "false"}),
+]
+
+
+@pytest.mark.parametrize("route,fields", ROUTER_CHECKED, ids=[f"{r.split('/')[0]}-{f}" for r, f in ROUTER_CHECKED])
+def test_the_routers_field_checks_say_what_the_worker_says(router, worker, route, fields):
+    body = {"model": "sql", **fields} | ({"prompt": PROMPT} if route == "completions" else {"messages": CHAT})
+    by_router = httpx.post(f"{router.url}/v1/{route}", json=body, timeout=60)
+    by_worker = httpx.post(f"{worker.url}/v1/{route}", json=body, timeout=60)
+    assert by_router.status_code == by_worker.status_code == 400, (by_router.text, by_worker.text)
+    assert "x-lorafleet-replica" not in by_router.headers  # refused by the router itself, not passed on
+    router_error, worker_error = by_router.json()["error"], by_worker.json()["error"]
+    assert (router_error["message"], router_error["param"]) == (worker_error["message"], worker_error["param"])

@@ -244,6 +244,7 @@ STRICT = [
     ("completions", "max_tokens", True),
     ("completions", "max_tokens", "4"),
     ("completions", "n", True),
+    ("completions", "n", "2"),
     ("completions", "seed", True),
     ("completions", "seed", 1.5),
     ("completions", "logprobs", True),
@@ -259,6 +260,7 @@ STRICT = [
     ("chat/completions", "logprobs", "true"),
     ("chat/completions", "top_logprobs", True),  # with logprobs: true (added below)
     ("chat/completions", "stream", "false"),
+    ("chat/completions", "stream", 0),
 ]
 
 
@@ -269,8 +271,11 @@ def test_json_types_are_not_coerced(worker, route, field, value):
     body |= {"prompt": PROMPT} if route == "completions" else {"messages": CHAT}
     if field == "top_logprobs":
         body["logprobs"] = True
-    text = message(post(worker, route, body))
+    r = post(worker, route, body)
+    text = message(r)
     assert text.startswith(field), text
+    param = r.json()["error"]["param"]
+    assert param == field or param.startswith(f"{field}."), param  # the field, or a field inside it
 
 
 @pytest.mark.parametrize("headers", [{"content-type": "text/plain"}, {"content-type": "application/x-www-form-urlencoded"},
