@@ -17,6 +17,11 @@ Tier = Literal["gpu", "cpu", "disk"]
 # cap, but each choice is a sequence with its own KV blocks.
 MAX_N = 16
 
+# 409 reasons of a load that passes once requests still running on an adapter's old weights finish:
+# an in-place reload of a copy in use, a load of a name unloaded while its requests drain.
+REASON_IN_USE = "in_use"
+REASON_DRAINING = "draining"
+
 # Internal headers the router sets towards workers; stripped from client requests.
 HEADER_REPLICA = "x-lorafleet-replica"
 HEADER_ROUTE_REASON = "x-lorafleet-route"

@@ -154,14 +154,16 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         fleet: Fleet = memo.fleet
         previous = body.get("status", {}).get("conditions")
         generation = meta.get("generation")
+
+        def reconciled(ok: bool, reason: str, message: str) -> list[dict[str, Any]]:
+            return render_conditions([Condition("Reconciled", ok, reason, message)], previous, generation)
+
         try:
             pool = parse_pool(namespace, name, spec)
         except SpecError as exc:
             fleet.pool(namespace, name).set_pool(None, None, problem=("PoolInvalid", f"LoraPool {name}: {exc}"))
             patch.status["phase"] = "Failed"
-            patch.status["conditions"] = render_conditions(
-                [Condition("Reconciled", False, exc.reason, str(exc))], previous, generation
-            )
+            patch.status["conditions"] = reconciled(False, exc.reason, str(exc))
             return
         assert fleet.kube is not None
         try:
@@ -171,10 +173,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
                 await _apply_child(fleet.kube, child)
         except (KubeError, OSError) as exc:
             # Shown on the pool (kopf applies the patch whatever the handler raises).
-            patch.status["conditions"] = render_conditions(
-                [Condition("Reconciled", False, "ChildrenNotApplied", f"workers' objects not applied: {exc}")],
-                previous, generation,
-            )
+            patch.status["conditions"] = reconciled(False, "ChildrenNotApplied", f"workers' objects not applied: {exc}")
             status = exc.status if isinstance(exc, KubeError) else 0
             if status in (400, 422):  # the API server refuses what this spec builds: wait for a new spec
                 serving = fleet.pool(namespace, name).pool is not None or body.get("status", {}).get("readyReplicas", 0)
@@ -188,11 +187,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
             raise kopf.TemporaryError(f"children of {name}: {exc}", delay=min(5 * 2 ** retry, 60)) from exc
         fleet.pool(namespace, name).set_pool(pool, token)
         patch.status["observedGeneration"] = generation
-        patch.status["conditions"] = render_conditions(
-            [Condition("Reconciled", True, "Reconciled", f"{pool.workload_kind}, Service, PodDisruptionBudget "
-                       f"and Secret {pool.token_secret} are up to date")],
-            previous, generation,
-        )
+        patch.status["conditions"] = reconciled(True, "Reconciled", f"{pool.workload_kind}, Service, "
+                                                f"PodDisruptionBudget and Secret {pool.token_secret} are up to date")
 
     @kopf.on.delete(*POOLS, optional=True, registry=registry)
     async def pool_delete(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:

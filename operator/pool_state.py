@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lorafleet.operator import placement
-from lorafleet.operator.spec import AdapterSpec, PoolSpec, digest_matches
+from lorafleet.operator.spec import AdapterSpec, PoolSpec, digest_matches, same_digest
 from lorafleet.operator.status import AdapterObservation, adapter_status, pool_phase, status_changed
 from lorafleet.operator.worker_client import RESIDENT_TIERS
 from lorafleet.protocol import AdapterInfo, AdapterInventory
@@ -42,6 +42,11 @@ class PodState:
     ip: str | None
     ready: bool
     draining: bool
+
+    @property
+    def usable(self) -> bool:
+        """Takes new loads: addressable, ready and not going away."""
+        return bool(self.ip) and self.ready and not self.draining
 
 
 # `url_of(pod, port) -> base URL` of one worker API; `port` is the pool's admin or http port.
@@ -213,13 +218,9 @@ def stale_copies(adapters: Mapping[str, AdapterRecord], inventories: Mapping[str
             if record is None or record.problem is not None or pod in record.verified:
                 continue
             target = record.target_digest
-            if not same_digest(info.digest, target) if target is not None else (record.outdated and not record.update_refused):
+            if not same_digest(info.digest, target) if target is not None else record.outdated:
                 out.add((pod, info.name))
     return out
-
-
-def same_digest(a: str, b: str) -> bool:
-    return a.lower().removeprefix("sha256:") == b.lower().removeprefix("sha256:")
 
 
 def serving_version(record: AdapterRecord, copies: Sequence[AdapterInfo]) -> AdapterInfo | None:
@@ -230,6 +231,24 @@ def serving_version(record: AdapterRecord, copies: Sequence[AdapterInfo]) -> Ada
     previous = record.previous_digest
     matching = [c for c in copies if previous is not None and same_digest(c.digest, previous)]
     return max(matching, key=lambda c: c.tier in RESIDENT_TIERS) if matching else None
+
+
+def info_of(inventory: AdapterInventory | None, name: str) -> AdapterInfo | None:
+    """What `inventory` lists for `name`, if anything."""
+    if inventory is None:
+        return None
+    return next((a for a in inventory.adapters if a.name == name), None)
+
+
+def copy_digest(inventory: AdapterInventory | None, name: str) -> str | None:
+    """The digest `inventory` lists for `name`, if it lists it."""
+    info = info_of(inventory, name)
+    return info.digest if info is not None else None
+
+
+def holds(inventory: AdapterInventory, name: str, digest: str) -> bool:
+    """Whether `inventory` has a resident copy of `name` with `digest`."""
+    return any(a.name == name and a.tier in RESIDENT_TIERS and same_digest(a.digest, digest) for a in inventory.adapters)
 
 
 def without(loaded: Mapping[str, set[str]], copies: set[tuple[str, str]]) -> dict[str, set[str]]:
@@ -257,9 +276,8 @@ def digest_of(loaded: Mapping[str, set[str]], digests: Mapping[str, str], adapte
     if not any(adapter in names for names in loaded.values()):
         return None
     if target is not None and inventories is not None:
-        for inv in inventories.values():
-            if any(a.name == adapter and a.tier in RESIDENT_TIERS and same_digest(a.digest, target) for a in inv.adapters):
-                return target if target.startswith("sha256:") else f"sha256:{target}"
+        if any(holds(inv, adapter, target) for inv in inventories.values()):
+            return target if target.startswith("sha256:") else f"sha256:{target}"
     return digests.get(adapter)
 
 

@@ -30,7 +30,7 @@ from lorafleet.operator.pool_state import (
     UrlOf,
     pod_url,
 )
-from lorafleet.operator.rollout import Rollout, info_of
+from lorafleet.operator.rollout import Rollout
 from lorafleet.operator.spec import AdapterSpec, PoolSpec, SpecError, check_against_pool
 from lorafleet.operator.worker_client import (
     LoadRefused,
@@ -106,14 +106,9 @@ class PoolReconciler(Rollout):
             self.pods.clear()
             self.inventories.clear()
             self.loaded.clear()
-            if self.store is not None:
-                for name, record in list(self.adapters.items()):
-                    if record.conflict is not None:
-                        continue  # the name's catalog entry is another namespace's adapter's
-                    try:
-                        await self.store.remove_catalog(name)
-                    except Exception as exc:
-                        log.warning("placement store: %s not removed from the catalog: %s", name, exc)
+            for name, record in list(self.adapters.items()):
+                if record.conflict is None:  # else the name's catalog entry is another namespace's adapter's
+                    await self._remove_catalog(name)
             await self._reconcile_once()
 
     def upsert_adapter(self, spec: AdapterSpec, generation: int | None, status: Mapping[str, Any] | None) -> None:
@@ -227,9 +222,10 @@ class PoolReconciler(Rollout):
         if stale:
             result.errors += await self._reload(stale)
             stale = pool_state.stale_copies(self.adapters, self.inventories)
+        stale_names = {name for _, name in stale}
         if len(self.inventories) == len(live):  # every worker seen: no copy of an older source is left
             for record in self.adapters.values():
-                if record.outdated and not record.update_refused and not any(name == record.spec.name for _, name in stale):
+                if record.outdated and not record.update_refused and record.spec.name not in stale_names:
                     record.outdated = False
 
         wants = [
@@ -252,7 +248,7 @@ class PoolReconciler(Rollout):
         in_use = pool_state.in_use(self.inventories, self.clock(), self.settings.idle_unload_s)
         # A spare stays while its copy is listed and an old copy of that adapter is still being replaced.
         self._spares = {(pod, name) for pod, name in self._spares
-                        if info_of(self.inventories.get(pod), name) is not None and any(n == name for _, n in stale)}
+                        if pool_state.info_of(self.inventories.get(pod), name) is not None and name in stale_names}
         for pod, name in self._spares:
             in_use.setdefault(pod, set()).add(name)
         # Old versions being replaced are the rollout's (reload, drain), not the placement's: it
@@ -265,7 +261,7 @@ class PoolReconciler(Rollout):
             result.errors += await self._execute(actions)
         await self._publish()
         # An old version still loaded (its reload is refused for now) is not a ready replica.
-        loading = {a.adapter for a in actions if a.kind == "load"} | {name for _, name in stale}
+        loading = {a.adapter for a in actions if a.kind == "load"} | stale_names
         refused = await self._write_statuses(target, loading, current=pool_state.without(self.loaded, stale))
         result.changed = bool(actions) or refused
         return result
@@ -298,14 +294,11 @@ class PoolReconciler(Rollout):
                     if action.kind == "load":
                         if record is None:
                             return
-                        before = info_of(self.inventories.get(action.pod), action.adapter)
+                        before = pool_state.info_of(self.inventories.get(action.pod), action.adapter)
                         # In place: this operator owns the name's content, so an old version the
                         # pod still lists (a disk-tier entry, a router's copy) is replaced, not a 409.
                         inv = await self.workers.load(url, token, action.adapter, self._target_path(record), inplace=True)
-                        self.loaded.setdefault(action.pod, set()).add(action.adapter)
-                        self._note_copy(action.pod, inv, action.adapter)
-                        self._adopt(record, action.pod, inv, before)
-                        pool_state.note_digests(self.digests, inv)
+                        self._took(record, action.pod, inv, before)
                     else:
                         # Withdraw first: routers stop sending it here before the worker drops it.
                         # (A router still routing on an older poll gets the worker's 404 and retries.)
@@ -334,7 +327,7 @@ class PoolReconciler(Rollout):
     def _note_copy(self, pod: str, inventory: AdapterInventory, name: str) -> None:
         """Put what `inventory` (a worker's answer to a load) says of `name` into the pod's cached
         inventory, leaving its other entries as the last poll saw them (loads run concurrently)."""
-        info = next((a for a in inventory.adapters if a.name == name), None)
+        info = pool_state.info_of(inventory, name)
         cached = self.inventories.get(pod)
         if cached is None:
             self.inventories[pod] = inventory
@@ -411,12 +404,17 @@ class PoolReconciler(Rollout):
         """
         self.forget_adapter(adapter)
         async with self._round_lock:  # no round may load it again meanwhile
-            if self.store is not None and not keep_catalog:
-                try:  # first, so that no router cold-loads it back while the unloads run
-                    await self.store.remove_catalog(adapter)
-                except Exception as exc:
-                    log.warning("placement store: %s not removed from the catalog: %s", adapter, exc)
+            if not keep_catalog:  # first, so that no router cold-loads it back while the unloads run
+                await self._remove_catalog(adapter)
             return await self._unload_everywhere(adapter)
+
+    async def _remove_catalog(self, name: str) -> None:
+        if self.store is None:
+            return
+        try:
+            await self.store.remove_catalog(name)
+        except Exception as exc:  # routers keep the entry until the next publish without it
+            log.warning("placement store: %s not removed from the catalog: %s", name, exc)
 
     async def _unload_everywhere(self, adapter: str) -> list[str]:
         if self.pool is None or self.token is None:
@@ -427,7 +425,7 @@ class PoolReconciler(Rollout):
             url = self.url_of(pod, self.pool.admin_port)
             try:
                 inv = await self.workers.inventory(url, self.token)
-                if info_of(inv, adapter) is not None:  # disk-tier entries too: a later adapter of that name must not find them
+                if pool_state.info_of(inv, adapter) is not None:  # disk-tier entries too: a later adapter of that name must not find them
                     inv = await self.workers.unload(url, self.token, adapter)
                 self.inventories[pod.name] = inv
                 self.loaded[pod.name] = resident(inv)
@@ -435,11 +433,7 @@ class PoolReconciler(Rollout):
                 pending.append(pod.name)
 
         await asyncio.gather(*(one(p) for p in self.pods.values() if p.ip and p.ready))
-        if self.store is not None:
-            for pod in self.pods:
-                if pod not in pending:
-                    try:
-                        await self.store.record_residency(pod, adapter, None, self.settings.publish_ttl_s)
-                    except Exception:
-                        pass
+        for pod in self.pods:
+            if pod not in pending:
+                await self._record_residency(pod, adapter, None)
         return sorted(pending)

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 from lorafleet.operator import pool_state
 from lorafleet.operator.pool_state import AdapterRecord
-from lorafleet.operator.spec import digest_matches
-from lorafleet.operator.worker_client import RESIDENT_TIERS, LoadRefused, WorkerBusy, WorkerError, resident
+from lorafleet.operator.spec import digest_matches, same_digest
+from lorafleet.operator.worker_client import LoadRefused, WorkerBusy, WorkerError, resident
 from lorafleet.protocol import AdapterInfo, AdapterInventory
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ class Rollout:
     def _target_path(self, record: AdapterRecord) -> str:
         """Where copies of the record's target come from: the serving version's path while an
         update is refused, else the spec's source."""
-        return record.serving_path if record.update_refused and record.serving_path else self._source_path(record.spec)
+        return record.serving_path or self._source_path(record.spec)  # set exactly while an update is refused
 
     def _copies(self, name: str, skip: str | None = None) -> list[AdapterInfo]:
         return [a for pod, inv in self.inventories.items() if pod != skip for a in inv.adapters if a.name == name]
@@ -70,26 +70,25 @@ class Rollout:
         copy before the reload, or any other pod's): that version keeps serving and the update is
         refused (DigestMismatch); no other version anywhere: the copy is verified and
         `check_loaded` fails the adapter, a first version of the wrong content being served nowhere."""
-        digest = _digest_of(inventory, record.spec.name)
+        digest = pool_state.copy_digest(inventory, record.spec.name)
         if digest is None:
             return
         if record.update_refused:  # a copy of the serving version, unless a concurrent load took refused content
-            record.serving_digest = record.serving_digest or digest
-            if pool_state.same_digest(digest, record.serving_digest):
+            if same_digest(digest, record.serving_digest):
                 record.verified[pod] = digest
             return
         if not digest_matches(record.spec.sha256, digest):
             others = self._copies(record.spec.name, skip=pod)
             expected = record.expected_digest
-            if expected is not None and any(pool_state.same_digest(c.digest, expected) for c in others):
+            if expected is not None and any(same_digest(c.digest, expected) for c in others):
                 # The spec's content serves elsewhere: this worker's volume gives other bytes.
                 log.warning("%s on worker %s is %s, not the spec's sha256 as elsewhere: not verified", record.spec.name,
                             pod, digest)
                 return
             version = pool_state.serving_version(record, ([before] if before is not None else []) + others)
             if version is not None:
-                record.refuse_update("DigestMismatch", f"{record.spec.source!r} gives {digest} on worker {pod}, the "
-                                     f"spec wants sha256:{record.spec.sha256}", version.path, version.digest, self.clock())
+                record.refuse_update("DigestMismatch", _mismatch(record, digest, pod), version.path, version.digest,
+                                     self.clock())
                 log.warning("update of %s: %s; %s keeps serving", record.spec.name, record.update_refused[1], version.path)
                 return
         record.verified[pod] = digest
@@ -113,7 +112,7 @@ class Rollout:
                 return False
             url = self.url_of(pod, pool.admin_port)
             async with locks.setdefault(pod_name, asyncio.Lock()):  # each answer replaces the pod's inventory
-                before = info_of(self.inventories.get(pod_name), name)
+                before = pool_state.info_of(self.inventories.get(pod_name), name)
                 refused_before = record.update_refused
                 try:
                     inv = await self.workers.load(url, token, name, self._target_path(record), inplace=True)
@@ -125,7 +124,7 @@ class Rollout:
                     if self.clock() - since < self.settings.reload_grace_s:
                         log.info("reload of %s on %s: %s", name, pod_name, exc)
                     elif self._target_elsewhere(record, pod_name):
-                        await self._drain(url, token, pod_name, name)
+                        await self._drain(url, pod_name, name)
                     else:  # make before break: the target on another worker first, judged there
                         await self._load_spare(record, pod_name)
                     return False
@@ -160,15 +159,14 @@ class Rollout:
         for record in list(self.adapters.values()):
             if not record.update_refused or record.problem is not None or now < record.next_probe:
                 continue
-            record.probe_delay = min(max(record.probe_delay, 30.0) * 2, 600.0)
+            record.probe_delay = min(record.probe_delay * 2, 600.0)
             record.next_probe = now + record.probe_delay
-            pod = next((self.pods[p] for p in sorted(self.inventories) if p in self.pods and self.pods[p].ip
-                        and self.pods[p].ready and not self.pods[p].draining), None)
+            pod = next((self.pods[p] for p in sorted(self.inventories) if p in self.pods and self.pods[p].usable), None)
             if pod is None:
                 continue
-            url, name = self.url_of(pod, self.pool.admin_port), f"{record.spec.name}{PROBE_SUFFIX}"
             try:
-                inv = await self.workers.load(url, self.token, name, self._source_path(record.spec), inplace=True)
+                digest = await self._scratch_digest(self.url_of(pod, self.pool.admin_port), record,
+                                                    self._source_path(record.spec))
             except LoadRefused as exc:
                 record.update_refused = (exc.reason, exc.message)
                 continue
@@ -176,44 +174,44 @@ class Rollout:
                 errors += 1
                 log.info("probe of %s's update on %s: %s", record.spec.name, pod.name, exc)
                 continue
-            finally:
-                with contextlib.suppress(WorkerError):
-                    await self.workers.unload(url, self.token, name)
-            digest = _digest_of(inv, name)
             if digest is not None and digest_matches(record.spec.sha256, digest):
                 log.info("update of %s now loads (%s): rolling it out", record.spec.name, digest)
                 record.accept_update()
                 record.current_digest = digest  # the copies now differ from it: stale, reloaded
             elif digest is not None:
-                record.update_refused = ("DigestMismatch", f"{record.spec.source!r} gives {digest}, the spec wants "
-                                         f"sha256:{record.spec.sha256}")
+                record.update_refused = ("DigestMismatch", _mismatch(record, digest))
         return errors
+
+    async def _scratch_digest(self, url: str, record: AdapterRecord, path: str) -> str | None:
+        """Load `path` under the record's scratch name and unload it again (whatever happened): the
+        digest the worker reported. A refusal or worker error is raised."""
+        assert self.token is not None
+        scratch = f"{record.spec.name}{PROBE_SUFFIX}"
+        try:
+            inv = await self.workers.load(url, self.token, scratch, path, inplace=True)
+        finally:
+            with contextlib.suppress(WorkerError):
+                await self.workers.unload(url, self.token, scratch)
+        return pool_state.copy_digest(inv, scratch)
 
     async def _judge_scratch(self, record: AdapterRecord, url: str, pod_name: str) -> bool:
         """Load the record's target under a scratch name on `pod_name` and unload it again: whether
         it loads with the spec's sha256. A refusal or another digest refuses the update (the copy
         there still serves the old version)."""
-        assert self.token is not None
-        scratch = f"{record.spec.name}{PROBE_SUFFIX}"
         try:
-            inv = await self.workers.load(url, self.token, scratch, self._target_path(record), inplace=True)
+            digest = await self._scratch_digest(url, record, self._target_path(record))
         except LoadRefused as exc:
             await self._refused(record, exc, url, pod_name)
             return False
         except WorkerError as exc:
             log.info("trial load of %s on %s: %s", record.spec.name, pod_name, exc)
             return False
-        finally:
-            with contextlib.suppress(WorkerError):
-                await self.workers.unload(url, self.token, scratch)
-        digest = _digest_of(inv, scratch)
         if record.update_refused or digest is None or digest_matches(record.spec.sha256, digest):
             return True
-        here = info_of(self.inventories.get(pod_name), record.spec.name)
+        here = pool_state.info_of(self.inventories.get(pod_name), record.spec.name)
         if here is None:
             return True
-        record.refuse_update("DigestMismatch", f"{record.spec.source!r} gives {digest}, the spec wants "
-                             f"sha256:{record.spec.sha256}", here.path, here.digest, self.clock())
+        record.refuse_update("DigestMismatch", _mismatch(record, digest), here.path, here.digest, self.clock())
         return False
 
     async def _refused(self, record: AdapterRecord, exc: LoadRefused, url: str, pod_name: str) -> bool:
@@ -237,7 +235,7 @@ class Rollout:
                 record.accept_update()
             return False
         expected = record.expected_digest
-        if expected is not None and any(pool_state.same_digest(c.digest, expected) for c in copies):
+        if expected is not None and any(same_digest(c.digest, expected) for c in copies):
             log.warning("load of %s refused on %s while the same content serves elsewhere: %s", name, pod_name, exc.message)
             return True
         version = pool_state.serving_version(record, copies)
@@ -252,9 +250,8 @@ class Rollout:
     def _target_elsewhere(self, record: AdapterRecord, pod_name: str) -> bool:
         """Whether a resident copy of the record's target serves on another worker."""
         target = record.target_digest
-        return any(pod != pod_name and (target is None and pod in record.verified or target is not None and any(
-            a.name == record.spec.name and a.tier in RESIDENT_TIERS and pool_state.same_digest(a.digest, target)
-            for a in inv.adapters)) for pod, inv in self.inventories.items())
+        return any(pod in record.verified if target is None else pool_state.holds(inv, record.spec.name, target)
+                   for pod, inv in self.inventories.items() if pod != pod_name)
 
     async def _load_spare(self, record: AdapterRecord, busy_pod: str) -> None:
         """The target on a worker that holds no copy (the fewest adapters first), so the busy one is
@@ -263,14 +260,14 @@ class Rollout:
         assert self.pool is not None and self.token is not None
         name = record.spec.name
         spares = sorted((len(inv.adapters), pod) for pod, inv in self.inventories.items()
-                        if pod != busy_pod and info_of(inv, name) is None and (p := self.pods.get(pod)) is not None
-                        and p.ready and not p.draining and p.ip)
+                        if pod != busy_pod and pool_state.info_of(inv, name) is None and (p := self.pods.get(pod)) is not None
+                        and p.usable)
         if not spares:  # no other worker to judge it on: judged under a scratch name first, then drained
             pod = self.pods.get(busy_pod)
             if pod is not None and pod.ip:
                 url = self.url_of(pod, self.pool.admin_port)
                 if await self._judge_scratch(record, url, busy_pod):
-                    await self._drain(url, self.token, busy_pod, name)
+                    await self._drain(url, busy_pod, name)
             return
         spare = spares[0][1]
         url = self.url_of(self.pods[spare], self.pool.admin_port)
@@ -283,14 +280,18 @@ class Rollout:
         except WorkerError as exc:
             log.info("load of %s on %s: %s", name, spare, exc)
             return
-        self.loaded.setdefault(spare, set()).add(name)
-        self._note_copy(spare, inv, name)
-        self._adopt(record, spare, inv, None)
+        self._took(record, spare, inv, None)
         self._spares.add((spare, name))
-        pool_state.note_digests(self.digests, inv)
         await self._record_residency(spare, name, "cpu")
 
-    async def _drain(self, url: str, token: str, pod: str, name: str) -> None:
+    def _took(self, record: AdapterRecord, pod: str, inventory: AdapterInventory, before: AdapterInfo | None) -> None:
+        """The bookkeeping after a load of the record's target on `pod` answered with `inventory`."""
+        self.loaded.setdefault(pod, set()).add(record.spec.name)
+        self._note_copy(pod, inventory, record.spec.name)
+        self._adopt(record, pod, inventory, before)
+        pool_state.note_digests(self.digests, inventory)
+
+    async def _drain(self, url: str, pod: str, name: str) -> None:
         """Unload an old version that never went idle: routers stop sending it here (withdrawn
         first; one on an older poll gets the worker's 404 and goes elsewhere), its running requests
         finish with the old weights, and the placement loads the new version (the worker answers
@@ -299,7 +300,7 @@ class Rollout:
                  self.settings.reload_grace_s)
         try:
             await self._record_residency(pod, name, None)
-            await self.workers.unload(url, token, name)
+            await self.workers.unload(url, self.token, name)
         except WorkerError as exc:
             log.info("drain of %s on %s: %s", name, pod, exc)
             return
@@ -311,13 +312,6 @@ class Rollout:
             record.verified.pop(pod, None)
 
 
-def info_of(inventory: AdapterInventory | None, name: str) -> AdapterInfo | None:
-    """What `inventory` lists for `name`, if anything."""
-    if inventory is None:
-        return None
-    return next((a for a in inventory.adapters if a.name == name), None)
-
-
-def _digest_of(inventory: AdapterInventory | None, name: str) -> str | None:
-    info = info_of(inventory, name)
-    return info.digest if info is not None else None
+def _mismatch(record: AdapterRecord, digest: str, pod: str | None = None) -> str:
+    where = f" on worker {pod}" if pod is not None else ""
+    return f"{record.spec.source!r} gives {digest}{where}, the spec wants sha256:{record.spec.sha256}"

@@ -87,7 +87,7 @@ _MISSING = object()
 # caps it at 52 characters. The CRD's schema has the same rule.
 _POOL_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 POOL_NAME_MAX = 52
-_PERCENT = re.compile(r"^[0-9]+%$")
+_PERCENT = re.compile(r"^(100|[1-9]?[0-9])%$")  # the CRD's pattern
 
 
 def _mapping(raw: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
@@ -199,7 +199,7 @@ def _max_unavailable(value: Any) -> int | str:
     """A PodDisruptionBudget's maxUnavailable: a count >= 0 or a percentage ("25%")."""
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
-    if isinstance(value, str) and _PERCENT.match(value) and int(value[:-1]) <= 100:
+    if isinstance(value, str) and _PERCENT.match(value):
         return value
     raise SpecError("InvalidSpec", f"spec.maxUnavailable must be a count >= 0 or a percentage like '25%', not {value!r}")
 
@@ -257,6 +257,11 @@ def check_against_pool(adapter: AdapterSpec, pool: PoolSpec) -> None:
         )
 
 
+def same_digest(a: str, b: str) -> bool:
+    """Two sha256 digests, each bare hex or "sha256:<hex>", in either case."""
+    return a.lower().removeprefix("sha256:") == b.lower().removeprefix("sha256:")
+
+
 def digest_matches(expected_hex: str | None, reported: str) -> bool:
-    """Workers report "sha256:<hex>"; the manifest holds the bare hex."""
-    return expected_hex is None or reported.lower().removeprefix("sha256:") == expected_hex.lower()
+    """Workers report "sha256:<hex>"; the manifest holds the bare hex (None: anything matches)."""
+    return expected_hex is None or same_digest(reported, expected_hex)

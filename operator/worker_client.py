@@ -14,7 +14,13 @@ from __future__ import annotations
 
 import httpx
 
-from lorafleet.protocol import AdapterInventory, LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+from lorafleet.protocol import (
+    REASON_DRAINING,
+    REASON_IN_USE,
+    AdapterInventory,
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
+)
 
 RESIDENT_TIERS = ("gpu", "cpu")
 
@@ -28,11 +34,7 @@ class WorkerUnavailable(WorkerError):
 
 
 class WorkerBusy(WorkerUnavailable):
-    """A 409 that passes once the requests running on the old weights finish (`in_use`, `draining`)."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
+    """A 409 that passes once the requests running on the old weights finish (BUSY_REASONS)."""
 
 
 class LoadRefused(WorkerError):
@@ -56,8 +58,7 @@ def resident(inventory: AdapterInventory) -> set[str]:
     return {a.name for a in inventory.adapters if a.tier in RESIDENT_TIERS}
 
 
-# 409 reasons that pass once requests still running on the old weights finish (worker/admin.py).
-BUSY_REASONS = ("in_use", "draining")
+BUSY_REASONS = (REASON_IN_USE, REASON_DRAINING)
 
 
 def _error_reason(response: httpx.Response) -> str | None:
@@ -123,9 +124,8 @@ class WorkerClient:
         response = await self._call("POST", f"{base_url}/v1/load_lora_adapter", token, body)
         if response.status_code >= 400:
             text = _error_text(response)
-            reason = _error_reason(response)
-            if response.status_code == 409 and reason in BUSY_REASONS:
-                raise WorkerBusy(reason, f"load {name} on {base_url}: {text}")
+            if response.status_code == 409 and _error_reason(response) in BUSY_REASONS:
+                raise WorkerBusy(f"load {name} on {base_url}: {text}")
             # vLLM answers 400 "already loaded" for a name it holds: the inventory decides.
             if not (response.status_code == 400 and "already" in text.lower()):
                 raise LoadRefused(response.status_code, text)

@@ -21,7 +21,13 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Request
 
-from lorafleet.protocol import AdapterInfo, AdapterInventory, LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+from lorafleet.protocol import (
+    REASON_IN_USE,
+    AdapterInfo,
+    AdapterInventory,
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
+)
 from lorafleet.worker.errors import ApiError, from_engine
 from lorafleet.worker.lora.adapter import AdapterError, LoraWeights
 from lorafleet.worker.lora.registry import AdapterConflict
@@ -112,7 +118,7 @@ async def _read_and_register(runtime: WorkerRuntime, name: str, path: str, inpla
         old = registry.entries.get(name)
         if inplace and old is not None and not old.removed and old.digest.value != weights.digest.value:
             if old.in_flight:
-                raise AdapterConflict("in_use", f"adapter {name!r} has {old.in_flight} requests in flight; "
+                raise AdapterConflict(REASON_IN_USE, f"adapter {name!r} has {old.in_flight} requests in flight; "
                                       "load the new version under a new name")
             registry.unregister(name)
         _entry, created = registry.register(name, weights)

@@ -52,7 +52,7 @@ class StubWorkers:
             if not inplace:
                 raise LoadRefused(409, f"{name} is loaded with different content")
             if old.requests_in_flight:
-                raise WorkerBusy("in_use", f"{name} has requests in flight")
+                raise WorkerBusy(f"{name} has requests in flight")
         self.held[url][name] = new
         return await self.inventory(url, token)
 

@@ -18,6 +18,7 @@ import pytest
 from lorafleet.operator.worker_client import (
     LoadRefused,
     NotVerified,
+    WorkerBusy,
     WorkerClient,
     WorkerError,
     WorkerUnavailable,
@@ -197,7 +198,7 @@ async def test_vllms_already_loaded_400_defers_to_the_inventory() -> None:
     await client.close()
 
 
-@pytest.mark.parametrize(("reason", "error"), [("in_use", WorkerUnavailable), ("draining", WorkerUnavailable),
+@pytest.mark.parametrize(("reason", "error"), [("in_use", WorkerBusy), ("draining", WorkerBusy),
                                               ("conflict", LoadRefused)])
 async def test_a_conflict_with_requests_in_flight_is_transient(reason: str, error: type) -> None:
     """The old version still serves requests: the swap waits for them; other 409s are permanent."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lorafleet.protocol import REASON_DRAINING
 from lorafleet.worker.config import EngineConfig, ModelConfig
 from lorafleet.worker.lora.adapter import AdapterError, LoraWeights
 from lorafleet.worker.lora.digest import Digest
@@ -127,7 +128,7 @@ class AdapterRegistry:
             # Its running requests must finish with the old weights, under this name: a second
             # version would share the name's slot and counters. Refuse until they are done.
             raise AdapterConflict(
-                "draining", f"adapter {name!r} was unloaded and {old.in_flight} request(s) still run with its old "
+                REASON_DRAINING, f"adapter {name!r} was unloaded and {old.in_flight} request(s) still run with its old "
                 "weights; retry when they finish, or load the new version under a new name",
             )
         entry = AdapterEntry(name=name, path=weights.path, digest=weights.digest, rank=weights.max_rank,
