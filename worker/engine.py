@@ -236,8 +236,10 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise RequestError(f"prompt token ids must be in 0..{vocab - 1}")
-        if any(not 0 <= t < vocab for t in sampling.stop_token_ids):
-            raise RequestError(f"stop_token_ids must be in 0..{vocab - 1}")
+        for field, named in sampling.named_token_ids().items():
+            bad = next((t for t in named if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise RequestError(f"{field} must be in 0..{vocab - 1}, got token id {bad}")
         if len(ids) + sampling.max_tokens > self.max_model_len:
             raise RequestError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the model's "
@@ -255,15 +257,17 @@ class LLMEngine:
         self.registry.acquire(name for name, _ in adapters)  # raises AdapterNotFound
         # Keyed by registration, not digest: the digest may still be hashing (it is off the load's path).
         salt = "|".join(f"{n}#{self.registry.entries[n].generation}*{s!r}" for n, s in adapters)
+        stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self._eos_ids)
+        if sampling.min_tokens and sampling.allowed_token_ids is not None and stop_ids >= set(sampling.allowed_token_ids):
+            raise RequestError("min_tokens: every token in allowed_token_ids is a stop token, so none can be sampled first")
         seq = Sequence(seq_id=next(self._ids), prompt_ids=ids, sampling=sampling, adapters=adapters,
-                       cache_salt=salt, arrival=time.monotonic())
+                       cache_salt=salt, arrival=time.monotonic(), stop_ids=stop_ids)
         try:  # a seeded request's generator now: a seed torch refuses fails this request, not a step
             self.runner.generator_for(seq)
         except (RuntimeError, ValueError, OverflowError) as exc:
             self.registry.release(seq.adapter_names)
             raise RequestError(f"seed {sampling.seed} cannot seed a random generator: {exc}") from None
-        stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self._eos_ids)
-        self._tracked[seq.seq_id] = TrackedRequest(seq, IncrementalDetokenizer(self.tokenizer, ids), stop_ids)
+        self._tracked[seq.seq_id] = TrackedRequest(seq, IncrementalDetokenizer(self.tokenizer, ids))
         self.scheduler.add(seq)
         return seq.seq_id
 
@@ -328,7 +332,7 @@ class LLMEngine:
         seq.output_ids.append(token)
         self.generated_tokens += 1
         reason = None
-        stop_token = token in tracked.stop_ids
+        stop_token = token in seq.stop_ids
         if stop_token:
             reason = "stop"
         elif len(seq.output_ids) >= sp.max_tokens or len(seq) >= self.max_model_len:

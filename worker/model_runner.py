@@ -9,8 +9,9 @@ import torch
 from lorafleet.kernels.lora_meta import LoraMeta, build_lora_meta
 from lorafleet.worker.attention import AttentionMetadata
 from lorafleet.worker.cuda_graphs import DecodeGraphs
+from lorafleet.worker.logits_processors import LogitsProcessors
 from lorafleet.worker.models.llama import LlamaModel
-from lorafleet.worker.sampling import SampledTokens, TokenLogprobs, sample, sample_on_device
+from lorafleet.worker.sampling import SampledTokens, TokenLogprobs, sample_on_device
 from lorafleet.worker.scheduler import ScheduledBatch
 from lorafleet.worker.sequence import Sequence
 
@@ -36,6 +37,7 @@ class ModelRunner:
             for _ in range(c.num_layers)
         ]
         self._generators: dict[int, torch.Generator] = {}
+        self.logits_processors = LogitsProcessors(c.vocab_size, self.device)
         self.graphs: DecodeGraphs | None = None  # set by the engine when EngineConfig.cuda_graphs is on
 
     @staticmethod
@@ -56,6 +58,7 @@ class ModelRunner:
 
     def forget(self, seq: Sequence) -> None:
         self._generators.pop(seq.seq_id, None)
+        self.logits_processors.forget(seq)
 
     def prepare(self, batch: ScheduledBatch, slot_of: dict[str, int]) -> tuple:
         bs = self.block_size
@@ -128,7 +131,7 @@ class ModelRunner:
             hook(sampled, logits)
         if not sampled:
             return [], []
-        return sample(logits, [s.sampling for s in sampled], [self.generator_for(s) for s in sampled], greedy)
+        return self._sample(logits, sampled, greedy).read()
 
     @torch.inference_mode()
     def launch(
@@ -141,6 +144,11 @@ class ModelRunner:
         """
         assert self.graphs is not None
         out = self.graphs.run(batch, slot_of, input_ids)
-        seqs = batch.seqs
+        return self._sample(out.logits, batch.seqs, out.greedy, pending=0 if input_ids is None else 1).start_copy()
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy, pending: int = 0) -> SampledTokens:
+        """Queue the sampling of one token for each of `seqs` (rows of `logits`), their logit edits
+        first. pending: tokens each has sampled that its host `output_ids` lack (see `prepare`)."""
         params, generators = [s.sampling for s in seqs], [self.generator_for(s) for s in seqs]
-        return sample_on_device(out.logits, params, generators, out.greedy).start_copy()
+        edit = self.logits_processors.prepare(seqs, pending)
+        return sample_on_device(logits, params, generators, greedy, edit)

@@ -4,7 +4,7 @@ response / stream-chunk shapes, as plain builders. Torch-free; raw dicts only at
 Request fields keep JSON's types (pydantic's strict mode): `max_tokens: true` or `"stream": "false"`
 is a 400, not 1 or false by coercion. JSON `null` for an optional field means "not given", as in
 OpenAI's API. A field this worker does not implement (`tools`, `response_format` json, vLLM's
-`min_p`, ...) is a 400 naming it unless its value changes nothing; other unknown fields are ignored.
+`guided_*`, ...) is a 400 naming it unless its value changes nothing; other unknown fields are ignored.
 """
 
 from __future__ import annotations
@@ -73,12 +73,8 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "guided_choice": (_off(), "guided decoding (guided_choice) is not supported"),
     "guided_grammar": (_off(), "guided decoding (guided_grammar) is not supported"),
     "structured_outputs": (_off(), "structured_outputs is not supported"),
-    "repetition_penalty": (_off(1, 1.0), "repetition_penalty other than 1 is not supported"),
-    "min_p": (_off(0, 0.0), "min_p other than 0 is not supported"),
-    "min_tokens": (_off(0), "min_tokens other than 0 is not supported"),
     "use_beam_search": (_off(False), "use_beam_search is not supported"),
     "prompt_logprobs": (_off(), "prompt_logprobs is not supported"),
-    "allowed_token_ids": (_off(), "allowed_token_ids is not supported"),
     "bad_words": (_off(), "bad_words is not supported"),
     "logits_processors": (_off(), "logits_processors is not supported"),
 }
@@ -99,9 +95,9 @@ class _SamplingFields(JsonBody):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> -100..100
     best_of: int | None = None  # completions in OpenAI's API; vLLM's chat takes it too
     echo: bool = False  # completions: the prompt before the text; vLLM's chat: the last message
     user: str | None = None
@@ -110,16 +106,15 @@ class _SamplingFields(JsonBody):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: int | None = Field(default=None, ge=0)
+    allowed_token_ids: list[int] | None = None
     # The RFC's composition field: several adapters with static scales (then `model` is the base)
     lora_adapters: list[LoraAdapterRef] | None = None
 
     def check_supported(self) -> None:
         """Raises UnsupportedField (HTTP 400) for a field set to a value this worker cannot honour."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise UnsupportedField(name, f"{name} other than 0 is not supported")
-        if self.logit_bias:
-            raise UnsupportedField("logit_bias", "logit_bias is not supported")
         if self.echo:
             raise UnsupportedField("echo", "echo is not supported")
         if self.best_of is not None and self.best_of < self.n:
@@ -147,7 +142,25 @@ class _SamplingFields(JsonBody):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_p=self.min_p or 0.0,
+            min_tokens=self.min_tokens or 0,
+            logit_bias=self._logit_bias(),
+            allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
         )
+
+    def _logit_bias(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias's keys as token ids; raises UnsupportedField (a 400 naming it) for another key."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise UnsupportedField("logit_bias", f"logit_bias keys must be token ids, got {key!r}") from None
+            pairs.append((token, bias))
+        return tuple(pairs)
 
     @property
     def include_usage(self) -> bool:

@@ -40,12 +40,10 @@ class Completion:
 
 @dataclass(slots=True)
 class TrackedRequest:
-    """A request the engine tracks: its sequence, its detokenizer, its stop tokens, the text
-    returned so far."""
+    """A request the engine tracks: its sequence, its detokenizer, the text returned so far."""
 
     seq: Sequence
     detok: IncrementalDetokenizer
-    stop_ids: frozenset[int]  # stop_token_ids, and EOS unless ignore_eos: checked per token
     emitted: int = 0  # characters of text already returned
 
     def text_delta(self, reason: str | None, stop_token: bool) -> tuple[str, str | None]:
@@ -58,7 +56,7 @@ class TrackedRequest:
             text = self.detok.text
         else:  # the final text: a held-back partial character flushed, a stop token's own text left out
             text = self.detok.finish(seq.output_ids[:-1] if stop_token else seq.output_ids)
-        if sp.stop:
+        if sp.stop and len(seq.output_ids) > sp.min_tokens:  # vLLM's rule: stop strings count after min_tokens
             hit = find_stop(text, sp.stop, self.emitted, sp.include_stop_str_in_output)
             if hit is not None:
                 text, reason = text[:hit], "stop"

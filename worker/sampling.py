@@ -1,8 +1,11 @@
-"""Turn a step's logits into tokens: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+"""Turn a step's logits into tokens: greedy, temperature, min-p, top-k, top-p, per-request seeds,
+logprobs; the requests' own logit edits (penalties, logit_bias, ...: worker/logits_processors.py)
+applied first.
 
 Every row goes through one batched pass on the logits' device, whatever the mix of knobs: the
 per-row knobs travel in one small host-to-device copy, top-k / top-p become one threshold per row
-(one sort of the batch's rows, or one `topk` when no row asks for top-p), and the token is drawn
+(one sort of the batch's rows, or one `topk` when no row asks for top-p; min-p before them, as in
+vLLM), and the token is drawn
 with the exponential race: `argmax(probs / E) == argmax(log probs - log E)` with `E ~ Exp(1)`
 i.i.d. per vocabulary entry is an exact sample from `probs` (greedy rows take `E = 1`: the argmax).
 A seeded row draws its `E` from its own generator (one kernel for that row), so its tokens depend
@@ -12,13 +15,16 @@ gathered on the device and copied back together. `sample_on_device` stops before
 returns the device tensors (`SampledTokens`), so async scheduling (worker/async_step.py) can feed
 the tokens to the next step first; `sample` is `sample_on_device(...).read()`. A decode graph
 hands in its own greedy picks (kernels/greedy.py) with logits left in the model's dtype: an
-all-greedy batch without logprobs takes the picks, any other converts the logits to float32 first.
+all-greedy batch without logprobs or logit edits takes the picks, any other converts the logits to
+float32 first. Logprobs are the model's distribution, before edits and knobs (vLLM's default).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +41,14 @@ class TokenLogprobs:
 
 # (tokens, shown) for every row, made on the device: kernels/greedy.py's `greedy_pick`.
 GreedyPick = tuple[torch.Tensor, torch.Tensor]
+
+
+class LogitsEdit(Protocol):
+    """A step's per-request logit edits (logits_processors.LogitsEdit)."""
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor: ...  # an edited float32 copy
+
+    def record(self, tokens: torch.Tensor) -> None: ...  # the step's sampled tokens, on the device
 
 # Unseeded rows draw their noise from one generator per device, seeded from the OS on first use.
 _shared_generators: dict[torch.device, torch.Generator] = {}
@@ -54,6 +68,7 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],  # a row's own generator (seeded requests), else None
     greedy: GreedyPick | None = None,
+    edit: LogitsEdit | None = None,
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """One token per row. Greedy rows (temperature below 1e-5, or top_k 1) take the argmax.
 
@@ -62,11 +77,12 @@ def sample(
     the engine ends that request with an error instead of failing the whole batch. The step syncs
     with the host once, when tokens (and logprobs) are read. `greedy`: the rows' greedy picks
     already made on the device (a decode graph's, kernels/greedy.py), taken as they are when
-    every row is greedy and none asks for logprobs.
+    every row is greedy and none asks for logprobs. `edit`: the rows' logit edits, applied to a
+    copy before the knobs; a row whose model logits are not finite still gets -1.
     """
     if logits.shape[0] == 0:
         return [], []
-    return sample_on_device(logits, params, generators, greedy).read()
+    return sample_on_device(logits, params, generators, greedy, edit).read()
 
 
 @dataclass(slots=True)
@@ -112,9 +128,10 @@ def sample_on_device(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     greedy: GreedyPick | None = None,
+    edit: LogitsEdit | None = None,
 ) -> SampledTokens:
     """`sample`'s kernels, queued; nothing is read on the host (see SampledTokens)."""
-    if greedy is not None and all(p.greedy and p.logprobs is None for p in params):
+    if greedy is not None and edit is None and all(p.greedy and p.logprobs is None for p in params):
         tokens, shown = greedy
         return SampledTokens(tokens, shown, params, [], 0)
     logits = logits.float()  # no copy when it is float32 already
@@ -129,10 +146,13 @@ def sample_on_device(
     knobs = _Knobs(params, vocab)
     uploaded = _upload(knobs.values + (lp_rows if subset else []), dev) if knobs.any_sampled or subset else None
 
+    edited = logits if edit is None else edit.apply(logits)
     if knobs.any_sampled:
-        tokens = _sample_rows(logits, uploaded[: 4 * n].view(4, n), knobs, generators)
+        tokens = _sample_rows(edited, uploaded[: _Knobs.ROWS * n].view(_Knobs.ROWS, n), knobs, generators)
     else:
-        tokens = logits.argmax(dim=-1)
+        tokens = edited.argmax(dim=-1)
+    if edit is not None:
+        edit.record(tokens)
     shown = torch.where(finite, tokens, -1)
     if not lp_rows:
         return SampledTokens(tokens, shown, params, lp_rows, 0)
@@ -176,29 +196,34 @@ def _unpack(
 
 
 class _Knobs:
-    """The rows' knobs as four float rows (temperature, k-th position, top_p, greedy), built on the host.
+    """The rows' knobs as five float rows (temperature, k-th position, top_p, greedy, log min_p),
+    built on the host.
 
     Greedy rows get neutral knobs (their noise is 1: the argmax). A row without top-k points at the
     last sorted position and a row without top-p gets a mass it never reaches, so both thresholds
-    fall on the row's minimum and mask nothing.
+    fall on the row's minimum and mask nothing; a row without min-p has log 0 = -inf, no cut-off.
     """
 
+    ROWS = 5
+
     def __init__(self, params: list[SamplingParams], vocab: int) -> None:
-        temperature, k_index, top_p, greedy = [], [], [], []
-        self.k_max, self.any_p, self.n_greedy = 0, False, 0
+        temperature, k_index, top_p, greedy, log_min_p = [], [], [], [], []
+        self.k_max, self.any_p, self.any_min_p, self.n_greedy = 0, False, False, 0
         for p in params:
             on = not p.greedy
             k = p.top_k if on and 0 < p.top_k < vocab else 0
             self.k_max = max(self.k_max, k)
             self.any_p = self.any_p or (on and p.top_p < 1.0)
+            self.any_min_p = self.any_min_p or (on and p.min_p > 0.0)
             self.n_greedy += not on
             temperature.append(p.temperature if on else 1.0)
             k_index.append(k - 1 if k else vocab - 1)
             top_p.append(p.top_p if on and p.top_p < 1.0 else 2.0)
             greedy.append(0.0 if on else 1.0)
+            log_min_p.append(math.log(p.min_p) if on and p.min_p > 0.0 else float("-inf"))
         self.params = params
         self.any_sampled = self.n_greedy < len(params)
-        self.values = temperature + k_index + top_p + greedy if self.any_sampled else []
+        self.values = temperature + k_index + top_p + greedy + log_min_p if self.any_sampled else []
 
 
 def _upload(values: list[float], device: torch.device) -> torch.Tensor:
@@ -215,6 +240,9 @@ def _sample_rows(
 ) -> torch.Tensor:
     """A token for every row in one batched pass (greedy rows: the argmax); on the device."""
     scaled = logits / knobs_t[0].unsqueeze(1)
+    if knobs.any_min_p:  # p >= min_p * p_max, in logits: scaled >= max + log min_p (vLLM: before top-k/p)
+        cutoff = scaled.amax(dim=-1, keepdim=True) + knobs_t[4].unsqueeze(1)
+        scaled.masked_fill_(scaled < cutoff, float("-inf"))
     if knobs.k_max or knobs.any_p:
         k_index = knobs_t[1].long().unsqueeze(1)
         threshold = _threshold(scaled, k_index, knobs_t[2].unsqueeze(1), knobs.k_max, knobs.any_p)

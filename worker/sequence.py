@@ -20,6 +20,10 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 MIN_TEMPERATURE = 1e-5
 # vLLM has no cap; 8 requests of 200,000 ids each slowed a whole worker (a scan per token).
 MAX_STOP_TOKEN_IDS = 64
+# logit_bias entries a request may set (OpenAI's values: -100..100). Built once per request into a
+# row of device state (worker/logits_processors.py), so the cap only bounds that one-time upload.
+MAX_LOGIT_BIAS = 1024
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +40,17 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs to return per generated token (0 = only the chosen one)
     include_stop_str_in_output: bool = False
+    # Logit edits (worker/logits_processors.py, vLLM's semantics): OpenAI's penalties on the output's
+    # tokens, vLLM's repetition penalty on the prompt's and the output's, min_p after temperature,
+    # no stop token (EOS, stop_token_ids) and no stop string before min_tokens, a bias per token id,
+    # and only allowed_token_ids (None: any).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -49,6 +64,18 @@ class SamplingParams:
              f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids ({len(self.stop_token_ids)} given)"),
             (self.seed is None or SEED_MIN <= self.seed <= SEED_MAX,
              f"seed must be in {SEED_MIN}..{SEED_MAX}, the range torch's generators take"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
+            (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty must be in (0, 2]"),
+            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            (0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be in 0..max_tokens ({self.max_tokens}), got {self.min_tokens}"),
+            (len(self.logit_bias) <= MAX_LOGIT_BIAS,
+             f"logit_bias: at most {MAX_LOGIT_BIAS} entries ({len(self.logit_bias)} given)"),
+            (all(LOGIT_BIAS_RANGE[0] <= b <= LOGIT_BIAS_RANGE[1] for _, b in self.logit_bias),
+             "logit_bias values must be in [-100, 100]"),
+            (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+             "allowed_token_ids must not be empty"),
         ]
         for ok, message in checks:
             if not ok:
@@ -58,6 +85,21 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty counts this request's tokens."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether the logits are edited before sampling (all but min_p, a sampling knob)."""
+        return self.penalized or bool(self.logit_bias) or self.allowed_token_ids is not None or self.min_tokens > 0
+
+    def named_token_ids(self) -> dict[str, tuple[int, ...]]:
+        """The token ids the request names, by field: the engine checks them against the vocabulary."""
+        return {"stop_token_ids": self.stop_token_ids, "logit_bias": tuple(t for t, _ in self.logit_bias),
+                "allowed_token_ids": self.allowed_token_ids or ()}
+
 
 @dataclass(slots=True)
 class Sequence:
@@ -66,6 +108,7 @@ class Sequence:
     sampling: SamplingParams
     adapters: tuple[tuple[str, float], ...] = ()  # (adapter name, scale); empty = base model only
     cache_salt: str = ""  # the adapter set with scales and digests: prefix blocks are shared only under it
+    stop_ids: frozenset[int] = frozenset()  # stop_token_ids, and EOS unless ignore_eos: checked per token
     arrival: float = 0.0
     output_ids: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING

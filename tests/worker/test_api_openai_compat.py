@@ -1,6 +1,7 @@
 """What a client of OpenAI's API (or vLLM's) expects from the worker, through the official `openai`
 client where it can send it: JSON null as "not given", `n` choices per prompt, `max_completion_tokens`,
-`stream_options`, and a 400 naming each field the worker does not implement (never silence)."""
+`stream_options`, penalties and `logit_bias` (and vLLM's `min_p`, `min_tokens`, `repetition_penalty`,
+`allowed_token_ids`), and a 400 naming each field the worker does not implement (never silence)."""
 
 from __future__ import annotations
 
@@ -266,38 +267,31 @@ UNSUPPORTED = [
     ("function_call", {"name": "lookup"}),
     ("response_format", {"type": "json_object"}),
     ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
-    ("logit_bias", {"50": 100}),
-    ("presence_penalty", 0.5),
-    ("frequency_penalty", -0.5),
     ("echo", True),
     ("best_of", 2),
     ("modalities", ["text", "audio"]),
     ("guided_json", {"type": "object"}),
     ("guided_choice", ["a", "b"]),
-    ("repetition_penalty", 1.2),
-    ("min_p", 0.1),
-    ("min_tokens", 3),
     ("use_beam_search", True),
 ]
 HARMLESS = [
     ("user", "u-1"), ("metadata", {"k": "v"}), ("store", False), ("parallel_tool_calls", True),
     ("service_tier", "auto"), ("tool_choice", "none"), ("tool_choice", "auto"), ("tools", []),
-    ("response_format", {"type": "text"}), ("logit_bias", {}), ("repetition_penalty", 1.0), ("min_p", 0),
-    ("modalities", ["text"]), ("presence_penalty", 0), ("best_of", 1), ("reasoning_effort", "low"),
+    ("response_format", {"type": "text"}), ("modalities", ["text"]), ("best_of", 1), ("reasoning_effort", "low"),
 ]
 
 
 @pytest.mark.parametrize("field,value", UNSUPPORTED, ids=[f"{f}-{i}" for i, (f, _) in enumerate(UNSUPPORTED)])
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_unsupported_features_are_400_naming_the_field(worker, field, value, stream):
-    """tools, response_format json, functions, vLLM's guided decoding and penalties were ignored: the
-    answer looked right and was not what was asked for."""
+    """tools, response_format json, functions and vLLM's guided decoding were ignored: the answer
+    looked right and was not what was asked for."""
     body = {"model": "demo", "messages": CHAT, "max_tokens": 2, "stream": stream, field: value}
     assert field in refused(post(worker, "chat/completions", body), field)
 
 
-@pytest.mark.parametrize("field,value", [("suffix", " end"), ("echo", True), ("logit_bias", {"7": -100}),
-                                         ("best_of", 3), ("guided_regex", "[a-z]+")])
+@pytest.mark.parametrize("field,value", [("suffix", " end"), ("echo", True), ("best_of", 3),
+                                         ("guided_regex", "[a-z]+")])
 def test_unsupported_completions_fields_are_400(worker, field, value):
     body = {"model": "demo", "prompt": PROMPT, "max_tokens": 2, field: value}
     assert field in refused(post(worker, "completions", body), field)
@@ -314,6 +308,62 @@ def test_the_official_client_gets_a_typed_error_for_tools(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="demo", messages=CHAT, max_tokens=2, tools=[TOOL])
     assert err.value.body["param"] == "tools"
+
+
+# -- penalties, logit_bias and vLLM's logit knobs ----------------------------------------------------------
+
+
+def token_text(worker, token: int) -> str:
+    return worker.engine.tokenizer.decode([token], skip_special_tokens=False)
+
+
+def test_logit_bias_from_the_official_client_decides_the_tokens(client, worker):
+    """OpenAI's logit_bias (string keys, -100..100) and penalties, sent as the client sends them."""
+    out = client.completions.create(model="demo", prompt=PROMPT, max_tokens=4, temperature=0,
+                                    logit_bias={"77": 100}, frequency_penalty=0.0, presence_penalty=0.0)
+    assert out.choices[0].text == token_text(worker, 77) * 4
+    chat = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=3, temperature=0,
+                                          logit_bias={"301": 100})
+    assert chat.choices[0].message.content == token_text(worker, 301) * 3
+
+
+def test_vllm_knobs_through_extra_body(client, worker):
+    allowed = client.completions.create(model="demo", prompt=PROMPT, max_tokens=6, temperature=1.0, seed=1,
+                                        extra_body={"allowed_token_ids": [77], "min_p": 0.1,
+                                                    "repetition_penalty": 1.3, "min_tokens": 2})
+    assert allowed.choices[0].text == token_text(worker, 77) * 6
+    # A frequency penalty large enough beats a bias of 3: the biased token is taken until it is not.
+    body = {"model": "demo", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logit_bias": {"77": 3}}
+    biased = post(worker, "completions", body).json()["choices"][0]["text"]
+    penalised = post(worker, "completions", {**body, "frequency_penalty": 2.0}).json()["choices"][0]["text"]
+    assert biased.count(token_text(worker, 77)) > penalised.count(token_text(worker, 77)) >= 1
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("frequency_penalty", 2.5, "less than or equal to 2"),
+    ("presence_penalty", -2.5, "greater than or equal to -2"),
+    ("repetition_penalty", 0, "greater than 0"),
+    ("min_p", 1.5, "less than or equal to 1"),
+    ("min_tokens", -1, "greater than or equal to 0"),
+    ("logit_bias", {"abc": 1}, "keys must be token ids"),
+    ("logit_bias", {"5": "high"}, "valid number"),
+])
+def test_bad_logit_knobs_are_400_naming_the_field(worker, field, value, message):
+    r = post(worker, "completions", {"model": "demo", "prompt": PROMPT, "max_tokens": 4, field: value})
+    param = "logit_bias.5" if value == {"5": "high"} else field  # pydantic's location of the bad entry
+    assert message in refused(r, param)
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"logit_bias": {"5": 101}}, "logit_bias values must be in [-100, 100]"),
+    ({"logit_bias": {"100000": 1}}, "logit_bias must be in 0.."),
+    ({"allowed_token_ids": [3, 100000]}, "allowed_token_ids must be in 0.."),
+    ({"allowed_token_ids": []}, "allowed_token_ids must not be empty"),
+    ({"min_tokens": 5}, "min_tokens must be in 0..max_tokens (4)"),
+])
+def test_knobs_the_engine_refuses_are_400(worker, body, message):
+    r = post(worker, "completions", {"model": "demo", "prompt": PROMPT, "max_tokens": 4, **body})
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
 
 
 # -- response shape -------------------------------------------------------------------------------------

@@ -90,6 +90,26 @@ def test_offline_generate_same_completions(demo_model, modules):
     assert not asyn.has_unfinished() and asyn.blocks.num_free == free
 
 
+EDITS = [dict(frequency_penalty=1.5), dict(presence_penalty=2.0, repetition_penalty=1.5),
+         dict(repetition_penalty=0.5), dict(logit_bias=((1, 6.0),), min_tokens=7),  # 1: the demo model's EOS
+         dict(logit_bias=((77, 2.0), (301, 1.5)), frequency_penalty=0.7),
+         dict(temperature=1.0, seed=5, presence_penalty=1.0, min_p=0.05), {}, dict(allowed_token_ids=(5, 77, 301))]
+EDITED = [(p, SamplingParams(**{"max_tokens": 12, "temperature": 0.0, **e}), a) for (p, a), e in zip(MIXED, EDITS)]
+
+
+def test_logit_edits_see_the_token_in_flight(demo_model, modules):
+    """Penalties count, and min_tokens holds EOS back by, the tokens sampled so far, including the one
+    still in flight, whose host copy the next step's launch has not read yet."""
+    eos = 1
+    want, got, _, asyn = _both(demo_model, modules, EDITED)
+    assert got == want
+    assert asyn.async_steps.stats.overlapped >= 5 and asyn.runner.logits_processors.rows_in_use == 0
+    held = _texts(got)[3][0]
+    assert len(held) == 8 and held[-1] == eos, "EOS, pushed up, came right after min_tokens"
+    plain = _texts(_drive(_engine(demo_model, modules, False), [(p, greedy(12), a) for p, a in MIXED[:3]]))
+    assert all(_texts(got)[i][0] != plain[i][0] for i in range(3)), "the penalties changed the tokens"
+
+
 def test_stop_strings_and_stop_tokens_mid_batch(demo_model, modules):
     base = [(p, greedy(12), a) for p, a in MIXED[:6]]
     plain = _texts(_drive(_engine(demo_model, modules, False), base))
@@ -219,8 +239,8 @@ def test_error_token_ends_only_its_request(demo_model, modules, monkeypatch):
     victim: list[int] = []
     real = model_runner.sample_on_device
 
-    def poisoned(logits, params, generators, greedy=None):
-        out = real(logits, params, generators, greedy)
+    def poisoned(logits, params, generators, greedy=None, edit=None):
+        out = real(logits, params, generators, greedy, edit)
         if engine.async_steps.stats.launched == 3 and not victim:  # the 4th launched step
             victim.append(1)
             out.packed[1] = -1  # what a non-finite row reads as
@@ -310,3 +330,13 @@ def test_async_matches_sync_on_cuda(demo_model, modules):
     assert _texts(got) == _texts(want)
     stats = asyn.async_steps.stats
     assert stats.overlapped > 0 and asyn.runner.graphs.stats.captures > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_logit_edits_async_match_sync_on_cuda(demo_model, modules):
+    """The edits' device state under captured graphs and pinned copies: async as the synchronous engine."""
+    want, got, _, asyn = _both(demo_model, modules, EDITED, device="cuda", dtype="float32")
+    assert _texts(got) == _texts(want)
+    assert asyn.async_steps.stats.overlapped >= 5 and asyn.runner.graphs.stats.captures > 0
+    assert asyn.runner.logits_processors.rows_in_use == 0

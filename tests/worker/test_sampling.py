@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lorafleet.worker import sampling
+from lorafleet.worker.logits_processors import LogitsProcessors
 from lorafleet.worker.model_runner import ModelRunner
 from lorafleet.worker.sampling import sample, sample_on_device
 from lorafleet.worker.sequence import SamplingParams, Sequence
@@ -320,7 +321,8 @@ def test_empty_batch():
 
 
 def test_only_seeded_requests_own_a_generator():
-    runner = SimpleNamespace(_generators={}, device=torch.device("cpu"))
+    runner = SimpleNamespace(_generators={}, device=torch.device("cpu"),
+                             logits_processors=LogitsProcessors(10, torch.device("cpu")))
 
     def seq(i, **kw):
         return Sequence(seq_id=i, prompt_ids=[1], sampling=SamplingParams(**kw))

@@ -1,0 +1,90 @@
+"""What a step's sampling costs with per-request logit edits (penalties, logit_bias, min_tokens),
+against the same step without them: `ModelRunner`'s path, `LogitsProcessors.prepare`, then
+`sample_on_device` (edits applied, tokens drawn, sampled tokens counted), then the host read.
+
+Each case runs `--steps` consecutive steps on the same requests (their outputs grow, as in decode)
+and reports the median wall time a step, host work included (the engine waits for it too).
+
+Usage (GPU): python -m bench.logit_edits [--vocab 100000] [--batch 64] [--out bench/results/logit-edits-h200.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from lorafleet.worker.logits_processors import LogitsProcessors
+from lorafleet.worker.sampling import sample_on_device
+from lorafleet.worker.sequence import SamplingParams, Sequence
+
+EDITS = {
+    "none": {},
+    "penalties": dict(frequency_penalty=0.5, presence_penalty=0.5, repetition_penalty=1.1),
+    "bias": dict(logit_bias=tuple((t, 1.0) for t in range(0, 3000, 10))),
+    "all": dict(frequency_penalty=0.5, presence_penalty=0.5, repetition_penalty=1.1, min_tokens=64,
+                logit_bias=tuple((t, 1.0) for t in range(0, 3000, 10))),
+}
+SAMPLING = {"greedy": dict(temperature=0.0), "top_p": dict(temperature=0.8, top_p=0.9)}
+
+
+def run_case(vocab: int, batch: int, edited: int, edit: dict, knobs: dict, steps: int, device: torch.device,
+             prompt_len: int = 128) -> float:
+    """Median seconds a step for `batch` rows, `edited` of them with `edit`."""
+    procs = LogitsProcessors(vocab, device)
+    g = torch.Generator(device=device).manual_seed(0)
+    seqs = []
+    for i in range(batch):
+        sp = SamplingParams(max_tokens=4096, **knobs, **(edit if i < edited else {}))
+        prompt = [(7919 * i + 13 * j) % vocab for j in range(prompt_len)]
+        seqs.append(Sequence(seq_id=i, prompt_ids=prompt, sampling=sp, stop_ids=frozenset({1})))
+    times = []
+    for _ in range(steps):
+        logits = torch.randn(batch, vocab, device=device, generator=g)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = sample_on_device(logits, [s.sampling for s in seqs], [None] * batch, None, procs.prepare(seqs))
+        tokens, _ = out.read()
+        times.append(time.perf_counter() - t0)
+        for s, t in zip(seqs, tokens):
+            s.output_ids.append(t)
+    return statistics.median(times[steps // 4:])  # the first steps fill the rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vocab", type=int, default=100_000)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    rows = []
+    print(f"{'sampling':8} {'edits':10} {'rows edited':>11} {'step µs':>9} {'vs none':>8}")
+    for sname, knobs in SAMPLING.items():
+        plain = None
+        for ename, edit in EDITS.items():
+            for edited in ([args.batch] if ename == "none" else [args.batch // 8, args.batch]):
+                s = run_case(args.vocab, args.batch, edited if ename != "none" else 0, edit, knobs, args.steps, device)
+                plain = s if ename == "none" else plain
+                rows.append({"sampling": sname, "edits": ename, "edited_rows": edited if ename != "none" else 0,
+                             "batch": args.batch, "vocab": args.vocab, "step_us": round(s * 1e6, 1),
+                             "vs_none": round(s / plain, 3)})
+                r = rows[-1]
+                print(f"{sname:8} {ename:10} {r['edited_rows']:>11} {r['step_us']:>9.1f} {r['vs_none']:>8.3f}")
+    if args.out:
+        meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+                "torch": torch.__version__, "steps": args.steps}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

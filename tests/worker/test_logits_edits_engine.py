@@ -1,0 +1,124 @@
+"""The engine's greedy decoding with penalties, logit_bias, min_tokens and allowed_token_ids, all in
+one batch, against transformers `generate` with the same knobs (fp32 on CPU), and a manual
+transformers loop with OpenAI's formula for the frequency and presence penalties, which
+transformers lacks."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from lorafleet.worker.config import EngineConfig
+from lorafleet.worker.engine import LLMEngine, RequestError
+from lorafleet.worker.sequence import SamplingParams
+
+pytest.importorskip("transformers")
+
+from .peft_oracle import load_hf_base  # noqa: E402
+
+EOS = 1  # the demo model's
+# Greedy decoding of the first and fourth repeats itself, so the penalties there change the tokens.
+PROMPTS = ["Hello world", "SELECT name FROM students", "Roses are red", "Once upon a time", "def add(a, b):"]
+
+
+@pytest.fixture(scope="module")
+def hf(demo_model):
+    return load_hf_base(demo_model)
+
+
+@pytest.fixture(scope="module")
+def engine(demo_model):
+    return LLMEngine(demo_model, EngineConfig(dtype="float32", block_size=16))
+
+
+def hf_generate(hf, ids: list[int], max_new: int, **knobs) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=max_new, eos_token_id=EOS,
+                          pad_token_id=2, **knobs)
+    return out[0, len(ids):].tolist()
+
+
+def hf_openai_penalties(hf, ids: list[int], max_new: int, frequency: float, presence: float) -> list[int]:
+    """transformers' logits, then OpenAI's formula: mu[j] - c[j] * frequency - (c[j] > 0) * presence."""
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_new):
+            logits = hf(torch.tensor([ids + out])).logits[0, -1].clone()
+            for token, count in Counter(out).items():
+                logits[token] -= count * frequency + presence
+            out.append(int(logits.argmax()))
+    return out
+
+
+def test_one_batch_of_edited_requests_decodes_as_transformers(engine, hf):
+    tok = engine.tokenizer
+    ids = [tok.encode(p) for p in PROMPTS]
+    n = 10
+    base = dict(max_tokens=n, temperature=0.0, ignore_eos=True)
+    params = [
+        SamplingParams(**base, repetition_penalty=1.8),
+        SamplingParams(**base, repetition_penalty=0.6),
+        SamplingParams(**base, logit_bias=((7, 3.0), (40, 2.5), (300, -100.0))),
+        SamplingParams(**base, frequency_penalty=1.2, presence_penalty=0.4),
+        SamplingParams(**base),  # plain, in the same batch
+    ]
+    outs = engine.generate(PROMPTS, params)
+    assert outs[0].token_ids == hf_generate(hf, ids[0], n, repetition_penalty=1.8)
+    assert outs[1].token_ids == hf_generate(hf, ids[1], n, repetition_penalty=0.6)
+    assert outs[2].token_ids == hf_generate(hf, ids[2], n, sequence_bias={(7,): 3.0, (40,): 2.5, (300,): -100.0})
+    assert outs[3].token_ids == hf_openai_penalties(hf, ids[3], n, 1.2, 0.4)
+    assert outs[4].token_ids == hf_generate(hf, ids[4], n)
+    # The knobs changed what was decoded (else the comparisons above prove little).
+    plain = engine.generate(PROMPTS[:4], SamplingParams(**base))
+    assert all(o.token_ids != p.token_ids for o, p in zip(outs, plain))
+
+
+def test_min_tokens_holds_eos_back_as_transformers_does(engine, hf):
+    """EOS pushed up by logit_bias ends a request at once, unless min_tokens holds it back."""
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    pushed = ((EOS, 8.0),)
+    early = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0.0, logit_bias=pushed))[0]
+    assert early.token_ids == [EOS] and early.finish_reason == "stop"
+    held = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0.0, logit_bias=pushed, min_tokens=5))[0]
+    assert held.token_ids == hf_generate(hf, ids, 12, min_new_tokens=5, sequence_bias={(EOS,): 8.0})
+    assert len(held.token_ids) == 6 and held.token_ids[-1] == EOS and held.finish_reason == "stop"
+
+
+def test_stop_strings_count_only_after_min_tokens(engine):
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    free = engine.generate([PROMPTS[1]], sp)[0]
+    first = engine.tokenizer.decode(free.token_ids[:1])
+    assert first.strip(), "the first token should have text to stop on"
+    stop = first.strip()[:2]
+    cut = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop=(stop,)))[0]
+    assert cut.finish_reason == "stop" and len(cut.token_ids) == 1
+    held = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop=(stop,),
+                                                        min_tokens=3))[0]
+    assert len(held.token_ids) > 3 and held.token_ids == free.token_ids[: len(held.token_ids)]
+    assert held.text.startswith(first.rstrip()[: len(first.rstrip())])
+
+
+def test_allowed_token_ids_are_all_that_is_sampled(engine):
+    allowed = (5, 77, 301)
+    outs = engine.generate(PROMPTS[:2], [SamplingParams(max_tokens=12, temperature=1.0, seed=3, allowed_token_ids=allowed),
+                                         SamplingParams(max_tokens=12, temperature=0.0, allowed_token_ids=allowed)])
+    assert all(set(o.token_ids) <= set(allowed) for o in outs)
+    assert len(outs[0].token_ids) == 12
+
+
+@pytest.mark.parametrize("knobs,message", [
+    (dict(logit_bias=((512, 1.0),)), "logit_bias must be in 0..511"),
+    (dict(allowed_token_ids=(3, 600)), "allowed_token_ids must be in 0..511"),
+    (dict(allowed_token_ids=(EOS,), min_tokens=2), "every token in allowed_token_ids is a stop token"),
+])
+def test_token_ids_outside_the_vocabulary_are_refused(engine, knobs, message):
+    with pytest.raises(RequestError, match=message):
+        engine.add_request(PROMPTS[0], SamplingParams(max_tokens=4, **knobs))
+
+
+def test_finished_requests_free_their_rows(engine):
+    procs = engine.runner.logits_processors
+    engine.generate(PROMPTS, SamplingParams(max_tokens=3, temperature=0.0, presence_penalty=0.5))
+    assert procs.rows_in_use == 0

@@ -1,0 +1,171 @@
+"""Per-request edits of a step's logits before sampling, in vLLM's order: `allowed_token_ids`, then
+`min_tokens` (no stop token yet) and OpenAI's `logit_bias`, then the repetition, frequency and
+presence penalties. (`min_p`, which only filters what is sampled, is a knob of `sampling`.)
+
+    allowed:     logit = -inf for every token outside allowed_token_ids
+    min_tokens:  logit = -inf for EOS and stop_token_ids while fewer than min_tokens are generated
+    bias:        logit += logit_bias[token]
+    repetition:  for tokens in the prompt or the output, logit / p if logit > 0 else logit * p
+    frequency:   logit -= frequency_penalty * (times the token is in the output)
+    presence:    logit -= presence_penalty * (1 if the token is in the output)
+
+A request that asks for any of them gets a row of device state from its first sampled token until
+it ends (`forget`): a bias row (its logit_bias, -inf outside allowed_token_ids), its output tokens'
+counts, and its prompt's tokens as a mask. A step takes the logits of its requests that edit (the
+others are left alone, so the cost follows those requests), gathers their state with one index per
+tensor, edits a copy (the logprobs stay the model's, vLLM's default), and once the tokens are drawn
+adds each one to its request's counts on the device. So async scheduling, whose host has not yet seen the token in flight,
+still penalises it at the next step, and no step copies token histories from the host. Steps
+without such requests cost one check of their sampling params.
+
+The state takes 9 bytes a vocabulary entry per request that uses it (0.9 MB at a 100k vocabulary),
+allocated as such requests arrive (doubling), not reserved by the memory plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lorafleet.worker.sequence import Sequence
+
+
+class LogitsProcessors:
+    """The device state of the requests that edit their logits, and each step's edit (`prepare`)."""
+
+    def __init__(self, vocab: int, device: torch.device) -> None:
+        self.vocab = vocab
+        self.device = torch.device(device)
+        self._rows: dict[int, int] = {}  # seq_id -> its row
+        self._free: list[int] = []
+        self._capacity = 0
+        self.bias = self.counts = self.in_prompt = torch.empty(0)
+        self._grow(4)
+
+    @property
+    def rows_in_use(self) -> int:
+        return len(self._rows)
+
+    def prepare(self, seqs: list[Sequence], pending: int = 0) -> LogitsEdit | None:
+        """This step's edit for its sampled rows `seqs` (None when none asks for one).
+
+        pending: tokens each sequence has sampled that its host `output_ids` lack (1 for a step
+        launched from the tokens of the step still in flight, async scheduling): they count towards
+        min_tokens; their counts are on the device already.
+        """
+        picked = [i for i, s in enumerate(seqs) if s.sampling.edits_logits]
+        if not picked:
+            return None
+        edited = [seqs[i] for i in picked]
+        params = [s.sampling for s in edited]
+        m = len(edited)
+        penalized = any(p.penalized for p in params)
+        held = [(j, t) for j, s in enumerate(edited) if len(s.output_ids) + pending < s.sampling.min_tokens
+                for t in sorted(s.stop_ids)]
+        values = [float(i) for i in picked] + [float(self._row(s)) for s in edited]
+        if penalized:
+            values += [p.repetition_penalty for p in params] + [p.frequency_penalty for p in params]
+            values += [p.presence_penalty for p in params]
+        values += [float(j) for j, _ in held] + [float(t) for _, t in held]
+        up = torch.tensor(values, dtype=torch.float32).to(self.device, non_blocking=True)
+        return LogitsEdit(self, up, m, m == len(seqs), any(p.logit_bias or p.allowed_token_ids is not None for p in params),
+                          penalized, any(p.repetition_penalty != 1.0 for p in params), len(held))
+
+    def forget(self, seq: Sequence) -> None:
+        row = self._rows.pop(seq.seq_id, None)
+        if row is not None:
+            self._free.append(row)
+
+    # -- rows ------------------------------------------------------------------------------------------
+    def _row(self, seq: Sequence) -> int:
+        row = self._rows.get(seq.seq_id)
+        if row is not None:
+            return row
+        if not self._free:
+            self._grow(2 * self._capacity)
+        row = self._free.pop()
+        self._rows[seq.seq_id] = row
+        self._fill(row, seq)
+        return row
+
+    def _fill(self, row: int, seq: Sequence) -> None:
+        """The row's state from the host: a sequence gets its row at its first sampled token, so its
+        `output_ids` are all its tokens (a preempted one keeps its row)."""
+        sp, dev = seq.sampling, self.device
+        if sp.allowed_token_ids is not None:
+            self.bias[row].fill_(float("-inf"))
+            self.bias[row, _ids(sp.allowed_token_ids, dev)] = 0.0
+        else:
+            self.bias[row].zero_()
+        if sp.logit_bias:
+            ids = _ids([t for t, _ in sp.logit_bias], dev)
+            vals = torch.tensor([b for _, b in sp.logit_bias], dtype=torch.float32).to(dev, non_blocking=True)
+            self.bias[row].index_put_((ids,), vals, accumulate=True)  # a repeated id adds up
+        self.counts[row].zero_()
+        self.in_prompt[row].zero_()
+        if sp.penalized:
+            if seq.output_ids:
+                ids = _ids(seq.output_ids, dev)
+                self.counts[row].index_put_((ids,), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
+            self.in_prompt[row, _ids(seq.prompt_ids, dev)] = True
+
+    def _grow(self, capacity: int) -> None:
+        old = self._capacity
+        bias = torch.zeros(capacity, self.vocab, dtype=torch.float32, device=self.device)
+        counts = torch.zeros(capacity, self.vocab, dtype=torch.int32, device=self.device)
+        in_prompt = torch.zeros(capacity, self.vocab, dtype=torch.bool, device=self.device)
+        if old:
+            bias[:old], counts[:old], in_prompt[:old] = self.bias, self.counts, self.in_prompt
+        self.bias, self.counts, self.in_prompt = bias, counts, in_prompt
+        self._free.extend(range(capacity - 1, old - 1, -1))
+        self._capacity = capacity
+
+
+@dataclass(slots=True)
+class LogitsEdit:
+    """One step's edit: `apply` to its logits before sampling, `record` its sampled tokens after."""
+
+    state: LogitsProcessors
+    # float32 on the device: the edited requests' batch rows, their state rows, their [repetition,
+    # frequency, presence] when penalized, then the (edited request, token) pairs min_tokens holds back
+    up: torch.Tensor
+    m: int  # edited requests
+    every_row: bool  # all of the batch's rows (no gather, no scatter)
+    biased: bool
+    penalized: bool
+    repetition: bool
+    n_held: int
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """An edited float32 copy of `logits` `[batch, vocab]`: the edited requests' rows edited."""
+        st, m = self.state, self.m
+        picked, rows = self.up[:m].long(), self.up[m : 2 * m].long()
+        sub = logits if self.every_row else logits.index_select(0, picked)
+        sub = sub + st.bias.index_select(0, rows) if self.biased else sub.clone()
+        if self.n_held:
+            held = self.up[(5 if self.penalized else 2) * m :].long().view(2, self.n_held)
+            sub.index_put_((held[0], held[1]), torch.tensor(float("-inf"), device=sub.device))
+        if self.penalized:
+            knobs = self.up[2 * m : 5 * m].view(3, m, 1)
+            counts = st.counts.index_select(0, rows)
+            if self.repetition:
+                seen = (counts > 0) | st.in_prompt.index_select(0, rows)
+                factor = torch.where(seen, knobs[0], 1.0)
+                sub = torch.where(sub > 0, sub / factor, sub * factor)
+            sub -= knobs[1] * counts + knobs[2] * (counts > 0)
+        return sub if self.every_row else logits.index_copy(0, picked, sub)
+
+    def record(self, tokens: torch.Tensor) -> None:
+        """Count the step's sampled tokens (`[batch]` int64 on the device) in the edited requests' rows."""
+        if not self.penalized:
+            return
+        m = self.m
+        picked, rows = self.up[:m].long(), self.up[m : 2 * m].long()
+        mine = tokens if self.every_row else tokens.index_select(0, picked)
+        self.state.counts.index_put_((rows, mine), torch.ones_like(mine, dtype=torch.int32), accumulate=True)
+
+
+def _ids(ids, device: torch.device) -> torch.Tensor:
+    return torch.tensor(list(ids), dtype=torch.int64).to(device, non_blocking=True)
+
