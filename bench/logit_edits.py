@@ -3,7 +3,8 @@ against the same step without them: `ModelRunner`'s path, `LogitsProcessors.prep
 `sample_on_device` (edits applied, tokens drawn, sampled tokens counted), then the host read.
 
 Each case runs `--steps` consecutive steps on the same requests (their outputs grow, as in decode)
-and reports the median wall time a step, host work included (the engine waits for it too).
+and reports the median wall time a step, host work included (the engine waits for it too), with
+the edits made by each backend of `kernels/logit_edits` (the Triton kernels, the torch reference).
 
 Usage (GPU): python -m bench.logit_edits [--vocab 100000] [--batch 64] [--out bench/results/logit-edits-h200.json]
 """
@@ -34,9 +35,9 @@ SAMPLING = {"greedy": dict(temperature=0.0), "top_p": dict(temperature=0.8, top_
 
 
 def run_case(vocab: int, batch: int, edited: int, edit: dict, knobs: dict, steps: int, device: torch.device,
-             prompt_len: int = 128) -> float:
+             backend: str, prompt_len: int = 128) -> float:
     """Median seconds a step for `batch` rows, `edited` of them with `edit`."""
-    procs = LogitsProcessors(vocab, device)
+    procs = LogitsProcessors(vocab, device, backend)
     g = torch.Generator(device=device).manual_seed(0)
     seqs = []
     for i in range(batch):
@@ -63,22 +64,24 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--backends", default="triton,torch", help="kernels/logit_edits backends, comma-separated")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     device = torch.device(args.device)
     rows = []
-    print(f"{'sampling':8} {'edits':10} {'rows edited':>11} {'step µs':>9} {'vs none':>8}")
-    for sname, knobs in SAMPLING.items():
-        plain = None
-        for ename, edit in EDITS.items():
-            for edited in ([args.batch] if ename == "none" else [args.batch // 8, args.batch]):
-                s = run_case(args.vocab, args.batch, edited if ename != "none" else 0, edit, knobs, args.steps, device)
-                plain = s if ename == "none" else plain
-                rows.append({"sampling": sname, "edits": ename, "edited_rows": edited if ename != "none" else 0,
-                             "batch": args.batch, "vocab": args.vocab, "step_us": round(s * 1e6, 1),
-                             "vs_none": round(s / plain, 3)})
-                r = rows[-1]
-                print(f"{sname:8} {ename:10} {r['edited_rows']:>11} {r['step_us']:>9.1f} {r['vs_none']:>8.3f}")
+    print(f"{'backend':8} {'sampling':8} {'edits':10} {'rows edited':>11} {'step µs':>9} {'vs none':>8}")
+    for backend in args.backends.split(","):
+        for sname, knobs in SAMPLING.items():
+            plain = None
+            for ename, edit in EDITS.items():
+                for edited in ([0] if ename == "none" else [args.batch // 8, args.batch]):
+                    s = run_case(args.vocab, args.batch, edited, edit, knobs, args.steps, device, backend)
+                    plain = s if ename == "none" else plain
+                    rows.append({"backend": backend, "sampling": sname, "edits": ename, "edited_rows": edited,
+                                 "batch": args.batch, "vocab": args.vocab, "step_us": round(s * 1e6, 1),
+                                 "vs_none": round(s / plain, 3)})
+                    r = rows[-1]
+                    print(f"{backend:8} {sname:8} {ename:10} {edited:>11} {r['step_us']:>9.1f} {r['vs_none']:>8.3f}")
     if args.out:
         meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
                 "torch": torch.__version__, "steps": args.steps}

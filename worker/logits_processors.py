@@ -16,7 +16,8 @@ others are left alone, so the cost follows those requests), gathers their state 
 tensor, edits a copy (the logprobs stay the model's, vLLM's default), and once the tokens are drawn
 adds each one to its request's counts on the device. So async scheduling, whose host has not yet seen the token in flight,
 still penalises it at the next step, and no step copies token histories from the host. Steps
-without such requests cost one check of their sampling params.
+without such requests cost one check of their sampling params. The pass itself and the counting
+are `lorafleet.kernels.logit_edits` (Triton on CUDA, its torch reference elsewhere).
 
 The state takes 9 bytes a vocabulary entry per request that uses it (0.9 MB at a 100k vocabulary),
 allocated as such requests arrive (doubling), not reserved by the memory plan.
@@ -25,18 +26,22 @@ allocated as such requests arrive (doubling), not reserved by the memory plan.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib.util import find_spec
 
 import torch
 
+from lorafleet.kernels.logit_edits import count_tokens, edit_logits
 from lorafleet.worker.sequence import Sequence
 
 
 class LogitsProcessors:
     """The device state of the requests that edit their logits, and each step's edit (`prepare`)."""
 
-    def __init__(self, vocab: int, device: torch.device) -> None:
+    def __init__(self, vocab: int, device: torch.device, backend: str | None = None) -> None:
         self.vocab = vocab
         self.device = torch.device(device)
+        self.backend = backend or ("triton" if self.device.type == "cuda" and find_spec("triton") else "torch")
+        self.neg_inf = torch.tensor(float("-inf"), device=self.device)
         self._rows: dict[int, int] = {}  # seq_id -> its row
         self._free: list[int] = []
         self._capacity = 0
@@ -61,8 +66,8 @@ class LogitsProcessors:
         params = [s.sampling for s in edited]
         m = len(edited)
         penalized = any(p.penalized for p in params)
-        held = [(j, t) for j, s in enumerate(edited) if len(s.output_ids) + pending < s.sampling.min_tokens
-                for t in sorted(s.stop_ids)]
+        held = [(i, t) for i in picked if len(seqs[i].output_ids) + pending < seqs[i].sampling.min_tokens
+                for t in sorted(seqs[i].stop_ids)]
         values = [float(i) for i in picked] + [float(self._row(s)) for s in edited]
         if penalized:
             values += [p.repetition_penalty for p in params] + [p.frequency_penalty for p in params]
@@ -128,7 +133,8 @@ class LogitsEdit:
 
     state: LogitsProcessors
     # float32 on the device: the edited requests' batch rows, their state rows, their [repetition,
-    # frequency, presence] when penalized, then the (edited request, token) pairs min_tokens holds back
+    # frequency, presence] when penalized (kernels.logit_edits' plan), then the (batch row, token)
+    # pairs min_tokens holds back
     up: torch.Tensor
     m: int  # edited requests
     every_row: bool  # all of the batch's rows (no gather, no scatter)
@@ -138,32 +144,20 @@ class LogitsEdit:
     n_held: int
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """An edited float32 copy of `logits` `[batch, vocab]`: the edited requests' rows edited."""
-        st, m = self.state, self.m
-        picked, rows = self.up[:m].long(), self.up[m : 2 * m].long()
-        sub = logits if self.every_row else logits.index_select(0, picked)
-        sub = sub + st.bias.index_select(0, rows) if self.biased else sub.clone()
+        """An edited float32 copy of `logits` `[batch, vocab]`: the edited requests' rows edited.
+        (min_tokens' -inf last: no edit after it moves an -inf.)"""
+        st = self.state
+        out = edit_logits(logits, self.up, self.m, st.bias, st.counts, st.in_prompt, every_row=self.every_row,
+                          biased=self.biased, penalized=self.penalized, repetition=self.repetition, backend=st.backend)
         if self.n_held:
-            held = self.up[(5 if self.penalized else 2) * m :].long().view(2, self.n_held)
-            sub.index_put_((held[0], held[1]), torch.tensor(float("-inf"), device=sub.device))
-        if self.penalized:
-            knobs = self.up[2 * m : 5 * m].view(3, m, 1)
-            counts = st.counts.index_select(0, rows)
-            if self.repetition:
-                seen = (counts > 0) | st.in_prompt.index_select(0, rows)
-                factor = torch.where(seen, knobs[0], 1.0)
-                sub = torch.where(sub > 0, sub / factor, sub * factor)
-            sub -= knobs[1] * counts + knobs[2] * (counts > 0)
-        return sub if self.every_row else logits.index_copy(0, picked, sub)
+            held = self.up[(5 if self.penalized else 2) * self.m :].long().view(2, self.n_held)
+            out.index_put_((held[0], held[1]), st.neg_inf)
+        return out
 
     def record(self, tokens: torch.Tensor) -> None:
         """Count the step's sampled tokens (`[batch]` int64 on the device) in the edited requests' rows."""
-        if not self.penalized:
-            return
-        m = self.m
-        picked, rows = self.up[:m].long(), self.up[m : 2 * m].long()
-        mine = tokens if self.every_row else tokens.index_select(0, picked)
-        self.state.counts.index_put_((rows, mine), torch.ones_like(mine, dtype=torch.int32), accumulate=True)
+        if self.penalized:
+            count_tokens(self.state.counts, self.up, self.m, tokens, every_row=self.every_row, backend=self.state.backend)
 
 
 def _ids(ids, device: torch.device) -> torch.Tensor:
