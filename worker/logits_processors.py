@@ -17,7 +17,9 @@ tensor, edits a copy (the logprobs stay the model's, vLLM's default), and once t
 adds each one to its request's counts on the device. So async scheduling, whose host has not yet seen the token in flight,
 still penalises it at the next step, and no step copies token histories from the host. Steps
 without such requests cost one check of their sampling params. The pass itself and the counting
-are `lorafleet.kernels.logit_edits` (Triton on CUDA, its torch reference elsewhere).
+are `lorafleet.kernels.logit_edits`: its torch path by default, its Triton kernels on CUDA with
+`LORAFLEET_LOGIT_EDITS=triton` (checked in the interpreter and compiled for sm_90, not yet run on
+the H200: the default until they have been, docs/engine.md).
 
 The state takes 9 bytes a vocabulary entry per request that uses it (0.9 MB at a 100k vocabulary),
 allocated as such requests arrive (doubling), not reserved by the memory plan.
@@ -25,13 +27,16 @@ allocated as such requests arrive (doubling), not reserved by the memory plan.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from importlib.util import find_spec
 
 import torch
 
 from lorafleet.kernels.logit_edits import count_tokens, edit_logits
 from lorafleet.worker.sequence import Sequence
+
+# kernels.logit_edits' backend on CUDA (module docstring); elsewhere always the torch path.
+CUDA_BACKEND = os.environ.get("LORAFLEET_LOGIT_EDITS", "torch")
 
 
 class LogitsProcessors:
@@ -40,7 +45,7 @@ class LogitsProcessors:
     def __init__(self, vocab: int, device: torch.device, backend: str | None = None) -> None:
         self.vocab = vocab
         self.device = torch.device(device)
-        self.backend = backend or ("triton" if self.device.type == "cuda" and find_spec("triton") else "torch")
+        self.backend = backend or (CUDA_BACKEND if self.device.type == "cuda" else "torch")
         self.neg_inf = torch.tensor(float("-inf"), device=self.device)
         self._rows: dict[int, int] = {}  # seq_id -> its row
         self._free: list[int] = []
