@@ -174,6 +174,7 @@ class _Fleet:
         return f"http://{self.options.host}:{self.options.port}"
 
     async def start_router(self, memory) -> None:
+        from lorafleet.local_controller import NAMESPACE
         from lorafleet.router.api import create_app
         from lorafleet.router.settings import RouterSettings
 
@@ -182,7 +183,7 @@ class _Fleet:
             host=o.host, port=o.port, workers=tuple(w.url for w in self.workers),
             # No static catalog: the control loop publishes it to the store, so that a deleted adapter
             # leaves the router's catalog too (static entries would stay loadable).
-            redis_url=self.redis_url, redis_prefix=self.prefix,
+            redis_url=self.redis_url, redis_prefix=self.prefix, placement_scope=NAMESPACE,
             admin_token=self.token, poll_interval_s=1.0,
         )
         app = create_app(settings, store=memory)

@@ -7,7 +7,8 @@ Two implementations with one async interface:
   TTL, so a replica that stops publishing (pod gone, router gone) fades out on its own.
 - `MemoryPlacementStore`: same semantics in process, for `lorafleet up` without Redis and for tests.
 
-Key layout (prefix defaults to `lorafleet`):
+Key layout (prefix defaults to `lorafleet`; a replica is `namespace/pod` in a cluster, where pod
+names repeat across namespaces, its bare name with one scope: `replica_key`):
   {p}:replicas              zset  replica -> unix seconds of its last publish
   {p}:replica:{name}        hash  url, model, updated_at                       (TTL)
   {p}:res:{name}            hash  adapter -> tier ("gpu" | "cpu")              (TTL)
@@ -40,6 +41,21 @@ class ReplicaPlacement:
     model: str
     adapters: Mapping[str, str]  # adapter -> tier ("gpu" | "cpu")
     updated_at: float
+
+
+def replica_key(scope: str, name: str) -> str:
+    """A replica's name in the store: `scope/name` (scope: its namespace; two pools of one name in
+    two namespaces both have a pod `llama-0`), `name` where there is one scope (static workers,
+    `lorafleet up`: scope "")."""
+    return f"{scope}/{name}" if scope else name
+
+
+def in_scope(replicas: Mapping[str, ReplicaPlacement], scope: str) -> dict[str, ReplicaPlacement]:
+    """The store's replicas of one scope, by their names within it (`replica_key` undone)."""
+    if not scope:
+        return {key: p for key, p in replicas.items() if "/" not in key}
+    head = scope + "/"
+    return {key.removeprefix(head): p for key, p in replicas.items() if key.startswith(head)}
 
 
 def residency_of(inventory: AdapterInventory) -> dict[str, str]:

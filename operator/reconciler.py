@@ -38,6 +38,7 @@ from lorafleet.operator.worker_client import (
     WorkerError,
     resident,
 )
+from lorafleet.placement_store import replica_key
 from lorafleet.protocol import AdapterInventory
 
 # Failure reasons that depend on the pool's spec (its maxLoraRank, its served name), not the adapter's alone.
@@ -343,7 +344,7 @@ class PoolReconciler(Rollout):
         if self.store is None:
             return
         try:
-            await self.store.record_residency(pod, adapter, tier, self.settings.publish_ttl_s)
+            await self.store.record_residency(replica_key(self.namespace, pod), adapter, tier, self.settings.publish_ttl_s)
         except Exception as exc:  # advisory: the round's publish writes the whole residency again
             log.debug("placement store write failed: %s", exc)
 
@@ -358,7 +359,8 @@ class PoolReconciler(Rollout):
                 tiers = {a.name: a.tier for a in inv.adapters}
                 adapters = {n: tiers.get(n, "cpu") for n in self.loaded.get(name, ())}
                 url = self.url_of(pod, self.pool.http_port)
-                await self.store.publish_replica(name, url, self.pool.served_name, adapters, self.settings.publish_ttl_s)
+                await self.store.publish_replica(replica_key(self.namespace, name), url, self.pool.served_name, adapters,
+                                                 self.settings.publish_ttl_s)
             catalog = {r.spec.name: self._target_path(r) for r in self.adapters.values() if r.problem is None}
             await self.store.set_catalog(catalog)
         except Exception as exc:  # the router keeps its last view; the next round publishes again

@@ -132,8 +132,11 @@ def create_app(settings: RouterSettings, *, store: PlacementStore | None = None)
         fleet = Fleet(settings.replica_capacity, settings.eject_after_failures, settings.eject_cooldown_s)
         catalog = dict(settings.lora_modules)
         tokens = AdminTokens(settings.admin_token_file, settings.admin_token_dir, settings.admin_token)
+        scope = settings.placement_scope
+        if scope is None:
+            scope = settings.k8s_namespace if settings.discovery == "kubernetes" else ""
         sync = PlacementSync(
-            fleet, placement, discovery, http, metrics, settings.placement_ttl_s, catalog, tokens
+            fleet, placement, discovery, http, metrics, settings.placement_ttl_s, catalog, tokens, scope=scope
         )
         with contextlib.suppress(Exception):
             await placement.set_catalog(catalog)

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import httpx
 
-from lorafleet.placement_store import PlacementStore, residency_of
+from lorafleet.placement_store import PlacementStore, in_scope, replica_key, residency_of
 from lorafleet.protocol import AdapterInventory
 from lorafleet.router.admin_tokens import AdminTokens
 from lorafleet.router.discovery import Discovery
@@ -38,8 +38,12 @@ class PlacementSync:
         catalog: dict[str, str],
         tokens: AdminTokens | None = None,
         static_catalog: Mapping[str, str] | None = None,
+        scope: str = "",
     ) -> None:
         self.fleet = fleet
+        # The store names replicas `scope/pod` (placement_store.replica_key): the namespace the
+        # router discovers workers in, "" for static workers.
+        self.scope = scope
         self.store = store
         self.discovery = discovery
         self.http = http
@@ -102,7 +106,7 @@ class PlacementSync:
             for replica in self.fleet.replicas.values():
                 if replica.inventory is not None and replica.reachable:
                     await self.store.publish_replica(
-                        replica.name,
+                        replica_key(self.scope, replica.name),
                         replica.url,
                         replica.inventory.model,
                         residency_of(replica.inventory),
@@ -110,7 +114,7 @@ class PlacementSync:
                     )
             demand, self.demand = self.demand, Counter()
             await self.store.record_demand(demand)
-            snapshot = await self.store.snapshot()
+            snapshot = in_scope(await self.store.snapshot(), self.scope)
             shared_catalog = await self.store.catalog()
         except Exception:
             self._store_failed("sync")
@@ -158,6 +162,6 @@ class PlacementSync:
         if not self.store_up:
             return  # the next successful round republishes everything
         try:
-            await self.store.record_residency(replica.name, adapter, tier, self.ttl_s)
+            await self.store.record_residency(replica_key(self.scope, replica.name), adapter, tier, self.ttl_s)
         except Exception:
             self._store_failed("write_through")

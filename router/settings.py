@@ -27,6 +27,9 @@ class RouterSettings:
     # None: in-process placement state and rate limits (one router process only).
     redis_url: str | None = None
     redis_prefix: str = "lorafleet"
+    # The store names replicas `scope/name` (placement_store.replica_key); None: the k8s namespace
+    # with kubernetes discovery, "" with static workers (`lorafleet up` sets its reconciler's).
+    placement_scope: str | None = None
     # None: open mode (no API keys), for local use; the router says so at start-up.
     tenants_file: Path | None = None
     # Adapter catalog for static mode: name -> source path as the workers see it.

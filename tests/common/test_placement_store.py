@@ -8,7 +8,13 @@ import uuid
 
 import pytest
 
-from lorafleet.placement_store import MemoryPlacementStore, RedisPlacementStore, residency_of
+from lorafleet.placement_store import (
+    MemoryPlacementStore,
+    RedisPlacementStore,
+    in_scope,
+    replica_key,
+    residency_of,
+)
 from lorafleet.protocol import AdapterInfo, AdapterInventory
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -142,3 +148,21 @@ def test_residency_of_skips_disk_tier():
         ],
     )
     assert residency_of(inv) == {"a": "gpu", "b": "cpu"}
+
+
+async def test_same_named_pods_of_two_namespaces_keep_their_own_residency(store_and_clock):
+    """Pools named alike in two namespaces both have a pod `llama-0`: under scoped keys neither
+    publish overwrites the other, and each scope reads back only its own."""
+    store, _ = store_and_clock
+    await store.publish_replica(replica_key("team-a", "llama-0"), "http://10.0.0.1:8000", "base", {"a": "gpu"}, 30)
+    await store.publish_replica(replica_key("team-b", "llama-0"), "http://10.0.0.2:8000", "base", {"b": "cpu"}, 30)
+    await store.publish_replica(replica_key("", "127.0.0.1:8101"), "http://127.0.0.1:8101", "base", {"c": "gpu"}, 30)
+    await store.record_residency(replica_key("team-b", "llama-0"), "b2", "gpu", 30)
+    snap = await store.snapshot()
+    assert dict(in_scope(snap, "team-a")["llama-0"].adapters) == {"a": "gpu"}
+    assert dict(in_scope(snap, "team-b")["llama-0"].adapters) == {"b": "cpu", "b2": "gpu"}
+    assert set(in_scope(snap, "")) == {"127.0.0.1:8101"} and set(in_scope(snap, "team")) == set()
+
+
+def test_replica_keys():
+    assert replica_key("ns", "llama-0") == "ns/llama-0" and replica_key("", "127.0.0.1:8101") == "127.0.0.1:8101"

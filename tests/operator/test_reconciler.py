@@ -25,7 +25,7 @@ async def test_an_unload_withdraws_the_residency_from_the_store_first():
     workers.held[other]["a"] = info("a")  # one copy too many, idle
     await reconciler.reconcile_once()
     assert "a" not in workers.held[other] and "a" in workers.held[home]
-    withdrawn = events.index(("store", other, "a", None))
+    withdrawn = events.index(("store", "ns/" + other, "a", None))  # the pod under its namespace
     assert withdrawn < events.index(("unload", other, "a")), events
 
 
@@ -34,7 +34,7 @@ async def test_residency_is_published_only_after_a_load_succeeded():
     workers.refuse.add("bad")
     await reconciler.reconcile_once()
     (home,) = [p for p in PODS if "a" in workers.held[p]]
-    assert events.index(("load", home, "a")) < events.index(("store", home, "a", "cpu"))
+    assert events.index(("load", home, "a")) < events.index(("store", "ns/" + home, "a", "cpu"))
     assert not [e for e in events if e[0] == "store" and e[2] == "bad"], events  # refused: never published
     assert reconciler.adapters["bad"].failure is not None
 

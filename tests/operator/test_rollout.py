@@ -77,8 +77,8 @@ async def test_an_old_version_never_idle_is_drained_after_the_grace():
     reconciler.wake(resync=True)
     await reconciler.reconcile_once()
     calls = [e for e in events if e[0] in ("load", "reload", "unload", "store")]
-    assert ("store", home, "a", None) in calls and ("unload", home, "a") in calls, calls  # now drained
-    assert calls.index(("store", home, "a", None)) < calls.index(("unload", home, "a"))
+    assert ("store", "ns/" + home, "a", None) in calls and ("unload", home, "a") in calls, calls  # now drained
+    assert calls.index(("store", "ns/" + home, "a", None)) < calls.index(("unload", home, "a"))
     for _ in range(2):
         reconciler.wake(resync=True)
         await reconciler.reconcile_once()
