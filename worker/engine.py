@@ -49,7 +49,12 @@ log = logging.getLogger("lorafleet.engine")
 
 
 class RequestError(ValueError):
-    """A request the engine cannot take (HTTP 400); the message says why."""
+    """A request the engine cannot take (HTTP 400); the message says why, `param` names the field
+    at fault where one is."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class LLMEngine:
@@ -235,11 +240,11 @@ class LLMEngine:
             raise RequestError("the prompt is empty")
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
-            raise RequestError(f"prompt token ids must be in 0..{vocab - 1}")
+            raise RequestError(f"prompt token ids must be in 0..{vocab - 1}", "prompt")
         for field, named in sampling.named_token_ids().items():
             bad = next((t for t in named if not 0 <= t < vocab), None)
             if bad is not None:
-                raise RequestError(f"{field} must be in 0..{vocab - 1}, got token id {bad}")
+                raise RequestError(f"{field} must be in 0..{vocab - 1}, got token id {bad}", field)
         if len(ids) + sampling.max_tokens > self.max_model_len:
             raise RequestError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the model's "
@@ -259,14 +264,15 @@ class LLMEngine:
         salt = "|".join(f"{n}#{self.registry.entries[n].generation}*{s!r}" for n, s in adapters)
         stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self._eos_ids)
         if sampling.min_tokens and sampling.allowed_token_ids is not None and stop_ids >= set(sampling.allowed_token_ids):
-            raise RequestError("min_tokens: every token in allowed_token_ids is a stop token, so none can be sampled first")
+            raise RequestError("min_tokens: every token in allowed_token_ids is a stop token, so none can be sampled first",
+                               "min_tokens")
         seq = Sequence(seq_id=next(self._ids), prompt_ids=ids, sampling=sampling, adapters=adapters,
                        cache_salt=salt, arrival=time.monotonic(), stop_ids=stop_ids)
         try:  # a seeded request's generator now: a seed torch refuses fails this request, not a step
             self.runner.generator_for(seq)
         except (RuntimeError, ValueError, OverflowError) as exc:
             self.registry.release(seq.adapter_names)
-            raise RequestError(f"seed {sampling.seed} cannot seed a random generator: {exc}") from None
+            raise RequestError(f"seed {sampling.seed} cannot seed a random generator: {exc}", "seed") from None
         self._tracked[seq.seq_id] = TrackedRequest(seq, IncrementalDetokenizer(self.tokenizer, ids))
         self.scheduler.add(seq)
         return seq.seq_id

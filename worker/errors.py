@@ -54,6 +54,6 @@ def from_engine(exc: Exception) -> ApiError:
         return ApiError(400, str(exc), reason=exc.reason)
     if isinstance(exc, UnsupportedField):
         return ApiError(400, str(exc), param=exc.param)
-    if isinstance(exc, (RequestError, ValueError)):
-        return ApiError(400, str(exc))
+    if isinstance(exc, (RequestError, ValueError)):  # RequestError and sequence.SamplingError name their field
+        return ApiError(400, str(exc), param=getattr(exc, "param", None))
     raise exc

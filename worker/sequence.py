@@ -26,6 +26,14 @@ MAX_LOGIT_BIAS = 1024
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 
 
+class SamplingError(ValueError):
+    """A sampling knob out of range; `param` names the request field (the HTTP 400's param)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """OpenAI-style sampling knobs; validated at construction so a bad request fails before queueing."""
@@ -54,32 +62,32 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         checks = [
-            (self.max_tokens >= 1, "max_tokens must be >= 1"),
-            (0.0 <= self.temperature <= 100.0, "temperature must be in [0, 100]"),
-            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
-            (self.top_k >= 0, "top_k must be >= 0"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in 0..20"),
-            (len(self.stop) <= 16 and all(self.stop), "stop: at most 16 non-empty strings"),
-            (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            (self.max_tokens >= 1, "max_tokens", "max_tokens must be >= 1"),
+            (0.0 <= self.temperature <= 100.0, "temperature", "temperature must be in [0, 100]"),
+            (0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]"),
+            (self.top_k >= 0, "top_k", "top_k must be >= 0"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "logprobs must be in 0..20"),
+            (len(self.stop) <= 16 and all(self.stop), "stop", "stop: at most 16 non-empty strings"),
+            (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
              f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids ({len(self.stop_token_ids)} given)"),
-            (self.seed is None or SEED_MIN <= self.seed <= SEED_MAX,
+            (self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, "seed",
              f"seed must be in {SEED_MIN}..{SEED_MAX}, the range torch's generators take"),
-            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
-            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
-            (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty must be in (0, 2]"),
-            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
-            (0 <= self.min_tokens <= self.max_tokens,
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
+            (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "repetition_penalty must be in (0, 2]"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]"),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens",
              f"min_tokens must be in 0..max_tokens ({self.max_tokens}), got {self.min_tokens}"),
-            (len(self.logit_bias) <= MAX_LOGIT_BIAS,
+            (len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
              f"logit_bias: at most {MAX_LOGIT_BIAS} entries ({len(self.logit_bias)} given)"),
-            (all(LOGIT_BIAS_RANGE[0] <= b <= LOGIT_BIAS_RANGE[1] for _, b in self.logit_bias),
+            (all(LOGIT_BIAS_RANGE[0] <= b <= LOGIT_BIAS_RANGE[1] for _, b in self.logit_bias), "logit_bias",
              "logit_bias values must be in [-100, 100]"),
-            (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+            (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids",
              "allowed_token_ids must not be empty"),
         ]
-        for ok, message in checks:
+        for ok, param, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise SamplingError(param, message)
 
     @property
     def greedy(self) -> bool:

@@ -360,10 +360,13 @@ def test_bad_logit_knobs_are_400_naming_the_field(worker, field, value, message)
     ({"allowed_token_ids": [3, 100000]}, "allowed_token_ids must be in 0.."),
     ({"allowed_token_ids": []}, "allowed_token_ids must not be empty"),
     ({"min_tokens": 5}, "min_tokens must be in 0..max_tokens (4)"),
+    ({"stop_token_ids": [100000]}, "stop_token_ids must be in 0.."),
+    ({"seed": 2**64}, "seed must be in"),
 ])
-def test_knobs_the_engine_refuses_are_400(worker, body, message):
+def test_knobs_the_engine_refuses_are_400_naming_the_field(worker, body, message):
     r = post(worker, "completions", {"model": "demo", "prompt": PROMPT, "max_tokens": 4, **body})
-    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    (field,) = body
+    assert message in refused(r, field)
 
 
 # -- response shape -------------------------------------------------------------------------------------
@@ -383,7 +386,7 @@ def test_a_refused_prompt_cancels_the_choices_already_queued(worker):
     """All of a request's sequences are queued together; one refused (a token id out of the
     vocabulary) leaves none of the others running."""
     body = {"model": "demo", "prompt": [[5, 6, 7], [10**9]], "n": 3, "max_tokens": 2000, "ignore_eos": True}
-    assert "token ids" in refused(post(worker, "completions", body), None)
+    assert "token ids" in refused(post(worker, "completions", body), "prompt")
 
     def idle() -> bool:
         text = httpx.get(f"{worker.url}/metrics").text
