@@ -89,6 +89,19 @@ def test_n_above_the_routers_cap_is_its_400(via_router):
     assert err.value.body["message"] == f"n: Input should be less than or equal to {MAX_N}"
 
 
+def test_penalties_and_logit_bias_pass_through_the_router(via_router, direct):
+    """OpenAI's knobs and vLLM's (in extra_body) reach the worker unchanged: the same text as asking
+    the worker directly, and a bad value is the worker's 400 naming the field."""
+    kw = dict(model="sql", prompt=PROMPT, max_tokens=8, temperature=0, frequency_penalty=1.5, presence_penalty=0.5,
+              logit_bias={"77": 4}, extra_body={"repetition_penalty": 1.3, "min_tokens": 3, "min_p": 0.1})
+    got, want = via_router.completions.create(**kw).choices[0].text, direct.completions.create(**kw).choices[0].text
+    plain = direct.completions.create(model="sql", prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+    assert got == want != plain
+    with pytest.raises(openai.BadRequestError) as err:
+        via_router.completions.create(model="sql", prompt=PROMPT, max_tokens=4, extra_body={"min_tokens": 9})
+    assert err.value.body["param"] == "min_tokens"
+
+
 def test_an_unsupported_feature_is_the_workers_400(via_router):
     tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
     with pytest.raises(openai.BadRequestError) as err:
