@@ -29,6 +29,8 @@ def edit_logits(logits: torch.Tensor, plan: torch.Tensor, m: int, bias: torch.Te
     or "torch" (the reference)."""
     if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be float32 [batch, vocab] with unit stride, got {logits.dtype} {tuple(logits.shape)}")
+    if any(t.dim() != 2 or t.shape[1] != logits.shape[1] or not t.is_contiguous() for t in (bias, counts, in_prompt)):
+        raise ValueError("bias, counts and in_prompt must be contiguous [rows, vocab] with the logits' vocabulary")
     if backend == "torch":
         return edit_logits_reference(logits, plan, m, bias, counts, in_prompt, every_row=every_row, biased=biased,
                                      penalized=penalized, repetition=repetition)
@@ -53,7 +55,7 @@ def edit_logits_reference(logits: torch.Tensor, plan: torch.Tensor, m: int, bias
             seen = (c > 0) | in_prompt.index_select(0, rows)
             factor = torch.where(seen, knobs[0], 1.0)
             sub = torch.where(sub > 0, sub / factor, sub * factor)
-        sub -= knobs[1] * c + knobs[2] * (c > 0)
+        sub = sub - knobs[1] * c - torch.where(c > 0, knobs[2], 0.0)  # as the kernel: one order of rounding
     return sub if every_row else logits.index_copy(0, picked, sub)
 
 

@@ -103,7 +103,8 @@ class LLMEngine:
         num_blocks = plan_kv_blocks(config, self.model_config, self.device,
                                     ModelRunner.kv_bytes_per_block(self.model, config.block_size), baseline_free)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.max_loras, config.max_loras_per_request)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.max_loras, config.max_loras_per_request,
+                                  config.max_num_seqs)
         if self.use_graphs:
             self.runner.graphs = self._decode_graphs()
         self.scheduler = Scheduler(
@@ -259,13 +260,13 @@ class LLMEngine:
                 f"{len(adapters)} adapters requested; this worker allows max_loras_per_request="
                 f"{self.config.max_loras_per_request}"
             )
-        self.registry.acquire(name for name, _ in adapters)  # raises AdapterNotFound
-        # Keyed by registration, not digest: the digest may still be hashing (it is off the load's path).
-        salt = "|".join(f"{n}#{self.registry.entries[n].generation}*{s!r}" for n, s in adapters)
         stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self._eos_ids)
         if sampling.min_tokens and sampling.allowed_token_ids is not None and stop_ids >= set(sampling.allowed_token_ids):
             raise RequestError("min_tokens: every token in allowed_token_ids is a stop token, so none can be sampled first",
                                "min_tokens")
+        self.registry.acquire(name for name, _ in adapters)  # raises AdapterNotFound; nothing may raise after it
+        # Keyed by registration, not digest: the digest may still be hashing (it is off the load's path).
+        salt = "|".join(f"{n}#{self.registry.entries[n].generation}*{s!r}" for n, s in adapters)
         seq = Sequence(seq_id=next(self._ids), prompt_ids=ids, sampling=sampling, adapters=adapters,
                        cache_salt=salt, arrival=time.monotonic(), stop_ids=stop_ids)
         try:  # a seeded request's generator now: a seed torch refuses fails this request, not a step
@@ -311,6 +312,8 @@ class LLMEngine:
 
     def _scheduled_step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        for seq in batch.preempted:  # recomputed later: its logit-edit state is rebuilt from its tokens then
+            self.runner.logits_processors.forget(seq)
         if not batch:
             return []
         protected = batch.adapters

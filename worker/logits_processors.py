@@ -21,8 +21,10 @@ are `lorafleet.kernels.logit_edits`: its torch path by default, its Triton kerne
 `LORAFLEET_LOGIT_EDITS=triton` (checked in the interpreter and compiled for sm_90, not yet run on
 the H200: the default until they have been, docs/engine.md).
 
-The state takes 9 bytes a vocabulary entry per request that uses it (0.9 MB at a 100k vocabulary),
-allocated as such requests arrive (doubling), not reserved by the memory plan.
+The state takes `BYTES_PER_ENTRY` (9) bytes a vocabulary entry per running request that uses it
+(0.9 MB at a 100k vocabulary), allocated as such requests arrive (doubling, up to `max_num_seqs`
+rows: a preempted request gives its row back and rebuilds it from its tokens when it resumes);
+the memory plan keeps room for all of them (`memory_plan.plan_kv_blocks`).
 """
 
 from __future__ import annotations
@@ -37,13 +39,22 @@ from lorafleet.worker.sequence import Sequence
 
 # kernels.logit_edits' backend on CUDA (module docstring); elsewhere always the torch path.
 CUDA_BACKEND = os.environ.get("LORAFLEET_LOGIT_EDITS", "torch")
+BYTES_PER_ENTRY = 4 + 4 + 1  # a row's bias (float32), count (int32) and prompt mask (bool) per token
+
+
+def edits(seq: Sequence) -> bool:
+    """Whether the request's logits are edited: min_tokens alone edits nothing without stop tokens."""
+    sp = seq.sampling
+    return sp.edits_logits and (sp.penalized or bool(sp.logit_bias) or sp.allowed_token_ids is not None
+                                or bool(seq.stop_ids))
 
 
 class LogitsProcessors:
     """The device state of the requests that edit their logits, and each step's edit (`prepare`)."""
 
-    def __init__(self, vocab: int, device: torch.device, backend: str | None = None) -> None:
+    def __init__(self, vocab: int, device: torch.device, backend: str | None = None, max_rows: int = 256) -> None:
         self.vocab = vocab
+        self.max_rows = max_rows
         self.device = torch.device(device)
         self.backend = backend or (CUDA_BACKEND if self.device.type == "cuda" else "torch")
         self.neg_inf = torch.tensor(float("-inf"), device=self.device)
@@ -51,7 +62,7 @@ class LogitsProcessors:
         self._free: list[int] = []
         self._capacity = 0
         self.bias = self.counts = self.in_prompt = torch.empty(0)
-        self._grow(4)
+        self._grow(min(4, max_rows))
 
     @property
     def rows_in_use(self) -> int:
@@ -64,7 +75,7 @@ class LogitsProcessors:
         launched from the tokens of the step still in flight, async scheduling): they count towards
         min_tokens; their counts are on the device already.
         """
-        picked = [i for i, s in enumerate(seqs) if s.sampling.edits_logits]
+        picked = [i for i, s in enumerate(seqs) if edits(s)]
         if not picked:
             return None
         edited = [seqs[i] for i in picked]
@@ -93,7 +104,9 @@ class LogitsProcessors:
         if row is not None:
             return row
         if not self._free:
-            self._grow(2 * self._capacity)
+            if self._capacity >= self.max_rows:  # the engine runs at most max_num_seqs, each holds one row
+                raise RuntimeError(f"logit-edit state: all {self.max_rows} rows are in use")
+            self._grow(min(2 * self._capacity, self.max_rows))
         row = self._free.pop()
         self._rows[seq.seq_id] = row
         self._fill(row, seq)
@@ -109,9 +122,9 @@ class LogitsProcessors:
         else:
             self.bias[row].zero_()
         if sp.logit_bias:
-            ids = _ids([t for t, _ in sp.logit_bias], dev)
-            vals = torch.tensor([b for _, b in sp.logit_bias], dtype=torch.float32).to(dev, non_blocking=True)
-            self.bias[row].index_put_((ids,), vals, accumulate=True)  # a repeated id adds up
+            bias = dict(sp.logit_bias)  # a repeated id: the last bias, as a JSON object's keys
+            vals = torch.tensor(list(bias.values()), dtype=torch.float32).to(dev, non_blocking=True)
+            self.bias[row].index_put_((_ids(bias, dev),), vals, accumulate=True)  # onto 0 or -inf
         self.counts[row].zero_()
         self.in_prompt[row].zero_()
         if sp.penalized:
@@ -121,6 +134,7 @@ class LogitsProcessors:
             self.in_prompt[row, _ids(seq.prompt_ids, dev)] = True
 
     def _grow(self, capacity: int) -> None:
+        capacity = max(capacity, 1)
         old = self._capacity
         bias = torch.zeros(capacity, self.vocab, dtype=torch.float32, device=self.device)
         counts = torch.zeros(capacity, self.vocab, dtype=torch.int32, device=self.device)

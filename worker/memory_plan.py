@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from lorafleet.worker.config import ConfigError, EngineConfig, ModelConfig
+from lorafleet.worker.logits_processors import BYTES_PER_ENTRY as LOGIT_EDIT_BYTES
 
 log = logging.getLogger("lorafleet.engine")
 
@@ -41,8 +42,10 @@ def plan_kv_blocks(config: EngineConfig, model: ModelConfig, device: torch.devic
         return CPU_DEFAULT_KV_BLOCKS
     gib = 1 << 30
     free, total = torch.cuda.mem_get_info(device)
-    # Leave room for activations of the largest step (a few hidden-sized buffers per token).
+    # Leave room for activations of the largest step (a few hidden-sized buffers per token), and for
+    # the logit-edit state of every sequence a step can run (worker/logits_processors.py).
     reserve = 4 * config.max_num_batched_tokens * model.intermediate_size * 4 + (1 << 30)
+    reserve += config.max_num_seqs * model.vocab_size * LOGIT_EDIT_BYTES
     utilization = config.gpu_memory_utilization
     if utilization is None:
         blocks = int((free - reserve) * config.kv_cache_memory_fraction) // per_block

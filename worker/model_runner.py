@@ -21,7 +21,8 @@ LogitsHook = Callable[[list[Sequence], torch.Tensor], None]
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, max_loras: int, max_loras_per_request: int) -> None:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, max_loras: int, max_loras_per_request: int,
+                 max_num_seqs: int = 256) -> None:
         self.model = model
         self.device = model.device
         self.block_size = block_size
@@ -37,7 +38,7 @@ class ModelRunner:
             for _ in range(c.num_layers)
         ]
         self._generators: dict[int, torch.Generator] = {}
-        self.logits_processors = LogitsProcessors(c.vocab_size, self.device)
+        self.logits_processors = LogitsProcessors(c.vocab_size, self.device, max_rows=max_num_seqs)
         self.graphs: DecodeGraphs | None = None  # set by the engine when EngineConfig.cuda_graphs is on
 
     @staticmethod

@@ -106,7 +106,7 @@ class _SamplingFields(JsonBody):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     min_tokens: int | None = Field(default=None, ge=0)
     allowed_token_ids: list[int] | None = None

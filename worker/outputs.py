@@ -45,6 +45,8 @@ class TrackedRequest:
     seq: Sequence
     detok: IncrementalDetokenizer
     emitted: int = 0  # characters of text already returned
+    # Text before this many characters ends no request: what came out before min_tokens tokens.
+    stop_from: int = 0
 
     def text_delta(self, reason: str | None, stop_token: bool) -> tuple[str, str | None]:
         """The text to return for the token just appended to `seq.output_ids`, and the finish
@@ -56,23 +58,29 @@ class TrackedRequest:
             text = self.detok.text
         else:  # the final text: a held-back partial character flushed, a stop token's own text left out
             text = self.detok.finish(seq.output_ids[:-1] if stop_token else seq.output_ids)
-        if sp.stop and len(seq.output_ids) > sp.min_tokens:  # vLLM's rule: stop strings count after min_tokens
-            hit = find_stop(text, sp.stop, self.emitted, sp.include_stop_str_in_output)
+        # Stop strings count once min_tokens tokens are out (vLLM's rule), and only where they start
+        # after the text of those tokens, which is returned as it comes.
+        checking = bool(sp.stop) and len(seq.output_ids) > sp.min_tokens
+        if checking:
+            hit = find_stop(text, sp.stop, self.emitted, sp.include_stop_str_in_output, self.stop_from)
             if hit is not None:
                 text, reason = text[:hit], "stop"
+        elif sp.stop:
+            self.stop_from = len(text)
         # While a stop string could still be forming at the end, hold those characters back.
-        safe = len(text) if reason or not sp.stop else max(self.emitted, len(text) - max(map(len, sp.stop)) + 1)
+        safe = len(text) if reason or not checking else max(self.emitted, len(text) - max(map(len, sp.stop)) + 1)
         delta = text[self.emitted:safe]
         self.emitted = safe
         return delta, reason
 
 
-def find_stop(text: str, stops: tuple[str, ...], start: int, include: bool) -> int | None:
+def find_stop(text: str, stops: tuple[str, ...], start: int, include: bool, floor: int = 0) -> int | None:
     """Where `text` is cut by its stop strings: the least start (end, if `include`) of any found,
-    None if none is. The search begins a stop's length before `start`, so one straddling it is found."""
+    None if none is. The search begins a stop's length before `start`, so one straddling it is found,
+    and never before `floor`."""
     best = None
     for stop in stops:
-        i = text.find(stop, max(0, start - len(stop) + 1))
+        i = text.find(stop, max(floor, start - len(stop) + 1))
         if i >= 0:
             end = i + len(stop) if include else i
             best = end if best is None else min(best, end)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 
@@ -24,6 +25,8 @@ MAX_STOP_TOKEN_IDS = 64
 # row of device state (worker/logits_processors.py), so the cap only bounds that one-time upload.
 MAX_LOGIT_BIAS = 1024
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
+# allowed_token_ids: checked on the engine thread at admission, so bounded (the largest vocabularies' size).
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
 
 
 class SamplingError(ValueError):
@@ -74,7 +77,7 @@ class SamplingParams:
              f"seed must be in {SEED_MIN}..{SEED_MAX}, the range torch's generators take"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
-            (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "repetition_penalty must be in (0, 2]"),
+            (0.0 < self.repetition_penalty < math.inf, "repetition_penalty", "repetition_penalty must be above 0"),
             (0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens",
              f"min_tokens must be in 0..max_tokens ({self.max_tokens}), got {self.min_tokens}"),
@@ -82,8 +85,8 @@ class SamplingParams:
              f"logit_bias: at most {MAX_LOGIT_BIAS} entries ({len(self.logit_bias)} given)"),
             (all(LOGIT_BIAS_RANGE[0] <= b <= LOGIT_BIAS_RANGE[1] for _, b in self.logit_bias), "logit_bias",
              "logit_bias values must be in [-100, 100]"),
-            (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids",
-             "allowed_token_ids must not be empty"),
+            (self.allowed_token_ids is None or 0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS,
+             "allowed_token_ids", f"allowed_token_ids: 1 to {MAX_ALLOWED_TOKEN_IDS} token ids"),
         ]
         for ok, param, message in checks:
             if not ok:

@@ -166,7 +166,18 @@ def test_rows_are_reused_refilled_and_grown(device):
 
 
 def test_batches_without_edits_prepare_nothing():
-    assert LogitsProcessors(VOCAB, "cpu").prepare([seq(0, [3]), seq(1, [4], min_p=0.5)]) is None
+    no_stops = seq(2, [5], min_tokens=3, ignore_eos=True)  # min_tokens with nothing to hold back
+    assert LogitsProcessors(VOCAB, "cpu").prepare([seq(0, [3]), seq(1, [4], min_p=0.5), no_stops]) is None
+
+
+def test_a_reused_row_forgets_the_last_requests_prompt_and_counts(device):
+    procs = LogitsProcessors(VOCAB, device)
+    first = seq(0, [3, 4, 5], [6, 6], repetition_penalty=2.0, frequency_penalty=1.0)
+    edited(procs, [first], torch.ones(1, VOCAB))
+    procs.forget(first)
+    second = seq(1, [7], [], repetition_penalty=2.0)
+    got = edited(procs, [second], torch.ones(1, VOCAB))[0]
+    assert procs._rows[1] == procs._rows.get(1) and got[7] == 0.5 and (got[torch.arange(VOCAB) != 7] == 1).all()
 
 
 def test_logprobs_stay_the_models():
@@ -203,6 +214,8 @@ def test_knob_ranges_are_checked():
                            ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": 1.5}, "min_p"),
                            ({"min_tokens": 60}, "min_tokens"), ({"logit_bias": ((3, 101.0),)}, "logit_bias"),
                            ({"logit_bias": tuple((t, 1.0) for t in range(1025))}, "at most 1024"),
-                           ({"allowed_token_ids": ()}, "allowed_token_ids")]:
+                           ({"allowed_token_ids": ()}, "allowed_token_ids"),
+                           ({"allowed_token_ids": tuple(range((1 << 18) + 1))}, "allowed_token_ids: 1 to"),
+                           ({"repetition_penalty": float("inf")}, "repetition_penalty")]:
         with pytest.raises(ValueError, match=message):
             SamplingParams(max_tokens=50, **knobs)

@@ -34,7 +34,8 @@ def gpu(monkeypatch):
 
 
 def reserve(config: EngineConfig) -> int:
-    return 4 * config.max_num_batched_tokens * MODEL.intermediate_size * 4 + GIB
+    """Activations' room, and a logit-edit row per sequence: float32 bias, int32 counts, bool prompt mask."""
+    return 4 * config.max_num_batched_tokens * MODEL.intermediate_size * 4 + GIB + config.max_num_seqs * MODEL.vocab_size * 9
 
 
 def test_default_is_a_fraction_of_the_free_memory(gpu) -> None:
