@@ -134,7 +134,8 @@ async def completions(body: oai.CompletionRequest, request: Request, runtime: Ru
         check_sequences(len(raw) * n, engine.engine.config.max_num_seqs)  # before the tokenizing it spares
         prompts = await asyncio.to_thread(_prepare_prompts, runtime, raw)
         # OpenAI's (and vLLM's) default for the legacy completions endpoint is 16 tokens.
-        choices = oai.per_choice(body.sampling(body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs), n)
+        choices = oai.per_choice(body.sampling(body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs,
+                                               body.prompt_k()), n)
     except Exception as exc:  # noqa: BLE001 - mapped to 4xx; a bug re-raises
         raise from_engine(exc) from None
     # Choice i*n + j is prompt i's j-th choice (vLLM's order).
@@ -158,9 +159,20 @@ async def completions(body: oai.CompletionRequest, request: Request, runtime: Ru
                                                 continuous_usage=body.continuous_usage))
 
     results = await collect(request, streams)
-    out = [oai.completion_choice(i, "".join(r.text), r.finish_reason,
-                                 oai.completion_logprobs(r.logprobs, token_text, offsets[i]) if body.logprobs is not None else None)
-           for i, r in enumerate(results)]
+    out = []
+    for i, r in enumerate(results):
+        ids = prompts[i // n]
+        # echo (OpenAI's legacy completions): the prompt before the text, and with logprobs its tokens
+        # first (the first one's null: nothing predicts it)
+        lps = ([ids[0], *(r.prompt_logprobs or [])] if body.echo else []) + r.logprobs
+        text = "".join(r.text)
+        if body.echo:
+            prompt = raw[i // n]
+            text = (prompt if isinstance(prompt, str) else token_text_of(runtime, ids)) + text
+        out.append(oai.completion_choice(
+            i, text, r.finish_reason,
+            oai.completion_logprobs(lps, token_text, offsets[i]) if body.logprobs is not None else None,
+            oai.vllm_prompt_logprobs(r.prompt_logprobs or [], token_text) if body.prompt_logprobs is not None else None))
     use = oai.usage(prompt_tokens, sum(r.generated for r in results))
     return JSONResponse(oai.response("text_completion", rid, created, model, out, use))
 
@@ -206,6 +218,11 @@ async def chat_completions(body: oai.ChatCompletionRequest, request: Request, ru
            for i, r in enumerate(results)]
     use = oai.usage(len(ids), sum(r.generated for r in results))
     return JSONResponse(oai.response("chat.completion", rid, created, model, out, use))
+
+
+def token_text_of(runtime: WorkerRuntime, ids: list[int]) -> str:
+    """A token-id prompt's text, as echo returns it."""
+    return runtime.require_engine().engine.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def _token_text(runtime: WorkerRuntime) -> Callable[[int], str]:

@@ -352,7 +352,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=seq.seq_id, new_token_ids=[token], text_delta=delta, finished=False, finish_reason=None,
             num_prompt_tokens=len(seq.prompt_ids), num_generated=len(seq.output_ids),
-            logprobs=[lp] if lp is not None else [],
+            logprobs=[lp] if lp is not None else [], prompt_logprobs=_first_prompt_logprobs(seq),
         )
 
     def _finish(self, seq: Sequence, tracked: TrackedRequest, delta: str, reason: str, tokens: list[int],
@@ -366,6 +366,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=seq.seq_id, new_token_ids=tokens, text_delta=delta, finished=True, finish_reason=reason,
             num_prompt_tokens=len(seq.prompt_ids), num_generated=len(seq.output_ids), logprobs=logprobs,
+            prompt_logprobs=_first_prompt_logprobs(seq),
         )
 
     def _next_adapters(self, exclude: set[str]) -> list[str]:
@@ -400,17 +401,26 @@ class LLMEngine:
         texts: dict[int, list[str]] = {rid: [] for rid in ids}
         tokens: dict[int, list[int]] = {rid: [] for rid in ids}
         lps: dict[int, list[TokenLogprobs]] = {rid: [] for rid in ids}
+        prompt_lps: dict[int, list[TokenLogprobs] | None] = {}
         while len(results) < n:
             for out in self.step():
                 rid = out.request_id
                 texts[rid].append(out.text_delta)
                 tokens[rid].extend(out.new_token_ids)
                 lps[rid].extend(out.logprobs)
+                if out.prompt_logprobs is not None:
+                    prompt_lps[rid] = out.prompt_logprobs
                 if out.finished:
-                    results[rid] = Completion(prompt_ids[rid], tokens[rid], "".join(texts[rid]), out.finish_reason or "stop", lps[rid])
+                    results[rid] = Completion(prompt_ids[rid], tokens[rid], "".join(texts[rid]), out.finish_reason or "stop",
+                                              lps[rid], prompt_lps.get(rid))
         if not self.scheduler.has_work:
             self.drain()  # a step in flight holding only finished requests: free their blocks now
         return [results[rid] for rid in ids]
+
+
+def _first_prompt_logprobs(seq: Sequence) -> list[TokenLogprobs] | None:
+    """The prompt's logprobs (entry i: prompt token i + 1's), on a request's first output only."""
+    return seq.prompt_lps if seq.sampling.prompt_logprobs is not None and len(seq.output_ids) <= 1 else None
 
 
 def _merge_adapters(adapters: Seq[tuple[str, float]]) -> tuple[tuple[str, float], ...]:

@@ -69,6 +69,7 @@ class ModelRunner:
         query_start = [0]
         context_lens: list[int] = []
         logits_rows: list[int] = []
+        prompt_rows: list[tuple[Sequence, int, int]] = []  # (seq, its row in the step, the prompt token it predicts)
         token_slots: list[list[int]] = []
         token_scales: list[list[float]] = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -81,6 +82,9 @@ class ModelRunner:
             query_start.append(query_start[-1] + n)
             if start + n == len(seq):
                 logits_rows.append(query_start[-1] - 1)
+            if seq.sampling.prompt_logprobs is not None:  # positions whose next prompt token is not scored yet
+                for pos in range(max(start, len(seq.prompt_lps)), min(start + n, len(seq.prompt_ids) - 1)):
+                    prompt_rows.append((seq, query_start[-2] + pos - start, seq.prompt_ids[pos + 1]))
             entry_slots = [slot_of[name] for name, _ in seq.adapters] + [-1] * (self.k - len(seq.adapters))
             entry_scales = [scale for _, scale in seq.adapters] + [0.0] * (self.k - len(seq.adapters))
             token_slots.extend([entry_slots] * n)
@@ -112,7 +116,8 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
             attn,
             lora_meta,
-            torch.tensor(logits_rows, dtype=torch.int64).to(dev, non_blocking=True),
+            torch.tensor(logits_rows + [row for _, row, _ in prompt_rows], dtype=torch.int64).to(dev, non_blocking=True),
+            [(seq, token) for seq, _, token in prompt_rows],
         )
 
     @torch.inference_mode()
@@ -125,8 +130,11 @@ class ModelRunner:
             out = self.graphs.run(batch, slot_of)  # every sequence is sampled: rows match `sampled`
             logits, greedy = out.logits, out.greedy
         else:
-            input_ids, positions, attn, lora_meta, logits_rows = self.prepare(batch, slot_of)
+            input_ids, positions, attn, lora_meta, logits_rows, prompt_rows = self.prepare(batch, slot_of)
             logits = self.model.forward(input_ids, positions, attn, self.kv_caches, lora_meta, logits_rows)
+            if prompt_rows:  # the rows after the sampled ones score prompt tokens
+                _score_prompt(logits[len(logits) - len(prompt_rows):], prompt_rows)
+                logits = logits[: len(logits) - len(prompt_rows)]
         if hook is not None:  # float32 logits the hook may edit in place: sampled from as edited
             logits, greedy = logits.float(), None
             hook(sampled, logits)
@@ -153,3 +161,19 @@ class ModelRunner:
         params, generators = [s.sampling for s in seqs], [self.generator_for(s) for s in seqs]
         edit = self.logits_processors.prepare(seqs, pending)
         return sample_on_device(logits, params, generators, greedy, edit)
+
+
+def _score_prompt(logits: torch.Tensor, rows: list[tuple[Sequence, int]]) -> None:
+    """Append each row's prompt-token logprob (and its sequence's top k) to `seq.prompt_lps`, in order."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    targets = torch.tensor([token for _, token in rows], dtype=torch.int64, device=logp.device)
+    chosen_t = logp.gather(1, targets.unsqueeze(1))
+    ranks = ((logp > chosen_t).sum(dim=-1) + 1).tolist()
+    chosen = chosen_t.view(-1).tolist()
+    k_max = min(max(seq.sampling.prompt_logprobs for seq, _ in rows), logp.shape[1])
+    top = logp.topk(k_max, dim=-1) if k_max else None
+    top_values, top_ids = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
+    for i, (seq, token) in enumerate(rows):
+        k = seq.sampling.prompt_logprobs
+        best = list(zip(top_ids[i][:k], top_values[i][:k])) if k else []
+        seq.prompt_lps.append(TokenLogprobs(token_id=token, logprob=chosen[i], top=best, rank=ranks[i]))

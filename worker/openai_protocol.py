@@ -115,8 +115,6 @@ class _SamplingFields(JsonBody):
 
     def check_supported(self) -> None:
         """Raises UnsupportedField (HTTP 400) for a field set to a value this worker cannot honour."""
-        if self.echo:
-            raise UnsupportedField("echo", "echo is not supported")
         if self.best_of is not None and self.best_of < self.n:
             raise UnsupportedField("best_of", "best_of must be greater than or equal to n")
         if self.best_of is not None and self.best_of > self.n:
@@ -128,7 +126,7 @@ class _SamplingFields(JsonBody):
             if rule is not None and not rule[0](value):
                 raise UnsupportedField(name, rule[1])
 
-    def sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         """Raises ValueError (HTTP 400) for values the engine refuses."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
@@ -141,6 +139,7 @@ class _SamplingFields(JsonBody):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
@@ -189,6 +188,14 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     suffix: str | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's: each prompt token's logprob
+
+    def prompt_k(self) -> int | None:
+        """The prompt logprobs to compute: vLLM's prompt_logprobs, else echo's (OpenAI's legacy
+        echo with logprobs scores the prompt's tokens as well)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -211,6 +218,10 @@ class CompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.stream and self.echo:
+            raise UnsupportedField("echo", "echo is not supported with stream")
+        if self.stream and self.prompt_logprobs is not None:
+            raise UnsupportedField("prompt_logprobs", "prompt_logprobs is not supported with stream")
         if self.suffix:
             raise UnsupportedField("suffix", "suffix is not supported")
 
@@ -244,6 +255,11 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True  # vLLM extension
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise UnsupportedField("echo", "echo is not supported in chat (completions only)")
 
     def template_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
@@ -292,18 +308,33 @@ class TextOffsets:
         return start
 
 
-def completion_logprobs(lps: list[TokenLogprobs], token_text: Callable[[int], str],
+def completion_logprobs(lps: list[TokenLogprobs | int], token_text: Callable[[int], str],
                         offsets: TextOffsets) -> dict[str, Any]:
-    """OpenAI's legacy completions logprobs: parallel lists per generated token. As OpenAI (and
-    vLLM) do, each `top_logprobs` entry also holds the sampled token, so it has up to `logprobs` + 1
-    entries (`logprobs: 0`: the sampled token alone). Tokens with the same text share one key."""
-    tokens = [token_text(lp.token_id) for lp in lps]
+    """OpenAI's legacy completions logprobs: parallel lists per token. As OpenAI (and vLLM) do, each
+    `top_logprobs` entry also holds the token itself, so it has up to `logprobs` + 1 entries
+    (`logprobs: 0`: the token alone); tokens with the same text share one key. A bare token id (an
+    echoed prompt's first token, which nothing predicts) has null logprobs."""
+    ids = [lp if isinstance(lp, int) else lp.token_id for lp in lps]
+    tokens = [token_text(t) for t in ids]
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{**{token_text(t): v for t, v in lp.top}, text: lp.logprob} for lp, text in zip(lps, tokens)],
-        "text_offset": [offsets.next(lp.token_id) for lp in lps],
+        "token_logprobs": [None if isinstance(lp, int) else lp.logprob for lp in lps],
+        "top_logprobs": [None if isinstance(lp, int) else {**{token_text(t): v for t, v in lp.top}, text: lp.logprob}
+                         for lp, text in zip(lps, tokens)],
+        "text_offset": [offsets.next(t) for t in ids],
     }
+
+
+def vllm_prompt_logprobs(lps: list[TokenLogprobs], token_text: Callable[[int], str]) -> list[Any]:
+    """vLLM's `prompt_logprobs` of a choice: null for the first prompt token (nothing predicts it),
+    then for each token a map from token id to {logprob, rank, decoded_token}: the token itself
+    and the top k."""
+    out: list[Any] = [None]
+    for lp in lps:
+        entry = {str(t): {"logprob": v, "rank": r, "decoded_token": token_text(t)} for r, (t, v) in enumerate(lp.top, 1)}
+        entry[str(lp.token_id)] = {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": token_text(lp.token_id)}
+        out.append(entry)
+    return out
 
 
 def chat_logprobs(lps: list[TokenLogprobs], token_text: Callable[[int], str],
@@ -323,8 +354,12 @@ def response(obj: str, rid: str, created: int, model: str, choices: list[dict], 
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices, "usage": use}
 
 
-def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None,
+                      prompt_logprobs: list | None = None) -> dict[str, Any]:
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    if prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs
+    return choice
 
 
 def completion_chunk(rid: str, created: int, model: str, index: int, text: str, finish_reason: str | None,

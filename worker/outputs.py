@@ -25,6 +25,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_generated: int
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # sampling.prompt_logprobs: prompt token i + 1's logprob at entry i; on the first output only
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(slots=True)
@@ -36,6 +38,7 @@ class Completion:
     text: str
     finish_reason: str
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] | None = None  # as RequestOutput's
 
 
 @dataclass(slots=True)

@@ -37,6 +37,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the `logprobs` most likely tokens with their logprobs
+    rank: int | None = None  # 1 + how many tokens were likelier (prompt logprobs; vLLM's rank)
 
 
 # (tokens, shown) for every row, made on the device: kernels/greedy.py's `greedy_pick`.

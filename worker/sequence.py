@@ -50,6 +50,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs to return per generated token (0 = only the chosen one)
+    # vLLM's prompt_logprobs: each prompt token's logprob given the tokens before it, with the top k
+    # (0: the token's alone); the request's prompt is then computed in full (no prefix-cache hits).
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     # Logit edits (worker/logits_processors.py, vLLM's semantics): OpenAI's penalties on the output's
     # tokens, vLLM's repetition penalty on the prompt's and the output's, min_p after temperature,
@@ -70,6 +73,8 @@ class SamplingParams:
             (0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]"),
             (self.top_k >= 0, "top_k", "top_k must be >= 0"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "logprobs must be in 0..20"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+             "prompt_logprobs must be in 0..20"),
             (len(self.stop) <= 16 and all(self.stop), "stop", "stop: at most 16 non-empty strings"),
             (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
              f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids ({len(self.stop_token_ids)} given)"),
@@ -120,6 +125,9 @@ class Sequence:
     adapters: tuple[tuple[str, float], ...] = ()  # (adapter name, scale); empty = base model only
     cache_salt: str = ""  # the adapter set with scales and digests: prefix blocks are shared only under it
     stop_ids: frozenset[int] = frozenset()  # stop_token_ids, and EOS unless ignore_eos: checked per token
+    # With sampling.prompt_logprobs: entry i is prompt token i + 1's (sampling.TokenLogprobs), filled
+    # as the prompt's chunks are computed (a recomputed prefix is not counted twice).
+    prompt_lps: list = field(default_factory=list)
     arrival: float = 0.0
     output_ids: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING

@@ -61,6 +61,7 @@ class _Result:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     generated: int = 0
     finish_reason: str = "stop"
+    prompt_logprobs: list[TokenLogprobs] | None = None  # SamplingParams.prompt_logprobs: prompt token i + 1's at i
 
 
 async def submit_all(engine: AsyncEngine, prompts: list[str | list[int]], sampling: list[SamplingParams],
@@ -134,6 +135,8 @@ async def collect(request: Request, streams: list[RequestStream]) -> list[_Resul
             r.text.append(out.text_delta)
             r.logprobs.extend(out.logprobs)
             r.generated = out.num_generated
+            if out.prompt_logprobs is not None:
+                r.prompt_logprobs = out.prompt_logprobs
             if out.finished:
                 r.finish_reason = out.finish_reason or "stop"
 

@@ -290,10 +290,11 @@ def test_unsupported_features_are_400_naming_the_field(worker, field, value, str
     assert field in refused(post(worker, "chat/completions", body), field)
 
 
-@pytest.mark.parametrize("field,value", [("suffix", " end"), ("echo", True), ("best_of", 3),
-                                         ("guided_regex", "[a-z]+")])
-def test_unsupported_completions_fields_are_400(worker, field, value):
-    body = {"model": "demo", "prompt": PROMPT, "max_tokens": 2, field: value}
+@pytest.mark.parametrize("field,value,stream", [("suffix", " end", False), ("best_of", 3, False),
+                                                ("guided_regex", "[a-z]+", False), ("echo", True, True),
+                                                ("prompt_logprobs", 1, True)])
+def test_unsupported_completions_fields_are_400(worker, field, value, stream):
+    body = {"model": "demo", "prompt": PROMPT, "max_tokens": 2, "stream": stream, field: value}
     assert field in refused(post(worker, "completions", body), field)
 
 
@@ -367,6 +368,59 @@ def test_knobs_the_engine_refuses_are_400_naming_the_field(worker, body, message
     r = post(worker, "completions", {"model": "demo", "prompt": PROMPT, "max_tokens": 4, **body})
     (field,) = body
     assert message in refused(r, field)
+
+
+# -- echo and prompt logprobs (lm-eval-harness's loglikelihood requests) -------------------------------
+
+
+@pytest.fixture(scope="module")
+def prompt_oracle(demo_model, demo_adapters):
+    """transformers (+ PEFT): each prompt token's logprob given the tokens before it."""
+    from tests.worker.peft_oracle import load_hf_base, oracle_logits
+
+    base = load_hf_base(demo_model)
+
+    def logprobs(ids: list[int], adapters=()) -> list[float]:
+        import torch
+
+        logp = torch.log_softmax(oracle_logits(base, demo_adapters, adapters, ids), dim=-1)
+        return [float(logp[i, ids[i + 1]]) for i in range(len(ids) - 1)]
+
+    return logprobs
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, worker, prompt_oracle):
+    """lm-eval-harness's request for a loglikelihood: echo, logprobs 1, max_tokens 1; it reads
+    token_logprobs over the prompt (the first is null). Against transformers + PEFT, with an adapter."""
+    ids = worker.engine.tokenizer.encode(PROMPT)
+    out = client.completions.create(model="sql", prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    lp = out.choices[0].logprobs
+    assert out.choices[0].text.startswith(PROMPT) and len(lp.tokens) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = prompt_oracle(ids, (("sql", 1.0),))
+    assert max(abs(g - w) for g, w in zip(lp.token_logprobs[1 : len(ids)], want)) < 1e-4
+    assert all(lp.tokens[i] in lp.top_logprobs[i] for i in range(1, len(ids) + 1))
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 1
+
+
+def test_echo_without_logprobs_prepends_the_prompt(client):
+    plain = client.completions.create(model="demo", prompt=PROMPT, max_tokens=3, temperature=0)
+    echoed = client.completions.create(model="demo", prompt=PROMPT, max_tokens=3, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+
+
+def test_vllm_prompt_logprobs(worker, prompt_oracle):
+    ids = worker.engine.tokenizer.encode(PROMPT)
+    body = {"model": "demo", "prompt": ids, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2, "n": 2}
+    choices = post(worker, "completions", body).json()["choices"]
+    want = prompt_oracle(ids)
+    for choice in choices:
+        got = choice["prompt_logprobs"]
+        assert len(got) == len(ids) and got[0] is None
+        for entry, token, w in zip(got[1:], ids[1:], want):
+            assert abs(entry[str(token)]["logprob"] - w) < 1e-4
+            ranks = sorted(e["rank"] for e in entry.values())
+            assert ranks[:2] == [1, 2] and entry[str(token)]["rank"] >= 1
 
 
 # -- response shape -------------------------------------------------------------------------------------

@@ -108,7 +108,7 @@ def test_decode_inputs_match_prepare_and_pad(demo_model, modules):
         _seq(2, [31] * 16, [32], [1, 2, 8], (("chat", 0.5), ("poem", 0.25))),  # composed, 3 blocks
     ]
     batch = ScheduledBatch(seqs, [1, 1, 1])
-    ids, positions, attn, meta, rows = runner.prepare(batch, slot_of)
+    ids, positions, attn, meta, rows, _ = runner.prepare(batch, slot_of)
     bucket, width, k = 4, 2048 // 8, runner.k
     got = decode_inputs(batch, slot_of, bucket, width, 8, k, runner.sink_slot)
     n = len(seqs)
