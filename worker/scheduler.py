@@ -106,7 +106,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed, budget)
+            n = chunk(seq, budget)
             while not self.blocks.allocate(seq, seq.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim, batch)
@@ -133,7 +133,7 @@ class Scheduler:
                 continue
             names = seq.adapter_names
             hit = None if seq.block_table else self.blocks.match_prefix(seq)
-            n = min(seq.num_uncomputed, budget)
+            n = chunk(seq, budget)
             if not self.blocks.allocate(seq, seq.num_computed + n):
                 self.blocks.free(seq)
                 seq.num_computed = 0
@@ -187,7 +187,7 @@ class Scheduler:
                 deferred.append(seq)
             if verdict is not None:
                 continue
-            if self.blocks.admission_cost(seq, budget) <= free_blocks:
+            if self.blocks.admission_cost(seq, chunk(seq, budget, uncomputed=False)) <= free_blocks:
                 return False
             break  # out of KV blocks: FCFS, as in schedule()
         for seq in deferred:
@@ -227,3 +227,18 @@ class Scheduler:
             if seq.num_uncomputed == 0:
                 sampled.append(seq)
         return sampled
+
+
+# A request scoring its prompt (SamplingParams.prompt_logprobs) computes this many prompt tokens a
+# step at most: each one's logits over the whole vocabulary are kept for the scoring (512 rows at a
+# 100k vocabulary: 205 MB in float32), where the token budget alone would allow max_num_batched_tokens.
+PROMPT_SCORING_CHUNK = 512
+
+
+def chunk(seq: Sequence, budget: int, uncomputed: bool = True) -> int:
+    """The tokens `seq` computes this step under `budget` (of its uncomputed ones, or, for
+    `BlockManager.admission_cost`, the budget it may take)."""
+    n = min(seq.num_uncomputed, budget) if uncomputed else budget
+    if seq.sampling.prompt_logprobs is not None and seq.num_computed < len(seq.prompt_ids):
+        n = min(n, PROMPT_SCORING_CHUNK)
+    return n

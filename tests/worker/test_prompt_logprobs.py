@@ -69,3 +69,25 @@ def test_a_preempted_request_scores_each_prompt_token_once(demo_model, hf):
     assert tight.scheduler.preempted_total > 0
     for out in outs:
         check(out, hf, 0)
+
+
+def test_scoring_steps_are_capped_whatever_the_token_budget(demo_model, hf, monkeypatch):
+    """Each scored prompt token keeps a vocabulary-wide row of logits: a prompt is scored at most
+    PROMPT_SCORING_CHUNK tokens a step, while a plain request takes the whole budget."""
+    from lorafleet.worker import scheduler
+
+    monkeypatch.setattr(scheduler, "PROMPT_SCORING_CHUNK", 5)
+    eng = LLMEngine(demo_model, EngineConfig(dtype="float32", block_size=8, max_num_batched_tokens=512))
+    chunks: list[int] = []
+    schedule = eng.scheduler.schedule
+
+    def spy():
+        batch = schedule()
+        chunks.extend(n for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.sampling.prompt_logprobs is not None)
+        return batch
+
+    eng.scheduler.schedule = spy
+    out = eng.generate([PROMPT], SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=1))[0]
+    check(out, hf, 1)
+    prefill = [n for n in chunks if n > 1]
+    assert max(chunks) == 5 and sum(prefill) + (len(chunks) - len(prefill)) >= len(out.prompt_token_ids)
