@@ -159,20 +159,26 @@ async def completions(body: oai.CompletionRequest, request: Request, runtime: Ru
                                                 continuous_usage=body.continuous_usage))
 
     results = await collect(request, streams)
-    out = []
-    for i, r in enumerate(results):
-        ids = prompts[i // n]
-        # echo (OpenAI's legacy completions): the prompt before the text, and with logprobs its tokens
-        # first (the first one's null: nothing predicts it)
-        lps = ([ids[0], *(r.prompt_logprobs or [])] if body.echo else []) + r.logprobs
-        text = "".join(r.text)
-        if body.echo:
-            prompt = raw[i // n]
-            text = (prompt if isinstance(prompt, str) else token_text_of(runtime, ids)) + text
-        out.append(oai.completion_choice(
-            i, text, r.finish_reason,
-            oai.completion_logprobs(lps, token_text, offsets[i]) if body.logprobs is not None else None,
-            oai.vllm_prompt_logprobs(r.prompt_logprobs or [], token_text) if body.prompt_logprobs is not None else None))
+
+    def choices() -> list[dict]:
+        out = []
+        for i, r in enumerate(results):
+            ids = prompts[i // n]
+            # echo (OpenAI's legacy completions): the prompt before the text, and with logprobs its
+            # tokens first (the first one's null: nothing predicts it)
+            lps = ([ids[0], *(r.prompt_logprobs or [])] if body.echo else []) + r.logprobs
+            text = "".join(r.text)
+            if body.echo:
+                prompt = raw[i // n]
+                text = (prompt if isinstance(prompt, str) else token_text_of(runtime, ids)) + text
+            out.append(oai.completion_choice(
+                i, text, r.finish_reason,
+                oai.completion_logprobs(lps, token_text, offsets[i]) if body.logprobs is not None else None,
+                oai.vllm_prompt_logprobs(r.prompt_logprobs or [], token_text) if body.prompt_logprobs is not None else None))
+        return out
+
+    # A scored prompt decodes each of its tokens: off the event loop, as tokenizing is.
+    out = await asyncio.to_thread(choices) if body.prompt_k() is not None else choices()
     use = oai.usage(prompt_tokens, sum(r.generated for r in results))
     return JSONResponse(oai.response("text_completion", rid, created, model, out, use))
 

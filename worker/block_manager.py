@@ -55,7 +55,7 @@ class BlockManager:
 
         The last token is always recomputed so the step has logits to sample from.
         """
-        if not self.enable_prefix_caching or seq.block_table or seq.sampling.prompt_logprobs is not None:
+        if not self.enable_prefix_caching or seq.block_table or seq.scores_prompt:
             return 0  # prompt logprobs need every prompt position's logits: nothing skipped
         candidates = (len(seq) - 1) // self.block_size
         hashes = self._chain(seq, candidates)
@@ -77,7 +77,7 @@ class BlockManager:
         """Free blocks admitting `seq` with a token budget would use up: a read-only mirror of
         `match_prefix` (cached blocks nobody holds leave the free pool) and `allocate`."""
         matched = evictable = 0
-        if self.enable_prefix_caching and not seq.block_table and seq.sampling.prompt_logprobs is None:
+        if self.enable_prefix_caching and not seq.block_table and not seq.scores_prompt:
             for h in self._chain(seq, (len(seq) - 1) // self.block_size):
                 block = self._block_of.get(h)
                 if block is None:

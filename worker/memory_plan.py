@@ -16,6 +16,8 @@ import torch
 
 from lorafleet.worker.config import ConfigError, EngineConfig, ModelConfig
 from lorafleet.worker.logits_processors import BYTES_PER_ENTRY as LOGIT_EDIT_BYTES
+from lorafleet.worker.model_runner import SCORE_SLICE
+from lorafleet.worker.scheduler import PROMPT_SCORING_CHUNK
 
 log = logging.getLogger("lorafleet.engine")
 
@@ -46,6 +48,9 @@ def plan_kv_blocks(config: EngineConfig, model: ModelConfig, device: torch.devic
     # the logit-edit state of every sequence a step can run (worker/logits_processors.py).
     reserve = 4 * config.max_num_batched_tokens * model.intermediate_size * 4 + (1 << 30)
     reserve += config.max_num_seqs * model.vocab_size * LOGIT_EDIT_BYTES
+    # and for a step's scored prompt rows (float32 logits, scheduler.PROMPT_SCORING_CHUNK of them) with
+    # one log-softmax slice's temporaries (model_runner.SCORE_SLICE rows, ~9 bytes an entry)
+    reserve += (PROMPT_SCORING_CHUNK * 4 + SCORE_SLICE * 9) * model.vocab_size
     utilization = config.gpu_memory_utilization
     if utilization is None:
         blocks = int((free - reserve) * config.kv_cache_memory_fraction) // per_block

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -163,17 +164,25 @@ class ModelRunner:
         return sample_on_device(logits, params, generators, greedy, edit)
 
 
+SCORE_SLICE = 256  # prompt rows a log-softmax pass takes: its float32 temporaries stay ~2 KB x vocab
+
+
 def _score_prompt(logits: torch.Tensor, rows: list[tuple[Sequence, int]]) -> None:
-    """Append each row's prompt-token logprob (and its sequence's top k) to `seq.prompt_lps`, in order."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    targets = torch.tensor([token for _, token in rows], dtype=torch.int64, device=logp.device)
-    chosen_t = logp.gather(1, targets.unsqueeze(1))
-    ranks = ((logp > chosen_t).sum(dim=-1) + 1).tolist()
-    chosen = chosen_t.view(-1).tolist()
-    k_max = min(max(seq.sampling.prompt_logprobs for seq, _ in rows), logp.shape[1])
-    top = logp.topk(k_max, dim=-1) if k_max else None
-    top_values, top_ids = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
-    for i, (seq, token) in enumerate(rows):
-        k = seq.sampling.prompt_logprobs
-        best = list(zip(top_ids[i][:k], top_values[i][:k])) if k else []
-        seq.prompt_lps.append(TokenLogprobs(token_id=token, logprob=chosen[i], top=best, rank=ranks[i]))
+    """Append each row's prompt-token logprob (and its sequence's top k) to `seq.prompt_lps`, in
+    order. A row whose logits are not finite scores null (JSON has no NaN)."""
+    k_max = min(max(seq.sampling.prompt_logprobs for seq, _ in rows), logits.shape[1])
+    for lo in range(0, len(rows), SCORE_SLICE):
+        part = rows[lo : lo + SCORE_SLICE]
+        logp = torch.log_softmax(logits[lo : lo + SCORE_SLICE].float(), dim=-1)
+        targets = torch.tensor([token for _, token in part], dtype=torch.int64, device=logp.device)
+        chosen_t = logp.gather(1, targets.unsqueeze(1))
+        ranks = ((logp > chosen_t).sum(dim=-1) + 1).tolist()
+        chosen = chosen_t.view(-1).tolist()
+        top = logp.topk(k_max, dim=-1) if k_max else None
+        top_values, top_ids = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
+        for i, (seq, token) in enumerate(part):
+            k = seq.sampling.prompt_logprobs
+            best = [(t, v) for t, v in zip(top_ids[i][:k], top_values[i][:k]) if math.isfinite(v)] if k else []
+            finite = math.isfinite(chosen[i])
+            seq.prompt_lps.append(TokenLogprobs(token_id=token, logprob=chosen[i] if finite else None, top=best,
+                                                rank=ranks[i] if finite else None))

@@ -35,7 +35,7 @@ from lorafleet.worker.sequence import SamplingParams
 @dataclass(slots=True)
 class TokenLogprobs:
     token_id: int
-    logprob: float
+    logprob: float | None  # None: a prompt token whose logits were not finite (prompt logprobs only)
     top: list[tuple[int, float]]  # the `logprobs` most likely tokens with their logprobs
     rank: int | None = None  # 1 + how many tokens were likelier (prompt logprobs; vLLM's rank)
 

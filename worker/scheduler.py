@@ -101,12 +101,16 @@ class Scheduler:
         cfg = self.config
         batch = ScheduledBatch()
         budget = cfg.max_num_batched_tokens
+        scoring = PROMPT_SCORING_CHUNK  # prompt tokens this step may score, over all its requests
 
         # 1. Running requests, oldest first; preempt the newest when blocks run out.
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = chunk(seq, budget)
+            n = chunk(seq, budget, scoring)
+            if n == 0:  # a prompt to score, and this step's scoring is taken: next step
+                i += 1
+                continue
             while not self.blocks.allocate(seq, seq.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim, batch)
@@ -116,6 +120,7 @@ class Scheduler:
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
                 budget -= n
+                scoring -= n if seq.scores_prompt else 0
                 i += 1
                 continue
             break  # seq itself was preempted: nothing after it can run either
@@ -131,9 +136,12 @@ class Scheduler:
             if verdict is not None:
                 (batch.not_ready if verdict == "not_ready" else batch.deferred).append(seq)
                 continue
+            n = chunk(seq, budget, scoring)
+            if n == 0:
+                continue
             names = seq.adapter_names
-            hit = None if seq.block_table else self.blocks.match_prefix(seq)
-            n = chunk(seq, budget)
+            hit = None if seq.block_table or seq.scores_prompt else self.blocks.match_prefix(seq)
+            n = chunk(seq, budget, scoring)  # after a prefix hit, fewer tokens are left
             if not self.blocks.allocate(seq, seq.num_computed + n):
                 self.blocks.free(seq)
                 seq.num_computed = 0
@@ -147,6 +155,7 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
+            scoring -= n if seq.scores_prompt else 0
         for seq in admitted:
             self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
@@ -187,7 +196,7 @@ class Scheduler:
                 deferred.append(seq)
             if verdict is not None:
                 continue
-            if self.blocks.admission_cost(seq, chunk(seq, budget, uncomputed=False)) <= free_blocks:
+            if self.blocks.admission_cost(seq, chunk(seq, budget, PROMPT_SCORING_CHUNK, uncomputed=False)) <= free_blocks:
                 return False
             break  # out of KV blocks: FCFS, as in schedule()
         for seq in deferred:
@@ -229,16 +238,15 @@ class Scheduler:
         return sampled
 
 
-# A request scoring its prompt (SamplingParams.prompt_logprobs) computes this many prompt tokens a
-# step at most: each one's logits over the whole vocabulary are kept for the scoring (512 rows at a
-# 100k vocabulary: 205 MB in float32), where the token budget alone would allow max_num_batched_tokens.
+# Requests scoring their prompts (SamplingParams.prompt_logprobs) compute this many prompt tokens a
+# step at most, all together: each one's logits over the whole vocabulary are kept for the scoring
+# (512 rows at a 100k vocabulary: 205 MB in float32, and the memory plan keeps room for them),
+# where the token budget alone would allow max_num_batched_tokens.
 PROMPT_SCORING_CHUNK = 512
 
 
-def chunk(seq: Sequence, budget: int, uncomputed: bool = True) -> int:
-    """The tokens `seq` computes this step under `budget` (of its uncomputed ones, or, for
-    `BlockManager.admission_cost`, the budget it may take)."""
+def chunk(seq: Sequence, budget: int, scoring: int, uncomputed: bool = True) -> int:
+    """The tokens `seq` computes this step under `budget`, and under `scoring` if it scores its
+    prompt (of its uncomputed ones, or, for `BlockManager.admission_cost`, the budget it may take)."""
     n = min(seq.num_uncomputed, budget) if uncomputed else budget
-    if seq.sampling.prompt_logprobs is not None and seq.num_computed < len(seq.prompt_ids):
-        n = min(n, PROMPT_SCORING_CHUNK)
-    return n
+    return min(n, scoring) if seq.scores_prompt else n

@@ -151,6 +151,12 @@ class Sequence:
         return len(self) - self.num_computed
 
     @property
+    def scores_prompt(self) -> bool:
+        """Prompt tokens still to score (sampling.prompt_logprobs): then no prefix-cache hit may skip
+        them, and the scheduler bounds the step's scored tokens."""
+        return self.sampling.prompt_logprobs is not None and len(self.prompt_lps) < len(self.prompt_ids) - 1
+
+    @property
     def adapter_names(self) -> frozenset[str]:
         return frozenset(name for name, _ in self.adapters)
 

@@ -403,6 +403,26 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, worker
     assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 1
 
 
+def test_lm_eval_loglikelihood_batch_of_token_prompts(client, worker, prompt_oracle):
+    """What lm-eval-harness's local-completions sends for loglikelihood: token-id prompts (context +
+    continuation) in one request, echo, logprobs 1, max_tokens 1; it sums token_logprobs[ctxlen:-1]
+    and checks each continuation token is the top one."""
+    tok = worker.engine.tokenizer
+    pairs = [("The capital of France is", " Paris"), ("Roses are red, violets are", " blue")]
+    prompts = [tok.encode(c + x) for c, x in pairs]
+    ctxlens = [len(tok.encode(c)) for c, _ in pairs]
+    out = client.completions.create(model="poem", prompt=prompts, max_tokens=1, temperature=0, logprobs=1, echo=True,
+                                    seed=1234)
+    for choice, ids, ctxlen in zip(sorted(out.choices, key=lambda c: c.index), prompts, ctxlens):
+        lp = choice.logprobs
+        assert len(lp.token_logprobs) == len(ids) + 1 and lp.token_logprobs[0] is None
+        want = prompt_oracle(ids, (("poem", 1.0),))
+        got = sum(lp.token_logprobs[ctxlen:-1])
+        assert abs(got - sum(want[ctxlen - 1 :])) < 1e-3
+        greedy = [max(top.items(), key=lambda kv: kv[1])[0] for top in lp.top_logprobs[ctxlen:-1]]
+        assert len(greedy) == len(ids) - ctxlen
+
+
 def test_echo_without_logprobs_prepends_the_prompt(client):
     plain = client.completions.create(model="demo", prompt=PROMPT, max_tokens=3, temperature=0)
     echoed = client.completions.create(model="demo", prompt=PROMPT, max_tokens=3, temperature=0, echo=True)

@@ -71,23 +71,41 @@ def test_a_preempted_request_scores_each_prompt_token_once(demo_model, hf):
         check(out, hf, 0)
 
 
-def test_scoring_steps_are_capped_whatever_the_token_budget(demo_model, hf, monkeypatch):
-    """Each scored prompt token keeps a vocabulary-wide row of logits: a prompt is scored at most
-    PROMPT_SCORING_CHUNK tokens a step, while a plain request takes the whole budget."""
-    from lorafleet.worker import scheduler
+def test_a_prefill_preempted_midway_scores_each_prompt_token_once(demo_model, hf):
+    """A long prompt prefilled in chunks of 8 into 12 blocks of 8: the requests beside it take the
+    blocks it needs, it is preempted with its prompt partly scored, and resumes where it was."""
+    long = " ".join(["once upon a time"] * 6)  # 48 tokens; the newest request, so the one preempted
+    prompts = ["Roses are red", "SELECT name FROM students", "The router sends each request", long]
+    sp = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)] * 3 + [
+        SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=1)]
+    tight = LLMEngine(demo_model, EngineConfig(dtype="float32", block_size=8, num_kv_blocks=12,
+                                               max_num_batched_tokens=8, enable_prefix_caching=False))
+    partly: list[int] = []
+    preempt = tight.scheduler._preempt
+
+    def spy(seq, batch):
+        if seq.sampling.prompt_logprobs is not None:
+            partly.append(len(seq.prompt_lps))
+        preempt(seq, batch)
+
+    tight.scheduler._preempt = spy
+    out = tight.generate(prompts, sp)[-1]
+    assert any(0 < k < len(out.prompt_token_ids) - 1 for k in partly), partly
+    check(out, hf, 1)
+
+
+def test_scored_rows_are_bounded_per_step_over_all_requests(demo_model, hf, monkeypatch):
+    """Each scored prompt token keeps a vocabulary-wide row of logits: a step scores at most
+    PROMPT_SCORING_CHUNK prompt tokens over all its requests, whatever its token budget."""
+    from lorafleet.worker import model_runner, scheduler
 
     monkeypatch.setattr(scheduler, "PROMPT_SCORING_CHUNK", 5)
+    rows: list[int] = []
+    score = model_runner._score_prompt
+    monkeypatch.setattr(model_runner, "_score_prompt", lambda logits, r: (rows.append(len(r)), score(logits, r))[1])
     eng = LLMEngine(demo_model, EngineConfig(dtype="float32", block_size=8, max_num_batched_tokens=512))
-    chunks: list[int] = []
-    schedule = eng.scheduler.schedule
-
-    def spy():
-        batch = schedule()
-        chunks.extend(n for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.sampling.prompt_logprobs is not None)
-        return batch
-
-    eng.scheduler.schedule = spy
-    out = eng.generate([PROMPT], SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=1))[0]
-    check(out, hf, 1)
-    prefill = [n for n in chunks if n > 1]
-    assert max(chunks) == 5 and sum(prefill) + (len(chunks) - len(prefill)) >= len(out.prompt_token_ids)
+    prompts = [PROMPT, "The router sends each request to a worker", "Roses are red, violets are blue"]
+    outs = eng.generate(prompts, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=0))
+    assert rows and max(rows) <= 5
+    for out in outs:
+        check(out, hf, 0)
