@@ -113,8 +113,9 @@ class LogitsProcessors:
         return row
 
     def _fill(self, row: int, seq: Sequence) -> None:
-        """The row's state from the host: a sequence gets its row at its first sampled token, so its
-        `output_ids` are all its tokens (a preempted one keeps its row)."""
+        """The row's state from the host: a sequence gets its row at its first sampled token, and
+        again when it resumes after a preemption, each time from a synchronous step, so its
+        `output_ids` are all its tokens."""
         sp, dev = seq.sampling, self.device
         if sp.allowed_token_ids is not None:
             self.bias[row].fill_(float("-inf"))

@@ -102,6 +102,18 @@ def test_penalties_and_logit_bias_pass_through_the_router(via_router, direct):
     assert err.value.body["param"] == "min_tokens"
 
 
+def test_prompt_scoring_through_the_router_is_the_workers(via_router, direct, router):
+    """lm-eval-harness pointed at the router: echo + logprobs scores the prompt on the replica holding
+    the adapter, as asking that worker directly; vLLM's prompt_logprobs passes through too."""
+    kw = dict(model="poem", prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    got, want = via_router.completions.create(**kw).choices[0], direct.completions.create(**kw).choices[0]
+    assert got.text == want.text and got.logprobs.token_logprobs == want.logprobs.token_logprobs
+    assert got.logprobs.token_logprobs[0] is None and len(got.logprobs.tokens) > 2
+    r = httpx.post(f"{router.url}/v1/completions", json={"model": "poem", "prompt": PROMPT, "max_tokens": 1,
+                                                         "prompt_logprobs": 1}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["prompt_logprobs"][0] is None
+
+
 def test_an_unsupported_feature_is_the_workers_400(via_router):
     tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
     with pytest.raises(openai.BadRequestError) as err:
