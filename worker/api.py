@@ -144,41 +144,43 @@ async def completions(body: oai.CompletionRequest, request: Request, runtime: Ru
     token_text, token_bytes = _token_text(runtime), _token_bytes(runtime)
     offsets = [oai.TextOffsets(token_bytes) for _ in streams]
     prompt_tokens = sum(map(len, prompts))  # once per prompt, whatever n is
+    echo_texts: list[str] = []
+    if body.echo or body.prompt_k() is not None:  # the prompts' tokens decoded off the event loop, as tokenizing is
+        echo_texts, token_text = await asyncio.to_thread(_prompt_texts, runtime, raw, prompts, token_text)
+
+    def scored(i: int, out: Any, text: str, lps: list) -> tuple[str, list, list | None]:
+        """A choice's text and logprobs with its prompt first (echo), and vLLM's prompt_logprobs;
+        `out`: the choice's first output, or its whole result."""
+        ids = prompts[i // n]
+        if body.echo:  # the first prompt token's logprob is null: nothing predicts it
+            text = echo_texts[i // n] + text
+            lps = ([ids[0], *(out.prompt_logprobs or [])] if body.logprobs is not None else []) + lps
+        vllm = None if body.prompt_logprobs is None else oai.vllm_prompt_logprobs(out.prompt_logprobs or [], token_text)
+        return text, lps, vllm
 
     if body.stream:
+        started = [False] * len(streams)
+
         def chunk(i: int, out: RequestOutput) -> list[dict]:
-            lp = None
-            if body.logprobs is not None and out.logprobs:
-                lp = oai.completion_logprobs(out.logprobs, token_text, offsets[i])
-            if not out.text_delta and not out.finished and lp is None:
+            text, lps, vllm = out.text_delta, list(out.logprobs), None
+            if not started[i]:  # echo and prompt logprobs come with a choice's first chunk
+                started[i] = True
+                text, lps, vllm = scored(i, out, text, lps)
+            lp = oai.completion_logprobs(lps, token_text, offsets[i]) if body.logprobs is not None and lps else None
+            if not text and not out.finished and lp is None and vllm is None:
                 return []
-            return [oai.completion_chunk(rid, created, model, i, out.text_delta, out.finish_reason, lp)]
+            return [oai.completion_chunk(rid, created, model, i, text, out.finish_reason, lp, vllm)]
 
         final = partial(oai.usage_chunk, rid, created, model, "text_completion") if body.include_usage else None
         return streaming_response(stream_events(streams, chunk, final, prompt_tokens,
                                                 continuous_usage=body.continuous_usage))
 
     results = await collect(request, streams)
-
-    def choices() -> list[dict]:
-        out = []
-        for i, r in enumerate(results):
-            ids = prompts[i // n]
-            # echo (OpenAI's legacy completions): the prompt before the text, and with logprobs its
-            # tokens first (the first one's null: nothing predicts it)
-            lps = ([ids[0], *(r.prompt_logprobs or [])] if body.echo else []) + r.logprobs
-            text = "".join(r.text)
-            if body.echo:
-                prompt = raw[i // n]
-                text = (prompt if isinstance(prompt, str) else token_text_of(runtime, ids)) + text
-            out.append(oai.completion_choice(
-                i, text, r.finish_reason,
-                oai.completion_logprobs(lps, token_text, offsets[i]) if body.logprobs is not None else None,
-                oai.vllm_prompt_logprobs(r.prompt_logprobs or [], token_text) if body.prompt_logprobs is not None else None))
-        return out
-
-    # A scored prompt decodes each of its tokens: off the event loop, as tokenizing is.
-    out = await asyncio.to_thread(choices) if body.prompt_k() is not None else choices()
+    out = []
+    for i, r in enumerate(results):
+        text, lps, vllm = scored(i, r, "".join(r.text), r.logprobs)
+        lp = oai.completion_logprobs(lps, token_text, offsets[i]) if body.logprobs is not None else None
+        out.append(oai.completion_choice(i, text, r.finish_reason, lp, vllm))
     use = oai.usage(prompt_tokens, sum(r.generated for r in results))
     return JSONResponse(oai.response("text_completion", rid, created, model, out, use))
 
@@ -226,9 +228,14 @@ async def chat_completions(body: oai.ChatCompletionRequest, request: Request, ru
     return JSONResponse(oai.response("chat.completion", rid, created, model, out, use))
 
 
-def token_text_of(runtime: WorkerRuntime, ids: list[int]) -> str:
-    """A token-id prompt's text, as echo returns it."""
-    return runtime.require_engine().engine.tokenizer.decode(ids, skip_special_tokens=False)
+def _prompt_texts(runtime: WorkerRuntime, raw: list[str | list[int]], prompts: list[list[int]],
+                  token_text: Callable[[int], str]) -> tuple[list[str], Callable[[int], str]]:
+    """(each prompt as echo returns it: as sent, a token-id prompt decoded; `token_text` with the
+    prompts' tokens already decoded)."""
+    tokenizer = runtime.require_engine().engine.tokenizer
+    texts = [p if isinstance(p, str) else tokenizer.decode(ids, skip_special_tokens=False) for p, ids in zip(raw, prompts)]
+    known = {t: token_text(t) for ids in prompts for t in set(ids)}
+    return texts, lambda t: known[t] if t in known else token_text(t)
 
 
 def _token_text(runtime: WorkerRuntime) -> Callable[[int], str]:

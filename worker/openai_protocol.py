@@ -218,10 +218,7 @@ class CompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.stream and self.echo:
-            raise UnsupportedField("echo", "echo is not supported with stream")
-        if self.stream and self.prompt_logprobs is not None:
-            raise UnsupportedField("prompt_logprobs", "prompt_logprobs is not supported with stream")
+
         if self.suffix:
             raise UnsupportedField("suffix", "suffix is not supported")
 
@@ -363,10 +360,10 @@ def completion_choice(index: int, text: str, finish_reason: str | None, logprobs
 
 
 def completion_chunk(rid: str, created: int, model: str, index: int, text: str, finish_reason: str | None,
-                     logprobs: dict | None = None) -> dict[str, Any]:
+                     logprobs: dict | None = None, prompt_logprobs: list | None = None) -> dict[str, Any]:
     return {
         "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [completion_choice(index, text, finish_reason, logprobs)],
+        "choices": [completion_choice(index, text, finish_reason, logprobs, prompt_logprobs)],
     }
 
 

@@ -290,11 +290,9 @@ def test_unsupported_features_are_400_naming_the_field(worker, field, value, str
     assert field in refused(post(worker, "chat/completions", body), field)
 
 
-@pytest.mark.parametrize("field,value,stream", [("suffix", " end", False), ("best_of", 3, False),
-                                                ("guided_regex", "[a-z]+", False), ("echo", True, True),
-                                                ("prompt_logprobs", 1, True)])
-def test_unsupported_completions_fields_are_400(worker, field, value, stream):
-    body = {"model": "demo", "prompt": PROMPT, "max_tokens": 2, "stream": stream, field: value}
+@pytest.mark.parametrize("field,value", [("suffix", " end"), ("best_of", 3), ("guided_regex", "[a-z]+")])
+def test_unsupported_completions_fields_are_400(worker, field, value):
+    body = {"model": "demo", "prompt": PROMPT, "max_tokens": 2, field: value}
     assert field in refused(post(worker, "completions", body), field)
 
 
@@ -427,6 +425,35 @@ def test_echo_without_logprobs_prepends_the_prompt(client):
     plain = client.completions.create(model="demo", prompt=PROMPT, max_tokens=3, temperature=0)
     echoed = client.completions.create(model="demo", prompt=PROMPT, max_tokens=3, temperature=0, echo=True)
     assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+
+
+def test_streamed_echo_and_prompt_logprobs_are_the_whole_answer_in_pieces(worker):
+    """vLLM streams them too: a choice's first chunk carries its prompt (and its tokens' logprobs,
+    and vLLM's prompt_logprobs); the pieces join into the non-streamed answer."""
+    ids = worker.engine.tokenizer.encode(PROMPT)
+    body = {"model": "chat", "prompt": [ids, ids[:6]], "max_tokens": 4, "temperature": 0, "logprobs": 1, "echo": True,
+            "prompt_logprobs": 1, "n": 2}
+    r = post(worker, "completions", body)
+    assert r.status_code == 200, r.text
+    whole = {c["index"]: c for c in r.json()["choices"]}
+    pieces: dict[int, dict] = {}
+    for chunk in events(worker, "completions", body):
+        assert "choices" in chunk, chunk
+        for c in chunk["choices"]:
+            got = pieces.setdefault(c["index"], {"text": "", "tokens": [], "token_logprobs": [], "prompt": []})
+            got["text"] += c["text"]
+            if c.get("prompt_logprobs") is not None:
+                got["prompt"].append(c["prompt_logprobs"])
+            if c["logprobs"]:
+                got["tokens"] += c["logprobs"]["tokens"]
+                got["token_logprobs"] += c["logprobs"]["token_logprobs"]
+    assert sorted(pieces) == sorted(whole) == [0, 1, 2, 3]
+    for i, c in whole.items():
+        prompt = ids if i < 2 else ids[:6]
+        assert pieces[i]["text"] == c["text"] and len(c["logprobs"]["tokens"]) == len(prompt) + 4
+        assert pieces[i]["tokens"] == c["logprobs"]["tokens"]
+        assert pieces[i]["token_logprobs"] == c["logprobs"]["token_logprobs"]
+        assert pieces[i]["prompt"] == [c["prompt_logprobs"]], "once, in the first chunk"
 
 
 def test_vllm_prompt_logprobs(worker, prompt_oracle):
