@@ -74,7 +74,7 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "guided_grammar": (_off(), "guided decoding (guided_grammar) is not supported"),
     "structured_outputs": (_off(), "structured_outputs is not supported"),
     "use_beam_search": (_off(False), "use_beam_search is not supported"),
-    "prompt_logprobs": (_off(), "prompt_logprobs is not supported"),
+    "prompt_logprobs": (_off(), "prompt_logprobs is not supported in chat (completions only)"),
     "bad_words": (_off(), "bad_words is not supported"),
     "logits_processors": (_off(), "logits_processors is not supported"),
 }
