@@ -24,7 +24,8 @@ outputs, in the same order per request, as the synchronous engine.
 
 Only steady-state decode steps from the graph path (`DecodeGraphs.can_run`) run this way. A step
 is *entered* when the scheduler hands out a batch the graphs can run (async on, graphs enabled,
-no logits hook); a step in flight is *continued* only while nothing else needs the scheduler:
+no logits hook, no request with bad words of several tokens: those are matched against the host's
+tokens); a step in flight is *continued* only while nothing else needs the scheduler:
 
 - every running request is in the step in flight (none left out by the token budget);
 - the next step's KV blocks fit without preemption;
@@ -105,7 +106,8 @@ class AsyncStepper:
     def eligible(self, batch: ScheduledBatch) -> bool:
         """Whether a scheduled batch starts (or restarts) the async path."""
         graphs = self.engine.runner.graphs
-        return self._enabled() and graphs is not None and graphs.can_run(batch)
+        return (self._enabled() and graphs is not None and graphs.can_run(batch)
+                and not any(seq.needs_host_tokens for seq in batch.seqs))
 
     def enter(self, batch: ScheduledBatch, slot_of: dict[str, int]) -> list[RequestOutput]:
         """Launch a scheduled all-decode batch from the host's tokens, then continue from it."""

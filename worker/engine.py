@@ -264,11 +264,15 @@ class LLMEngine:
         if sampling.min_tokens and sampling.allowed_token_ids is not None and stop_ids >= set(sampling.allowed_token_ids):
             raise RequestError("min_tokens: every token in allowed_token_ids is a stop token, so none can be sampled first",
                                "min_tokens")
+        bad_ids = bad_word_ids(self.tokenizer, sampling.bad_words)
+        if sampling.allowed_token_ids is not None and {w[0] for w in bad_ids if len(w) == 1} >= set(sampling.allowed_token_ids):
+            raise RequestError("bad_words: every token in allowed_token_ids is a bad word", "bad_words")
         self.registry.acquire(name for name, _ in adapters)  # raises AdapterNotFound; nothing may raise after it
         # Keyed by registration, not digest: the digest may still be hashing (it is off the load's path).
         salt = "|".join(f"{n}#{self.registry.entries[n].generation}*{s!r}" for n, s in adapters)
         seq = Sequence(seq_id=next(self._ids), prompt_ids=ids, sampling=sampling, adapters=adapters,
-                       cache_salt=salt, arrival=time.monotonic(), stop_ids=stop_ids)
+                       cache_salt=salt, arrival=time.monotonic(), stop_ids=stop_ids,
+                       bad_word_ids=bad_ids)
         try:  # a seeded request's generator now: a seed torch refuses fails this request, not a step
             self.runner.generator_for(seq)
         except (RuntimeError, ValueError, OverflowError) as exc:
@@ -416,6 +420,20 @@ class LLMEngine:
         if not self.scheduler.has_work:
             self.drain()  # a step in flight holding only finished requests: free their blocks now
         return [results[rid] for rid in ids]
+
+
+def bad_word_ids(tokenizer: Tokenizer, words: Seq[str]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's tokenization of `bad_words`: each word as written (leading spaces stripped), and again
+    after a space where that is a different token sequence of the same length (the word inside a
+    text rather than at its start)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        out += [ids for ids in (plain,) if ids]
+        if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return tuple(dict.fromkeys(out))
 
 
 def _first_prompt_logprobs(seq: Sequence) -> list[TokenLogprobs] | None:

@@ -3,6 +3,7 @@
 presence penalties. (`min_p`, which only filters what is sampled, is a knob of `sampling`.)
 
     allowed:     logit = -inf for every token outside allowed_token_ids
+    bad_words:   logit = -inf for a bad word's last token where the output ends with the rest of it
     min_tokens:  logit = -inf for EOS and stop_token_ids while fewer than min_tokens are generated
     bias:        logit += logit_bias[token]
     repetition:  for tokens in the prompt or the output, logit / p if logit > 0 else logit * p
@@ -45,8 +46,13 @@ BYTES_PER_ENTRY = 4 + 4 + 1  # a row's bias (float32), count (int32) and prompt 
 def edits(seq: Sequence) -> bool:
     """Whether the request's logits are edited: min_tokens alone edits nothing without stop tokens."""
     sp = seq.sampling
-    return sp.edits_logits and (sp.penalized or bool(sp.logit_bias) or sp.allowed_token_ids is not None
-                                or bool(seq.stop_ids))
+    return sp.edits_logits and (sp.penalized or biased(seq) or bool(seq.bad_word_ids) or bool(seq.stop_ids))
+
+
+def biased(seq: Sequence) -> bool:
+    """Whether the request's bias row holds anything: logit_bias, allowed_token_ids, one-token bad words."""
+    sp = seq.sampling
+    return bool(sp.logit_bias) or sp.allowed_token_ids is not None or any(len(w) == 1 for w in seq.bad_word_ids)
 
 
 class LogitsProcessors:
@@ -84,13 +90,19 @@ class LogitsProcessors:
         penalized = any(p.penalized for p in params)
         held = [(i, t) for i in picked if len(seqs[i].output_ids) + pending < seqs[i].sampling.min_tokens
                 for t in sorted(seqs[i].stop_ids)]
+        for i in picked:  # bad words of several tokens whose start the output ends with
+            seq = seqs[i]
+            if seq.needs_host_tokens:
+                assert not pending, "a request with multi-token bad words runs synchronously (AsyncStepper)"
+                held += [(i, w[-1]) for w in seq.bad_word_ids
+                         if 1 < len(w) <= len(seq.output_ids) + 1 and tuple(seq.output_ids[len(seq.output_ids) - len(w) + 1 :]) == w[:-1]]
         values = [float(i) for i in picked] + [float(self._row(s)) for s in edited]
         if penalized:
             values += [p.repetition_penalty for p in params] + [p.frequency_penalty for p in params]
             values += [p.presence_penalty for p in params]
         values += [float(j) for j, _ in held] + [float(t) for _, t in held]
         up = torch.tensor(values, dtype=torch.float32).to(self.device, non_blocking=True)
-        return LogitsEdit(self, up, m, m == len(seqs), any(p.logit_bias or p.allowed_token_ids is not None for p in params),
+        return LogitsEdit(self, up, m, m == len(seqs), any(biased(s) for s in edited),
                           penalized, any(p.repetition_penalty != 1.0 for p in params), len(held))
 
     def forget(self, seq: Sequence) -> None:
@@ -126,6 +138,9 @@ class LogitsProcessors:
             bias = dict(sp.logit_bias)  # a repeated id: the last bias, as a JSON object's keys
             vals = torch.tensor(list(bias.values()), dtype=torch.float32).to(dev, non_blocking=True)
             self.bias[row].index_put_((_ids(bias, dev),), vals, accumulate=True)  # onto 0 or -inf
+        banned = [w[0] for w in seq.bad_word_ids if len(w) == 1]
+        if banned:
+            self.bias[row, _ids(banned, dev)] = float("-inf")
         self.counts[row].zero_()
         self.in_prompt[row].zero_()
         if sp.penalized:

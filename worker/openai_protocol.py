@@ -75,7 +75,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "structured_outputs": (_off(), "structured_outputs is not supported"),
     "use_beam_search": (_off(False), "use_beam_search is not supported"),
     "prompt_logprobs": (_off(), "prompt_logprobs is not supported in chat (completions only)"),
-    "bad_words": (_off(), "bad_words is not supported"),
     "logits_processors": (_off(), "logits_processors is not supported"),
 }
 
@@ -110,6 +109,7 @@ class _SamplingFields(JsonBody):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     min_tokens: int | None = Field(default=None, ge=0)
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # The RFC's composition field: several adapters with static scales (then `model` is the base)
     lora_adapters: list[LoraAdapterRef] | None = None
 
@@ -148,6 +148,7 @@ class _SamplingFields(JsonBody):
             min_tokens=self.min_tokens or 0,
             logit_bias=self._logit_bias(),
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
+            bad_words=tuple(self.bad_words or ()),
         )
 
     def _logit_bias(self) -> tuple[tuple[int, float], ...]:

@@ -27,6 +27,8 @@ MAX_LOGIT_BIAS = 1024
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 # allowed_token_ids: checked on the engine thread at admission, so bounded (the largest vocabularies' size).
 MAX_ALLOWED_TOKEN_IDS = 1 << 18
+# bad_words: each one's token sequences are matched against the output's tail at every step.
+MAX_BAD_WORDS = 64
 
 
 class SamplingError(ValueError):
@@ -65,6 +67,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()  # vLLM's: never generated (the engine tokenizes them: Sequence.bad_word_ids)
 
     def __post_init__(self) -> None:
         checks = [
@@ -90,6 +93,8 @@ class SamplingParams:
              f"logit_bias: at most {MAX_LOGIT_BIAS} entries ({len(self.logit_bias)} given)"),
             (all(LOGIT_BIAS_RANGE[0] <= b <= LOGIT_BIAS_RANGE[1] for _, b in self.logit_bias), "logit_bias",
              "logit_bias values must be in [-100, 100]"),
+            (len(self.bad_words) <= MAX_BAD_WORDS and all(w.strip() for w in self.bad_words), "bad_words",
+             f"bad_words: at most {MAX_BAD_WORDS} words, none empty"),
             (self.allowed_token_ids is None or 0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS,
              "allowed_token_ids", f"allowed_token_ids: 1 to {MAX_ALLOWED_TOKEN_IDS} token ids"),
         ]
@@ -109,7 +114,8 @@ class SamplingParams:
     @property
     def edits_logits(self) -> bool:
         """Whether the logits are edited before sampling (all but min_p, a sampling knob)."""
-        return self.penalized or bool(self.logit_bias) or self.allowed_token_ids is not None or self.min_tokens > 0
+        return (self.penalized or bool(self.logit_bias) or self.allowed_token_ids is not None or self.min_tokens > 0
+                or bool(self.bad_words))
 
     def named_token_ids(self) -> dict[str, tuple[int, ...]]:
         """The token ids the request names, by field: the engine checks them against the vocabulary."""
@@ -125,6 +131,8 @@ class Sequence:
     adapters: tuple[tuple[str, float], ...] = ()  # (adapter name, scale); empty = base model only
     cache_salt: str = ""  # the adapter set with scales and digests: prefix blocks are shared only under it
     stop_ids: frozenset[int] = frozenset()  # stop_token_ids, and EOS unless ignore_eos: checked per token
+    # sampling.bad_words as token sequences (vLLM's rule: each word as written and after a space)
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
     # With sampling.prompt_logprobs: entry i is prompt token i + 1's (sampling.TokenLogprobs), filled
     # as the prompt's chunks are computed (a recomputed prefix is not counted twice).
     prompt_lps: list = field(default_factory=list)
@@ -149,6 +157,12 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self) - self.num_computed
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """A bad word of several tokens is matched against the output's tail on the host: the step
+        after a token must wait for it (no async scheduling)."""
+        return any(len(w) > 1 for w in self.bad_word_ids)
 
     @property
     def scores_prompt(self) -> bool:

@@ -338,6 +338,16 @@ def test_vllm_knobs_through_extra_body(client, worker):
     assert biased.count(token_text(worker, 77)) > penalised.count(token_text(worker, 77)) >= 1
 
 
+def test_bad_words_through_the_official_client(client, worker):
+    tok = worker.engine.tokenizer
+    plain = client.completions.create(model="demo", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=0)
+    word = next(t for t in plain.choices[0].logprobs.tokens if t.strip() == t and t
+                and len(tok.encode(t, add_special_tokens=False)) == 1)
+    out = client.completions.create(model="demo", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=0,
+                                    extra_body={"bad_words": [word]})
+    assert word not in out.choices[0].logprobs.tokens and out.choices[0].text != plain.choices[0].text
+
+
 @pytest.mark.parametrize("field,value,message", [
     ("frequency_penalty", 2.5, "less than or equal to 2"),
     ("presence_penalty", -2.5, "greater than or equal to -2"),

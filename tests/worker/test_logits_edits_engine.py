@@ -147,3 +147,62 @@ def test_preempted_requests_give_back_their_rows_and_resume_alike(demo_model):
     got = [o.token_ids for o in tight.generate(PROMPTS, params)]
     assert tight.scheduler.preempted_total > 0 and len(forgotten) > len(PROMPTS), "rows freed on preemption too"
     assert got == want and procs.rows_in_use == 0
+
+
+def a_two_token_word(tok, ids: list[int]) -> tuple[str, tuple[int, int]]:
+    """Text of two consecutive tokens of `ids` that encodes back to those two tokens."""
+    for a, b in zip(ids, ids[1:]):
+        text = tok.decode([a, b])
+        if text.strip() and tuple(tok.encode(text.lstrip(), add_special_tokens=False)) == (a, b):
+            return text, (a, b)
+    raise AssertionError(f"no two-token word in {ids}")
+
+
+def test_bad_words_are_never_generated_as_transformers_bans_them(engine, hf):
+    """vLLM's bad_words: a one-token word is never sampled, a longer one's last token is banned
+    where the output ends with the rest of it. Oracle: transformers' generate with the same token
+    sequences (`bad_words_ids`), the prompt's tail matching none of them (transformers also
+    matches across the prompt, vLLM and we only the output)."""
+    tok = engine.tokenizer
+    base = dict(max_tokens=10, temperature=0.0, ignore_eos=True)
+    plain = engine.generate(PROMPTS[:2], SamplingParams(**base))
+    two_text, two = a_two_token_word(tok, plain[0].token_ids[2:])
+    one_text = next(text for t in plain[1].token_ids if (text := tok.decode([t])) == text.lstrip() and text
+                    and tok.encode(text, add_special_tokens=False) == [t])
+    params = [SamplingParams(**base, bad_words=(two_text,)), SamplingParams(**base, bad_words=(one_text,))]
+    rids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS[:2], params)]
+    seqs = [engine._tracked[r].seq for r in rids]
+    while engine.has_unfinished():
+        engine.step()
+    assert two in seqs[0].bad_word_ids
+    for seq, before in zip(seqs, plain):
+        assert seq.output_ids != before.token_ids, "the bad word was in the plain output"
+        assert not any(seq.prompt_ids[len(seq.prompt_ids) - len(w) + 1 :] == list(w[:-1]) for w in seq.bad_word_ids if len(w) > 1)
+        want = hf_generate(hf, seq.prompt_ids, 10, bad_words_ids=[list(w) for w in seq.bad_word_ids])
+        assert seq.output_ids == want
+    assert all(w[0] not in seqs[1].output_ids for w in seqs[1].bad_word_ids if len(w) == 1)
+
+
+def test_bad_words_tokenize_as_vllm_does(engine):
+    from lorafleet.worker.engine import bad_word_ids
+
+    tok = engine.tokenizer
+    got = bad_word_ids(tok, ["  name", "students"])
+    plain, spaced = tuple(tok.encode("name", add_special_tokens=False)), tuple(tok.encode(" name", add_special_tokens=False))
+    assert got[0] == plain and (spaced in got) == (spaced[0] != plain[0] and len(spaced) == len(plain))
+    assert tuple(tok.encode("students", add_special_tokens=False)) in got
+
+
+def test_requests_with_long_bad_words_run_synchronously(demo_model):
+    """Their tail match needs the host's tokens: such a batch never enters async scheduling, and
+    gives what the synchronous engine gives."""
+    kw = dict(cuda_graphs=True, warmup=False, dtype="float32")
+    sync = LLMEngine(demo_model, EngineConfig(async_scheduling=False, **kw))
+    asyn = LLMEngine(demo_model, EngineConfig(async_scheduling=True, **kw))
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, bad_words=("SELECT name", "red"))
+    want = [o.token_ids for o in sync.generate(PROMPTS, sp)]
+    got = [o.token_ids for o in asyn.generate(PROMPTS, sp)]
+    assert got == want and asyn.async_steps.stats.launched == 0
+    plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    asyn.generate(PROMPTS, plain)
+    assert asyn.async_steps.stats.launched > 0, "without them the same engine runs async"
