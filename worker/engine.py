@@ -265,8 +265,12 @@ class LLMEngine:
             raise RequestError("min_tokens: every token in allowed_token_ids is a stop token, so none can be sampled first",
                                "min_tokens")
         bad_ids = bad_word_ids(self.tokenizer, sampling.bad_words)
-        if sampling.allowed_token_ids is not None and {w[0] for w in bad_ids if len(w) == 1} >= set(sampling.allowed_token_ids):
-            raise RequestError("bad_words: every token in allowed_token_ids is a bad word", "bad_words")
+        if any(t >= vocab for w in bad_ids for t in w):  # a tokenizer may hold more tokens than the model
+            raise RequestError(f"bad_words: a word has tokens outside the model's vocabulary (0..{vocab - 1})", "bad_words")
+        banned = {w[0] for w in bad_ids if len(w) == 1} | (stop_ids if sampling.min_tokens else set())
+        if sampling.allowed_token_ids is not None and banned >= set(sampling.allowed_token_ids):
+            raise RequestError("bad_words: every token in allowed_token_ids is banned (a bad word, or a stop token "
+                               "before min_tokens)", "bad_words")
         self.registry.acquire(name for name, _ in adapters)  # raises AdapterNotFound; nothing may raise after it
         # Keyed by registration, not digest: the digest may still be hashing (it is off the load's path).
         salt = "|".join(f"{n}#{self.registry.entries[n].generation}*{s!r}" for n, s in adapters)

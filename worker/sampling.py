@@ -148,6 +148,8 @@ def sample_on_device(
     uploaded = _upload(knobs.values + (lp_rows if subset else []), dev) if knobs.any_sampled or subset else None
 
     edited = logits if edit is None else edit.apply(logits)
+    if edit is not None:  # a row the edits left without any token (all -inf) ends its request with an error
+        finite &= edited.amax(dim=-1) > float("-inf")
     if knobs.any_sampled:
         tokens = _sample_rows(edited, uploaded[: _Knobs.ROWS * n].view(_Knobs.ROWS, n), knobs, generators)
     else:

@@ -29,6 +29,7 @@ LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_ALLOWED_TOKEN_IDS = 1 << 18
 # bad_words: each one's token sequences are matched against the output's tail at every step.
 MAX_BAD_WORDS = 64
+MAX_BAD_WORD_CHARS = 256  # they are tokenized on the engine thread, at admission
 
 
 class SamplingError(ValueError):
@@ -93,8 +94,8 @@ class SamplingParams:
              f"logit_bias: at most {MAX_LOGIT_BIAS} entries ({len(self.logit_bias)} given)"),
             (all(LOGIT_BIAS_RANGE[0] <= b <= LOGIT_BIAS_RANGE[1] for _, b in self.logit_bias), "logit_bias",
              "logit_bias values must be in [-100, 100]"),
-            (len(self.bad_words) <= MAX_BAD_WORDS and all(w.strip() for w in self.bad_words), "bad_words",
-             f"bad_words: at most {MAX_BAD_WORDS} words, none empty"),
+            (len(self.bad_words) <= MAX_BAD_WORDS and all(0 < len(w.strip()) <= MAX_BAD_WORD_CHARS for w in self.bad_words),
+             "bad_words", f"bad_words: at most {MAX_BAD_WORDS} words of 1 to {MAX_BAD_WORD_CHARS} characters"),
             (self.allowed_token_ids is None or 0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS,
              "allowed_token_ids", f"allowed_token_ids: 1 to {MAX_ALLOWED_TOKEN_IDS} token ids"),
         ]

@@ -199,10 +199,26 @@ def test_requests_with_long_bad_words_run_synchronously(demo_model):
     kw = dict(cuda_graphs=True, warmup=False, dtype="float32")
     sync = LLMEngine(demo_model, EngineConfig(async_scheduling=False, **kw))
     asyn = LLMEngine(demo_model, EngineConfig(async_scheduling=True, **kw))
-    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, bad_words=("SELECT name", "red"))
-    want = [o.token_ids for o in sync.generate(PROMPTS, sp)]
-    got = [o.token_ids for o in asyn.generate(PROMPTS, sp)]
-    assert got == want and asyn.async_steps.stats.launched == 0
     plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    before = [o.token_ids for o in sync.generate(PROMPTS, plain)]
+    tok = sync.tokenizer
+    word, _ = a_two_token_word(tok, before[0])  # a word the first request would generate
+    banned = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, bad_words=(word,))
+    params = [banned, plain, plain, plain, plain]  # one request with it among plain ones
+    want = [o.token_ids for o in sync.generate(PROMPTS, params)]
+    got = [o.token_ids for o in asyn.generate(PROMPTS, params)]
+    assert got == want and got[0] != before[0] and asyn.async_steps.stats.launched == 0
     asyn.generate(PROMPTS, plain)
     assert asyn.async_steps.stats.launched > 0, "without them the same engine runs async"
+
+
+def test_bad_words_outside_the_models_vocabulary_are_a_400(engine, monkeypatch):
+    """A tokenizer can hold more tokens than the model's vocabulary: such a word is refused, not
+    indexed past the edit row (a device-side assert on CUDA)."""
+    import dataclasses
+
+    word = next(t for t in range(300, 512) if (text := engine.tokenizer.decode([t])) == text.strip() and text
+                and engine.tokenizer.encode(text, add_special_tokens=False) == [t])
+    monkeypatch.setattr(engine, "model_config", dataclasses.replace(engine.model_config, vocab_size=300))
+    with pytest.raises(RequestError, match="bad_words: a word has tokens outside the model's vocabulary"):
+        engine.add_request([3, 4, 5], SamplingParams(max_tokens=2, bad_words=(engine.tokenizer.decode([word]),)))

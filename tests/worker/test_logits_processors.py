@@ -219,3 +219,29 @@ def test_knob_ranges_are_checked():
                            ({"repetition_penalty": float("inf")}, "repetition_penalty")]:
         with pytest.raises(ValueError, match=message):
             SamplingParams(max_tokens=50, **knobs)
+
+
+def test_bad_words_match_the_output_only(device):
+    """vLLM's rule: a longer bad word's last token is banned where the output (not the prompt) ends
+    with the rest of it; a one-token word is banned always (in the bias row)."""
+    procs = LogitsProcessors(VOCAB, device)
+    words = ((7, 9), (12,), (3, 4, 5))
+    fresh = seq(0, [2, 7], [], ignore_eos=True, bad_words=("x",))  # ids set below; the prompt ends with 7
+    fresh.bad_word_ids = words
+    got = edited(procs, [fresh], torch.zeros(1, VOCAB))[0]
+    assert got[9] == 0 and math.isinf(got[12]) and got[5] == 0
+    later = seq(1, [2], [1, 3, 4], ignore_eos=True, bad_words=("x",))  # ends with 3 4: 5 banned, 9 not
+    later.bad_word_ids = words
+    got = edited(procs, [later], torch.zeros(1, VOCAB))[0]
+    assert math.isinf(got[5]) and got[9] == 0 and math.isinf(got[12])
+
+
+def test_a_row_left_without_tokens_reads_as_an_error(device):
+    """allowed_token_ids all held back by min_tokens (the engine refuses such a request; this is the
+    sampler's own guard): the row has no token to draw, and its request ends with an error (-1)."""
+    s = seq(0, [3], [], allowed_token_ids=(EOS,), min_tokens=2)
+    plain = seq(1, [3])
+    logits = torch.zeros(2, VOCAB, device=device)
+    procs = LogitsProcessors(VOCAB, device)
+    tokens, _ = sample(logits, [s.sampling, plain.sampling], [None, None], edit=procs.prepare([s, plain]))
+    assert tokens[0] == -1 and tokens[1] == 0
