@@ -18,9 +18,9 @@ tensor, edits a copy (the logprobs stay the model's, vLLM's default), and once t
 adds each one to its request's counts on the device. So async scheduling, whose host has not yet seen the token in flight,
 still penalises it at the next step, and no step copies token histories from the host. Steps
 without such requests cost one check of their sampling params. The pass itself and the counting
-are `lorafleet.kernels.logit_edits`: its torch path by default, its Triton kernels on CUDA with
-`LORAFLEET_LOGIT_EDITS=triton` (checked in the interpreter and compiled for sm_90, not yet run on
-the H200: the default until they have been, docs/engine.md).
+are `lorafleet.kernels.logit_edits`: its Triton kernels on CUDA (`LORAFLEET_LOGIT_EDITS=torch`
+takes the torch path there too), the torch path elsewhere. On the H200 the Triton pass took a
+penalised batch's sampling from 1.5-1.6 ms to 0.64-0.72 ms a step (docs/benchmarks.md).
 
 The state takes `BYTES_PER_ENTRY` (9) bytes a vocabulary entry per running request that uses it
 (0.9 MB at a 100k vocabulary), allocated as such requests arrive (doubling, up to `max_num_seqs`
@@ -39,7 +39,7 @@ from lorafleet.kernels.logit_edits import count_tokens, edit_logits
 from lorafleet.worker.sequence import Sequence
 
 # kernels.logit_edits' backend on CUDA (module docstring); elsewhere always the torch path.
-CUDA_BACKEND = os.environ.get("LORAFLEET_LOGIT_EDITS", "torch")
+CUDA_BACKEND = os.environ.get("LORAFLEET_LOGIT_EDITS", "triton")
 BYTES_PER_ENTRY = 4 + 4 + 1  # a row's bias (float32), count (int32) and prompt mask (bool) per token
 
 
