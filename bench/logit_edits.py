@@ -60,14 +60,21 @@ def run_case(vocab: int, batch: int, edited: int, edit: dict, knobs: dict, steps
     return statistics.median(times[steps // 4:])  # the first steps fill the rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--vocab", type=int, default=100_000)
+def sampling_step_args(doc: str) -> argparse.ArgumentParser:
+    """The options of the sampling benches: a step of --batch requests at a --vocab vocabulary, on
+    --device, the results written to --out."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=100_000)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--backends", default="triton,torch", help="kernels/logit_edits backends, comma-separated")
     ap.add_argument("--out", type=Path)
+    return ap
+
+
+def main() -> None:
+    ap = sampling_step_args(__doc__)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--backends", default="triton,torch", help="kernels/logit_edits backends, comma-separated")
     args = ap.parse_args()
     device = torch.device(args.device)
     rows = []

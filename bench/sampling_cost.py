@@ -13,15 +13,14 @@ Usage (GPU): python -m bench.sampling_cost [--batch 64] [--vocab 100000] [--out 
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
+from bench.logit_edits import sampling_step_args
 from lorafleet.worker import sampling
 from lorafleet.worker.sequence import SamplingParams
 
@@ -65,12 +64,8 @@ def pieces(logits: torch.Tensor) -> dict[str, Callable[[], object]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--vocab", type=int, default=100_000)
+    ap = sampling_step_args(__doc__)
     ap.add_argument("--repeats", type=int, default=50)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     device = torch.device(args.device)
     g = torch.Generator(device=device).manual_seed(0)
