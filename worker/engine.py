@@ -33,6 +33,7 @@ from lorafleet.worker.device_setup import (
     want_async_scheduling,
     want_cuda_graphs,
 )
+from lorafleet.worker.logits_processors import bad_word_ids
 from lorafleet.worker.lora.adapter import AdapterError
 from lorafleet.worker.lora.registry import AdapterRegistry
 from lorafleet.worker.lora.slots import LoraSlots
@@ -424,20 +425,6 @@ class LLMEngine:
         if not self.scheduler.has_work:
             self.drain()  # a step in flight holding only finished requests: free their blocks now
         return [results[rid] for rid in ids]
-
-
-def bad_word_ids(tokenizer: Tokenizer, words: Seq[str]) -> tuple[tuple[int, ...], ...]:
-    """vLLM's tokenization of `bad_words`: each word as written (leading spaces stripped), and again
-    after a space where that is a different token sequence of the same length (the word inside a
-    text rather than at its start)."""
-    out: list[tuple[int, ...]] = []
-    for word in words:
-        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
-        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-        out += [ids for ids in (plain,) if ids]
-        if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
-            out.append(spaced)
-    return tuple(dict.fromkeys(out))
 
 
 def _first_prompt_logprobs(seq: Sequence) -> list[TokenLogprobs] | None:

@@ -31,12 +31,14 @@ the memory plan keeps room for all of them (`memory_plan.plan_kv_blocks`).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
 
 from lorafleet.kernels.logit_edits import count_tokens, edit_logits
 from lorafleet.worker.sequence import Sequence
+from lorafleet.worker.tokenizer import Tokenizer
 
 # kernels.logit_edits' backend on CUDA (module docstring); elsewhere always the torch path.
 CUDA_BACKEND = os.environ.get("LORAFLEET_LOGIT_EDITS", "triton")
@@ -198,3 +200,16 @@ class LogitsEdit:
 def _ids(ids, device: torch.device) -> torch.Tensor:
     return torch.tensor(list(ids), dtype=torch.int64).to(device, non_blocking=True)
 
+
+def bad_word_ids(tokenizer: Tokenizer, words: Seq[str]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's tokenization of `bad_words`: each word as written (leading spaces stripped), and again
+    after a space where that is a different token sequence of the same length (the word inside a
+    text rather than at its start)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        out += [ids for ids in (plain,) if ids]
+        if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return tuple(dict.fromkeys(out))

@@ -184,7 +184,7 @@ def test_bad_words_are_never_generated_as_transformers_bans_them(engine, hf):
 
 
 def test_bad_words_tokenize_as_vllm_does(engine):
-    from lorafleet.worker.engine import bad_word_ids
+    from lorafleet.worker.logits_processors import bad_word_ids
 
     tok = engine.tokenizer
     got = bad_word_ids(tok, ["  name", "students"])
