@@ -35,8 +35,9 @@ def fresh_prompt(engine: LLMEngine, prompt_len: int) -> list[int]:
     return [10 + (digits[j] if j < 3 else n * 7919 + j * 31) % vocab for j in range(prompt_len)]
 
 
-def decode_run(engine: LLMEngine, adapter_sets, prompt_len: int, new_tokens: int) -> dict:
-    sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+def decode_run(engine: LLMEngine, adapter_sets, prompt_len: int, new_tokens: int, knobs: dict | None = None) -> dict:
+    """`knobs`: SamplingParams fields for every request (default greedy)."""
+    sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True, **(knobs or {"temperature": 0.0}))
     hits0 = engine.blocks.prefix_hits
     sync()
     submitted = time.perf_counter()

@@ -3,12 +3,17 @@ have to beat (bench/logit_edits.py measured top-p at 1.16 ms a step against 0.13
 requests at a 100k vocabulary on the H200).
 
 Modes: `sample_on_device(...).read()` for greedy, temperature only, top-k 50, top-p 0.9, top-k 50 with
-top-p 0.9, and min-p 0.05, every row of the batch alike. Pieces (the torch ops `worker/sampling.py`
+top-p 0.9, and min-p 0.05, every row of the batch alike, with each draw (`--draws`: the torch draw,
+which sorts every row for top-p, and kernels/draw_triton.py, which does not). Pieces (the torch ops `worker/sampling.py`
 runs for top-p): the full sort of each row, a top-k of 50, the running-mass count
 (`_count_cumsum_below`), the softmax over the sorted rows, the exponential noise. Median wall time
 over `--repeats` (device synchronised), host work included.
 
-Usage (GPU): python -m bench.sampling_cost [--batch 64] [--vocab 100000] [--out bench/results/sampling-cost-h200.json]
+`--sweep`: the Triton draw alone (its kernel, noise and top-k floor given) under each launch
+setting (BLOCK, NUM_WARPS) for each sampled mode but temperature, to pick the defaults.
+
+Usage (GPU): python -m bench.sampling_cost [--batch 64] [--vocab 100000] [--draws torch,triton] [--sweep]
+             [--out bench/results/sampling-cost-h200.json]
 """
 
 from __future__ import annotations
@@ -63,9 +68,46 @@ def pieces(logits: torch.Tensor) -> dict[str, Callable[[], object]]:
     }
 
 
+SWEEP = [dict(BLOCK=b, NUM_WARPS=w) for b in (2048, 4096, 8192) for w in (16, 32)]
+
+
+def sweep(logits: torch.Tensor, device: torch.device, repeats: int) -> list[dict]:
+    """kernels/draw_triton.py's kernel alone (noise and top-k floor given) under launch settings
+    (module globals, restored after)."""
+    from lorafleet.kernels import draw_triton as dt
+
+    saved = {"BLOCK": dt.BLOCK, "NUM_WARPS": dt.NUM_WARPS}
+    n, vocab = logits.shape
+    log_noise = torch.empty_like(logits).exponential_().log_()
+    rows = []
+    for mode in ("top_p_0.9", "min_p_0.05", "top_k_50", "top_k_50+top_p_0.9"):
+        params = [SamplingParams(max_tokens=16, **MODES[mode])] * n
+        knobs = sampling._Knobs(params, vocab)
+        knobs_t = torch.tensor(knobs.values, dtype=torch.float32, device=device).view(sampling._Knobs.ROWS, n)
+        floor = sampling.top_k_floor(logits, knobs_t, knobs.k_max)
+        want = None
+        for setting in SWEEP:
+            for k, v in {**saved, **setting}.items():
+                setattr(dt, k, v)
+
+            def run(knobs_t=knobs_t, floor=floor):
+                return dt.draw_triton(logits, knobs_t, log_noise, floor)
+            got = run()
+            want = got if want is None else want
+            s = timed(run, device, repeats)
+            same = bool(torch.equal(got, want))
+            rows.append({"kind": "sweep", "name": mode, **setting, "us": round(s * 1e6, 1), "same_tokens": same})
+            print(f"{mode:20} {setting} {s * 1e6:>10.1f} us{'' if same else '  tokens differ'}")
+    for k, v in saved.items():
+        setattr(dt, k, v)
+    return rows
+
+
 def main() -> None:
     ap = sampling_step_args(__doc__)
     ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--draws", default="torch,triton", help="worker/sampling.py CUDA_DRAW settings to time")
+    ap.add_argument("--sweep", action="store_true", help="also time the Triton draw under launch settings")
     args = ap.parse_args()
     device = torch.device(args.device)
     g = torch.Generator(device=device).manual_seed(0)
@@ -74,10 +116,14 @@ def main() -> None:
     print(f"{'what':32} {'µs':>10}")
     for name, knobs in MODES.items():
         params = [SamplingParams(max_tokens=16, **knobs)] * args.batch
-        s = timed(lambda params=params: sampling.sample_on_device(logits, params, [None] * args.batch).read(), device,
-                  args.repeats)
-        rows.append({"kind": "mode", "name": name, "us": round(s * 1e6, 1)})
-        print(f"{name:32} {s * 1e6:>10.1f}")
+        for draw in args.draws.split(","):
+            sampling.CUDA_DRAW = draw
+            s = timed(lambda params=params: sampling.sample_on_device(logits, params, [None] * args.batch).read(),
+                      device, args.repeats)
+            rows.append({"kind": "mode", "name": name, "draw": draw, "us": round(s * 1e6, 1)})
+            print(f"{name + ' (' + draw + ')':32} {s * 1e6:>10.1f}")
+    if args.sweep:
+        rows += sweep(logits, device, args.repeats)
     for name, fn in pieces(logits).items():
         s = timed(fn, device, args.repeats)
         rows.append({"kind": "piece", "name": name, "us": round(s * 1e6, 1)})

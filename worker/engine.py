@@ -41,7 +41,7 @@ from lorafleet.worker.memory_plan import free_at_start, log_memory_plan, memory_
 from lorafleet.worker.model_runner import LogitsHook, ModelRunner
 from lorafleet.worker.models.llama import LlamaModel, iter_checkpoint
 from lorafleet.worker.outputs import Completion, RequestOutput, TrackedRequest
-from lorafleet.worker.sampling import TokenLogprobs
+from lorafleet.worker.sampling import TokenLogprobs, sample
 from lorafleet.worker.scheduler import Scheduler, SchedulerConfig
 from lorafleet.worker.sequence import SamplingParams, Sequence
 from lorafleet.worker.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -171,7 +171,8 @@ class LLMEngine:
         A long prompt (up to 512 tokens, one step's budget) and a 16-token one, the short one with
         the first registered adapter if there is one, through prefill and a few decode steps on the
         normal path (Triton compiles, cuBLAS kernel choice, the allocator's first growth, one LoRA
-        decode graph); then the base decode graph of every batch bucket. A prompt that the model's
+        decode graph), and the sampled draw's kernels; then the base decode graph of every batch
+        bucket. A prompt that the model's
         context or the KV cache cannot take is left out. Afterwards nothing of it remains: no
         request, KV block, prefix-cache entry or adapter in a GPU slot, and the counters the metrics
         report start at zero (the decode graphs' capture count keeps the warm-up's captures: they
@@ -199,6 +200,10 @@ class LLMEngine:
             self.add_request(ids, sp, adapters)
         while self.has_unfinished():
             self.step()
+        # The sampled draw's two kernels (kernels/draw_triton.py: with and without a top-k floor)
+        # compile now, not on the first request that samples.
+        for knobs in (dict(top_p=0.9), dict(top_k=2, top_p=0.9)):
+            sample(torch.zeros(1, vocab, device=self.device), [SamplingParams(max_tokens=1, **knobs)], [None])
         captured = self.runner.graphs.capture_base() if self.runner.graphs is not None else 0
         for name in set(self.registry.gpu_resident()) - resident:
             self.registry.offload(name)  # GPU slots as before: the first requests load what they use

@@ -22,6 +22,7 @@ float32 first. Logprobs are the model's distribution, before edits and knobs (vL
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Protocol
@@ -50,6 +51,9 @@ class LogitsEdit(Protocol):
     def apply(self, logits: torch.Tensor) -> torch.Tensor: ...  # an edited float32 copy
 
     def record(self, tokens: torch.Tensor) -> None: ...  # the step's sampled tokens, on the device
+
+# The draw on CUDA: "triton" (kernels/draw_triton.py, no sort) or "torch" (draw_reference).
+CUDA_DRAW = os.environ.get("LORAFLEET_SAMPLER", "triton")
 
 # Unseeded rows draw their noise from one generator per device, seeded from the OS on first use.
 _shared_generators: dict[torch.device, torch.Generator] = {}
@@ -242,27 +246,60 @@ def _sample_rows(
     logits: torch.Tensor, knobs_t: torch.Tensor, knobs: _Knobs, generators: list[torch.Generator | None]
 ) -> torch.Tensor:
     """A token for every row in one batched pass (greedy rows: the argmax); on the device."""
-    scaled = logits / knobs_t[0].unsqueeze(1)
-    if knobs.any_min_p:  # p >= min_p * p_max, in logits: scaled >= max + log min_p (vLLM: before top-k/p)
-        cutoff = scaled.amax(dim=-1, keepdim=True) + knobs_t[4].unsqueeze(1)
-        scaled.masked_fill_(scaled < cutoff, float("-inf"))
-    if knobs.k_max or knobs.any_p:
-        k_index = knobs_t[1].long().unsqueeze(1)
-        threshold = _threshold(scaled, k_index, knobs_t[2].unsqueeze(1), knobs.k_max, knobs.any_p)
-        scaled.masked_fill_(scaled < threshold, float("-inf"))
+    log_noise = _log_noise(logits, knobs, generators)
+    if logits.device.type == "cuda" and CUDA_DRAW == "triton":
+        from lorafleet.kernels.draw_triton import draw_triton
 
+        return draw_triton(logits, knobs_t, log_noise, top_k_floor(logits, knobs_t, knobs.k_max))
+    return draw_reference(logits, knobs_t, log_noise, knobs.k_max, knobs.any_p, knobs.any_min_p)
+
+
+def top_k_floor(logits: torch.Tensor, knobs_t: torch.Tensor, k_max: int) -> torch.Tensor | None:
+    """[N]: each row's k-th largest scaled value (-inf: no top-k), None when no row has top-k.
+
+    From the logits, not scaled: dividing by a positive temperature keeps the order, and rounding
+    is monotone, so (k-th largest logit) / temperature is the k-th largest of logits / temperature.
+    """
+    if not k_max:
+        return None
+    kth = _threshold(logits, knobs_t[1].long().unsqueeze(1), knobs_t[2].unsqueeze(1), k_max, any_p=False)
+    return kth.view(-1) / knobs_t[0]
+
+
+def _log_noise(logits: torch.Tensor, knobs: _Knobs, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """log E for every row, E ~ Exp(1): unseeded rows from the device's shared generator in one
+    call, each seeded row from its own generator (greedy rows' values are not used)."""
     params = knobs.params
-    noise = torch.empty_like(scaled)
+    noise = torch.empty_like(logits)
     seeded = [(i, g) for i, (p, g) in enumerate(zip(params, generators)) if g is not None and not p.greedy]
     if len(seeded) + knobs.n_greedy < len(params):
         noise.exponential_(generator=shared_generator(noise.device))  # every row at once
     for i, gen in seeded:
         noise[i].exponential_(generator=gen)  # seeded rows redrawn from their own generator
     # E == 0 (possible on CPU) would make a masked token's score -inf + inf = nan: clamp first.
-    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    if knobs.n_greedy:
-        noise.masked_fill_(knobs_t[3].unsqueeze(1) > 0, 1.0)  # log 1 = 0: greedy rows keep their argmax
-    return scaled.sub_(noise.log_()).argmax(dim=-1)
+    return noise.clamp_min_(torch.finfo(noise.dtype).tiny).log_()
+
+
+def draw_reference(
+    logits: torch.Tensor,  # [N, vocab] float32, edited, not scaled
+    knobs_t: torch.Tensor,  # [5, N] (_Knobs)
+    log_noise: torch.Tensor,  # [N, vocab] log E; overwritten
+    k_max: int,
+    any_p: bool,
+    any_min_p: bool,
+) -> torch.Tensor:
+    """The torch draw (kernels/draw_triton.py is its twin on CUDA): each row's threshold, then
+    argmax(scaled - log E) over the tokens at or above it; greedy rows the argmax of scaled."""
+    scaled = logits / knobs_t[0].unsqueeze(1)
+    if any_min_p:  # p >= min_p * p_max, in logits: scaled >= max + log min_p (vLLM: before top-k/p)
+        cutoff = scaled.amax(dim=-1, keepdim=True) + knobs_t[4].unsqueeze(1)
+        scaled.masked_fill_(scaled < cutoff, float("-inf"))
+    if k_max or any_p:
+        k_index = knobs_t[1].long().unsqueeze(1)
+        threshold = _threshold(scaled, k_index, knobs_t[2].unsqueeze(1), k_max, any_p)
+        scaled.masked_fill_(scaled < threshold, float("-inf"))
+    log_noise.masked_fill_(knobs_t[3].unsqueeze(1) > 0, 0.0)  # E = 1: greedy rows keep their argmax
+    return scaled.sub_(log_noise).argmax(dim=-1)
 
 
 def _threshold(
