@@ -17,6 +17,10 @@ Tier = Literal["gpu", "cpu", "disk"]
 # cap, but each choice is a sequence with its own KV blocks.
 MAX_N = 16
 
+# Completions take max_tokens 0 with echo only (OpenAI's legacy prompt scoring); the worker's refusal
+# otherwise, which the router repeats when it refuses first.
+MAX_TOKENS_ZERO = "max_tokens 0 needs echo: true (the prompt, and with logprobs its tokens' logprobs, without a completion)"
+
 # 409 reasons of a load that passes once requests still running on an adapter's old weights finish:
 # an in-place reload of a copy in use, a load of a name unloaded while its requests drain.
 REASON_IN_USE = "in_use"

@@ -27,6 +27,7 @@ from lorafleet.protocol import (
     HEADER_REPLICA,
     HEADER_ROUTE_REASON,
     HEADER_TENANT,
+    MAX_TOKENS_ZERO,
     ErrorResponse,
     LoraAdapterRef,
 )
@@ -171,7 +172,8 @@ def check_fields(payload: dict[str, Any], s: RouterSettings, chat: bool) -> tupl
 
     The worker's rules (`worker/openai_protocol.py`): JSON null means "not given" (OpenAI's rule);
     integer fields take JSON integers, not booleans; `max_tokens` (and chat's
-    `max_completion_tokens`) and `n` at least 1; `stream` a JSON boolean. The messages use the
+    `max_completion_tokens`) and `n` at least 1, but completions' `max_tokens` 0 with `echo` true
+    (the prompt scored, nothing generated); `stream` a JSON boolean. The messages use the
     worker's (pydantic's) wording. The caps (`max_tokens_cap`, `max_n`) are the router's own.
     """
     ranges = {"max_tokens": (1, s.max_tokens_cap), "n": (1, s.max_n)}
@@ -183,6 +185,11 @@ def check_fields(payload: dict[str, Any], s: RouterSettings, chat: bool) -> tupl
             continue
         if not isinstance(value, int) or isinstance(value, bool):
             return name, f"{name}: Input should be a valid integer"
+        if name == "max_tokens" and value == 0 and not chat:  # completions' echo alone
+            echo = payload.get("echo")
+            if echo is True or not isinstance(echo, bool | None):  # an echo that is not a boolean: the worker's 400
+                continue
+            return name, MAX_TOKENS_ZERO
         if value < low:
             return name, f"{name}: Input should be greater than or equal to {low}"
         if value > high:

@@ -134,9 +134,11 @@ async def completions(body: oai.CompletionRequest, request: Request, runtime: Ru
         raw = body.prompts()
         check_sequences(len(raw) * n, engine.engine.config.max_num_seqs)  # before the tokenizing it spares
         prompts = await asyncio.to_thread(_prepare_prompts, runtime, raw)
-        # OpenAI's (and vLLM's) default for the legacy completions endpoint is 16 tokens.
-        choices = oai.per_choice(body.sampling(body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs,
-                                               body.prompt_k()), n)
+        # OpenAI's (and vLLM's) default for the legacy completions endpoint is 16 tokens; echo
+        # alone (max_tokens 0) samples one token and drops it, as vLLM does.
+        echo_only = body.echo_only()
+        max_tokens = 1 if echo_only else body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+        choices = oai.per_choice(body.sampling(max_tokens, body.logprobs, body.prompt_k()), n)
     except Exception as exc:  # noqa: BLE001 - mapped to 4xx; a bug re-raises
         raise from_engine(exc) from None
     token_text, token_bytes = _token_text(runtime), _token_bytes(runtime)
@@ -149,10 +151,16 @@ async def completions(body: oai.CompletionRequest, request: Request, runtime: Ru
     offsets = [oai.TextOffsets(token_bytes) for _ in streams]
     prompt_tokens = sum(map(len, prompts))  # once per prompt, whatever n is
 
+    def finish(reason: str | None) -> str | None:
+        """Echo alone ends at its 0 tokens, whatever the dropped token did."""
+        return "length" if echo_only and reason is not None else reason
+
     def scored(i: int, out: Any, text: str, lps: list) -> tuple[str, list, list | None]:
         """A choice's text and logprobs with its prompt first (echo), and vLLM's prompt_logprobs;
         `out`: the choice's first output, or its whole result."""
         ids = prompts[i // n]
+        if echo_only:
+            text, lps = "", []
         if body.echo:  # the first prompt token's logprob is null: nothing predicts it
             text = echo_texts[i // n] + text
             lps = ([ids[0], *(out.prompt_logprobs or [])] if body.logprobs is not None else []) + lps
@@ -163,32 +171,32 @@ async def completions(body: oai.CompletionRequest, request: Request, runtime: Ru
         started = [False] * len(streams)
 
         def chunk(i: int, out: RequestOutput) -> list[dict]:
-            text, lps, vllm = out.text_delta, list(out.logprobs), None
+            text, lps, vllm = ("", [], None) if echo_only else (out.text_delta, list(out.logprobs), None)
             if not started[i]:  # echo and prompt logprobs come with a choice's first chunk
                 started[i] = True
                 text, lps, vllm = scored(i, out, text, lps)
             lp = oai.completion_logprobs(lps, token_text, offsets[i]) if body.logprobs is not None and lps else None
             if not text and not out.finished and lp is None and vllm is None:
                 return []
-            return [oai.completion_chunk(rid, created, model, i, text, out.finish_reason, lp, vllm)]
+            return [oai.completion_chunk(rid, created, model, i, text, finish(out.finish_reason), lp, vllm)]
 
         final = partial(oai.usage_chunk, rid, created, model, "text_completion") if body.include_usage else None
         return streaming_response(stream_events(streams, chunk, final, prompt_tokens,
-                                                continuous_usage=body.continuous_usage))
+                                                continuous_usage=body.continuous_usage, generates=not echo_only))
 
     results = await collect(request, streams)
 
     def choice(i: int, r) -> dict:
         text, lps, vllm = scored(i, r, "".join(r.text), r.logprobs)
         lp = oai.completion_logprobs(lps, token_text, offsets[i]) if body.logprobs is not None else None
-        return oai.completion_choice(i, text, r.finish_reason, lp, vllm)
+        return oai.completion_choice(i, text, finish(r.finish_reason), lp, vllm)
 
     def choices() -> list[dict]:
         return [choice(i, r) for i, r in enumerate(results)]
 
     # A scored prompt is many entries to build: off the event loop.
     out = await asyncio.to_thread(choices) if body.prompt_k() is not None else choices()
-    use = oai.usage(prompt_tokens, sum(r.generated for r in results))
+    use = oai.usage(prompt_tokens, 0 if echo_only else sum(r.generated for r in results))
     return JSONResponse(oai.response("text_completion", rid, created, model, out, use))
 
 

@@ -25,7 +25,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from lorafleet.protocol import MAX_N, JsonBody, LoraAdapterRef
+from lorafleet.protocol import MAX_N, MAX_TOKENS_ZERO, JsonBody, LoraAdapterRef
 from lorafleet.worker.sampling import TokenLogprobs
 from lorafleet.worker.sequence import SEED_MAX, SamplingParams
 
@@ -86,7 +86,7 @@ class _SamplingFields(JsonBody):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: completions' echo alone (check_supported)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=MAX_N)
@@ -219,9 +219,15 @@ class CompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-
+        if self.max_tokens == 0 and not self.echo:
+            raise UnsupportedField("max_tokens", MAX_TOKENS_ZERO)
         if self.suffix:
             raise UnsupportedField("suffix", "suffix is not supported")
+
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0 (OpenAI's legacy way to score a prompt): the prompt comes back,
+        nothing is generated (the engine samples one token, which is dropped)."""
+        return self.echo and self.max_tokens == 0
 
 
 class TextPart(JsonBody):
@@ -256,6 +262,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.max_tokens == 0:
+            raise UnsupportedField("max_tokens", "max_tokens: Input should be greater than or equal to 1")
         if self.echo:
             raise UnsupportedField("echo", "echo is not supported in chat (completions only)")
 

@@ -174,6 +174,7 @@ async def stream_events(
     prompt_tokens: int,
     first: list[dict] | None = None,
     continuous_usage: bool = False,
+    generates: bool = True,
 ) -> AsyncIterator[str]:
     """SSE events: `first`, one or more chunks per output, a usage chunk if asked, then `[DONE]`.
 
@@ -181,6 +182,7 @@ async def stream_events(
     last chunk's usage). `continuous_usage` (vLLM's `continuous_usage_stats` with `include_usage`):
     every chunk also carries its own choice's usage so far, as vLLM reports it (its prompt's tokens
     and that choice's completion tokens; `first`, the chat role chunks, have one prompt).
+    `generates` False (completions' echo alone): the one token sampled is dropped, so none counts.
     Cancelled (client gone) or failed: the requests are aborted in `finally`.
     """
     generated = [0] * len(streams)
@@ -190,10 +192,10 @@ async def stream_events(
                 payload["usage"] = usage(prompt_tokens, 0)
             yield sse(payload)
         async for i, out in _merged(streams):
-            generated[i] = out.num_generated
+            generated[i] = out.num_generated if generates else 0
             for payload in chunk(i, out):
                 if continuous_usage:
-                    payload["usage"] = usage(out.num_prompt_tokens, out.num_generated)
+                    payload["usage"] = usage(out.num_prompt_tokens, generated[i])
                 yield sse(payload)
         if final is not None:
             yield sse(final(usage(prompt_tokens, sum(generated))))

@@ -8,6 +8,7 @@ import time
 import httpx
 import pytest
 
+from lorafleet.protocol import MAX_TOKENS_ZERO
 from lorafleet.router.generate import check_fields
 from lorafleet.router.proxy import not_loaded
 from lorafleet.router.settings import RouterSettings
@@ -25,7 +26,11 @@ SETTINGS = RouterSettings(max_tokens_cap=8192, max_n=8)
         ({}, False, None),
         ({"max_tokens": 1, "n": 1, "stream": True}, False, None),
         ({"max_tokens": None, "max_completion_tokens": None}, True, None),
-        ({"max_tokens": 0}, False, ("max_tokens", "max_tokens: Input should be greater than or equal to 1")),
+        ({"max_tokens": 0}, False, ("max_tokens", MAX_TOKENS_ZERO)),
+        ({"max_tokens": 0, "echo": True}, False, None),  # completions' echo alone
+        ({"max_tokens": 0, "echo": False}, False, ("max_tokens", MAX_TOKENS_ZERO)),
+        ({"max_tokens": 0, "echo": "true"}, False, None),  # not a boolean: the worker refuses echo itself
+        ({"max_tokens": 0, "echo": True}, True, ("max_tokens", "max_tokens: Input should be greater than or equal to 1")),
         ({"max_tokens": True}, False, ("max_tokens", "max_tokens: Input should be a valid integer")),
         ({"max_tokens": "5"}, False, ("max_tokens", "max_tokens: Input should be a valid integer")),
         (
@@ -178,7 +183,7 @@ def test_every_error_is_in_the_openai_envelope(two_workers):
                 "/v1/completions",
                 {"model": "a", "prompt": "x", "max_tokens": 0},
                 400,
-                "max_tokens: Input should be greater than or equal to 1",
+                MAX_TOKENS_ZERO,
             ),
             (
                 "POST",

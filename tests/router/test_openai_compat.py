@@ -124,7 +124,8 @@ def test_an_unsupported_feature_is_the_workers_400(via_router):
 # The router's own field checks (`check_fields`, refusing before routing), with the worker as the oracle:
 # the same 400, message and param whichever of the two refuses.
 ROUTER_CHECKED = [
-    ("completions", {"max_tokens": 0}), ("completions", {"max_tokens": True}), ("completions", {"max_tokens": "5"}),
+    ("completions", {"max_tokens": 0}), ("chat/completions", {"max_tokens": 0, "echo": True}),
+    ("completions", {"max_tokens": True}), ("completions", {"max_tokens": "5"}),
     ("completions", {"n": 0}), ("completions", {"n": False}), ("completions", {"stream": "false"}),
     ("completions", {"stream": 0}), ("chat/completions", {"max_completion_tokens": 0}),
     ("chat/completions", {"stream": "false"}),

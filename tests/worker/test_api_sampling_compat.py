@@ -196,3 +196,55 @@ def test_vllm_prompt_logprobs(worker, prompt_oracle):
             assert abs(entry[str(token)]["logprob"] - w) < logprob_tolerance(worker)
             ranks = sorted(e["rank"] for e in entry.values())
             assert ranks[:2] == [1, 2] and entry[str(token)]["rank"] >= 1
+
+
+def test_echo_alone_scores_the_prompt_without_a_completion(client, worker, prompt_oracle):
+    """OpenAI's legacy prompt scoring (older lm-eval-harness): echo, logprobs, max_tokens 0. The
+    prompt comes back with its tokens' logprobs (against transformers + PEFT) and nothing else:
+    the token the engine samples is dropped, none is counted."""
+    ids = worker.engine.tokenizer.encode(PROMPT)
+    out = client.completions.create(model="sql", prompt=PROMPT, max_tokens=0, temperature=0, logprobs=2, echo=True)
+    choice = out.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == len(ids)
+    assert lp.token_logprobs[0] is None
+    want = prompt_oracle(ids, (("sql", 1.0),))
+    assert max(abs(g - w) for g, w in zip(lp.token_logprobs[1:], want)) < logprob_tolerance(worker)
+    one = client.completions.create(model="sql", prompt=PROMPT, max_tokens=1, temperature=0, logprobs=2, echo=True)
+    assert one.choices[0].logprobs.token_logprobs[: len(ids)] == lp.token_logprobs
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), 0)
+
+
+def test_echo_alone_streamed(worker):
+    ids = worker.engine.tokenizer.encode(PROMPT)
+    body = {"model": "demo", "prompt": [ids, ids[:5]], "max_tokens": 0, "echo": True, "logprobs": 0, "n": 2,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    whole = post(worker, "completions", {**body, "stream": False, "stream_options": None}).json()
+    one_token = {**body, "stream": False, "stream_options": None, "max_tokens": 1}
+    echoed = post(worker, "completions", one_token).json()["choices"]
+    generated = post(worker, "completions", {**one_token, "echo": False}).json()["choices"]
+    pieces: dict[int, dict] = {}
+    usage = None
+    for chunk in events(worker, "completions", body):
+        if chunk.get("usage") and not chunk["choices"]:
+            usage = chunk["usage"]
+            continue
+        assert chunk["usage"]["completion_tokens"] == 0
+        for c in chunk["choices"]:
+            got = pieces.setdefault(c["index"], {"text": "", "tokens": 0, "finish": None})
+            got["text"] += c["text"]
+            got["tokens"] += len(c["logprobs"]["tokens"]) if c["logprobs"] else 0
+            got["finish"] = c["finish_reason"] or got["finish"]
+    for c in whole["choices"]:
+        i = c["index"]
+        assert c["text"] == pieces[i]["text"] and c["text"] + generated[i]["text"] == echoed[i]["text"]
+        assert len(c["logprobs"]["tokens"]) == pieces[i]["tokens"] == (len(ids) if i < 2 else 5)
+        assert c["finish_reason"] == pieces[i]["finish"] == "length"
+    assert usage["completion_tokens"] == whole["usage"]["completion_tokens"] == 0
+
+
+def test_max_tokens_zero_needs_echo(worker):
+    msg = refused(post(worker, "completions", {"model": "demo", "prompt": PROMPT, "max_tokens": 0}), "max_tokens")
+    assert "echo" in msg
+    refused(post(worker, "chat/completions", {"model": "demo", "messages": CHAT, "max_tokens": 0}), "max_tokens")
