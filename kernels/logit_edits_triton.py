@@ -1,4 +1,9 @@
-"""The Triton kernels of `lorafleet.kernels.logit_edits` (which says what they compute)."""
+"""The Triton kernels of `lorafleet.kernels.logit_edits` (which says what they compute).
+
+Which edits a step makes, which rows and how many are runtime arguments, not specialised on, so
+each kernel compiles once (in the engine's warm-up, `LogitsProcessors.warm_up`), not at the
+first request with a new mix of edits: a compile stalls every request of the step.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import triton
 import triton.language as tl
 
 BLOCK = 2048  # vocabulary entries a program
+COUNT_BLOCK = 128  # edited requests a counting iteration
 
 
 def edit_logits_triton(logits: torch.Tensor, plan: torch.Tensor, m: int, bias: torch.Tensor, counts: torch.Tensor,
@@ -16,33 +22,34 @@ def edit_logits_triton(logits: torch.Tensor, plan: torch.Tensor, m: int, bias: t
     vocab = logits.shape[1]
     _edit_kernel[(m, triton.cdiv(vocab, BLOCK))](
         logits, out, plan, bias, counts, in_prompt.view(torch.uint8), m, vocab, logits.stride(0), out.stride(0),
-        EVERY_ROW=every_row, BIASED=biased, PENALIZED=penalized, REPETITION=repetition, BLOCK=BLOCK, num_warps=4,
+        int(every_row), int(biased), int(penalized), int(repetition), BLOCK=BLOCK, num_warps=4,
     )
     return out
 
 
 def count_tokens_triton(counts: torch.Tensor, plan: torch.Tensor, m: int, tokens: torch.Tensor, *,
                         every_row: bool) -> None:
-    _count_kernel[(1,)](counts, plan, tokens, m, counts.stride(0), EVERY_ROW=every_row,
-                        BLOCK=triton.next_power_of_2(max(m, 16)), num_warps=1)
+    _count_kernel[(1,)](counts, plan, tokens, m, counts.stride(0), int(every_row), BLOCK=COUNT_BLOCK, num_warps=1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["m", "every_row", "biased", "penalized", "repetition"])
 def _edit_kernel(logits, out, plan, bias, counts, in_prompt, m, vocab, stride_l, stride_o,
-                 EVERY_ROW: tl.constexpr, BIASED: tl.constexpr, PENALIZED: tl.constexpr, REPETITION: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 every_row, biased, penalized, repetition, BLOCK: tl.constexpr):
     j = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < vocab
-    b = j.to(tl.int64) if EVERY_ROW else tl.load(plan + j).to(tl.int64)
+    if every_row != 0:
+        b = j.to(tl.int64)
+    else:
+        b = tl.load(plan + j).to(tl.int64)
     s = tl.load(plan + m + j).to(tl.int64)
     x = tl.load(logits + b * stride_l + cols, mask=inside, other=0.0)
     state = s * vocab + cols
-    if BIASED:
+    if biased != 0:
         x += tl.load(bias + state, mask=inside, other=0.0)
-    if PENALIZED:
+    if penalized != 0:
         c = tl.load(counts + state, mask=inside, other=0).to(tl.float32)
-        if REPETITION:
+        if repetition != 0:
             rep = tl.load(plan + 2 * m + j)
             seen = (c > 0) | (tl.load(in_prompt + state, mask=inside, other=0) != 0)
             factor = tl.where(seen, rep, 1.0)
@@ -53,11 +60,15 @@ def _edit_kernel(logits, out, plan, bias, counts, in_prompt, m, vocab, stride_l,
     tl.store(out + b * stride_o + cols, x, mask=inside)
 
 
-@triton.jit
-def _count_kernel(counts, plan, tokens, m, stride_c, EVERY_ROW: tl.constexpr, BLOCK: tl.constexpr):
-    j = tl.arange(0, BLOCK)
-    on = j < m
-    b = j.to(tl.int64) if EVERY_ROW else tl.load(plan + j, mask=on, other=0.0).to(tl.int64)
-    s = tl.load(plan + m + j, mask=on, other=0.0).to(tl.int64)
-    t = tl.load(tokens + b, mask=on, other=0)
-    tl.atomic_add(counts + s * stride_c + t, 1, mask=on)
+@triton.jit(do_not_specialize=["m", "every_row"])
+def _count_kernel(counts, plan, tokens, m, stride_c, every_row, BLOCK: tl.constexpr):
+    for start in range(0, m, BLOCK):
+        j = start + tl.arange(0, BLOCK)
+        on = j < m
+        if every_row != 0:
+            b = j.to(tl.int64)
+        else:
+            b = tl.load(plan + j, mask=on, other=0.0).to(tl.int64)
+        s = tl.load(plan + m + j, mask=on, other=0.0).to(tl.int64)
+        t = tl.load(tokens + b, mask=on, other=0)
+        tl.atomic_add(counts + s * stride_c + t, 1, mask=on)

@@ -171,8 +171,8 @@ class LLMEngine:
         A long prompt (up to 512 tokens, one step's budget) and a 16-token one, the short one with
         the first registered adapter if there is one, through prefill and a few decode steps on the
         normal path (Triton compiles, cuBLAS kernel choice, the allocator's first growth, one LoRA
-        decode graph), and the sampled draw's kernels; then the base decode graph of every batch
-        bucket. A prompt that the model's
+        decode graph), and the sampled draw's and the logit edits' kernels; then the base decode
+        graph of every batch bucket. A prompt that the model's
         context or the KV cache cannot take is left out. Afterwards nothing of it remains: no
         request, KV block, prefix-cache entry or adapter in a GPU slot, and the counters the metrics
         report start at zero (the decode graphs' capture count keeps the warm-up's captures: they
@@ -201,9 +201,10 @@ class LLMEngine:
         while self.has_unfinished():
             self.step()
         # The sampled draw's two kernels (kernels/draw_triton.py: with and without a top-k floor)
-        # compile now, not on the first request that samples.
+        # and the logit edits' compile now, not on the first request that samples or edits.
         for knobs in (dict(top_p=0.9), dict(top_k=2, top_p=0.9)):
             sample(torch.zeros(1, vocab, device=self.device), [SamplingParams(max_tokens=1, **knobs)], [None])
+        self.runner.logits_processors.warm_up()
         captured = self.runner.graphs.capture_base() if self.runner.graphs is not None else 0
         for name in set(self.registry.gpu_resident()) - resident:
             self.registry.offload(name)  # GPU slots as before: the first requests load what they use

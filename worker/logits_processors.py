@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -71,6 +72,17 @@ class LogitsProcessors:
         self._capacity = 0
         self.bias = self.counts = self.in_prompt = torch.empty(0)
         self._grow(min(4, max_rows))
+
+    def warm_up(self) -> None:
+        """Run the edit and the counting once on scratch rows, so their kernels (Triton on CUDA:
+        one compile each, whatever the edits) are ready before the first request that edits."""
+        zeros = partial(torch.zeros, 1, self.vocab, device=self.device)
+        plan = torch.tensor([0.0, 0.0, 1.1, 0.5, 0.5], device=self.device)  # row 0; repetition, frequency, presence
+        counts = zeros(dtype=torch.int32)
+        edit_logits(zeros(), plan, 1, zeros(), counts, zeros(dtype=torch.bool), every_row=True, biased=True,
+                    penalized=True, repetition=True, backend=self.backend)
+        count_tokens(counts, plan, 1, torch.zeros(1, dtype=torch.int64, device=self.device), every_row=True,
+                     backend=self.backend)
 
     @property
     def rows_in_use(self) -> int:

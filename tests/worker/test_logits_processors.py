@@ -165,6 +165,19 @@ def test_rows_are_reused_refilled_and_grown(device):
     assert procs._rows[99] == row, "the freed row was reused, refilled from the new request"
 
 
+def test_warm_up_leaves_the_state_alone(device):
+    """The warm-up runs the edit and the counting on scratch rows: no row taken, no state changed,
+    and the next request's edit is still transformers'."""
+    procs = LogitsProcessors(VOCAB, device)
+    before = [t.clone() for t in (procs.bias, procs.counts, procs.in_prompt)]
+    procs.warm_up()
+    assert procs.rows_in_use == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, (procs.bias, procs.counts, procs.in_prompt)))
+    s = seq(1, [3, 4], [5, 5], presence_penalty=1.0, frequency_penalty=0.5)
+    got = edited(procs, [s], torch.zeros(1, VOCAB))
+    torch.testing.assert_close(got[0], openai_penalties(torch.zeros(VOCAB), s.output_ids, 0.5, 1.0))
+
+
 def test_batches_without_edits_prepare_nothing():
     no_stops = seq(2, [5], min_tokens=3, ignore_eos=True)  # min_tokens with nothing to hold back
     assert LogitsProcessors(VOCAB, "cpu").prepare([seq(0, [3]), seq(1, [4], min_p=0.5), no_stops]) is None
