@@ -8,6 +8,8 @@ per-row knobs travel in one small host-to-device copy, top-k / top-p become one 
 vLLM), and the token is drawn
 with the exponential race: `argmax(probs / E) == argmax(log probs - log E)` with `E ~ Exp(1)`
 i.i.d. per vocabulary entry is an exact sample from `probs` (greedy rows take `E = 1`: the argmax).
+That is `draw_reference`; on CUDA `kernels/draw_triton.py` returns the same token from the same
+noise without the sort (`LORAFLEET_SAMPLER=torch` keeps the reference there too).
 A seeded row draws its `E` from its own generator (one kernel for that row), so its tokens depend
 only on its seed and its logits, never on the rest of the batch; the other sampled rows draw theirs
 from one shared generator in one call. The host syncs once per step: tokens and logprobs are
