@@ -213,15 +213,18 @@ async def chat_completions(body: oai.ChatCompletionRequest, request: Request, ru
         k = body.logprobs_k()
         # vLLM's rule: max_completion_tokens (OpenAI's newer name) over max_tokens.
         max_tokens = body.max_completion_tokens or body.max_tokens
-        sampling = body.sampling(max_tokens or default_max_tokens(engine.engine.max_model_len, len(ids)), k)
+        sampling = body.sampling(max_tokens or default_max_tokens(engine.engine.max_model_len, len(ids)), k,
+                                 body.prompt_logprobs)
     except Exception as exc:  # noqa: BLE001 - mapped to 4xx; a bug re-raises
         raise from_engine(exc) from None
     streams = await submit_all(engine, [ids] * n, oai.per_choice(sampling, n), adapters)
     rid = oai.new_id("chatcmpl")
     token_text, token_bytes = _token_text(runtime), _token_bytes(runtime)
+    echo = body.echo_text()
 
     if body.stream:
         first = [oai.chat_chunk(rid, created, model, i, {"role": "assistant", "content": ""}, None) for i in range(n)]
+        first += [oai.chat_chunk(rid, created, model, i, {"content": echo}, None) for i in range(n) if echo]
 
         def chunk(i: int, out: RequestOutput) -> list[dict]:
             lp = oai.chat_logprobs(out.logprobs, token_text, token_bytes) if k is not None and out.logprobs else None
@@ -236,11 +239,16 @@ async def chat_completions(body: oai.ChatCompletionRequest, request: Request, ru
         return streaming_response(stream_events(streams, chunk, final, len(ids), first, body.continuous_usage))
 
     results = await collect(request, streams)
-    out = [oai.chat_choice(i, "".join(r.text), r.finish_reason,
+    out = [oai.chat_choice(i, echo + "".join(r.text), r.finish_reason,
                            oai.chat_logprobs(r.logprobs, token_text, token_bytes) if k is not None else None)
            for i, r in enumerate(results)]
     use = oai.usage(len(ids), sum(r.generated for r in results))
-    return JSONResponse(oai.response("chat.completion", rid, created, model, out, use))
+    extra = {}
+    if body.prompt_logprobs is not None:  # vLLM's: once for the request, in its shape (completions' per choice)
+        _, table = await asyncio.to_thread(_prompt_texts, runtime, [ids], [ids])
+        extra["prompt_logprobs"] = await asyncio.to_thread(oai.vllm_prompt_logprobs, results[0].prompt_logprobs or [],
+                                                           table)
+    return JSONResponse(oai.response("chat.completion", rid, created, model, out, use, **extra))
 
 
 def _prompt_texts(runtime: WorkerRuntime, raw: list[str | list[int]],

@@ -74,7 +74,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "guided_grammar": (_off(), "guided decoding (guided_grammar) is not supported"),
     "structured_outputs": (_off(), "structured_outputs is not supported"),
     "use_beam_search": (_off(False), "use_beam_search is not supported"),
-    "prompt_logprobs": (_off(), "prompt_logprobs is not supported in chat (completions only)"),
     "logits_processors": (_off(), "logits_processors is not supported"),
 }
 
@@ -259,13 +258,20 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True  # vLLM extension
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's, once for the request
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.max_tokens == 0:
             raise UnsupportedField("max_tokens", "max_tokens: Input should be greater than or equal to 1")
-        if self.echo:
-            raise UnsupportedField("echo", "echo is not supported in chat (completions only)")
+        if self.stream and self.prompt_logprobs is not None:
+            raise UnsupportedField("prompt_logprobs", "prompt_logprobs is not available when stream is true (as in vLLM)")
+
+    def echo_text(self) -> str:
+        """vLLM's chat echo: the last message's text, when it has the answer's role (assistant, or
+        any role without a generation prompt: the answer continues that message); else ""."""
+        last = self.messages[-1]
+        return last.text() if self.echo and (not self.add_generation_prompt or last.role == "assistant") else ""
 
     def template_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
@@ -355,9 +361,11 @@ def chat_logprobs(lps: list[TokenLogprobs], token_text: Callable[[int], str],
     }
 
 
-def response(obj: str, rid: str, created: int, model: str, choices: list[dict], use: dict) -> dict[str, Any]:
-    """A whole (not streamed) answer: `obj` is "text_completion" or "chat.completion"."""
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices, "usage": use}
+def response(obj: str, rid: str, created: int, model: str, choices: list[dict], use: dict,
+             **extra: Any) -> dict[str, Any]:
+    """A whole (not streamed) answer: `obj` is "text_completion" or "chat.completion"; `extra`:
+    top-level fields (chat's `prompt_logprobs`)."""
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices, "usage": use, **extra}
 
 
 def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None,

@@ -267,7 +267,6 @@ UNSUPPORTED = [
     ("function_call", {"name": "lookup"}),
     ("response_format", {"type": "json_object"}),
     ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
-    ("echo", True),
     ("best_of", 2),
     ("modalities", ["text", "audio"]),
     ("guided_json", {"type": "object"}),

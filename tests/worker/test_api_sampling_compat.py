@@ -248,3 +248,53 @@ def test_max_tokens_zero_needs_echo(worker):
     msg = refused(post(worker, "completions", {"model": "demo", "prompt": PROMPT, "max_tokens": 0}), "max_tokens")
     assert "echo" in msg
     refused(post(worker, "chat/completions", {"model": "demo", "messages": CHAT, "max_tokens": 0}), "max_tokens")
+
+
+# -- chat: vLLM's echo and prompt_logprobs ------------------------------------------------------------
+
+PARTIAL = CHAT + [{"role": "assistant", "content": "The capital of France is"}]
+
+
+def chat_content(worker, body: dict) -> str:
+    r = post(worker, "chat/completions", body)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def test_chat_echo_continues_the_last_assistant_message(worker):
+    """vLLM's chat echo: without a generation prompt the answer continues the last message, and echo
+    puts that message's text before it (streamed: in the chunk after the role's)."""
+    body = {"model": "demo", "messages": PARTIAL, "max_tokens": 4, "temperature": 0, "add_generation_prompt": False}
+    plain = chat_content(worker, body)
+    echoed = chat_content(worker, {**body, "echo": True})
+    assert echoed == PARTIAL[-1]["content"] + plain
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in events(worker, "chat/completions",
+                                                                                       {**body, "echo": True}))
+    assert streamed == echoed
+
+
+def test_chat_echo_needs_the_answers_role(worker):
+    """With a generation prompt the answer is a new assistant message: a user's last message is not
+    echoed (vLLM's rule)."""
+    body = {"model": "demo", "messages": CHAT, "max_tokens": 3, "temperature": 0}
+    assert chat_content(worker, {**body, "echo": True}) == chat_content(worker, body)
+
+
+def test_chat_prompt_logprobs_score_the_templated_prompt(worker, prompt_oracle):
+    """vLLM's chat `prompt_logprobs`: once for the request, at the top level, over the prompt the
+    chat template made; against transformers + PEFT."""
+    tok = worker.engine.tokenizer
+    ids = tok.encode(tok.apply_chat_template(CHAT, add_generation_prompt=True))
+    body = {"model": "sql", "messages": CHAT, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1, "n": 2}
+    r = post(worker, "chat/completions", body)
+    assert r.status_code == 200, r.text
+    got = r.json()["prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None
+    want = prompt_oracle(ids, (("sql", 1.0),))
+    assert max(abs(e[str(t)]["logprob"] - w) for e, t, w in zip(got[1:], ids[1:], want)) < logprob_tolerance(worker)
+    assert "prompt_logprobs" not in post(worker, "chat/completions", {**body, "prompt_logprobs": None}).json()
+
+
+def test_chat_prompt_logprobs_are_not_streamed(worker):
+    body = {"model": "demo", "messages": CHAT, "max_tokens": 2, "prompt_logprobs": 1, "stream": True}
+    assert "stream" in refused(post(worker, "chat/completions", body), "prompt_logprobs")
