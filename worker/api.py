@@ -118,8 +118,9 @@ def _prepare_chat(runtime: WorkerRuntime, body: oai.ChatCompletionRequest) -> li
     engine = runtime.require_engine().engine
     messages = body.template_messages()
     engine.check_prompt_chars(sum(len(m["content"]) for m in messages))
-    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
-    (ids,) = _prepare_prompts(runtime, [text])
+    ids = engine.tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
+    if not ids:
+        raise ApiError(400, "the chat template made an empty prompt", param="messages")
     return ids
 
 

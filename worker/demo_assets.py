@@ -18,8 +18,8 @@ SEED = 1234
 MODEL_DIR = "model"
 ADAPTERS_DIR = "adapters"
 
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n{% endfor %}"
+CHAT_TEMPLATE = (  # the template writes the special tokens (bos_token first), as real models' do
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 # Used when the folder has no chat template (documented in the README).
 DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
@@ -74,6 +74,12 @@ class Tokenizer:
             return piece.encode()
         raw = self._pieces.bytes_of(piece)
         return raw if raw is not None else self.decode([token_id], skip_special_tokens=False).encode()
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The chat template's text, tokenized without adding special tokens: the template writes
+        them (a BOS from `{{ bos_token }}`), as transformers' `apply_chat_template(tokenize=True)`
+        and vLLM do; adding them again gave Llama 3's templates two BOS tokens."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         import jinja2

@@ -107,7 +107,7 @@ def test_completions_match_offline(client, offline, target, stream):
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_chat_matches_offline(client, offline, target, stream):
     model, lora, adapters = TARGETS[target]
-    want = expected(offline, offline.tokenizer.apply_chat_template(MESSAGES), adapters)
+    want = expected(offline, offline.tokenizer.encode_chat(MESSAGES), adapters)
     kwargs = dict(model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, extra_body=_extra(lora))
     if not stream:
         r = client.chat.completions.create(**kwargs)

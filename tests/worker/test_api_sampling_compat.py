@@ -284,7 +284,7 @@ def test_chat_prompt_logprobs_score_the_templated_prompt(worker, prompt_oracle):
     """vLLM's chat `prompt_logprobs`: once for the request, at the top level, over the prompt the
     chat template made; against transformers + PEFT."""
     tok = worker.engine.tokenizer
-    ids = tok.encode(tok.apply_chat_template(CHAT, add_generation_prompt=True))
+    ids = tok.encode_chat(CHAT)
     body = {"model": "sql", "messages": CHAT, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1, "n": 2}
     r = post(worker, "chat/completions", body)
     assert r.status_code == 200, r.text

@@ -159,3 +159,43 @@ def test_encoding_lets_other_threads_run(demo_model):
     ticker.join()
     assert len(ids) > 100_000 and took > 0.1
     assert max(gaps) < took / 3, (max(gaps), took)
+
+
+LLAMA3_LIKE_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start|>{{ m['role'] }}\n{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture
+def bos_adding_folder(tmp_path):
+    """As Llama 3's: the tokenizer's post-processor adds BOS to every encode, and the chat template
+    writes `{{ bos_token }}` too."""
+    from tokenizers import processors
+
+    tok = HFTokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<unk>", "<s>", "</s>", "<|start|>", "<|end|>"]
+    tok.train_from_iterator(CORPUS * 3, trainers.BpeTrainer(vocab_size=300, special_tokens=specials, show_progress=False))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": LLAMA3_LIKE_TEMPLATE}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_chat_ids_are_transformers_one_bos(bos_adding_folder, generation_prompt):
+    """The chat route's ids (`encode_chat`) are transformers' `apply_chat_template(tokenize=True)`:
+    one BOS, the template's; encoding the template's text as a prompt gave two."""
+    from transformers import PreTrainedTokenizerFast
+
+    messages = [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "the router"}]
+    hf = PreTrainedTokenizerFast.from_pretrained(str(bos_adding_folder))
+    want = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
+    want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
+    ours = Tokenizer(bos_adding_folder)
+    got = ours.encode_chat(messages, add_generation_prompt=generation_prompt)
+    assert got == list(want) and got.count(ours.bos_id) == 1
+    assert ours.encode(ours.apply_chat_template(messages, generation_prompt)).count(ours.bos_id) == 2
