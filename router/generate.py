@@ -1,4 +1,5 @@
-"""The proxied routes, `/v1/completions` and `/v1/chat/completions`, as a pure-ASGI fast path.
+"""The proxied routes, `/v1/completions` and `/v1/chat/completions` (and vLLM's `/tokenize` and
+`/detokenize`), as a pure-ASGI fast path.
 
 Request path: authenticate → read and cap the body → resolve model/adapters and check the tenant may
 use them → tenant limits → schedule (pure policy) → load if cold (single flight) → forward (retry
@@ -52,7 +53,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lorafleet.router")
 
-PROXIED = frozenset({"/v1/completions", "/v1/chat/completions"})
+PROXIED = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
+# vLLM's tokenizer routes: any replica of the base answers (adapters do not change the tokenizer),
+# so they are scheduled as base-model requests, load nothing, and reach the worker naming the base.
+TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})
 _JSON = (b"content-type", b"application/json")
 CLIENT_GONE = "499"  # the requests metric's status for a client that left (nginx's code)
 T = TypeVar("T")
@@ -261,7 +265,10 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
         payload = None
     if not isinstance(payload, dict):
         return await respond_error(send, 400, "Request body must be a JSON object.", "invalid_request_error")
+    tokenizing = scope["path"] in TOKENIZER_PATHS
     model = payload.get("model")
+    if model is None and tokenizing and len(bases := gw.fleet.base_models()) == 1:
+        model = payload["model"] = next(iter(bases))  # optional there, as in vLLM, when one base is served
     if model is None:
         return await respond_error(send, 400, "`model` is required.", "invalid_request_error", param="model")
     if not isinstance(model, str):
@@ -285,6 +292,9 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
     denied = next((a for a in adapters if not tenant.may_use_adapter(a)), None)
     if denied is not None:
         return await model_not_found(send, denied, None if denied == model else "lora_adapters")
+    if tokenizing:
+        adapters = ()
+        body = json.dumps({**payload, "model": base}).encode()
     adapter_label = "+".join(adapters) or "(base)"
     try:
         lease = await gw.limiter.acquire(tenant)

@@ -23,6 +23,7 @@ from lorafleet.worker.api import router as public_router
 from lorafleet.worker.errors import ApiError, error_response
 from lorafleet.worker.runtime import WorkerRuntime
 from lorafleet.worker.settings import WorkerSettings
+from lorafleet.worker.tokenize_routes import router as tokenize_router
 
 log = logging.getLogger("lorafleet.worker")
 
@@ -57,6 +58,7 @@ def _build(runtime: WorkerRuntime, public: bool, admin: bool, owns_runtime: bool
     app.state.runtime = runtime
     if public:
         app.include_router(public_router)
+        app.include_router(tokenize_router)
     if admin:
         app.include_router(admin_router)
     if not public:  # the admin port answers probes too

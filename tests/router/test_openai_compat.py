@@ -141,3 +141,28 @@ def test_the_routers_field_checks_say_what_the_worker_says(router, worker, route
     assert "x-lorafleet-replica" not in by_router.headers  # refused by the router itself, not passed on
     router_error, worker_error = by_router.json()["error"], by_worker.json()["error"]
     assert (router_error["message"], router_error["param"]) == (worker_error["message"], worker_error["param"])
+
+
+# vLLM's tokenizer routes through the router: any replica of the base answers, nothing is loaded.
+
+@pytest.mark.parametrize("route,body", [
+    ("tokenize", {"prompt": PROMPT, "return_token_strs": True}),
+    ("tokenize", {"messages": CHAT, "add_generation_prompt": False}),
+    ("detokenize", {"tokens": [5, 40, 41, 300]}),
+])
+@pytest.mark.parametrize("model", ["sql", "demo", None], ids=["adapter", "base", "no-model"])
+def test_tokenizer_routes_answer_as_the_worker(router, worker, route, body, model):
+    """The worker (asked for its base) is the oracle; an adapter's name or none (one base served)
+    answers the same, from a replica (scheduled as a base-model request)."""
+    sent = body | ({} if model is None else {"model": model})
+    by_router = httpx.post(f"{router.url}/{route}", json=sent, timeout=60)
+    by_worker = httpx.post(f"{worker.url}/{route}", json=body | {"model": "demo"}, timeout=60)
+    assert by_router.status_code == by_worker.status_code == 200, (by_router.text, by_worker.text)
+    assert by_router.json() == by_worker.json() and by_router.headers["x-lorafleet-replica"]
+
+
+def test_tokenizer_routes_refuse_an_unknown_model_themselves(router):
+    r = httpx.post(f"{router.url}/tokenize", json={"model": "nope", "prompt": PROMPT}, timeout=60)
+    assert r.status_code == 404 and "x-lorafleet-replica" not in r.headers, r.text
+    bad = httpx.post(f"{router.url}/detokenize", json={"model": "sql", "tokens": [-1]}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens", bad.text
