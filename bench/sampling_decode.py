@@ -2,6 +2,7 @@
 
     python -m bench.sampling_decode [--batch 64] [--prompt-len 128] [--new-tokens 128] [--repeats 2]
                                     [--draws torch,triton] [--out bench/results/sampling-decode-h200.json]
+                                    [--tiny]  (a tiny shape on CPU: checks the script, measures nothing)
 
 The seed-shape engine of the one-engine experiments (bench/engine_build.py: random bf16 weights,
 CUDA graphs, async scheduling), base-only batches of `--batch` requests, every request with the
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from bench.engine_build import experiment_engine
+from bench.engine_build import build_engine, experiment_engine
 from bench.engine_workload import adapter_sets, decode_run
 from bench.sampling_cost import MODES
 from lorafleet.worker import sampling
@@ -35,8 +36,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--draws", default="torch,triton")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--tiny", action="store_true", help="tiny shape on CPU: checks the script, measures nothing")
     args = ap.parse_args()
-    engine, names = experiment_engine(args.batch, 1)
+    if args.tiny:
+        tiny = argparse.Namespace(tiny=True, rank=16, batch=args.batch, modes="eager")
+        engine, names = build_engine(tiny, "cpu", 1)[0], ["-"]
+    else:
+        engine, names = experiment_engine(args.batch, 1)
     sets = adapter_sets(names, 0, args.batch)
     draws = args.draws.split(",")
     cases = [(name, draw) for name in MODES for draw in (["-"] if name == "greedy" else draws)]
@@ -58,7 +64,8 @@ def main() -> None:
         tps = statistics.median(r["tokens_per_s"] for r in rows if (r["mode"], r["draw"]) == (name, draw))
         print(f"{name:22} {draw:7} {tps:>10,.0f} {tps / greedy:>10.3f}")
     if args.out:
-        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": args.batch,
+        device = "cpu (--tiny smoke run)" if args.tiny else torch.cuda.get_device_name()
+        meta = {"device": device, "torch": torch.__version__, "batch": args.batch,
                 "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")

@@ -79,3 +79,11 @@ def test_disk_read_benchmark(tmp_path: Path) -> None:
                                             "threads + mmap", *direct}
     assert all(r["ms_median"] > 0 and len(r["ms_all"]) == 1 and 0 <= r["cached_max"] <= 1 for r in rows)
     assert not list(tmp_path.glob("disk-read-*"))  # its file and folder are removed
+
+
+def test_tiny_sampling_decode_benchmark(tmp_path: Path) -> None:
+    """bench/sampling_decode.py: every mode with each draw, each repeat, a positive rate."""
+    data = run_bench(tmp_path, "sampling_decode", "--batch", "4", "--prompt-len", "8", "--new-tokens", "4")
+    cases = {(r["mode"], r["draw"]) for r in data["rows"]}
+    assert len(data["rows"]) == 2 * len(cases) and all(r["tokens_per_s"] > 0 for r in data["rows"])
+    assert ("greedy", "-") in cases and ("top_p_0.9", "triton") in cases and ("top_p_0.9", "torch") in cases
