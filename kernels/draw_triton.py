@@ -60,6 +60,18 @@ def _scaled(row_ptr, idx, mask, temperature):
 
 
 @triton.jit
+def _no_best(BLOCK: tl.constexpr):
+    """Per-lane (best score, its index) before any token: (-inf, 2**31-1)."""
+    return tl.full([BLOCK], float("-inf"), tl.float32), tl.full([BLOCK], 2147483647, tl.int32)
+
+
+@triton.jit
+def _keep_best(best_v, best_i, take, score, idx):
+    """Lanes where `take` (a better score, strictly: a lane keeps the first index of a tie) move on."""
+    return tl.where(take, score, best_v), tl.where(take, idx, best_i)
+
+
+@triton.jit
 def _first_max(best_v, best_i):
     """(max, its first index) of per-lane bests; index 2**31-1 when no lane has one."""
     top = tl.max(best_v, 0)
@@ -73,8 +85,7 @@ def _pass_max(lrow, erow, vocab, temperature, sampled, floor, BLOCK: tl.constexp
     scaled) among the tokens with scaled ≥ floor."""
     offs = tl.arange(0, BLOCK)
     m_v = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_v = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_i = tl.full([BLOCK], 2147483647, tl.int32)
+    best_v, best_i = _no_best(BLOCK)
     for start in range(0, vocab, BLOCK):
         idx = start + offs
         mask = idx < vocab
@@ -84,9 +95,7 @@ def _pass_max(lrow, erow, vocab, temperature, sampled, floor, BLOCK: tl.constexp
             score = s - tl.load(erow + idx, mask=mask, other=0.0)
         else:
             score = s
-        take = (score > best_v) & mask & (s >= floor)
-        best_i = tl.where(take, idx, best_i)
-        best_v = tl.where(take, score, best_v)
+        best_v, best_i = _keep_best(best_v, best_i, (score > best_v) & mask & (s >= floor), score, idx)
     _, pick = _first_max(best_v, best_i)
     return tl.max(m_v, 0), pick
 
@@ -98,8 +107,7 @@ def _pass_test(lrow, erow, vocab, temperature, m, lo, v, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     z_v = tl.zeros([BLOCK], tl.float32)
     a_v = tl.zeros([BLOCK], tl.float32)
-    best_v = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_i = tl.full([BLOCK], 2147483647, tl.int32)
+    best_v, best_i = _no_best(BLOCK)
     for start in range(0, vocab, BLOCK):
         idx = start + offs
         mask = idx < vocab
@@ -110,9 +118,7 @@ def _pass_test(lrow, erow, vocab, temperature, m, lo, v, BLOCK: tl.constexpr):
         z_v += e
         a_v += tl.where(above, e, 0.0)
         score = s - tl.load(erow + idx, mask=mask, other=0.0)
-        take = above & (score > best_v)
-        best_i = tl.where(take, idx, best_i)
-        best_v = tl.where(take, score, best_v)
+        best_v, best_i = _keep_best(best_v, best_i, above & (score > best_v), score, idx)
     top, pick = _first_max(best_v, best_i)
     pick = tl.where(top > float("-inf"), pick, 2147483647)
     return tl.sum(z_v, 0), tl.sum(a_v, 0), pick
