@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PKGS="fastapi starlette pydantic pydantic_core annotated-types typing-inspection opentelemetry-api uvicorn httptools
-      openai jiter sniffio distro httpx2 httpcore2 truststore redis"
+      openai jiter sniffio distro httpx2 httpcore2 truststore redis xgrammar apache-tvm-ffi"
 rm -rf .whl && mkdir .whl
 for pkg in $PKGS; do
   version=$(python3 -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$pkg" 2>/dev/null || true)

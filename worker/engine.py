@@ -44,6 +44,7 @@ from lorafleet.worker.outputs import Completion, RequestOutput, TrackedRequest
 from lorafleet.worker.sampling import TokenLogprobs, sample
 from lorafleet.worker.scheduler import Scheduler, SchedulerConfig
 from lorafleet.worker.sequence import SamplingParams, Sequence
+from lorafleet.worker.structured import Grammars
 from lorafleet.worker.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("lorafleet.engine")
@@ -77,6 +78,7 @@ class LLMEngine:
         baseline_free = free_at_start(self.device)
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         self.tokenizer = Tokenizer(tokenizer_dir or model_dir)
+        self.grammars = Grammars(tokenizer_dir or model_dir, self.model_config.vocab_size)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         # Longer text cannot fit even if every token were the vocabulary's longest: it is refused
@@ -278,12 +280,13 @@ class LLMEngine:
         if sampling.allowed_token_ids is not None and banned >= set(sampling.allowed_token_ids):
             raise RequestError("bad_words: every token in allowed_token_ids is banned (a bad word, or a stop token "
                                "before min_tokens)", "bad_words")
+        grammar = None if sampling.constraint is None else self.grammars.matcher(sampling.constraint)  # 400 if bad
         self.registry.acquire(name for name, _ in adapters)  # raises AdapterNotFound; nothing may raise after it
         # Keyed by registration, not digest: the digest may still be hashing (it is off the load's path).
         salt = "|".join(f"{n}#{self.registry.entries[n].generation}*{s!r}" for n, s in adapters)
         seq = Sequence(seq_id=next(self._ids), prompt_ids=ids, sampling=sampling, adapters=adapters,
                        cache_salt=salt, arrival=time.monotonic(), stop_ids=stop_ids,
-                       bad_word_ids=bad_ids)
+                       bad_word_ids=bad_ids, grammar=grammar)
         try:  # a seeded request's generator now: a seed torch refuses fails this request, not a step
             self.runner.generator_for(seq)
         except (RuntimeError, ValueError, OverflowError) as exc:
@@ -357,7 +360,10 @@ class LLMEngine:
         self.generated_tokens += 1
         reason = None
         stop_token = token in seq.stop_ids
-        if stop_token:
+        # The grammar's mask allowed only this token's kind; its end (or a token it refuses, which
+        # the mask should never let through) finishes the request.
+        ended = seq.grammar is not None and (not seq.grammar.accept_token(token) or seq.grammar.is_terminated())
+        if stop_token or ended:
             reason = "stop"
         elif len(seq.output_ids) >= sp.max_tokens or len(seq) >= self.max_model_len:
             reason = "length"

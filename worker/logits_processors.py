@@ -39,6 +39,7 @@ import torch
 
 from lorafleet.kernels.logit_edits import count_tokens, edit_logits
 from lorafleet.worker.sequence import Sequence
+from lorafleet.worker.structured import apply_mask, mask_rows
 from lorafleet.worker.tokenizer import Tokenizer
 
 # kernels.logit_edits' backend on CUDA (module docstring); elsewhere always the torch path.
@@ -96,7 +97,8 @@ class LogitsProcessors:
         min_tokens; their counts are on the device already.
         """
         picked = [i for i, s in enumerate(seqs) if edits(s)]
-        if not picked:
+        constrained = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None]
+        if not picked and not constrained:
             return None
         edited = [seqs[i] for i in picked]
         params = [s.sampling for s in edited]
@@ -116,8 +118,10 @@ class LogitsProcessors:
             values += [p.presence_penalty for p in params]
         values += [float(j) for j, _ in held] + [float(t) for _, t in held]
         up = torch.tensor(values, dtype=torch.float32).to(self.device, non_blocking=True)
+        mask = mask_rows(constrained, len(seqs), self.vocab) if constrained else None
         return LogitsEdit(self, up, m, m == len(seqs), any(biased(s) for s in edited),
-                          penalized, any(p.repetition_penalty != 1.0 for p in params), len(held))
+                          penalized, any(p.repetition_penalty != 1.0 for p in params), len(held),
+                          mask, [i for i, _ in constrained])
 
     def forget(self, seq: Sequence) -> None:
         row = self._rows.pop(seq.seq_id, None)
@@ -191,16 +195,24 @@ class LogitsEdit:
     penalized: bool
     repetition: bool
     n_held: int
+    mask: torch.Tensor | None = None  # structured outputs' token bit mask on the host (worker/structured.py)
+    mask_rows: list[int] | None = None  # the batch rows it constrains
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """An edited float32 copy of `logits` `[batch, vocab]`: the edited requests' rows edited.
-        (min_tokens' -inf last: no edit after it moves an -inf.)"""
+        (min_tokens' -inf, then the grammars' masks, last: no edit after them moves an -inf.)"""
         st = self.state
-        out = edit_logits(logits, self.up, self.m, st.bias, st.counts, st.in_prompt, every_row=self.every_row,
-                          biased=self.biased, penalized=self.penalized, repetition=self.repetition, backend=st.backend)
+        if self.m:
+            out = edit_logits(logits, self.up, self.m, st.bias, st.counts, st.in_prompt, every_row=self.every_row,
+                              biased=self.biased, penalized=self.penalized, repetition=self.repetition,
+                              backend=st.backend)
+        else:  # only grammars: the model's logits stay as they are (logprobs read them)
+            out = logits.clone()
         if self.n_held:
             held = self.up[(5 if self.penalized else 2) * self.m :].long().view(2, self.n_held)
             out.index_put_((held[0], held[1]), st.neg_inf)
+        if self.mask is not None:
+            apply_mask(out, self.mask, self.mask_rows)
         return out
 
     def record(self, tokens: torch.Tensor) -> None:

@@ -28,6 +28,7 @@ from pydantic_core import PydanticCustomError
 from lorafleet.protocol import MAX_N, MAX_TOKENS_ZERO, JsonBody, LoraAdapterRef
 from lorafleet.worker.sampling import TokenLogprobs
 from lorafleet.worker.sequence import SEED_MAX, SamplingParams
+from lorafleet.worker.structured import Constraint
 
 
 class UnsupportedField(ValueError):
@@ -48,10 +49,6 @@ def _off(*harmless: Any) -> Callable[[Any], bool]:
     return lambda v: v is None or v in ([], {}, "") or any(type(v) is type(h) and v == h for h in harmless)
 
 
-def _text_format(v: Any) -> bool:
-    return v is None or (isinstance(v, dict) and v.get("type") == "text")
-
-
 def _text_modalities(v: Any) -> bool:
     return v is None or (isinstance(v, list) and all(m == "text" for m in v))
 
@@ -64,15 +61,9 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "tool_choice": (_off("none", "auto"), "tool_choice other than 'none' or 'auto' is not supported (no tools)"),
     "functions": (_off(), "functions (function calling) are not supported"),
     "function_call": (_off("none", "auto"), "function_call other than 'none' or 'auto' is not supported"),
-    "response_format": (_text_format, "response_format other than {'type': 'text'} is not supported"),
     "modalities": (_text_modalities, "modalities other than ['text'] are not supported"),
     "audio": (_off(), "audio output is not supported"),
     # vLLM's extra parameters
-    "guided_json": (_off(), "guided decoding (guided_json) is not supported"),
-    "guided_regex": (_off(), "guided decoding (guided_regex) is not supported"),
-    "guided_choice": (_off(), "guided decoding (guided_choice) is not supported"),
-    "guided_grammar": (_off(), "guided decoding (guided_grammar) is not supported"),
-    "structured_outputs": (_off(), "structured_outputs is not supported"),
     "use_beam_search": (_off(False), "use_beam_search is not supported"),
     "logits_processors": (_off(), "logits_processors is not supported"),
 }
@@ -111,6 +102,14 @@ class _SamplingFields(JsonBody):
     bad_words: list[str] | None = None
     # The RFC's composition field: several adapters with static scales (then `model` is the base)
     lora_adapters: list[LoraAdapterRef] | None = None
+    # Structured outputs (worker/structured.py): OpenAI's response_format, vLLM's guided_* and
+    # structured_outputs; at most one of them constrains a request.
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None  # a schema (object) or its JSON text: Constraint.schema says which is wrong
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         """Raises UnsupportedField (HTTP 400) for a field set to a value this worker cannot honour."""
@@ -148,7 +147,52 @@ class _SamplingFields(JsonBody):
             logit_bias=self._logit_bias(),
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
             bad_words=tuple(self.bad_words or ()),
+            constraint=self.constraint(),
         )
+
+    def constraint(self) -> Constraint | None:
+        """The one structured-output constraint the request asks for (None: free text); a 400 naming
+        the field for a malformed one or for two at once."""
+        found: list[Constraint] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.get("type") != "text":
+            if fmt.get("type") == "json_object":
+                found.append(Constraint("json_object", "", "response_format"))
+            elif fmt.get("type") == "json_schema":
+                spec = fmt.get("json_schema")
+                if not isinstance(spec, dict) or "schema" not in spec:
+                    raise UnsupportedField("response_format", "response_format json_schema needs json_schema.schema")
+                found.append(Constraint.schema(spec["schema"], "response_format"))
+            else:
+                raise UnsupportedField("response_format", "response_format type must be text, json_object or json_schema")
+        if self.guided_json is not None:
+            found.append(Constraint.schema(self.guided_json, "guided_json"))
+        if self.guided_regex is not None:
+            found.append(Constraint("regex", self.guided_regex, "guided_regex"))
+        if self.guided_choice is not None:
+            found.append(Constraint.choice(self.guided_choice, "guided_choice"))
+        if self.guided_grammar is not None:
+            found.append(Constraint("grammar", self.guided_grammar, "guided_grammar"))
+        for key, value in (self.structured_outputs or {}).items():  # vLLM's newer spelling of the same
+            param = f"structured_outputs.{key}"
+            if value is None or value is False:
+                continue
+            if key == "json":
+                found.append(Constraint.schema(value, param))
+            elif key == "json_object":
+                found.append(Constraint("json_object", "", param))
+            elif key == "regex" and isinstance(value, str):
+                found.append(Constraint("regex", value, param))
+            elif key == "choice" and isinstance(value, list):
+                found.append(Constraint.choice(value, param))
+            elif key == "grammar" and isinstance(value, str):
+                found.append(Constraint("grammar", value, param))
+            else:
+                raise UnsupportedField(param, f"{param} is not supported (json, json_object, regex, choice, grammar)")
+        if len(found) > 1:
+            raise UnsupportedField(found[1].param, f"one structured-output constraint per request: {found[0].param} "
+                                                   f"and {found[1].param} both given")
+        return found[0] if found else None
 
     def _logit_bias(self) -> tuple[tuple[int, float], ...]:
         """logit_bias's keys as token ids; raises UnsupportedField (a 400 naming it) for another key."""

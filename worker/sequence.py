@@ -5,6 +5,9 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+from lorafleet.worker.structured import Constraint
 
 
 class SeqStatus(enum.Enum):
@@ -69,6 +72,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()  # vLLM's: never generated (the engine tokenizes them: Sequence.bad_word_ids)
+    constraint: Constraint | None = None  # structured outputs (worker/structured.py): the answer's grammar
 
     def __post_init__(self) -> None:
         checks = [
@@ -134,6 +138,7 @@ class Sequence:
     stop_ids: frozenset[int] = frozenset()  # stop_token_ids, and EOS unless ignore_eos: checked per token
     # sampling.bad_words as token sequences (vLLM's rule: each word as written and after a space)
     bad_word_ids: tuple[tuple[int, ...], ...] = ()
+    grammar: Any = None  # sampling.constraint's xgrammar matcher, advanced by each sampled token
     # With sampling.prompt_logprobs: entry i is prompt token i + 1's (sampling.TokenLogprobs), filled
     # as the prompt's chunks are computed (a recomputed prefix is not counted twice).
     prompt_lps: list = field(default_factory=list)
@@ -161,9 +166,10 @@ class Sequence:
 
     @property
     def needs_host_tokens(self) -> bool:
-        """A bad word of several tokens is matched against the output's tail on the host: the step
-        after a token must wait for it (no async scheduling)."""
-        return any(len(w) > 1 for w in self.bad_word_ids)
+        """A bad word of several tokens is matched against the output's tail on the host, and a
+        grammar's mask follows the last token: the step after a token must wait for it (no async
+        scheduling)."""
+        return self.grammar is not None or any(len(w) > 1 for w in self.bad_word_ids)
 
     @property
     def scores_prompt(self) -> bool:

@@ -1,0 +1,134 @@
+"""Structured outputs (worker/structured.py): the engine's answers under a choice list, a regex, a JSON
+schema and any JSON object, checked against the constraint itself (Python's `re` and `json`, not
+xgrammar); unconstrained requests in the same batch unchanged; bad constraints are 400s naming their
+field; the API's response_format, guided_* and structured_outputs spellings."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import openai
+import pytest
+
+from lorafleet.worker.config import EngineConfig
+from lorafleet.worker.engine import LLMEngine
+from lorafleet.worker.sequence import SamplingParams
+from lorafleet.worker.structured import Constraint
+from tests.worker.test_api_openai_compat import post, refused
+from tests.worker.worker_harness import CHAT, PROMPT, serve
+
+pytest.importorskip("xgrammar")
+
+PROMPTS = ["Hello world", "SELECT name FROM students", "Roses are red", "Once upon a time"]
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["ok", "color", "n"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def engine(demo_model):
+    return LLMEngine(demo_model, EngineConfig(dtype="float32", block_size=16))
+
+
+def run(engine, constraint: Constraint | None, max_tokens: int = 48, **knobs) -> list:
+    knobs = {"temperature": 1.0, "seed": 7, **knobs}
+    params = [SamplingParams(max_tokens=max_tokens, constraint=constraint, **{**knobs, "seed": knobs["seed"] + i})
+              for i in range(len(PROMPTS))]
+    return engine.generate(PROMPTS, params)
+
+
+def test_choice(engine):
+    options = ["red", "green", "light blue", "a (b)"]
+    outs = run(engine, Constraint.choice(options, "guided_choice"))
+    assert all(o.text in options and o.finish_reason == "stop" for o in outs), [(o.text, o.finish_reason) for o in outs]
+
+
+def test_regex(engine):
+    outs = run(engine, Constraint("regex", r"[0-9]{3}-[a-z]{2}", "guided_regex"))
+    assert all(re.fullmatch(r"[0-9]{3}-[a-z]{2}", o.text) and o.finish_reason == "stop" for o in outs), \
+        [o.text for o in outs]
+
+
+def test_json_schema(engine):
+    outs = run(engine, Constraint.schema(SCHEMA, "guided_json"), max_tokens=64)
+    for o in outs:
+        assert o.finish_reason == "stop", o.text
+        value = json.loads(o.text)
+        assert set(value) == {"ok", "color", "n"} and isinstance(value["ok"], bool)
+        assert value["color"] in ("red", "green", "blue") and isinstance(value["n"], int) and 0 <= value["n"] <= 99
+
+
+def test_any_json_object(engine):
+    """The random demo model may not close its object in time: what stops is a JSON object, what
+    runs out of tokens is the start of one."""
+    outs = run(engine, Constraint("json_object", "", "response_format"), max_tokens=40)
+    for o in outs:
+        assert o.text.lstrip().startswith("{"), o.text
+        if o.finish_reason == "stop":
+            assert isinstance(json.loads(o.text), dict)
+
+
+def test_free_requests_in_the_same_batch_are_unchanged(engine):
+    free = SamplingParams(max_tokens=12, temperature=0.0)
+    alone = engine.generate(PROMPTS[:2], [free, free])
+    bound = SamplingParams(max_tokens=12, temperature=0.0, constraint=Constraint.choice(["yes", "no"], "guided_choice"))
+    mixed = engine.generate(PROMPTS[:2] + PROMPTS[:2], [free, free, bound, bound])
+    assert [o.text for o in mixed[:2]] == [o.text for o in alone]
+    assert all(o.text in ("yes", "no") for o in mixed[2:])
+
+
+# -- the API --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def worker(demo_model, demo_adapters):
+    yield from serve(demo_model, demo_adapters)
+
+
+@pytest.fixture(scope="module")
+def client(worker):
+    return openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_response_format_json_schema_from_the_official_client(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+    r = client.chat.completions.create(model="sql", messages=CHAT, max_tokens=64, seed=3, response_format=fmt)
+    value = json.loads(r.choices[0].message.content)
+    assert set(value) == {"ok", "color", "n"} and r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("fields", [
+    {"guided_choice": ["alpha", "beta"]},
+    {"structured_outputs": {"choice": ["alpha", "beta"]}},
+    {"guided_regex": "(alpha|beta)"},
+    {"structured_outputs": {"regex": "(alpha|beta)"}},
+])
+def test_vllm_spellings_in_completions_streamed_and_not(client, fields):
+    r = client.completions.create(model="demo", prompt=PROMPT, max_tokens=8, seed=1, n=2, extra_body=fields)
+    assert all(c.text in ("alpha", "beta") for c in r.choices)
+    chunks = client.completions.create(model="demo", prompt=PROMPT, max_tokens=8, seed=1, stream=True, extra_body=fields)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) in ("alpha", "beta")
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"guided_regex": "([a-z"}, "guided_regex"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_json": [1, 2]}, "guided_json"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"structured_outputs": {"lark": "start: 'a'"}}, "structured_outputs.lark"),
+    ({"guided_grammar": "this is not a grammar ::= ("}, "guided_grammar"),
+])
+def test_bad_constraints_are_400s_naming_the_field(worker, fields, param):
+    body = {"model": "demo", "messages": CHAT, "max_tokens": 4, **fields}
+    refused(post(worker, "chat/completions", body), param)
+
+
+def test_text_response_format_changes_nothing(worker):
+    body = {"model": "demo", "messages": CHAT, "max_tokens": 6, "temperature": 0}
+    plain = post(worker, "chat/completions", body).json()["choices"][0]["message"]["content"]
+    text = post(worker, "chat/completions", {**body, "response_format": {"type": "text"}}).json()
+    assert text["choices"][0]["message"]["content"] == plain

@@ -1,0 +1,118 @@
+"""Structured outputs: an answer held to a JSON schema, to any JSON object, to a regular expression,
+to one of a list of strings, or to an EBNF grammar (OpenAI's `response_format`, vLLM's `guided_*`
+fields and `structured_outputs`), with xgrammar's token masks.
+
+A request's `Constraint` is compiled once per engine and text (xgrammar's compiler caches it) into
+a matcher on its sequence. Each step, the matcher of every constrained row fills that row's bit
+mask of allowed tokens on the host (`LogitsProcessors.prepare`); the mask is applied to the row's
+edited logits on the device before the draw, and the sampled token then advances the matcher
+(`LLMEngine._append`). A matcher that reaches the grammar's end finishes the request ("stop");
+EOS is allowed only where the grammar may end. Masks need the previous token on the host, so
+batches with a constrained row run without async scheduling (`Sequence.needs_host_tokens`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+Kind = Literal["json", "json_object", "regex", "choice", "grammar"]
+
+
+class ConstraintError(ValueError):
+    """The constraint cannot be compiled (a bad schema, regex or grammar): HTTP 400 naming `param`."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    kind: Kind
+    spec: str  # the JSON schema's text, the regex, the choices as a JSON list, the grammar; "" for json_object
+    param: str  # the request field it came from, for errors
+
+    @staticmethod
+    def choice(options: list[str], param: str) -> Constraint:
+        if not options or not all(isinstance(o, str) and o for o in options):
+            raise ConstraintError(param, f"{param} must be a non-empty list of non-empty strings")
+        return Constraint("choice", json.dumps(options), param)
+
+    @staticmethod
+    def schema(schema: Any, param: str) -> Constraint:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise ConstraintError(param, f"{param} is not valid JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise ConstraintError(param, f"{param} must be a JSON schema (an object)")
+        return Constraint("json", json.dumps(schema, sort_keys=True), param)
+
+
+class Grammars:
+    """One engine's xgrammar tokenizer info and compiler, made on first use (xgrammar is imported
+    only then)."""
+
+    def __init__(self, tokenizer_folder: str | Path, vocab_size: int) -> None:
+        self.folder = str(tokenizer_folder)
+        self.vocab_size = vocab_size
+        self._compiler: Any = None
+
+    def _compile(self, c: Constraint) -> Any:
+        import xgrammar as xgr
+
+        if self._compiler is None:
+            from transformers import PreTrainedTokenizerFast
+
+            hf = PreTrainedTokenizerFast.from_pretrained(self.folder)
+            info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size)
+            self._compiler = xgr.GrammarCompiler(info)
+        compiler = self._compiler
+        if c.kind == "json_object":  # OpenAI's json_object: an object (xgrammar's builtin grammar takes any value)
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if c.kind == "json":
+            return compiler.compile_json_schema(c.spec, any_whitespace=False)
+        if c.kind == "regex":
+            return compiler.compile_regex(c.spec)
+        if c.kind == "choice":
+            return compiler.compile_regex("|".join(_regex_literal(o) for o in json.loads(c.spec)))
+        return compiler.compile_grammar(c.spec)
+
+    def matcher(self, c: Constraint) -> Any:
+        """A fresh xgrammar GrammarMatcher for the constraint; ConstraintError when it cannot compile."""
+        try:
+            import xgrammar as xgr
+        except ImportError:
+            raise ConstraintError(c.param, f"{c.param}: structured outputs need xgrammar on the worker "
+                                           "(pip install 'lorafleet[engine]')") from None
+        try:
+            return xgr.GrammarMatcher(self._compile(c))
+        except (RuntimeError, ValueError) as exc:
+            raise ConstraintError(c.param, f"{c.param}: cannot compile the constraint: {exc}") from None
+
+
+def _regex_literal(text: str) -> str:
+    """`text` as a regex matching exactly it (xgrammar's regex syntax: escape every metacharacter)."""
+    return "".join("\\" + ch if ch in r"\.^$|?*+()[]{}-/" else ch for ch in text)
+
+
+def mask_rows(matchers: list[tuple[int, Any]], batch: int, vocab_size: int) -> Any:
+    """A [batch, ceil(vocab/32)] int32 bit mask on the host: each (row, matcher)'s allowed tokens,
+    every token on the other rows."""
+    import xgrammar as xgr
+
+    mask = xgr.allocate_token_bitmask(batch, vocab_size)
+    for row, matcher in matchers:
+        matcher.fill_next_token_bitmask(mask, row)
+    return mask
+
+
+def apply_mask(logits: Any, mask: Any, rows: list[int]) -> None:
+    """Masked tokens of `rows` to -inf, in place (logits float32 on any device)."""
+    import xgrammar as xgr
+
+    xgr.apply_token_bitmask_inplace(logits, mask.to(logits.device, non_blocking=True), indices=rows)
