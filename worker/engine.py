@@ -280,7 +280,8 @@ class LLMEngine:
         if sampling.allowed_token_ids is not None and banned >= set(sampling.allowed_token_ids):
             raise RequestError("bad_words: every token in allowed_token_ids is banned (a bad word, or a stop token "
                                "before min_tokens)", "bad_words")
-        grammar = None if sampling.constraint is None else self.grammars.matcher(sampling.constraint)  # 400 if bad
+        grammar = (None if sampling.constraint is None  # a constraint that does not compile: 400
+                   else self.grammars.matcher(sampling.constraint, self._eos_ids, sampling.ignore_eos))
         self.registry.acquire(name for name, _ in adapters)  # raises AdapterNotFound; nothing may raise after it
         # Keyed by registration, not digest: the digest may still be hashing (it is off the load's path).
         salt = "|".join(f"{n}#{self.registry.entries[n].generation}*{s!r}" for n, s in adapters)

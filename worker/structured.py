@@ -82,15 +82,22 @@ class Grammars:
             return compiler.compile_regex("|".join(_regex_literal(o) for o in json.loads(c.spec)))
         return compiler.compile_grammar(c.spec)
 
-    def matcher(self, c: Constraint) -> Any:
-        """A fresh xgrammar GrammarMatcher for the constraint; ConstraintError when it cannot compile."""
+    def matcher(self, c: Constraint, eos_ids: frozenset[int], ignore_eos: bool) -> Any:
+        """A fresh xgrammar GrammarMatcher for the constraint; ConstraintError when it cannot compile.
+
+        Where the grammar may end, the mask allows the engine's EOS tokens (all of them: a model may
+        have several), so the answer ends as any other; with `ignore_eos` the matcher ends with the
+        grammar itself, which finishes the request."""
         try:
             import xgrammar as xgr
         except ImportError:
             raise ConstraintError(c.param, f"{c.param}: structured outputs need xgrammar on the worker "
                                            "(pip install 'lorafleet[engine]')") from None
         try:
-            return xgr.GrammarMatcher(self._compile(c))
+            compiled = self._compile(c)
+            if ignore_eos or not eos_ids:
+                return xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+            return xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(eos_ids))
         except (RuntimeError, ValueError) as exc:
             raise ConstraintError(c.param, f"{c.param}: cannot compile the constraint: {exc}") from None
 

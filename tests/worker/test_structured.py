@@ -132,3 +132,9 @@ def test_text_response_format_changes_nothing(worker):
     plain = post(worker, "chat/completions", body).json()["choices"][0]["message"]["content"]
     text = post(worker, "chat/completions", {**body, "response_format": {"type": "text"}}).json()
     assert text["choices"][0]["message"]["content"] == plain
+
+
+def test_ignore_eos_ends_with_the_grammar(engine):
+    """Without EOS the matcher ends with the grammar itself, and so does the answer."""
+    outs = run(engine, Constraint.choice(["yes", "no"], "guided_choice"), ignore_eos=True)
+    assert all(o.text in ("yes", "no") and o.finish_reason == "stop" for o in outs), [o.text for o in outs]
