@@ -26,6 +26,9 @@ The state takes `BYTES_PER_ENTRY` (9) bytes a vocabulary entry per running reque
 (0.9 MB at a 100k vocabulary), allocated as such requests arrive (doubling, up to `max_num_seqs`
 rows: a preempted request gives its row back and rebuilds it from its tokens when it resumes);
 the memory plan keeps room for all of them (`memory_plan.plan_kv_blocks`).
+
+Last, structured outputs' grammars (worker/structured.py) mask their rows: no state row, a bit
+mask filled on the host from each request's matcher every step.
 """
 
 from __future__ import annotations
