@@ -11,17 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.worker.worker_harness import CHAT, PROMPT, serve, wait_for
-
-
-@pytest.fixture(scope="module")
-def worker(demo_model, demo_adapters):
-    yield from serve(demo_model, demo_adapters)
-
-
-@pytest.fixture(scope="module")
-def client(worker):
-    return openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", max_retries=0, timeout=60)
+from tests.worker.worker_harness import CHAT, PROMPT, wait_for
 
 
 def post(worker, route: str, body: dict) -> httpx.Response:

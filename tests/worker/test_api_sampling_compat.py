@@ -5,22 +5,11 @@ lm-eval-harness sends) against transformers + PEFT."""
 
 from __future__ import annotations
 
-import openai
 import pytest
 import torch
 
 from tests.worker.test_api_openai_compat import events, post, refused
-from tests.worker.worker_harness import CHAT, PROMPT, serve
-
-
-@pytest.fixture(scope="module")
-def worker(demo_model, demo_adapters):
-    yield from serve(demo_model, demo_adapters)
-
-
-@pytest.fixture(scope="module")
-def client(worker):
-    return openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", max_retries=0, timeout=60)
+from tests.worker.worker_harness import CHAT, PROMPT
 
 # -- penalties, logit_bias and vLLM's logit knobs ----------------------------------------------------------
 

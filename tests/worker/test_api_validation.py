@@ -13,12 +13,7 @@ import pytest
 
 from lorafleet.worker.engine import LLMEngine
 from lorafleet.worker.sequence import SamplingParams
-from tests.worker.worker_harness import CHAT, PROMPT, serve
-
-
-@pytest.fixture(scope="module")
-def worker(demo_model, demo_adapters):
-    yield from serve(demo_model, demo_adapters)
+from tests.worker.worker_harness import CHAT, PROMPT
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 
-import openai
 import pytest
 
 from lorafleet.worker.config import EngineConfig
@@ -16,7 +15,7 @@ from lorafleet.worker.engine import LLMEngine
 from lorafleet.worker.sequence import SamplingParams
 from lorafleet.worker.structured import Constraint
 from tests.worker.test_api_openai_compat import post, refused
-from tests.worker.worker_harness import CHAT, PROMPT, serve
+from tests.worker.worker_harness import CHAT, PROMPT
 
 pytest.importorskip("xgrammar")
 
@@ -79,16 +78,6 @@ def test_free_requests_in_the_same_batch_are_unchanged(engine):
 
 
 # -- the API --------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def worker(demo_model, demo_adapters):
-    yield from serve(demo_model, demo_adapters)
-
-
-@pytest.fixture(scope="module")
-def client(worker):
-    return openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def test_response_format_json_schema_from_the_official_client(client):

@@ -7,12 +7,7 @@ import httpx
 import pytest
 
 from tests.worker.test_api_openai_compat import post, refused
-from tests.worker.worker_harness import CHAT, PROMPT, serve
-
-
-@pytest.fixture(scope="module")
-def worker(demo_model, demo_adapters):
-    yield from serve(demo_model, demo_adapters)
+from tests.worker.worker_harness import CHAT, PROMPT
 
 
 @pytest.fixture(scope="module")
