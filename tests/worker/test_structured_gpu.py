@@ -1,0 +1,32 @@
+"""test_structured's engine and API checks again on CUDA: bf16 logits, the masks applied by xgrammar's
+CUDA path, the served worker with CUDA graphs (constrained batches run synchronous steps)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lorafleet.worker.config import EngineConfig
+from lorafleet.worker.engine import LLMEngine
+from tests.worker.test_structured import *  # noqa: F403 (the suite's tests)
+from tests.worker.test_structured import test_free_requests_in_the_same_batch_are_unchanged
+from tests.worker.worker_harness import RunningWorker, worker_settings
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+# Greedy bf16 tokens may differ between batch sizes (other GEMM tiles): not a property to check here.
+del test_free_requests_in_the_same_batch_are_unchanged
+
+
+@pytest.fixture(scope="module")
+def engine(demo_model):
+    e = LLMEngine(demo_model, EngineConfig(device="cuda", block_size=16))
+    assert e.device.type == "cuda"
+    return e
+
+
+@pytest.fixture(scope="module")
+def worker(demo_model, demo_adapters):
+    w = RunningWorker(worker_settings(demo_model, demo_adapters, device="cuda")).start()
+    yield w
+    w.stop()
