@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lorafleet.worker import openai_protocol as oai
+from lorafleet.worker import tools
 from lorafleet.worker.errors import ApiError, error_response, from_engine
 from lorafleet.worker.metrics import take_snapshot
 from lorafleet.worker.outputs import RequestOutput
@@ -118,7 +119,7 @@ def _prepare_chat(runtime: WorkerRuntime, body: oai.ChatCompletionRequest) -> li
     engine = runtime.require_engine().engine
     messages = body.template_messages()
     engine.check_prompt_chars(sum(len(m["content"]) for m in messages))
-    ids = engine.tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
+    ids = engine.tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt, tools=body.tools)
     if not ids:
         raise ApiError(400, "the chat template made an empty prompt", param="messages")
     return ids
@@ -216,20 +217,36 @@ async def chat_completions(body: oai.ChatCompletionRequest, request: Request, ru
         max_tokens = body.max_completion_tokens or body.max_tokens
         sampling = body.sampling(max_tokens or default_max_tokens(engine.engine.max_model_len, len(ids)), k,
                                  body.prompt_logprobs)
+        tool = body.tool_plan()
     except Exception as exc:  # noqa: BLE001 - mapped to 4xx; a bug re-raises
         raise from_engine(exc) from None
     streams = await submit_all(engine, [ids] * n, oai.per_choice(sampling, n), adapters)
     rid = oai.new_id("chatcmpl")
     token_text, token_bytes = _token_text(runtime), _token_bytes(runtime)
-    echo = body.echo_text()
+    echo = "" if tool is not None else body.echo_text()
+
+    def called(text: str, reason: str | None) -> tuple[list[dict] | None, str | None]:
+        """(tool calls, finish_reason) of a finished answer: a whole call under a tool plan, else None."""
+        found = tools.calls(tool, text) if tool is not None and reason == "stop" else None
+        return found, (reason if found is None or tool.forced else "tool_calls")
 
     if body.stream:
         first = [oai.chat_chunk(rid, created, model, i, {"role": "assistant", "content": ""}, None) for i in range(n)]
         first += [oai.chat_chunk(rid, created, model, i, {"content": echo}, None) for i in range(n) if echo]
+        held = [""] * n  # a tool call's text, sent whole at its end
 
         def chunk(i: int, out: RequestOutput) -> list[dict]:
             lp = oai.chat_logprobs(out.logprobs, token_text, token_bytes) if k is not None and out.logprobs else None
             chunks = []
+            if tool is not None:
+                held[i] += out.text_delta
+                if not out.finished:
+                    return [oai.chat_chunk(rid, created, model, i, {}, None, lp)] if lp is not None else []
+                calls, reason = called(held[i], out.finish_reason)
+                delta = ({"tool_calls": [{"index": j, **c} for j, c in enumerate(calls)]} if calls is not None
+                         else {"content": held[i]})
+                return [oai.chat_chunk(rid, created, model, i, delta, None, lp),
+                        oai.chat_chunk(rid, created, model, i, {}, reason)]
             if out.text_delta or lp is not None:
                 chunks.append(oai.chat_chunk(rid, created, model, i, {"content": out.text_delta}, None, lp))
             if out.finished:
@@ -240,9 +257,14 @@ async def chat_completions(body: oai.ChatCompletionRequest, request: Request, ru
         return streaming_response(stream_events(streams, chunk, final, len(ids), first, body.continuous_usage))
 
     results = await collect(request, streams)
-    out = [oai.chat_choice(i, echo + "".join(r.text), r.finish_reason,
-                           oai.chat_logprobs(r.logprobs, token_text, token_bytes) if k is not None else None)
-           for i, r in enumerate(results)]
+
+    def choice(i: int, r) -> dict:
+        text = "".join(r.text)
+        calls, reason = called(text, r.finish_reason)
+        lp = oai.chat_logprobs(r.logprobs, token_text, token_bytes) if k is not None else None
+        return oai.chat_choice(i, echo + text, reason, lp, calls)
+
+    out = [choice(i, r) for i, r in enumerate(results)]
     use = oai.usage(len(ids), sum(r.generated for r in results))
     extra = {}
     if body.prompt_logprobs is not None:  # vLLM's: once for the request, in its shape (completions' per choice)

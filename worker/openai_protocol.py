@@ -3,8 +3,9 @@ response / stream-chunk shapes, as plain builders. Torch-free; raw dicts only at
 
 Request fields keep JSON's types (pydantic's strict mode): `max_tokens: true` or `"stream": "false"`
 is a 400, not 1 or false by coercion. JSON `null` for an optional field means "not given", as in
-OpenAI's API. A field this worker does not implement (`tools`, `response_format` json, vLLM's
-`guided_*`, ...) is a 400 naming it unless its value changes nothing; other unknown fields are ignored.
+OpenAI's API. A field this worker does not implement (`tools` in completions, the legacy
+`functions`, vLLM's `use_beam_search`, ...) is a 400 naming it unless its value changes nothing;
+other unknown fields are ignored.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from lorafleet.protocol import MAX_N, MAX_TOKENS_ZERO, JsonBody, LoraAdapterRef
 from lorafleet.worker.sampling import TokenLogprobs
 from lorafleet.worker.sequence import SEED_MAX, SamplingParams
 from lorafleet.worker.structured import Constraint
+from lorafleet.worker.tools import ToolPlan
+from lorafleet.worker.tools import plan as tools_plan
 
 
 class UnsupportedField(ValueError):
@@ -282,6 +285,16 @@ class ChatMessage(JsonBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls (worker/tools.py)
+    tool_call_id: str | None = None  # a tool turn's answer to one of them
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (transformers' dicts): role, text, and the tool fields."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -303,6 +316,8 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True  # vLLM extension
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's, once for the request
+    tools: list[dict[str, Any]] | None = None  # function calling (worker/tools.py)
+    tool_choice: Any = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -317,8 +332,18 @@ class ChatCompletionRequest(_SamplingFields):
         last = self.messages[-1]
         return last.text() if self.echo and (not self.add_generation_prompt or last.role == "assistant") else ""
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
+
+    def tool_plan(self) -> ToolPlan | None:
+        """The tool call the answer must be (worker/tools.py), or None."""
+        return tools_plan(self.tools, self.tool_choice)
+
+    def constraint(self) -> Constraint | None:
+        own, tool = super().constraint(), self.tool_plan()
+        if own is not None and tool is not None:
+            raise UnsupportedField("tool_choice", f"a tool call and {own.param} both constrain the answer: one a request")
+        return tool.constraint if tool is not None else own
 
     def logprobs_k(self) -> int | None:
         if not self.logprobs:
@@ -428,9 +453,13 @@ def completion_chunk(rid: str, created: int, model: str, index: int, text: str, 
     }
 
 
-def chat_choice(index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason}
+def chat_choice(index: int, text: str, finish_reason: str, logprobs: dict | None,
+                tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """With `tool_calls` the message holds them and no content (OpenAI's shape)."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls is not None:
+        message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict, finish_reason: str | None,

@@ -75,13 +75,15 @@ class Tokenizer:
         raw = self._pieces.bytes_of(piece)
         return raw if raw is not None else self.decode([token_id], skip_special_tokens=False).encode()
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> list[int]:
         """The chat template's text, tokenized without adding special tokens: the template writes
         them (a BOS from `{{ bos_token }}`), as transformers' `apply_chat_template(tokenize=True)`
         and vLLM do; adding them again gave Llama 3's templates two BOS tokens."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list | None = None) -> str:
+        """The template's text; `tools` (OpenAI's tool dicts) reach it as `tools`, as in transformers."""
         import jinja2
         import jinja2.sandbox
 
@@ -95,6 +97,7 @@ class Tokenizer:
             return env.from_string(self.chat_template).render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )

@@ -118,7 +118,7 @@ def test_an_unsupported_feature_is_the_workers_400(via_router):
     tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
     with pytest.raises(openai.BadRequestError) as err:
         via_router.chat.completions.create(model="chat", messages=CHAT, max_tokens=2, tools=[tool], stream=True)
-    assert err.value.body["param"] == "tools" and "not supported" in err.value.body["message"]
+    assert err.value.body["param"] == "tool_choice" and "parser" in err.value.body["message"]  # "auto" by default
 
 
 # The router's own field checks (`check_fields`, refusing before routing), with the worker as the oracle:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 
 from tests.worker.worker_harness import CHAT, PROMPT, wait_for
@@ -248,9 +247,7 @@ def test_include_usage_false_sends_no_usage_chunk(worker):
 
 # -- fields not implemented: a 400 that names them; harmless values accepted ------------------------------
 
-TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
-UNSUPPORTED = [
-    ("tools", [TOOL]),
+UNSUPPORTED = [  # (tools themselves: tests/worker/test_tools.py)
     ("tool_choice", "required"),
     ("tool_choice", {"type": "function", "function": {"name": "lookup"}}),
     ("functions", [{"name": "lookup"}]),
@@ -285,12 +282,6 @@ def test_harmless_fields_are_accepted(worker, field, value):
     body = {"model": "demo", "messages": CHAT, "max_tokens": 2, field: value}
     r = post(worker, "chat/completions", body)
     assert r.status_code == 200, r.text
-
-
-def test_the_official_client_gets_a_typed_error_for_tools(client):
-    with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="demo", messages=CHAT, max_tokens=2, tools=[TOOL])
-    assert err.value.body["param"] == "tools"
 
 
 # -- response shape -------------------------------------------------------------------------------------

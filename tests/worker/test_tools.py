@@ -1,0 +1,111 @@
+"""Function calling without a tool parser (worker/tools.py): a named tool_choice and "required" come
+back as OpenAI's `tool_calls`, their arguments held to the tools' schemas (checked with `json`), from
+the official client, streamed and not; what cannot be honoured is a 400 naming the field; tools and
+earlier tool turns reach the chat template."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from lorafleet.worker.tokenizer import Tokenizer
+from tests.worker.test_api_openai_compat import post, refused
+from tests.worker.worker_harness import CHAT
+
+pytest.importorskip("xgrammar")
+
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "today's weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "clock", "parameters": {
+    "type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"], "additionalProperties": False}}}
+NAMED = {"type": "function", "function": {"name": "weather"}}
+
+
+def valid(name: str, arguments: str) -> bool:
+    args = json.loads(arguments)
+    if name == "weather":
+        return set(args) == {"city", "unit"} and args["city"] in ("Paris", "Oslo") and args["unit"] in ("C", "F")
+    return name == "clock" and set(args) == {"utc"} and isinstance(args["utc"], bool)
+
+
+def test_a_named_tool_is_called(client):
+    r = client.chat.completions.create(model="sql", messages=CHAT, tools=[WEATHER, CLOCK], tool_choice=NAMED,
+                                       max_tokens=64, n=2, seed=5)
+    for c in r.choices:
+        assert c.message.content is None and c.finish_reason == "stop"  # OpenAI's, for a forced call
+        (call,) = c.message.tool_calls
+        assert call.type == "function" and call.function.name == "weather" and call.id.startswith("call_")
+        assert valid(call.function.name, call.function.arguments), call.function.arguments
+
+
+def test_required_calls_one_or_more_tools(client):
+    r = client.chat.completions.create(model="demo", messages=CHAT, tools=[WEATHER, CLOCK], tool_choice="required",
+                                       max_tokens=160, n=3, seed=2)
+    for c in r.choices:
+        if c.finish_reason == "length":  # the random demo model may write a long array: then it is text
+            assert c.message.tool_calls is None and c.message.content.startswith("[")
+            continue
+        assert c.finish_reason == "tool_calls" and c.message.tool_calls
+        assert all(valid(t.function.name, t.function.arguments) for t in c.message.tool_calls)
+
+
+def test_a_streamed_call_arrives_whole_at_its_end(client):
+    chunks = list(client.chat.completions.create(model="demo", messages=CHAT, tools=[WEATHER], tool_choice=NAMED,
+                                                 max_tokens=64, seed=1, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    calls = [t for d in deltas for t in (d.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "weather"
+    assert valid("weather", calls[0].function.arguments)
+    assert not any(d.content for d in deltas) and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_tool_choice_none_answers_in_text(worker):
+    body = {"model": "demo", "messages": CHAT, "max_tokens": 4, "tools": [WEATHER], "tool_choice": "none"}
+    r = post(worker, "chat/completions", body)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None, r.text
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"tools": [WEATHER]}, "tool_choice"),  # "auto" by default: needs a parser
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": NAMED}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"parameters": {}}}], "tool_choice": "required"}, "tools.0"),
+    ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools.1"),
+    ({"tools": [WEATHER], "tool_choice": NAMED, "guided_regex": "a"}, "tool_choice"),
+])
+def test_what_cannot_be_honoured_is_a_400(worker, fields, param):
+    refused(post(worker, "chat/completions", {"model": "demo", "messages": CHAT, "max_tokens": 4, **fields}), param)
+
+
+def test_tools_and_tool_turns_reach_the_template(demo_model, tmp_path):
+    """A template that prints its tools and the earlier turn's call and answer (as tool-calling
+    models' templates do) sees them."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((demo_model / name).read_bytes())
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}"
+                               "{{ m.role }}:{{ m.content }}{% if m.tool_calls %}{{ m.tool_calls[0].function.name }}"
+                               "{% endif %}{% if m.tool_call_id %}#{{ m.tool_call_id }}{% endif %};{% endfor %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    from lorafleet.worker.openai_protocol import ChatCompletionRequest
+
+    body = ChatCompletionRequest.model_validate({"messages": CHAT + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                               "function": {"name": "weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}], "tools": [WEATHER, CLOCK]})
+    text = Tokenizer(tmp_path).apply_chat_template(body.template_messages(), tools=body.tools)
+    assert text == f"[weather][clock]user:{CHAT[0]['content']};assistant:weather;tool:sunny#c1;"
+
+
+def test_completions_still_refuse_tools(worker):
+    refused(post(worker, "completions", {"model": "demo", "prompt": "x", "max_tokens": 2, "tools": [WEATHER]}), "tools")
+
+
+def test_the_official_client_errors_name_the_field(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="demo", messages=CHAT, tools=[WEATHER], max_tokens=2)
+    assert err.value.body["param"] == "tool_choice"
