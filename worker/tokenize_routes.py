@@ -32,6 +32,7 @@ class TokenizeRequest(JsonBody):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool | None = None  # vLLM's defaults: True for a prompt, False for messages
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None  # with messages: passed to the chat template, as chat does
     return_token_strs: bool = False
 
 
@@ -58,9 +59,9 @@ async def tokenize(body: TokenizeRequest, runtime: Runtime) -> dict[str, Any]:
 
     def run() -> tuple[list[int], list[str] | None]:
         if body.messages is not None:  # the ids the chat route feeds the model (Tokenizer.encode_chat)
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            messages = [m.for_template() for m in body.messages]
             engine.check_prompt_chars(sum(len(m["content"]) for m in messages))
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+            text = tokenizer.apply_chat_template(messages, body.add_generation_prompt, body.tools)
             ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
         else:
             engine.check_prompt_chars(len(body.prompt))

@@ -47,6 +47,10 @@ def test_messages_are_the_chat_routes_ids(worker, hf, generation_prompt):
     assert got["tokens"] == list(want["input_ids"] if hasattr(want, "keys") else want)
     chat = post(worker, "chat/completions", {**body, "max_tokens": 1}).json()
     assert chat["usage"]["prompt_tokens"] == got["count"]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with_tools = {**body, "tools": [tool], "tool_choice": {"type": "function", "function": {"name": "f"}}}
+    chat = post(worker, "chat/completions", {**with_tools, "max_tokens": 1}).json()
+    assert chat["usage"]["prompt_tokens"] == call(worker, "tokenize", with_tools).json()["count"]
 
 
 def test_detokenize_is_transformers_decode(worker, hf):
