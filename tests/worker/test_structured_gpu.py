@@ -1,5 +1,6 @@
-"""test_structured's engine and API checks again on CUDA: bf16 logits, the masks applied by xgrammar's
-CUDA path, the served worker with CUDA graphs (constrained batches run synchronous steps)."""
+"""test_structured's engine and API checks, and test_tools' function calls, again on CUDA: bf16
+logits, the masks applied by xgrammar's CUDA path, the served worker with CUDA graphs (constrained
+batches run synchronous steps)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from lorafleet.worker.config import EngineConfig
 from lorafleet.worker.engine import LLMEngine
 from tests.worker.test_structured import *  # noqa: F403 (the suite's tests)
 from tests.worker.test_structured import test_free_requests_in_the_same_batch_are_unchanged
+from tests.worker.test_tools import *  # noqa: F403
 from tests.worker.worker_harness import RunningWorker, worker_settings
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
