@@ -318,6 +318,7 @@ class ChatCompletionRequest(_SamplingFields):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's, once for the request
     tools: list[dict[str, Any]] | None = None  # function calling (worker/tools.py)
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # false: "required" makes one call
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -337,7 +338,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     def tool_plan(self) -> ToolPlan | None:
         """The tool call the answer must be (worker/tools.py), or None."""
-        return tools_plan(self.tools, self.tool_choice)
+        return tools_plan(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
 
     def constraint(self) -> Constraint | None:
         own, tool = super().constraint(), self.tool_plan()

@@ -48,8 +48,9 @@ def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def plan(tools: list[dict[str, Any]] | None, tool_choice: Any) -> ToolPlan | None:
-    """The constraint a request's tools and tool_choice make (None: a plain answer)."""
+def plan(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool = True) -> ToolPlan | None:
+    """The constraint a request's tools and tool_choice make (None: a plain answer); `parallel`
+    False (OpenAI's `parallel_tool_calls`) holds "required" to one call."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             raise ConstraintError("tool_choice", "tool_choice names a tool but the request has no tools")
@@ -64,7 +65,7 @@ def plan(tools: list[dict[str, Any]] | None, tool_choice: Any) -> ToolPlan | Non
         calls = [{"type": "object", "properties": {"name": {"enum": [name]}, "parameters": params},
                   "required": ["name", "parameters"], "additionalProperties": False}
                  for name, params in functions.items()]
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}} | ({} if parallel else {"maxItems": 1})
         return ToolPlan(Constraint.schema(schema, "tool_choice"), None)
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None

@@ -52,6 +52,19 @@ def test_required_calls_one_or_more_tools(client):
         assert all(valid(t.function.name, t.function.arguments) for t in c.message.tool_calls)
 
 
+def test_one_call_when_parallel_calls_are_off(client):
+    """The same seeded choices make several calls with parallel calls on (the default) and one each
+    with them off."""
+    def counts(**kw) -> list[int]:
+        r = client.chat.completions.create(model="demo", messages=CHAT, tools=[WEATHER, CLOCK], tool_choice="required",
+                                           max_tokens=200, n=4, seed=0, **kw)
+        return [len(c.message.tool_calls or []) for c in r.choices if c.finish_reason == "tool_calls"]
+
+    assert max(counts()) > 1
+    off = counts(parallel_tool_calls=False)
+    assert off and set(off) == {1}
+
+
 def test_a_streamed_call_arrives_whole_at_its_end(client):
     chunks = list(client.chat.completions.create(model="demo", messages=CHAT, tools=[WEATHER], tool_choice=NAMED,
                                                  max_tokens=64, seed=1, stream=True))
