@@ -215,9 +215,10 @@ async def chat_completions(body: oai.ChatCompletionRequest, request: Request, ru
         k = body.logprobs_k()
         # vLLM's rule: max_completion_tokens (OpenAI's newer name) over max_tokens.
         max_tokens = body.max_completion_tokens or body.max_tokens
+        parser = runtime.settings.tool_call_parser
         sampling = body.sampling(max_tokens or default_max_tokens(engine.engine.max_model_len, len(ids)), k,
-                                 body.prompt_logprobs)
-        tool = body.tool_plan()
+                                 body.prompt_logprobs, parser)
+        tool = body.tool_plan(parser)
     except Exception as exc:  # noqa: BLE001 - mapped to 4xx; a bug re-raises
         raise from_engine(exc) from None
     streams = await submit_all(engine, [ids] * n, oai.per_choice(sampling, n), adapters)
@@ -230,14 +231,37 @@ async def chat_completions(body: oai.ChatCompletionRequest, request: Request, ru
         found = tools.calls(tool, text) if tool is not None and reason == "stop" else None
         return found, (reason if found is None or tool.forced else "tool_calls")
 
+    def answer(text: str, reason: str | None) -> tuple[str | None, list[dict] | None, str | None]:
+        """(content, tool calls, finish_reason): "auto" keeps the text before the calls as content."""
+        found, reason = called(text, reason)
+        if found is not None and tool.parser is not None:
+            return tools.hermes_calls(text)[0], found, reason
+        return (None if found is not None else text), found, reason
+
     if body.stream:
         first = [oai.chat_chunk(rid, created, model, i, {"role": "assistant", "content": ""}, None) for i in range(n)]
         first += [oai.chat_chunk(rid, created, model, i, {"content": echo}, None) for i in range(n) if echo]
         held = [""] * n  # a tool call's text, sent whole at its end
+        parsing = [tools.HermesStream() for _ in range(n)] if tool is not None and tool.parser else None
 
         def chunk(i: int, out: RequestOutput) -> list[dict]:
             lp = oai.chat_logprobs(out.logprobs, token_text, token_bytes) if k is not None and out.logprobs else None
             chunks = []
+            if parsing is not None:  # "auto": content until a call starts, the calls at the end
+                content = parsing[i].feed(out.text_delta)
+                calls = None
+                if out.finished:
+                    rest, calls = parsing[i].finish()
+                    content += rest
+                if content or lp is not None:
+                    chunks.append(oai.chat_chunk(rid, created, model, i, {"content": content}, None, lp))
+                if calls is not None:
+                    delta = {"tool_calls": [{"index": j, **c} for j, c in enumerate(calls)]}
+                    chunks.append(oai.chat_chunk(rid, created, model, i, delta, None))
+                if out.finished:
+                    reason = "tool_calls" if calls is not None and out.finish_reason == "stop" else out.finish_reason
+                    chunks.append(oai.chat_chunk(rid, created, model, i, {}, reason))
+                return chunks
             if tool is not None:
                 held[i] += out.text_delta
                 if not out.finished:
@@ -259,10 +283,9 @@ async def chat_completions(body: oai.ChatCompletionRequest, request: Request, ru
     results = await collect(request, streams)
 
     def choice(i: int, r) -> dict:
-        text = "".join(r.text)
-        calls, reason = called(text, r.finish_reason)
+        content, calls, reason = answer("".join(r.text), r.finish_reason)
         lp = oai.chat_logprobs(r.logprobs, token_text, token_bytes) if k is not None else None
-        return oai.chat_choice(i, echo + text, reason, lp, calls)
+        return oai.chat_choice(i, echo + (content or ""), reason, lp, calls, content is None)
 
     out = [choice(i, r) for i, r in enumerate(results)]
     use = oai.usage(len(ids), sum(r.generated for r in results))

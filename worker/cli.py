@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "requests do not pay compiles and captures (default: on for CUDA)")
     p.add_argument("--pinned-lora-modules", nargs="+", action="extend", default=[], metavar="NAME",
                    help="start-up adapters never evicted from the GPU")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="answer tool_choice \"auto\" (the default with tools): the model's calls are parsed out "
+                        "of its answer in the --tool-call-parser format")
+    p.add_argument("--tool-call-parser", choices=["hermes"], default=None,
+                   help="the model's tool-call format: hermes (<tool_call>{json}</tool_call>: Qwen 2.5/3, Hermes)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -77,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
     if args.gpu_memory_utilization is not None and args.kv_cache_memory_fraction is not None:
         raise ConfigError("--gpu-memory-utilization and --kv-cache-memory-fraction size the KV cache two ways; give one")
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise ConfigError("--enable-auto-tool-choice and --tool-call-parser go together (vLLM's rule): give both or neither")
     fraction = {} if args.kv_cache_memory_fraction is None else {"kv_cache_memory_fraction": args.kv_cache_memory_fraction}
     engine = EngineConfig(
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
@@ -94,6 +101,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         model=args.model, served_model_name=args.served_model_name, tokenizer=args.tokenizer, host=args.host,
         port=args.port, admin_port=args.admin_port, lora_modules=tuple(args.lora_modules),
         adapter_root=args.adapter_root, admin_token_file=args.admin_token_file, engine=engine,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

@@ -127,7 +127,8 @@ class _SamplingFields(JsonBody):
             if rule is not None and not rule[0](value):
                 raise UnsupportedField(name, rule[1])
 
-    def sampling(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    def sampling(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                 tool_parser: str | None = None) -> SamplingParams:
         """Raises ValueError (HTTP 400) for values the engine refuses."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
@@ -150,12 +151,12 @@ class _SamplingFields(JsonBody):
             logit_bias=self._logit_bias(),
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
             bad_words=tuple(self.bad_words or ()),
-            constraint=self.constraint(),
+            constraint=self.constraint(tool_parser),
         )
 
-    def constraint(self) -> Constraint | None:
+    def constraint(self, tool_parser: str | None = None) -> Constraint | None:
         """The one structured-output constraint the request asks for (None: free text); a 400 naming
-        the field for a malformed one or for two at once."""
+        the field for a malformed one or for two at once. (`tool_parser`: chat's, for its tools.)"""
         found: list[Constraint] = []
         fmt = self.response_format
         if fmt is not None and fmt.get("type") != "text":
@@ -336,15 +337,17 @@ class ChatCompletionRequest(_SamplingFields):
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
 
-    def tool_plan(self) -> ToolPlan | None:
-        """The tool call the answer must be (worker/tools.py), or None."""
-        return tools_plan(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
+    def tool_plan(self, parser: str | None = None) -> ToolPlan | None:
+        """How the answer's tool calls are made (worker/tools.py), or None; `parser`: the worker's
+        --tool-call-parser."""
+        return tools_plan(self.tools, self.tool_choice, self.parallel_tool_calls is not False, parser)
 
-    def constraint(self) -> Constraint | None:
-        own, tool = super().constraint(), self.tool_plan()
-        if own is not None and tool is not None:
+    def constraint(self, tool_parser: str | None = None) -> Constraint | None:
+        own, tool = super().constraint(), self.tool_plan(tool_parser)
+        held = tool.constraint if tool is not None else None
+        if own is not None and held is not None:
             raise UnsupportedField("tool_choice", f"a tool call and {own.param} both constrain the answer: one a request")
-        return tool.constraint if tool is not None else own
+        return held or own
 
     def logprobs_k(self) -> int | None:
         if not self.logprobs:
@@ -455,11 +458,12 @@ def completion_chunk(rid: str, created: int, model: str, index: int, text: str, 
 
 
 def chat_choice(index: int, text: str, finish_reason: str, logprobs: dict | None,
-                tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """With `tool_calls` the message holds them and no content (OpenAI's shape)."""
+                tool_calls: list[dict[str, Any]] | None = None, no_content: bool = False) -> dict[str, Any]:
+    """With `tool_calls` the message holds them, and its content is null unless text came before
+    them (OpenAI's shape)."""
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if tool_calls is not None:
-        message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
+        message = {"role": "assistant", "content": None if no_content else text, "tool_calls": tool_calls}
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 

@@ -20,12 +20,17 @@ class WorkerSettings:
     admin_token_file: str | None = None  # None: the admin API answers 401 to everything
     engine: EngineConfig = field(default_factory=EngineConfig)
     max_request_prompts: int = 16  # prompts in one /v1/completions call
+    tool_call_parser: str | None = None  # tool_choice "auto"'s format (worker/tools.py); None: "auto" refused
     # Once the engine is built, take start-up's objects out of the cycle collector (gc_freeze.py).
     # Off only where many workers start in one process (tests).
     freeze_gc: bool = True
 
     def __post_init__(self) -> None:
         # `model: <base name>` means the base model, so an adapter of that name could never be asked for.
+        from lorafleet.worker.tools import PARSERS
+
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ConfigError(f"--tool-call-parser: {self.tool_call_parser!r} is not one of {', '.join(PARSERS)}")
         if any(name == self.model_name for name, _ in self.lora_modules):
             raise ConfigError(f"--lora-modules: adapter name {self.model_name!r} is the base model's served name "
                               "(--served-model-name, else --model); choose another")

@@ -1,14 +1,18 @@
-"""Function calling in chat, as vLLM does it without a model-specific tool-call parser: a named
-`tool_choice` or `"required"` turns into a structured-output constraint (worker/structured.py) and
-the constrained answer comes back as `tool_calls`.
+"""Function calling in chat, as vLLM does it: a named `tool_choice` or `"required"` turns into a
+structured-output constraint (worker/structured.py) and the constrained answer comes back as
+`tool_calls`; `"auto"` parses the calls out of a free answer in the model's own format.
 
 - `tool_choice: {"type": "function", "function": {"name": X}}`: the answer is X's arguments, a JSON
   object held to X's `parameters` schema; one call, finish_reason "stop" (OpenAI's, for a forced call).
 - `tool_choice: "required"`: the answer is a JSON array of one or more `{"name", "parameters"}`
   objects, each held to its tool's schema; a call each, finish_reason "tool_calls".
-- `"none"`: no call (the tools still reach the chat template); `"auto"` (the default with tools)
-  would need a parser for the model's own call format: a 400 that says to name a tool or use
-  "required".
+- `"none"`: no call (the tools still reach the chat template).
+- `"auto"` (the default with tools): the model decides, in its own call format, which the worker
+  must be told (vLLM's `--enable-auto-tool-choice --tool-call-parser hermes`: calls written as
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as Qwen 2.5/3 and Hermes models do);
+  nothing constrains the answer, the calls are parsed out of it (streamed: the text before the
+  first call as content, the calls whole at the end). Without a parser, a 400 that says to name a
+  tool or use "required".
 
 The tools go to the chat template as `tools`, as transformers passes them, and earlier turns'
 `tool_calls` and `tool` messages reach it too.
@@ -17,17 +21,21 @@ The tools go to the chat template as `tools`, as transformers passes them, and e
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from lorafleet.worker.structured import Constraint, ConstraintError
 
+PARSERS = ("hermes",)  # --tool-call-parser
+
 
 @dataclass(frozen=True, slots=True)
 class ToolPlan:
-    constraint: Constraint
-    forced: str | None  # the named tool's name; None for "required"
+    constraint: Constraint | None  # None: "auto", the calls parsed out of a free answer
+    forced: str | None  # the named tool's name; None for "required" and "auto"
+    parser: str | None = None  # "auto"'s format
 
 
 def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -48,17 +56,22 @@ def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def plan(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool = True) -> ToolPlan | None:
+def plan(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool = True,
+         parser: str | None = None) -> ToolPlan | None:
     """The constraint a request's tools and tool_choice make (None: a plain answer); `parallel`
-    False (OpenAI's `parallel_tool_calls`) holds "required" to one call."""
+    False (OpenAI's `parallel_tool_calls`) holds "required" to one call; `parser`: the worker's
+    --tool-call-parser, which "auto" needs."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             raise ConstraintError("tool_choice", "tool_choice names a tool but the request has no tools")
         return None
     functions = _functions(tools)
     if tool_choice in (None, "auto"):
-        raise ConstraintError("tool_choice", "tool_choice \"auto\" needs a parser for the model's own tool-call "
-                                             "format, which this worker has not: name a tool, or use \"required\"")
+        if parser is None:
+            raise ConstraintError("tool_choice", "tool_choice \"auto\" needs a parser for the model's own tool-call "
+                                                 "format (start the worker with --enable-auto-tool-choice "
+                                                 "--tool-call-parser hermes): name a tool, or use \"required\"")
+        return ToolPlan(None, None, parser)
     if tool_choice == "none":
         return None
     if tool_choice == "required":
@@ -79,7 +92,9 @@ def plan(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool = 
 
 def calls(p: ToolPlan, text: str) -> list[dict[str, Any]] | None:
     """The answer's tool calls (OpenAI's shape), or None when `text` is not a whole call (it ran
-    out of tokens): then it is returned as content."""
+    out of tokens) or, under "auto", holds none: then it is returned as content."""
+    if p.parser is not None:
+        return hermes_calls(text)[1]
     if p.forced is not None:
         try:
             json.loads(text)
@@ -95,3 +110,63 @@ def calls(p: ToolPlan, text: str) -> list[dict[str, Any]] | None:
 
 def _call(name: str, arguments: str) -> dict[str, Any]:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+# -- "auto": the hermes format ------------------------------------------------------------------------
+
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
+
+
+def hermes_calls(text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+    """(content before the first call or None, the calls or None). A call that is not a JSON object
+    with a string `name` and object `arguments` makes the whole answer content (None calls)."""
+    found = []
+    for match in _HERMES.finditer(text):
+        try:
+            item = json.loads(match.group(1) if match.group(1) is not None else match.group(2))
+        except ValueError:
+            return text, None
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not isinstance(
+                item.get("arguments", {}), dict):
+            return text, None
+        found.append(_call(item["name"], json.dumps(item.get("arguments", {}))))
+    if not found:
+        return text, None
+    content = text[: text.index(_OPEN)].strip()
+    return content or None, found
+
+
+class HermesStream:
+    """A streamed answer under "auto": its text is content until a call starts (a tail that could
+    be the start of `<tool_call>` is held back), then held until the end, when the calls are parsed
+    (or, if none parses, the held text is content after all)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.sent = 0
+        self.calling = False
+
+    def feed(self, delta: str) -> str:
+        """The content to send now."""
+        self.text += delta
+        if self.calling:
+            return ""
+        start = self.text.find(_OPEN, self.sent)
+        if start >= 0:
+            self.calling = True
+            return self._send(start)
+        keep = next((n for n in range(min(len(_OPEN) - 1, len(self.text) - self.sent), 0, -1)
+                     if self.text.endswith(_OPEN[:n])), 0)
+        return self._send(len(self.text) - keep)
+
+    def finish(self) -> tuple[str, list[dict[str, Any]] | None]:
+        """(content still to send, the calls or None)."""
+        _, found = hermes_calls(self.text)
+        if found is None:
+            return self._send(len(self.text)), None
+        return "", found
+
+    def _send(self, upto: int) -> str:
+        out, self.sent = self.text[self.sent : upto], max(self.sent, upto)
+        return out

@@ -122,3 +122,87 @@ def test_the_official_client_errors_name_the_field(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="demo", messages=CHAT, tools=[WEATHER], max_tokens=2)
     assert err.value.body["param"] == "tool_choice"
+
+
+# -- "auto" with --tool-call-parser hermes --------------------------------------------------------------
+
+HERMES_CALL = '<tool_call>{"name": "weather", "arguments": {"city": "Paris", "unit": "C"}}</tool_call>'
+
+
+def test_hermes_calls_are_parsed_out_of_the_text():
+    from lorafleet.worker.tools import hermes_calls
+
+    content, calls = hermes_calls("Let me check. " + HERMES_CALL + "\n<tool_call>\n{\"name\": \"clock\", \"arguments\": "
+                                  "{\"utc\": true}}")  # the last one unterminated (EOS before its close)
+    assert content == "Let me check." and [c["function"]["name"] for c in calls] == ["weather", "clock"]
+    assert json.loads(calls[1]["function"]["arguments"]) == {"utc": True}
+    assert hermes_calls(HERMES_CALL)[0] is None
+    for text in ("no call here", "<tool_call>{not json}</tool_call>", '<tool_call>["weather"]</tool_call>'):
+        assert hermes_calls(text) == (text, None)
+
+
+@pytest.mark.parametrize("cut", [1, 3, 7])
+def test_a_hermes_stream_sends_the_content_then_the_calls(cut):
+    from lorafleet.worker.tools import HermesStream
+
+    text = "Sure <tool" + "> is a tag. " + HERMES_CALL
+    stream = HermesStream()
+    sent = "".join(stream.feed(text[i : i + cut]) for i in range(0, len(text), cut))
+    rest, calls = stream.finish()
+    assert sent + rest == "Sure <tool> is a tag. " and calls[0]["function"]["name"] == "weather"
+    plain = HermesStream()
+    sent = "".join(plain.feed("a <tool_c"[i : i + cut]) for i in range(0, 9, cut))
+    assert sent + plain.finish()[0] == "a <tool_c"  # held back while it could open a call, then sent
+
+
+@pytest.fixture(scope="module")
+def auto_worker(demo_model, demo_adapters):
+    import dataclasses
+
+    from tests.worker.worker_harness import RunningWorker, worker_settings
+
+    settings = dataclasses.replace(worker_settings(demo_model, demo_adapters), tool_call_parser="hermes")
+    w = RunningWorker(settings).start()
+    yield w
+    w.stop()
+
+
+def _regex(text: str) -> str:
+    return "".join("\\" + ch if ch in "{}.[]()" else ch for ch in text)
+
+
+def test_auto_calls_come_from_the_models_own_format(auto_worker):
+    """The demo model is made to write a hermes call (a regex holds it to the text): the call comes
+    back as tool_calls, the words before it as content; streamed, the same pieces."""
+    body = {"model": "demo", "messages": CHAT, "tools": [WEATHER, CLOCK], "max_tokens": 240,
+            "guided_regex": _regex("Sure. " + HERMES_CALL)}
+    r = post(auto_worker, "chat/completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Sure."
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "weather" and valid("weather", call["function"]["arguments"])
+    client = openai.OpenAI(base_url=f"{auto_worker.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    chunks = list(client.chat.completions.create(model="demo", messages=CHAT, tools=[WEATHER], max_tokens=240,
+                                                 stream=True, extra_body={"guided_regex": body["guided_regex"]}))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas).strip() == "Sure."
+    assert [t.function.name for d in deltas for t in (d.tool_calls or [])] == ["weather"]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_without_a_call_is_a_plain_answer(auto_worker):
+    body = {"model": "demo", "messages": CHAT, "tools": [WEATHER], "max_tokens": 20, "guided_regex": "no call, sorry"}
+    choice = post(auto_worker, "chat/completions", body).json()["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": "no call, sorry"} and choice["finish_reason"] == "stop"
+
+
+def test_the_parser_flags_go_together():
+    from lorafleet.worker.cli import build_parser, settings_from_args
+    from lorafleet.worker.config import ConfigError
+
+    for flags in (["--enable-auto-tool-choice"], ["--tool-call-parser", "hermes"]):
+        with pytest.raises(ConfigError):
+            settings_from_args(build_parser().parse_args(["--model", "m", *flags]))
+    args = build_parser().parse_args(["--model", "m", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    assert settings_from_args(args).tool_call_parser == "hermes"
