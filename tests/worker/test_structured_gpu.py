@@ -32,3 +32,13 @@ def worker(demo_model, demo_adapters):
     w = RunningWorker(worker_settings(demo_model, demo_adapters, device="cuda")).start()
     yield w
     w.stop()
+
+
+@pytest.fixture(scope="module")
+def auto_worker(demo_model, demo_adapters):
+    import dataclasses
+
+    settings = dataclasses.replace(worker_settings(demo_model, demo_adapters, device="cuda"), tool_call_parser="hermes")
+    w = RunningWorker(settings).start()
+    yield w
+    w.stop()
