@@ -36,6 +36,7 @@ class EngineSpec:
     max_loras_per_request: int = 4
     device: str = "cuda"
     dtype: str = "auto"
+    tool_call_parser: str | None = None  # chat's tool_choice "auto" (worker --tool-call-parser)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +157,7 @@ def parse_pool(namespace: str, name: str, spec: Mapping[str, Any]) -> PoolSpec:
         max_loras_per_request=_int(engine_raw, "maxLorasPerRequest", 4, 1, 16, where),
         device=str(_str(engine_raw, "device", "cuda", where, ("cpu", "cuda"))),
         dtype=str(_str(engine_raw, "dtype", "auto", where, ("auto", "float16", "bfloat16", "float32"))),
+        tool_call_parser=_str(engine_raw, "toolCallParser", "", where, ("", "hermes")) or None,
     )
     if engine.max_loras > engine.max_cpu_loras:
         raise SpecError("InvalidEngine", "engine.maxLoras must be <= engine.maxCpuLoras")

@@ -118,3 +118,19 @@ def test_pool_spec_errors() -> None:
         parse_pool("ns", "p", {**POOL, "engine": {"maxLoras": 9, "maxCpuLoras": 8}})
     with pytest.raises(SpecError):
         parse_pool("ns", "p", {**POOL, "ports": {"http": 8000, "admin": 8000}})
+
+
+def test_a_tool_call_parser_reaches_the_workers_flags() -> None:
+    """spec.engine.toolCallParser becomes the worker's --enable-auto-tool-choice --tool-call-parser,
+    which the worker's own CLI reads back; unset, neither flag is passed; another value is a spec error."""
+    from lorafleet.worker.cli import build_parser, settings_from_args
+
+    def args(engine: dict) -> list[str]:
+        pool = parse_pool("ns", "p", {**POOL, "engine": {**POOL["engine"], **engine}})
+        return builders.workload(pool)["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    with_parser = args({"toolCallParser": "hermes"})
+    assert settings_from_args(build_parser().parse_args(with_parser[1:])).tool_call_parser == "hermes"
+    assert "--tool-call-parser" not in args({}) and "--enable-auto-tool-choice" not in args({})
+    with pytest.raises(SpecError, match="toolCallParser"):
+        args({"toolCallParser": "pythonic"})
