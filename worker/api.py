@@ -226,18 +226,6 @@ async def chat_completions(body: oai.ChatCompletionRequest, request: Request, ru
     token_text, token_bytes = _token_text(runtime), _token_bytes(runtime)
     echo = "" if tool is not None else body.echo_text()
 
-    def called(text: str, reason: str | None) -> tuple[list[dict] | None, str | None]:
-        """(tool calls, finish_reason) of a finished answer: a whole call under a tool plan, else None."""
-        found = tools.calls(tool, text) if tool is not None and reason == "stop" else None
-        return found, (reason if found is None or tool.forced else "tool_calls")
-
-    def answer(text: str, reason: str | None) -> tuple[str | None, list[dict] | None, str | None]:
-        """(content, tool calls, finish_reason): "auto" keeps the text before the calls as content."""
-        found, reason = called(text, reason)
-        if found is not None and tool.parser is not None:
-            return tools.hermes_calls(text)[0], found, reason
-        return (None if found is not None else text), found, reason
-
     if body.stream:
         first = [oai.chat_chunk(rid, created, model, i, {"role": "assistant", "content": ""}, None) for i in range(n)]
         first += [oai.chat_chunk(rid, created, model, i, {"content": echo}, None) for i in range(n) if echo]
@@ -266,9 +254,9 @@ async def chat_completions(body: oai.ChatCompletionRequest, request: Request, ru
                 held[i] += out.text_delta
                 if not out.finished:
                     return [oai.chat_chunk(rid, created, model, i, {}, None, lp)] if lp is not None else []
-                calls, reason = called(held[i], out.finish_reason)
+                content, calls, reason = tools.answer(tool, held[i], out.finish_reason)
                 delta = ({"tool_calls": [{"index": j, **c} for j, c in enumerate(calls)]} if calls is not None
-                         else {"content": held[i]})
+                         else {"content": content})
                 return [oai.chat_chunk(rid, created, model, i, delta, None, lp),
                         oai.chat_chunk(rid, created, model, i, {}, reason)]
             if out.text_delta or lp is not None:
@@ -283,7 +271,7 @@ async def chat_completions(body: oai.ChatCompletionRequest, request: Request, ru
     results = await collect(request, streams)
 
     def choice(i: int, r) -> dict:
-        content, calls, reason = answer("".join(r.text), r.finish_reason)
+        content, calls, reason = tools.answer(tool, "".join(r.text), r.finish_reason)
         lp = oai.chat_logprobs(r.logprobs, token_text, token_bytes) if k is not None else None
         return oai.chat_choice(i, echo + (content or ""), reason, lp, calls, content is None)
 

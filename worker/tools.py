@@ -90,22 +90,24 @@ def plan(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool = 
     return ToolPlan(Constraint.schema(functions[name], "tool_choice"), name)
 
 
-def calls(p: ToolPlan, text: str) -> list[dict[str, Any]] | None:
-    """The answer's tool calls (OpenAI's shape), or None when `text` is not a whole call (it ran
-    out of tokens) or, under "auto", holds none: then it is returned as content."""
+def answer(p: ToolPlan | None, text: str, reason: str | None) -> tuple[str | None, list[dict[str, Any]] | None,
+                                                                      str | None]:
+    """A finished answer as (content, tool calls, finish_reason). Under a plan, an answer that
+    stopped holding whole calls gives them (content null, or under "auto" the text before them),
+    "tool_calls" unless the call was forced (OpenAI's "stop"); any other answer (it ran out of
+    tokens, or "auto" wrote no call) is content."""
+    if p is None or reason != "stop":
+        return text, None, reason
     if p.parser is not None:
-        return hermes_calls(text)[1]
-    if p.forced is not None:
-        try:
-            json.loads(text)
-        except ValueError:
-            return None
-        return [_call(p.forced, text)]
+        content, found = hermes_calls(text)
+        return content, found, reason if found is None else "tool_calls"
     try:
-        items = json.loads(text)
+        value = json.loads(text)
     except ValueError:
-        return None
-    return [_call(item["name"], json.dumps(item["parameters"])) for item in items]
+        return text, None, reason
+    if p.forced is not None:
+        return None, [_call(p.forced, text)], reason
+    return None, [_call(item["name"], json.dumps(item["parameters"])) for item in value], "tool_calls"
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:
