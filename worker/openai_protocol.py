@@ -29,7 +29,7 @@ from pydantic_core import PydanticCustomError
 from lorafleet.protocol import MAX_N, MAX_TOKENS_ZERO, JsonBody, LoraAdapterRef
 from lorafleet.worker.sampling import TokenLogprobs
 from lorafleet.worker.sequence import SEED_MAX, SamplingParams
-from lorafleet.worker.structured import Constraint
+from lorafleet.worker.structured import Constraint, requested_constraint
 from lorafleet.worker.tools import ToolPlan
 from lorafleet.worker.tools import plan as tools_plan
 
@@ -157,46 +157,8 @@ class _SamplingFields(JsonBody):
     def constraint(self, tool_parser: str | None = None) -> Constraint | None:
         """The one structured-output constraint the request asks for (None: free text); a 400 naming
         the field for a malformed one or for two at once. (`tool_parser`: chat's, for its tools.)"""
-        found: list[Constraint] = []
-        fmt = self.response_format
-        if fmt is not None and fmt.get("type") != "text":
-            if fmt.get("type") == "json_object":
-                found.append(Constraint("json_object", "", "response_format"))
-            elif fmt.get("type") == "json_schema":
-                spec = fmt.get("json_schema")
-                if not isinstance(spec, dict) or "schema" not in spec:
-                    raise UnsupportedField("response_format", "response_format json_schema needs json_schema.schema")
-                found.append(Constraint.schema(spec["schema"], "response_format"))
-            else:
-                raise UnsupportedField("response_format", "response_format type must be text, json_object or json_schema")
-        if self.guided_json is not None:
-            found.append(Constraint.schema(self.guided_json, "guided_json"))
-        if self.guided_regex is not None:
-            found.append(Constraint("regex", self.guided_regex, "guided_regex"))
-        if self.guided_choice is not None:
-            found.append(Constraint.choice(self.guided_choice, "guided_choice"))
-        if self.guided_grammar is not None:
-            found.append(Constraint("grammar", self.guided_grammar, "guided_grammar"))
-        for key, value in (self.structured_outputs or {}).items():  # vLLM's newer spelling of the same
-            param = f"structured_outputs.{key}"
-            if value is None or value is False:
-                continue
-            if key == "json":
-                found.append(Constraint.schema(value, param))
-            elif key == "json_object":
-                found.append(Constraint("json_object", "", param))
-            elif key == "regex" and isinstance(value, str):
-                found.append(Constraint("regex", value, param))
-            elif key == "choice" and isinstance(value, list):
-                found.append(Constraint.choice(value, param))
-            elif key == "grammar" and isinstance(value, str):
-                found.append(Constraint("grammar", value, param))
-            else:
-                raise UnsupportedField(param, f"{param} is not supported (json, json_object, regex, choice, grammar)")
-        if len(found) > 1:
-            raise UnsupportedField(found[1].param, f"one structured-output constraint per request: {found[0].param} "
-                                                   f"and {found[1].param} both given")
-        return found[0] if found else None
+        return requested_constraint(self.response_format, self.guided_json, self.guided_regex, self.guided_choice,
+                                    self.guided_grammar, self.structured_outputs)
 
     def _logit_bias(self) -> tuple[tuple[int, float], ...]:
         """logit_bias's keys as token ids; raises UnsupportedField (a 400 naming it) for another key."""

@@ -53,6 +53,54 @@ class Constraint:
         return Constraint("json", json.dumps(schema, sort_keys=True), param)
 
 
+def requested_constraint(response_format: dict[str, Any] | None, guided_json: Any, guided_regex: str | None,
+                         guided_choice: list[str] | None, guided_grammar: str | None,
+                         structured_outputs: dict[str, Any] | None) -> Constraint | None:
+    """The one constraint a request's fields ask for (None: free text): OpenAI's `response_format`,
+    vLLM's `guided_*` and its newer `structured_outputs`; ConstraintError (a 400 naming the field)
+    for a malformed one or for two at once."""
+    found: list[Constraint] = []
+    fmt = response_format
+    if fmt is not None and fmt.get("type") != "text":
+        if fmt.get("type") == "json_object":
+            found.append(Constraint("json_object", "", "response_format"))
+        elif fmt.get("type") == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise ConstraintError("response_format", "response_format json_schema needs json_schema.schema")
+            found.append(Constraint.schema(spec["schema"], "response_format"))
+        else:
+            raise ConstraintError("response_format", "response_format type must be text, json_object or json_schema")
+    if guided_json is not None:
+        found.append(Constraint.schema(guided_json, "guided_json"))
+    if guided_regex is not None:
+        found.append(Constraint("regex", guided_regex, "guided_regex"))
+    if guided_choice is not None:
+        found.append(Constraint.choice(guided_choice, "guided_choice"))
+    if guided_grammar is not None:
+        found.append(Constraint("grammar", guided_grammar, "guided_grammar"))
+    for key, value in (structured_outputs or {}).items():  # vLLM's newer spelling of the same
+        param = f"structured_outputs.{key}"
+        if value is None or value is False:
+            continue
+        if key == "json":
+            found.append(Constraint.schema(value, param))
+        elif key == "json_object":
+            found.append(Constraint("json_object", "", param))
+        elif key == "regex" and isinstance(value, str):
+            found.append(Constraint("regex", value, param))
+        elif key == "choice" and isinstance(value, list):
+            found.append(Constraint.choice(value, param))
+        elif key == "grammar" and isinstance(value, str):
+            found.append(Constraint("grammar", value, param))
+        else:
+            raise ConstraintError(param, f"{param} is not supported (json, json_object, regex, choice, grammar)")
+    if len(found) > 1:
+        raise ConstraintError(found[1].param, f"one structured-output constraint per request: {found[0].param} "
+                                              f"and {found[1].param} both given")
+    return found[0] if found else None
+
+
 class Grammars:
     """One engine's xgrammar tokenizer info and compiler, made on first use (xgrammar is imported
     only then)."""
