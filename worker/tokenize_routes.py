@@ -58,11 +58,11 @@ async def tokenize(body: TokenizeRequest, runtime: Runtime) -> dict[str, Any]:
     tokenizer = engine.tokenizer
 
     def run() -> tuple[list[int], list[str] | None]:
-        if body.messages is not None:  # the ids the chat route feeds the model (Tokenizer.encode_chat)
+        if body.messages is not None:  # the ids the chat route feeds the model
             messages = [m.for_template() for m in body.messages]
             engine.check_prompt_chars(sum(len(m["content"]) for m in messages))
-            text = tokenizer.apply_chat_template(messages, body.add_generation_prompt, body.tools)
-            ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+            ids = tokenizer.encode_chat(messages, body.add_generation_prompt, body.tools,
+                                        add_special_tokens=bool(body.add_special_tokens))
         else:
             engine.check_prompt_chars(len(body.prompt))
             ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)

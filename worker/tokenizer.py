@@ -75,11 +75,14 @@ class Tokenizer:
         raw = self._pieces.bytes_of(piece)
         return raw if raw is not None else self.decode([token_id], skip_special_tokens=False).encode()
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
+                    add_special_tokens: bool = False) -> list[int]:
         """The chat template's text, tokenized without adding special tokens: the template writes
         them (a BOS from `{{ bos_token }}`), as transformers' `apply_chat_template(tokenize=True)`
-        and vLLM do; adding them again gave Llama 3's templates two BOS tokens."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False)
+        and vLLM do; adding them again gave Llama 3's templates two BOS tokens. (`add_special_tokens`:
+        /tokenize's option, as vLLM's.)"""
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list | None = None) -> str:
