@@ -41,7 +41,8 @@ from lorafleet.worker.memory_plan import free_at_start, log_memory_plan, memory_
 from lorafleet.worker.model_runner import LogitsHook, ModelRunner
 from lorafleet.worker.models.llama import LlamaModel, iter_checkpoint
 from lorafleet.worker.outputs import Completion, RequestOutput, TrackedRequest
-from lorafleet.worker.sampling import TokenLogprobs, sample
+from lorafleet.worker.sampling import TokenLogprobs
+from lorafleet.worker.sampling import warm_up as warm_up_sampling
 from lorafleet.worker.scheduler import Scheduler, SchedulerConfig
 from lorafleet.worker.sequence import SamplingParams, Sequence
 from lorafleet.worker.structured import Grammars
@@ -202,10 +203,7 @@ class LLMEngine:
             self.add_request(ids, sp, adapters)
         while self.has_unfinished():
             self.step()
-        # The sampled draw's two kernels (kernels/draw_triton.py: with and without a top-k floor)
-        # and the logit edits' compile now, not on the first request that samples or edits.
-        for knobs in (dict(top_p=0.9), dict(top_k=2, top_p=0.9)):
-            sample(torch.zeros(1, vocab, device=self.device), [SamplingParams(max_tokens=1, **knobs)], [None])
+        warm_up_sampling(vocab, self.device)  # the draw's and the edits' kernels compile now
         self.runner.logits_processors.warm_up()
         captured = self.runner.graphs.capture_base() if self.runner.graphs is not None else 0
         for name in set(self.registry.gpu_resident()) - resident:

@@ -70,6 +70,13 @@ def shared_generator(device: torch.device) -> torch.Generator:
     return gen
 
 
+def warm_up(vocab: int, device: torch.device) -> None:
+    """Draw once with and once without a top-k floor, so the CUDA draw's two kernels
+    (kernels/draw_triton.py) compile now, not at the first request that samples."""
+    for knobs in (dict(top_p=0.9), dict(top_k=2, top_p=0.9)):
+        sample(torch.zeros(1, vocab, device=device), [SamplingParams(max_tokens=1, **knobs)], [None])
+
+
 def sample(
     logits: torch.Tensor,  # [N, vocab], float32 (other float dtypes are converted)
     params: list[SamplingParams],
