@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.conftest import TESTS_PATH
+
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # `tests.charts.*` and `tests.operator.*` import by package path
-    sys.path.insert(0, str(ROOT))
 CHART = ROOT / "charts" / "lorafleet"
 RUNNER = Path(__file__).with_name("helm_emulator.py")
 CI_VALUES = sorted(CHART.glob("ci/*-values.yaml"))
@@ -50,7 +50,9 @@ def helm() -> None:
 def run_helm(op: str, values: dict[str, Any], namespace: str = "default") -> dict[str, Any]:
     job = {"op": op, "chart": str(CHART), "values": values, "namespace": namespace,
            "extra_namespaces": EXTRA_NAMESPACES, "release": "lf"}
-    env = {**os.environ, "HELM_DRIVER": "memory"}
+    # The runner imports tests.operator.* by package path, through the root conftest's link.
+    env = {**os.environ, "HELM_DRIVER": "memory",
+           "PYTHONPATH": os.pathsep.join(filter(None, [TESTS_PATH, os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, str(RUNNER), json.dumps(job)], env=env, capture_output=True,
                           text=True, timeout=120, cwd=ROOT)
     if proc.returncode != 0:

@@ -23,10 +23,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
 # Kinds the chart creates that the operator's emulator helper does not declare.
 EXTRA_KINDS: dict[str, tuple[str, bool]] = {
     "v1/configmaps": ("ConfigMap", True),

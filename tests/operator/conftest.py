@@ -10,22 +10,18 @@ import asyncio
 import contextlib
 import os
 import shutil
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import kmock
 import pytest
 
+from tests.operator.kmock_harness import PatchedEmulator, kubeconfig
+from tests.operator.kubelet import Kubelet
+
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import kmock  # noqa: E402
-
-from tests.operator.kmock_harness import PatchedEmulator, kubeconfig  # noqa: E402
-from tests.operator.kubelet import Kubelet  # noqa: E402
 
 
 @pytest.fixture
