@@ -22,10 +22,20 @@ block it can allocate already. Only the token *value* is unknown, and it is on t
 `LLMEngine.step()` then returns step n's outputs in the call that launched step n+1: the same
 outputs, in the same order per request, as the synchronous engine.
 
+Some rows' next token depends on the host's view of the last one: a grammar's mask follows it
+(structured outputs), and a bad word of several tokens is matched against the output's tail. A step
+holding such a row is launched in two halves: step n+1's graph is replayed from step n's device
+tokens as above, step n is read (the matchers take its tokens, the tails are known), and only then
+is step n+1's sampling queued behind the replay, while the GPU still runs it. The host's mask work
+overlaps the forward pass instead of the GPU waiting for it (such batches used to run synchronous
+steps: at batch 64 on the H200, with 1 to 64 requests held to a regex, 0.71-0.78 of greedy decode's
+tokens/s, now 0.97; docs/benchmarks.md). A row whose
+request ended on reading step n is then sampled greedy and unedited, and discarded as below.
+`defer_sampling` off restores the synchronous fallback (benchmarks compare the two).
+
 Only steady-state decode steps from the graph path (`DecodeGraphs.can_run`) run this way. A step
 is *entered* when the scheduler hands out a batch the graphs can run (async on, graphs enabled,
-no logits hook, no request with bad words of several tokens: those are matched against the host's
-tokens); a step in flight is *continued* only while nothing else needs the scheduler:
+no logits hook); a step in flight is *continued* only while nothing else needs the scheduler:
 
 - every running request is in the step in flight (none left out by the token budget);
 - the next step's KV blocks fit without preemption;
@@ -55,6 +65,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lorafleet.worker.cuda_graphs import DecodeOutput
 from lorafleet.worker.sampling import SampledTokens
 from lorafleet.worker.scheduler import ScheduledBatch
 from lorafleet.worker.sequence import Sequence
@@ -72,8 +83,9 @@ class InFlight:
 
     number: int  # the engine's step count when it was launched
     seqs: list[Sequence]  # its rows, in order
-    sampled: SampledTokens
+    sampled: SampledTokens | None  # None until a deferred step is sampled (`replayed` then holds its forward)
     adapters: frozenset[str]
+    replayed: DecodeOutput | None = None
     ids: frozenset[int] = frozenset()  # seq_ids of its rows
 
     def __post_init__(self) -> None:
@@ -84,6 +96,7 @@ class InFlight:
 class AsyncStats:
     launched: int = 0  # steps launched through this path
     overlapped: int = 0  # of those, launched while the previous step's tokens were still unread
+    deferred: int = 0  # of the overlapped, sampled only once the step before was read (rows needing its tokens)
     discarded: int = 0  # rows read for requests that had ended (or were aborted) meanwhile
     fallbacks: Counter[str] = field(default_factory=Counter)  # why a step in flight was drained
 
@@ -99,6 +112,9 @@ class AsyncStepper:
         # EngineConfig.async_scheduling, resolved by the engine; benchmarks flip it between
         # workloads (the engine idle) to time both ways on one engine, as with DecodeGraphs.enabled.
         self.enabled = enabled
+        # Steps with rows that need the host's tokens (grammars, multi-token bad words): sampled
+        # after the step before is read (module docstring); off, such batches run synchronously.
+        self.defer_sampling = True
         # Tests: called with ("launch" | "read", step number) as steps are launched and read.
         self.on_event: Callable[[str, int], None] | None = None
 
@@ -107,7 +123,7 @@ class AsyncStepper:
         """Whether a scheduled batch starts (or restarts) the async path."""
         graphs = self.engine.runner.graphs
         return (self._enabled() and graphs is not None and graphs.can_run(batch)
-                and not any(seq.needs_host_tokens for seq in batch.seqs))
+                and (self.defer_sampling or not any(seq.needs_host_tokens for seq in batch.seqs)))
 
     def enter(self, batch: ScheduledBatch, slot_of: dict[str, int]) -> list[RequestOutput]:
         """Launch a scheduled all-decode batch from the host's tokens, then continue from it."""
@@ -123,6 +139,7 @@ class AsyncStepper:
         try:
             self.inflight = self._launch_next(step)
             outputs = self._read(step)
+            self._sample_deferred(self.inflight)
             self._commit(self.inflight)
         except BaseException:
             self.inflight = None  # the caller fails these requests (async_engine aborts them)
@@ -163,10 +180,22 @@ class AsyncStepper:
             assert ok, "checked by _next_rows"
         names = {name for seq in seqs for name in seq.adapter_names}
         slot_of = engine.registry.activate(sorted(names), names)  # all resident: step n used them
+        assert step.sampled is not None
         feed = _gather(step.sampled.token_ids, rows)
-        sampled = engine.runner.launch(ScheduledBatch(seqs, [1] * len(seqs)), slot_of, feed)
+        batch = ScheduledBatch(seqs, [1] * len(seqs))
         self.stats.overlapped += 1
-        return self._launched(seqs, sampled, names)
+        if any(seq.needs_host_tokens for seq in seqs):  # sampled once `step` is read: _sample_deferred
+            return self._launched(seqs, None, names, engine.runner.replay(batch, slot_of, feed))
+        return self._launched(seqs, engine.runner.launch(batch, slot_of, feed), names)
+
+    def _sample_deferred(self, step: InFlight | None) -> None:
+        """Queue the sampling of a step launched as a replay alone, now that the step before is read:
+        its rows' grammars have taken that step's tokens, and their outputs' tails are on the host."""
+        if step is None or step.replayed is None:
+            return
+        step.sampled = self.engine.runner.sample_replayed(step.replayed, step.seqs, pending=0)
+        step.replayed = None
+        self.stats.deferred += 1
 
     def _next_rows(self, step: InFlight) -> list[int] | None:
         """The rows of `step` that the next step continues, or None (reason counted) to fall back."""
@@ -181,6 +210,8 @@ class AsyncStepper:
             reason = "batch_changed"  # a running request is not in this step
         elif not seqs:
             reason = "all_end"  # every sequence ends at this step (max_tokens / max_model_len)
+        elif not self.defer_sampling and any(seq.needs_host_tokens for seq in seqs):
+            reason = "host_tokens"
         else:
             free = engine.blocks.num_free - sum(engine.blocks.blocks_needed(s, len(s) + 1) for s in seqs)
             if free < 0:
@@ -196,9 +227,10 @@ class AsyncStepper:
         """The in-flight token is certainly the sequence's last (max_tokens / max_model_len)."""
         return len(seq.output_ids) + 1 >= seq.sampling.max_tokens or len(seq) + 1 >= self.engine.max_model_len
 
-    def _launched(self, seqs: list[Sequence], sampled: SampledTokens, adapters) -> InFlight:
+    def _launched(self, seqs: list[Sequence], sampled: SampledTokens | None, adapters,
+                  replayed: DecodeOutput | None = None) -> InFlight:
         engine = self.engine
-        step = InFlight(engine.steps, seqs, sampled, frozenset(adapters))
+        step = InFlight(engine.steps, seqs, sampled, frozenset(adapters), replayed)
         engine.steps += 1
         self.stats.launched += 1
         if self.on_event is not None:
@@ -207,6 +239,7 @@ class AsyncStepper:
 
     # -- reading a step ----------------------------------------------------------------------------
     def _read(self, step: InFlight) -> list[RequestOutput]:
+        assert step.sampled is not None, "a deferred step is sampled before it is read"
         tokens, logprobs = step.sampled.read()  # the one host sync
         if self.on_event is not None:
             self.on_event("read", step.number)

@@ -28,7 +28,7 @@ rows: a preempted request gives its row back and rebuilds it from its tokens whe
 the memory plan keeps room for all of them (`memory_plan.plan_kv_blocks`).
 
 Last, structured outputs' grammars (worker/structured.py) mask their rows: no state row, a bit
-mask filled on the host from each request's matcher every step.
+mask filled on the host from each request's matcher every step (`structured.MaskFiller`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ import torch
 
 from lorafleet.kernels.logit_edits import count_tokens, edit_logits
 from lorafleet.worker.sequence import Sequence
-from lorafleet.worker.structured import apply_mask, mask_rows
+from lorafleet.worker.structured import MaskFiller, apply_mask
+from lorafleet.worker.structured import warm_up as warm_up_masks
 from lorafleet.worker.tokenizer import Tokenizer
 
 # kernels.logit_edits' backend on CUDA (module docstring); elsewhere always the torch path.
@@ -75,11 +76,13 @@ class LogitsProcessors:
         self._free: list[int] = []
         self._capacity = 0
         self.bias = self.counts = self.in_prompt = torch.empty(0)
+        self.masks = MaskFiller(vocab, self.device)  # the grammars' (worker/structured.py)
         self._grow(min(4, max_rows))
 
     def warm_up(self) -> None:
         """Run the edit and the counting once on scratch rows, so their kernels (Triton on CUDA:
-        one compile each, whatever the edits) are ready before the first request that edits."""
+        one compile each, whatever the edits) are ready before the first request that edits; and
+        the grammars' mask (`structured.warm_up`)."""
         zeros = partial(torch.zeros, 1, self.vocab, device=self.device)
         plan = torch.tensor([0.0, 0.0, 1.1, 0.5, 0.5], device=self.device)  # row 0; repetition, frequency, presence
         counts = zeros(dtype=torch.int32)
@@ -87,6 +90,7 @@ class LogitsProcessors:
                     penalized=True, repetition=True, backend=self.backend)
         count_tokens(counts, plan, 1, torch.zeros(1, dtype=torch.int64, device=self.device), every_row=True,
                      backend=self.backend)
+        warm_up_masks(self.vocab, self.device)
 
     @property
     def rows_in_use(self) -> int:
@@ -97,10 +101,12 @@ class LogitsProcessors:
 
         pending: tokens each sequence has sampled that its host `output_ids` lack (1 for a step
         launched from the tokens of the step still in flight, async scheduling): they count towards
-        min_tokens; their counts are on the device already.
+        min_tokens; their counts are on the device already. Grammars and multi-token bad words need
+        it to be 0 (AsyncStepper samples their steps once the step before is read). Finished
+        sequences (rows to be discarded) are left unedited.
         """
-        picked = [i for i, s in enumerate(seqs) if edits(s)]
-        constrained = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None]
+        picked = [i for i, s in enumerate(seqs) if not s.finished and edits(s)]  # finished: a discarded row
+        constrained = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None and not s.finished]
         if not picked and not constrained:
             return None
         edited = [seqs[i] for i in picked]
@@ -112,7 +118,7 @@ class LogitsProcessors:
         for i in picked:  # bad words of several tokens whose start the output ends with
             seq = seqs[i]
             if seq.needs_host_tokens:
-                assert not pending, "a request with multi-token bad words runs synchronously (AsyncStepper)"
+                assert not pending, "a request with multi-token bad words is sampled after its last token is read"
                 held += [(i, w[-1]) for w in seq.bad_word_ids
                          if 1 < len(w) <= len(seq.output_ids) + 1 and tuple(seq.output_ids[len(seq.output_ids) - len(w) + 1 :]) == w[:-1]]
         values = [float(i) for i in picked] + [float(self._row(s)) for s in edited]
@@ -121,7 +127,7 @@ class LogitsProcessors:
             values += [p.presence_penalty for p in params]
         values += [float(j) for j, _ in held] + [float(t) for _, t in held]
         up = torch.tensor(values, dtype=torch.float32).to(self.device, non_blocking=True)
-        mask = mask_rows(constrained, len(seqs), self.vocab) if constrained else None
+        mask = self.masks.fill(constrained, len(seqs)) if constrained else None
         return LogitsEdit(self, up, m, m == len(seqs), any(biased(s) for s in edited),
                           penalized, any(p.repetition_penalty != 1.0 for p in params), len(held),
                           mask, [i for i, _ in constrained])
@@ -198,7 +204,7 @@ class LogitsEdit:
     penalized: bool
     repetition: bool
     n_held: int
-    mask: torch.Tensor | None = None  # structured outputs' token bit mask on the host (worker/structured.py)
+    mask: torch.Tensor | None = None  # structured outputs' token bit mask (worker/structured.py's MaskFiller)
     mask_rows: list[int] | None = None  # the batch rows it constrains
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:

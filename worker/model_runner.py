@@ -9,16 +9,20 @@ import torch
 
 from lorafleet.kernels.lora_meta import LoraMeta, build_lora_meta
 from lorafleet.worker.attention import AttentionMetadata
-from lorafleet.worker.cuda_graphs import DecodeGraphs
+from lorafleet.worker.cuda_graphs import DecodeGraphs, DecodeOutput
 from lorafleet.worker.logits_processors import LogitsProcessors
 from lorafleet.worker.models.llama import LlamaModel
 from lorafleet.worker.sampling import SampledTokens, TokenLogprobs, sample_on_device
 from lorafleet.worker.scheduler import ScheduledBatch
-from lorafleet.worker.sequence import Sequence
+from lorafleet.worker.sequence import SamplingParams, Sequence
 
 # Called with a step's sampled sequences and their float32 logits `[N, vocab]`, before sampling:
 # edits in place change what is sampled (tests poison rows with it). Turns async scheduling off.
 LogitsHook = Callable[[list[Sequence], torch.Tensor], None]
+
+# The sampling of a row whose request has finished since its step was launched (async scheduling
+# samples some steps only after reading the one before: AsyncStepper): the row is discarded on reading.
+DISCARDED_ROW = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 class ModelRunner:
@@ -152,14 +156,27 @@ class ModelRunner:
 
         `input_ids` (on the device, one per sequence) replaces the sequences' newest host tokens.
         """
+        out = self.replay(batch, slot_of, input_ids)
+        return self.sample_replayed(out, batch.seqs, pending=0 if input_ids is None else 1)
+
+    @torch.inference_mode()
+    def replay(self, batch: ScheduledBatch, slot_of: dict[str, int], input_ids: torch.Tensor | None = None) -> DecodeOutput:
+        """`launch`'s forward alone: inputs copied, graph replayed, nothing sampled. Its outputs are
+        the graph's buffers, valid until the next replay: `sample_replayed` them before it."""
         assert self.graphs is not None
-        out = self.graphs.run(batch, slot_of, input_ids)
-        return self._sample(out.logits, batch.seqs, out.greedy, pending=0 if input_ids is None else 1).start_copy()
+        return self.graphs.run(batch, slot_of, input_ids)
+
+    @torch.inference_mode()
+    def sample_replayed(self, out: DecodeOutput, seqs: list[Sequence], pending: int) -> SampledTokens:
+        """`launch`'s sampling, queued behind the replay of `out`, its host copy started."""
+        return self._sample(out.logits, seqs, out.greedy, pending).start_copy()
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy, pending: int = 0) -> SampledTokens:
         """Queue the sampling of one token for each of `seqs` (rows of `logits`), their logit edits
-        first. pending: tokens each has sampled that its host `output_ids` lack (see `prepare`)."""
-        params, generators = [s.sampling for s in seqs], [self.generator_for(s) for s in seqs]
+        first. pending: tokens each has sampled that its host `output_ids` lack (see `prepare`).
+        A finished sequence's row is sampled greedy, without edits or its generator (`DISCARDED_ROW`)."""
+        params = [DISCARDED_ROW if s.finished else s.sampling for s in seqs]
+        generators = [None if s.finished else self.generator_for(s) for s in seqs]
         edit = self.logits_processors.prepare(seqs, pending)
         return sample_on_device(logits, params, generators, greedy, edit)
 

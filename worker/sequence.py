@@ -167,8 +167,8 @@ class Sequence:
     @property
     def needs_host_tokens(self) -> bool:
         """A bad word of several tokens is matched against the output's tail on the host, and a
-        grammar's mask follows the last token: the step after a token must wait for it (no async
-        scheduling)."""
+        grammar's mask follows the last token: the step after a token is sampled only once the host
+        has read it (async scheduling then samples it after the replay, worker/async_step.py)."""
         return self.grammar is not None or any(len(w) > 1 for w in self.bad_word_ids)
 
     @property

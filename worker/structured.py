@@ -4,11 +4,13 @@ fields and `structured_outputs`), with xgrammar's token masks.
 
 A request's `Constraint` is compiled once per engine and text (xgrammar's compiler caches it) into
 a matcher on its sequence. Each step, the matcher of every constrained row fills that row's bit
-mask of allowed tokens on the host (`LogitsProcessors.prepare`); the mask is applied to the row's
+mask of allowed tokens on the host (`LogitsProcessors.prepare`, `MaskFiller`: one pinned buffer
+reused, the rows spread over threads from BATCH_FILL_ROWS on); the mask is applied to the row's
 edited logits on the device before the draw, and the sampled token then advances the matcher
 (`LLMEngine._append`). A matcher that reaches the grammar's end finishes the request ("stop");
-EOS is allowed only where the grammar may end. Masks need the previous token on the host, so
-batches with a constrained row run without async scheduling (`Sequence.needs_host_tokens`).
+EOS is allowed only where the grammar may end. Masks need the previous token on the host, so under
+async scheduling a constrained row's step is sampled after the step before is read, behind its graph
+replay (`Sequence.needs_host_tokens`, worker/async_step.py).
 """
 
 from __future__ import annotations
@@ -155,19 +157,83 @@ def _regex_literal(text: str) -> str:
     return "".join("\\" + ch if ch in r"\.^$|?*+()[]{}-/" else ch for ch in text)
 
 
-def mask_rows(matchers: list[tuple[int, Any]], batch: int, vocab_size: int) -> Any:
-    """A [batch, ceil(vocab/32)] int32 bit mask on the host: each (row, matcher)'s allowed tokens,
-    every token on the other rows."""
-    import xgrammar as xgr
+# Constrained rows from which a step's masks are filled by xgrammar's batch fill, spread over
+# threads (below: one after another on the engine thread, as cheap for a few rows).
+BATCH_FILL_ROWS = 4
 
-    mask = xgr.allocate_token_bitmask(batch, vocab_size)
-    for row, matcher in matchers:
-        matcher.fill_next_token_bitmask(mask, row)
-    return mask
+
+class MaskFiller:
+    """A step's token bit mask (`[batch, ceil(vocab/32)]` int32; allowed tokens set) for its
+    constrained rows: filled on the host into one buffer kept from step to step (pinned on CUDA),
+    then copied into a device buffer behind the work queued so far. The next fill waits for that
+    copy (in practice long done: the host has read the step's tokens since). Rows of the batch
+    without a grammar hold whatever they held: `apply_mask` touches only the constrained ones."""
+
+    def __init__(self, vocab_size: int, device: Any) -> None:
+        import torch
+
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._host: Any = None
+        self._dev: Any = None
+        self._copied: Any = None  # CUDA event after the last copy from the host buffer
+        self._batch: Any = None  # xgrammar's BatchGrammarMatcher, made at the first large fill
+
+    def fill(self, matchers: list[tuple[int, Any]], batch: int) -> Any:
+        """The mask of (batch row, matcher) pairs, on the device (its rows past them undefined)."""
+        import torch
+        import xgrammar as xgr
+
+        if self._host is None or self._host.shape[0] < batch:
+            cuda = self.device.type == "cuda"
+            self._host = xgr.allocate_token_bitmask(max(batch, 8), self.vocab_size)
+            self._host = self._host.pin_memory() if cuda else self._host
+            self._dev = torch.empty_like(self._host, device=self.device) if cuda else self._host
+            self._copied = None
+        elif self._copied is not None:
+            self._copied.synchronize()
+        host = self._host[:batch]
+        if len(matchers) >= BATCH_FILL_ROWS:
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher(fill_threads())
+            self._batch.batch_fill_next_token_bitmask([m for _, m in matchers], host, [row for row, _ in matchers])
+        else:
+            for row, matcher in matchers:
+                matcher.fill_next_token_bitmask(host, row)
+        if self.device.type != "cuda":
+            return host
+        dev = self._dev[:batch]
+        dev.copy_(host, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return dev
+
+
+def fill_threads() -> int:
+    """Threads of the batch fill: half the CPUs this process may run on, at most 8."""
+    import os
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(8, cpus // 2))
+
+
+def warm_up(vocab_size: int, device: Any) -> None:
+    """Mask scratch logits of one row and of two, so xgrammar's mask kernel (Triton on CUDA) has
+    compiled before the first constrained request (a compile stalls every request of its step);
+    nothing when xgrammar is not installed."""
+    try:
+        import xgrammar as xgr
+    except ImportError:
+        return
+    import torch
+
+    for rows in ([0], [0, 1]):
+        apply_mask(torch.zeros(2, vocab_size, device=device), xgr.allocate_token_bitmask(2, vocab_size), rows)
 
 
 def apply_mask(logits: Any, mask: Any, rows: list[int]) -> None:
-    """Masked tokens of `rows` to -inf, in place (logits float32 on any device)."""
+    """Masked tokens of `rows` to -inf, in place (logits float32 on any device; the mask is copied
+    there unless it is there already, `MaskFiller`)."""
     import xgrammar as xgr
 
     xgr.apply_token_bitmask_inplace(logits, mask.to(logits.device, non_blocking=True), indices=rows)

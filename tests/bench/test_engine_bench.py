@@ -82,8 +82,16 @@ def test_disk_read_benchmark(tmp_path: Path) -> None:
 
 
 def test_tiny_sampling_decode_benchmark(tmp_path: Path) -> None:
-    """bench/sampling_decode.py: every mode with each draw, each repeat, a positive rate."""
-    data = run_bench(tmp_path, "sampling_decode", "--batch", "4", "--prompt-len", "8", "--new-tokens", "4")
-    cases = {(r["mode"], r["draw"]) for r in data["rows"]}
-    assert len(data["rows"]) == 2 * len(cases) and all(r["tokens_per_s"] > 0 for r in data["rows"])
-    assert ("greedy", "-") in cases and ("top_p_0.9", "triton") in cases and ("top_p_0.9", "torch") in cases
+    """bench/sampling_decode.py: every case each repeat, a positive rate; the host-token cases ran as
+    they say: deferred sampling on the async path, or synchronous steps."""
+    data = run_bench(tmp_path, "sampling_decode", "--batch", "4", "--prompt-len", "8", "--new-tokens", "6")
+    rows = data["rows"]
+    cases = {(r["group"], r["mode"], r["variant"]) for r in rows}
+    assert len(rows) == 2 * len(cases) and all(r["tokens_per_s"] > 0 for r in rows)
+    assert {("sampling", "greedy", "-"), ("sampling", "top_p_0.9", "triton"), ("sampling", "top_p_0.9", "torch"),
+            ("edits", "logit_bias", "-"), ("edits", "penalties", "-")} <= cases
+    hosts = [r for r in rows if r["group"] == "host_tokens"]
+    assert {r["mode"] for r in hosts} == {"regex 1/4"} and len(hosts) == 4  # 8 and 64 exceed the batch
+    assert all(r["deferred_steps"] > 0 for r in hosts if r["variant"] == "deferred")
+    assert all(r["overlapped_steps"] == 0 for r in hosts if r["variant"] == "synchronous")
+    assert all(r["overlapped_steps"] > 0 and r["deferred_steps"] == 0 for r in rows if r["group"] != "host_tokens")

@@ -160,6 +160,58 @@ def test_logprobs_equal(demo_model, modules):
     assert asyn.async_steps.stats.overlapped > 0
 
 
+def _host_token_requests():
+    """Requests whose next token needs the host's view of the last one (grammars), among plain,
+    seeded and edited ones; two of them end by their grammar while the rest still decode."""
+    from lorafleet.worker.structured import Constraint
+
+    choice = Constraint.choice(["yes", "no", "maybe so"], "guided_choice")
+    knobs = [dict(), dict(constraint=choice), dict(temperature=1.0, seed=11,
+                                                   constraint=Constraint("regex", "[a-z ]{40}", "guided_regex")),
+             dict(frequency_penalty=0.8, constraint=Constraint("json_object", "", "response_format")),
+             dict(temperature=0.9, seed=4, logit_bias=((77, 3.0),)), dict(temperature=1.0, seed=2, constraint=choice),
+             dict(), dict(min_tokens=3, constraint=Constraint("regex", "[0-9]{2,6}", "guided_regex"))]
+    return [(p, SamplingParams(**{"max_tokens": 14, "temperature": 0.0, **k}), a) for (p, a), k in zip(MIXED, knobs)]
+
+
+def test_grammar_rows_are_sampled_after_the_step_before_is_read(demo_model, modules):
+    """A batch with constrained rows stays on the async path: each next step's graph is replayed
+    before the step in flight is read, and its sampling is queued once the grammars have taken that
+    step's tokens. Same outputs as the synchronous engine; a constrained request that ends by its
+    grammar leaves no edit row or generator behind for its discarded row."""
+    pytest.importorskip("xgrammar")
+    events: list[tuple[str, int]] = []
+
+    def hook(engine, call, ids):
+        engine.async_steps.on_event = lambda kind, n: events.append((kind, n))
+
+    requests = _host_token_requests()
+    want, got, sync, asyn = _both(demo_model, modules, requests, on_step=hook)
+    assert got == want
+    texts = _texts(got)
+    assert texts[1][1] in ("yes", "no", "maybe so") and texts[1][2] == "stop" and texts[0][2] == "length"
+    stats = asyn.async_steps.stats
+    assert stats.deferred >= 5 and stats.deferred == stats.overlapped
+    order = {event: i for i, event in enumerate(events)}
+    ahead = [n for kind, n in events if kind == "read" and order.get(("launch", n + 1), 1 << 30) < order[("read", n)]]
+    assert len(ahead) == stats.overlapped
+    assert stats.discarded >= 1  # the choice rows' steps after their end
+    assert asyn.runner.logits_processors.rows_in_use == 0 and not asyn.runner._generators
+
+
+def test_without_deferred_sampling_grammar_batches_run_synchronously(demo_model, modules):
+    """`AsyncStepper.defer_sampling` off: the old fallback (for benchmarks), the same outputs."""
+    pytest.importorskip("xgrammar")
+    requests = _host_token_requests()
+    sync, asyn = _engine(demo_model, modules, False), _engine(demo_model, modules, True)
+    asyn.async_steps.defer_sampling = False
+    assert _drive(asyn, requests) == _drive(sync, requests)
+    assert asyn.async_steps.stats.launched == 0
+    plain = [(p, greedy(6), a) for p, a in MIXED[:3]]
+    _drive(asyn, plain)
+    assert asyn.async_steps.stats.overlapped > 0 and asyn.async_steps.stats.deferred == 0
+
+
 # -- requests leaving and joining --------------------------------------------------------------
 
 
@@ -340,3 +392,14 @@ def test_logit_edits_async_match_sync_on_cuda(demo_model, modules):
     assert _texts(got) == _texts(want)
     assert asyn.async_steps.stats.overlapped >= 5 and asyn.runner.graphs.stats.captures > 0
     assert asyn.runner.logits_processors.rows_in_use == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_grammar_rows_async_match_sync_on_cuda(demo_model, modules):
+    """Deferred sampling under captured graphs and xgrammar's CUDA mask path: async as synchronous."""
+    pytest.importorskip("xgrammar")
+    want, got, _, asyn = _both(demo_model, modules, _host_token_requests(), device="cuda", dtype="float32")
+    assert _texts(got) == _texts(want)
+    assert asyn.async_steps.stats.deferred >= 5 and asyn.runner.graphs.stats.captures > 0
+    assert asyn.runner.logits_processors.rows_in_use == 0 and not asyn.runner._generators

@@ -77,6 +77,36 @@ def test_free_requests_in_the_same_batch_are_unchanged(engine):
     assert all(o.text in ("yes", "no") for o in mixed[2:])
 
 
+def test_mask_filler_rows_are_each_matchers_own_mask(engine):
+    """MaskFiller (one buffer reused, the batch fill from BATCH_FILL_ROWS rows) against xgrammar's
+    fill of each matcher alone, over steps whose constrained rows, count and batch size change."""
+    import torch
+    import xgrammar as xgr
+
+    from lorafleet.worker.structured import BATCH_FILL_ROWS, MaskFiller
+
+    vocab = engine.model_config.vocab_size
+    kinds = [Constraint.choice(["yes", "no"], "guided_choice"), Constraint("regex", "[0-9]{2,9}", "guided_regex"),
+             Constraint.schema(SCHEMA, "guided_json"), Constraint("json_object", "", "response_format")]
+    matchers = [engine.grammars.matcher(kinds[i % 4], frozenset({1}), False) for i in range(9)]
+    filler = MaskFiller(vocab, engine.device)
+    gen = torch.Generator().manual_seed(3)
+    for batch, rows in [(3, [0, 2]), (12, list(range(1, 10))), (12, [11, 4, 0, 7]), (5, [4])]:
+        picked = [(row, matchers[j]) for j, row in enumerate(rows)]
+        got = filler.fill(picked, batch).cpu()
+        for row, m in picked:
+            want = xgr.allocate_token_bitmask(1, vocab)
+            m.fill_next_token_bitmask(want, 0)
+            assert torch.equal(got[row], want[0]), (batch, row)
+        for _, m in picked:  # advance each matcher by a token its mask allows
+            mask = xgr.allocate_token_bitmask(1, vocab)
+            m.fill_next_token_bitmask(mask, 0)
+            allowed = [t for t in range(vocab) if (int(mask[0, t // 32]) >> (t % 32)) & 1 and t != 1]  # 1: EOS
+            if allowed:  # (a finished choice takes only EOS: it keeps its state)
+                assert m.accept_token(allowed[int(torch.randint(len(allowed), (1,), generator=gen))])
+    assert len(range(1, 10)) >= BATCH_FILL_ROWS  # the batch fill ran in one step
+
+
 # -- the API --------------------------------------------------------------------------------------------
 
 
