@@ -1,16 +1,27 @@
 """Decode throughput by sampling mode on the GPU: what a request's sampling knobs cost the engine.
 
     python -m bench.sampling_decode [--batch 64] [--prompt-len 128] [--new-tokens 128] [--repeats 2]
-                                    [--draws torch,triton] [--out bench/results/sampling-decode-h200.json]
+                                    [--draws torch,triton] [--groups sampling,edits,host_tokens]
+                                    [--out bench/results/sampling-decode-h200.json]
                                     [--tiny]  (a tiny shape on CPU: checks the script, measures nothing)
 
 The seed-shape engine of the one-engine experiments (bench/engine_build.py: random bf16 weights,
-CUDA graphs, async scheduling), base-only batches of `--batch` requests, every request with the
-same knobs: greedy, temperature 0.8, top-k 50, top-p 0.9, top-k 50 with top-p 0.9, min-p 0.05.
-Each sampled mode runs with each draw of worker/sampling.py (`CUDA_DRAW`: the torch draw sorts
-every row for top-p; kernels/draw_triton.py does not), interleaved `--repeats` times so the
-machine's drift hits all of them. Prints tokens/s per mode and draw, and writes the rows
-{mode, draw, repeat, tokens_per_s, decode_step_ms}.
+CUDA graphs, async scheduling), base-only batches of `--batch` requests. Three groups of cases:
+
+- sampling: every request with the same knobs: greedy, temperature 0.8, top-k 50, top-p 0.9, top-k
+  50 with top-p 0.9, min-p 0.05, each with each draw of worker/sampling.py (`CUDA_DRAW`: the torch
+  draw sorts every row for top-p; kernels/draw_triton.py does not);
+- edits: greedy with logit edits on every request (300 `logit_bias` ids; frequency, presence and
+  repetition penalties), worker/logits_processors.py;
+- host_tokens: 1, 8 or all of the batch held to a regex that outlasts the run (a grammar's mask
+  follows the previous token, so the host must see it first), the rest greedy, the grammars over a
+  tokenizer of the model's vocabulary size (`full_vocab_tokenizer`); each with the step's
+  sampling deferred behind its replay (`AsyncStepper.defer_sampling`, the default) and without
+  (such batches then run synchronous steps, as before).
+
+Cases are interleaved `--repeats` times so the machine's drift hits all of them. Prints tokens/s per
+case against greedy, and writes the rows {group, mode, variant, repeat, tokens_per_s, decode_step_ms,
+overlapped_steps, deferred_steps} (the async path's counts over the run).
 """
 
 from __future__ import annotations
@@ -18,14 +29,59 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from bench.engine_build import build_engine, experiment_engine
+from bench.engine_build import build_engine, experiment_engine, full_vocab_tokenizer
 from bench.engine_workload import adapter_sets, decode_run
 from bench.sampling_cost import MODES
 from lorafleet.worker import sampling
+from lorafleet.worker.structured import Constraint, Grammars
+
+EDIT_MODES = {
+    "logit_bias": dict(temperature=0.0, logit_bias=tuple((t, 1.0) for t in range(10, 3010, 10))),
+    "penalties": dict(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.5, repetition_penalty=1.1),
+}
+# Never complete within a run (1,000 characters; the demo tokenizer's tokens are 1-4 of them).
+LONG_REGEX = Constraint("regex", "[a-z ]{1000}", "guided_regex")
+HOST_TOKEN_COUNTS = (1, 8, 64)
+
+
+@dataclass(slots=True)
+class Case:
+    group: str
+    mode: str
+    variant: str  # the draw, or deferred / synchronous
+    knobs: dict
+    first: tuple[int, dict] = (0, {})
+    setup: Callable[[], None] = field(default=lambda: None)
+
+
+def cases(engine, batch: int, draws: list[str], groups: set[str]) -> list[Case]:
+    def draw(name: str) -> Callable[[], None]:
+        return lambda: setattr(sampling, "CUDA_DRAW", name)
+
+    def defer(on: bool) -> Callable[[], None]:
+        return lambda: setattr(engine.async_steps, "defer_sampling", on)
+
+    greedy = MODES["greedy"]
+    out = [Case("sampling", "greedy", "-", greedy, setup=defer(True))]
+    if "sampling" in groups:
+        out += [Case("sampling", name, d, knobs, setup=draw(d)) for name, knobs in MODES.items() if name != "greedy"
+                for d in draws]
+    if "edits" in groups:
+        vocab = engine.model_config.vocab_size  # (the tiny shape's is 1,000)
+        out += [Case("edits", name, "-", {**knobs, "logit_bias": tuple(b for b in knobs.get("logit_bias", ()) if b[0] < vocab)})
+                for name, knobs in EDIT_MODES.items()]
+    if "host_tokens" in groups:
+        out += [Case("host_tokens", f"regex {n}/{batch}", variant, greedy, (n, {"constraint": LONG_REGEX}),
+                     defer(variant == "deferred"))
+                for n in HOST_TOKEN_COUNTS if n <= batch for variant in ("deferred", "synchronous")]
+    return out
 
 
 def main() -> None:
@@ -35,34 +91,53 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--draws", default="torch,triton")
+    ap.add_argument("--groups", default="sampling,edits,host_tokens")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--tiny", action="store_true", help="tiny shape on CPU: checks the script, measures nothing")
     args = ap.parse_args()
-    if args.tiny:
-        tiny = argparse.Namespace(tiny=True, rank=16, batch=args.batch, modes="eager")
+    if args.tiny:  # the graph path run uncaptured, with async scheduling, as the CPU tests run it
+        tiny = argparse.Namespace(tiny=True, rank=16, batch=args.batch, modes="async")
         engine, names = build_engine(tiny, "cpu", 1)[0], ["-"]
+        engine.async_steps.enabled = True
     else:
         engine, names = experiment_engine(args.batch, 1)
+    # The grammars read a tokenizer of the model's vocabulary size (xgrammar's per-token work follows
+    # it); the engine's own detokenizer stays the demo's (bench/engine_build.py, full_vocab_tokenizer).
+    vocab = engine.model_config.vocab_size
+    engine.grammars = Grammars(full_vocab_tokenizer(Path(tempfile.mkdtemp()), vocab), vocab)
     sets = adapter_sets(names, 0, args.batch)
-    draws = args.draws.split(",")
-    cases = [(name, draw) for name in MODES for draw in (["-"] if name == "greedy" else draws)]
-    for name, draw in cases:  # warm-up: JIT, graph buckets
-        sampling.CUDA_DRAW = draw if draw != "-" else sampling.CUDA_DRAW
-        decode_run(engine, sets, args.prompt_len, 16, MODES[name])
+    todo = cases(engine, args.batch, args.draws.split(","), set(args.groups.split(",")))
+    default_draw = sampling.CUDA_DRAW
+    for case in todo:  # warm-up: JIT, graph buckets, grammar compiles
+        sampling.CUDA_DRAW = default_draw
+        case.setup()
+        decode_run(engine, sets, args.prompt_len, 16, case.knobs, case.first)
     rows = []
     for rep in range(args.repeats):
-        for name, draw in cases:
-            if draw != "-":
-                sampling.CUDA_DRAW = draw
-            res = decode_run(engine, sets, args.prompt_len, args.new_tokens, MODES[name])
-            rows.append({"mode": name, "draw": draw, "repeat": rep, "tokens_per_s": res["tokens_per_s"],
-                         "decode_step_ms": res["decode_step_ms"]})
-            print(f"{name:22} {draw:7} {res['tokens_per_s']:>10,.0f} tok/s  step {res['decode_step_ms']} ms", flush=True)
-    greedy = statistics.median(r["tokens_per_s"] for r in rows if r["mode"] == "greedy")
-    print(f"\n{'mode':22} {'draw':7} {'tok/s':>10} {'vs greedy':>10}")
-    for name, draw in cases:
-        tps = statistics.median(r["tokens_per_s"] for r in rows if (r["mode"], r["draw"]) == (name, draw))
-        print(f"{name:22} {draw:7} {tps:>10,.0f} {tps / greedy:>10.3f}")
+        for case in todo:
+            sampling.CUDA_DRAW = default_draw
+            case.setup()
+            stats = engine.async_steps.stats
+            before = (stats.overlapped, stats.deferred)
+            res = decode_run(engine, sets, args.prompt_len, args.new_tokens, case.knobs, case.first)
+            rows.append({"group": case.group, "mode": case.mode, "variant": case.variant, "repeat": rep,
+                         "tokens_per_s": res["tokens_per_s"], "decode_step_ms": res["decode_step_ms"],
+                         # steps launched before the previous one was read, and of those, sampled after it
+                         "overlapped_steps": stats.overlapped - before[0], "deferred_steps": stats.deferred - before[1]})
+            print(f"{case.group:12} {case.mode:22} {case.variant:12} {res['tokens_per_s']:>10,.0f} tok/s  "
+                  f"step {res['decode_step_ms']} ms", flush=True)
+    engine.async_steps.defer_sampling = True
+    sampling.CUDA_DRAW = default_draw
+
+    def median(case: Case) -> float:
+        return statistics.median(r["tokens_per_s"] for r in rows
+                                 if (r["group"], r["mode"], r["variant"]) == (case.group, case.mode, case.variant))
+
+    greedy = median(todo[0])
+    print(f"\n{'group':12} {'mode':22} {'variant':12} {'tok/s':>10} {'vs greedy':>10}")
+    for case in todo:
+        tps = median(case)
+        print(f"{case.group:12} {case.mode:22} {case.variant:12} {tps:>10,.0f} {tps / greedy:>10.3f}")
     if args.out:
         device = "cpu (--tiny smoke run)" if args.tiny else torch.cuda.get_device_name()
         meta = {"device": device, "torch": torch.__version__, "batch": args.batch,
