@@ -5,7 +5,7 @@ fields and `structured_outputs`), with xgrammar's token masks.
 A request's `Constraint` is compiled once per engine and text (xgrammar's compiler caches it) into
 a matcher on its sequence. Each step, the matcher of every constrained row fills that row's bit
 mask of allowed tokens on the host (`LogitsProcessors.prepare`, `MaskFiller`: one pinned buffer
-reused, the rows spread over threads from BATCH_FILL_ROWS on); the mask is applied to the row's
+reused, xgrammar's batch fill from BATCH_FILL_ROWS rows on); the mask is applied to the row's
 edited logits on the device before the draw, and the sampled token then advances the matcher
 (`LLMEngine._append`). A matcher that reaches the grammar's end finishes the request ("stop");
 EOS is allowed only where the grammar may end. Masks need the previous token on the host, so under
@@ -157,15 +157,18 @@ def _regex_literal(text: str) -> str:
     return "".join("\\" + ch if ch in r"\.^$|?*+()[]{}-/" else ch for ch in text)
 
 
-# Constrained rows from which a step's masks are filled by xgrammar's batch fill, spread over
-# threads (below: one after another on the engine thread, as cheap for a few rows).
+# Constrained rows from which a step's masks are filled by xgrammar's batch fill, on the engine
+# thread (below: each matcher's own fill, as cheap for a few rows). One thread: at a 100,000-token
+# vocabulary a row takes 1-3 µs, and each call with more threads paid ~0.1 ms to start them on the
+# 2-core development machine (`python -m bench.mask_fill`, docs/benchmarks.md); on one thread the
+# batch fill took 1.1-2.3 µs a row from 4 rows on, one by one 1.8-3.1.
 BATCH_FILL_ROWS = 4
 
 
 class MaskFiller:
     """A step's token bit mask (`[batch, ceil(vocab/32)]` int32; allowed tokens set) for its
-    constrained rows: filled on the host into one buffer kept from step to step (pinned on CUDA),
-    then copied into a device buffer behind the work queued so far. The next fill waits for that
+    constrained rows: filled on the host (BATCH_FILL_ROWS) into one buffer kept from step to step
+    (pinned on CUDA), then copied into a device buffer behind the work queued so far. The next fill waits for that
     copy (in practice long done: the host has read the step's tokens since). Rows of the batch
     without a grammar hold whatever they held: `apply_mask` touches only the constrained ones."""
 
@@ -195,7 +198,7 @@ class MaskFiller:
         host = self._host[:batch]
         if len(matchers) >= BATCH_FILL_ROWS:
             if self._batch is None:
-                self._batch = xgr.BatchGrammarMatcher(fill_threads())
+                self._batch = xgr.BatchGrammarMatcher(1)
             self._batch.batch_fill_next_token_bitmask([m for _, m in matchers], host, [row for row, _ in matchers])
         else:
             for row, matcher in matchers:
@@ -207,14 +210,6 @@ class MaskFiller:
         self._copied = torch.cuda.Event()
         self._copied.record()
         return dev
-
-
-def fill_threads() -> int:
-    """Threads of the batch fill: half the CPUs this process may run on, at most 8."""
-    import os
-
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(8, cpus // 2))
 
 
 def warm_up(vocab_size: int, device: Any) -> None:

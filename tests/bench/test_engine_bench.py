@@ -95,3 +95,11 @@ def test_tiny_sampling_decode_benchmark(tmp_path: Path) -> None:
     assert all(r["deferred_steps"] > 0 for r in hosts if r["variant"] == "deferred")
     assert all(r["overlapped_steps"] == 0 for r in hosts if r["variant"] == "synchronous")
     assert all(r["overlapped_steps"] > 0 and r["deferred_steps"] == 0 for r in rows if r["group"] != "host_tokens")
+
+
+def test_tiny_mask_fill_benchmark(tmp_path: Path) -> None:
+    """bench/mask_fill.py: every grammar, row count and way, a positive time."""
+    pytest.importorskip("xgrammar")
+    data = run_bench(tmp_path, "mask_fill", "--threads", "1,2")
+    ways = {(r["grammar"], r["rows"], r["way"]) for r in data["rows"]}
+    assert len(ways) == len(data["rows"]) == 2 * 4 * 3 and all(r["us_per_row"] > 0 for r in data["rows"])
