@@ -28,6 +28,10 @@ class SpecError(ValueError):
         self.reason = reason
 
 
+# The worker's --tool-call-parser formats (worker/tools.py PARSERS; tests/operator/test_builders.py
+# checks they agree; the operator does not import the worker).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+
 @dataclass(frozen=True, slots=True)
 class EngineSpec:
     max_loras: int = 4
@@ -157,7 +161,7 @@ def parse_pool(namespace: str, name: str, spec: Mapping[str, Any]) -> PoolSpec:
         max_loras_per_request=_int(engine_raw, "maxLorasPerRequest", 4, 1, 16, where),
         device=str(_str(engine_raw, "device", "cuda", where, ("cpu", "cuda"))),
         dtype=str(_str(engine_raw, "dtype", "auto", where, ("auto", "float16", "bfloat16", "float32"))),
-        tool_call_parser=_str(engine_raw, "toolCallParser", "", where, ("", "hermes")) or None,
+        tool_call_parser=_str(engine_raw, "toolCallParser", "", where, ("", *TOOL_CALL_PARSERS)) or None,
     )
     if engine.max_loras > engine.max_cpu_loras:
         raise SpecError("InvalidEngine", "engine.maxLoras must be <= engine.maxCpuLoras")

@@ -230,7 +230,7 @@ async def chat_completions(body: oai.ChatCompletionRequest, request: Request, ru
         first = [oai.chat_chunk(rid, created, model, i, {"role": "assistant", "content": ""}, None) for i in range(n)]
         first += [oai.chat_chunk(rid, created, model, i, {"content": echo}, None) for i in range(n) if echo]
         held = [""] * n  # a tool call's text, sent whole at its end
-        parsing = [tools.HermesStream() for _ in range(n)] if tool is not None and tool.parser else None
+        parsing = [tools.PARSERS[tool.parser]() for _ in range(n)] if tool is not None and tool.parser else None
 
         def chunk(i: int, out: RequestOutput) -> list[dict]:
             lp = oai.chat_logprobs(out.logprobs, token_text, token_bytes) if k is not None and out.logprobs else None

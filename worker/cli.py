@@ -14,6 +14,7 @@ import sys
 from lorafleet.cli import lora_module_arg
 from lorafleet.worker.config import ConfigError, EngineConfig, ModelConfig
 from lorafleet.worker.settings import WorkerSettings
+from lorafleet.worker.tools import PARSERS
 
 log = logging.getLogger("lorafleet.worker")
 
@@ -72,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="answer tool_choice \"auto\" (the default with tools): the model's calls are parsed out "
                         "of its answer in the --tool-call-parser format")
-    p.add_argument("--tool-call-parser", choices=["hermes"], default=None,
-                   help="the model's tool-call format: hermes (<tool_call>{json}</tool_call>: Qwen 2.5/3, Hermes)")
+    p.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
+                   help="the model's tool-call format: hermes (<tool_call>{json}</tool_call>: Qwen 2.5/3, Hermes), "
+                        "llama3_json ({\"name\": ..., \"parameters\": ...}; ...: Llama 3.1-3.3)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p

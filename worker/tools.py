@@ -8,11 +8,13 @@ structured-output constraint (worker/structured.py) and the constrained answer c
   objects, each held to its tool's schema; a call each, finish_reason "tool_calls".
 - `"none"`: no call (the tools still reach the chat template).
 - `"auto"` (the default with tools): the model decides, in its own call format, which the worker
-  must be told (vLLM's `--enable-auto-tool-choice --tool-call-parser hermes`: calls written as
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as Qwen 2.5/3 and Hermes models do);
-  nothing constrains the answer, the calls are parsed out of it (streamed: the text before the
-  first call as content, the calls whole at the end). Without a parser, a 400 that says to name a
-  tool or use "required".
+  must be told (vLLM's `--enable-auto-tool-choice --tool-call-parser NAME`, `PARSERS`): `hermes`,
+  calls written as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` after any text, as
+  Qwen 2.5/3 and Hermes models do; `llama3_json`, an answer that is one or more
+  `{"name": ..., "parameters": {...}}` objects separated by `;` (after an optional `<|python_tag|>`),
+  as Llama 3.1-3.3 write them. Nothing constrains the answer, the calls are parsed out of it
+  (streamed: the text before the first call as content, the calls whole at the end). Without a
+  parser, a 400 that says to name a tool or use "required".
 
 The tools go to the chat template as `tools`, as transformers passes them, and earlier turns'
 `tool_calls` and `tool` messages reach it too.
@@ -27,8 +29,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from lorafleet.worker.structured import Constraint, ConstraintError
-
-PARSERS = ("hermes",)  # --tool-call-parser
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +99,7 @@ def answer(p: ToolPlan | None, text: str, reason: str | None) -> tuple[str | Non
     if p is None or reason != "stop":
         return text, None, reason
     if p.parser is not None:
-        content, found = hermes_calls(text)
+        content, found = PARSERS[p.parser].calls(text)
         return content, found, reason if found is None else "tool_calls"
     try:
         value = json.loads(text)
@@ -139,36 +139,105 @@ def hermes_calls(text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
     return content or None, found
 
 
-class HermesStream:
-    """A streamed answer under "auto": its text is content until a call starts (a tail that could
-    be the start of `<tool_call>` is held back), then held until the end, when the calls are parsed
-    (or, if none parses, the held text is content after all)."""
+class _Stream:
+    """A streamed answer under "auto": `feed` each text delta, for the content to send now; at the
+    end `finish` parses the calls out of the whole text, or, if none parses, sends what was held
+    back as content after all. Each format's subclass says what is held (`_sendable`) and how the
+    calls are parsed (`calls`: text -> (content or None, calls or None))."""
+
+    calls: Any
 
     def __init__(self) -> None:
         self.text = ""
         self.sent = 0
-        self.calling = False
+        self.calling = False  # a call has started: nothing more is sent before the end
 
     def feed(self, delta: str) -> str:
-        """The content to send now."""
         self.text += delta
-        if self.calling:
-            return ""
-        start = self.text.find(_OPEN, self.sent)
-        if start >= 0:
-            self.calling = True
-            return self._send(start)
-        keep = next((n for n in range(min(len(_OPEN) - 1, len(self.text) - self.sent), 0, -1)
-                     if self.text.endswith(_OPEN[:n])), 0)
-        return self._send(len(self.text) - keep)
+        return "" if self.calling else self._send(self._sendable())
 
     def finish(self) -> tuple[str, list[dict[str, Any]] | None]:
         """(content still to send, the calls or None)."""
-        _, found = hermes_calls(self.text)
+        _, found = self.calls(self.text)
         if found is None:
             return self._send(len(self.text)), None
         return "", found
 
+    def _sendable(self) -> int:
+        raise NotImplementedError
+
     def _send(self, upto: int) -> str:
         out, self.sent = self.text[self.sent : upto], max(self.sent, upto)
         return out
+
+
+class HermesStream(_Stream):
+    """Content until `<tool_call>` (a tail that could be its start is held back), then held."""
+
+    calls = staticmethod(hermes_calls)
+
+    def _sendable(self) -> int:
+        start = self.text.find(_OPEN, self.sent)
+        if start >= 0:
+            self.calling = True
+            return start
+        keep = next((n for n in range(min(len(_OPEN) - 1, len(self.text) - self.sent), 0, -1)
+                     if self.text.endswith(_OPEN[:n])), 0)
+        return len(self.text) - keep
+
+
+# -- "auto": the llama3_json format -----------------------------------------------------------------
+
+_PYTHON_TAG = "<|python_tag|>"
+
+
+def llama3_calls(text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+    """(None, the calls) when the whole answer is calls: after whitespace and an optional
+    `<|python_tag|>`, JSON objects with a string `name` and object `parameters` (or `arguments`),
+    separated by `;`; else (the text, None)."""
+    rest = text.strip()
+    rest = rest[len(_PYTHON_TAG):].lstrip() if rest.startswith(_PYTHON_TAG) else rest
+    if not rest.startswith("{"):
+        return text, None
+    decoder, found = json.JSONDecoder(), []
+    while rest:
+        try:
+            item, end = decoder.raw_decode(rest)
+        except ValueError:
+            return text, None
+        args = item.get("parameters", item.get("arguments", {})) if isinstance(item, dict) else None
+        if not isinstance(item.get("name") if isinstance(item, dict) else None, str) or not isinstance(args, dict):
+            return text, None
+        found.append(_call(item["name"], json.dumps(args)))
+        rest = rest[end:].lstrip()
+        if rest.startswith(";"):
+            rest = rest[1:].lstrip()
+        elif rest:
+            return text, None
+    return None, found
+
+
+class Llama3JsonStream(_Stream):
+    """Content unless the answer opens as a call (`{` or `<|python_tag|>` after any whitespace):
+    then all of it is held. Leading whitespace is held until that is known."""
+
+    calls = staticmethod(llama3_calls)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.content = False  # the answer is known not to open with a call
+
+    def _sendable(self) -> int:
+        head = self.text.lstrip()
+        if not self.content:
+            if not head or _PYTHON_TAG.startswith(head):
+                return self.sent  # undecided
+            if head.startswith(("{", _PYTHON_TAG)):
+                self.calling = True
+                return self.sent
+            self.content = True
+        return len(self.text)
+
+
+# --tool-call-parser NAME (vLLM's names for these formats): its streamed answer, whose `calls` parses a whole one.
+PARSERS: dict[str, type[_Stream]] = {"hermes": HermesStream, "llama3_json": Llama3JsonStream}

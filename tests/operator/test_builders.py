@@ -129,8 +129,13 @@ def test_a_tool_call_parser_reaches_the_workers_flags() -> None:
         pool = parse_pool("ns", "p", {**POOL, "engine": {**POOL["engine"], **engine}})
         return builders.workload(pool)["spec"]["template"]["spec"]["containers"][0]["args"]
 
-    with_parser = args({"toolCallParser": "hermes"})
-    assert settings_from_args(build_parser().parse_args(with_parser[1:])).tool_call_parser == "hermes"
+    from lorafleet.operator.spec import TOOL_CALL_PARSERS
+    from lorafleet.worker.tools import PARSERS
+
+    assert set(TOOL_CALL_PARSERS) == set(PARSERS)  # the operator's list is the worker's
+    for name in TOOL_CALL_PARSERS:
+        with_parser = args({"toolCallParser": name})
+        assert settings_from_args(build_parser().parse_args(with_parser[1:])).tool_call_parser == name
     assert "--tool-call-parser" not in args({}) and "--enable-auto-tool-choice" not in args({})
     with pytest.raises(SpecError, match="toolCallParser"):
         args({"toolCallParser": "pythonic"})

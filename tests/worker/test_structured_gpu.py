@@ -39,11 +39,20 @@ def worker(demo_model, demo_adapters):
     w.stop()
 
 
-@pytest.fixture(scope="module")
-def auto_worker(demo_model, demo_adapters):
+def _parsing_worker(demo_model, demo_adapters, parser: str):
     import dataclasses
 
-    settings = dataclasses.replace(worker_settings(demo_model, demo_adapters, device="cuda"), tool_call_parser="hermes")
+    settings = dataclasses.replace(worker_settings(demo_model, demo_adapters, device="cuda"), tool_call_parser=parser)
     w = RunningWorker(settings).start()
     yield w
     w.stop()
+
+
+@pytest.fixture(scope="module")
+def auto_worker(demo_model, demo_adapters):
+    yield from _parsing_worker(demo_model, demo_adapters, "hermes")
+
+
+@pytest.fixture(scope="module")
+def llama3_worker(demo_model, demo_adapters):
+    yield from _parsing_worker(demo_model, demo_adapters, "llama3_json")

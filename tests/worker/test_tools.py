@@ -197,6 +197,80 @@ def test_auto_without_a_call_is_a_plain_answer(auto_worker):
     assert choice["message"] == {"role": "assistant", "content": "no call, sorry"} and choice["finish_reason"] == "stop"
 
 
+# -- "auto" with --tool-call-parser llama3_json -----------------------------------------------------------
+
+LLAMA3_CALLS = '{"name": "weather", "parameters": {"city": "Oslo", "unit": "F"}}; {"name": "clock", "parameters": {}}'
+
+
+def test_llama3_calls_are_parsed_when_the_answer_is_calls():
+    from lorafleet.worker.tools import llama3_calls
+
+    content, calls = llama3_calls("  <|python_tag|>" + LLAMA3_CALLS + "\n")
+    assert content is None and [c["function"]["name"] for c in calls] == ["weather", "clock"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "unit": "F"}
+    assert json.loads(calls[1]["function"]["arguments"]) == {}
+    (call,) = llama3_calls('{"name": "clock", "arguments": {"utc": true}}')[1]  # vLLM takes either key
+    assert json.loads(call["function"]["arguments"]) == {"utc": True}
+    for text in ("It is sunny. " + LLAMA3_CALLS, '{"name": "weather"} and more', '{"city": "Oslo"}',
+                 '{"name": 3, "parameters": {}}', '{"name": "x", "parameters": [1]}', '{"name": "weather", "para',
+                 "[1, 2]", ""):
+        assert llama3_calls(text) == (text, None), text
+
+
+@pytest.mark.parametrize("cut", [1, 4, 13])
+def test_a_llama3_stream_holds_an_answer_that_opens_as_a_call(cut):
+    from lorafleet.worker.tools import Llama3JsonStream
+
+    def run(text: str):
+        stream = Llama3JsonStream()
+        sent = "".join(stream.feed(text[i : i + cut]) for i in range(0, len(text), cut))
+        rest, calls = stream.finish()
+        return sent, rest, calls
+
+    sent, rest, calls = run(" \n<|python_tag|>" + LLAMA3_CALLS)
+    assert sent == rest == "" and [c["function"]["name"] for c in calls] == ["weather", "clock"]
+    sent, rest, calls = run("The weather is fine.")
+    assert calls is None and sent + rest == "The weather is fine." and len(sent) >= len("The weather is fine.") - cut
+    sent, rest, calls = run('{"name": "weather", "parameters": {"city": ')  # ran out of tokens: content after all
+    assert sent == "" and rest == '{"name": "weather", "parameters": {"city": ' and calls is None
+    assert run("<|pyth")[:2] == ("", "<|pyth")  # held while it could be the tag, then content
+
+
+@pytest.fixture(scope="module")
+def llama3_worker(demo_model, demo_adapters):
+    import dataclasses
+
+    from tests.worker.worker_harness import RunningWorker, worker_settings
+
+    settings = dataclasses.replace(worker_settings(demo_model, demo_adapters), tool_call_parser="llama3_json")
+    w = RunningWorker(settings).start()
+    yield w
+    w.stop()
+
+
+def test_auto_calls_in_llama3_json(llama3_worker):
+    """The demo model is made to write two llama3_json calls: both come back as tool_calls, content
+    null; streamed, the calls alone; and a plain answer is content."""
+    body = {"model": "demo", "messages": CHAT, "tools": [WEATHER, CLOCK], "max_tokens": 240,
+            "guided_regex": _regex(LLAMA3_CALLS)}
+    r = post(llama3_worker, "chat/completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["weather", "clock"]
+    assert valid("weather", choice["message"]["tool_calls"][0]["function"]["arguments"])
+    client = openai.OpenAI(base_url=f"{llama3_worker.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    chunks = list(client.chat.completions.create(model="demo", messages=CHAT, tools=[WEATHER, CLOCK], max_tokens=240,
+                                                 stream=True, extra_body={"guided_regex": body["guided_regex"]}))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == ""
+    assert [t.function.name for d in deltas for t in (d.tool_calls or [])] == ["weather", "clock"]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    plain = {**body, "max_tokens": 20, "guided_regex": "no call, sorry"}
+    choice = post(llama3_worker, "chat/completions", plain).json()["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": "no call, sorry"} and choice["finish_reason"] == "stop"
+
+
 def test_the_parser_flags_go_together():
     from lorafleet.worker.cli import build_parser, settings_from_args
     from lorafleet.worker.config import ConfigError
