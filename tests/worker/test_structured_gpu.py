@@ -15,6 +15,7 @@ from tests.worker.test_structured import (
     test_text_response_format_changes_nothing,
 )
 from tests.worker.test_tools import *  # noqa: F403
+from tests.worker.test_tools import parsing_worker
 from tests.worker.worker_harness import RunningWorker, worker_settings
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -39,20 +40,11 @@ def worker(demo_model, demo_adapters):
     w.stop()
 
 
-def _parsing_worker(demo_model, demo_adapters, parser: str):
-    import dataclasses
-
-    settings = dataclasses.replace(worker_settings(demo_model, demo_adapters, device="cuda"), tool_call_parser=parser)
-    w = RunningWorker(settings).start()
-    yield w
-    w.stop()
-
-
 @pytest.fixture(scope="module")
 def auto_worker(demo_model, demo_adapters):
-    yield from _parsing_worker(demo_model, demo_adapters, "hermes")
+    yield from parsing_worker(demo_model, demo_adapters, "hermes", device="cuda")
 
 
 @pytest.fixture(scope="module")
 def llama3_worker(demo_model, demo_adapters):
-    yield from _parsing_worker(demo_model, demo_adapters, "llama3_json")
+    yield from parsing_worker(demo_model, demo_adapters, "llama3_json", device="cuda")

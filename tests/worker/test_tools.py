@@ -155,16 +155,20 @@ def test_a_hermes_stream_sends_the_content_then_the_calls(cut):
     assert sent + plain.finish()[0] == "a <tool_c"  # held back while it could open a call, then sent
 
 
-@pytest.fixture(scope="module")
-def auto_worker(demo_model, demo_adapters):
+def parsing_worker(demo_model, demo_adapters, parser: str, **kw):
+    """A served worker started with --tool-call-parser `parser` (a fixture's body)."""
     import dataclasses
 
     from tests.worker.worker_harness import RunningWorker, worker_settings
 
-    settings = dataclasses.replace(worker_settings(demo_model, demo_adapters), tool_call_parser="hermes")
-    w = RunningWorker(settings).start()
-    yield w
+    w = RunningWorker(dataclasses.replace(worker_settings(demo_model, demo_adapters, **kw), tool_call_parser=parser))
+    yield w.start()
     w.stop()
+
+
+@pytest.fixture(scope="module")
+def auto_worker(demo_model, demo_adapters):
+    yield from parsing_worker(demo_model, demo_adapters, "hermes")
 
 
 def _regex(text: str) -> str:
@@ -238,14 +242,7 @@ def test_a_llama3_stream_holds_an_answer_that_opens_as_a_call(cut):
 
 @pytest.fixture(scope="module")
 def llama3_worker(demo_model, demo_adapters):
-    import dataclasses
-
-    from tests.worker.worker_harness import RunningWorker, worker_settings
-
-    settings = dataclasses.replace(worker_settings(demo_model, demo_adapters), tool_call_parser="llama3_json")
-    w = RunningWorker(settings).start()
-    yield w
-    w.stop()
+    yield from parsing_worker(demo_model, demo_adapters, "llama3_json")
 
 
 def test_auto_calls_in_llama3_json(llama3_worker):
