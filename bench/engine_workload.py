@@ -36,17 +36,17 @@ def fresh_prompt(engine: LLMEngine, prompt_len: int) -> list[int]:
 
 
 def decode_run(engine: LLMEngine, adapter_sets, prompt_len: int, new_tokens: int, knobs: dict | None = None,
-               first: tuple[int, dict] = (0, {})) -> dict:
-    """`knobs`: SamplingParams fields for every request (default greedy); `first` = (n, fields): the
-    first n requests take these fields on top."""
+               leading: tuple[int, dict] = (0, {})) -> dict:
+    """`knobs`: SamplingParams fields for every request (default greedy); `leading` = (n, fields):
+    the first n requests take these fields on top."""
     knobs = knobs or {"temperature": 0.0}
     sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True, **knobs)
-    special = SamplingParams(max_tokens=new_tokens, ignore_eos=True, **{**knobs, **first[1]}) if first[0] else sp
+    special = SamplingParams(max_tokens=new_tokens, ignore_eos=True, **{**knobs, **leading[1]}) if leading[0] else sp
     hits0 = engine.blocks.prefix_hits
     sync()
     submitted = time.perf_counter()
     for i, adapters in enumerate(adapter_sets):
-        engine.add_request(fresh_prompt(engine, prompt_len), special if i < first[0] else sp, adapters)
+        engine.add_request(fresh_prompt(engine, prompt_len), special if i < leading[0] else sp, adapters)
     first: dict[int, float] = {}  # request -> seconds from submission to its first token on the host
     # Timed as one phase, from the first all-decode step to idle, without a sync per step: with
     # async scheduling a step's outputs come from the step launched before it, and a sync after

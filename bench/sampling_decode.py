@@ -57,7 +57,7 @@ class Case:
     mode: str
     variant: str  # the draw, or deferred / synchronous
     knobs: dict
-    first: tuple[int, dict] = (0, {})
+    leading: tuple[int, dict] = (0, {})  # decode_run's: the first n requests' extra fields
     setup: Callable[[], None] = field(default=lambda: None)
 
 
@@ -111,7 +111,7 @@ def main() -> None:
     for case in todo:  # warm-up: JIT, graph buckets, grammar compiles
         sampling.CUDA_DRAW = default_draw
         case.setup()
-        decode_run(engine, sets, args.prompt_len, 16, case.knobs, case.first)
+        decode_run(engine, sets, args.prompt_len, 16, case.knobs, case.leading)
     rows = []
     for rep in range(args.repeats):
         for case in todo:
@@ -119,7 +119,7 @@ def main() -> None:
             case.setup()
             stats = engine.async_steps.stats
             before = (stats.overlapped, stats.deferred)
-            res = decode_run(engine, sets, args.prompt_len, args.new_tokens, case.knobs, case.first)
+            res = decode_run(engine, sets, args.prompt_len, args.new_tokens, case.knobs, case.leading)
             rows.append({"group": case.group, "mode": case.mode, "variant": case.variant, "repeat": rep,
                          "tokens_per_s": res["tokens_per_s"], "decode_step_ms": res["decode_step_ms"],
                          # steps launched before the previous one was read, and of those, sampled after it

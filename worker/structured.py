@@ -168,9 +168,9 @@ BATCH_FILL_ROWS = 4
 class MaskFiller:
     """A step's token bit mask (`[batch, ceil(vocab/32)]` int32; allowed tokens set) for its
     constrained rows: filled on the host (BATCH_FILL_ROWS) into one buffer kept from step to step
-    (pinned on CUDA), then copied into a device buffer behind the work queued so far. The next fill waits for that
-    copy (in practice long done: the host has read the step's tokens since). Rows of the batch
-    without a grammar hold whatever they held: `apply_mask` touches only the constrained ones."""
+    (pinned on CUDA), then copied into a device buffer behind the work queued so far. The next fill
+    waits for that copy (in practice long done: the host has read the step's tokens since). Rows of
+    the batch without a grammar hold whatever they held: `apply_mask` touches only the constrained ones."""
 
     def __init__(self, vocab_size: int, device: Any) -> None:
         import torch
