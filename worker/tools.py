@@ -205,8 +205,10 @@ def llama3_calls(text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
             item, end = decoder.raw_decode(rest)
         except ValueError:
             return text, None
-        args = item.get("parameters", item.get("arguments", {})) if isinstance(item, dict) else None
-        if not isinstance(item.get("name") if isinstance(item, dict) else None, str) or not isinstance(args, dict):
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return text, None
+        args = item.get("parameters", item.get("arguments", {}))
+        if not isinstance(args, dict):
             return text, None
         found.append(_call(item["name"], json.dumps(args)))
         rest = rest[end:].lstrip()
