@@ -229,36 +229,25 @@ async def chat_completions(body: oai.ChatCompletionRequest, request: Request, ru
     if body.stream:
         first = [oai.chat_chunk(rid, created, model, i, {"role": "assistant", "content": ""}, None) for i in range(n)]
         first += [oai.chat_chunk(rid, created, model, i, {"content": echo}, None) for i in range(n) if echo]
-        held = [""] * n  # a tool call's text, sent whole at its end
-        parsing = [tools.PARSERS[tool.parser]() for _ in range(n)] if tool is not None and tool.parser else None
+        calls = [tools.stream(tool) for _ in range(n)] if tool is not None else None
 
         def chunk(i: int, out: RequestOutput) -> list[dict]:
             lp = oai.chat_logprobs(out.logprobs, token_text, token_bytes) if k is not None and out.logprobs else None
             chunks = []
-            if parsing is not None:  # "auto": content until a call starts, the calls at the end
-                content = parsing[i].feed(out.text_delta)
-                calls = None
+            if calls is not None:  # content until a call begins, then its arguments as they are written
+                content, entries = calls[i].feed(out.text_delta)
                 if out.finished:
-                    rest, calls = parsing[i].finish()
-                    content += rest
-                if content or lp is not None:
+                    rest, more = calls[i].finish()
+                    content, entries = content + rest, entries + more
+                if content or (lp is not None and not entries):
                     chunks.append(oai.chat_chunk(rid, created, model, i, {"content": content}, None, lp))
-                if calls is not None:
-                    delta = {"tool_calls": [{"index": j, **c} for j, c in enumerate(calls)]}
-                    chunks.append(oai.chat_chunk(rid, created, model, i, delta, None))
+                    lp = None
+                if entries:
+                    chunks.append(oai.chat_chunk(rid, created, model, i, {"tool_calls": entries}, None, lp))
                 if out.finished:
-                    reason = "tool_calls" if calls is not None and out.finish_reason == "stop" else out.finish_reason
+                    reason = tools.finish_reason(tool, calls[i].calls, out.finish_reason)
                     chunks.append(oai.chat_chunk(rid, created, model, i, {}, reason))
                 return chunks
-            if tool is not None:
-                held[i] += out.text_delta
-                if not out.finished:
-                    return [oai.chat_chunk(rid, created, model, i, {}, None, lp)] if lp is not None else []
-                content, calls, reason = tools.answer(tool, held[i], out.finish_reason)
-                delta = ({"tool_calls": [{"index": j, **c} for j, c in enumerate(calls)]} if calls is not None
-                         else {"content": content})
-                return [oai.chat_chunk(rid, created, model, i, delta, None, lp),
-                        oai.chat_chunk(rid, created, model, i, {}, reason)]
             if out.text_delta or lp is not None:
                 chunks.append(oai.chat_chunk(rid, created, model, i, {"content": out.text_delta}, None, lp))
             if out.finished:

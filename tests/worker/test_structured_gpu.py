@@ -15,7 +15,7 @@ from tests.worker.test_structured import (
     test_text_response_format_changes_nothing,
 )
 from tests.worker.test_tools import *  # noqa: F403
-from tests.worker.test_tools import parsing_worker
+from tests.worker.test_tools import parsing_worker, test_streamed_calls_are_the_whole_answers
 from tests.worker.worker_harness import RunningWorker, worker_settings
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -23,7 +23,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 # Greedy bf16 tokens may differ between batch sizes (other GEMM tiles), and between two runs of one
 # chat on the served worker (on the H200: " timOapit..." then " timLOrn..."; the second prefill
 # starts from the first one's cached blocks, a likely cause, not checked): not properties to check here.
+# The same holds for one request sent twice, streamed and not.
 del test_free_requests_in_the_same_batch_are_unchanged, test_text_response_format_changes_nothing
+del test_streamed_calls_are_the_whole_answers
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
-"""Function calling without a tool parser (worker/tools.py): a named tool_choice and "required" come
-back as OpenAI's `tool_calls`, their arguments held to the tools' schemas (checked with `json`), from
-the official client, streamed and not; what cannot be honoured is a 400 naming the field; tools and
-earlier tool turns reach the chat template."""
+"""Function calling (worker/tools.py, worker/tool_parsers.py): a named tool_choice and "required"
+come back as OpenAI's `tool_calls`, their arguments held to the tools' schemas (checked with `json`),
+from the official client, streamed and not (streamed: the arguments piece by piece, put together by
+the `openai` library's own stream reader); what cannot be honoured is a 400 naming the field; tools
+and earlier tool turns reach the chat template; "auto" reads the hermes and llama3_json formats."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 
 import openai
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from lorafleet.worker.tokenizer import Tokenizer
 from tests.worker.test_api_openai_compat import post, refused
@@ -45,11 +47,25 @@ def test_required_calls_one_or_more_tools(client):
     r = client.chat.completions.create(model="demo", messages=CHAT, tools=[WEATHER, CLOCK], tool_choice="required",
                                        max_tokens=160, n=3, seed=2)
     for c in r.choices:
-        if c.finish_reason == "length":  # the random demo model may write a long array: then it is text
-            assert c.message.tool_calls is None and c.message.content.startswith("[")
+        calls = c.message.tool_calls
+        if c.finish_reason == "length":  # the random demo model may write a long array: the last call cut short
+            assert calls and all(valid(t.function.name, t.function.arguments) for t in calls[:-1])
             continue
-        assert c.finish_reason == "tool_calls" and c.message.tool_calls
-        assert all(valid(t.function.name, t.function.arguments) for t in c.message.tool_calls)
+        assert c.finish_reason == "tool_calls" and calls and c.message.content is None
+        assert all(valid(t.function.name, t.function.arguments) for t in calls)
+
+
+def test_a_call_cut_short_comes_back_cut_short(client):
+    """Out of tokens inside the arguments: the call as far as it was written, finish_reason
+    "length" (OpenAI's)."""
+    r = client.chat.completions.create(**CUT_SHORT)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "length" and call.function.name == "weather"
+    with pytest.raises(ValueError):
+        json.loads(call.function.arguments)
+
+
+CUT_SHORT = dict(model="demo", messages=CHAT, tools=[WEATHER], tool_choice=NAMED, max_tokens=4, seed=1)
 
 
 def test_one_call_when_parallel_calls_are_off(client):
@@ -65,14 +81,48 @@ def test_one_call_when_parallel_calls_are_off(client):
     assert off and set(off) == {1}
 
 
-def test_a_streamed_call_arrives_whole_at_its_end(client):
+def streamed_completion(chunks, tools=(WEATHER, CLOCK)):
+    """The completion the `openai` library puts together from a stream's chunks (the oracle for how
+    they fit: each call's deltas merged by index); also checks each call's first delta names it."""
+    state, seen = ChatCompletionStreamState(input_tools=list(tools)), set()
+    for chunk in chunks:
+        state.handle_chunk(chunk)
+        for choice in chunk.choices:
+            for t in choice.delta.tool_calls or []:
+                if (choice.index, t.index) not in seen:
+                    assert t.id and t.function.name and t.type == "function", t
+                    seen.add((choice.index, t.index))
+                else:
+                    assert t.id is None and t.function.name is None, t  # one call, one id and name
+    return state.current_completion_snapshot  # get_final_completion refuses finish_reason "length"
+
+
+def test_a_streamed_call_arrives_as_it_is_written(client):
+    """The named call's arguments come in several pieces, the first delta naming the call."""
     chunks = list(client.chat.completions.create(model="demo", messages=CHAT, tools=[WEATHER], tool_choice=NAMED,
                                                  max_tokens=64, seed=1, stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
-    calls = [t for d in deltas for t in (d.tool_calls or [])]
-    assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "weather"
-    assert valid("weather", calls[0].function.arguments)
-    assert not any(d.content for d in deltas) and chunks[-1].choices[0].finish_reason == "stop"
+    assert len([t for d in deltas for t in (d.tool_calls or [])]) > 2 and not any(d.content for d in deltas)
+    final = streamed_completion(chunks).choices[0]
+    (call,) = final.message.tool_calls
+    assert final.finish_reason == "stop" and call.function.name == "weather" and valid("weather", call.function.arguments)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(model="demo", messages=CHAT, tools=[WEATHER], tool_choice=NAMED, max_tokens=64, seed=1),
+    dict(model="demo", messages=CHAT, tools=[WEATHER, CLOCK], tool_choice="required", max_tokens=200, n=4, seed=0),
+    CUT_SHORT,
+], ids=["named", "required", "cut_short"])
+def test_streamed_calls_are_the_whole_answers(client, kw):
+    """The same seeded request, streamed and not: the same calls, arguments and finish_reasons."""
+    final = streamed_completion(client.chat.completions.create(**kw, stream=True))
+    whole = client.chat.completions.create(**kw)
+    if kw["tool_choice"] == "required":
+        assert any(len(c.message.tool_calls or []) > 1 for c in whole.choices)
+    for got, want in zip(sorted(final.choices, key=lambda c: c.index), whole.choices, strict=True):
+        assert got.finish_reason == want.finish_reason and want.message.tool_calls
+        assert [(t.function.name, t.function.arguments) for t in got.message.tool_calls or []] == [
+            (t.function.name, t.function.arguments) for t in want.message.tool_calls]
 
 
 def test_tool_choice_none_answers_in_text(worker):
@@ -129,32 +179,6 @@ def test_the_official_client_errors_name_the_field(client):
 HERMES_CALL = '<tool_call>{"name": "weather", "arguments": {"city": "Paris", "unit": "C"}}</tool_call>'
 
 
-def test_hermes_calls_are_parsed_out_of_the_text():
-    from lorafleet.worker.tools import hermes_calls
-
-    content, calls = hermes_calls("Let me check. " + HERMES_CALL + "\n<tool_call>\n{\"name\": \"clock\", \"arguments\": "
-                                  "{\"utc\": true}}")  # the last one unterminated (EOS before its close)
-    assert content == "Let me check." and [c["function"]["name"] for c in calls] == ["weather", "clock"]
-    assert json.loads(calls[1]["function"]["arguments"]) == {"utc": True}
-    assert hermes_calls(HERMES_CALL)[0] is None
-    for text in ("no call here", "<tool_call>{not json}</tool_call>", '<tool_call>["weather"]</tool_call>'):
-        assert hermes_calls(text) == (text, None)
-
-
-@pytest.mark.parametrize("cut", [1, 3, 7])
-def test_a_hermes_stream_sends_the_content_then_the_calls(cut):
-    from lorafleet.worker.tools import HermesStream
-
-    text = "Sure <tool" + "> is a tag. " + HERMES_CALL
-    stream = HermesStream()
-    sent = "".join(stream.feed(text[i : i + cut]) for i in range(0, len(text), cut))
-    rest, calls = stream.finish()
-    assert sent + rest == "Sure <tool> is a tag. " and calls[0]["function"]["name"] == "weather"
-    plain = HermesStream()
-    sent = "".join(plain.feed("a <tool_c"[i : i + cut]) for i in range(0, 9, cut))
-    assert sent + plain.finish()[0] == "a <tool_c"  # held back while it could open a call, then sent
-
-
 def parsing_worker(demo_model, demo_adapters, parser: str, **kw):
     """A served worker started with --tool-call-parser `parser` (a fixture's body)."""
     import dataclasses
@@ -177,7 +201,8 @@ def _regex(text: str) -> str:
 
 def test_auto_calls_come_from_the_models_own_format(auto_worker):
     """The demo model is made to write a hermes call (a regex holds it to the text): the call comes
-    back as tool_calls, the words before it as content; streamed, the same pieces."""
+    back as tool_calls, the words before it as content; streamed, the same call, its arguments in
+    pieces."""
     body = {"model": "demo", "messages": CHAT, "tools": [WEATHER, CLOCK], "max_tokens": 240,
             "guided_regex": _regex("Sure. " + HERMES_CALL)}
     r = post(auto_worker, "chat/completions", body)
@@ -191,8 +216,11 @@ def test_auto_calls_come_from_the_models_own_format(auto_worker):
                                                  stream=True, extra_body={"guided_regex": body["guided_regex"]}))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(d.content or "" for d in deltas).strip() == "Sure."
-    assert [t.function.name for d in deltas for t in (d.tool_calls or [])] == ["weather"]
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert len([t for d in deltas for t in (d.tool_calls or [])]) > 2
+    final = streamed_completion(chunks).choices[0]
+    assert final.finish_reason == "tool_calls"
+    assert [(t.function.name, t.function.arguments) for t in final.message.tool_calls] == [
+        ("weather", call["function"]["arguments"])]
 
 
 def test_auto_without_a_call_is_a_plain_answer(auto_worker):
@@ -204,40 +232,6 @@ def test_auto_without_a_call_is_a_plain_answer(auto_worker):
 # -- "auto" with --tool-call-parser llama3_json -----------------------------------------------------------
 
 LLAMA3_CALLS = '{"name": "weather", "parameters": {"city": "Oslo", "unit": "F"}}; {"name": "clock", "parameters": {}}'
-
-
-def test_llama3_calls_are_parsed_when_the_answer_is_calls():
-    from lorafleet.worker.tools import llama3_calls
-
-    content, calls = llama3_calls("  <|python_tag|>" + LLAMA3_CALLS + "\n")
-    assert content is None and [c["function"]["name"] for c in calls] == ["weather", "clock"]
-    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "unit": "F"}
-    assert json.loads(calls[1]["function"]["arguments"]) == {}
-    (call,) = llama3_calls('{"name": "clock", "arguments": {"utc": true}}')[1]  # vLLM takes either key
-    assert json.loads(call["function"]["arguments"]) == {"utc": True}
-    for text in ("It is sunny. " + LLAMA3_CALLS, '{"name": "weather"} and more', '{"city": "Oslo"}',
-                 '{"name": 3, "parameters": {}}', '{"name": "x", "parameters": [1]}', '{"name": "weather", "para',
-                 "[1, 2]", ""):
-        assert llama3_calls(text) == (text, None), text
-
-
-@pytest.mark.parametrize("cut", [1, 4, 13])
-def test_a_llama3_stream_holds_an_answer_that_opens_as_a_call(cut):
-    from lorafleet.worker.tools import Llama3JsonStream
-
-    def run(text: str):
-        stream = Llama3JsonStream()
-        sent = "".join(stream.feed(text[i : i + cut]) for i in range(0, len(text), cut))
-        rest, calls = stream.finish()
-        return sent, rest, calls
-
-    sent, rest, calls = run(" \n<|python_tag|>" + LLAMA3_CALLS)
-    assert sent == rest == "" and [c["function"]["name"] for c in calls] == ["weather", "clock"]
-    sent, rest, calls = run("The weather is fine.")
-    assert calls is None and sent + rest == "The weather is fine." and len(sent) >= len("The weather is fine.") - cut
-    sent, rest, calls = run('{"name": "weather", "parameters": {"city": ')  # ran out of tokens: content after all
-    assert sent == "" and rest == '{"name": "weather", "parameters": {"city": ' and calls is None
-    assert run("<|pyth")[:2] == ("", "<|pyth")  # held while it could be the tag, then content
 
 
 @pytest.fixture(scope="module")
@@ -261,8 +255,10 @@ def test_auto_calls_in_llama3_json(llama3_worker):
                                                  stream=True, extra_body={"guided_regex": body["guided_regex"]}))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(d.content or "" for d in deltas) == ""
-    assert [t.function.name for d in deltas for t in (d.tool_calls or [])] == ["weather", "clock"]
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    final = streamed_completion(chunks).choices[0]
+    assert final.finish_reason == "tool_calls"
+    assert [(t.function.name, t.function.arguments) for t in final.message.tool_calls] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]]
     plain = {**body, "max_tokens": 20, "guided_regex": "no call, sorry"}
     choice = post(llama3_worker, "chat/completions", plain).json()["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": "no call, sorry"} and choice["finish_reason"] == "stop"
