@@ -291,7 +291,8 @@ class LLMEngine:
         except (RuntimeError, ValueError, OverflowError) as exc:
             self.registry.release(seq.adapter_names)
             raise RequestError(f"seed {sampling.seed} cannot seed a random generator: {exc}", "seed") from None
-        self._tracked[seq.seq_id] = TrackedRequest(seq, IncrementalDetokenizer(self.tokenizer, ids))
+        self._tracked[seq.seq_id] = TrackedRequest(
+            seq, IncrementalDetokenizer(self.tokenizer, ids, seq.sampling.skip_special_tokens))
         self.scheduler.add(seq)
         return seq.seq_id
 

@@ -30,6 +30,7 @@ from lorafleet.protocol import MAX_N, MAX_TOKENS_ZERO, JsonBody, LoraAdapterRef
 from lorafleet.worker.sampling import TokenLogprobs
 from lorafleet.worker.sequence import SEED_MAX, SamplingParams
 from lorafleet.worker.structured import Constraint, requested_constraint
+from lorafleet.worker.tool_parsers import SPECIAL_MARKERS
 from lorafleet.worker.tools import ToolPlan
 from lorafleet.worker.tools import plan as tools_plan
 
@@ -98,6 +99,7 @@ class _SamplingFields(JsonBody):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     min_tokens: int | None = Field(default=None, ge=0)
@@ -143,6 +145,7 @@ class _SamplingFields(JsonBody):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens and not self.keeps_special_tokens(tool_parser),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
@@ -153,6 +156,11 @@ class _SamplingFields(JsonBody):
             bad_words=tuple(self.bad_words or ()),
             constraint=self.constraint(tool_parser),
         )
+
+    def keeps_special_tokens(self, tool_parser: str | None) -> bool:
+        """Whether the answer's text must keep special tokens whatever the request says (chat's
+        tool calls in a format that a special token opens)."""
+        return False
 
     def constraint(self, tool_parser: str | None = None) -> Constraint | None:
         """The one structured-output constraint the request asks for (None: free text); a 400 naming
@@ -303,6 +311,10 @@ class ChatCompletionRequest(_SamplingFields):
         """How the answer's tool calls are made (worker/tools.py), or None; `parser`: the worker's
         --tool-call-parser."""
         return tools_plan(self.tools, self.tool_choice, self.parallel_tool_calls is not False, parser)
+
+    def keeps_special_tokens(self, tool_parser: str | None) -> bool:
+        tool = self.tool_plan(tool_parser)
+        return tool is not None and tool.parser in SPECIAL_MARKERS
 
     def constraint(self, tool_parser: str | None = None) -> Constraint | None:
         own, tool = super().constraint(), self.tool_plan(tool_parser)

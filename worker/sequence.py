@@ -60,6 +60,7 @@ class SamplingParams:
     # (0: the token's alone); the request's prompt is then computed in full (no prefix-cache hits).
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # vLLM's: special tokens left out of the text (not of token ids or logprobs)
     # Logit edits (worker/logits_processors.py, vLLM's semantics): OpenAI's penalties on the output's
     # tokens, vLLM's repetition penalty on the prompt's and the output's, min_p after temperature,
     # no stop token (EOS, stop_token_ids) and no stop string before min_tokens, a bias per token id,

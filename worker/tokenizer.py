@@ -174,8 +174,9 @@ class IncrementalDetokenizer:
 
     CONTEXT_TOKENS = 4
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None,
+                 skip_special_tokens: bool = True) -> None:
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self._ids = list(prompt_ids or [])[-self.CONTEXT_TOKENS :]  # context, then the outputs seen
         self._consumed = 0  # output ids in _ids
         self._prefix = 0  # _ids[_prefix:_read] is already text; the window starts there
@@ -187,8 +188,9 @@ class IncrementalDetokenizer:
             raise ValueError("output ids only grow")
         self._ids.extend(output_ids[self._consumed :])
         self._consumed = len(output_ids)
-        done = self.tokenizer.decode(self._ids[self._prefix : self._read])
-        return done, self.tokenizer.decode(self._ids[self._prefix :])
+        skip = self.skip_special_tokens
+        done = self.tokenizer.decode(self._ids[self._prefix : self._read], skip_special_tokens=skip)
+        return done, self.tokenizer.decode(self._ids[self._prefix :], skip_special_tokens=skip)
 
     def update(self, output_ids: list[int]) -> str:
         done, new = self._window(output_ids)

@@ -14,6 +14,9 @@ A `CallStream` is fed the answer's text deltas and returns, for each, the conten
   calls is dropped.
 - `llama3_json`: an answer that is one or more `{"name": ..., "parameters": {...}}` objects
   separated by `;`, after an optional `<|python_tag|>` (Llama 3.1-3.3).
+- `mistral`: after any text, `[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}`
+  objects (Mistral 7B v0.3, Nemo), or `[TOOL_CALLS]name[ARGS]{...}` a call (the newer tokenizers'
+  form); `[TOOL_CALLS]` is a special token, so these requests keep special tokens in their text.
 
 A call object is scanned as it arrives (`_Object`): its keys in any order, `arguments` or
 `parameters` for the arguments. The call is sent once its name is known and its arguments have
@@ -130,9 +133,10 @@ def _string(raw: str) -> str | None:
 
 
 class _Call:
-    def __init__(self, index: int, name: str, args_from: int) -> None:
+    def __init__(self, index: int, name: str, args_from: int, short_id: bool = False) -> None:
         self.index, self.name, self.sent = index, name, args_from
-        self.id = f"call_{uuid.uuid4().hex[:24]}"
+        # Mistral's chat templates refuse ids that are not 9 letters and digits.
+        self.id = uuid.uuid4().hex[:9] if short_id else f"call_{uuid.uuid4().hex[:24]}"
         self.arguments = ""
 
     def as_message(self) -> dict[str, Any]:
@@ -147,8 +151,11 @@ FORMATS: dict[str, tuple[str | None, str, str]] = {
     "required": (None, "[", ","),
     "hermes": ("<tool_call>", "", ""),
     "llama3_json": (None, "", ";"),
+    "mistral": ("[TOOL_CALLS]", "[", ","),
 }
+SPECIAL_MARKERS = frozenset({"mistral"})  # formats whose marker is a special token: kept in the text
 _PYTHON_TAG = "<|python_tag|>"  # llama3_json's optional lead, when the tokenizer keeps it
+_ARGS = "[ARGS]"  # mistral's newer form: [TOOL_CALLS]name[ARGS]{...}
 
 
 class CallStream:
@@ -222,8 +229,43 @@ class CallStream:
         self._send_arguments(self.calls[0], len(self.text))
 
     def _at_open(self) -> None:  # the list's opening, if the format has one, then an object
-        if not self.opens or self._expect(self.opens):
+        if self.fmt == "mistral" and self._next() not in (None, "["):
+            self.state = "name"  # the newer form: [TOOL_CALLS]name[ARGS]{...}
+        elif not self.opens or self._expect(self.opens):
             self.state = "object"
+
+    def _at_name(self) -> None:  # mistral's newer form: the name, up to [ARGS]
+        at = self.text.find(_ARGS, self.pos)
+        if at < 0:
+            if any(c in self.text[self.pos :] for c in "{}\n"):
+                self._fail()  # not a name
+            return
+        name = self.text[self.pos : at].strip()
+        self.pos = at + len(_ARGS)
+        if not name:
+            self._fail()
+            return
+        self.calls.append(_Call(len(self.calls), name, 0, short_id=True))
+        self._entry(self.calls[-1].index, id=self.calls[-1].id, name=name)
+        self.state = "bare_args"
+
+    def _at_bare_args(self) -> None:  # the arguments object after [ARGS]
+        c = self._next()
+        if c is None:
+            return
+        if c != "{":
+            self.state = "between"  # not an object: the call stays as it is, without arguments
+            return
+        self.obj, self.state = _Object(self.pos), "in_bare_args"
+        self.calls[-1].sent = self.pos
+
+    def _at_in_bare_args(self) -> None:
+        obj = self.obj
+        obj.scan(self.text)  # read as a call object would be: only its end matters here
+        end = obj.end if obj.end is not None else obj.pos
+        self._send_arguments(self.calls[-1], end)
+        if obj.end is not None:
+            self.pos, self.state = obj.end, "between"
 
     def _at_object(self) -> None:
         c = self._next()
@@ -239,7 +281,8 @@ class CallStream:
         obj.scan(self.text)
         if not self.begun and not obj.bad and obj.name is not None and (
                 obj.args_start is not None or obj.end is not None):
-            call = _Call(len(self.calls), obj.name, obj.args_start if obj.args_start is not None else 0)
+            call = _Call(len(self.calls), obj.name, obj.args_start if obj.args_start is not None else 0,
+                         short_id=self.fmt == "mistral")
             self.calls.append(call)
             self.begun = True
             self._entry(call.index, id=call.id, name=call.name)
@@ -254,17 +297,14 @@ class CallStream:
             self.pos, self.state = obj.end, "after"
 
     def _at_after(self) -> None:  # after a call object: the next one, or the end of the calls
-        if self.marker:
-            self.state = "between"
+        c = None if not self.separator else self._next()
+        if self.separator and c is None:
             return
-        c = self._next()
-        if c is None:
-            return
-        if self.separator and c == self.separator:
+        if c == self.separator:
             self.pos += 1
             self.state = "object"
-        else:
-            self.state = "done"
+        else:  # the list's close, or anything else: the calls end, or a marker begins more
+            self.state = "between" if self.marker else "done"
 
     def _at_done(self) -> None:
         pass

@@ -12,7 +12,11 @@ structured-output constraint (worker/structured.py) and the constrained answer c
   calls written as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` after any text, as
   Qwen 2.5/3 and Hermes models do; `llama3_json`, an answer that is one or more
   `{"name": ..., "parameters": {...}}` objects separated by `;` (after an optional `<|python_tag|>`),
-  as Llama 3.1-3.3 write them. Nothing constrains the answer, the calls are read out of it.
+  as Llama 3.1-3.3 write them; `mistral`, `[TOOL_CALLS]` then a JSON array of
+  `{"name": ..., "arguments": {...}}` objects, or `[TOOL_CALLS]name[ARGS]{...}` a call, after any
+  text (Mistral's models; the answer's text keeps special tokens, as `[TOOL_CALLS]` is one, and call
+  ids are 9 characters, as Mistral's templates require). Nothing constrains the answer, the calls
+  are read out of it.
   Without a parser, a 400 that says to name a tool or use "required".
 
 Every answer under a plan is read as it is written (worker/tool_parsers.py): streamed, a call's
@@ -121,4 +125,4 @@ def finish_reason(p: ToolPlan, calls: list[Any] | None, reason: str | None) -> s
 
 
 # --tool-call-parser NAME (vLLM's names for these formats).
-PARSERS: tuple[str, ...] = ("hermes", "llama3_json")
+PARSERS: tuple[str, ...] = ("hermes", "llama3_json", "mistral")

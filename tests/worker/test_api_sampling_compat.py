@@ -40,6 +40,22 @@ def test_vllm_knobs_through_extra_body(client, worker):
     assert biased.count(token_text(worker, 77)) > penalised.count(token_text(worker, 77)) >= 1
 
 
+def test_special_tokens_stay_out_of_the_text_unless_asked(client, worker):
+    """vLLM's skip_special_tokens (default true): a special token the model writes is left out of the
+    text, not of the tokens; with it false, the text keeps it, streamed and not."""
+    (special,) = worker.engine.tokenizer.encode("<|user|>", add_special_tokens=False)
+    kw = dict(model="demo", prompt=PROMPT, max_tokens=3, temperature=0, logit_bias={str(special): 100}, logprobs=0)
+    skipped = client.completions.create(**kw).choices[0]
+    assert skipped.text == "" and skipped.logprobs.tokens == ["<|user|>"] * 3
+    kept = client.completions.create(**kw, extra_body={"skip_special_tokens": False}).choices[0]
+    assert kept.text == "<|user|>" * 3
+    streamed = client.completions.create(**kw, stream=True, extra_body={"skip_special_tokens": False})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == kept.text
+    chat = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=2, temperature=0,
+                                          logit_bias={str(special): 100}, extra_body={"skip_special_tokens": False})
+    assert chat.choices[0].message.content == "<|user|>" * 2
+
+
 def test_bad_words_through_the_official_client(client, worker):
     tok = worker.engine.tokenizer
     plain = client.completions.create(model="demo", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=0)

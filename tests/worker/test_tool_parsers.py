@@ -36,7 +36,7 @@ def streamed(fmt: str, text: str, cut: int, forced: str | None = None):
         for e in out[1]:
             entries.append(e)
             if e["index"] not in calls:
-                assert e["id"].startswith("call_") and e["type"] == "function", e  # the first names the call
+                assert e["id"] and e["type"] == "function" and e["function"]["name"], e  # the first names the call
                 calls[e["index"]] = [e["function"]["name"], ""]
             else:
                 assert set(e) == {"index", "function"} and set(e["function"]) == {"arguments"}, e
@@ -141,3 +141,28 @@ def test_after_good_calls_a_bad_one_ends_them():
     assert check_stream_is_whole("llama3_json", text) == ("", [("weather", json.dumps(WEATHER["arguments"]))])
     text = "<tool_call>" + call_text(CLOCK) + "</tool_call> then <tool_call>oops</tool_call>"
     assert check_stream_is_whole("hermes", text) == ("", [("clock", "{}")])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mistral_calls_come_back(seed):
+    """Both of Mistral's forms: `[TOOL_CALLS]` then a JSON array (with the `id` key its models may
+    add), or `[TOOL_CALLS]name[ARGS]{...}` a call; ids of 9 letters and digits, as its templates want."""
+    rng = random.Random(seed)
+    calls = rng.sample([WEATHER, ODD, CLOCK], rng.randint(1, 3))
+    if seed % 2:
+        text = "".join(f"[TOOL_CALLS]{c['name']}[ARGS]{json.dumps(c['arguments'])}" for c in calls)
+    else:
+        text = "[TOOL_CALLS] [" + ", ".join(
+            json.dumps({**c, "id": "a1b2c3d4e"}, separators=rng.choice([(",", ":"), (", ", ": ")])) for c in calls) + "]"
+    content, got = check_stream_is_whole("mistral", "Checking. " + text)
+    assert content == "Checking. "
+    assert [(n, json.loads(a)) for n, a in got] == [(c["name"], c["arguments"]) for c in calls]
+    ids = [c["id"] for c in parse("mistral", text)[1]]
+    assert all(len(i) == 9 and i.isalnum() for i in ids) and len(set(ids)) == len(ids)
+    assert all(c["id"].startswith("call_") for c in parse("hermes", "<tool_call>" + call_text(CLOCK))[1])
+
+
+@pytest.mark.parametrize("text", ["[TOOL_CALLS]", "[TOOL_CALLS] {\"name\": \"x\"}", "x [TOOL_CALLS]get\nweather",
+                                  "[TOOL_CALLS][ARGS]{}", "[TOOL_CA"])
+def test_mistral_what_is_not_a_call_is_content(text):
+    assert check_stream_is_whole("mistral", text) == (text, [])

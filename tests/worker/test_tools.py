@@ -2,7 +2,7 @@
 come back as OpenAI's `tool_calls`, their arguments held to the tools' schemas (checked with `json`),
 from the official client, streamed and not (streamed: the arguments piece by piece, put together by
 the `openai` library's own stream reader); what cannot be honoured is a 400 naming the field; tools
-and earlier tool turns reach the chat template; "auto" reads the hermes and llama3_json formats."""
+and earlier tool turns reach the chat template; "auto" reads the hermes, llama3_json and mistral formats."""
 
 from __future__ import annotations
 
@@ -262,6 +262,51 @@ def test_auto_calls_in_llama3_json(llama3_worker):
     plain = {**body, "max_tokens": 20, "guided_regex": "no call, sorry"}
     choice = post(llama3_worker, "chat/completions", plain).json()["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": "no call, sorry"} and choice["finish_reason"] == "stop"
+
+
+# -- "auto" with --tool-call-parser mistral ----------------------------------------------------------------
+
+MISTRAL_CALLS = '[TOOL_CALLS][{"name": "weather", "arguments": {"city": "Oslo", "unit": "C"}}, {"name": "clock", "arguments": {"utc": true}}]'
+
+
+@pytest.fixture(scope="module")
+def mistral_worker(demo_model, demo_adapters):
+    yield from parsing_worker(demo_model, demo_adapters, "mistral")
+
+
+def test_auto_calls_in_mistral(mistral_worker):
+    """The demo model is made to write Mistral's call list: both calls come back as tool_calls with
+    Mistral's 9-character ids, content null; streamed, the same calls."""
+    body = {"model": "demo", "messages": CHAT, "tools": [WEATHER, CLOCK], "max_tokens": 240,
+            "guided_regex": _regex(MISTRAL_CALLS)}
+    r = post(mistral_worker, "chat/completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    calls = choice["message"]["tool_calls"]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("weather", {"city": "Oslo", "unit": "C"}), ("clock", {"utc": True})]
+    assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)
+    client = openai.OpenAI(base_url=f"{mistral_worker.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    chunks = list(client.chat.completions.create(model="demo", messages=CHAT, tools=[WEATHER, CLOCK], max_tokens=240,
+                                                 stream=True, extra_body={"guided_regex": body["guided_regex"]}))
+    final = streamed_completion(chunks).choices[0]
+    assert final.finish_reason == "tool_calls" and not final.message.content
+    assert [(t.function.name, t.function.arguments) for t in final.message.tool_calls] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
+def test_mistral_answers_keep_special_tokens(mistral_worker):
+    """`[TOOL_CALLS]` is a special token in Mistral's tokenizers, so under this parser an answer to a
+    request with tools keeps special tokens in its text (the demo model is made to write one: content
+    that is the token's text); without tools, they are left out as usual."""
+    tok = mistral_worker.engine.tokenizer
+    (special,) = tok.encode("<|user|>", add_special_tokens=False)
+    body = {"model": "demo", "messages": CHAT, "max_tokens": 2, "temperature": 0, "logit_bias": {str(special): 100}}
+    with_tools = post(mistral_worker, "chat/completions", {**body, "tools": [WEATHER]}).json()["choices"][0]
+    assert with_tools["message"]["content"] == "<|user|><|user|>"
+    plain = post(mistral_worker, "chat/completions", body).json()["choices"][0]
+    assert plain["message"]["content"] == ""
 
 
 def test_the_parser_flags_go_together():
