@@ -30,7 +30,7 @@ class SpecError(ValueError):
 
 # The worker's --tool-call-parser formats (worker/tools.py PARSERS; tests/operator/test_builders.py
 # checks they agree; the operator does not import the worker).
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 
 @dataclass(frozen=True, slots=True)
 class EngineSpec:

@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
                    help="the model's tool-call format: hermes (<tool_call>{json}</tool_call>: Qwen 2.5/3, Hermes), "
                         "llama3_json ({\"name\": ..., \"parameters\": ...}; ...: Llama 3.1-3.3), "
-                        "mistral ([TOOL_CALLS][{json}, ...] or [TOOL_CALLS]name[ARGS]{json}: Mistral)")
+                        "mistral ([TOOL_CALLS][{json}, ...] or [TOOL_CALLS]name[ARGS]{json}: Mistral), "
+                        "pythonic ([name(key=value, ...), ...]: Llama 3.2, Llama 4)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p

@@ -17,13 +17,17 @@ A `CallStream` is fed the answer's text deltas and returns, for each, the conten
 - `mistral`: after any text, `[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}`
   objects (Mistral 7B v0.3, Nemo), or `[TOOL_CALLS]name[ARGS]{...}` a call (the newer tokenizers'
   form); `[TOOL_CALLS]` is a special token, so these requests keep special tokens in their text.
+- `pythonic`: an answer that is a Python list of calls, `[name(key=literal, ...), ...]` (Llama 3.2,
+  Llama 4; worker/pythonic_call.py reads a call). Its arguments are Python, so they go out as JSON
+  made of them, an argument at a time, not as the model's text.
 
 A call object is scanned as it arrives (`_Object`): its keys in any order, `arguments` or
 `parameters` for the arguments. The call is sent once its name is known and its arguments have
 begun (an object without arguments: `{}` at its end), and from then on its arguments as the model
 writes them: the arguments are the model's own text of that JSON object, not re-serialised. A call
 is never taken back, so a call cut short (out of tokens) arrives cut short, with the answer's
-finish_reason `length`, as OpenAI's do. Until a call has begun nothing that could be one is sent;
+finish_reason `length`, as OpenAI's do, and one that goes wrong after its arguments began stays as
+far as it was read (a whole answer the same: `parse` is a stream fed at once). Until a call has begun nothing that could be one is sent;
 an answer whose first call does not read as one (not an object, a name that is not a string,
 arguments that are not an object) is content after all, sent whole at that point, and a bad object
 after good calls ends the calls (the rest is dropped).
@@ -34,6 +38,8 @@ from __future__ import annotations
 import json
 import uuid
 from typing import Any
+
+from lorafleet.worker.pythonic_call import PythonicCall
 
 _WS = " \t\r\n"
 _NAME_KEYS, _ARG_KEYS = ("name",), ("arguments", "parameters")
@@ -152,6 +158,7 @@ FORMATS: dict[str, tuple[str | None, str, str]] = {
     "hermes": ("<tool_call>", "", ""),
     "llama3_json": (None, "", ";"),
     "mistral": ("[TOOL_CALLS]", "[", ","),
+    "pythonic": (None, "[", ","),
 }
 SPECIAL_MARKERS = frozenset({"mistral"})  # formats whose marker is a special token: kept in the text
 _PYTHON_TAG = "<|python_tag|>"  # llama3_json's optional lead, when the tokenizer keeps it
@@ -168,6 +175,7 @@ class CallStream:
         self.text, self.pos, self.sent = "", 0, 0  # what arrived, how far it is read, sent as content
         self.state = "content" if self.marker else "lead"
         self.obj: _Object | None = None
+        self.py: PythonicCall | None = None  # the pythonic call being read
         self.begun = False  # the object being read has been sent as a call
         self.calls: list[_Call] = []
         self._pending: list[str] = []
@@ -271,16 +279,34 @@ class CallStream:
         c = self._next()
         if c is None:
             return
-        if c != "{":
+        if self.fmt == "pythonic" and (c.isalpha() or c == "_"):
+            self.py, self.begun, self.state = PythonicCall(self.pos), False, "in_call"
+            return
+        if c != "{" or self.fmt == "pythonic":
             self._fail()
             return
         self.obj, self.begun, self.state = _Object(self.pos), False, "in_object"
 
+    def _at_in_call(self) -> None:  # pythonic: name(key=literal, ...)
+        py = self.py
+        py.scan(self.text)
+        if not self.begun and py.name is not None and (py.args or py.end is not None):  # as _at_in_object
+            self.calls.append(_Call(len(self.calls), py.name, 0))
+            self.begun = True
+            self._entry(self.calls[-1].index, id=self.calls[-1].id, name=py.name)
+        if self.begun:
+            self._add_arguments(self.calls[-1], py.arguments_pieces())
+        if py.bad:
+            self._fail()
+        elif py.end is not None:
+            self.pos, self.state = py.end, "after"
+
     def _at_in_object(self) -> None:
         obj = self.obj
         obj.scan(self.text)
-        if not self.begun and not obj.bad and obj.name is not None and (
-                obj.args_start is not None or obj.end is not None):
+        # Begun whether or not the object went bad since: a stream fed in pieces begins it the
+        # moment its arguments do, so a whole answer must too.
+        if not self.begun and obj.name is not None and (obj.args_start is not None or obj.end is not None):
             call = _Call(len(self.calls), obj.name, obj.args_start if obj.args_start is not None else 0,
                          short_id=self.fmt == "mistral")
             self.calls.append(call)
@@ -341,9 +367,12 @@ class CallStream:
 
     def _send_arguments(self, call: _Call, upto: int) -> None:
         if upto > call.sent:
-            piece = self.text[call.sent : upto]
-            call.arguments += piece
+            self._add_arguments(call, self.text[call.sent : upto])
             call.sent = upto
+
+    def _add_arguments(self, call: _Call, piece: str) -> None:
+        if piece:
+            call.arguments += piece
             self._entry(call.index, arguments=piece)
 
     def _entry(self, index: int, *, id: str | None = None, name: str | None = None, arguments: str = "") -> None:

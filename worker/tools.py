@@ -15,8 +15,9 @@ structured-output constraint (worker/structured.py) and the constrained answer c
   as Llama 3.1-3.3 write them; `mistral`, `[TOOL_CALLS]` then a JSON array of
   `{"name": ..., "arguments": {...}}` objects, or `[TOOL_CALLS]name[ARGS]{...}` a call, after any
   text (Mistral's models; the answer's text keeps special tokens, as `[TOOL_CALLS]` is one, and call
-  ids are 9 characters, as Mistral's templates require). Nothing constrains the answer, the calls
-  are read out of it.
+  ids are 9 characters, as Mistral's templates require); `pythonic`, an answer that is a Python list
+  of calls, `[name(key=literal, ...), ...]` (Llama 3.2, Llama 4; the arguments become JSON).
+  Nothing constrains the answer, the calls are read out of it.
   Without a parser, a 400 that says to name a tool or use "required".
 
 Every answer under a plan is read as it is written (worker/tool_parsers.py): streamed, a call's
@@ -125,4 +126,4 @@ def finish_reason(p: ToolPlan, calls: list[Any] | None, reason: str | None) -> s
 
 
 # --tool-call-parser NAME (vLLM's names for these formats).
-PARSERS: tuple[str, ...] = ("hermes", "llama3_json", "mistral")
+PARSERS: tuple[str, ...] = ("hermes", "llama3_json", "mistral", "pythonic")

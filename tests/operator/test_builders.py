@@ -138,4 +138,4 @@ def test_a_tool_call_parser_reaches_the_workers_flags() -> None:
         assert settings_from_args(build_parser().parse_args(with_parser[1:])).tool_call_parser == name
     assert "--tool-call-parser" not in args({}) and "--enable-auto-tool-choice" not in args({})
     with pytest.raises(SpecError, match="toolCallParser"):
-        args({"toolCallParser": "pythonic"})
+        args({"toolCallParser": "granite"})

@@ -143,6 +143,15 @@ def test_after_good_calls_a_bad_one_ends_them():
     assert check_stream_is_whole("hermes", text) == ("", [("clock", "{}")])
 
 
+@pytest.mark.parametrize("text,args", [
+    ('<tool_call>{"name": "x", "arguments": {}, 5}</tool_call>', "{}"),
+    ('<tool_call>{"name": "x", "arguments": {"a": 1}, "name": 3}', '{"a": 1}'),
+])
+def test_a_call_that_goes_bad_after_its_arguments_began_stays_a_call(text, args):
+    """Streamed, the call went out when its arguments began; read whole, the same (was content)."""
+    assert check_stream_is_whole("hermes", text) == ("", [("x", args)])
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_mistral_calls_come_back(seed):
     """Both of Mistral's forms: `[TOOL_CALLS]` then a JSON array (with the `id` key its models may
@@ -166,3 +175,54 @@ def test_mistral_calls_come_back(seed):
                                   "[TOOL_CALLS][ARGS]{}", "[TOOL_CA"])
 def test_mistral_what_is_not_a_call_is_content(text):
     assert check_stream_is_whole("mistral", text) == (text, [])
+
+
+# -- pythonic: [name(key=literal, ...), ...] ----------------------------------------------------------------
+
+PY_CALLS = [WEATHER, {"name": "search.web", "arguments": {"q": "}{ ) ( ] [ \\\" ' ;,", "n": [1, {"a": None}],
+                                                           "t": True, "f": -1.5e3, "pair": (1, "x")}}, CLOCK]
+
+
+def python_call(call: dict, rng: random.Random) -> str:
+    """A call as Python source, its values written by `repr` (Python's own literals)."""
+    sep = rng.choice([", ", ",", " ,\n  "])
+    return f"{call['name']}({sep.join(f'{k}={v!r}' for k, v in call['arguments'].items())})"
+
+
+def as_json(value):
+    return json.loads(json.dumps(value))  # tuples are lists in JSON
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_pythonic_calls_come_back(seed):
+    rng = random.Random(seed)
+    calls = rng.sample(PY_CALLS, rng.randint(1, 3))
+    text = rng.choice(["[", " [ "]) + rng.choice([", ", ",\n"]).join(python_call(c, rng) for c in calls) + "]"
+    content, got = check_stream_is_whole("pythonic", text)
+    assert content == ""
+    assert [(n, json.loads(a)) for n, a in got] == [(c["name"], as_json(c["arguments"])) for c in calls]
+
+
+def test_pythonic_arguments_go_out_an_argument_at_a_time():
+    _, got, entries = streamed("pythonic", "[weather(city='Oslo', unit=\"C\"), clock()]", 1)
+    assert [e["function"]["arguments"] for e in entries] == ['{"city": "Oslo"', ', "unit": "C"}', "{}"]
+    assert entries[0]["function"]["name"] == "weather" and entries[2]["function"]["name"] == "clock"
+    # cut short: the arguments taken so far; before the first is whole, no call, so content
+    assert check_stream_is_whole("pythonic", "[weather(city='Oslo', unit='") == ("", [("weather", '{"city": "Oslo"')])
+    assert check_stream_is_whole("pythonic", "[weather(city='Os") == ("[weather(city='Os", [])
+
+
+@pytest.mark.parametrize("text", [
+    "Sure: [weather(city='Oslo')]", "weather(city='Oslo')", "[weather('Oslo')]", "[weather(city=Oslo)]",
+    "[weather(city={1, 2})]", "[f(a=float('nan'))]", "[f(a=1e999)]", "[1, 2]", "[]",
+    "[weather city]", "[3x(a=1)]", "[weather(city='Oslo']", "",
+])
+def test_pythonic_what_is_not_a_call_is_content(text):
+    assert check_stream_is_whole("pythonic", text) == (text, [])
+
+
+def test_pythonic_after_good_calls_a_bad_one_ends_them():
+    assert check_stream_is_whole("pythonic", "[clock(), weather(Oslo), clock()]") == ("", [("clock", "{}")])
+    assert check_stream_is_whole("pythonic", "[clock(utc=True,)] and more") == ("", [("clock", '{"utc": true}')])
+    # a bad argument after a good one: the call as far as it read (it went out with that argument)
+    assert check_stream_is_whole("pythonic", "[f(a=1, a=2)]") == ("", [("f", '{"a": 1')])

@@ -2,7 +2,7 @@
 come back as OpenAI's `tool_calls`, their arguments held to the tools' schemas (checked with `json`),
 from the official client, streamed and not (streamed: the arguments piece by piece, put together by
 the `openai` library's own stream reader); what cannot be honoured is a 400 naming the field; tools
-and earlier tool turns reach the chat template; "auto" reads the hermes, llama3_json and mistral formats."""
+and earlier tool turns reach the chat template; "auto" reads the hermes, llama3_json, mistral and pythonic formats."""
 
 from __future__ import annotations
 
@@ -307,6 +307,37 @@ def test_mistral_answers_keep_special_tokens(mistral_worker):
     assert with_tools["message"]["content"] == "<|user|><|user|>"
     plain = post(mistral_worker, "chat/completions", body).json()["choices"][0]
     assert plain["message"]["content"] == ""
+
+
+# -- "auto" with --tool-call-parser pythonic ---------------------------------------------------------------
+
+PYTHONIC_CALLS = "[weather(city='Paris', unit=\"F\"), clock(utc=True)]"
+
+
+@pytest.fixture(scope="module")
+def pythonic_worker(demo_model, demo_adapters):
+    yield from parsing_worker(demo_model, demo_adapters, "pythonic")
+
+
+def test_auto_calls_in_pythonic(pythonic_worker):
+    """The demo model is made to write a Python list of calls: they come back as tool_calls with JSON
+    arguments, content null; streamed, the same calls, an argument at a time."""
+    body = {"model": "demo", "messages": CHAT, "tools": [WEATHER, CLOCK], "max_tokens": 240,
+            "guided_regex": _regex(PYTHONIC_CALLS)}
+    r = post(pythonic_worker, "chat/completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    calls = choice["message"]["tool_calls"]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("weather", {"city": "Paris", "unit": "F"}), ("clock", {"utc": True})]
+    client = openai.OpenAI(base_url=f"{pythonic_worker.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    chunks = list(client.chat.completions.create(model="demo", messages=CHAT, tools=[WEATHER, CLOCK], max_tokens=240,
+                                                 stream=True, extra_body={"guided_regex": body["guided_regex"]}))
+    final = streamed_completion(chunks).choices[0]
+    assert final.finish_reason == "tool_calls" and not final.message.content
+    assert [(t.function.name, t.function.arguments) for t in final.message.tool_calls] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in calls]
 
 
 def test_the_parser_flags_go_together():
