@@ -50,3 +50,13 @@ def auto_worker(demo_model, demo_adapters):
 @pytest.fixture(scope="module")
 def llama3_worker(demo_model, demo_adapters):
     yield from parsing_worker(demo_model, demo_adapters, "llama3_json", device="cuda")
+
+
+@pytest.fixture(scope="module")
+def mistral_worker(demo_model, demo_adapters):
+    yield from parsing_worker(demo_model, demo_adapters, "mistral", device="cuda")
+
+
+@pytest.fixture(scope="module")
+def pythonic_worker(demo_model, demo_adapters):
+    yield from parsing_worker(demo_model, demo_adapters, "pythonic", device="cuda")
