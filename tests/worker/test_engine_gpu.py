@@ -69,3 +69,25 @@ def test_cuda_gpu_memory_utilization_is_this_workers_share(demo_model):
     free_after, _ = torch.cuda.mem_get_info()
     assert free_before - free_after <= share * total
     assert engine.memory_plan["kv_bytes"] >= share * total - (2 << 30)
+
+
+@pytest.mark.parametrize("adapter", [(), (("sql", 1.0),)], ids=["base", "adapter"])
+def test_one_request_run_again_gives_the_same_tokens(adapter, demo_model, demo_adapters):
+    """bf16 on CUDA with captured graphs: without the prefix cache, a request run again gives the
+    same tokens and logprobs (no kernel on this path is order-nondeterministic). With it, the runs
+    after the first prefill only the prompt's tail on the cached blocks, other kernel shapes, so
+    their bf16 logits may differ from the first run's (measured on the H200: base-only greedy text
+    diverged at the 2nd token); they agree with each other."""
+    sp = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1, ignore_eos=True)
+
+    def runs(prefix_caching: bool) -> list[tuple]:
+        config = EngineConfig(device="cuda", cuda_graphs=True, enable_prefix_caching=prefix_caching, num_kv_blocks=128)
+        engine = LLMEngine(demo_model, config, lora_modules={n: str(p) for n, p in demo_adapters.items()})
+        ids = engine.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+        outs = [engine.generate([ids], sp, [adapter])[0] for _ in range(3)]
+        return [(tuple(o.token_ids), tuple(lp.logprob for lp in o.logprobs)) for o in outs]
+
+    uncached = runs(False)
+    assert uncached[1:] == uncached[:-1]
+    cached = runs(True)
+    assert cached[1] == cached[2] and cached[0] == uncached[0]  # the first run is the uncached one
