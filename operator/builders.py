@@ -49,7 +49,8 @@ def worker_args(pool: PoolSpec) -> list[str]:
         "--adapter-root", pool.adapter_mount,
         "--device", engine.device,
         "--dtype", engine.dtype,
-    ] + (["--enable-auto-tool-choice", "--tool-call-parser", engine.tool_call_parser] if engine.tool_call_parser else [])
+    ] + (["--enable-auto-tool-choice", "--tool-call-parser", engine.tool_call_parser] if engine.tool_call_parser else []) + (
+        ["--reasoning-parser", engine.reasoning_parser] if engine.reasoning_parser else [])
 
 
 def pod_template(pool: PoolSpec) -> dict[str, Any]:

@@ -31,6 +31,7 @@ class SpecError(ValueError):
 # The worker's --tool-call-parser formats (worker/tools.py PARSERS; tests/operator/test_builders.py
 # checks they agree; the operator does not import the worker).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # the worker's --reasoning-parser (worker/reasoning.py PARSERS)
 
 @dataclass(frozen=True, slots=True)
 class EngineSpec:
@@ -41,6 +42,7 @@ class EngineSpec:
     device: str = "cuda"
     dtype: str = "auto"
     tool_call_parser: str | None = None  # chat's tool_choice "auto" (worker --tool-call-parser)
+    reasoning_parser: str | None = None  # chat answers' reasoning split out (worker --reasoning-parser)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +164,7 @@ def parse_pool(namespace: str, name: str, spec: Mapping[str, Any]) -> PoolSpec:
         device=str(_str(engine_raw, "device", "cuda", where, ("cpu", "cuda"))),
         dtype=str(_str(engine_raw, "dtype", "auto", where, ("auto", "float16", "bfloat16", "float32"))),
         tool_call_parser=_str(engine_raw, "toolCallParser", "", where, ("", *TOOL_CALL_PARSERS)) or None,
+        reasoning_parser=_str(engine_raw, "reasoningParser", "", where, ("", *REASONING_PARSERS)) or None,
     )
     if engine.max_loras > engine.max_cpu_loras:
         raise SpecError("InvalidEngine", "engine.maxLoras must be <= engine.maxCpuLoras")

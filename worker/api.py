@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 from collections.abc import Callable
 from functools import partial
@@ -13,11 +14,14 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lorafleet.worker import openai_protocol as oai
-from lorafleet.worker import tools
+from lorafleet.worker import reasoning
+from lorafleet.worker.chat_answer import OFF, AnswerStream
+from lorafleet.worker.chat_answer import answer as chat_answer
 from lorafleet.worker.errors import ApiError, error_response, from_engine
 from lorafleet.worker.metrics import take_snapshot
 from lorafleet.worker.outputs import RequestOutput
 from lorafleet.worker.runtime import WorkerRuntime
+from lorafleet.worker.sequence import SamplingParams
 from lorafleet.worker.serving import (
     collect,
     default_max_tokens,
@@ -119,7 +123,8 @@ def _prepare_chat(runtime: WorkerRuntime, body: oai.ChatCompletionRequest) -> li
     engine = runtime.require_engine().engine
     messages = body.template_messages()
     engine.check_prompt_chars(sum(len(m["content"]) for m in messages))
-    ids = engine.tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt, tools=body.tools)
+    ids = engine.tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt, tools=body.tools,
+                                       template_kwargs=body.chat_template_kwargs)
     if not ids:
         raise ApiError(400, "the chat template made an empty prompt", param="messages")
     return ids
@@ -219,6 +224,7 @@ async def chat_completions(body: oai.ChatCompletionRequest, request: Request, ru
         sampling = body.sampling(max_tokens or default_max_tokens(engine.engine.max_model_len, len(ids)), k,
                                  body.prompt_logprobs, parser)
         tool = body.tool_plan(parser)
+        start, sampling = _reasoning_start(runtime, ids, sampling)
     except Exception as exc:  # noqa: BLE001 - mapped to 4xx; a bug re-raises
         raise from_engine(exc) from None
     streams = await submit_all(engine, [ids] * n, oai.per_choice(sampling, n), adapters)
@@ -229,29 +235,19 @@ async def chat_completions(body: oai.ChatCompletionRequest, request: Request, ru
     if body.stream:
         first = [oai.chat_chunk(rid, created, model, i, {"role": "assistant", "content": ""}, None) for i in range(n)]
         first += [oai.chat_chunk(rid, created, model, i, {"content": echo}, None) for i in range(n) if echo]
-        calls = [tools.stream(tool) for _ in range(n)] if tool is not None else None
+        readers = [AnswerStream(start, tool) for _ in range(n)]
 
         def chunk(i: int, out: RequestOutput) -> list[dict]:
+            """The step's reasoning, content and tool-call pieces (a call's arguments as they are
+            written), the logprobs with the first; the finish after them."""
             lp = oai.chat_logprobs(out.logprobs, token_text, token_bytes) if k is not None and out.logprobs else None
-            chunks = []
-            if calls is not None:  # content until a call begins, then its arguments as they are written
-                content, entries = calls[i].feed(out.text_delta)
-                if out.finished:
-                    rest, more = calls[i].finish()
-                    content, entries = content + rest, entries + more
-                if content or (lp is not None and not entries):
-                    chunks.append(oai.chat_chunk(rid, created, model, i, {"content": content}, None, lp))
-                    lp = None
-                if entries:
-                    chunks.append(oai.chat_chunk(rid, created, model, i, {"tool_calls": entries}, None, lp))
-                if out.finished:
-                    reason = tools.finish_reason(tool, calls[i].calls, out.finish_reason)
-                    chunks.append(oai.chat_chunk(rid, created, model, i, {}, reason))
-                return chunks
-            if out.text_delta or lp is not None:
-                chunks.append(oai.chat_chunk(rid, created, model, i, {"content": out.text_delta}, None, lp))
+            thought, content, entries = readers[i].feed(out.text_delta, out.finished)
+            parts = [{"reasoning": thought, "reasoning_content": thought}] if thought else []
+            parts += [{"content": content}] if content or (lp is not None and not thought and not entries) else []
+            parts += [{"tool_calls": entries}] if entries else []
+            chunks = [oai.chat_chunk(rid, created, model, i, d, None, lp if j == 0 else None) for j, d in enumerate(parts)]
             if out.finished:
-                chunks.append(oai.chat_chunk(rid, created, model, i, {}, out.finish_reason))
+                chunks.append(oai.chat_chunk(rid, created, model, i, {}, readers[i].finish_reason(out.finish_reason)))
             return chunks
 
         final = partial(oai.usage_chunk, rid, created, model, "chat.completion.chunk") if body.include_usage else None
@@ -260,9 +256,10 @@ async def chat_completions(body: oai.ChatCompletionRequest, request: Request, ru
     results = await collect(request, streams)
 
     def choice(i: int, r) -> dict:
-        content, calls, reason = tools.answer(tool, "".join(r.text), r.finish_reason)
+        fields, content, calls, reason = chat_answer(start, tool, "".join(r.text), r.finish_reason)
         lp = oai.chat_logprobs(r.logprobs, token_text, token_bytes) if k is not None else None
-        return oai.chat_choice(i, echo + (content or ""), reason, lp, calls, content is None)
+        no_content = content is None and (calls is not None or bool(fields))  # vLLM's null for all reasoning
+        return oai.chat_choice(i, echo + (content or ""), reason, lp, calls, no_content, fields)
 
     out = [choice(i, r) for i, r in enumerate(results)]
     use = oai.usage(len(ids), sum(r.generated for r in results))
@@ -272,6 +269,24 @@ async def chat_completions(body: oai.ChatCompletionRequest, request: Request, ru
         extra["prompt_logprobs"] = await asyncio.to_thread(oai.vllm_prompt_logprobs, results[0].prompt_logprobs or [],
                                                            table)
     return JSONResponse(oai.response("chat.completion", rid, created, model, out, use, **extra))
+
+
+def _reasoning_start(runtime: WorkerRuntime, ids: list[int], sampling: SamplingParams
+                     ) -> tuple[bool | None | object, SamplingParams]:
+    """Where the answer begins under the worker's --reasoning-parser (worker/reasoning.py; OFF
+    without one), and the sampling with a structured-output constraint held until the reasoning's
+    end marker when the answer begins in its reasoning; an answer that might open one (qwen3, no
+    marker in the prompt) is constrained from its first token, so it has none."""
+    parser, markers = runtime.settings.reasoning_parser, runtime.reasoning_markers
+    if parser is None or markers is None:
+        return OFF, sampling
+    tail = runtime.require_engine().engine.tokenizer.decode(ids[-8:], skip_special_tokens=False)
+    start = reasoning.starts_in_reasoning(parser, tail)
+    if sampling.constraint is None:
+        return start, sampling
+    if start:
+        return start, dataclasses.replace(sampling, constraint_after=markers[1])
+    return False, sampling
 
 
 def _prompt_texts(runtime: WorkerRuntime, raw: list[str | list[int]],

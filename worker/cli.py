@@ -13,6 +13,7 @@ import sys
 
 from lorafleet.cli import lora_module_arg
 from lorafleet.worker.config import ConfigError, EngineConfig, ModelConfig
+from lorafleet.worker.reasoning import PARSERS as REASONING_PARSERS
 from lorafleet.worker.settings import WorkerSettings
 from lorafleet.worker.tools import PARSERS
 
@@ -78,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "llama3_json ({\"name\": ..., \"parameters\": ...}; ...: Llama 3.1-3.3), "
                         "mistral ([TOOL_CALLS][{json}, ...] or [TOOL_CALLS]name[ARGS]{json}: Mistral), "
                         "pythonic ([name(key=value, ...), ...]: Llama 3.2, Llama 4)")
+    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                   help="split chat answers' reasoning (<think>...</think>) into the message's reasoning field: "
+                        "deepseek_r1 (DeepSeek R1, QwQ: answers begin in their reasoning), qwen3 (Qwen3: when "
+                        "the answer or the prompt opens it)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -105,7 +110,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         model=args.model, served_model_name=args.served_model_name, tokenizer=args.tokenizer, host=args.host,
         port=args.port, admin_port=args.admin_port, lora_modules=tuple(args.lora_modules),
         adapter_root=args.adapter_root, admin_token_file=args.admin_token_file, engine=engine,
-        tool_call_parser=args.tool_call_parser,
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
     )
 
 

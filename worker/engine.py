@@ -285,7 +285,8 @@ class LLMEngine:
         salt = "|".join(f"{n}#{self.registry.entries[n].generation}*{s!r}" for n, s in adapters)
         seq = Sequence(seq_id=next(self._ids), prompt_ids=ids, sampling=sampling, adapters=adapters,
                        cache_salt=salt, arrival=time.monotonic(), stop_ids=stop_ids,
-                       bad_word_ids=bad_ids, grammar=grammar)
+                       bad_word_ids=bad_ids, grammar=grammar,
+                       grammar_waits=grammar is not None and sampling.constraint_after is not None)
         try:  # a seeded request's generator now: a seed torch refuses fails this request, not a step
             self.runner.generator_for(seq)
         except (RuntimeError, ValueError, OverflowError) as exc:
@@ -360,9 +361,7 @@ class LLMEngine:
         self.generated_tokens += 1
         reason = None
         stop_token = token in seq.stop_ids
-        # The grammar's mask allowed only this token's kind; its end (or a token it refuses, which
-        # the mask should never let through) finishes the request.
-        ended = seq.grammar is not None and (not seq.grammar.accept_token(token) or seq.grammar.is_terminated())
+        ended = seq.advance_grammar(token)
         if stop_token or ended:
             reason = "stop"
         elif len(seq.output_ids) >= sp.max_tokens or len(seq) >= self.max_model_len:

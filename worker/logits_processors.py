@@ -106,7 +106,8 @@ class LogitsProcessors:
         sequences (rows to be discarded) are left unedited.
         """
         picked = [i for i, s in enumerate(seqs) if not s.finished and edits(s)]  # finished: a discarded row
-        constrained = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None and not s.finished]
+        constrained = [(i, s.grammar) for i, s in enumerate(seqs)
+                       if s.grammar is not None and not s.grammar_waits and not s.finished]
         if not picked and not constrained:
             return None
         edited = [seqs[i] for i in picked]

@@ -15,9 +15,10 @@ import dataclasses
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -30,6 +31,7 @@ from lorafleet.protocol import MAX_N, MAX_TOKENS_ZERO, JsonBody, LoraAdapterRef
 from lorafleet.worker.sampling import TokenLogprobs
 from lorafleet.worker.sequence import SEED_MAX, SamplingParams
 from lorafleet.worker.structured import Constraint, requested_constraint
+from lorafleet.worker.tokenizer import TEMPLATE_VARIABLES
 from lorafleet.worker.tool_parsers import SPECIAL_MARKERS
 from lorafleet.worker.tools import ToolPlan
 from lorafleet.worker.tools import plan as tools_plan
@@ -252,6 +254,17 @@ class TextPart(JsonBody):
     text: str | None = None
 
 
+def _template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    taken = sorted(TEMPLATE_VARIABLES & set(value or ()))
+    if taken:
+        raise ValueError(f"{', '.join(taken)} cannot be set here: the server sets them")
+    return value
+
+
+# vLLM's chat_template_kwargs: more variables for the chat template (enable_thinking, ...).
+TemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs)]
+
+
 class ChatMessage(JsonBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -290,6 +303,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None  # function calling (worker/tools.py)
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None  # false: "required" makes one call
+    chat_template_kwargs: TemplateKwargs = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -432,12 +446,14 @@ def completion_chunk(rid: str, created: int, model: str, index: int, text: str, 
 
 
 def chat_choice(index: int, text: str, finish_reason: str, logprobs: dict | None,
-                tool_calls: list[dict[str, Any]] | None = None, no_content: bool = False) -> dict[str, Any]:
+                tool_calls: list[dict[str, Any]] | None = None, no_content: bool = False,
+                reasoning: dict[str, Any] | None = None) -> dict[str, Any]:
     """With `tool_calls` the message holds them, and its content is null unless text came before
-    them (OpenAI's shape)."""
-    message: dict[str, Any] = {"role": "assistant", "content": text}
+    them (OpenAI's shape); `no_content`: null content. `reasoning`: the message's reasoning fields
+    (worker/chat_answer.py)."""
+    message: dict[str, Any] = {"role": "assistant", "content": None if no_content else text, **(reasoning or {})}
     if tool_calls is not None:
-        message = {"role": "assistant", "content": None if no_content else text, "tool_calls": tool_calls}
+        message["tool_calls"] = tool_calls
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 

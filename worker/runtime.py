@@ -12,6 +12,7 @@ from lorafleet.worker.auth import AdminToken
 from lorafleet.worker.errors import ApiError
 from lorafleet.worker.gc_freeze import freeze_startup_objects
 from lorafleet.worker.metrics import WorkerMetrics
+from lorafleet.worker.reasoning import marker_ids
 from lorafleet.worker.settings import WorkerSettings
 
 log = logging.getLogger("lorafleet.worker")
@@ -26,6 +27,7 @@ class WorkerRuntime:
     admin_token: AdminToken
     engine: AsyncEngine | None = None
     error: str | None = None  # why the engine failed to start
+    reasoning_markers: tuple[int, int] | None = None  # --reasoning-parser's <think>, </think> token ids
     loads: dict[tuple[str, str], asyncio.Task] = field(default_factory=dict)  # single flight per (name, path)
     _task: asyncio.Task | None = None
 
@@ -53,6 +55,8 @@ class WorkerRuntime:
             engine = await asyncio.to_thread(
                 LLMEngine, s.model, s.engine, s.tokenizer, dict(s.lora_modules)
             )
+            if s.reasoning_parser is not None:
+                self.reasoning_markers = marker_ids(engine.tokenizer, s.reasoning_parser)
         except Exception as exc:  # noqa: BLE001 - reported on /health and /ready, and logged
             self.error = f"the engine failed to start: {type(exc).__name__}: {exc}"
             log.error("%s", self.error)

@@ -74,6 +74,9 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()  # vLLM's: never generated (the engine tokenizes them: Sequence.bad_word_ids)
     constraint: Constraint | None = None  # structured outputs (worker/structured.py): the answer's grammar
+    # The constraint holds from the token after this one (a reasoning model's `</think>`,
+    # worker/reasoning.py), not from the first; None: from the first.
+    constraint_after: int | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -140,6 +143,7 @@ class Sequence:
     # sampling.bad_words as token sequences (vLLM's rule: each word as written and after a space)
     bad_word_ids: tuple[tuple[int, ...], ...] = ()
     grammar: Any = None  # sampling.constraint's xgrammar matcher, advanced by each sampled token
+    grammar_waits: bool = False  # the grammar holds only once sampling.constraint_after has been sampled
     # With sampling.prompt_logprobs: entry i is prompt token i + 1's (sampling.TokenLogprobs), filled
     # as the prompt's chunks are computed (a recomputed prefix is not counted twice).
     prompt_lps: list = field(default_factory=list)
@@ -171,6 +175,17 @@ class Sequence:
         grammar's mask follows the last token: the step after a token is sampled only once the host
         has read it (async scheduling then samples it after the replay, worker/async_step.py)."""
         return self.grammar is not None or any(len(w) > 1 for w in self.bad_word_ids)
+
+    def advance_grammar(self, token: int) -> bool:
+        """The grammar takes a sampled token: whether that ends the request (the grammar's end, or
+        a token it refuses, which its mask should never let through). Before
+        sampling.constraint_after is sampled it only waits for it."""
+        if self.grammar is None:
+            return False
+        if self.grammar_waits:
+            self.grammar_waits = token != self.sampling.constraint_after
+            return False
+        return not self.grammar.accept_token(token) or self.grammar.is_terminated()
 
     @property
     def scores_prompt(self) -> bool:

@@ -21,16 +21,21 @@ class WorkerSettings:
     engine: EngineConfig = field(default_factory=EngineConfig)
     max_request_prompts: int = 16  # prompts in one /v1/completions call
     tool_call_parser: str | None = None  # tool_choice "auto"'s format (worker/tools.py); None: "auto" refused
+    reasoning_parser: str | None = None  # chat answers' reasoning split out (worker/reasoning.py); None: not
     # Once the engine is built, take start-up's objects out of the cycle collector (gc_freeze.py).
     # Off only where many workers start in one process (tests).
     freeze_gc: bool = True
 
     def __post_init__(self) -> None:
         # `model: <base name>` means the base model, so an adapter of that name could never be asked for.
+        from lorafleet.worker import reasoning
         from lorafleet.worker.tools import PARSERS
 
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ConfigError(f"--tool-call-parser: {self.tool_call_parser!r} is not one of {', '.join(PARSERS)}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in reasoning.PARSERS:
+            raise ConfigError(f"--reasoning-parser: {self.reasoning_parser!r} is not one of "
+                              f"{', '.join(reasoning.PARSERS)}")
         if any(name == self.model_name for name, _ in self.lora_modules):
             raise ConfigError(f"--lora-modules: adapter name {self.model_name!r} is the base model's served name "
                               "(--served-model-name, else --model); choose another")

@@ -18,7 +18,7 @@ from pydantic import Field
 from lorafleet.protocol import JsonBody
 from lorafleet.worker.api import Runtime
 from lorafleet.worker.errors import ApiError, from_engine
-from lorafleet.worker.openai_protocol import ChatMessage
+from lorafleet.worker.openai_protocol import ChatMessage, TemplateKwargs
 from lorafleet.worker.runtime import WorkerRuntime
 
 router = APIRouter()
@@ -33,6 +33,7 @@ class TokenizeRequest(JsonBody):
     add_special_tokens: bool | None = None  # vLLM's defaults: True for a prompt, False for messages
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None  # with messages: passed to the chat template, as chat does
+    chat_template_kwargs: TemplateKwargs = None
     return_token_strs: bool = False
 
 
@@ -62,7 +63,8 @@ async def tokenize(body: TokenizeRequest, runtime: Runtime) -> dict[str, Any]:
             messages = [m.for_template() for m in body.messages]
             engine.check_prompt_chars(sum(len(m["content"]) for m in messages))
             ids = tokenizer.encode_chat(messages, body.add_generation_prompt, body.tools,
-                                        add_special_tokens=bool(body.add_special_tokens))
+                                        add_special_tokens=bool(body.add_special_tokens),
+                                        template_kwargs=body.chat_template_kwargs)
         else:
             engine.check_prompt_chars(len(body.prompt))
             ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)

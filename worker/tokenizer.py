@@ -65,6 +65,11 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str:
         return self._tok.id_to_token(token_id) or ""
 
+    def token_id(self, text: str) -> int | None:
+        """The id of the token that is exactly `text` (an added token's content, or a vocabulary
+        entry), or None."""
+        return self._tok.token_to_id(text)
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token stands for (OpenAI's logprobs `bytes`): with byte-level or byte-fallback
         pieces a token may hold part of a UTF-8 character, which `decode([token_id])` turns into
@@ -76,17 +81,19 @@ class Tokenizer:
         return raw if raw is not None else self.decode([token_id], skip_special_tokens=False).encode()
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
-                    add_special_tokens: bool = False) -> list[int]:
+                    add_special_tokens: bool = False, template_kwargs: dict | None = None) -> list[int]:
         """The chat template's text, tokenized without adding special tokens: the template writes
         them (a BOS from `{{ bos_token }}`), as transformers' `apply_chat_template(tokenize=True)`
         and vLLM do; adding them again gave Llama 3's templates two BOS tokens. (`add_special_tokens`:
         /tokenize's option, as vLLM's.)"""
-        text = self.apply_chat_template(messages, add_generation_prompt, tools)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
         return self.encode(text, add_special_tokens=add_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list | None = None) -> str:
-        """The template's text; `tools` (OpenAI's tool dicts) reach it as `tools`, as in transformers."""
+                            tools: list | None = None, template_kwargs: dict | None = None) -> str:
+        """The template's text; `tools` (OpenAI's tool dicts) reach it as `tools`, as in transformers,
+        and `template_kwargs` (vLLM's `chat_template_kwargs`: `enable_thinking`, ...) as variables of
+        their own names (not the ones set here: TEMPLATE_VARIABLES)."""
         import jinja2
         import jinja2.sandbox
 
@@ -98,6 +105,7 @@ class Tokenizer:
         env.globals["raise_exception"] = raise_exception
         try:
             return env.from_string(self.chat_template).render(
+                **(template_kwargs or {}),
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 tools=tools,
@@ -161,6 +169,11 @@ def _token_text(value: object) -> str | None:
     if isinstance(value, dict):  # AddedToken serialised
         return value.get("content")
     return value if isinstance(value, str) else None
+
+
+# What apply_chat_template sets itself: chat_template_kwargs may not name them.
+TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token",
+                                "raise_exception"})
 
 
 class IncrementalDetokenizer:

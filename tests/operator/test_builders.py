@@ -139,3 +139,22 @@ def test_a_tool_call_parser_reaches_the_workers_flags() -> None:
     assert "--tool-call-parser" not in args({}) and "--enable-auto-tool-choice" not in args({})
     with pytest.raises(SpecError, match="toolCallParser"):
         args({"toolCallParser": "granite"})
+
+
+def test_a_reasoning_parser_reaches_the_workers_flags() -> None:
+    """spec.engine.reasoningParser becomes the worker's --reasoning-parser, read back by the worker's
+    CLI; unset, no flag; another value is a spec error."""
+    from lorafleet.operator.spec import REASONING_PARSERS
+    from lorafleet.worker.cli import build_parser, settings_from_args
+    from lorafleet.worker.reasoning import PARSERS
+
+    def args(engine: dict) -> list[str]:
+        pool = parse_pool("ns", "p", {**POOL, "engine": {**POOL["engine"], **engine}})
+        return builders.workload(pool)["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    assert set(REASONING_PARSERS) == set(PARSERS)
+    for name in REASONING_PARSERS:
+        assert settings_from_args(build_parser().parse_args(args({"reasoningParser": name})[1:])).reasoning_parser == name
+    assert "--reasoning-parser" not in args({})
+    with pytest.raises(SpecError, match="reasoningParser"):
+        args({"reasoningParser": "granite"})

@@ -43,6 +43,19 @@ def test_choice(engine):
     assert all(o.text in options and o.finish_reason == "stop" for o in outs), [(o.text, o.finish_reason) for o in outs]
 
 
+def test_a_constraint_after_a_token_holds_from_the_next(engine):
+    """SamplingParams.constraint_after (a reasoning model's `</think>`): the tokens up to and
+    including it are the unconstrained run's (same seeds), the rest is the constraint's."""
+    options = ["red", "green", "light blue"]
+    for i, prompt in enumerate(PROMPTS):  # one at a time: the same batch for both runs
+        ids = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0, seed=7 + i))[0].token_ids
+        j = next(j for j in range(1, len(ids)) if ids[j] not in ids[:j])  # its first sampling ends the wait
+        params = SamplingParams(max_tokens=48, temperature=1.0, seed=7 + i, constraint_after=ids[j],
+                                constraint=Constraint.choice(options, "guided_choice"))
+        out = engine.generate([prompt], params)[0]
+        assert out.token_ids[: j + 1] == ids[: j + 1]
+        assert engine.tokenizer.decode(out.token_ids[j + 1 :]) in options and out.finish_reason == "stop"
+
 def test_regex(engine):
     outs = run(engine, Constraint("regex", r"[0-9]{3}-[a-z]{2}", "guided_regex"))
     assert all(re.fullmatch(r"[0-9]{3}-[a-z]{2}", o.text) and o.finish_reason == "stop" for o in outs), \

@@ -1,6 +1,6 @@
-"""test_structured's engine and API checks, and test_tools' function calls, again on CUDA: bf16
-logits, the masks applied by xgrammar's CUDA path, the served worker with CUDA graphs (constrained
-batches run synchronous steps)."""
+"""test_structured's engine and API checks, test_tools' function calls and test_reasoning's served
+reasoning, again on CUDA: bf16 logits, the masks applied by xgrammar's CUDA path, the served worker
+with CUDA graphs and async scheduling (constrained rows sampled once the step before is read)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import torch
 
 from lorafleet.worker.config import EngineConfig
 from lorafleet.worker.engine import LLMEngine
+from tests.worker.test_reasoning import *  # noqa: F403
+from tests.worker.test_reasoning import reasoning_worker
 from tests.worker.test_structured import *  # noqa: F403 (the suite's tests)
 from tests.worker.test_structured import test_free_requests_in_the_same_batch_are_unchanged
 from tests.worker.test_tools import *  # noqa: F403
@@ -27,7 +29,7 @@ del test_free_requests_in_the_same_batch_are_unchanged
 
 @pytest.fixture(scope="module")
 def engine(demo_model):
-    e = LLMEngine(demo_model, EngineConfig(device="cuda", block_size=16))
+    e = LLMEngine(demo_model, EngineConfig(device="cuda", block_size=16, enable_prefix_caching=False))
     assert e.device.type == "cuda"
     return e
 
@@ -57,3 +59,13 @@ def mistral_worker(demo_model, demo_adapters):
 @pytest.fixture(scope="module")
 def pythonic_worker(demo_model, demo_adapters):
     yield from parsing_worker(demo_model, demo_adapters, "pythonic", device="cuda")
+
+
+@pytest.fixture(scope="module")
+def r1_worker(thinking_model, demo_adapters):
+    yield from reasoning_worker(thinking_model, demo_adapters, "deepseek_r1", "hermes", device="cuda")
+
+
+@pytest.fixture(scope="module")
+def qwen3_worker(thinking_model, demo_adapters):
+    yield from reasoning_worker(thinking_model, demo_adapters, "qwen3", device="cuda")
