@@ -258,7 +258,8 @@ async def chat_completions(body: oai.ChatCompletionRequest, request: Request, ru
     def choice(i: int, r) -> dict:
         fields, content, calls, reason = chat_answer(start, tool, "".join(r.text), r.finish_reason)
         lp = oai.chat_logprobs(r.logprobs, token_text, token_bytes) if k is not None else None
-        no_content = content is None and (calls is not None or bool(fields))  # vLLM's null for all reasoning
+        # vLLM's null content for an answer that was all reasoning (unless echo gave it some)
+        no_content = content is None and not echo and (calls is not None or bool(fields))
         return oai.chat_choice(i, echo + (content or ""), reason, lp, calls, no_content, fields)
 
     out = [choice(i, r) for i, r in enumerate(results)]

@@ -44,13 +44,12 @@ def starts_in_reasoning(parser: str, prompt_tail: str) -> bool | None:
 
 class ReasoningStream:
     """One answer's text split as it arrives: `feed(delta)` and at the end `finish()` return
-    (reasoning, content) pieces; `reasoned` says whether the answer had a reasoning part."""
+    (reasoning, content) pieces."""
 
     def __init__(self, start: bool | None) -> None:
         self.start = start
         self.text, self.pos = "", 0
         self.state = "content" if start is False else "lead"
-        self.reasoned = False
 
     def feed(self, delta: str) -> tuple[str, str]:
         self.text += delta
@@ -70,7 +69,6 @@ class ReasoningStream:
                 self.state = "reasoning"
             else:
                 self.state = "reasoning" if self.start else "content"
-            self.reasoned = self.state == "reasoning"
         if self.state == "reasoning":
             at = self.text.find(END, self.pos)
             if at < 0:

@@ -112,8 +112,10 @@ class Tokenizer:
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )
-        except jinja2.TemplateError as exc:
-            raise ValueError(f"chat template failed: {exc}") from None
+        except (jinja2.TemplateError, TypeError, ValueError, ArithmeticError, LookupError, AttributeError) as exc:
+            # The template's own errors, and what request values (messages, chat_template_kwargs)
+            # make it do: bad input, a 400, not a crash.
+            raise ValueError(f"chat template failed: {type(exc).__name__}: {exc}") from None
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -172,8 +174,10 @@ def _token_text(value: object) -> str | None:
 
 
 # What apply_chat_template sets itself: chat_template_kwargs may not name them.
+# (`self` is render's own argument; range, dict, namespace, ... jinja's globals, which templates call.)
 TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token",
-                                "raise_exception"})
+                                "raise_exception", "self", "range", "dict", "lipsum", "cycler", "joiner",
+                                "namespace"})
 
 
 class IncrementalDetokenizer:

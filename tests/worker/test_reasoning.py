@@ -145,6 +145,13 @@ def test_an_answer_that_never_ends_its_reasoning_is_all_reasoning(r1_worker):
     assert streamed_message(r1_worker, **kw) == ("The" * 4, "", "length")
 
 
+def test_echo_keeps_its_content_when_the_answer_is_all_reasoning(r1_worker):
+    messages = [*CHAT, {"role": "assistant", "content": "Let me see"}]
+    body = {"model": "demo", "messages": messages, "max_tokens": 2, "temperature": 0, "echo": True,
+            "add_generation_prompt": False, "logit_bias": {str(token(r1_worker, "The")): 100}}
+    message = post(r1_worker, "chat/completions", body).json()["choices"][0]["message"]
+    assert message["content"] == "Let me see" and message["reasoning"] == "The" * 2
+
 def test_structured_outputs_hold_after_the_reasoning(r1_worker):
     """A guided_choice answer in deepseek_r1: the model writes `</think>` first (a logit_bias;
     the choice does not allow it, so only an unconstrained reasoning can write it), then one of the
@@ -188,9 +195,24 @@ def test_qwen3_reasons_only_where_the_answer_or_the_prompt_opens_it(qwen3_worker
     assert tok.decode(ids, skip_special_tokens=False).endswith("<think>\n")
 
 
-def test_template_variables_of_the_server_cannot_be_set(qwen3_worker):
-    body = {"model": "demo", "messages": CHAT, "chat_template_kwargs": {"messages": []}}
+@pytest.mark.parametrize("key", ["messages", "self", "namespace"])
+def test_template_variables_of_the_server_cannot_be_set(qwen3_worker, key):
+    """The server's own variables, render's argument and jinja's globals (which templates call)."""
+    body = {"model": "demo", "messages": CHAT, "chat_template_kwargs": {key: 1}}
     assert "the server sets them" in refused(post(qwen3_worker, "chat/completions", body), "chat_template_kwargs")
+    r = httpx.post(f"{qwen3_worker.url}/tokenize", json={"messages": CHAT, "chat_template_kwargs": {key: 1}})
+    assert r.status_code == 400, r.text
+
+
+def test_what_a_variable_makes_the_template_do_is_a_400(thinking_model):
+    from lorafleet.worker.tokenizer import Tokenizer
+
+    tok = Tokenizer(thinking_model)
+    tok.chat_template = "{{ depth + 1 }}{{ messages[0]['content'] }}"
+    assert tok.apply_chat_template(CHAT, template_kwargs={"depth": 1}).startswith("2")
+    for bad in ("deep", None):
+        with pytest.raises(ValueError, match="chat template failed: TypeError"):
+            tok.apply_chat_template(CHAT, template_kwargs={"depth": bad})
 
 
 def test_a_model_without_the_markers_does_not_start(demo_model, demo_adapters):

@@ -56,6 +56,7 @@ def test_a_constraint_after_a_token_holds_from_the_next(engine):
         assert out.token_ids[: j + 1] == ids[: j + 1]
         assert engine.tokenizer.decode(out.token_ids[j + 1 :]) in options and out.finish_reason == "stop"
 
+
 def test_regex(engine):
     outs = run(engine, Constraint("regex", r"[0-9]{3}-[a-z]{2}", "guided_regex"))
     assert all(re.fullmatch(r"[0-9]{3}-[a-z]{2}", o.text) and o.finish_reason == "stop" for o in outs), \
