@@ -199,6 +199,26 @@ def _regex(text: str) -> str:
     return "".join("\\" + ch if ch in "{}.[]()" else ch for ch in text)
 
 
+def auto_calls(worker, text: str) -> list[dict]:
+    """The demo model made to write `text` (a regex holds it) under "auto": the answer's tool_calls
+    (content null, finish_reason tool_calls), checked to be the streamed answer's too (through the
+    official client)."""
+    body = {"model": "demo", "messages": CHAT, "tools": [WEATHER, CLOCK], "max_tokens": 240, "guided_regex": _regex(text)}
+    r = post(worker, "chat/completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    calls = choice["message"]["tool_calls"]
+    client = openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    chunks = list(client.chat.completions.create(model="demo", messages=CHAT, tools=[WEATHER, CLOCK], max_tokens=240,
+                                                 stream=True, extra_body={"guided_regex": body["guided_regex"]}))
+    final = streamed_completion(chunks).choices[0]
+    assert final.finish_reason == "tool_calls" and not final.message.content
+    assert [(t.function.name, t.function.arguments) for t in final.message.tool_calls] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    return calls
+
+
 def test_auto_calls_come_from_the_models_own_format(auto_worker):
     """The demo model is made to write a hermes call (a regex holds it to the text): the call comes
     back as tool_calls, the words before it as content; streamed, the same call, its arguments in
@@ -242,24 +262,9 @@ def llama3_worker(demo_model, demo_adapters):
 def test_auto_calls_in_llama3_json(llama3_worker):
     """The demo model is made to write two llama3_json calls: both come back as tool_calls, content
     null; streamed, the calls alone; and a plain answer is content."""
-    body = {"model": "demo", "messages": CHAT, "tools": [WEATHER, CLOCK], "max_tokens": 240,
-            "guided_regex": _regex(LLAMA3_CALLS)}
-    r = post(llama3_worker, "chat/completions", body)
-    assert r.status_code == 200, r.text
-    choice = r.json()["choices"][0]
-    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
-    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["weather", "clock"]
-    assert valid("weather", choice["message"]["tool_calls"][0]["function"]["arguments"])
-    client = openai.OpenAI(base_url=f"{llama3_worker.url}/v1", api_key="unused", max_retries=0, timeout=60)
-    chunks = list(client.chat.completions.create(model="demo", messages=CHAT, tools=[WEATHER, CLOCK], max_tokens=240,
-                                                 stream=True, extra_body={"guided_regex": body["guided_regex"]}))
-    deltas = [c.choices[0].delta for c in chunks if c.choices]
-    assert "".join(d.content or "" for d in deltas) == ""
-    final = streamed_completion(chunks).choices[0]
-    assert final.finish_reason == "tool_calls"
-    assert [(t.function.name, t.function.arguments) for t in final.message.tool_calls] == [
-        (c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]]
-    plain = {**body, "max_tokens": 20, "guided_regex": "no call, sorry"}
+    calls = auto_calls(llama3_worker, LLAMA3_CALLS)
+    assert [c["function"]["name"] for c in calls] == ["weather", "clock"] and valid("weather", calls[0]["function"]["arguments"])
+    plain = {"model": "demo", "messages": CHAT, "tools": [WEATHER, CLOCK], "max_tokens": 20, "guided_regex": "no call, sorry"}
     choice = post(llama3_worker, "chat/completions", plain).json()["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": "no call, sorry"} and choice["finish_reason"] == "stop"
 
@@ -277,23 +282,10 @@ def mistral_worker(demo_model, demo_adapters):
 def test_auto_calls_in_mistral(mistral_worker):
     """The demo model is made to write Mistral's call list: both calls come back as tool_calls with
     Mistral's 9-character ids, content null; streamed, the same calls."""
-    body = {"model": "demo", "messages": CHAT, "tools": [WEATHER, CLOCK], "max_tokens": 240,
-            "guided_regex": _regex(MISTRAL_CALLS)}
-    r = post(mistral_worker, "chat/completions", body)
-    assert r.status_code == 200, r.text
-    choice = r.json()["choices"][0]
-    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
-    calls = choice["message"]["tool_calls"]
+    calls = auto_calls(mistral_worker, MISTRAL_CALLS)
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("weather", {"city": "Oslo", "unit": "C"}), ("clock", {"utc": True})]
     assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)
-    client = openai.OpenAI(base_url=f"{mistral_worker.url}/v1", api_key="unused", max_retries=0, timeout=60)
-    chunks = list(client.chat.completions.create(model="demo", messages=CHAT, tools=[WEATHER, CLOCK], max_tokens=240,
-                                                 stream=True, extra_body={"guided_regex": body["guided_regex"]}))
-    final = streamed_completion(chunks).choices[0]
-    assert final.finish_reason == "tool_calls" and not final.message.content
-    assert [(t.function.name, t.function.arguments) for t in final.message.tool_calls] == [
-        (c["function"]["name"], c["function"]["arguments"]) for c in calls]
 
 
 def test_mistral_answers_keep_special_tokens(mistral_worker):
@@ -322,22 +314,9 @@ def pythonic_worker(demo_model, demo_adapters):
 def test_auto_calls_in_pythonic(pythonic_worker):
     """The demo model is made to write a Python list of calls: they come back as tool_calls with JSON
     arguments, content null; streamed, the same calls, an argument at a time."""
-    body = {"model": "demo", "messages": CHAT, "tools": [WEATHER, CLOCK], "max_tokens": 240,
-            "guided_regex": _regex(PYTHONIC_CALLS)}
-    r = post(pythonic_worker, "chat/completions", body)
-    assert r.status_code == 200, r.text
-    choice = r.json()["choices"][0]
-    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
-    calls = choice["message"]["tool_calls"]
+    calls = auto_calls(pythonic_worker, PYTHONIC_CALLS)
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("weather", {"city": "Paris", "unit": "F"}), ("clock", {"utc": True})]
-    client = openai.OpenAI(base_url=f"{pythonic_worker.url}/v1", api_key="unused", max_retries=0, timeout=60)
-    chunks = list(client.chat.completions.create(model="demo", messages=CHAT, tools=[WEATHER, CLOCK], max_tokens=240,
-                                                 stream=True, extra_body={"guided_regex": body["guided_regex"]}))
-    final = streamed_completion(chunks).choices[0]
-    assert final.finish_reason == "tool_calls" and not final.message.content
-    assert [(t.function.name, t.function.arguments) for t in final.message.tool_calls] == [
-        (c["function"]["name"], c["function"]["arguments"]) for c in calls]
 
 
 def test_the_parser_flags_go_together():
