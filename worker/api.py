@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lorafleet.worker import openai_protocol as oai
+from lorafleet.worker import openai_responses as resp
 from lorafleet.worker import reasoning
 from lorafleet.worker.chat_answer import OFF, AnswerStream
 from lorafleet.worker.chat_answer import answer as chat_answer
@@ -80,7 +81,7 @@ async def models(runtime: Runtime) -> dict[str, Any]:
         return e.max_model_len, [(n, e.registry.entries[n].path) for n in e.registry.names()]
 
     max_model_len, adapters = await engine.call(listing)
-    created = oai.now()
+    created = resp.now()
     data = [{"id": base, "object": "model", "created": created, "owned_by": "lorafleet",
              "root": runtime.settings.model, "parent": None, "max_model_len": max_model_len}]
     data += [{"id": name, "object": "model", "created": created, "owned_by": "lorafleet", "root": path,
@@ -134,7 +135,7 @@ def _prepare_chat(runtime: WorkerRuntime, body: oai.ChatCompletionRequest) -> li
 async def completions(body: oai.CompletionRequest, request: Request, runtime: Runtime) -> Response:
     engine = runtime.require_engine()
     model = body.model or runtime.settings.model_name
-    created, n = oai.now(), body.n
+    created, n = resp.now(), body.n
     try:
         body.check_supported()
         adapters = resolve_adapters(body.model, body.lora_adapters, runtime.settings)
@@ -154,8 +155,8 @@ async def completions(body: oai.CompletionRequest, request: Request, runtime: Ru
         echo_texts, token_text = await asyncio.to_thread(_prompt_texts, runtime, raw, prompts)
     # Choice i*n + j is prompt i's j-th choice (vLLM's order).
     streams = await submit_all(engine, [ids for ids in prompts for _ in range(n)], choices * len(prompts), adapters)
-    rid = oai.new_id("cmpl")
-    offsets = [oai.TextOffsets(token_bytes) for _ in streams]
+    rid = resp.new_id("cmpl")
+    offsets = [resp.TextOffsets(token_bytes) for _ in streams]
     prompt_tokens = sum(map(len, prompts))  # once per prompt, whatever n is
 
     def finish(reason: str | None) -> str | None:
@@ -171,7 +172,7 @@ async def completions(body: oai.CompletionRequest, request: Request, runtime: Ru
         if body.echo:  # the first prompt token's logprob is null: nothing predicts it
             text = echo_texts[i // n] + text
             lps = ([ids[0], *(out.prompt_logprobs or [])] if body.logprobs is not None else []) + lps
-        vllm = None if body.prompt_logprobs is None else oai.vllm_prompt_logprobs(out.prompt_logprobs or [], token_text)
+        vllm = None if body.prompt_logprobs is None else resp.vllm_prompt_logprobs(out.prompt_logprobs or [], token_text)
         return text, lps, vllm
 
     if body.stream:
@@ -182,12 +183,12 @@ async def completions(body: oai.CompletionRequest, request: Request, runtime: Ru
             if not started[i]:  # echo and prompt logprobs come with a choice's first chunk
                 started[i] = True
                 text, lps, vllm = scored(i, out, text, lps)
-            lp = oai.completion_logprobs(lps, token_text, offsets[i]) if body.logprobs is not None and lps else None
+            lp = resp.completion_logprobs(lps, token_text, offsets[i]) if body.logprobs is not None and lps else None
             if not text and not out.finished and lp is None and vllm is None:
                 return []
-            return [oai.completion_chunk(rid, created, model, i, text, finish(out.finish_reason), lp, vllm)]
+            return [resp.completion_chunk(rid, created, model, i, text, finish(out.finish_reason), lp, vllm)]
 
-        final = partial(oai.usage_chunk, rid, created, model, "text_completion") if body.include_usage else None
+        final = partial(resp.usage_chunk, rid, created, model, "text_completion") if body.include_usage else None
         return streaming_response(stream_events(streams, chunk, final, prompt_tokens,
                                                 continuous_usage=body.continuous_usage, generates=not echo_only))
 
@@ -195,23 +196,23 @@ async def completions(body: oai.CompletionRequest, request: Request, runtime: Ru
 
     def choice(i: int, r) -> dict:
         text, lps, vllm = scored(i, r, "".join(r.text), r.logprobs)
-        lp = oai.completion_logprobs(lps, token_text, offsets[i]) if body.logprobs is not None else None
-        return oai.completion_choice(i, text, finish(r.finish_reason), lp, vllm)
+        lp = resp.completion_logprobs(lps, token_text, offsets[i]) if body.logprobs is not None else None
+        return resp.completion_choice(i, text, finish(r.finish_reason), lp, vllm)
 
     def choices() -> list[dict]:
         return [choice(i, r) for i, r in enumerate(results)]
 
     # A scored prompt is many entries to build: off the event loop.
     out = await asyncio.to_thread(choices) if body.prompt_k() is not None else choices()
-    use = oai.usage(prompt_tokens, 0 if echo_only else sum(r.generated for r in results))
-    return JSONResponse(oai.response("text_completion", rid, created, model, out, use))
+    use = resp.usage(prompt_tokens, 0 if echo_only else sum(r.generated for r in results))
+    return JSONResponse(resp.response("text_completion", rid, created, model, out, use))
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: oai.ChatCompletionRequest, request: Request, runtime: Runtime) -> Response:
     engine = runtime.require_engine()
     model = body.model or runtime.settings.model_name
-    created, n = oai.now(), body.n
+    created, n = resp.now(), body.n
     try:
         body.check_supported()
         adapters = resolve_adapters(body.model, body.lora_adapters, runtime.settings)
@@ -228,48 +229,48 @@ async def chat_completions(body: oai.ChatCompletionRequest, request: Request, ru
     except Exception as exc:  # noqa: BLE001 - mapped to 4xx; a bug re-raises
         raise from_engine(exc) from None
     streams = await submit_all(engine, [ids] * n, oai.per_choice(sampling, n), adapters)
-    rid = oai.new_id("chatcmpl")
+    rid = resp.new_id("chatcmpl")
     token_text, token_bytes = _token_text(runtime), _token_bytes(runtime)
     echo = "" if tool is not None else body.echo_text()
 
     if body.stream:
-        first = [oai.chat_chunk(rid, created, model, i, {"role": "assistant", "content": ""}, None) for i in range(n)]
-        first += [oai.chat_chunk(rid, created, model, i, {"content": echo}, None) for i in range(n) if echo]
+        first = [resp.chat_chunk(rid, created, model, i, {"role": "assistant", "content": ""}, None) for i in range(n)]
+        first += [resp.chat_chunk(rid, created, model, i, {"content": echo}, None) for i in range(n) if echo]
         readers = [AnswerStream(start, tool) for _ in range(n)]
 
         def chunk(i: int, out: RequestOutput) -> list[dict]:
             """The step's reasoning, content and tool-call pieces (a call's arguments as they are
             written), the logprobs with the first; the finish after them."""
-            lp = oai.chat_logprobs(out.logprobs, token_text, token_bytes) if k is not None and out.logprobs else None
+            lp = resp.chat_logprobs(out.logprobs, token_text, token_bytes) if k is not None and out.logprobs else None
             thought, content, entries = readers[i].feed(out.text_delta, out.finished)
             parts = [{"reasoning": thought, "reasoning_content": thought}] if thought else []
             parts += [{"content": content}] if content or (lp is not None and not thought and not entries) else []
             parts += [{"tool_calls": entries}] if entries else []
-            chunks = [oai.chat_chunk(rid, created, model, i, d, None, lp if j == 0 else None) for j, d in enumerate(parts)]
+            chunks = [resp.chat_chunk(rid, created, model, i, d, None, lp if j == 0 else None) for j, d in enumerate(parts)]
             if out.finished:
-                chunks.append(oai.chat_chunk(rid, created, model, i, {}, readers[i].finish_reason(out.finish_reason)))
+                chunks.append(resp.chat_chunk(rid, created, model, i, {}, readers[i].finish_reason(out.finish_reason)))
             return chunks
 
-        final = partial(oai.usage_chunk, rid, created, model, "chat.completion.chunk") if body.include_usage else None
+        final = partial(resp.usage_chunk, rid, created, model, "chat.completion.chunk") if body.include_usage else None
         return streaming_response(stream_events(streams, chunk, final, len(ids), first, body.continuous_usage))
 
     results = await collect(request, streams)
 
     def choice(i: int, r) -> dict:
         fields, content, calls, reason = chat_answer(start, tool, "".join(r.text), r.finish_reason)
-        lp = oai.chat_logprobs(r.logprobs, token_text, token_bytes) if k is not None else None
+        lp = resp.chat_logprobs(r.logprobs, token_text, token_bytes) if k is not None else None
         # vLLM's null content for an answer that was all reasoning (unless echo gave it some)
         no_content = content is None and not echo and (calls is not None or bool(fields))
-        return oai.chat_choice(i, echo + (content or ""), reason, lp, calls, no_content, fields)
+        return resp.chat_choice(i, echo + (content or ""), reason, lp, calls, no_content, fields)
 
     out = [choice(i, r) for i, r in enumerate(results)]
-    use = oai.usage(len(ids), sum(r.generated for r in results))
+    use = resp.usage(len(ids), sum(r.generated for r in results))
     extra = {}
     if body.prompt_logprobs is not None:  # vLLM's: once for the request, in its shape (completions' per choice)
         _, table = await asyncio.to_thread(_prompt_texts, runtime, [ids], [ids])
-        extra["prompt_logprobs"] = await asyncio.to_thread(oai.vllm_prompt_logprobs, results[0].prompt_logprobs or [],
+        extra["prompt_logprobs"] = await asyncio.to_thread(resp.vllm_prompt_logprobs, results[0].prompt_logprobs or [],
                                                            table)
-    return JSONResponse(oai.response("chat.completion", rid, created, model, out, use, **extra))
+    return JSONResponse(resp.response("chat.completion", rid, created, model, out, use, **extra))
 
 
 def _reasoning_start(runtime: WorkerRuntime, ids: list[int], sampling: SamplingParams

@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 from lorafleet.protocol import LoraAdapterRef
 from lorafleet.worker.async_engine import AsyncEngine, RequestStream
 from lorafleet.worker.errors import ApiError, error_response, from_engine
-from lorafleet.worker.openai_protocol import usage
+from lorafleet.worker.openai_responses import usage
 from lorafleet.worker.outputs import RequestOutput
 from lorafleet.worker.sampling import TokenLogprobs
 from lorafleet.worker.sequence import SamplingParams
