@@ -27,10 +27,10 @@ begun (an object without arguments: `{}` at its end), and from then on its argum
 writes them: the arguments are the model's own text of that JSON object, not re-serialised. A call
 is never taken back, so a call cut short (out of tokens) arrives cut short, with the answer's
 finish_reason `length`, as OpenAI's do, and one that goes wrong after its arguments began stays as
-far as it was read (a whole answer the same: `parse` is a stream fed at once). Until a call has begun nothing that could be one is sent;
-an answer whose first call does not read as one (not an object, a name that is not a string,
-arguments that are not an object) is content after all, sent whole at that point, and a bad object
-after good calls ends the calls (the rest is dropped).
+far as it was read (a whole answer the same: `parse` is a stream fed at once). Until a call has
+begun nothing that could be one is sent; an answer whose first call does not read as one (not an
+object, a name that is not a string, arguments that are not an object) is content after all, sent
+whole at that point, and a bad object after good calls ends the calls (the rest is dropped).
 """
 
 from __future__ import annotations
@@ -222,8 +222,7 @@ class CallStream:
 
     def _at_lead(self) -> None:  # an answer that must open with its calls
         if self.fmt == "forced":
-            self.calls.append(_Call(0, self.forced or "", 0))
-            self._entry(0, id=self.calls[0].id, name=self.forced)
+            self._begin_call(self.forced or "", 0)
             self.state = "forced_args"
             return
         head = self.text[self.pos :].lstrip(_WS)
@@ -253,8 +252,7 @@ class CallStream:
         if not name:
             self._fail()
             return
-        self.calls.append(_Call(len(self.calls), name, 0, short_id=True))
-        self._entry(self.calls[-1].index, id=self.calls[-1].id, name=name)
+        self._begin_call(name, 0)
         self.state = "bare_args"
 
     def _at_bare_args(self) -> None:  # the arguments object after [ARGS]
@@ -291,9 +289,8 @@ class CallStream:
         py = self.py
         py.scan(self.text)
         if not self.begun and py.name is not None and (py.args or py.end is not None):  # as _at_in_object
-            self.calls.append(_Call(len(self.calls), py.name, 0))
+            self._begin_call(py.name, 0)
             self.begun = True
-            self._entry(self.calls[-1].index, id=self.calls[-1].id, name=py.name)
         if self.begun:
             self._add_arguments(self.calls[-1], py.arguments_pieces())
         if py.bad:
@@ -307,11 +304,8 @@ class CallStream:
         # Begun whether or not the object went bad since: a stream fed in pieces begins it the
         # moment its arguments do, so a whole answer must too.
         if not self.begun and obj.name is not None and (obj.args_start is not None or obj.end is not None):
-            call = _Call(len(self.calls), obj.name, obj.args_start if obj.args_start is not None else 0,
-                         short_id=self.fmt == "mistral")
-            self.calls.append(call)
+            call = self._begin_call(obj.name, obj.args_start if obj.args_start is not None else 0)
             self.begun = True
-            self._entry(call.index, id=call.id, name=call.name)
             if obj.args_start is None:  # no arguments: an empty object
                 call.arguments = "{}"
                 self._entry(call.index, arguments="{}")
@@ -359,6 +353,13 @@ class CallStream:
             return False
         self.pos += 1
         return True
+
+    def _begin_call(self, name: str, args_from: int) -> _Call:
+        """A new call, sent as its first entry (id, name); its arguments from `args_from` in the text."""
+        call = _Call(len(self.calls), name, args_from, short_id=self.fmt == "mistral")
+        self.calls.append(call)
+        self._entry(call.index, id=call.id, name=name)
+        return call
 
     def _send_content(self, upto: int) -> None:
         if upto > self.sent:
