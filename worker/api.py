@@ -31,6 +31,7 @@ from lorafleet.worker.serving import (
     streaming_response,
     submit_all,
 )
+from lorafleet.worker.tools import ToolPlan
 
 
 def get_runtime(request: Request) -> WorkerRuntime:
@@ -149,7 +150,7 @@ async def completions(body: oai.CompletionRequest, request: Request, runtime: Ru
         choices = oai.per_choice(body.sampling(max_tokens, body.logprobs, body.prompt_k()), n)
     except Exception as exc:  # noqa: BLE001 - mapped to 4xx; a bug re-raises
         raise from_engine(exc) from None
-    token_text, token_bytes = _token_text(runtime), _token_bytes(runtime)
+    token_text, token_bytes = token_text_of(runtime), token_bytes_of(runtime)
     echo_texts: list[str] = []
     if body.echo or body.prompt_k() is not None:  # decoding off the event loop, as tokenizing is
         echo_texts, token_text = await asyncio.to_thread(_prompt_texts, runtime, raw, prompts)
@@ -208,15 +209,26 @@ async def completions(body: oai.CompletionRequest, request: Request, runtime: Ru
     return JSONResponse(resp.response("text_completion", rid, created, model, out, use))
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(body: oai.ChatCompletionRequest, request: Request, runtime: Runtime) -> Response:
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChatPlan:
+    """A chat request made ready to run: its prompt, sampling, tool plan and where its answer begins."""
+
+    ids: list[int]
+    sampling: SamplingParams
+    tool: ToolPlan | None
+    start: bool | None | object  # worker/chat_answer.py (OFF: no reasoning parser)
+    adapters: tuple[tuple[str, float], ...]
+    k: int | None  # top logprobs per token; None: no logprobs
+
+
+async def plan_chat(runtime: WorkerRuntime, body: oai.ChatCompletionRequest) -> ChatPlan:
+    """Checks, the chat template and the sampling of a chat request (also what `/v1/responses`
+    runs); 4xx ApiErrors for what the request gets wrong."""
     engine = runtime.require_engine()
-    model = body.model or runtime.settings.model_name
-    created, n = resp.now(), body.n
     try:
         body.check_supported()
         adapters = resolve_adapters(body.model, body.lora_adapters, runtime.settings)
-        check_sequences(n, engine.engine.config.max_num_seqs)
+        check_sequences(body.n, engine.engine.config.max_num_seqs)
         ids = await asyncio.to_thread(_prepare_chat, runtime, body)
         k = body.logprobs_k()
         # vLLM's rule: max_completion_tokens (OpenAI's newer name) over max_tokens.
@@ -228,9 +240,19 @@ async def chat_completions(body: oai.ChatCompletionRequest, request: Request, ru
         start, sampling = _reasoning_start(runtime, ids, sampling)
     except Exception as exc:  # noqa: BLE001 - mapped to 4xx; a bug re-raises
         raise from_engine(exc) from None
-    streams = await submit_all(engine, [ids] * n, oai.per_choice(sampling, n), adapters)
+    return ChatPlan(ids, sampling, tool, start, adapters, k)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: oai.ChatCompletionRequest, request: Request, runtime: Runtime) -> Response:
+    engine = runtime.require_engine()
+    model = body.model or runtime.settings.model_name
+    created, n = resp.now(), body.n
+    plan = await plan_chat(runtime, body)
+    ids, tool, start, k = plan.ids, plan.tool, plan.start, plan.k
+    streams = await submit_all(engine, [ids] * n, oai.per_choice(plan.sampling, n), plan.adapters)
     rid = resp.new_id("chatcmpl")
-    token_text, token_bytes = _token_text(runtime), _token_bytes(runtime)
+    token_text, token_bytes = token_text_of(runtime), token_bytes_of(runtime)
     echo = "" if tool is not None else body.echo_text()
 
     if body.stream:
@@ -305,11 +327,11 @@ def _prompt_texts(runtime: WorkerRuntime, raw: list[str | list[int]],
 
 @functools.lru_cache(maxsize=2)
 def _vocabulary_texts(tokenizer, vocab: int) -> tuple[str, ...]:
-    """Each token id's text (as `_token_text` decodes it), for one tokenizer: ~0.3 s once at a 100k vocabulary."""
+    """Each token id's text (as `token_text_of` decodes it), for one tokenizer: ~0.3 s once at a 100k vocabulary."""
     return tuple(tokenizer.decode([t], skip_special_tokens=False) for t in range(vocab))
 
 
-def _token_text(runtime: WorkerRuntime) -> Callable[[int], str]:
+def token_text_of(runtime: WorkerRuntime) -> Callable[[int], str]:
     tokenizer = runtime.require_engine().engine.tokenizer
 
     def text(token_id: int) -> str:
@@ -318,5 +340,5 @@ def _token_text(runtime: WorkerRuntime) -> Callable[[int], str]:
     return text
 
 
-def _token_bytes(runtime: WorkerRuntime) -> Callable[[int], bytes]:
+def token_bytes_of(runtime: WorkerRuntime) -> Callable[[int], bytes]:
     return runtime.require_engine().engine.tokenizer.token_bytes

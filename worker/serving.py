@@ -58,6 +58,7 @@ def default_max_tokens(max_model_len: int, prompt_len: int) -> int:
 @dataclass(slots=True)
 class _Result:
     text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     generated: int = 0
     finish_reason: str = "stop"
@@ -133,6 +134,7 @@ async def collect(request: Request, streams: list[RequestStream]) -> list[_Resul
         async for i, out in _merged(streams):
             r = results[i]
             r.text.append(out.text_delta)
+            r.token_ids.extend(out.new_token_ids)
             r.logprobs.extend(out.logprobs)
             r.generated = out.num_generated
             if out.prompt_logprobs is not None:
