@@ -21,6 +21,7 @@ from lorafleet.worker.admin import router as admin_router
 from lorafleet.worker.api import probes
 from lorafleet.worker.api import router as public_router
 from lorafleet.worker.errors import ApiError, error_response
+from lorafleet.worker.responses_route import router as responses_router
 from lorafleet.worker.runtime import WorkerRuntime
 from lorafleet.worker.settings import WorkerSettings
 from lorafleet.worker.tokenize_routes import router as tokenize_router
@@ -59,6 +60,7 @@ def _build(runtime: WorkerRuntime, public: bool, admin: bool, owns_runtime: bool
     if public:
         app.include_router(public_router)
         app.include_router(tokenize_router)
+        app.include_router(responses_router)
     if admin:
         app.include_router(admin_router)
     if not public:  # the admin port answers probes too

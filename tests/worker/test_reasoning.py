@@ -72,10 +72,13 @@ THINKING_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def thinking_model(demo_model, tmp_path_factory):
-    """The demo model with `<think>` and `</think>` tokens (two of its unused special tokens renamed,
-    plain added tokens, as Qwen3's are) and a template that opens the reasoning with
-    `enable_thinking`."""
-    out = tmp_path_factory.mktemp("thinking") / "model"
+    return make_thinking_model(demo_model, tmp_path_factory.mktemp("thinking") / "model")
+
+
+def make_thinking_model(demo_model, out):
+    """The demo model, copied to `out`, with `<think>` and `</think>` tokens (two of its unused
+    special tokens renamed, plain added tokens, as Qwen3's are) and a template that opens the
+    reasoning with `enable_thinking`."""
     shutil.copytree(demo_model, out)
     tok = json.loads((out / "tokenizer.json").read_text())
     renamed = {"<pad>": "<think>", "<|system|>": "</think>"}
