@@ -1,6 +1,7 @@
 """The gateway: `create_app(settings)` builds the app; clients are made in its lifespan.
 
-The proxied routes (`/v1/completions`, `/v1/chat/completions`) are served by the pure-ASGI fast
+The proxied routes (`/v1/completions`, `/v1/chat/completions`, `/v1/responses`, vLLM's tokenizer
+routes) are served by the pure-ASGI fast
 path in `generate.py`, in front of FastAPI; this module has the rest (`/v1/models`, health, metrics).
 """
 

@@ -1,5 +1,5 @@
-"""The proxied routes, `/v1/completions` and `/v1/chat/completions` (and vLLM's `/tokenize` and
-`/detokenize`), as a pure-ASGI fast path.
+"""The proxied routes, `/v1/completions`, `/v1/chat/completions` and `/v1/responses` (and vLLM's
+`/tokenize` and `/detokenize`), as a pure-ASGI fast path.
 
 Request path: authenticate → read and cap the body → resolve model/adapters and check the tenant may
 use them → tenant limits → schedule (pure policy) → load if cold (single flight) → forward (retry
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lorafleet.router")
 
-PROXIED = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
+PROXIED = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"})
 # vLLM's tokenizer routes: any replica of the base answers (adapters do not change the tokenizer),
 # so they are scheduled as base-model requests, load nothing, and reach the worker naming the base.
 TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})
@@ -171,25 +171,28 @@ async def unless_gone(work: Coroutine[Any, Any, T], gone: asyncio.Future[None]) 
         task.cancel()  # no-op once done; stops it when this request itself is cancelled
 
 
-def check_fields(payload: dict[str, Any], s: RouterSettings, chat: bool) -> tuple[str, str] | None:
+# Each path's length and count fields (the Responses API's one; the worker refuses chat's names there).
+_CAPPED = {"/v1/chat/completions": ("max_tokens", "max_completion_tokens", "n"), "/v1/responses": ("max_output_tokens",)}
+
+
+def check_fields(payload: dict[str, Any], s: RouterSettings, path: str) -> tuple[str, str] | None:
     """(param, message) for a field the worker would refuse or the router caps, else None.
 
     The worker's rules (`worker/openai_protocol.py`): JSON null means "not given" (OpenAI's rule);
-    integer fields take JSON integers, not booleans; `max_tokens` (and chat's
-    `max_completion_tokens`) and `n` at least 1, but completions' `max_tokens` 0 with `echo` true
-    (the prompt scored, nothing generated); `stream` a JSON boolean. The messages use the
-    worker's (pydantic's) wording. The caps (`max_tokens_cap`, `max_n`) are the router's own.
+    integer fields take JSON integers, not booleans; `max_tokens` (chat's `max_completion_tokens`,
+    the Responses API's `max_output_tokens`) and `n` at least 1, but completions' `max_tokens` 0
+    with `echo` true (the prompt scored, nothing generated); `stream` a JSON boolean. The messages
+    use the worker's (pydantic's) wording. The caps (`max_tokens_cap`, `max_n`) are the router's own.
     """
-    ranges = {"max_tokens": (1, s.max_tokens_cap), "n": (1, s.max_n)}
-    if chat:
-        ranges["max_completion_tokens"] = (1, s.max_tokens_cap)
+    ranges = {name: (1, s.max_n if name == "n" else s.max_tokens_cap)
+              for name in _CAPPED.get(path, ("max_tokens", "n"))}
     for name, (low, high) in ranges.items():
         value = payload.get(name)
         if value is None:
             continue
         if not isinstance(value, int) or isinstance(value, bool):
             return name, f"{name}: Input should be a valid integer"
-        if name == "max_tokens" and value == 0 and not chat:  # completions' echo alone
+        if name == "max_tokens" and value == 0 and path not in _CAPPED:  # completions' echo alone
             echo = payload.get("echo")
             if echo is True or not isinstance(echo, bool | None):  # an echo that is not a boolean: the worker's 400
                 continue
@@ -274,7 +277,7 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
     if not isinstance(model, str):
         message = "model: Input should be a valid string"
         return await respond_error(send, 400, message, "invalid_request_error", param="model")
-    problem = check_fields(payload, gw.settings, scope["path"] == "/v1/chat/completions")
+    problem = check_fields(payload, gw.settings, scope["path"])
     if problem:
         return await respond_error(send, 400, problem[1], "invalid_request_error", param=problem[0])
     try:

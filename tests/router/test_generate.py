@@ -18,44 +18,52 @@ from tests.router.fake_worker import FakeWorkerProcess
 pytestmark = pytest.mark.timeout(120)
 
 SETTINGS = RouterSettings(max_tokens_cap=8192, max_n=8)
+COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 
 
 @pytest.mark.parametrize(
-    ("payload", "chat", "expected"),
+    ("payload", "path", "expected"),
     [
-        ({}, False, None),
-        ({"max_tokens": 1, "n": 1, "stream": True}, False, None),
-        ({"max_tokens": None, "max_completion_tokens": None}, True, None),
-        ({"max_tokens": 0}, False, ("max_tokens", MAX_TOKENS_ZERO)),
-        ({"max_tokens": 0, "echo": True}, False, None),  # completions' echo alone
-        ({"max_tokens": 0, "echo": False}, False, ("max_tokens", MAX_TOKENS_ZERO)),
-        ({"max_tokens": 0, "echo": "true"}, False, None),  # not a boolean: the worker refuses echo itself
-        ({"max_tokens": 0, "echo": True}, True, ("max_tokens", "max_tokens: Input should be greater than or equal to 1")),
-        ({"max_tokens": True}, False, ("max_tokens", "max_tokens: Input should be a valid integer")),
-        ({"max_tokens": "5"}, False, ("max_tokens", "max_tokens: Input should be a valid integer")),
+        ({}, COMPLETIONS, None),
+        ({"max_tokens": 1, "n": 1, "stream": True}, COMPLETIONS, None),
+        ({"max_tokens": None, "max_completion_tokens": None}, CHAT, None),
+        ({"max_tokens": 0}, COMPLETIONS, ("max_tokens", MAX_TOKENS_ZERO)),
+        ({"max_tokens": 0, "echo": True}, COMPLETIONS, None),  # completions' echo alone
+        ({"max_tokens": 0, "echo": False}, COMPLETIONS, ("max_tokens", MAX_TOKENS_ZERO)),
+        ({"max_tokens": 0, "echo": "true"}, COMPLETIONS, None),  # not a boolean: the worker refuses echo itself
+        ({"max_tokens": 0, "echo": True}, CHAT, ("max_tokens", "max_tokens: Input should be greater than or equal to 1")),
+        ({"max_tokens": True}, COMPLETIONS, ("max_tokens", "max_tokens: Input should be a valid integer")),
+        ({"max_tokens": "5"}, COMPLETIONS, ("max_tokens", "max_tokens: Input should be a valid integer")),
         (
             {"max_tokens": 8193},
-            False,
+            COMPLETIONS,
             ("max_tokens", "max_tokens: Input should be less than or equal to 8192"),
         ),
         (
             {"max_completion_tokens": 0},
-            True,
+            CHAT,
             ("max_completion_tokens", "max_completion_tokens: Input should be greater than or equal to 1"),
         ),
-        ({"max_completion_tokens": 0}, False, None),  # completions has no such field: the worker ignores it
-        ({"n": False}, False, ("n", "n: Input should be a valid integer")),
-        ({"n": None, "stream": None, "max_tokens": None}, False, None),  # null: not given (OpenAI's rule)
-        ({"n": None, "stream": None, "max_completion_tokens": None}, True, None),
-        ({"n": 0}, False, ("n", "n: Input should be greater than or equal to 1")),
-        ({"n": 8}, False, None),
-        ({"n": 9}, False, ("n", "n: Input should be less than or equal to 8")),
-        ({"stream": "false"}, False, ("stream", "stream: Input should be a valid boolean")),
-        ({"stream": 0}, False, ("stream", "stream: Input should be a valid boolean")),
+        ({"max_completion_tokens": 0}, COMPLETIONS, None),  # completions has no such field: the worker ignores it
+        ({"n": False}, COMPLETIONS, ("n", "n: Input should be a valid integer")),
+        ({"n": None, "stream": None, "max_tokens": None}, COMPLETIONS, None),  # null: not given (OpenAI's rule)
+        ({"n": None, "stream": None, "max_completion_tokens": None}, CHAT, None),
+        ({"n": 0}, COMPLETIONS, ("n", "n: Input should be greater than or equal to 1")),
+        ({"n": 8}, COMPLETIONS, None),
+        ({"n": 9}, COMPLETIONS, ("n", "n: Input should be less than or equal to 8")),
+        ({"stream": "false"}, COMPLETIONS, ("stream", "stream: Input should be a valid boolean")),
+        ({"stream": 0}, COMPLETIONS, ("stream", "stream: Input should be a valid boolean")),
+        # The Responses API's one length field, capped as the others; chat's names are the worker's 400.
+        ({"max_output_tokens": 8192, "max_tokens": 0, "n": 99}, RESPONSES, None),
+        ({"max_output_tokens": 0}, RESPONSES, ("max_output_tokens", "max_output_tokens: Input should be greater than or equal to 1")),
+        ({"max_output_tokens": 8193}, RESPONSES, ("max_output_tokens", "max_output_tokens: Input should be less than or equal to 8192")),
+        ({"max_output_tokens": 1.5}, RESPONSES, ("max_output_tokens", "max_output_tokens: Input should be a valid integer")),
+        ({"max_output_tokens": 0}, CHAT, None),  # not chat's field
+        ({"stream": "yes"}, RESPONSES, ("stream", "stream: Input should be a valid boolean")),
     ],
 )
-def test_check_fields_refuses_what_the_worker_refuses(payload, chat, expected):
-    assert check_fields(payload, SETTINGS, chat) == expected
+def test_check_fields_refuses_what_the_worker_refuses(payload, path, expected):
+    assert check_fields(payload, SETTINGS, path) == expected
 
 
 def unload(worker: FakeWorkerProcess, name: str) -> None:
