@@ -26,6 +26,13 @@ MAX_TOKENS_ZERO = "max_tokens 0 needs echo: true (the prompt, and with logprobs 
 REASON_IN_USE = "in_use"
 REASON_DRAINING = "draining"
 
+
+def response_not_kept(response_id: str) -> str:
+    """The 404 for a stored Responses API response asked for: workers keep none (`store` is off)."""
+    return (f"Response with id {response_id!r} not found: this server keeps no responses (store is off); "
+            "send the earlier turns in input")
+
+
 # Internal headers the router sets towards workers; stripped from client requests.
 HEADER_REPLICA = "x-lorafleet-replica"
 HEADER_ROUTE_REASON = "x-lorafleet-route"

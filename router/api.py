@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from lorafleet.placement_store import MemoryPlacementStore, PlacementStore, RedisPlacementStore
-from lorafleet.protocol import ErrorResponse
+from lorafleet.protocol import ErrorResponse, response_not_kept
 from lorafleet.router.admin_tokens import AdminTokens
 from lorafleet.router.discovery import SA_DIR, Discovery, KubernetesDiscovery, StaticDiscovery
 from lorafleet.router.fleet import Fleet
@@ -213,6 +213,17 @@ async def ready(gw: GatewayDep) -> JSONResponse:
 @router.get("/metrics")
 async def metrics(gw: GatewayDep) -> Response:
     return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/responses/{response_id}")
+@router.delete("/v1/responses/{response_id}")
+@router.get("/v1/responses/{response_id}/input_items")
+@router.post("/v1/responses/{response_id}/cancel")
+async def stored_response(response_id: str, request: Request, gw: GatewayDep) -> JSONResponse:
+    """The Responses API's routes on stored responses: the workers store none (a 404 saying so)."""
+    if gw.tenants.authenticate(request.headers.get("authorization")) is None:
+        return error(401, "Invalid API key.", "invalid_request_error", "invalid_api_key")
+    return error(404, response_not_kept(response_id), "invalid_request_error")
 
 
 @router.get("/v1/models")

@@ -2,7 +2,8 @@
 (worker/responses_protocol.py), planned and run as chat runs (`plan_chat`), and its answer built
 into output items and semantic stream events (worker/response_writer.py). Streamed, the events go
 out as named SSE events (`event: response.output_text.delta`), with no `[DONE]`, as OpenAI sends
-them; an error after the first event is an `error` event.
+them; an error after the first event is an `error` event. Nothing is stored: the routes on a stored
+response (`GET`/`DELETE /v1/responses/{id}`, its `input_items` and `cancel`) are 404s saying so.
 
 Errors name the Responses API's fields: a problem chat finds in `messages` is one in `input`, in
 `max_completion_tokens` one in `max_output_tokens`, in `response_format` one in `text.format`.
@@ -18,6 +19,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from lorafleet.protocol import response_not_kept
 from lorafleet.worker import openai_responses as resp
 from lorafleet.worker.api import ChatPlan, Runtime, plan_chat, token_bytes_of, token_text_of
 from lorafleet.worker.async_engine import RequestStream
@@ -49,8 +51,7 @@ def _renamed(exc: ApiError) -> ApiError:
 async def create_response(body: ResponsesRequest, request: Request, runtime: Runtime) -> Response:
     engine = runtime.require_engine()
     if body.previous_response_id is not None:
-        raise ApiError(404, f"Response with id {body.previous_response_id!r} not found: this server keeps no "
-                            "responses (store is off); send the earlier turns in input", param="previous_response_id")
+        raise ApiError(404, response_not_kept(body.previous_response_id), param="previous_response_id")
     try:
         chat = body.chat_request()
     except Exception as exc:  # noqa: BLE001 - mapped to 4xx; a bug re-raises
@@ -75,6 +76,15 @@ async def create_response(body: ResponsesRequest, request: Request, runtime: Run
     writer.feed(*reader.feed("".join(r.text), True), logprobs(r.logprobs))
     writer.finish(r.finish_reason, usage(len(plan.ids), r.generated, reasoning_tokens(r.token_ids, writer.has_reasoning)))
     return JSONResponse(writer.response())
+
+
+@router.get("/v1/responses/{response_id}")
+@router.delete("/v1/responses/{response_id}")
+@router.get("/v1/responses/{response_id}/input_items")
+@router.post("/v1/responses/{response_id}/cancel")
+async def stored_response(response_id: str) -> Response:
+    """The routes on stored responses: none is stored, so each is a 404 saying so."""
+    raise ApiError(404, response_not_kept(response_id), param="response_id")
 
 
 async def _events(stream: RequestStream, writer: ResponseWriter, reader: AnswerStream,

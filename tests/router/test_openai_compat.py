@@ -166,3 +166,28 @@ def test_tokenizer_routes_refuse_an_unknown_model_themselves(router):
     assert r.status_code == 404 and "x-lorafleet-replica" not in r.headers, r.text
     bad = httpx.post(f"{router.url}/detokenize", json={"model": "sql", "tokens": [-1]}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens", bad.text
+
+
+def test_responses_through_the_router_are_the_workers(via_router, direct):
+    """OpenAI's Responses API, routed by its model (an adapter): the worker's answer, streamed or not."""
+    kw = dict(model="sql", input="hi", max_output_tokens=5, temperature=0)
+    want, got = direct.responses.create(**kw), via_router.responses.create(**kw)
+    assert got.output_text == want.output_text and got.usage == want.usage and got.status == want.status
+    with via_router.responses.stream(**kw) as stream:
+        events = list(stream)
+    assert events[0].type == "response.created" and events[-1].response.usage == want.usage
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want.output_text
+
+
+def test_responses_max_output_tokens_is_capped_by_the_router(via_router):
+    with pytest.raises(openai.BadRequestError, match="max_output_tokens: Input should be less than or equal to"):
+        via_router.responses.create(model="sql", input="hi", max_output_tokens=10**9)
+
+
+@pytest.mark.parametrize("client", ["via_router", "direct"])
+def test_stored_responses_are_404s_saying_none_is_kept(client, request):
+    c = request.getfixturevalue(client)
+    for call in (lambda: c.responses.retrieve("resp_1"), lambda: c.responses.delete("resp_1"),
+                 lambda: c.responses.cancel("resp_1"), lambda: c.responses.input_items.list("resp_1")):
+        with pytest.raises(openai.NotFoundError, match="'resp_1' not found: this server keeps no responses"):
+            call()
