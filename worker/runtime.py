@@ -49,14 +49,16 @@ class WorkerRuntime:
 
     async def _load(self) -> None:
         from lorafleet.worker.engine import LLMEngine
+        from lorafleet.worker.tokenizer import Tokenizer
 
         s = self.settings
         try:
+            if s.reasoning_parser is not None:  # before the weights: a vocabulary without the markers fails at once
+                tokenizer = await asyncio.to_thread(Tokenizer, s.tokenizer or s.model)
+                self.reasoning_markers = marker_ids(tokenizer, s.reasoning_parser)
             engine = await asyncio.to_thread(
                 LLMEngine, s.model, s.engine, s.tokenizer, dict(s.lora_modules)
             )
-            if s.reasoning_parser is not None:
-                self.reasoning_markers = marker_ids(engine.tokenizer, s.reasoning_parser)
         except Exception as exc:  # noqa: BLE001 - reported on /health and /ready, and logged
             self.error = f"the engine failed to start: {type(exc).__name__}: {exc}"
             log.error("%s", self.error)

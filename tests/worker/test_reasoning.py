@@ -218,9 +218,15 @@ def test_what_a_variable_makes_the_template_do_is_a_400(thinking_model):
             tok.apply_chat_template(CHAT, template_kwargs={"depth": bad})
 
 
-def test_a_model_without_the_markers_does_not_start(demo_model, demo_adapters):
+def test_a_model_without_the_markers_does_not_start(demo_model, demo_adapters, monkeypatch):
+    """It fails before the weights load (the engine is never built), saying why."""
+    from lorafleet.worker import engine
     from lorafleet.worker.runtime import WorkerRuntime
 
+    def not_built(*args, **kw):
+        raise AssertionError("the engine was built before the markers were checked")
+
+    monkeypatch.setattr(engine, "LLMEngine", not_built)
     settings = dataclasses.replace(worker_settings(demo_model, demo_adapters), reasoning_parser="qwen3")
     runtime = WorkerRuntime.create(settings)
     asyncio.run(runtime._load())
