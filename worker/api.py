@@ -152,12 +152,15 @@ async def completions(body: oai.CompletionRequest, request: Request, runtime: Ru
         raise from_engine(exc) from None
     token_text, token_bytes = token_text_of(runtime), token_bytes_of(runtime)
     echo_texts: list[str] = []
+    shown = [range(len(ids)) for ids in prompts]
     if body.echo or body.prompt_k() is not None:  # decoding off the event loop, as tokenizing is
-        echo_texts, token_text = await asyncio.to_thread(_prompt_texts, runtime, raw, prompts)
+        echo_texts, shown, token_text = await asyncio.to_thread(_prompt_texts, runtime, raw, prompts)
     # Choice i*n + j is prompt i's j-th choice (vLLM's order).
     streams = await submit_all(engine, [ids for ids in prompts for _ in range(n)], choices * len(prompts), adapters)
     rid = resp.new_id("cmpl")
-    offsets = [resp.TextOffsets(token_bytes) for _ in streams]
+    hidden = runtime.require_engine().engine.tokenizer.special_ids if body.skip_special_tokens else frozenset()
+    offsets = [resp.TextOffsets(token_bytes, hidden, len(prompts[i // n]) if body.echo else 0, shown[i // n])
+               for i in range(len(streams))]
     prompt_tokens = sum(map(len, prompts))  # once per prompt, whatever n is
 
     def finish(reason: str | None) -> str | None:
@@ -289,7 +292,7 @@ async def chat_completions(body: oai.ChatCompletionRequest, request: Request, ru
     use = resp.usage(len(ids), sum(r.generated for r in results))
     extra = {}
     if body.prompt_logprobs is not None:  # vLLM's: once for the request, in its shape (completions' per choice)
-        _, table = await asyncio.to_thread(_prompt_texts, runtime, [ids], [ids])
+        _, _, table = await asyncio.to_thread(_prompt_texts, runtime, [ids], [ids])
         extra["prompt_logprobs"] = await asyncio.to_thread(resp.vllm_prompt_logprobs, results[0].prompt_logprobs or [],
                                                            table)
     return JSONResponse(resp.response("chat.completion", rid, created, model, out, use, **extra))
@@ -313,16 +316,28 @@ def _reasoning_start(runtime: WorkerRuntime, ids: list[int], sampling: SamplingP
     return False, sampling
 
 
-def _prompt_texts(runtime: WorkerRuntime, raw: list[str | list[int]],
-                  prompts: list[list[int]]) -> tuple[list[str], Callable[[int], str]]:
-    """(each prompt as echo returns it: as sent, a token-id prompt decoded; every token's text, from
-    a table of the vocabulary made once: a scored prompt's entries name prompt_len x k tokens, and
-    the streamed first chunk that holds them is built on the event loop)."""
+def _prompt_texts(runtime: WorkerRuntime, raw: list[str | list[int]], prompts: list[list[int]]
+                  ) -> tuple[list[str], list[range], Callable[[int], str]]:
+    """(each prompt as echo returns it: as sent, a token-id prompt decoded; which of its tokens that
+    text shows: a string's own, not the special tokens the tokenizer put around them; every token's
+    text, from a table of the vocabulary made once: a scored prompt's entries name prompt_len x k
+    tokens, and the streamed first chunk that holds them is built on the event loop)."""
     engine = runtime.require_engine().engine
     tokenizer = engine.tokenizer
     texts = [p if isinstance(p, str) else tokenizer.decode(ids, skip_special_tokens=False) for p, ids in zip(raw, prompts)]
+    shown = [_own_tokens(tokenizer, p, ids) if isinstance(p, str) else range(len(ids)) for p, ids in zip(raw, prompts)]
     table = _vocabulary_texts(tokenizer, engine.model_config.vocab_size)
-    return texts, table.__getitem__
+    return texts, shown, table.__getitem__
+
+
+def _own_tokens(tokenizer, text: str, ids: list[int]) -> range:
+    """Where `text`'s own tokens (tokenized adding no special tokens) lie in `ids` (tokenized adding
+    them: a BOS first, an EOS last with some tokenizers); all of `ids` if they are not found whole."""
+    own = tokenizer.encode(text, add_special_tokens=False)
+    for lead in range(len(ids) - len(own) + 1):
+        if ids[lead:lead + len(own)] == own:
+            return range(lead, lead + len(own))
+    return range(len(ids))
 
 
 @functools.lru_cache(maxsize=2)

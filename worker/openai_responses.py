@@ -7,7 +7,7 @@ from __future__ import annotations
 import codecs
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
 from lorafleet.worker.sampling import TokenLogprobs
@@ -30,18 +30,27 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 class TextOffsets:
-    """Where each generated token starts in the text, in characters, one request's tokens after
-    another (kept across stream chunks). Counted over the tokens' bytes: a token holding part of a
-    character has no text of its own (its decoded text is U+FFFD), so each character counts once,
-    and a token starts at the character holding its first byte."""
+    """Where each token starts in a choice's text, in characters, its echoed prompt's tokens and
+    then its generated ones (kept across stream chunks). Counted over the tokens' bytes: a token
+    holding part of a character has no text of its own (its decoded text is U+FFFD), so each
+    character counts once, and a token starts at the character holding its first byte. A token the
+    text leaves out has no width, starting where the next one does: a generated special token when
+    the text skips them (`hidden`), an echoed prompt token outside `prompt_shown` (the BOS the
+    tokenizer put before a string prompt, which echo returns as sent)."""
 
-    def __init__(self, token_bytes: Callable[[int], bytes]) -> None:
+    def __init__(self, token_bytes: Callable[[int], bytes], hidden: Container[int] = frozenset(),
+                 prompt_tokens: int = 0, prompt_shown: range = range(0)) -> None:
         self._token_bytes = token_bytes
+        self._hidden, self._prompt_tokens, self._prompt_shown = hidden, prompt_tokens, prompt_shown
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._chars = 0
+        self._tokens = 0
 
     def next(self, token_id: int) -> int:
-        start = self._chars
+        start, i = self._chars, self._tokens
+        self._tokens += 1
+        if i not in self._prompt_shown if i < self._prompt_tokens else token_id in self._hidden:
+            return start
         self._chars += len(self._utf8.decode(self._token_bytes(token_id)))
         return start
 

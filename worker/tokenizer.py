@@ -38,7 +38,10 @@ class Tokenizer:
         # The most characters one token stands for: a piece's length bounds its text's (a byte-level
         # piece has a character per byte; "▁" is one space; "<0xE2>" is less than one character).
         self.max_token_chars = max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
-        self._added_ids = frozenset(self._tok.get_added_tokens_decoder())
+        added = self._tok.get_added_tokens_decoder()
+        self._added_ids = frozenset(added)
+        # What decode(skip_special_tokens=True) leaves out of the text.
+        self.special_ids = frozenset(i for i, token in added.items() if token.special)
         self._pieces = _PieceDecoding.of(self._tok.decoder)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

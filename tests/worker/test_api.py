@@ -199,6 +199,39 @@ def test_logprobs_bytes_are_each_tokens_own_bytes(worker, offline):
     assert streamed == want
 
 
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_text_offsets_index_the_echoed_text(worker, offline, skip_special):
+    """Echo with logprobs: `text_offset` indexes the choice's text, prompt and completion. The BOS
+    the tokenizer put before the string prompt is not in the echoed text (it has no width, at 0);
+    a generated special token is in the text only with skip_special_tokens off. The oracle: the
+    tokenizer's own decode of each token's prefix; streamed, the same offsets."""
+    tok = offline.tokenizer
+    ids = tok.encode(PROMPT)
+    assert ids[0] == tok.bos_id and tok.bos_id in tok.special_ids
+    pad = tok.token_id("<pad>")
+    forced = [*tok.encode(" and then", add_special_tokens=False), pad, *tok.encode(" more", add_special_tokens=False)]
+    body = {"model": "demo", "prompt": PROMPT, "max_tokens": len(forced), "temperature": 0, "ignore_eos": True,
+            "echo": True, "logprobs": 0, "skip_special_tokens": skip_special}
+    worker.engine.logits_hook = forcing(forced)
+    try:
+        whole = httpx.post(f"{worker.url}/v1/completions", timeout=30, json=body).json()["choices"][0]
+        with httpx.stream("POST", f"{worker.url}/v1/completions", timeout=30, json={**body, "stream": True}) as r:
+            events = [json.loads(ln.removeprefix("data: ")) for ln in r.iter_lines()
+                      if ln.startswith("data: ") and ln != "data: [DONE]"]
+    finally:
+        worker.engine.logits_hook = None
+
+    text = whole["text"]
+    assert text == PROMPT + tok.decode(forced, skip_special_tokens=skip_special)
+    want = [0] + [len(tok.decode(ids[1:i], skip_special_tokens=False)) for i in range(1, len(ids))]
+    want += [len(PROMPT) + len(tok.decode(forced[:j], skip_special_tokens=skip_special)) for j in range(len(forced))]
+    lp = whole["logprobs"]
+    assert lp["text_offset"] == want and lp["tokens"][0] == "<s>"
+    for token, start in zip(lp["tokens"][1:], lp["text_offset"][1:]):  # each shown token's text is there
+        assert text.startswith(token, start) or (token == "<pad>" and skip_special)
+    assert [o for e in events for o in (e["choices"][0]["logprobs"] or {}).get("text_offset", [])] == want
+
+
 # -- errors: OpenAI envelope, 4xx, never a 500 --------------------------------------------------------
 
 
