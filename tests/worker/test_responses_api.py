@@ -110,6 +110,31 @@ def test_max_output_tokens_reached_is_incomplete(worker):
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == r.output_text
 
 
+def test_non_finite_logits_make_the_response_failed(worker):
+    """The engine ends a request whose logits are not finite (here from its third token on): the
+    response is failed with OpenAI's server_error, the message cut short holds the text so far
+    (chat's two tokens, finish "error"); streamed, the same text in deltas, then response.failed."""
+    def poison(seqs, logits):
+        for row, seq in enumerate(seqs):
+            if len(seq.output_ids) >= 2:
+                logits[row].fill_(float("nan"))
+
+    body = dict(model="demo", input=QUESTION, max_output_tokens=8, temperature=0)
+    worker.engine.logits_hook = poison
+    try:
+        want = chat(worker, messages=CHAT, max_tokens=8)["choices"][0]
+        r = client_of(worker).responses.create(**body)
+        events = sse(worker, body)
+    finally:
+        worker.engine.logits_hook = None
+    assert want["finish_reason"] == "error" and want["message"]["content"]
+    assert r.status == "failed" and r.error.code == "server_error" and r.output_text == want["message"]["content"]
+    assert r.output[0].status == "incomplete" and r.usage.output_tokens == 2
+    assert events[-1]["type"] == "response.failed" and events[-1]["response"]["error"]["code"] == "server_error"
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == r.output_text
+    same_answer(Response.model_validate(events[-1]["response"]), r)
+
+
 def test_instructions_and_turns_are_the_chat_messages(worker):
     """`instructions` is a system message first; message items with text parts, earlier assistant
     output_text among them, are the turns: the same prompt (input_tokens) and answer as chat's."""
