@@ -335,7 +335,7 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
             claim(replica, adapters)
             t0 = time.perf_counter()
             try:
-                await prepare(gw, replica, decision, adapters)
+                await unless_gone(prepare(gw, replica, decision, adapters), gone)
                 headers = upstream_headers(scope["headers"], {HEADER_TENANT: tenant.name})
                 url = replica.url + path
                 upstream = await unless_gone(
@@ -425,13 +425,16 @@ def release(gw: Gateway, replica: Replica, adapters: tuple[str, ...]) -> None:
 
 
 async def prepare(gw: Gateway, replica: Replica, decision: Decision, adapters: tuple[str, ...]) -> None:
-    """Make room (admission victims), then load what is missing — or join a load under way."""
+    """Make room (admission victims), then load what is missing — or join a load under way.
+
+    Cancelled when the client leaves (`unless_gone`): only the wait ends. The unloads run on, as
+    do the loads (their own tasks, `AdapterLoader.ensure`), which other requests may be sharing."""
     pending = tuple(a for a in adapters if a in decision.needs_load or a in replica.loading)
     if not pending:
         return
     victims = [v for v in decision.admission.unload_before if replica.inflight_by_adapter.get(v, 0) == 0]
     if victims:
-        await asyncio.gather(*(gw.loader.unload(replica, v) for v in victims))
+        await asyncio.shield(asyncio.gather(*(gw.loader.unload(replica, v) for v in victims)))
     for a in decision.needs_load:
         if decision.admission.admit:
             replica.transient.discard(a)

@@ -62,8 +62,12 @@ class AdapterLoader:
             waits.append(future)
         if not waits:
             return
+        gathered = asyncio.gather(*(asyncio.shield(w) for w in waits))
+        # A waiter cancelled (its client left) leaves the gather's CancelledError unread under
+        # Python 3.11's wait_for, which asyncio would log as an error: read it here.
+        gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
-            await asyncio.wait_for(asyncio.gather(*(asyncio.shield(w) for w in waits)), self.timeout_s)
+            await asyncio.wait_for(gathered, self.timeout_s)
         except asyncio.TimeoutError as exc:
             raise LoadFailed(f"adapter load on {replica.name} took longer than {self.timeout_s:g}s") from exc
 
@@ -95,6 +99,11 @@ class AdapterLoader:
                 )
             await self.sync.write_through(replica, name, "cpu")
             future.set_result(None)
+            if name in replica.transient and replica.inflight_by_adapter.get(name, 0) == 0:
+                # A scratch-slot copy whose requests all left while it loaded (their clients went
+                # away, their wait timed out): nothing will release it, so give the slot back now.
+                replica.transient.discard(name)
+                asyncio.get_running_loop().create_task(self.unload(replica, name))
         except Exception as exc:
             self.metrics.load_failures.labels(replica.name).inc()
             log.warning("%s", exc)

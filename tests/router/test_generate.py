@@ -12,7 +12,7 @@ from lorafleet.protocol import MAX_TOKENS_ZERO
 from lorafleet.router.generate import check_fields
 from lorafleet.router.proxy import not_loaded
 from lorafleet.router.settings import RouterSettings
-from tests.router.conftest import ADMIN_TOKEN, RouterThread, router_settings, start_workers
+from tests.router.conftest import ADMIN_TOKEN, CATALOG, RouterThread, router_settings, start_workers
 from tests.router.fake_worker import FakeWorkerProcess
 
 pytestmark = pytest.mark.timeout(120)
@@ -169,6 +169,34 @@ def test_client_disconnect_aborts_the_worker_request(two_workers, stream):
         assert elapsed < 1.0, f"the worker's request outlived the client by {elapsed:.2f}s"
         wait_for(lambda: router.metric("lorafleet_router_requests_total", status="499") == 1, timeout_s=1.0)
         assert w0.stats()["aborted"] == {"a": 1}
+
+
+@pytest.mark.parametrize(("max_cpu_loras", "kept"), [(8, ["a", "c"]), (1, [])])
+def test_client_leaving_during_a_cold_load_is_let_go(max_cpu_loras, kept):
+    """A client that leaves while its adapter loads is counted gone (499) at once, not when the load
+    lands; the load runs on, and the request never reaches the worker. With room in the cache the
+    copy is admitted and stays; in a one-slot cache held by a more popular adapter it is not (that
+    one makes way, the copy takes it as scratch), and with no request left the copy is unloaded
+    once it lands."""
+    workers = start_workers([{"name": "w0", "lora_modules": {"a": CATALOG["a"]}, "max_cpu_loras": max_cpu_loras,
+                              "load_delay_s": 1.5}])
+    try:
+        with RouterThread(router_settings(workers)) as router, httpx.Client(timeout=0.3) as client:
+            for _ in range(3):  # a is the popular one
+                assert client.post(router.url + "/v1/completions", json={"model": "a", "prompt": "x"}).is_success
+            with pytest.raises(httpx.ReadTimeout):
+                client.post(router.url + "/v1/completions", json={"model": "c", "prompt": "x"})
+            client.close()  # the client leaves 0.3 s into a 1.5 s load
+            left = time.monotonic()
+            wait_for(lambda: router.metric("lorafleet_router_requests_total", status="499") == 1, timeout_s=3.0)
+            assert time.monotonic() - left < 0.8, "the router held the request until the load landed"
+            wait_for(lambda: workers[0].stats()["loads"] == {"c": 1}, timeout_s=3.0)
+            wait_for(lambda: workers[0].stats()["resident"] == kept, timeout_s=2.0)
+            time.sleep(0.3)
+            assert workers[0].stats()["resident"] == kept and workers[0].stats()["served"] == {"a": 3}
+    finally:
+        for w in workers:
+            w.kill()
 
 
 def test_every_error_is_in_the_openai_envelope(two_workers):
