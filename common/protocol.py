@@ -128,6 +128,19 @@ class ErrorDetail(BaseModel):
     code: str | int | None = None
 
 
+# The worker's `type` for each status: vLLM's names (the openai client's exception classes).
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    409: "ConflictError",
+    413: "RequestTooLargeError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
 class ErrorResponse(BaseModel):
     """OpenAI's error envelope."""
 
@@ -136,3 +149,8 @@ class ErrorResponse(BaseModel):
     @classmethod
     def of(cls, message: str, type_: str, code: int | str | None = None, param: str | None = None) -> ErrorResponse:
         return cls(error=ErrorDetail(message=message, type=type_, code=code, param=param))
+
+    @classmethod
+    def as_worker(cls, status: int, message: str, param: str | None = None) -> ErrorResponse:
+        """The worker's envelope (vLLM's): `type` by status, `code` the status itself."""
+        return cls.of(message, ERROR_TYPES.get(status, "Error"), status, param)

@@ -106,6 +106,13 @@ async def respond_error(
     await respond(send, status, body, [_JSON, *extra])
 
 
+async def refuse_as_worker(send: Send, message: str, param: str | None) -> None:
+    """A 400 the router makes in the worker's place (a field the worker would refuse): the worker's
+    envelope word for word, `type` and `code` too, whichever of the two refuses."""
+    body = json.dumps(ErrorResponse.as_worker(400, message, param).model_dump()).encode()
+    await respond(send, 400, body, [_JSON])
+
+
 async def model_not_found(send: Send, model: str, param: str | None = None) -> None:
     await respond_error(
         send,
@@ -276,17 +283,17 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
         return await respond_error(send, 400, "`model` is required.", "invalid_request_error", param="model")
     if not isinstance(model, str):
         message = "model: Input should be a valid string"
-        return await respond_error(send, 400, message, "invalid_request_error", param="model")
+        return await refuse_as_worker(send, message, "model")
     problem = check_fields(payload, gw.settings, scope["path"])
     if problem:
-        return await respond_error(send, 400, problem[1], "invalid_request_error", param=problem[0])
+        return await refuse_as_worker(send, problem[1], problem[0])
     try:
         base, adapters = resolve(payload, gw)
     except ValidationError as exc:  # named as the worker names it: lora_adapters.0.scale
         first = exc.errors()[0]
         param = ".".join(["lora_adapters", *(str(p) for p in first["loc"])])
         message = f"{param}: {first['msg']}" if first["loc"] else f"invalid `lora_adapters`: {first['msg']}"
-        return await respond_error(send, 400, message, "invalid_request_error", param=param)
+        return await refuse_as_worker(send, message, param)
     except UnknownModel as exc:
         return await model_not_found(send, exc.name, exc.param)
     # Another tenant's adapter answers exactly like an unknown one: no existence oracle.

@@ -13,17 +13,6 @@ from lorafleet.worker.lora.adapter import AdapterError
 from lorafleet.worker.lora.registry import AdapterConflict, AdapterNotFound
 from lorafleet.worker.openai_protocol import UnsupportedField
 
-ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    403: "PermissionDeniedError",
-    404: "NotFoundError",
-    409: "ConflictError",
-    413: "RequestTooLargeError",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-}
-
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, reason: str | None = None) -> None:
@@ -36,7 +25,7 @@ class ApiError(Exception):
 
 def error_response(status: int, message: str, param: str | None = None, reason: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    body = ErrorResponse.of(message, ERROR_TYPES.get(status, "Error"), code=status, param=param).model_dump()
+    body = ErrorResponse.as_worker(status, message, param).model_dump()
     if reason is not None:
         body["error"]["reason"] = reason
     return JSONResponse(body, status_code=status, headers=headers)

@@ -121,14 +121,16 @@ def test_an_unsupported_feature_is_the_workers_400(via_router):
     assert err.value.body["param"] == "tool_choice" and "parser" in err.value.body["message"]  # "auto" by default
 
 
-# The router's own field checks (`check_fields`, refusing before routing), with the worker as the oracle:
-# the same 400, message and param whichever of the two refuses.
+# The router's own field checks (`check_fields`, `model`, `lora_adapters`; refusing before routing),
+# with the worker as the oracle: the same 400 and error object whichever of the two refuses.
 ROUTER_CHECKED = [
     ("completions", {"max_tokens": 0}), ("chat/completions", {"max_tokens": 0, "echo": True}),
     ("completions", {"max_tokens": True}), ("completions", {"max_tokens": "5"}),
     ("completions", {"n": 0}), ("completions", {"n": False}), ("completions", {"stream": "false"}),
     ("completions", {"stream": 0}), ("chat/completions", {"max_completion_tokens": 0}),
-    ("chat/completions", {"stream": "false"}),
+    ("chat/completions", {"stream": "false"}), ("completions", {"model": 5}),
+    ("completions", {"model": "demo", "lora_adapters": [{"name": "sql", "scale": "x"}]}),
+    ("chat/completions", {"model": "demo", "lora_adapters": [{"scale": 1.0}]}),
 ]
 
 
@@ -140,7 +142,7 @@ def test_the_routers_field_checks_say_what_the_worker_says(router, worker, route
     assert by_router.status_code == by_worker.status_code == 400, (by_router.text, by_worker.text)
     assert "x-lorafleet-replica" not in by_router.headers  # refused by the router itself, not passed on
     router_error, worker_error = by_router.json()["error"], by_worker.json()["error"]
-    assert (router_error["message"], router_error["param"]) == (worker_error["message"], worker_error["param"])
+    assert router_error == worker_error
 
 
 # vLLM's tokenizer routes through the router: any replica of the base answers, nothing is loaded.
