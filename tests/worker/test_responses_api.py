@@ -135,6 +135,33 @@ def test_non_finite_logits_make_the_response_failed(worker):
     same_answer(Response.model_validate(events[-1]["response"]), r)
 
 
+def test_an_engine_failure_mid_stream_is_an_error_event(worker):
+    """The engine step raising once the answer has begun (a bug, not bad input): the stream, its
+    head sent, ends in OpenAI's `error` event (a 500, the exception's type and nothing of its
+    text), as chat's ends in its error object then [DONE]; the worker serves the next request."""
+    def explode(seqs, logits):
+        if any(len(seq.output_ids) >= 2 for seq in seqs):
+            raise RuntimeError("secret internals")
+
+    body = dict(model="demo", input=QUESTION, max_output_tokens=8, temperature=0)
+    worker.engine.logits_hook = explode
+    try:
+        events = sse(worker, body)
+        with httpx.stream("POST", f"{worker.url}/v1/chat/completions", timeout=60, json={
+                "model": "demo", "messages": CHAT, "max_tokens": 8, "temperature": 0, "stream": True}) as r:
+            chunks = [ln.removeprefix("data: ") for ln in r.iter_lines() if ln]
+    finally:
+        worker.engine.logits_hook = None
+    assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[-1] == {"type": "error", "code": "500", "message": "internal error: EngineFailure", "param": None,
+                          "sequence_number": len(events) - 1}
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")  # the text so far
+    assert chunks[-1] == "[DONE]" and json.loads(chunks[-2]) == {"error": {
+        "message": "internal error: EngineFailure", "type": "InternalServerError", "param": None, "code": 500}}
+    r = client_of(worker).responses.create(**body)
+    assert r.error is None and r.usage.output_tokens == 8 and r.output_text  # max_output_tokens reached
+
+
 def test_instructions_and_turns_are_the_chat_messages(worker):
     """`instructions` is a system message first; message items with text parts, earlier assistant
     output_text among them, are the turns: the same prompt (input_tokens) and answer as chat's."""
