@@ -220,10 +220,12 @@ async def metrics(gw: GatewayDep) -> Response:
 @router.get("/v1/responses/{response_id}/input_items")
 @router.post("/v1/responses/{response_id}/cancel")
 async def stored_response(response_id: str, request: Request, gw: GatewayDep) -> JSONResponse:
-    """The Responses API's routes on stored responses: the workers store none (a 404 saying so)."""
+    """The Responses API's routes on stored responses: the workers store none, and this is their
+    404 (the worker's error object: the router answers in their place)."""
     if gw.tenants.authenticate(request.headers.get("authorization")) is None:
         return error(401, "Invalid API key.", "invalid_request_error", "invalid_api_key")
-    return error(404, response_not_kept(response_id), "invalid_request_error")
+    body = ErrorResponse.as_worker(404, response_not_kept(response_id), "response_id").model_dump()
+    return JSONResponse(body, status_code=404)
 
 
 @router.get("/v1/models")

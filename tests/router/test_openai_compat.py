@@ -193,3 +193,9 @@ def test_stored_responses_are_404s_saying_none_is_kept(client, request):
                  lambda: c.responses.cancel("resp_1"), lambda: c.responses.input_items.list("resp_1")):
         with pytest.raises(openai.NotFoundError, match="'resp_1' not found: this server keeps no responses"):
             call()
+
+
+def test_the_routers_stored_response_404_is_the_workers(router, worker):
+    by_router, by_worker = (httpx.get(f"{u}/v1/responses/resp_1", timeout=60) for u in (router.url, worker.url))
+    assert by_router.status_code == by_worker.status_code == 404 and "x-lorafleet-replica" not in by_router.headers
+    assert by_router.json() == by_worker.json()
