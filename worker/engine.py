@@ -42,11 +42,11 @@ from lorafleet.worker.model_runner import LogitsHook, ModelRunner
 from lorafleet.worker.models.llama import LlamaModel, iter_checkpoint
 from lorafleet.worker.outputs import Completion, RequestOutput, TrackedRequest
 from lorafleet.worker.sampling import TokenLogprobs
-from lorafleet.worker.sampling import warm_up as warm_up_sampling
 from lorafleet.worker.scheduler import Scheduler, SchedulerConfig
 from lorafleet.worker.sequence import SamplingParams, Sequence
 from lorafleet.worker.structured import Grammars
 from lorafleet.worker.tokenizer import IncrementalDetokenizer, Tokenizer
+from lorafleet.worker.warm_up import warm_up
 
 log = logging.getLogger("lorafleet.engine")
 
@@ -169,45 +169,15 @@ class LLMEngine:
         self.registry.unregister(name)
 
     def warm_up(self) -> float:
-        """Run what the first requests would otherwise pay for, then forget it -> seconds taken.
+        """Run what the first requests would otherwise pay for, then forget it -> seconds taken
+        (worker/warm_up.py)."""
+        return warm_up(self)
 
-        A long prompt (up to 512 tokens, one step's budget) and a 16-token one, the short one with
-        the first registered adapter if there is one, through prefill and a few decode steps on the
-        normal path (Triton compiles, cuBLAS kernel choice, the allocator's first growth, one LoRA
-        decode graph), and the sampled draw's and the logit edits' kernels; then the base decode
-        graph of every batch bucket. A prompt that the model's
-        context or the KV cache cannot take is left out. Afterwards nothing of it remains: no
-        request, KV block, prefix-cache entry or adapter in a GPU slot, and the counters the metrics
-        report start at zero (the decode graphs' capture count keeps the warm-up's captures: they
-        are real).
-        """
+    def forget_history(self) -> None:
+        """Forget what has run (nothing may be in flight): finished requests' records, the prefix
+        cache, request ids, and the counters the metrics report start again at zero."""
         if self.has_unfinished():
-            raise RuntimeError("warm_up runs before any request")
-        t0 = time.perf_counter()
-        vocab, bs = self.model_config.vocab_size, self.config.block_size
-        sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-
-        def fits(n: int) -> bool:
-            return n >= 1 and n + sp.max_tokens <= self.max_model_len and -(-(n + sp.max_tokens) // bs) <= self.blocks.num_blocks
-
-        long_len = min(512, self.config.max_num_batched_tokens, self.max_model_len - sp.max_tokens,
-                       self.blocks.num_blocks * bs - sp.max_tokens)
-        adapter = self.registry.names()[:1]
-        resident = set(self.registry.gpu_resident())
-        prompts = []
-        if fits(long_len):
-            prompts.append(([(7919 * i + 13) % vocab for i in range(long_len)], ()))
-        if fits(16):
-            prompts.append(([(104729 * i + 7) % vocab for i in range(16)], tuple((n, 1.0) for n in adapter)))
-        for ids, adapters in prompts:
-            self.add_request(ids, sp, adapters)
-        while self.has_unfinished():
-            self.step()
-        warm_up_sampling(vocab, self.device)  # the draw's and the edits' kernels compile now
-        self.runner.logits_processors.warm_up()
-        captured = self.runner.graphs.capture_base() if self.runner.graphs is not None else 0
-        for name in set(self.registry.gpu_resident()) - resident:
-            self.registry.offload(name)  # GPU slots as before: the first requests load what they use
+            raise RuntimeError("forget_history with requests in flight")
         self._tracked.clear()
         self.blocks.reset_prefix_cache()
         self.generated_tokens = 0
@@ -215,11 +185,6 @@ class LLMEngine:
         self.registry.stats = type(self.registry.stats)()
         self.scheduler.preempted_total = self.scheduler.deferred_total = 0
         self.async_steps.stats = type(self.async_steps.stats)()
-        elapsed = time.perf_counter() - t0
-        log.info("warm-up: prompts of %s tokens%s, %d decode graphs captured, %.2f s",
-                 " and ".join(str(len(ids)) for ids, _ in prompts) or "no",
-                 f" (adapter {adapter[0]})" if adapter and fits(16) else "", captured, elapsed)
-        return elapsed
 
     # -- requests ------------------------------------------------------------------------------
     def check_prompt_chars(self, chars: int) -> None:

@@ -1,4 +1,4 @@
-"""Start-up warm-up (`LLMEngine.warm_up`, `--warmup`): it runs prompts through the real path and
+"""Start-up warm-up (worker/warm_up.py, `--warmup`): it runs prompts through the real path and
 leaves nothing behind, so an engine that warmed up answers exactly like one that did not."""
 
 from __future__ import annotations
