@@ -305,7 +305,7 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
                 await finish(gw, replica, adapters, lease, tenant, adapter_label, status)
                 return await respond(send, upstream.status, upstream.body, out_headers)
             try:
-                await unless_gone(relay(send, upstream, out_headers), gone)
+                await unless_gone(relay(send, upstream, out_headers, path == "/v1/responses"), gone)
             except (StreamBroken, OSError):  # upstream broke (the client got an SSE error) or send failed
                 status = "stream_error"
             except ClientGone:
@@ -327,15 +327,17 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
     )
 
 
-async def relay(send: Send, upstream: Upstream, headers: list[tuple[bytes, bytes]]) -> None:
+async def relay(send: Send, upstream: Upstream, headers: list[tuple[bytes, bytes]], responses_api: bool) -> None:
     """A streamed answer to the client, chunk by chunk as the worker sends it."""
     assert upstream.response is not None
     if not upstream.content_type:
         headers.append((b"content-type", b"text/event-stream"))
     await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
-    async for chunk in relay_stream(upstream.response):
-        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-    await send({"type": "http.response.body", "body": b""})
+    try:
+        async for chunk in relay_stream(upstream.response, responses_api):
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    finally:  # also after StreamBroken (its error event sent): the response is complete, not cut off
+        await send({"type": "http.response.body", "body": b""})
 
 
 def claim(replica: Replica, adapters: tuple[str, ...]) -> None:

@@ -2,8 +2,9 @@
 
 Retries happen only before the client has seen a byte. A non-streamed request is retried on
 connection errors, dropped connections and 503s (generation has no side effects to undo); a
-streamed one is retried until its first byte, after which a failure ends the stream with an SSE
-error event (the client already holds a partial answer). A worker's 404 for a request that names
+streamed one is retried until its first byte, after which a failure ends the stream as the worker
+ends one on an error (the client already holds a partial answer): completions and chat with the
+error object then `[DONE]`, the Responses API with OpenAI's `error` event. A worker's 404 for a request that names
 adapters is stale routing, not an answer: the adapter left that worker after the view the router
 routed on (the operator moved it, the worker evicted it), so the request is scheduled again.
 
@@ -66,8 +67,17 @@ def downstream_headers(
 
 
 def sse_error(message: str, code: int = 502) -> bytes:
+    """A completions/chat stream's end after a failure, as the worker ends its own: the error
+    object, then `[DONE]`."""
     body = ErrorResponse.of(message, "upstream_error", code).model_dump()
-    return f"data: {json.dumps(body)}\n\n".encode()
+    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+
+
+def sse_error_event(message: str, sequence_number: int, code: int = 502) -> bytes:
+    """A Responses API stream's end after a failure: OpenAI's `error` event, numbered after the
+    events relayed."""
+    body = {"type": "error", "code": str(code), "message": message, "param": None, "sequence_number": sequence_number}
+    return f"event: error\ndata: {json.dumps(body)}\n\n".encode()
 
 
 def upstream_session(
@@ -213,16 +223,26 @@ async def send_once(
     return out
 
 
-async def relay_stream(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    """Chunks as they arrive; a failure after the first byte ends the stream with an SSE error.
+async def relay_stream(response: aiohttp.ClientResponse, responses_api: bool = False) -> AsyncIterator[bytes]:
+    """Chunks as they arrive; a failure after the first byte ends the stream as the route's
+    streams end on an error (`sse_error`; `responses_api`: `sse_error_event`), then raises
+    StreamBroken.
 
     The caller closes `response` (also when the client goes away mid-stream).
     """
+    # Each event ends in a blank line (JSON data holds no raw newline): counted, they number the error event.
+    events, tail = 0, b"\n\n"
     try:
         async for chunk in response.content.iter_any():
+            if responses_api:
+                events += (tail[-1:] + chunk).count(b"\n\n")
+            tail = (tail + chunk)[-2:]
             yield chunk
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        yield sse_error(f"upstream failed mid-stream: {type(exc).__name__}")
+        message = f"upstream failed mid-stream: {type(exc).__name__}"
+        cut = tail != b"\n\n"  # an event cut short: ended first (and numbered) so the error stands alone
+        end = sse_error_event(message, events + cut) if responses_api else sse_error(message)
+        yield (b"\n" if tail.endswith(b"\n") else b"\n\n") + end if cut else end
         raise StreamBroken from exc
 
 

@@ -3,6 +3,7 @@ worker (during its generation and during a cold load), and every error in OpenAI
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -144,6 +145,30 @@ def test_client_leaving_during_a_cold_load_is_let_go(max_cpu_loras, kept):
             wait_for(lambda: workers[0].stats()["resident"] == kept, timeout_s=2.0)
             time.sleep(0.3)
             assert workers[0].stats()["resident"] == kept and workers[0].stats()["served"] == {"a": 3}
+    finally:
+        for w in workers:
+            w.kill()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_worker_dying_mid_stream_ends_the_clients_stream_cleanly(path):
+    """The stream began, then its worker died: the client's stream ends as the worker ends one on an
+    error (the error object, then [DONE]) and the response is complete (no cut-off body)."""
+    workers = start_workers([{"name": "w0", "token_delay_s": 0.2}])
+    body = {"model": "demo-base", "stream": True, "max_tokens": 30} | (
+        {"prompt": "p"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "p"}]})
+    try:
+        with RouterThread(router_settings(workers)) as router:
+            with httpx.stream("POST", router.url + path, json=body, timeout=10) as r:
+                lines = []
+                for line in r.iter_lines():
+                    lines.append(line)
+                    if len(lines) == 1:
+                        workers[0].kill()
+            data = [ln.removeprefix("data: ") for ln in lines if ln]
+            assert data[-1] == "[DONE]" and "upstream failed mid-stream" in json.loads(data[-2])["error"]["message"]
+            assert router.metric("lorafleet_router_requests_total", status="stream_error") == 1
+            assert router.app.state.gateway.fleet.replicas[f"127.0.0.1:{workers[0].port}"].inflight == 0
     finally:
         for w in workers:
             w.kill()

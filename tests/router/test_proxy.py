@@ -1,10 +1,21 @@
-"""Header hygiene and the retry budget."""
+"""Header hygiene, the retry budget, and how a stream that breaks mid-way ends."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+
+import aiohttp
 import pytest
 
-from lorafleet.router.proxy import RetryBudget, downstream_headers, sse_error, upstream_headers
+from lorafleet.router.proxy import (
+    RetryBudget,
+    StreamBroken,
+    downstream_headers,
+    relay_stream,
+    sse_error,
+    upstream_headers,
+)
 
 
 class Clock:
@@ -36,9 +47,70 @@ def test_downstream_headers():
     assert out == [(b"content-type", b"application/json"), (b"x-lorafleet-replica", b"r0")]
 
 
-def test_sse_error_is_an_sse_event():
+def test_sse_error_is_an_sse_event_then_done():
     event = sse_error("boom")
-    assert event.startswith(b"data: {") and event.endswith(b"\n\n") and b'"boom"' in event
+    assert event.startswith(b"data: {") and event.endswith(b"\n\ndata: [DONE]\n\n") and b'"boom"' in event
+
+
+class _Breaking:
+    """An aiohttp response whose body gives `chunks`, then fails as a dropped connection does."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.content = self
+        self._chunks = chunks
+
+    async def iter_any(self):
+        for chunk in self._chunks:
+            yield chunk
+        raise aiohttp.ClientPayloadError("connection lost")
+
+
+def _relayed(chunks: list[bytes], responses_api: bool) -> bytes:
+    async def run() -> bytes:
+        out = []
+        with pytest.raises(StreamBroken):
+            async for piece in relay_stream(_Breaking(chunks), responses_api):
+                out.append(piece)
+        return b"".join(out)
+
+    return asyncio.run(run())
+
+
+def _events(raw: bytes) -> list[dict]:
+    """A Responses stream's events, checked as the openai client reads them."""
+    from openai.types.responses import ResponseErrorEvent
+
+    blocks = [b for b in raw.decode().split("\n\n") if b]
+    events = []
+    for block in blocks:
+        name, data = block.split("\n")
+        assert name.startswith("event: ") and data.startswith("data: ")
+        events.append(json.loads(data.removeprefix("data: ")))
+        assert events[-1]["type"] == name.removeprefix("event: ")
+    ResponseErrorEvent.model_validate(events[-1])
+    return events
+
+
+def _response_event(n: int) -> bytes:
+    return f'event: response.x\ndata: {{"type":"response.x","sequence_number":{n}}}\n\n'.encode()
+
+
+@pytest.mark.parametrize("split", [1, 5, 40])
+def test_a_broken_responses_stream_ends_in_an_error_event_numbered_after_the_rest(split):
+    """The worker's events cut into chunks anywhere (a blank line split across two): the error
+    event's sequence_number follows the last relayed event's."""
+    raw = b"".join(_response_event(n) for n in range(3))
+    chunks = [raw[i:i + split] for i in range(0, len(raw), split)]
+    events = _events(_relayed(chunks, True))
+    assert [e["sequence_number"] for e in events] == [0, 1, 2, 3]
+    assert events[-1]["type"] == "error" and events[-1]["code"] == "502"
+
+
+def test_an_event_cut_short_is_ended_before_the_error():
+    raw = _relayed([b'data: {"id": 1}\n\n', b'data: {"id"'], False)
+    assert raw.endswith(b'data: {"id"\n\n' + sse_error("upstream failed mid-stream: ClientPayloadError"))
+    assert _relayed([], False) == sse_error("upstream failed mid-stream: ClientPayloadError")
+    assert [e["sequence_number"] for e in _events(_relayed([_response_event(0)[:-1]], True))][-1] == 1
 
 
 @pytest.mark.parametrize(
