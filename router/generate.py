@@ -248,6 +248,8 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
     stream = bool(payload.get("stream"))
     path = scope["path"]
     excluded: set[str] = set()
+    # Adapters a worker was started with that the catalog lacks: no cold load can place them.
+    unloadable = [a for a in adapters if not gw.loader.can_load(a)]
     waited = 0.0  # load waits and upstream time are not the router's own latency
     why: list[str] = []  # each attempt's failure, then why no attempt followed: all of it in the 503
     gone = asyncio.get_running_loop().create_task(disconnected(receive))
@@ -256,10 +258,13 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
             if attempt > 0 and not gw.budget.try_spend():
                 why.append("retry budget exhausted")
                 break
+            lacking = {r.name for r in gw.fleet.replicas.values()
+                       if any(a not in r.residency() for a in unloadable)} if unloadable else set()
             try:
-                decision = gw.policy.schedule(req, gw.fleet.views(exclude=excluded))
+                decision = gw.policy.schedule(req, gw.fleet.views(exclude=excluded | lacking))
             except NoEndpoint as exc:
                 why.append(str(exc))
+                why += [f"adapter {a!r} is not in the catalog: only a replica holding it can serve it" for a in unloadable]
                 break
             replica = gw.fleet.replicas[decision.endpoint.name]
             gw.metrics.routes.labels(decision.reason).inc()
@@ -287,13 +292,19 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
                     for a in exc.missing:
                         replica.note(a, None, now)
                     continue
-                if gw.fleet.record_failure(replica.name, exc.unreachable):
+                # A load the replica refused or took too long over says nothing of its health:
+                # another replica is tried, but only a fault counts towards ejecting this one.
+                fault = isinstance(exc, UpstreamFailed) or exc.replica_fault
+                if fault and gw.fleet.record_failure(replica.name, exc.unreachable):
                     gw.metrics.ejections.labels(replica.name).inc()
                     log.warning(
                         "ejected replica %s after %d failures", replica.name, gw.settings.eject_after_failures
                     )
                 excluded.add(replica.name)
                 continue
+            except BaseException:  # a bug, or this request cancelled: give back what it holds
+                await finish(gw, replica, adapters, lease, tenant, adapter_label, "500")
+                raise
             gw.fleet.record_success(replica.name)
             waited += time.perf_counter() - t0
             out_headers = downstream_headers(

@@ -22,9 +22,14 @@ log = logging.getLogger("lorafleet.router")
 
 
 class LoadFailed(Exception):
-    def __init__(self, message: str, unreachable: bool = False) -> None:
+    """A load that did not happen. Only `replica_fault` says anything about the replica's health
+    (its admin API unreachable, a connection broken, a 5xx); an adapter it refuses, one the
+    catalog lacks, or a load slower than the wait is the adapter's or the load's, not the replica's."""
+
+    def __init__(self, message: str, unreachable: bool = False, replica_fault: bool = False) -> None:
         super().__init__(message)
         self.unreachable = unreachable
+        self.replica_fault = replica_fault or unreachable
 
 
 class AdapterLoader:
@@ -90,12 +95,15 @@ class AdapterLoader:
                     timeout=self.timeout_s,
                 )
             except httpx.HTTPError as exc:
+                slow = isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout)
                 raise LoadFailed(
-                    f"load on {replica.name}: {exc!r}", unreachable=isinstance(exc, httpx.ConnectError)
+                    f"load on {replica.name}: {exc!r}", unreachable=isinstance(exc, httpx.ConnectError),
+                    replica_fault=not slow,
                 ) from exc
             if resp.status_code != 200 and not (resp.status_code == 400 and "already" in resp.text.lower()):
                 raise LoadFailed(
-                    f"load of {name!r} on {replica.name}: HTTP {resp.status_code} {resp.text[:200]}"
+                    f"load of {name!r} on {replica.name}: HTTP {resp.status_code} {resp.text[:200]}",
+                    replica_fault=resp.status_code >= 500,
                 )
             await self.sync.write_through(replica, name, "cpu")
             future.set_result(None)
@@ -105,6 +113,7 @@ class AdapterLoader:
                 replica.transient.discard(name)
                 asyncio.get_running_loop().create_task(self.unload(replica, name))
         except Exception as exc:
+            replica.transient.discard(name)  # not loaded: nothing of this load's to unload later
             self.metrics.load_failures.labels(replica.name).inc()
             log.warning("%s", exc)
             future.set_exception(exc if isinstance(exc, LoadFailed) else LoadFailed(repr(exc)))

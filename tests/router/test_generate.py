@@ -4,7 +4,9 @@ worker (during its generation and during a cold load), and every error in OpenAI
 from __future__ import annotations
 
 import json
+import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -169,6 +171,34 @@ def test_a_worker_dying_mid_stream_ends_the_clients_stream_cleanly(path):
             assert data[-1] == "[DONE]" and "upstream failed mid-stream" in json.loads(data[-2])["error"]["message"]
             assert router.metric("lorafleet_router_requests_total", status="stream_error") == 1
             assert router.app.state.gateway.fleet.replicas[f"127.0.0.1:{workers[0].port}"].inflight == 0
+    finally:
+        for w in workers:
+            w.kill()
+
+
+def test_failed_loads_do_not_eject_a_healthy_replica():
+    """Three concurrent requests give up on a slow cold load (the wait's timeout), and three ask for
+    an adapter only a dead worker held (started with it; not in the catalog): each is a 503, none
+    counts against the live replica, which serves the base model after; the slow load lands."""
+    workers = start_workers([{"name": "w0", "load_delay_s": 1.0},
+                             {"name": "w1", "lora_modules": {"x": "/adapters/x"}}])
+    try:
+        with RouterThread(router_settings(workers, load_timeout_s=0.3, eject_cooldown_s=30.0)) as router:
+            def post(model: str) -> httpx.Response:
+                return httpx.post(router.url + "/v1/completions", json={"model": model, "prompt": "p"}, timeout=10)
+
+            assert post("x").status_code == 200
+            workers[1].kill()
+            wait_for(lambda: post("x").status_code == 503, timeout_s=5.0)  # the poll saw it gone
+            with ThreadPoolExecutor(3) as pool:
+                slow = list(pool.map(post, ["c"] * 3))
+            gone = [post("x") for _ in range(3)]
+            assert [r.status_code for r in slow + gone] == [503] * 6
+            assert all(re.search(r"took longer than 0.3s|ReadTimeout", r.json()["error"]["message"]) for r in slow)
+            assert "'x' is not in the catalog: only a replica holding it can serve it" in gone[0].json()["error"]["message"]
+            assert router.metric("lorafleet_router_ejections_total") == 0
+            assert post("demo-base").status_code == 200
+            wait_for(lambda: workers[0].stats()["resident"] == ["c"], timeout_s=3.0)
     finally:
         for w in workers:
             w.kill()
