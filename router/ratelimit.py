@@ -6,13 +6,17 @@ up to N× its limit until Redis returns. Each fallback decision is counted in
 `lorafleet_router_ratelimit_fail_open_total`. We fail open on purpose: an outage of the limiter
 must not become an outage of inference.
 
-Redis keys: `{p}:conc:{tenant}` (a counter with a safety TTL, so a crashed router's leases fade)
-and `{p}:rpm:{tenant}:{minute}` (fixed one-minute windows).
+Only admitted requests count towards `requests_per_minute`: one refused by either limit does not.
+
+Redis keys: `{p}:leases:{tenant}`, a sorted set of the tenant's leases by expiry: a lease whose
+release never reached Redis (a timeout, a crashed router) stops counting `LEASE_TTL_S` after it
+was taken, whatever traffic follows; and `{p}:rpm:{tenant}:{minute}` (fixed one-minute windows).
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,7 +24,8 @@ from dataclasses import dataclass, field
 from lorafleet.router.metrics import RouterMetrics
 from lorafleet.router.tenants import Tenant
 
-CONCURRENCY_KEY_TTL_S = 600
+# A lease not released in Redis stops counting after this (so must outlast the longest request).
+LEASE_TTL_S = 600
 
 
 class Limited(Exception):
@@ -39,6 +44,8 @@ class LocalLimits:
     window: dict[str, tuple[int, int]] = field(default_factory=dict)  # tenant -> (minute, count)
 
     def acquire(self, tenant: Tenant) -> None:
+        if tenant.max_concurrency is not None and self.concurrency[tenant.name] >= tenant.max_concurrency:
+            raise Limited("max_concurrency", 1)
         if tenant.requests_per_minute is not None:
             minute = int(self.clock() // 60)
             seen_minute, count = self.window.get(tenant.name, (minute, 0))
@@ -47,8 +54,6 @@ class LocalLimits:
                 raise Limited("requests_per_minute", 60 - int(self.clock() % 60))
             self.window[tenant.name] = (minute, count)
         if tenant.max_concurrency is not None:
-            if self.concurrency[tenant.name] >= tenant.max_concurrency:
-                raise Limited("max_concurrency", 1)
             self.concurrency[tenant.name] += 1
 
     def release(self, tenant: Tenant) -> None:
@@ -65,7 +70,6 @@ class RateLimiter:
         self._p = prefix
         self._clock = clock
         self.local = LocalLimits(clock)
-        self._leases_in_redis: set[int] = set()
 
     async def acquire(self, tenant: Tenant) -> Lease:
         """Raises `Limited`. Returns a lease to release when the request ends."""
@@ -75,8 +79,7 @@ class RateLimiter:
             self.local.acquire(tenant)
             return Lease(self, tenant, where="local")
         try:
-            await self._acquire_redis(tenant)
-            return Lease(self, tenant, where="redis")
+            return Lease(self, tenant, where="redis", id=await self._acquire_redis(tenant))
         except Limited:
             self._metrics.ratelimited.labels(tenant.name, "redis").inc()
             raise
@@ -85,8 +88,23 @@ class RateLimiter:
             self.local.acquire(tenant)
             return Lease(self, tenant, where="local")
 
-    async def _acquire_redis(self, tenant: Tenant) -> None:
+    async def _acquire_redis(self, tenant: Tenant) -> str | None:
+        """The lease's id in the tenant's set (None: no concurrency limit); Limited if refused,
+        with nothing of the refused request left counting."""
         now = self._clock()
+        lease_id = None
+        leases = f"{self._p}:leases:{tenant.name}"
+        if tenant.max_concurrency is not None:
+            lease_id = uuid.uuid4().hex
+            async with self._r.pipeline(transaction=True) as pipe:
+                pipe.zremrangebyscore(leases, "-inf", now)  # leases whose release was lost
+                pipe.zadd(leases, {lease_id: now + LEASE_TTL_S})
+                pipe.zcard(leases)
+                pipe.expire(leases, LEASE_TTL_S)
+                _, _, count, _ = await pipe.execute()
+            if count > tenant.max_concurrency:
+                await self._r.zrem(leases, lease_id)
+                raise Limited("max_concurrency", 1)
         if tenant.requests_per_minute is not None:
             key = f"{self._p}:rpm:{tenant.name}:{int(now // 60)}"
             async with self._r.pipeline(transaction=True) as pipe:
@@ -94,16 +112,13 @@ class RateLimiter:
                 pipe.expire(key, 120)
                 count, _ = await pipe.execute()
             if count > tenant.requests_per_minute:
+                async with self._r.pipeline(transaction=True) as pipe:
+                    pipe.decr(key)
+                    if lease_id is not None:
+                        pipe.zrem(leases, lease_id)
+                    await pipe.execute()
                 raise Limited("requests_per_minute", 60 - int(now % 60))
-        if tenant.max_concurrency is not None:
-            key = f"{self._p}:conc:{tenant.name}"
-            async with self._r.pipeline(transaction=True) as pipe:
-                pipe.incr(key)
-                pipe.expire(key, CONCURRENCY_KEY_TTL_S)
-                count, _ = await pipe.execute()
-            if count > tenant.max_concurrency:
-                await self._r.decr(key)
-                raise Limited("max_concurrency", 1)
+        return lease_id
 
     async def _release(self, lease: Lease) -> None:
         if lease.tenant.max_concurrency is None:
@@ -112,9 +127,9 @@ class RateLimiter:
             self.local.release(lease.tenant)
             return
         try:
-            await self._r.decr(f"{self._p}:conc:{lease.tenant.name}")
+            await self._r.zrem(f"{self._p}:leases:{lease.tenant.name}", lease.id)
         except Exception:
-            self._metrics.ratelimit_fail_open.inc()  # the key's TTL cleans up the lost decrement
+            self._metrics.ratelimit_fail_open.inc()  # the lease fades LEASE_TTL_S after it was taken
 
 
 @dataclass(slots=True)
@@ -122,6 +137,7 @@ class Lease:
     limiter: RateLimiter
     tenant: Tenant
     where: str
+    id: str | None = None  # in Redis: the lease's member of the tenant's set
     released: bool = False
 
     async def release(self) -> None:
