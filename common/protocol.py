@@ -7,6 +7,8 @@ inventory the router routes on and the operator reconciles against.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -126,6 +128,20 @@ class ErrorDetail(BaseModel):
     type: str
     param: str | None = None
     code: str | int | None = None
+
+
+# pydantic names the member of a union that failed in an error's loc ("str", "list[int]",
+# "function-after[...]", a model's class name): not a field, so not part of a `param`.
+# (A dict's keys are in a loc too, "logit_bias.5": only what looks like a type goes.)
+_UNION_MEMBER = re.compile(r"(str|int|float|bool|none|dict|list|tuple|set|bytes)|.*\[.*\]|[A-Z_]\w*"
+                           r"|(function|constrained|lax-or-strict|json-or-python|tagged-union|nullable)-.*")
+
+
+def field_path(loc: Iterable[Any], prefix: str = "") -> str:
+    """A validation error's loc as the `param` the API names (after `prefix`, the path of what was
+    validated): dotted fields and indices, without the union members pydantic tried."""
+    parts = [str(part) for part in loc if not (isinstance(part, str) and _UNION_MEMBER.fullmatch(part))]
+    return ".".join([prefix, *parts] if prefix else parts)
 
 
 # The worker's `type` for each status: vLLM's names (the openai client's exception classes).

@@ -29,6 +29,7 @@ from lorafleet.protocol import (
     HEADER_ROUTE_REASON,
     HEADER_TENANT,
     ErrorResponse,
+    field_path,
 )
 from lorafleet.router.fleet import Replica
 from lorafleet.router.loader import LoadFailed
@@ -215,7 +216,7 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
         base, adapters = resolve(payload, gw)
     except ValidationError as exc:  # named as the worker names it: lora_adapters.0.scale
         first = exc.errors()[0]
-        param = ".".join(["lora_adapters", *(str(p) for p in first["loc"])])
+        param = field_path(first["loc"], "lora_adapters")
         message = f"{param}: {first['msg']}" if first["loc"] else f"invalid `lora_adapters`: {first['msg']}"
         return await refuse_as_worker(send, message, param)
     except UnknownModel as exc:

@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lorafleet.protocol import field_path
 from lorafleet.worker.admin import router as admin_router
 from lorafleet.worker.api import probes
 from lorafleet.worker.api import router as public_router
@@ -102,7 +103,13 @@ def validation_message(errors: Sequence[Any], content_type: str | None) -> tuple
     if loc == ("body",) and not _is_json(content_type):
         sent = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
         return f"the request body must be JSON sent with Content-Type: application/json ({sent} was sent)", None
-    where = ".".join(str(p) for p in loc if p != "body")
+    if loc == ("body",) and first.get("type") == "missing":
+        return "the request body is empty: send a JSON object", None
+    if first.get("type") == "json_invalid":  # its loc's number is where in the body the parse failed
+        at = loc[1] if len(loc) > 1 else "?"
+        reason = (first.get("ctx") or {}).get("error", "")
+        return f"the request body is not valid JSON ({reason}{': ' if reason else ''}at character {at})", None
+    where = field_path(p for p in loc if p != "body")
     msg = str(first.get("msg", "invalid request"))
     return (f"{where}: {msg}" if where else msg), where or None
 

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError
 
-from lorafleet.protocol import JsonBody
+from lorafleet.protocol import JsonBody, field_path
 from lorafleet.worker.openai_protocol import ChatCompletionRequest, UnsupportedField
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -106,7 +106,7 @@ def _validated(model: type[JsonBody], item: dict[str, Any], param: str) -> Any:
         return model.model_validate(item)
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join([param, *(str(p) for p in first["loc"])])
+        where = field_path(first["loc"], param)
         raise BadField(where, f"{where}: {first['msg']}") from None
 
 
@@ -177,7 +177,7 @@ class ResponsesRequest(JsonBody):
                 continue
             if kind == "item_reference":
                 raise UnsupportedField(param, "item_reference needs stored responses, which this server does not keep")
-            model = _ITEMS.get(kind)  # type: ignore[arg-type]
+            model = _ITEMS.get(kind) if isinstance(kind, str) else None
             if model is None:
                 raise UnsupportedField(param, f"input item type {kind!r} is not supported")
             parsed = _validated(model, item, param)
@@ -251,7 +251,7 @@ class ResponsesRequest(JsonBody):
             return ChatCompletionRequest.model_validate(body)
         except ValidationError as exc:  # a passed-on extra field of the wrong type (seed: "1", ...)
             first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
+            where = field_path(first["loc"])
             raise BadField(where, f"{where}: {first['msg']}") from None
 
     def echo(self) -> dict[str, Any]:

@@ -281,6 +281,31 @@ def test_a_json_body_without_the_json_content_type_says_so(worker, headers):
     assert "Content-Type: application/json" in text
 
 
+@pytest.mark.parametrize("raw,at", [(b'{"prompt": "hi"', 15), (b'{"model": "demo",}', 17)])
+def test_a_body_that_is_not_json_says_where_it_stops_parsing(worker, raw, at):
+    """The parser's offset was reported as the field (param "14")."""
+    r = post_raw(worker, "completions", raw, {"content-type": "application/json"})
+    assert r.json()["error"]["param"] is None, r.text
+    assert message(r).startswith("the request body is not valid JSON (") and f"at character {at})" in message(r)
+
+
+def test_an_empty_body_says_so(worker):
+    r = post_raw(worker, "completions", b"", {"content-type": "application/json"})
+    assert message(r) == "the request body is empty: send a JSON object" and r.json()["error"]["param"] is None
+
+
+@pytest.mark.parametrize("route,body,param", [
+    ("completions", {"stop": [1]}, "stop"), ("completions", {"stop": 5}, "stop"),
+    ("chat/completions", {"stop": [1]}, "stop"), ("completions", {"prompt": PROMPT, "logit_bias": {"5": "x"}}, "logit_bias.5"),
+])
+def test_a_union_fields_error_names_the_field_not_the_member_tried(worker, route, body, param):
+    """pydantic's loc names the union member that failed ("stop.str"): `param` is the field."""
+    base = {"model": "demo", "max_tokens": 2} | ({"prompt": PROMPT} if route == "completions" else {"messages": CHAT})
+    r = post(worker, route, base | body)
+    assert r.json()["error"]["param"] == param, r.text
+    assert message(r).startswith(f"{param}: "), r.text
+
+
 def test_json_content_type_variants_are_accepted(worker):
     raw = json.dumps({"model": "demo", "prompt": PROMPT, "max_tokens": 2}).encode()
     for ct in ("application/json", "application/json; charset=utf-8"):

@@ -336,6 +336,10 @@ def test_the_answer_after_the_reasoning_is_the_message(r1_worker):
     ({"input": [{"type": "reasoning", "summary": []}]}, "input", "no message"),
     ({"seed": "one"}, "seed", "seed"),
     ({"max_output_tokens": 100000}, None, "max_output_tokens (100000) exceeds"),
+    ({"input": [{"type": ["message"]}]}, "input.0", "not supported"),  # an unhashable type was a 500
+    ({"input": [{"type": {"a": 1}}]}, "input.0", "not supported"),
+    ({"input": [5]}, "input", "input"),  # pydantic's union members are not in param ("input.str")
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "input.0.content", "content"),
 ])
 def test_what_cannot_be_done_is_a_400_naming_the_field(worker, extra, param, says):
     body = {"model": "demo", "input": QUESTION, "max_output_tokens": 4, **extra}
