@@ -116,7 +116,7 @@ def answer(p: ToolPlan | None, text: str, reason: str | None) -> tuple[str | Non
     content, calls = parse(p.format, text, p.forced)
     if calls is None:
         return content, None, reason
-    return content.strip() or None, calls, finish_reason(p, calls, reason)
+    return content.rstrip(_WS) or None, calls, finish_reason(p, calls, reason)
 
 
 def finish_reason(p: ToolPlan, calls: list[Any] | None, reason: str | None) -> str | None:
@@ -124,6 +124,8 @@ def finish_reason(p: ToolPlan, calls: list[Any] | None, reason: str | None) -> s
     (OpenAI's "stop"); else the answer's own reason ("length": a call cut short)."""
     return "tool_calls" if calls and reason == "stop" and p.forced is None else reason
 
+
+_WS = " \t\r\n"
 
 # --tool-call-parser NAME (vLLM's names for these formats).
 PARSERS: tuple[str, ...] = ("hermes", "llama3_json", "mistral", "pythonic")
