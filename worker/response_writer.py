@@ -2,7 +2,8 @@
 the step's reasoning, content and tool-call entries (worker/chat_answer.py `AnswerStream`) become
 output items (a `reasoning` item, a `message` with one `output_text`, a `function_call` per call)
 and the stream's semantic events (`response.output_text.delta`, ...). A whole answer is the same
-writer fed once, so the streamed and the whole response agree by construction. Torch-free.
+writer fed the same steps (not streamed), so the streamed and the whole response agree by
+construction, the message's logprobs included. Torch-free.
 
 Output order is the answer's: reasoning, then the message, then the calls, one item open at a
 time. The content's trailing whitespace is held until text follows: before a call it is dropped, as

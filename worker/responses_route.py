@@ -73,7 +73,10 @@ async def create_response(body: ResponsesRequest, request: Request, runtime: Run
     if body.stream:
         return streaming_response(_events(streams[0], writer, reader, logprobs, reasoning_tokens, len(plan.ids)))
     (r,) = await collect(request, streams)
-    writer.feed(*reader.feed("".join(r.text), True), logprobs(r.logprobs))
+    at = 0
+    for i, (delta, n) in enumerate(zip(r.text or [""], r.step_logprobs or [0], strict=True)):  # as streamed
+        writer.feed(*reader.feed(delta, i == max(len(r.text), 1) - 1), logprobs(r.logprobs[at:at + n]))
+        at += n
     writer.finish(r.finish_reason, usage(len(plan.ids), r.generated, reasoning_tokens(r.token_ids, writer.has_reasoning)))
     return JSONResponse(writer.response())
 

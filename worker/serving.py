@@ -57,9 +57,10 @@ def default_max_tokens(max_model_len: int, prompt_len: int) -> int:
 
 @dataclass(slots=True)
 class _Result:
-    text: list[str] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)  # each step's delta
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    step_logprobs: list[int] = field(default_factory=list)  # how many of `logprobs` each step gave
     generated: int = 0
     finish_reason: str = "stop"
     prompt_logprobs: list[TokenLogprobs] | None = None  # SamplingParams.prompt_logprobs: prompt token i + 1's at i
@@ -136,6 +137,7 @@ async def collect(request: Request, streams: list[RequestStream]) -> list[_Resul
             r.text.append(out.text_delta)
             r.token_ids.extend(out.new_token_ids)
             r.logprobs.extend(out.logprobs)
+            r.step_logprobs.append(len(out.logprobs))
             r.generated = out.num_generated
             if out.prompt_logprobs is not None:
                 r.prompt_logprobs = out.prompt_logprobs

@@ -251,6 +251,28 @@ def test_calls_are_function_call_items(auto_worker):
     same_answer(streamed(auto_worker, **body), r)
 
 
+def test_a_messages_logprobs_before_a_call_are_the_streams(auto_worker):
+    """include logprobs, words then a hermes call: the whole response's message has the logprobs
+    the stream's has (those of the tokens until the call began, not all the answer's), and chat's
+    first ones."""
+    from tests.worker.test_tools import HERMES_CALL, _regex
+
+    regex = _regex("Sure. " + HERMES_CALL)
+    body = dict(model="demo", input=QUESTION, tools=[WEATHER], max_output_tokens=240, temperature=0,
+                include=["message.output_text.logprobs"], top_logprobs=2, guided_regex=regex)
+    whole = post(auto_worker, "responses", body).json()
+    last = sse(auto_worker, body)[-1]["response"]
+    (message, call), (streamed_message, _) = whole["output"], last["output"]
+    lps = message["content"][0]["logprobs"]
+    want = chat(auto_worker, messages=CHAT, tools=[{"type": "function", "function": {
+        k: v for k, v in WEATHER.items() if k != "type"}}], max_tokens=240, guided_regex=regex, logprobs=True,
+        top_logprobs=2)["choices"][0]["logprobs"]["content"]
+    assert call["type"] == "function_call" and 0 < len(lps) < whole["usage"]["output_tokens"]
+    for other in (streamed_message["content"][0]["logprobs"], want[:len(lps)]):  # (a prefix-cache hit
+        assert [e["token"] for e in other] == [e["token"] for e in lps]           # moves the last digits)
+        assert [e["logprob"] for e in other] == pytest.approx([e["logprob"] for e in lps], abs=1e-4)
+
+
 def test_earlier_calls_and_their_outputs_reach_the_template(auto_worker):
     """function_call and function_call_output items are the assistant's tool_calls and the tool's
     message: the prompt (input_tokens) and the answer are chat's for those messages."""
