@@ -89,12 +89,14 @@ def requested_constraint(response_format: dict[str, Any] | None, guided_json: An
             found.append(Constraint.schema(value, param))
         elif key == "json_object":
             found.append(Constraint("json_object", "", param))
-        elif key == "regex" and isinstance(value, str):
-            found.append(Constraint("regex", value, param))
-        elif key == "choice" and isinstance(value, list):
+        elif key in ("regex", "grammar"):
+            if not isinstance(value, str):
+                raise ConstraintError(param, f"{param} must be a string")
+            found.append(Constraint(key, value, param))
+        elif key == "choice":
+            if not isinstance(value, list):
+                raise ConstraintError(param, f"{param} must be a non-empty list of non-empty strings")
             found.append(Constraint.choice(value, param))
-        elif key == "grammar" and isinstance(value, str):
-            found.append(Constraint("grammar", value, param))
         else:
             raise ConstraintError(param, f"{param} is not supported (json, json_object, regex, choice, grammar)")
     if len(found) > 1:

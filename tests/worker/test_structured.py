@@ -153,11 +153,19 @@ def test_vllm_spellings_in_completions_streamed_and_not(client, fields):
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
     ({"structured_outputs": {"lark": "start: 'a'"}}, "structured_outputs.lark"),
+    ({"structured_outputs": {"regex": 5}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"choice": "alpha"}}, "structured_outputs.choice"),
     ({"guided_grammar": "this is not a grammar ::= ("}, "guided_grammar"),
 ])
 def test_bad_constraints_are_400s_naming_the_field(worker, fields, param):
     body = {"model": "demo", "messages": CHAT, "max_tokens": 4, **fields}
     refused(post(worker, "chat/completions", body), param)
+
+
+def test_a_known_constraint_of_the_wrong_type_says_so(worker):
+    body = {"model": "demo", "messages": CHAT, "max_tokens": 4, "structured_outputs": {"regex": 5}}
+    assert refused(post(worker, "chat/completions", body), "structured_outputs.regex") == \
+        "structured_outputs.regex must be a string"
 
 
 def test_text_response_format_changes_nothing(worker):
