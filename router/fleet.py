@@ -140,6 +140,18 @@ class Fleet:
     def base_models(self) -> set[str]:
         return {r.inventory.model for r in self.replicas.values() if r.inventory is not None}
 
+    def max_loras_per_request(self, model: str) -> int | None:
+        """The most adapters one request may compose on any replica serving `model` (None: no
+        replica of it has answered a poll yet, so nothing is known)."""
+        known = [r.inventory.max_loras_per_request for r in self.replicas.values()
+                 if r.inventory is not None and r.inventory.model == model]
+        return max(known, default=None)
+
+    def too_narrow(self, adapters: int) -> set[str]:
+        """Replicas whose workers refuse a request composing this many adapters."""
+        return {r.name for r in self.replicas.values()
+                if r.inventory is not None and r.inventory.max_loras_per_request < adapters}
+
     def record_success(self, name: str) -> None:
         replica = self.replicas.get(name)
         if replica is not None:

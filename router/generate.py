@@ -230,6 +230,11 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
     if tokenizing:
         adapters = ()
         body = json.dumps({**payload, "model": base}).encode()
+    allowed = gw.fleet.max_loras_per_request(base) if len(adapters) > 1 else None
+    if allowed is not None and len(adapters) > allowed:  # refused before any load is spent on it
+        message = (f"{len(adapters)} adapters requested; the workers serving {base!r} allow "
+                   f"max_loras_per_request={allowed}")
+        return await refuse_as_worker(send, message, "lora_adapters")
     adapter_label = "+".join(adapters) or "(base)"
     try:
         lease = await gw.limiter.acquire(tenant)
@@ -251,6 +256,8 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
     excluded: set[str] = set()
     # Adapters a worker was started with that the catalog lacks: no cold load can place them.
     unloadable = [a for a in adapters if not gw.loader.can_load(a)]
+    # In a fleet of mixed workers, those taking fewer adapters per request than this one names.
+    excluded |= gw.fleet.too_narrow(len(adapters)) if len(adapters) > 1 else set()
     waited = 0.0  # load waits and upstream time are not the router's own latency
     why: list[str] = []  # each attempt's failure, then why no attempt followed: all of it in the 503
     gone = asyncio.get_running_loop().create_task(disconnected(receive))

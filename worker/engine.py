@@ -230,7 +230,7 @@ class LLMEngine:
         if len(adapters) > self.config.max_loras_per_request:
             raise RequestError(
                 f"{len(adapters)} adapters requested; this worker allows max_loras_per_request="
-                f"{self.config.max_loras_per_request}"
+                f"{self.config.max_loras_per_request}", "lora_adapters"
             )
         stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self._eos_ids)
         if sampling.min_tokens and sampling.allowed_token_ids is not None and stop_ids >= set(sampling.allowed_token_ids):

@@ -47,6 +47,7 @@ class FakeWorkerConfig:
     lora_modules: dict[str, str] = field(default_factory=dict)
     max_loras: int = 4
     max_cpu_loras: int = 8
+    max_loras_per_request: int = 2
     admin_token: str = "admin-secret"
     load_delay_s: float = 0.2
     token_delay_s: float = 0.005
@@ -123,7 +124,7 @@ def create_fake_worker(cfg: FakeWorkerConfig) -> FastAPI:
             max_loras=cfg.max_loras,
             max_cpu_loras=cfg.max_cpu_loras,
             max_lora_rank=16,
-            max_loras_per_request=2,
+            max_loras_per_request=cfg.max_loras_per_request,
             num_requests_running=sum(inflight.values()),
             adapters=[
                 AdapterInfo(
@@ -184,6 +185,9 @@ def create_fake_worker(cfg: FakeWorkerConfig) -> FastAPI:
             names = [LoraAdapterRef.model_validate(r).name for r in payload.get("lora_adapters") or []]
         else:
             names = [model]
+        if len(names) > cfg.max_loras_per_request:  # the real worker's refusal
+            return _err(400, f"{len(names)} adapters requested; this worker allows "
+                             f"max_loras_per_request={cfg.max_loras_per_request}")
         missing = [n for n in names if n not in resident]
         if missing:
             return _err(404, f"The model `{missing[0]}` does not exist.")
@@ -313,6 +317,7 @@ class FakeWorkerProcess:
         ]
         args += ["--model", self.cfg.model, "--max-loras", str(self.cfg.max_loras)]
         args += ["--max-cpu-loras", str(self.cfg.max_cpu_loras), "--admin-token", self.cfg.admin_token]
+        args += ["--max-loras-per-request", str(self.cfg.max_loras_per_request)]
         args += ["--load-delay", str(self.cfg.load_delay_s), "--token-delay", str(self.cfg.token_delay_s)]
         if self.cfg.admin_port:
             args += ["--admin-port", str(self.cfg.admin_port)]
@@ -338,6 +343,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="demo-base")
     p.add_argument("--max-loras", type=int, default=4)
     p.add_argument("--max-cpu-loras", type=int, default=8)
+    p.add_argument("--max-loras-per-request", type=int, default=2)
     p.add_argument("--admin-token", default="admin-secret")
     p.add_argument("--load-delay", type=float, default=0.2)
     p.add_argument("--token-delay", type=float, default=0.005)
@@ -350,6 +356,7 @@ def main(argv: list[str] | None = None) -> None:
         lora_modules=dict(item.split("=", 1) for item in a.lora_modules),
         max_loras=a.max_loras,
         max_cpu_loras=a.max_cpu_loras,
+        max_loras_per_request=a.max_loras_per_request,
         admin_token=a.admin_token,
         load_delay_s=a.load_delay,
         token_delay_s=a.token_delay,

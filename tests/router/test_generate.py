@@ -81,6 +81,38 @@ def test_a_composed_requests_stale_404_marks_only_the_adapter_it_names():
             w.kill()
 
 
+def test_too_many_composed_adapters_are_refused_before_any_load(two_workers):
+    names = [{"name": n} for n in ("a", "b", "c")]  # the fake workers allow 2
+    with RouterThread(router_settings(two_workers)) as router:
+        resp = httpx.post(router.url + "/v1/completions",
+                          json={"model": "demo-base", "prompt": "x", "lora_adapters": names})
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == "lora_adapters", error
+        assert error["message"] == "3 adapters requested; the workers serving 'demo-base' allow max_loras_per_request=2"
+        assert all(w.stats()["loads"] == {} for w in two_workers)  # nothing was loaded for it
+        ok = httpx.post(router.url + "/v1/completions",
+                        json={"model": "demo-base", "prompt": "x", "lora_adapters": names[:2]})
+        assert ok.status_code == 200, ok.text
+
+
+def test_a_composed_request_goes_only_to_workers_that_take_that_many():
+    modules = {n: CATALOG[n] for n in ("a", "b", "c")}
+    workers = start_workers([{"name": "narrow", "lora_modules": modules, "max_loras_per_request": 2},
+                             {"name": "wide", "lora_modules": modules, "max_loras_per_request": 3}])
+    body = {"model": "demo-base", "prompt": "x", "lora_adapters": [{"name": n} for n in modules]}
+    try:
+        with RouterThread(router_settings(workers)) as router:
+            for _ in range(6):
+                resp = httpx.post(router.url + "/v1/completions", json=body)
+                assert resp.status_code == 200, resp.text
+                assert resp.json()["choices"][0]["text"].startswith("[wide]"), resp.text
+            assert router.metric("lorafleet_router_retries_total") == 0
+    finally:
+        for w in workers:
+            w.kill()
+
+
 @pytest.mark.parametrize(
     ("body", "expected"),
     [

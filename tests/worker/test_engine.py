@@ -101,8 +101,9 @@ def test_max_loras_defers_in_the_engine(demo_model, modules):
 def test_request_errors(engine):
     with pytest.raises(AdapterNotFound):
         engine.add_request("hi", GREEDY, [("nope", 1.0)])
-    with pytest.raises(RequestError, match="max_loras_per_request"):
+    with pytest.raises(RequestError, match="max_loras_per_request") as info:
         engine.add_request("hi", GREEDY, [("sql", 1.0), ("chat", 1.0), ("poem", 1.0), ("code", 1.0), ("legal", 1.0)])
+    assert info.value.param == "lora_adapters"
     with pytest.raises(RequestError, match="context length"):
         engine.add_request("hi", SamplingParams(max_tokens=10_000))
     with pytest.raises(RequestError, match="token ids"):
