@@ -170,11 +170,10 @@ class _SamplingFields(JsonBody):
         """logit_bias's keys as token ids; raises UnsupportedField (a 400 naming it) for another key."""
         pairs = []
         for key, bias in (self.logit_bias or {}).items():
-            try:
-                token = int(key)
-            except ValueError:
-                raise UnsupportedField("logit_bias", f"logit_bias keys must be token ids, got {key!r}") from None
-            pairs.append((token, bias))
+            # Decimal digits only: int() would also take " 5", "+5", "5_0" (50) and non-ASCII digits.
+            if not (key.isascii() and key.isdigit()):
+                raise UnsupportedField("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+            pairs.append((int(key), bias))
         return tuple(pairs)
 
     @property

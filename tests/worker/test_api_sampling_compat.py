@@ -73,6 +73,10 @@ def test_bad_words_through_the_official_client(client, worker):
     ("min_p", 1.5, "less than or equal to 1"),
     ("min_tokens", -1, "greater than or equal to 0"),
     ("logit_bias", {"abc": 1}, "keys must be token ids"),
+    ("logit_bias", {"5_0": 1}, "keys must be token ids, got '5_0'"),
+    ("logit_bias", {" 5": 1}, "keys must be token ids"),
+    ("logit_bias", {"-5": 1}, "keys must be token ids"),
+    ("logit_bias", {"\u0665": 1}, "keys must be token ids"),
     ("logit_bias", {"5": "high"}, "valid number"),
 ])
 def test_bad_logit_knobs_are_400_naming_the_field(worker, field, value, message):
