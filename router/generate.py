@@ -253,11 +253,10 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
     req = RequestInfo(base, adapters)
     stream = bool(payload.get("stream"))
     path = scope["path"]
-    excluded: set[str] = set()
+    # In a fleet of mixed workers, those taking fewer adapters per request than this one names.
+    excluded: set[str] = gw.fleet.too_narrow(len(adapters)) if len(adapters) > 1 else set()
     # Adapters a worker was started with that the catalog lacks: no cold load can place them.
     unloadable = [a for a in adapters if not gw.loader.can_load(a)]
-    # In a fleet of mixed workers, those taking fewer adapters per request than this one names.
-    excluded |= gw.fleet.too_narrow(len(adapters)) if len(adapters) > 1 else set()
     waited = 0.0  # load waits and upstream time are not the router's own latency
     why: list[str] = []  # each attempt's failure, then why no attempt followed: all of it in the 503
     gone = asyncio.get_running_loop().create_task(disconnected(receive))
