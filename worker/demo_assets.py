@@ -8,9 +8,11 @@ written by PEFT itself with different ranks, alphas, target modules, rsLoRA and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -155,6 +157,24 @@ def build_adapter(model, spec: DemoAdapter, out: Path, seed: int) -> None:
     peft_model.unload()
 
 
+@contextlib.contextmanager
+def _libraries_quiet() -> Iterator[None]:
+    """The first `lorafleet up` prints its own progress: keep transformers' shard bar and the
+    libraries' deprecation notices about their own internals (peft calling transformers) out of it."""
+    from transformers.utils import logging as hf_logging
+
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|peft)(\.|$)")
+            warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"(transformers|peft)(\.|$)")
+            yield
+    finally:
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
+
+
 def make_demo_assets(out: Path, progress: Callable[[str], None] = lambda _msg: None) -> Path:
     """Write `out/model` and `out/adapters/<name>`; returns `out`. Idempotent: skips if complete."""
     out = Path(out)
@@ -163,13 +183,14 @@ def make_demo_assets(out: Path, progress: Callable[[str], None] = lambda _msg: N
         return out
     model_dir = out / MODEL_DIR
     model_dir.mkdir(parents=True, exist_ok=True)
-    progress("tokenizer")
-    vocab = build_tokenizer(model_dir)
-    progress("model")
-    model = build_model(model_dir, vocab)
-    for i, spec in enumerate(DEMO_ADAPTERS):
-        progress(f"adapter {spec.name}")
-        build_adapter(model, spec, out / ADAPTERS_DIR / spec.name, seed=SEED + 1 + i)
+    with _libraries_quiet():
+        progress("tokenizer")
+        vocab = build_tokenizer(model_dir)
+        progress("model")
+        model = build_model(model_dir, vocab)
+        for i, spec in enumerate(DEMO_ADAPTERS):
+            progress(f"adapter {spec.name}")
+            build_adapter(model, spec, out / ADAPTERS_DIR / spec.name, seed=SEED + 1 + i)
     marker.write_text("ok\n")
     return out
 
