@@ -1,4 +1,4 @@
-"""Can this Triton build a LoRA shrink whose K reduction spans a thread-block cluster? (no GPU needed)
+"""Can this Triton build a LoRA shrink split over a thread-block cluster's CTAs? (no GPU needed)
 
     python -m bench.cluster_probe [--out bench/results/cluster-probe.json]
 
@@ -47,7 +47,7 @@ def _shrink_rk(x_ptr, a_ptr, h_ptr, K: tl.constexpr, R: tl.constexpr):
 
 @triton.jit
 def _shrink_kr(x_ptr, a_ptr, h_ptr, K: tl.constexpr, R: tl.constexpr):
-    """The same product with K as the tile's first axis (the one Triton's cluster layouts split)."""
+    """The same product with K as the tile's first axis (in case the layout splits the first axis)."""
     offs_k = tl.arange(0, K)
     offs_r = tl.arange(0, R)
     x = tl.load(x_ptr + offs_k).to(tl.float32)

@@ -160,7 +160,7 @@ def build_adapter(model, spec: DemoAdapter, out: Path, seed: int) -> None:
 @contextlib.contextmanager
 def _libraries_quiet() -> Iterator[None]:
     """The first `lorafleet up` prints its own progress: keep transformers' shard bar and the
-    libraries' deprecation notices about their own internals (peft calling transformers) out of it."""
+    FutureWarnings the libraries raise about each other's internals (peft calling transformers) out of it."""
     from transformers.utils import logging as hf_logging
 
     bar_was_on = hf_logging.is_progress_bar_enabled()
@@ -168,7 +168,6 @@ def _libraries_quiet() -> Iterator[None]:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|peft)(\.|$)")
-            warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"(transformers|peft)(\.|$)")
             yield
     finally:
         if bar_was_on:
