@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+MESSAGE_MAX = 32768  # metav1.Condition's bound on message (the CRDs' schema has it too)
+
 
 @dataclass(frozen=True, slots=True)
 class Condition:
@@ -102,7 +104,7 @@ def render_conditions(
             "type": c.type,
             "status": status,
             "reason": c.reason,
-            "message": c.message,
+            "message": c.message[:MESSAGE_MAX],
             "lastTransitionTime": since or _now(),
         }
         if generation is not None:

@@ -1,4 +1,4 @@
-"""Static checks of charts/lorafleet (no Helm needed): CRD copies, values comments, schema, dashboard."""
+"""Static checks of charts/lorafleet (no Helm needed): CRD source, values comments, schema, dashboard."""
 
 from __future__ import annotations
 
@@ -15,15 +15,15 @@ CHART = ROOT / "charts" / "lorafleet"
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 
 
-def test_chart_crds_are_identical_to_crds_folder() -> None:
-    """Ours and kopf's peering CRDs (crds/peering/, which Helm installs from the chart's crds/ too)."""
-    ours = {str(p.relative_to(CHART / "crds")): p.read_bytes() for p in (CHART / "crds").rglob("*.yaml")}
-    theirs = {str(p.relative_to(ROOT / "crds")): p.read_bytes() for p in (ROOT / "crds").rglob("*.yaml")}
-    assert theirs, "crds/ is empty"
-    assert {"peering/kopfpeerings.kopf.dev.yaml", "peering/clusterkopfpeerings.kopf.dev.yaml"} <= theirs.keys()
-    assert ours.keys() == theirs.keys(), "charts/lorafleet/crds/ must hold exactly the files of crds/"
-    stale = [name for name in theirs if ours[name] != theirs[name]]
-    assert not stale, f"out of date (cp -r crds/. charts/lorafleet/crds/): {stale}"
+def test_chart_crds_are_the_crds_folder() -> None:
+    """One source: the chart's crds/ is a link to the top-level crds/ (ours and kopf's peering CRDs,
+    which Helm installs from the chart's crds/ too), so no copy can drift."""
+    link = CHART / "crds"
+    assert link.is_symlink(), "charts/lorafleet/crds must be a symlink to ../../crds"
+    assert link.resolve() == (ROOT / "crds").resolve()
+    names = {str(p.relative_to(ROOT / "crds")) for p in (ROOT / "crds").rglob("*.yaml")}
+    assert {"lorapools.lorafleet.dev.yaml", "loraadapters.lorafleet.dev.yaml",
+            "peering/kopfpeerings.kopf.dev.yaml", "peering/clusterkopfpeerings.kopf.dev.yaml"} <= names
 
 
 def _schema_leaves(schema: dict[str, Any], prefix: tuple[str, ...] = ()) -> set[tuple[str, ...]]:
