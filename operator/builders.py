@@ -9,11 +9,13 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from lorafleet.operator.spec import POOL_LABEL, PoolSpec
+from lorafleet.operator.spec import MODEL_MOUNT, POOL_LABEL, TOKEN_MOUNT, PoolSpec
 
 TOKEN_KEY = "token"
-TOKEN_MOUNT = "/var/run/lorafleet/admin"
-MODEL_MOUNT = "/models"
+# The worker image's user (docker/worker.Dockerfile). The token Secret's files are group-readable
+# and owned by fsGroup, so that user reads them; nobody else in the pod runs.
+WORKER_UID = 10001
+TOKEN_MODE = 0o440
 
 
 def labels(pool: PoolSpec) -> dict[str, str]:
@@ -30,13 +32,27 @@ def _meta(pool: PoolSpec, name: str) -> dict[str, Any]:
     return {"name": name, "namespace": pool.namespace, "labels": labels(pool)}
 
 
+def model_dir(pool: PoolSpec) -> str:
+    """The model directory in the worker container.
+
+    With a model claim (mounted at /models), `model.path` is the directory on that volume: a path
+    already under /models is taken as it is (never /models/models/...), any other is relative to
+    the volume's root. Without a claim it is a path in the image, as written.
+    """
+    path = pool.model_path
+    if not pool.model_claim:
+        return path
+    if path == MODEL_MOUNT or path.startswith(MODEL_MOUNT + "/"):
+        return path
+    return f"{MODEL_MOUNT}/{path.lstrip('/')}".rstrip("/")
+
+
 def worker_args(pool: PoolSpec) -> list[str]:
     """`lorafleet worker` flags (issue 4's CLI); adapters are loaded later by the operator."""
     engine = pool.engine
-    model = f"{MODEL_MOUNT}/{pool.model_path.lstrip('/')}" if pool.model_claim else pool.model_path
     return [
         "worker",
-        "--model", model,
+        "--model", model_dir(pool),
         "--served-model-name", pool.served_name,
         "--host", "0.0.0.0",
         "--port", str(pool.http_port),
@@ -54,8 +70,9 @@ def worker_args(pool: PoolSpec) -> list[str]:
 
 
 def pod_template(pool: PoolSpec) -> dict[str, Any]:
+    pod = pool.pod
     volumes: list[dict[str, Any]] = [
-        {"name": "admin-token", "secret": {"secretName": pool.token_secret, "defaultMode": 0o400}},
+        {"name": "admin-token", "secret": {"secretName": pool.token_secret, "defaultMode": TOKEN_MODE}},
         {
             "name": "adapters",
             "persistentVolumeClaim": {"claimName": pool.adapter_claim, "readOnly": True}
@@ -89,21 +106,43 @@ def pod_template(pool: PoolSpec) -> dict[str, Any]:
             "failureThreshold": 6,
         },
         "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "failureThreshold": 120},
-        "volumeMounts": mounts,
-        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": False},
-    }
-    if pool.resources:
-        container["resources"] = {k: dict(v) for k, v in pool.resources.items()}
-    return {
-        "metadata": {"labels": labels(pool)},
-        "spec": {
-            "containers": [container],
-            "volumes": volumes,
-            # In-flight requests finish before the pod goes; the operator drains adapters meanwhile.
-            "terminationGracePeriodSeconds": 60,
-            "automountServiceAccountToken": False,
+        "volumeMounts": mounts + [dict(m) for m in pod.volume_mounts],
+        # Pod Security Standard "restricted" (with the pod's securityContext below).
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": False,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
         },
     }
+    if pod.env:
+        container["env"] = [dict(e) for e in pod.env]
+    if pool.resources:
+        container["resources"] = {k: dict(v) for k, v in pool.resources.items()}
+    spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes + [dict(v) for v in pod.volumes],
+        # In-flight requests finish before the pod goes; the operator drains adapters meanwhile.
+        "terminationGracePeriodSeconds": 60,
+        "automountServiceAccountToken": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": WORKER_UID,
+            "runAsGroup": WORKER_UID,
+            "fsGroup": WORKER_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    optional = {
+        "nodeSelector": dict(pod.node_selector) if pod.node_selector else None,
+        "tolerations": [dict(t) for t in pod.tolerations] or None,
+        "affinity": dict(pod.affinity) if pod.affinity else None,
+        "priorityClassName": pod.priority_class,
+        "runtimeClassName": pod.runtime_class,
+        "imagePullSecrets": [{"name": n} for n in pod.image_pull_secrets] or None,
+    }
+    spec |= {k: v for k, v in optional.items() if v is not None}
+    return {"metadata": {"labels": labels(pool)}, "spec": spec}
 
 
 def workload(pool: PoolSpec) -> dict[str, Any]:

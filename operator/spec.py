@@ -46,6 +46,27 @@ class EngineSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class PodFields:
+    """Worker pod fields passed through unchanged (core/v1 shapes; the API server validates them on the pods)."""
+
+    node_selector: Mapping[str, str] | None = None
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] | None = None
+    priority_class: str | None = None
+    runtime_class: str | None = None
+    image_pull_secrets: tuple[str, ...] = ()
+    env: tuple[Mapping[str, Any], ...] = ()
+    volumes: tuple[Mapping[str, Any], ...] = ()
+    volume_mounts: tuple[Mapping[str, Any], ...] = ()
+
+
+# Volume names and mount paths the operator's own pod template uses (builders.py).
+RESERVED_VOLUMES = ("admin-token", "adapters", "model")
+TOKEN_MOUNT = "/var/run/lorafleet/admin"
+MODEL_MOUNT = "/models"
+
+
+@dataclass(frozen=True, slots=True)
 class PoolSpec:
     namespace: str
     name: str
@@ -64,6 +85,7 @@ class PoolSpec:
     admin_port: int = 8001
     requests_per_replica: float = 5.0
     max_unavailable: int | str = 1
+    pod: PodFields = PodFields()
 
     @property
     def token_secret(self) -> str:
@@ -198,10 +220,59 @@ def parse_pool(namespace: str, name: str, spec: Mapping[str, Any]) -> PoolSpec:
         admin_port=_int(ports, "admin", 8001, 1, 65535, "spec.ports."),
         requests_per_replica=float(rate),
         max_unavailable=_max_unavailable(spec.get("maxUnavailable", 1)),
+        pod=parse_pod_fields(spec),
     )
     if pool.http_port == pool.admin_port:
         raise SpecError("InvalidPorts", "ports.http and ports.admin must differ")
+    own = {TOKEN_MOUNT, pool.adapter_mount} | ({MODEL_MOUNT} if pool.model_claim else set())
+    clash = sorted({str(m["mountPath"]).rstrip("/") for m in pool.pod.volume_mounts} & own)
+    if clash:
+        raise SpecError("InvalidSpec", f"spec.volumeMounts: {', '.join(clash)} is where the operator mounts its own volumes")
     return pool
+
+
+def _objects(raw: Mapping[str, Any], key: str, required: tuple[str, ...] = ()) -> tuple[Mapping[str, Any], ...]:
+    value = raw.get(key)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, Mapping) for v in value):
+        raise SpecError("InvalidSpec", f"spec.{key} must be a list of objects")
+    for i, item in enumerate(value):
+        for field in required:
+            if not isinstance(item.get(field), str) or not item.get(field):
+                raise SpecError("InvalidSpec", f"spec.{key}[{i}].{field} is required")
+    return tuple(value)
+
+
+def parse_pod_fields(spec: Mapping[str, Any]) -> PodFields:
+    """spec's worker pod fields; only what the operator relies on is checked (names, references)."""
+    node_selector = _mapping(spec, "nodeSelector", "spec.")
+    if not all(isinstance(v, str) for v in node_selector.values()):
+        raise SpecError("InvalidSpec", "spec.nodeSelector values must be strings")
+    volumes = _objects(spec, "volumes", ("name",))
+    names = [v["name"] for v in volumes]
+    taken = sorted(set(names) & set(RESERVED_VOLUMES))
+    if taken:
+        raise SpecError("InvalidSpec", f"spec.volumes: {', '.join(taken)} are the operator's own volume names")
+    if len(set(names)) != len(names):
+        raise SpecError("InvalidSpec", "spec.volumes: names must be unique")
+    mounts = _objects(spec, "volumeMounts", ("name", "mountPath"))
+    for m in mounts:
+        if m["name"] not in names:
+            raise SpecError("InvalidSpec", f"spec.volumeMounts: {m['name']!r} is not in spec.volumes")
+    secrets = _objects(spec, "imagePullSecrets", ("name",))
+    affinity = _mapping(spec, "affinity", "spec.")
+    return PodFields(
+        node_selector=dict(node_selector) or None,
+        tolerations=_objects(spec, "tolerations"),
+        affinity=dict(affinity) or None,
+        priority_class=_str(spec, "priorityClassName", None, "spec.") or None,
+        runtime_class=_str(spec, "runtimeClassName", None, "spec.") or None,
+        image_pull_secrets=tuple(s["name"] for s in secrets),
+        env=_objects(spec, "env", ("name",)),
+        volumes=volumes,
+        volume_mounts=mounts,
+    )
 
 
 def _max_unavailable(value: Any) -> int | str:
