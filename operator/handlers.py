@@ -119,6 +119,11 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP, key="last-applied")
         settings.watching.server_timeout = 300
+        # No cluster-wide scans: the watched namespaces are exact names (or all of them with -A) and
+        # the CRDs exist before the operator starts. Scanning lists namespaces and watches CRDs
+        # cluster-wide, which a namespaced ServiceAccount may not: kopf then retries each 403 with
+        # back-off (about 55 s) before the first namespaced watch starts.
+        settings.scanning.disabled = True
         settings.networking.request_timeout = 60
         if config.peering:
             settings.peering.name = config.peering

@@ -25,7 +25,13 @@ from starlette.exceptions import HTTPException
 from lorafleet.placement_store import MemoryPlacementStore, PlacementStore, RedisPlacementStore
 from lorafleet.protocol import ErrorResponse, response_not_kept
 from lorafleet.router.admin_tokens import AdminTokens
-from lorafleet.router.discovery import SA_DIR, Discovery, KubernetesDiscovery, StaticDiscovery
+from lorafleet.router.discovery import (
+    SA_DIR,
+    Discovery,
+    KubernetesDiscovery,
+    StaticDiscovery,
+    placement_scope,
+)
 from lorafleet.router.fleet import Fleet
 from lorafleet.router.generate import ProxyRoutes, invalid_method
 from lorafleet.router.loader import AdapterLoader
@@ -135,7 +141,7 @@ def create_app(settings: RouterSettings, *, store: PlacementStore | None = None)
         tokens = AdminTokens(settings.admin_token_file, settings.admin_token_dir, settings.admin_token)
         scope = settings.placement_scope
         if scope is None:
-            scope = settings.k8s_namespace if settings.discovery == "kubernetes" else ""
+            scope = placement_scope(settings.k8s_namespace) if settings.discovery == "kubernetes" else ""
         sync = PlacementSync(
             fleet, placement, discovery, http, metrics, settings.placement_ttl_s, catalog, tokens, scope=scope
         )

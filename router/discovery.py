@@ -8,7 +8,7 @@ LoraPool, whose admin token the router must present.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlparse
@@ -65,31 +65,51 @@ class StaticDiscovery:
         return list(self._eps)
 
 
-class KubernetesDiscovery:
-    """Ready pods matching a label selector, through the API server with the pod's service account.
+def namespaces_of(namespace: str) -> list[str]:
+    """`--k8s-namespace`: one namespace, or several separated by commas (those the operator watches)."""
+    return [ns.strip() for ns in namespace.split(",") if ns.strip()]
 
-    Needs RBAC `list pods` in the namespace. Replica name = pod name, so placement entries written by
-    the operator (which knows pods by name) line up with the router's.
+
+def placement_scope(namespace: str) -> str:
+    """The store's scope for `--k8s-namespace` (placement_store.replica_key): the namespace itself,
+    or, across several, none, with each endpoint named `namespace/pod` as the operator names it."""
+    names = namespaces_of(namespace)
+    return names[0] if len(names) == 1 else ""
+
+
+class KubernetesDiscovery:
+    """Ready pods matching a label selector in one or more namespaces, through the API server with
+    the pod's service account.
+
+    Needs RBAC `list pods` in each namespace. Replica name = pod name (`namespace/pod` across several
+    namespaces), so placement entries written by the operator (which knows pods by namespace and
+    name) line up with the router's.
     """
 
     def __init__(
         self, http: httpx.AsyncClient, namespace: str, selector: str, port: int, admin_port: int | None = None
     ) -> None:
         self._http = http
-        self._namespace = namespace
+        self._namespaces = namespaces_of(namespace)
         self._selector = selector
         self._port = port
         self._admin_port = admin_port
 
     async def endpoints(self) -> list[Endpoint]:
         token = (SA_DIR / "token").read_text().strip()
-        resp = await self._http.get(
-            f"https://kubernetes.default.svc/api/v1/namespaces/{self._namespace}/pods",
-            params={"labelSelector": self._selector},
-            headers={"Authorization": f"Bearer {token}"},
-        )
-        resp.raise_for_status()
-        return pods_to_endpoints(resp.json(), self._port, self._admin_port)
+        out: list[Endpoint] = []
+        for ns in self._namespaces:
+            resp = await self._http.get(
+                f"https://kubernetes.default.svc/api/v1/namespaces/{ns}/pods",
+                params={"labelSelector": self._selector},
+                headers={"Authorization": f"Bearer {token}"},
+            )
+            resp.raise_for_status()
+            found = pods_to_endpoints(resp.json(), self._port, self._admin_port)
+            if len(self._namespaces) > 1:
+                found = [replace(e, name=f"{ns}/{e.name}") for e in found]
+            out += found
+        return out
 
 
 def _named_port(pod: dict, name: str) -> int | None:

@@ -107,3 +107,8 @@ def test_workers_admin_port_is_closed_in_every_watched_namespace() -> None:
         assert {p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in peers} == components
         for peer in peers:  # a pod selector alone would mean pods of the policy's own namespace
             assert peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "default"}, policy
+        # The public port: the router (above) and the metrics scraper; no rule without peers (= any pod).
+        assert all(rule.get("from") for rule in policy["spec"]["ingress"]), policy
+        public = [r for r in policy["spec"]["ingress"] if r is not admin]
+        assert [r["from"] for r in public] == [VALUE_SETS["full"].get("networkPolicy", {}).get(
+            "scraperFrom", [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}])]

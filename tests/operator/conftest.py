@@ -95,7 +95,6 @@ class OperatorRunner:
         register(registry, config)
         settings = kopf.OperatorSettings()
         settings.watching.reconnect_backoff = 0.2
-        settings.scanning.disabled = True  # the emulator cannot watch namespaces; names are exact
         settings.queueing.idle_timeout = 0.2
         settings.queueing.exit_timeout = 0.5
         settings.process.ultimate_exiting_timeout = None  # else kopf SIGKILLs the test process

@@ -29,6 +29,7 @@ import json
 import re
 import uuid
 from collections.abc import Iterable
+from dataclasses import replace as answered
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ import yaml
 from kmock._internal import dicts, enums, rendering
 
 from tests.operator.kube_api import ApiError, matches_selector, now, status_response, table
+from tests.operator.kube_audit import Call, Policy, is_admin, owner_finalizer_calls, parse
 from tests.operator.kube_watch import WatchLog, watch_unchanging
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,6 +77,10 @@ class PatchedEmulator(kmock.KubernetesEmulator):
     refuse_creates: dict[str, tuple[int, str, str]] = attrs.field(factory=dict, init=False)
     create_attempts: dict[str, int] = attrs.field(factory=dict, init=False)  # plural -> creates asked for
     _watch: WatchLog = attrs.field(factory=WatchLog, init=False)
+    # The audit log: every resource request (kube_audit.Call, with its answer's code), and the RBAC
+    # in force (None: everything allowed; a Policy: 403 for what its Roles do not grant).
+    audit: list[Call] = attrs.field(factory=list, init=False)
+    policy: Policy | None = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
         kmock.KubernetesEmulator.__attrs_post_init__(self)
@@ -156,6 +162,32 @@ class PatchedEmulator(kmock.KubernetesEmulator):
     # ---- the HTTP surface ----------------------------------------------------------------------
 
     async def __call__(self, raw: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        parsed = parse(raw.method, raw.path, dict(raw.query))
+        if parsed is None:
+            return await self._serve(raw)
+        agent = raw.headers.get("User-Agent", "")
+        calls = [Call(*parsed, agent)]
+        if raw.method in ("POST", "PATCH", "PUT") and raw.can_read_body:
+            try:
+                body = json.loads(await raw.read() or b"null")
+            except ValueError:
+                body = None
+            plurals = {(r.group or "", kind): r.plural for r, kind in self._kinds.items()}
+            calls += owner_finalizer_calls(body, plurals, parsed[3], agent)
+        if self.policy is not None and not is_admin(agent):
+            denied = [c for c in calls if not self.policy.allows(c)]
+            if denied:
+                self.audit += [answered(c, code=403) for c in calls]
+                c = denied[0]
+                return status_response(403, "Forbidden", f'{c.resource} is forbidden: cannot {c.verb} resource '
+                                       f'"{c.resource}" in API group "{c.group}" in the namespace "{c.namespace}"')
+        start = len(self.audit)  # entries are only appended: this slice stays this request's
+        self.audit += calls  # code 0 until answered (a watch is answered when its stream ends)
+        response = await self._serve(raw)
+        self.audit[start:start + len(calls)] = [answered(c, code=response.status) for c in calls]
+        return response
+
+    async def _serve(self, raw: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
         m = re.fullmatch(r"/api/v1/namespaces(?:/([^/]+))?/?", raw.path)
         if m and raw.method == "GET" and raw.query.get("watch") != "true":
             return self._serve_namespaces(m.group(1))

@@ -87,6 +87,23 @@ app.kubernetes.io/component: {{ .component }}
 {{- join "," (uniq $nss) }}
 {{- end }}
 
+{{/*
+Namespaces with worker pods, comma-separated: the router discovers the workers there (a Role to
+list pods in each) and a NetworkPolicy guards them. router.discoveryNamespaces, else the operator's
+watched namespaces (scope=namespace) or the release namespace (scope=cluster).
+*/}}
+{{- define "lorafleet.worker.namespaces" -}}
+{{- $nss := .Values.router.discoveryNamespaces }}
+{{- if not $nss }}
+{{- if eq .Values.operator.scope "namespace" }}
+{{- $nss = splitList "," (include "lorafleet.operator.namespaces" .) }}
+{{- else }}
+{{- $nss = list .Release.Namespace }}
+{{- end }}
+{{- end }}
+{{- join "," (uniq $nss) }}
+{{- end }}
+
 {{/* Redis password Secret name and key; empty name = no password (external Redis without auth). */}}
 {{- define "lorafleet.redis.secretName" -}}
 {{- if .Values.redis.auth.existingSecret }}
