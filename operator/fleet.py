@@ -87,6 +87,16 @@ class Fleet:
             except Exception as exc:
                 log.warning("placement store: %s not removed from the catalog: %s", name, exc)
 
+    def drop_pool(self, namespace: str, name: str) -> None:
+        """Forget everything about one pool: its reconciler and its adapters (a new term starts
+        from the API server's objects, never from what an earlier term left in memory)."""
+        self.pools.pop((namespace, name), None)
+        for (ns, adapter), pool in list(self.adapter_pool.items()):
+            if ns == namespace and pool == name:
+                del self.adapter_pool[(ns, adapter)]
+                self.claims.get(adapter, {}).pop(ns, None)
+                self._settle(adapter)
+
     def forget_adapter(self, namespace: str, name: str) -> PoolReconciler | None:
         pool = self.adapter_pool.pop((namespace, name), None)
         if pool is None:

@@ -202,9 +202,17 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         await memo.fleet.pool(namespace, name).pool_deleted()
 
     @kopf.daemon(*POOLS, cancellation_timeout=1.0, registry=registry)
-    async def pool_loop(name: str, namespace: str, memo: kopf.Memo, stopped: Any, logger: logging.Logger, **_: Any) -> None:
+    async def pool_loop(
+        name: str, namespace: str, spec: kopf.Spec, memo: kopf.Memo, logger: logging.Logger, **_: Any,
+    ) -> None:
+        # Each start of this daemon begins a term: the operator's first, or a takeover after kopf
+        # peering paused it (a pause stops daemons; the resumed watch starts them again). A term
+        # starts from the API server's objects: what this process remembers of an earlier term
+        # (adapters deleted or rescaled by another leader meanwhile) is dropped first.
         fleet: Fleet = memo.fleet
+        fleet.drop_pool(namespace, name)
         reconciler = fleet.pool(namespace, name)
+        await _set_pool_from_spec(fleet, namespace, name, spec, logger)
         await _adopt_existing_adapters(fleet, namespace, name, logger)
         await _adopt_existing_pods(fleet, namespace, name, logger)
         reconciler.wake(resync=True)
@@ -276,6 +284,23 @@ async def _list(fleet: Fleet, path: str, what: str, logger: logging.Logger) -> l
             logger.warning(f"listing {what} failed ({exc}); retrying")
             await asyncio.sleep(1 + attempt)
     return None
+
+
+async def _set_pool_from_spec(fleet: Fleet, namespace: str, name: str, spec: Any, logger: logging.Logger) -> None:
+    """The pool as its object says now (its children are pool_apply's to write)."""
+    try:
+        pool = parse_pool(namespace, name, spec)
+    except SpecError as exc:
+        fleet.pool(namespace, name).set_pool(None, None, problem=("PoolInvalid", f"LoraPool {name}: {exc}"))
+        return
+    if fleet.kube is None:
+        return
+    try:
+        token = builders.read_token(await fleet.kube.get(KubeClient.path("v1", "secrets", namespace, pool.token_secret)))
+    except (KubeError, OSError, KeyError, ValueError) as exc:  # not created yet: pool_apply sets the pool then
+        logger.info(f"pool {name}: admin token not readable yet ({exc})")
+        return
+    fleet.pool(namespace, name).set_pool(pool, token)
 
 
 async def _adopt_existing_pods(fleet: Fleet, namespace: str, pool: str, logger: logging.Logger) -> None:
