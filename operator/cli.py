@@ -11,8 +11,9 @@ stays paused rather than run unguarded.
 
 Setup: `kubectl apply -f crds/peering/` (kopf's two CRDs), then create the object once, e.g.
 `{apiVersion: kopf.dev/v1, kind: KopfPeering, metadata: {name: NAME, namespace: NS}}` (without
-it the replicas cannot see each other and all of them act); the operator's role needs get/list/watch/patch on it. A takeover needs no hand-over: reconciling is
-level-triggered, so the new leader re-reads every worker's inventory before it acts, and deleted
+it the replicas cannot see each other and all of them act); the operator's role needs list/watch/patch on it. A takeover needs no hand-over: each term
+starts from the API server (the pools, adapters and pods are read again, nothing from an earlier
+term is kept) and the new leader re-reads every worker's inventory before it acts; deleted
 adapters stay held by their finalizer until it has unloaded them.
 """
 
