@@ -104,10 +104,13 @@ async def test_operator_role_is_exactly_what_the_operator_calls(
     assert extra == {}, f"the Role grants what the operator never calls: {extra}"
 
 
-async def test_operator_under_its_role_reconciles_first_within_2s_without_a_403(
+async def test_operator_under_its_role_reconciles_at_once_without_a_403(
     api: PatchedEmulator, kubectl: Kubectl, kubelet: Kubelet, tmp_path: Path,
 ) -> None:
-    """Namespaced RBAC only (as the chart's ServiceAccount has): no cluster-wide scan is tried."""
+    """Namespaced RBAC only (as the chart's ServiceAccount has): no cluster-wide request is tried,
+    none is refused, so kopf's 403 back-off (1+1+2+3+5+8+13+21 s before it falls back) never
+    delays the first reconcile. The bound is loose (a loaded CI machine); the time is printed,
+    about 1-3 s here on a shared 2-core machine."""
     api.policy = Policy(namespaced={"default": operator_role({})})
     write_adapter(tmp_path, "f1")
     await apply(kubectl, tmp_path, pool_manifest(tmp_path, replicas=1), adapter_manifest("f1"))
@@ -125,4 +128,5 @@ async def test_operator_under_its_role_reconciles_first_within_2s_without_a_403(
     denied = [c for c in api.audit if c.code == 403]
     print(f"first reconcile {first:.2f} s after start; audit: {len(api.audit)} requests, {len(denied)} denied")
     assert denied == []
-    assert first < 2.0, f"first reconcile {first:.2f}s after start"
+    assert all(c.namespace == "default" for c in api.audit if not is_admin(c.agent)), "a cluster-wide request"
+    assert first < 10.0, f"first reconcile {first:.2f}s after start"
