@@ -199,12 +199,12 @@ class EngineConfig:
     lora_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
     # Decode attention: auto (the Triton paged kernel on CUDA, torch on CPU) | torch | triton.
     attention_backend: str = "auto"
-    # Decode steps replay a CUDA graph per batch-size bucket (worker/cuda_graphs.py). None: on for
+    # Decode steps replay a CUDA graph per batch-size bucket (worker/engine/cuda_graphs.py). None: on for
     # CUDA when the attention and LoRA backends are Triton, off otherwise; True on CUDA needs them.
     # (True on CPU runs the graphs' padded static-buffer path without capture: tests.)
     cuda_graphs: bool | None = None
     # Launch each steady-state decode step before reading the previous one's tokens, so the host's
-    # bookkeeping overlaps the GPU (worker/async_step.py; vLLM's --async-scheduling). Needs the
+    # bookkeeping overlaps the GPU (worker/engine/async_step.py; vLLM's --async-scheduling). Needs the
     # graph path; everything else (prefill, admissions, preemption) runs synchronously. None: on
     # wherever decode steps replay captured CUDA graphs (measured on the H200: 10.6k -> 12.0k tok/s).
     async_scheduling: bool | None = None

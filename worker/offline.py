@@ -29,8 +29,8 @@ def parse_adapter_set(text: str) -> list[tuple[str, float]]:
 
 
 def main(argv: list[str]) -> int:
-    from lorafleet.worker.engine import LLMEngine, RequestError
-    from lorafleet.worker.sequence import SamplingParams
+    from lorafleet.worker.engine.engine import LLMEngine, RequestError
+    from lorafleet.worker.engine.sequence import SamplingParams
 
     p = argparse.ArgumentParser(prog="lorafleet generate", description="Offline batched generation.")
     p.add_argument("--model", required=True, help="Hugging Face model folder")

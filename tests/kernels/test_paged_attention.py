@@ -13,19 +13,19 @@ import os
 import pytest
 import torch
 
-from lorafleet.kernels.paged_attention import (
+from lorafleet.kernels.attention.paged_attention import (
     DecodeConfig,
     paged_decode_attention,
     paged_decode_attention_reference,
     pick_config,
 )
-from lorafleet.worker.attention import (
+from lorafleet.worker.config import ConfigError, EngineConfig
+from lorafleet.worker.layers.attention import (
     AttentionMetadata,
     decode_attention,
     paged_attention,
     resolve_attention_backend,
 )
-from lorafleet.worker.config import ConfigError, EngineConfig
 from tests.kernels.hopper_compile import run_hopper_compile
 
 HAS_CUDA = torch.cuda.is_available()
@@ -179,7 +179,7 @@ def test_pick_config_depends_on_table_width_only() -> None:
 # divisibility-by-16 hints the JIT derives from real strides and pointers. This catches what the
 # interpreter lets through (tl.dot below 16, dtype mixes in dot, ...) without a GPU.
 HOPPER_COMPILE = r"""
-from lorafleet.kernels import paged_attention as pa
+from lorafleet.kernels.attention import paged_attention as pa
 
 strides = ["stride_qb", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_vb", "stride_vt", "stride_vh",
            "stride_tb", "stride_ob", "stride_oh"]
@@ -263,8 +263,8 @@ def test_backend_switch_is_validated(monkeypatch) -> None:
 
 
 def engine_step_logits(demo_model, backend: str, device: str, dtype: str) -> tuple[list[list[int]], list[torch.Tensor]]:
-    from lorafleet.worker.engine import LLMEngine
-    from lorafleet.worker.sequence import SamplingParams
+    from lorafleet.worker.engine.engine import LLMEngine
+    from lorafleet.worker.engine.sequence import SamplingParams
 
     config = EngineConfig(max_loras=2, max_cpu_loras=2, num_kv_blocks=64, device=device, dtype=dtype,
                           attention_backend=backend)

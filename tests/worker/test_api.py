@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
-from lorafleet.worker.engine import LLMEngine
-from lorafleet.worker.sequence import SamplingParams
+from lorafleet.worker.engine.engine import LLMEngine
+from lorafleet.worker.engine.sequence import SamplingParams
 from tests.worker.worker_harness import TOKEN, RunningWorker, auth, wait_for, worker_settings
 
 MAX_TOKENS = 12

@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from lorafleet.worker.tokenizer import IncrementalDetokenizer, Tokenizer
+from lorafleet.worker.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 CORPUS = ["the router sends each request to a worker", "hello world, the adapters answer", "héllo wörld ünïcode"]
 

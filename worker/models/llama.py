@@ -1,12 +1,12 @@
 """Llama-family decoder (Llama, Mistral, Qwen2) with fused projections and a multi-LoRA side path.
 
 q/k/v and gate/up are fused into one base matmul each; every fused projection then adds each
-token's LoRA deltas through `lorafleet.kernels.lora_linear.linear_lora_deferred` (torch reference on CPU, Triton
+token's LoRA deltas through `lorafleet.kernels.lora.linear.linear_lora_deferred` (torch reference on CPU, Triton
 on CUDA), reading the step's LoRA metadata that was built once for all layers.
 
 Between the matmuls, `attention_backend` picks the elementwise path too: "torch" (the CPU path,
 and the oracle) or "triton", which fuses each layer's norms, residual adds, RoPE, K/V writes and
-SiLU into 4 launches (`lorafleet.kernels.rms_norm`, `.rope_kv`, `.silu_mul`), where a decode step is
+SiLU into 4 launches (`lorafleet.kernels.layers.rms_norm`, `.rope_kv`, `.silu_mul`), where a decode step is
 launch-bound.
 """
 
@@ -17,10 +17,10 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from lorafleet.kernels.lora_linear import linear_lora_deferred
-from lorafleet.kernels.lora_meta import LoraMeta
-from lorafleet.worker.attention import AttentionMetadata, paged_attention, write_kv
+from lorafleet.kernels.lora.linear import linear_lora_deferred
+from lorafleet.kernels.lora.meta import LoraMeta
 from lorafleet.worker.config import ModelConfig, rope_inv_freq
+from lorafleet.worker.layers.attention import AttentionMetadata, paged_attention, write_kv
 from lorafleet.worker.lora.slots import LoraSlots
 
 
@@ -149,7 +149,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         """One engine step over all scheduled tokens -> logits `[N, vocab]` (float32 by default).
 
-        graph: the step runs in (or is captured into) a CUDA graph (`worker/cuda_graphs.py`): no
+        graph: the step runs in (or is captured into) a CUDA graph (`worker/engine/cuda_graphs.py`): no
         host checks may skip a launch, and `attn` must have fixed shapes. float_logits=False leaves
         the logits in the model's dtype, as the lm_head computed them (`.float()` of them is what
         float_logits=True returns, bit for bit).
@@ -209,10 +209,10 @@ class LlamaModel:
         linear -> silu_mul -> down linear -> add_rms_norm (the next layer's input norm, or the
         final norm, taken over all T rows before the logits rows are picked).
         """
-        from lorafleet.kernels.rms_norm import add_rms_norm
-        from lorafleet.kernels.rms_norm import rms_norm as fused_rms_norm
-        from lorafleet.kernels.rope_kv import rope_write_kv
-        from lorafleet.kernels.silu_mul import silu_mul
+        from lorafleet.kernels.layers.rms_norm import add_rms_norm
+        from lorafleet.kernels.layers.rms_norm import rms_norm as fused_rms_norm
+        from lorafleet.kernels.layers.rope_kv import rope_write_kv
+        from lorafleet.kernels.layers.silu_mul import silu_mul
 
         c, w = self.config, self.weights
         eps, scale = c.rms_norm_eps, c.head_dim**-0.5
