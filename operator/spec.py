@@ -28,10 +28,10 @@ class SpecError(ValueError):
         self.reason = reason
 
 
-# The worker's --tool-call-parser formats (worker/tools.py PARSERS; tests/operator/test_builders.py
+# The worker's --tool-call-parser formats (worker/openai/tools.py PARSERS; tests/operator/test_builders.py
 # checks they agree; the operator does not import the worker).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
-REASONING_PARSERS = ("deepseek_r1", "qwen3")  # the worker's --reasoning-parser (worker/reasoning.py PARSERS)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # the worker's --reasoning-parser (worker/openai/reasoning.py PARSERS)
 
 @dataclass(frozen=True, slots=True)
 class EngineSpec:
