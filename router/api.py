@@ -12,10 +12,8 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Annotated, Any
 
-import aiohttp
 import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -27,6 +25,7 @@ from lorafleet.protocol import ErrorResponse, response_not_kept
 from lorafleet.router.admin_tokens import AdminTokens
 from lorafleet.router.discovery import SA_DIR, Discovery, KubernetesDiscovery, StaticDiscovery
 from lorafleet.router.fleet import Fleet
+from lorafleet.router.gateway import Gateway
 from lorafleet.router.generate import ProxyRoutes, invalid_method
 from lorafleet.router.loader import AdapterLoader
 from lorafleet.router.metrics import RouterMetrics
@@ -38,24 +37,6 @@ from lorafleet.router.settings import RouterSettings
 from lorafleet.router.tenants import TenantRegistry
 
 log = logging.getLogger("lorafleet.router")
-
-
-@dataclass(slots=True)
-class Gateway:
-    """Everything a request handler needs; built in the lifespan, stored on `app.state.gateway`."""
-
-    settings: RouterSettings
-    http: httpx.AsyncClient  # control calls: inventory polls, loads, unloads, probes
-    upstream: aiohttp.ClientSession  # proxied requests
-    fleet: Fleet
-    sync: PlacementSync
-    loader: AdapterLoader
-    limiter: RateLimiter
-    tenants: TenantRegistry
-    policy: Policy
-    budget: RetryBudget
-    metrics: RouterMetrics
-    catalog: dict[str, str]
 
 
 def error(

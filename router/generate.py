@@ -48,7 +48,7 @@ from lorafleet.router.scheduling.types import Decision, NoEndpoint, RequestInfo
 from lorafleet.router.tenants import Tenant
 
 if TYPE_CHECKING:
-    from lorafleet.router.api import Gateway
+    from lorafleet.router.gateway import Gateway
 
 log = logging.getLogger("lorafleet.router")
 

@@ -12,7 +12,7 @@ from lorafleet.protocol import MAX_TOKENS_ZERO, LoraAdapterRef
 from lorafleet.router.settings import RouterSettings
 
 if TYPE_CHECKING:
-    from lorafleet.router.api import Gateway
+    from lorafleet.router.gateway import Gateway
 
 # Each path's length and count fields (the Responses API's one; the worker refuses chat's names there).
 _CAPPED = {"/v1/chat/completions": ("max_tokens", "max_completion_tokens", "n"), "/v1/responses": ("max_output_tokens",)}
