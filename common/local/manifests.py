@@ -21,7 +21,7 @@ import yaml
 from lorafleet.operator.spec import API_VERSION, AdapterSpec, SpecError, parse_adapter
 
 KIND = "LoraAdapter"
-CRD_FILE = Path(__file__).resolve().parent.parent / "crds" / "loraadapters.lorafleet.dev.yaml"
+CRD_FILE = Path(__file__).resolve().parents[2] / "crds" / "loraadapters.lorafleet.dev.yaml"
 # Kinds a manifest file for the cluster may also hold; the local fleet has its own single pool.
 IGNORED_KINDS = {"LoraPool"}
 
