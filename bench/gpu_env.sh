@@ -5,7 +5,7 @@ OUT=${OUT:-/tmp/lorafleet-out}
 mkdir -p "$OUT"
 if ! python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1; then
   shim=/tmp/lorafleet-shim/lorafleet
-  rm -rf "$shim" && mkdir -p "$shim" && cp common/*.py "$shim"/
+  rm -rf "$shim" && mkdir -p "$shim" && cp -r common/. "$shim"/
   for d in worker kernels router operator; do ln -s "$PWD/$d" "$shim/$d"; done
   export PYTHONPATH=/tmp/lorafleet-shim
 fi
