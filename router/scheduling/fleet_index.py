@@ -1,0 +1,244 @@
+"""The fleet as the scheduler reads it, kept incrementally: what a decision needs in O(holders + k).
+
+`EndpointView`s are snapshots, rebuilt per request: reading them is O(replicas). `FleetIndex` is the
+same information kept up to date as it changes (a poll, a load or unload, a request sent or
+finished), indexed for the questions a decision asks:
+
+- adapter → replicas holding it, with the tier (`holders`);
+- base model → replicas that can serve it now, and their total load (`eligible`, `model_load`);
+- a key's rendezvous candidates, first k only (`ring`, a `SkeletonRing`);
+- per replica, its idle residents sorted by popularity (the cache-victim score and admission),
+  cached until the replica's residency or busy set, or one of its residents' popularity, changes.
+
+Replicas get a stable integer id; `view(id)` builds the `EndpointView` of one replica. Pure state:
+no I/O, no clock. Whoever owns the live state (the gateway's fleet, the simulator) calls the
+setters as things change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from lorafleet.router.scheduling.skeleton import SkeletonRing
+from lorafleet.router.scheduling.types import EndpointView
+
+
+@dataclass(slots=True)
+class ReplicaState:
+    name: str
+    model: str = "base"
+    healthy: bool = True
+    ejected: bool = False
+    max_loras: int = 16
+    max_cpu_loras: int = 64
+    capacity: int = 64
+    running: int = 0
+    waiting: int = 0
+    inflight: int = 0
+    gpu: set[str] = field(default_factory=set)
+    resident: set[str] = field(default_factory=set)  # gpu ∪ cpu
+    active: set[str] = field(default_factory=set)
+    waiting_adapters: set[str] = field(default_factory=set)
+    pinned: set[str] = field(default_factory=set)
+    busy_n: int = 0  # |active ∪ waiting_adapters|: GPU slots taken or asked for
+    load: int = 0  # max(running + waiting, inflight), as EndpointView.load
+    counted: bool = False  # included in its model's eligible set and load sum
+    # idle residents (not active, waiting or pinned) as sorted (frequency, name); None: stale
+    idle: list[tuple[float, str]] | None = None
+
+
+@dataclass(slots=True)
+class FleetIndex:
+    replicas: list[ReplicaState] = field(default_factory=list)
+    ids: dict[str, int] = field(default_factory=dict)
+    holders: dict[str, dict[int, str]] = field(default_factory=dict)  # adapter -> {replica id: tier}
+    eligible: dict[str, set[int]] = field(default_factory=dict)  # model -> ids healthy, not ejected
+    model_load: dict[str, int] = field(default_factory=dict)  # model -> sum of eligible loads
+    ring: SkeletonRing = field(default_factory=SkeletonRing)
+    _freq_generation: int = -1
+
+    # ---- replicas -------------------------------------------------------------------------
+    def upsert(
+        self,
+        name: str,
+        model: str = "base",
+        healthy: bool = True,
+        ejected: bool = False,
+        max_loras: int = 16,
+        max_cpu_loras: int = 64,
+        capacity: int = 64,
+    ) -> int:
+        i = self.ids.get(name)
+        if i is None:
+            i = len(self.replicas)
+            self.replicas.append(ReplicaState(name))
+            self.ids[name] = i
+            self.ring.add(name, i)
+        r = self.replicas[i]
+        self._uncount(i)
+        r.model, r.healthy, r.ejected = model, healthy, ejected
+        r.max_loras, r.max_cpu_loras, r.capacity = max_loras, max_cpu_loras, capacity
+        self._count(i)
+        return i
+
+    def remove(self, name: str) -> None:
+        """The replica leaves: out of every index; its id is not reused."""
+        i = self.ids.pop(name, None)
+        if i is None:
+            return
+        r = self.replicas[i]
+        self._uncount(i)
+        for a in list(r.resident):
+            self.set_tier(i, a, None)
+        r.healthy = False
+        self.ring.remove(name)
+
+    def set_health(self, i: int, healthy: bool, ejected: bool) -> None:
+        r = self.replicas[i]
+        if (r.healthy, r.ejected) != (healthy, ejected):
+            self._uncount(i)
+            r.healthy, r.ejected = healthy, ejected
+            self._count(i)
+
+    def _count(self, i: int) -> None:
+        r = self.replicas[i]
+        if r.healthy and not r.ejected and r.name in self.ids and not r.counted:
+            self.eligible.setdefault(r.model, set()).add(i)
+            self.model_load[r.model] = self.model_load.get(r.model, 0) + r.load
+            r.counted = True
+
+    def _uncount(self, i: int) -> None:
+        r = self.replicas[i]
+        if r.counted:
+            self.eligible[r.model].discard(i)
+            self.model_load[r.model] -= r.load
+            r.counted = False
+
+    # ---- load --------------------------------------------------------------------------------
+    def set_counts(self, i: int, running: int, waiting: int, inflight: int) -> None:
+        r = self.replicas[i]
+        r.running, r.waiting, r.inflight = running, waiting, inflight
+        load = max(running + waiting, inflight)
+        if r.counted:
+            self.model_load[r.model] += load - r.load
+        r.load = load
+
+    # ---- residency and activity -------------------------------------------------------------
+    def set_tier(self, i: int, adapter: str, tier: str | None) -> None:
+        """`tier`: "gpu", "cpu" or None (not resident)."""
+        r = self.replicas[i]
+        if tier is None:
+            if adapter not in r.resident:
+                return
+            r.resident.discard(adapter)
+            r.gpu.discard(adapter)
+            held = self.holders.get(adapter)
+            if held is not None:
+                held.pop(i, None)
+                if not held:
+                    del self.holders[adapter]
+        else:
+            if adapter in r.resident and (adapter in r.gpu) == (tier == "gpu"):
+                return
+            r.resident.add(adapter)
+            if tier == "gpu":
+                r.gpu.add(adapter)
+            else:
+                r.gpu.discard(adapter)
+            self.holders.setdefault(adapter, {})[i] = tier
+        r.idle = None
+
+    def set_active(self, i: int, adapter: str, on: bool) -> None:
+        self._flag(i, self.replicas[i].active, adapter, on)
+
+    def set_waiting_adapter(self, i: int, adapter: str, on: bool) -> None:
+        self._flag(i, self.replicas[i].waiting_adapters, adapter, on)
+
+    def set_pinned(self, i: int, adapter: str, on: bool) -> None:
+        r = self.replicas[i]
+        if (adapter in r.pinned) != on:
+            (r.pinned.add if on else r.pinned.discard)(adapter)
+            r.idle = None
+
+    def _flag(self, i: int, flags: set[str], adapter: str, on: bool) -> None:
+        if (adapter in flags) == on:
+            return
+        r = self.replicas[i]
+        (flags.add if on else flags.discard)(adapter)
+        r.busy_n = len(r.active | r.waiting_adapters)
+        r.idle = None
+
+    # ---- popularity-sorted idle residents ------------------------------------------------
+    def popularity_changed(self, adapter: str) -> None:
+        """`adapter`'s frequency estimate moved: replicas holding it re-sort their idle residents."""
+        for i in self.holders.get(adapter, ()):
+            self.replicas[i].idle = None
+
+    def idle_by_popularity(
+        self, i: int, frequency: Callable[[str], float], generation: int
+    ) -> list[tuple[float, str]]:
+        if generation != self._freq_generation:  # every estimate changed (the sketch aged)
+            for r in self.replicas:
+                r.idle = None
+            self._freq_generation = generation
+        r = self.replicas[i]
+        if r.idle is None:
+            busy = r.active | r.waiting_adapters | r.pinned
+            r.idle = sorted((frequency(a), a) for a in r.resident if a not in busy)
+        return r.idle
+
+    # ---- views -------------------------------------------------------------------------------
+    def view(self, i: int) -> EndpointView:
+        r = self.replicas[i]
+        return EndpointView(
+            name=r.name,
+            model=r.model,
+            healthy=r.healthy,
+            ejected=r.ejected,
+            gpu=frozenset(r.gpu),
+            cpu=frozenset(r.resident),
+            active=frozenset(r.active),
+            waiting_adapters=frozenset(r.waiting_adapters),
+            running=r.running,
+            waiting=r.waiting,
+            inflight=r.inflight,
+            max_loras=r.max_loras,
+            max_cpu_loras=r.max_cpu_loras,
+            capacity=r.capacity,
+            pinned=frozenset(r.pinned),
+        )
+
+    def views(self) -> list[EndpointView]:
+        """Every replica present, in id order (O(replicas): the reference path and tests)."""
+        return [self.view(i) for i in sorted(self.ids.values())]
+
+    def sync(self, v: EndpointView) -> int:
+        """Bring one replica in line with a view (adds it if new); O(its adapters), not O(fleet)."""
+        i = self.upsert(v.name, v.model, v.healthy, v.ejected, v.max_loras, v.max_cpu_loras, v.capacity)
+        r = self.replicas[i]
+        self._uncount(i)
+        self.set_counts(i, v.running, v.waiting, v.inflight)
+        self._count(i)
+        resident = v.gpu | v.cpu
+        for a in r.resident - resident:
+            self.set_tier(i, a, None)
+        for a in resident:
+            self.set_tier(i, a, "gpu" if a in v.gpu else "cpu")
+        for flags, want, setter in (
+            (r.active, v.active, self.set_active),
+            (r.waiting_adapters, v.waiting_adapters, self.set_waiting_adapter),
+            (r.pinned, v.pinned, self.set_pinned),
+        ):
+            for a in flags - want:
+                setter(i, a, False)
+            for a in want - flags:
+                setter(i, a, True)
+        return i
+
+    @classmethod
+    def of(cls, views: list[EndpointView]) -> FleetIndex:
+        index = cls()
+        for v in views:
+            index.sync(v)
+        return index
