@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from lorafleet.router.scheduling.skeleton import SkeletonRing
 from lorafleet.router.scheduling.types import EndpointView
 
@@ -49,6 +51,39 @@ class ReplicaState:
 
 
 @dataclass(slots=True)
+class HolderArrays:
+    """One adapter's holders as arrays, for scoring many at once (a popular adapter's copies)."""
+
+    ids: np.ndarray  # replica ids
+    gpu: np.ndarray  # bool: in a GPU slot there
+    active: np.ndarray  # bool: has requests running there
+    waiting: np.ndarray  # bool: has requests queued there
+    pos: dict[int, int]  # replica id -> position
+
+
+@dataclass(slots=True)
+class ReplicaArrays:
+    """Per replica numbers as arrays indexed by id (a gather per candidate set, not a loop)."""
+
+    load: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    busy: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # |active ∪ waiting|
+    n_active: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    max_loras: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    capacity: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    model: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # code; -1: not eligible
+
+    def grow(self, n: int) -> None:
+        if n <= len(self.load):
+            return
+        size = max(n, 2 * len(self.load), 16)
+        for f in ("load", "busy", "n_active", "max_loras", "capacity", "model"):
+            old = getattr(self, f)
+            new = np.full(size, -1 if f == "model" else 0, dtype=np.int64)
+            new[: len(old)] = old
+            setattr(self, f, new)
+
+
+@dataclass(slots=True)
 class FleetIndex:
     replicas: list[ReplicaState] = field(default_factory=list)
     ids: dict[str, int] = field(default_factory=dict)
@@ -56,6 +91,9 @@ class FleetIndex:
     eligible: dict[str, set[int]] = field(default_factory=dict)  # model -> ids healthy, not ejected
     model_load: dict[str, int] = field(default_factory=dict)  # model -> sum of eligible loads
     ring: SkeletonRing = field(default_factory=SkeletonRing)
+    arrays: ReplicaArrays = field(default_factory=ReplicaArrays)
+    model_codes: dict[str, int] = field(default_factory=dict)
+    _holder_arrays: dict[str, HolderArrays] = field(default_factory=dict)
     _freq_generation: int = -1
 
     # ---- replicas -------------------------------------------------------------------------
@@ -75,10 +113,12 @@ class FleetIndex:
             self.replicas.append(ReplicaState(name))
             self.ids[name] = i
             self.ring.add(name, i)
+            self.arrays.grow(i + 1)
         r = self.replicas[i]
         self._uncount(i)
         r.model, r.healthy, r.ejected = model, healthy, ejected
         r.max_loras, r.max_cpu_loras, r.capacity = max_loras, max_cpu_loras, capacity
+        self.arrays.max_loras[i], self.arrays.capacity[i] = max_loras, capacity
         self._count(i)
         return i
 
@@ -106,6 +146,7 @@ class FleetIndex:
         if r.healthy and not r.ejected and r.name in self.ids and not r.counted:
             self.eligible.setdefault(r.model, set()).add(i)
             self.model_load[r.model] = self.model_load.get(r.model, 0) + r.load
+            self.arrays.model[i] = self.model_codes.setdefault(r.model, len(self.model_codes))
             r.counted = True
 
     def _uncount(self, i: int) -> None:
@@ -113,6 +154,7 @@ class FleetIndex:
         if r.counted:
             self.eligible[r.model].discard(i)
             self.model_load[r.model] -= r.load
+            self.arrays.model[i] = -1
             r.counted = False
 
     # ---- load --------------------------------------------------------------------------------
@@ -123,6 +165,7 @@ class FleetIndex:
         if r.counted:
             self.model_load[r.model] += load - r.load
         r.load = load
+        self.arrays.load[i] = load
 
     # ---- residency and activity -------------------------------------------------------------
     def set_tier(self, i: int, adapter: str, tier: str | None) -> None:
@@ -133,6 +176,7 @@ class FleetIndex:
                 return
             r.resident.discard(adapter)
             r.gpu.discard(adapter)
+            self._holder_arrays.pop(adapter, None)
             held = self.holders.get(adapter)
             if held is not None:
                 held.pop(i, None)
@@ -147,13 +191,40 @@ class FleetIndex:
             else:
                 r.gpu.discard(adapter)
             self.holders.setdefault(adapter, {})[i] = tier
+        self._holder_arrays.pop(adapter, None)
         r.idle = None
 
     def set_active(self, i: int, adapter: str, on: bool) -> None:
-        self._flag(i, self.replicas[i].active, adapter, on)
+        if self._flag(i, self.replicas[i].active, adapter, on):
+            self.arrays.n_active[i] = len(self.replicas[i].active)
+            h = self._holder_arrays.get(adapter)
+            if h is not None and i in h.pos:
+                h.active[h.pos[i]] = on
 
     def set_waiting_adapter(self, i: int, adapter: str, on: bool) -> None:
-        self._flag(i, self.replicas[i].waiting_adapters, adapter, on)
+        if self._flag(i, self.replicas[i].waiting_adapters, adapter, on):
+            h = self._holder_arrays.get(adapter)
+            if h is not None and i in h.pos:
+                h.waiting[h.pos[i]] = on
+
+    def holder_arrays(self, adapter: str) -> HolderArrays | None:
+        """The adapter's holders as arrays (built on first use after its holders changed)."""
+        h = self._holder_arrays.get(adapter)
+        if h is None:
+            held = self.holders.get(adapter)
+            if not held:
+                return None
+            ids = np.fromiter(held, dtype=np.int64, count=len(held))
+            reps = self.replicas
+            h = HolderArrays(
+                ids,
+                np.fromiter((t == "gpu" for t in held.values()), dtype=bool, count=len(held)),
+                np.fromiter((adapter in reps[i].active for i in held), dtype=bool, count=len(held)),
+                np.fromiter((adapter in reps[i].waiting_adapters for i in held), dtype=bool, count=len(held)),
+                {i: j for j, i in enumerate(held)},
+            )
+            self._holder_arrays[adapter] = h
+        return h
 
     def set_pinned(self, i: int, adapter: str, on: bool) -> None:
         r = self.replicas[i]
@@ -161,13 +232,15 @@ class FleetIndex:
             (r.pinned.add if on else r.pinned.discard)(adapter)
             r.idle = None
 
-    def _flag(self, i: int, flags: set[str], adapter: str, on: bool) -> None:
+    def _flag(self, i: int, flags: set[str], adapter: str, on: bool) -> bool:
         if (adapter in flags) == on:
-            return
+            return False
         r = self.replicas[i]
         (flags.add if on else flags.discard)(adapter)
         r.busy_n = len(r.active | r.waiting_adapters)
+        self.arrays.busy[i] = r.busy_n
         r.idle = None
+        return True
 
     # ---- popularity-sorted idle residents ------------------------------------------------
     def popularity_changed(self, adapter: str) -> None:

@@ -20,6 +20,8 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from lorafleet.router.scheduling.admission import FrequencyAdmission
 from lorafleet.router.scheduling.filters import Available, BoundedLoad, ServesModel, SlotQueue
 from lorafleet.router.scheduling.fleet_index import FleetIndex, ReplicaState
@@ -39,6 +41,8 @@ from lorafleet.router.scheduling.types import AdmissionPlan, Decision, NoEndpoin
 
 _U64 = float(2**64)
 _TIE = 1e-9
+# A single adapter held on more replicas than this is scored with array operations.
+VECTOR_MIN = 12
 _SCORERS = (Residency, SlotFree, CacheVictim, SlotHeadroom, Load, HashAffinity)
 
 
@@ -92,8 +96,11 @@ class IndexedPolicy:
         def bounded(i: int) -> bool:
             return i == fallback if fallback is not None else reps[i].load + 1 <= limit
 
+        chosen: int | None = None
         if not req.adapters:
             cands = self._slot_filter(req, [i for i in eligible if bounded(i)], reps)
+        elif len(req.adapters) == 1 and len(index.holders.get(req.adapters[0], ())) > VECTOR_MIN:
+            chosen, cands = self._many_holders(req, index, limit, fallback, eligible, bounded)
         else:
             holders = self._holders(req, index, eligible)
             in_bound = [i for i in holders if bounded(i)]
@@ -102,7 +109,8 @@ class IndexedPolicy:
                 cands = self._first_k(req, index, eligible, bounded, slots=True)
                 if not cands:  # nobody passes the slot bound: the filter keeps everyone in the bound
                     cands = in_bound or self._first_k(req, index, eligible, bounded, slots=False)
-        chosen = self._pick(req, index, cands)
+        if chosen is None:
+            chosen = self._pick(req, index, cands)
         view = index.view(chosen)
         missing = tuple(a for a in req.adapters if a not in reps[chosen].resident)
         plan = AdmissionPlan()
@@ -110,6 +118,72 @@ class IndexedPolicy:
             spill = self._is_spill(req, index, missing, chosen, eligible)
             plan = self.admission.plan(req.adapters, view, self.frequency.estimate, transient=spill)
         return Decision(view, reason_for(req, view), missing, plan)
+
+    def _many_holders(
+        self,
+        req: RequestInfo,
+        index: FleetIndex,
+        limit: int,
+        fallback: int | None,
+        eligible: set[int],
+        bounded: Callable[[int], bool],
+    ) -> tuple[int | None, list[int]]:
+        """The holders path of `schedule` for a popular adapter, on arrays: (chosen, []) when a holder
+        wins, else (None, the cold candidates)."""
+        h = index.holder_arrays(req.adapters[0])
+        assert h is not None
+        arr = index.arrays
+        ids = h.ids
+        ok = arr.model[ids] == index.model_codes.get(req.model, -2)
+        in_bound = ok & ((arr.load[ids] + 1 <= limit) if fallback is None else (ids == fallback))
+        extra = ~(h.active | h.waiting)
+        over = np.maximum(0, arr.busy[ids] + extra - arr.max_loras[ids])
+        sel = in_bound & (h.active | (over <= self.slot_queue.max_over))
+        if sel.any():
+            return self._pick_holders(req, index, ids[sel], h.gpu[sel], h.active[sel], extra[sel]), []
+        cands = self._first_k(req, index, eligible, bounded, slots=True)
+        if cands:
+            return None, cands
+        kept = ids[in_bound].tolist()
+        return None, kept or self._first_k(req, index, eligible, bounded, slots=False)
+
+    def _pick_holders(
+        self, req: RequestInfo, index: FleetIndex, c: np.ndarray, gpu: np.ndarray, act: np.ndarray, extra: np.ndarray
+    ) -> int:
+        """`_pick` over holders of one adapter: the scorers' arithmetic, element-wise, in their order."""
+        arr = index.arrays
+        total = np.zeros(len(c))
+        scorers = self.policy.scorers
+        hash_last = isinstance(scorers[-1][1], HashAffinity)
+        for w, scorer in scorers[:-1] if hash_last else scorers:
+            if isinstance(scorer, Residency):
+                s = np.where(gpu, scorer.gpu, scorer.cpu)
+            elif isinstance(scorer, SlotFree):
+                s = (arr.n_active[c] + ~act <= arr.max_loras[c]).astype(np.float64)
+            elif isinstance(scorer, CacheVictim):
+                s = np.ones(len(c))  # resident: nothing to evict
+            elif isinstance(scorer, SlotHeadroom):
+                maxl = arr.max_loras[c]
+                s = np.where(act, 1.0, np.maximum(0.0, (maxl - (arr.busy[c] + extra)) / np.maximum(1, maxl)))
+            elif isinstance(scorer, Load):
+                s = np.maximum(0.0, 1.0 - arr.load[c] / np.maximum(1, arr.capacity[c]))
+            elif isinstance(scorer, HashAffinity):
+                s = np.array([weight(req.key, index.replicas[i].name) / _U64 for i in c.tolist()])
+            else:
+                raise TypeError(scorer)
+            total = total + w * np.minimum(1.0, np.maximum(0.0, s))
+        reps = index.replicas
+        if hash_last:
+            # The rendezvous term adds at most its weight: only replicas within it of the best can win.
+            w_hash = scorers[-1][0]
+            near = np.nonzero(total >= total.max() - w_hash - 1e-6)[0].tolist()
+            scored = [
+                (i, float(total[j]) + w_hash * min(1.0, max(0.0, weight(req.key, reps[i].name) / _U64)))
+                for j, i in ((j, int(c[j])) for j in near)
+            ]
+        else:
+            scored = list(zip(c.tolist(), total.tolist(), strict=True))
+        return self._tie_break(scored, reps)
 
     def _load_bound(self, req: RequestInfo, index: FleetIndex, eligible: set[int]) -> tuple[int, int | None]:
         """(ceiling on load + 1, the one replica BoundedLoad keeps when none is under it, else None)."""
@@ -172,8 +246,11 @@ class IndexedPolicy:
         scored = [(i, self._score(req, index, i)) for i in cands]
         if not scored:
             raise NoEndpoint("no candidate replica")
+        return self._tie_break(scored, index.replicas)
+
+    def _tie_break(self, scored: list[tuple[int, float]], reps: list[ReplicaState]) -> int:
+        """MaxScore's rule (and its turn counter): the best; exact ties rotate in name order."""
         best = max(s for _, s in scored)
-        reps = index.replicas
         tied = sorted((i for i, s in scored if s >= best - _TIE), key=lambda i: reps[i].name)
         if len(tied) == 1:
             return tied[0]

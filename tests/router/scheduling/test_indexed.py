@@ -12,6 +12,7 @@ import random
 
 import pytest
 
+from lorafleet.router.scheduling import indexed as indexed_module
 from lorafleet.router.scheduling.fleet_index import FleetIndex
 from lorafleet.router.scheduling.indexed import IndexedPolicy
 from lorafleet.router.scheduling.policies import chwbl_policy, lorafleet_policy
@@ -82,8 +83,10 @@ def same(a, b) -> tuple:
     return (a.endpoint.name, a.reason, a.needs_load, a.admission)
 
 
+@pytest.mark.parametrize("vector_min", [0, 12])  # 0: every holder set through the array path
 @pytest.mark.parametrize("seed", range(24))
-def test_indexed_decisions_equal_the_reference(seed):
+def test_indexed_decisions_equal_the_reference(seed, vector_min, monkeypatch):
+    monkeypatch.setattr(indexed_module, "VECTOR_MIN", vector_min)
     rng = random.Random(seed)
     n = rng.choice([1, 3, 8, 20, 45])
     k = rng.choice([1, 2, 3, 8])
