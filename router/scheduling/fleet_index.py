@@ -7,8 +7,7 @@ finished), indexed for the questions a decision asks:
 - adapter → replicas holding it, with the tier (`holders`);
 - base model → replicas that can serve it now, and their total load (`eligible`, `model_load`);
 - a key's rendezvous candidates, first k only (`ring`, a `SkeletonRing`);
-- per replica, its idle residents sorted by popularity (the cache-victim score and admission),
-  cached until the replica's residency or busy set, or one of its residents' popularity, changes.
+- per replica, its idle residents in a popularity heap (the cache-victim score and admission).
 
 Replicas get a stable integer id; `view(id)` builds the `EndpointView` of one replica. Pure state:
 no I/O, no clock. Whoever owns the live state (the gateway's fleet, the simulator) calls the
@@ -17,6 +16,7 @@ setters as things change.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -46,7 +46,7 @@ class ReplicaState:
     busy_n: int = 0  # |active ∪ waiting_adapters|: GPU slots taken or asked for
     load: int = 0  # max(running + waiting, inflight), as EndpointView.load
     counted: bool = False  # included in its model's eligible set and load sum
-    # idle residents (not active, waiting or pinned) as sorted (frequency, name); None: stale
+    # idle residents (not active, waiting or pinned) as a heap of (frequency, name); None: rebuild
     idle: list[tuple[float, str]] | None = None
 
 
@@ -61,26 +61,27 @@ class HolderArrays:
     pos: dict[int, int]  # replica id -> position
 
 
+# Columns of `ReplicaArrays.table`.
+LOAD, BUSY, N_ACTIVE, MAX_LORAS, CAPACITY, MODEL = range(6)
+
+
 @dataclass(slots=True)
 class ReplicaArrays:
-    """Per replica numbers as arrays indexed by id (a gather per candidate set, not a loop)."""
+    """Per replica numbers as one table indexed by id: a candidate set is one gather, not a loop.
 
-    load: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    busy: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # |active ∪ waiting|
-    n_active: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    max_loras: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    capacity: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    model: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # code; -1: not eligible
+    Columns: load, |active ∪ waiting adapters|, |active|, max_loras, capacity, the model's code
+    (-1 while the replica is not eligible: unhealthy, ejected or gone).
+    """
+
+    table: np.ndarray = field(default_factory=lambda: np.zeros((0, 6), dtype=np.int64))
 
     def grow(self, n: int) -> None:
-        if n <= len(self.load):
+        if n <= len(self.table):
             return
-        size = max(n, 2 * len(self.load), 16)
-        for f in ("load", "busy", "n_active", "max_loras", "capacity", "model"):
-            old = getattr(self, f)
-            new = np.full(size, -1 if f == "model" else 0, dtype=np.int64)
-            new[: len(old)] = old
-            setattr(self, f, new)
+        new = np.zeros((max(n, 2 * len(self.table), 16), 6), dtype=np.int64)
+        new[:, MODEL] = -1
+        new[: len(self.table)] = self.table
+        self.table = new
 
 
 @dataclass(slots=True)
@@ -118,7 +119,7 @@ class FleetIndex:
         self._uncount(i)
         r.model, r.healthy, r.ejected = model, healthy, ejected
         r.max_loras, r.max_cpu_loras, r.capacity = max_loras, max_cpu_loras, capacity
-        self.arrays.max_loras[i], self.arrays.capacity[i] = max_loras, capacity
+        self.arrays.table[i, MAX_LORAS], self.arrays.table[i, CAPACITY] = max_loras, capacity
         self._count(i)
         return i
 
@@ -146,7 +147,7 @@ class FleetIndex:
         if r.healthy and not r.ejected and r.name in self.ids and not r.counted:
             self.eligible.setdefault(r.model, set()).add(i)
             self.model_load[r.model] = self.model_load.get(r.model, 0) + r.load
-            self.arrays.model[i] = self.model_codes.setdefault(r.model, len(self.model_codes))
+            self.arrays.table[i, MODEL] = self.model_codes.setdefault(r.model, len(self.model_codes))
             r.counted = True
 
     def _uncount(self, i: int) -> None:
@@ -154,7 +155,7 @@ class FleetIndex:
         if r.counted:
             self.eligible[r.model].discard(i)
             self.model_load[r.model] -= r.load
-            self.arrays.model[i] = -1
+            self.arrays.table[i, MODEL] = -1
             r.counted = False
 
     # ---- load --------------------------------------------------------------------------------
@@ -165,7 +166,7 @@ class FleetIndex:
         if r.counted:
             self.model_load[r.model] += load - r.load
         r.load = load
-        self.arrays.load[i] = load
+        self.arrays.table[i, LOAD] = load
 
     # ---- residency and activity -------------------------------------------------------------
     def set_tier(self, i: int, adapter: str, tier: str | None) -> None:
@@ -196,7 +197,7 @@ class FleetIndex:
 
     def set_active(self, i: int, adapter: str, on: bool) -> None:
         if self._flag(i, self.replicas[i].active, adapter, on):
-            self.arrays.n_active[i] = len(self.replicas[i].active)
+            self.arrays.table[i, N_ACTIVE] = len(self.replicas[i].active)
             h = self._holder_arrays.get(adapter)
             if h is not None and i in h.pos:
                 h.active[h.pos[i]] = on
@@ -238,28 +239,52 @@ class FleetIndex:
         r = self.replicas[i]
         (flags.add if on else flags.discard)(adapter)
         r.busy_n = len(r.active | r.waiting_adapters)
-        self.arrays.busy[i] = r.busy_n
+        self.arrays.table[i, BUSY] = r.busy_n
         r.idle = None
         return True
 
-    # ---- popularity-sorted idle residents ------------------------------------------------
-    def popularity_changed(self, adapter: str) -> None:
-        """`adapter`'s frequency estimate moved: replicas holding it re-sort their idle residents."""
-        for i in self.holders.get(adapter, ()):
-            self.replicas[i].idle = None
-
-    def idle_by_popularity(
-        self, i: int, frequency: Callable[[str], float], generation: int
+    # ---- idle residents by popularity ---------------------------------------------------------
+    def least_popular_idle(
+        self,
+        i: int,
+        m: int,
+        frequency: Callable[[str], float],
+        generation: int,
+        exclude: frozenset[str] | set[str] = frozenset(),
     ) -> list[tuple[float, str]]:
-        if generation != self._freq_generation:  # every estimate changed (the sketch aged)
+        """The `m` least popular idle residents of replica `i` (not active, waiting, pinned or in
+        `exclude`) as (frequency, name), in the order `sorted` gives.
+
+        A heap per replica, rebuilt when its residents or busy set change or the sketch ages
+        (`generation`). Between those, estimates only grow, so a heap entry is a lower bound: a
+        popped entry whose estimate moved is pushed back with the new one, and the first entry that
+        is current is the true minimum. A request for a popular adapter costs no work here.
+        """
+        if generation != self._freq_generation:
             for r in self.replicas:
                 r.idle = None
             self._freq_generation = generation
         r = self.replicas[i]
-        if r.idle is None:
+        heap = r.idle
+        if heap is None:
             busy = r.active | r.waiting_adapters | r.pinned
-            r.idle = sorted((frequency(a), a) for a in r.resident if a not in busy)
-        return r.idle
+            heap = [(frequency(a), a) for a in r.resident if a not in busy]
+            heapq.heapify(heap)
+            r.idle = heap
+        out: list[tuple[float, str]] = []
+        taken: list[tuple[float, str]] = []
+        while heap and len(out) < m:
+            f, a = heapq.heappop(heap)
+            now = frequency(a)
+            if now != f:
+                heapq.heappush(heap, (now, a))
+                continue
+            taken.append((f, a))
+            if a not in exclude:
+                out.append((f, a))
+        for entry in taken:
+            heapq.heappush(heap, entry)
+        return out
 
     # ---- views -------------------------------------------------------------------------------
     def view(self, i: int) -> EndpointView:
