@@ -12,7 +12,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from lorafleet.router.scheduling.admission import FrequencyAdmission
-from lorafleet.router.scheduling.filters import Available, BoundedLoad, ServesModel, SlotQueue
+from lorafleet.router.scheduling.filters import (
+    Available,
+    BoundedLoad,
+    DemandReplicaSet,
+    ServesModel,
+    SlotQueue,
+)
 from lorafleet.router.scheduling.frequency import FrequencySketch
 from lorafleet.router.scheduling.pickers import MaxScore, RoundRobin
 from lorafleet.router.scheduling.scorers import (
@@ -20,6 +26,7 @@ from lorafleet.router.scheduling.scorers import (
     HashAffinity,
     Load,
     LoraAffinity,
+    LoraLoadState,
     Residency,
     SlotFree,
     SlotHeadroom,
@@ -197,10 +204,34 @@ def chwbl_policy(load_factor: float = 1.25) -> Policy:
     )
 
 
+def dynamo_policy() -> Policy:
+    """NVIDIA Dynamo: demand-proportional rendezvous replica sets (`DemandReplicaSet`), least load
+    within the set (Dynamo's KV router weighs prefix overlap and load there; the simulated
+    requests share no prefixes, so load decides)."""
+    return Policy(
+        "dynamo-lora-hrw",
+        (Available(), ServesModel(), DemandReplicaSet()),
+        ((1.0, Load()), (0.0005, HashAffinity())),
+        MaxScore(),
+    )
+
+
+def llmd_policy() -> Policy:
+    """llm-d's LoRA residency scorer (`LoraLoadState`) with a load term weighted as GIE's."""
+    return Policy(
+        "llm-d-lora-load-state",
+        (Available(), ServesModel()),
+        ((1.0, LoraLoadState()), (0.1, Load())),
+        MaxScore(),
+    )
+
+
 POLICIES: dict[str, Callable[[], Policy]] = {
     "lorafleet": lorafleet_policy,
     "round-robin": round_robin_policy,
     "least-request": least_request_policy,
     "gie-lora-affinity": gie_policy,
     "chwbl": chwbl_policy,
+    "dynamo-lora-hrw": dynamo_policy,
+    "llm-d-lora-load-state": llmd_policy,
 }
