@@ -271,6 +271,16 @@ class FleetIndex:
             heap = [(frequency(a), a) for a in r.resident if a not in busy]
             heapq.heapify(heap)
             r.idle = heap
+        if m == 1:  # the common case (one slot to free): look at the top without popping it
+            while heap:
+                f, a = heap[0]
+                now = frequency(a)
+                if now != f:
+                    heapq.heapreplace(heap, (now, a))
+                elif a in exclude:
+                    break  # the general path below skips it
+                else:
+                    return [(f, a)]
         out: list[tuple[float, str]] = []
         taken: list[tuple[float, str]] = []
         while heap and len(out) < m:
