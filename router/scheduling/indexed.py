@@ -63,6 +63,8 @@ class IndexedPolicy:
     frequency: FrequencySketch
     admission: FrequencyAdmission | None
     name: str = "lorafleet"
+    # The scorers are lorafleet_policy's, in its order: holders get the inlined `_holder_partial`.
+    _canonical: bool = False
 
     @classmethod
     def of(cls, policy: Policy) -> IndexedPolicy:
@@ -71,6 +73,7 @@ class IndexedPolicy:
             raise ValueError(f"policy {policy.name!r} is not lorafleet-shaped: no index for it")
         if any(type(s) not in _SCORERS for _, s in policy.scorers) or not isinstance(policy.picker, MaxScore):
             raise ValueError(f"policy {policy.name!r} has a scorer or picker the index does not evaluate")
+        canonical = tuple(type(sc) for _, sc in policy.scorers) == _SCORERS
         return cls(
             policy,
             policy.filters[2],  # type: ignore[arg-type]
@@ -80,6 +83,7 @@ class IndexedPolicy:
             policy.frequency,
             policy.admission,
             policy.name,
+            canonical,
         )
 
     # ---- the decision ------------------------------------------------------------------------
@@ -242,14 +246,38 @@ class IndexedPolicy:
             return [(i, self._score(req, index, i, scorers)) for i in cands]
         # The rendezvous term (last, ≤ its weight) only decides near-ties: add it where it can matter.
         w_hash = scorers[-1][0]
-        partial = [(i, self._score(req, index, i, scorers[:-1])) for i in cands]
-        cut = max(s for _, s in partial) - w_hash - 1e-6
         reps = index.replicas
+        one = req.adapters[0] if len(req.adapters) == 1 and self._canonical else None
+        partial = [
+            (i, self._holder_partial(one, reps[i]))
+            if one is not None and one in reps[i].resident
+            else (i, self._score(req, index, i, scorers[:-1]))
+            for i in cands
+        ]
+        cut = max(s for _, s in partial) - w_hash - 1e-6
         return [
             (i, s + w_hash * min(1.0, max(0.0, weight(req.key, reps[i].name) / _U64)))
             for i, s in partial
             if s >= cut
         ]
+
+    def _holder_partial(self, one: str, r: ReplicaState) -> float:
+        """`_score` without the rendezvous term for a replica holding the request's one adapter, with
+        lorafleet_policy's scorers inlined in their order (same operations, so the same float)."""
+        (w_res, res), (w_free, _), (w_victim, _), (w_head, _), (w_load, _), _ = self.policy.scorers
+        active = one in r.active
+        total = 0.0
+        total += w_res * min(1.0, max(0.0, res.gpu if one in r.gpu else res.cpu))  # type: ignore[attr-defined]
+        total += w_free * (1.0 if len(r.active) + (not active) <= r.max_loras else 0.0)
+        total += w_victim * 1.0  # resident: nothing to evict
+        if active:
+            head = 1.0
+        else:
+            taken = r.busy_n + (one not in r.waiting_adapters)
+            head = max(0.0, (r.max_loras - taken) / max(1, r.max_loras))
+        total += w_head * min(1.0, head)
+        total += w_load * max(0.0, 1.0 - r.load / max(1, r.capacity))
+        return total
 
     def _tie_break(self, scored: list[tuple[int, float]], reps: list[ReplicaState]) -> int:
         """MaxScore's rule (and its turn counter): the best; exact ties rotate in name order."""
