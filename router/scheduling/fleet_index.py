@@ -46,7 +46,7 @@ class ReplicaState:
     busy_n: int = 0  # |active ∪ waiting_adapters|: GPU slots taken or asked for
     load: int = 0  # max(running + waiting, inflight), as EndpointView.load
     counted: bool = False  # included in its model's eligible set and load sum
-    # idle residents (not active, waiting or pinned) as a heap of (frequency, name); None: rebuild
+    # residents as a heap of (frequency lower bound, name), see `least_popular_idle`; None: build
     idle: list[tuple[float, str]] | None = None
 
 
@@ -186,6 +186,8 @@ class FleetIndex:
         else:
             if adapter in r.resident and (adapter in r.gpu) == (tier == "gpu"):
                 return
+            if adapter not in r.resident and r.idle is not None:
+                heapq.heappush(r.idle, (0.0, adapter))  # a lower bound: fixed when it surfaces
             r.resident.add(adapter)
             if tier == "gpu":
                 r.gpu.add(adapter)
@@ -193,7 +195,6 @@ class FleetIndex:
                 r.gpu.discard(adapter)
             self.holders.setdefault(adapter, {})[i] = tier
         self._holder_arrays.pop(adapter, None)
-        r.idle = None
 
     def set_active(self, i: int, adapter: str, on: bool) -> None:
         if self._flag(i, self.replicas[i].active, adapter, on):
@@ -231,7 +232,6 @@ class FleetIndex:
         r = self.replicas[i]
         if (adapter in r.pinned) != on:
             (r.pinned.add if on else r.pinned.discard)(adapter)
-            r.idle = None
 
     def _flag(self, i: int, flags: set[str], adapter: str, on: bool) -> bool:
         if (adapter in flags) == on:
@@ -240,7 +240,6 @@ class FleetIndex:
         (flags.add if on else flags.discard)(adapter)
         r.busy_n = len(r.active | r.waiting_adapters)
         self.arrays.table[i, BUSY] = r.busy_n
-        r.idle = None
         return True
 
     # ---- idle residents by popularity ---------------------------------------------------------
@@ -255,10 +254,13 @@ class FleetIndex:
         """The `m` least popular idle residents of replica `i` (not active, waiting, pinned or in
         `exclude`) as (frequency, name), in the order `sorted` gives.
 
-        A heap per replica, rebuilt when its residents or busy set change or the sketch ages
-        (`generation`). Between those, estimates only grow, so a heap entry is a lower bound: a
-        popped entry whose estimate moved is pushed back with the new one, and the first entry that
-        is current is the true minimum. A request for a popular adapter costs no work here.
+        A heap of (estimate, name) per replica over all its residents, kept across requests: between
+        two agings of the sketch (`generation`) estimates only grow, so an entry is a lower bound,
+        and a popped entry whose estimate moved is pushed back with the new one; the first current
+        entry is the true minimum. A new resident enters at 0 (a lower bound too); entries of
+        adapters no longer resident, and duplicates, are dropped as they surface; busy ones are set
+        aside and put back. A request for a popular adapter or a replica's busy set changing costs
+        no work here; only an aging of the sketch rebuilds the heaps.
         """
         if generation != self._freq_generation:
             for r in self.replicas:
@@ -266,33 +268,40 @@ class FleetIndex:
             self._freq_generation = generation
         r = self.replicas[i]
         heap = r.idle
-        if heap is None:
-            busy = r.active | r.waiting_adapters | r.pinned
-            heap = [(frequency(a), a) for a in r.resident if a not in busy]
+        if heap is None or len(heap) > 2 * len(r.resident) + 16:  # built, or rebuilt past dead entries
+            heap = [(frequency(a), a) for a in r.resident]
             heapq.heapify(heap)
             r.idle = heap
+        resident, active, waiting, pinned = r.resident, r.active, r.waiting_adapters, r.pinned
         if m == 1:  # the common case (one slot to free): look at the top without popping it
             while heap:
                 f, a = heap[0]
+                if a not in resident:
+                    heapq.heappop(heap)
+                    continue
                 now = frequency(a)
                 if now != f:
                     heapq.heapreplace(heap, (now, a))
-                elif a in exclude:
-                    break  # the general path below skips it
+                elif a in active or a in waiting or a in pinned or a in exclude:
+                    break  # the general path below sets it aside
                 else:
                     return [(f, a)]
         out: list[tuple[float, str]] = []
-        taken: list[tuple[float, str]] = []
+        aside: list[tuple[float, str]] = []
+        seen: set[str] = set()
         while heap and len(out) < m:
             f, a = heapq.heappop(heap)
+            if a not in resident or a in seen:
+                continue  # gone, or a duplicate from an unload and reload: drop it
             now = frequency(a)
             if now != f:
                 heapq.heappush(heap, (now, a))
                 continue
-            taken.append((f, a))
-            if a not in exclude:
+            seen.add(a)
+            aside.append((f, a))
+            if not (a in active or a in waiting or a in pinned or a in exclude):
                 out.append((f, a))
-        for entry in taken:
+        for entry in aside:
             heapq.heappush(heap, entry)
         return out
 
