@@ -135,9 +135,18 @@ def percentiles(ns: list[int]) -> tuple[float, float]:
     return float(np.percentile(a, 50)), float(np.percentile(a, 99))
 
 
-def run_size(size: Size, args: argparse.Namespace, seed: int) -> dict:
+def run_size(size: Size, args: argparse.Namespace, seed: int) -> list[dict]:
+    """`args.repeats` runs on one fleet (built once: the placement walk is the slow part), each with a
+    fresh policy and request stream, the fleet carrying on from the previous run as in service."""
     rng = np.random.default_rng(seed)
     index, names, probs = build_fleet(size, args.cpu, args.gpu, args.zipf, rng)
+    return [run_once(index, names, probs, size, args, rng) for _ in range(args.repeats)]
+
+
+def run_once(
+    index: FleetIndex, names: list[str], probs: np.ndarray, size: Size, args: argparse.Namespace,
+    rng: np.random.Generator,
+) -> dict:
     policy = IndexedPolicy.of(lorafleet_policy())
     total = args.warmup + args.decisions
     ranks = rng.choice(size.adapters, size=total, p=probs)
@@ -213,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for size in sizes:
         load_before = os.getloadavg()
-        reps = [run_size(size, args, args.seed + k) for k in range(args.repeats)]
+        reps = run_size(size, args, args.seed)
         row = {"replicas": size.replicas, "adapters": size.adapters}
         for key in reps[0]:
             if isinstance(reps[0][key], (int, float)):
@@ -232,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, args))
     print(text_plot(rows))
     result = {
-        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "config": {k: v for k, v in vars(args).items() if k not in ("out", "plot")},
         "cpu_count": os.cpu_count(),
         "target_p99_us": TARGET_P99_US,
         "rows": rows,
