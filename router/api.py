@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -70,7 +71,7 @@ def create_app(settings: RouterSettings, *, store: PlacementStore | None = None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        metrics = RouterMetrics.create()
+        metrics = RouterMetrics.create(tenant_names=settings.metrics_token_file is not None)
         http = httpx.AsyncClient(
             timeout=httpx.Timeout(
                 settings.read_timeout_s, connect=settings.connect_timeout_s, pool=settings.connect_timeout_s
@@ -138,6 +139,7 @@ def create_app(settings: RouterSettings, *, store: PlacementStore | None = None)
             budget=RetryBudget(settings.retry_budget_ratio, settings.retry_budget_min_per_s),
             metrics=metrics,
             catalog=catalog,
+            metrics_token=AdminTokens(file=settings.metrics_token_file),
         )
         app.state.gateway = gateway
         with contextlib.suppress(Exception):
@@ -187,12 +189,20 @@ async def health() -> dict[str, str]:
 
 @router.get("/ready")
 async def ready(gw: GatewayDep) -> JSONResponse:
-    up = [v.name for v in gw.fleet.views() if v.healthy and not v.ejected]
+    """Unauthenticated (probes): how many replicas serve, never which (their addresses)."""
+    up = sum(1 for v in gw.fleet.views() if v.healthy and not v.ejected)
     return JSONResponse({"ready": bool(up), "replicas": up}, status_code=200 if up else 503)
 
 
 @router.get("/metrics")
-async def metrics(gw: GatewayDep) -> Response:
+async def metrics(request: Request, gw: GatewayDep) -> Response:
+    if gw.settings.metrics_token_file is not None:
+        expected = gw.metrics_token.for_pool(None)
+        presented = request.headers.get("authorization", "")
+        scheme, _, token = presented.partition(" ")
+        if not expected or scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), expected):
+            return error(401, "/metrics needs the metrics bearer token.", "invalid_request_error",
+                         "invalid_api_key", **{"WWW-Authenticate": "Bearer"})
     return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -214,18 +224,32 @@ async def list_models(request: Request, gw: GatewayDep) -> JSONResponse:
     tenant = gw.tenants.authenticate(request.headers.get("authorization"))
     if tenant is None:
         return error(401, "Invalid API key.", "invalid_request_error", "invalid_api_key")
-    bases = sorted(m for m in gw.fleet.base_models() if tenant.may_use_model(m))
-    adapters = set(gw.catalog)
-    for replica in gw.fleet.replicas.values():
-        adapters.update(a for a in replica.residency() if a not in gw.sync.retired)
-    parent = bases[0] if len(bases) == 1 else None
+    served = gw.fleet.base_models()
+    bases = sorted(m for m in served if tenant.may_use_model(m))
     created = int(time.time())  # the listing's time, as the worker (and vLLM) stamp their model cards
     data: list[dict[str, Any]] = [
         {"id": m, "object": "model", "created": created, "owned_by": "lorafleet"} for m in bases
     ]
-    data += [
-        {"id": a, "object": "model", "created": created, "owned_by": "lorafleet", "parent": parent}
-        for a in sorted(adapters)
-        if tenant.may_use_adapter(a)
-    ]
+    for adapter, parent in sorted(adapter_bases(gw, served).items()):
+        # Listed only where the tenant may use both the adapter and the base it serves on: what a
+        # request for it would be allowed (request_fields.resolve picks the same base).
+        if tenant.may_use_adapter(adapter) and tenant.may_use_model(parent):
+            data.append({"id": adapter, "object": "model", "created": created, "owned_by": "lorafleet",
+                         "parent": parent or None})
     return JSONResponse({"object": "list", "data": data})
+
+
+def adapter_bases(gw: Gateway, served: set[str]) -> dict[str, str]:
+    """Each routable adapter -> the base model it serves on: a replica's holding it, else the
+    fleet's first base (where a catalog adapter would be loaded); "" while no replica has answered."""
+    found: dict[str, str] = {}
+    for replica in gw.fleet.replicas.values():
+        if replica.inventory is None:
+            continue
+        for a in replica.residency():
+            if a not in gw.sync.retired:
+                found.setdefault(a, replica.inventory.model)
+    fallback = min(served) if served else ""
+    for a in gw.catalog:
+        found.setdefault(a, fallback)
+    return found

@@ -13,7 +13,7 @@ from lorafleet.protocol import MAX_N
 from lorafleet.router.discovery import parse_worker
 from lorafleet.router.scheduling.policies import POLICIES
 from lorafleet.router.settings import RouterSettings
-from lorafleet.router.tenants import hash_api_key
+from lorafleet.router.tenants import TenantRegistry, hash_api_key
 
 
 def parse_lora_modules(items: list[str]) -> dict[str, str]:
@@ -71,6 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="one token file per LoraPool, named by the pool (mounted `<pool>-admin-token` Secrets); "
         "re-read when they change",
     )
+    p.add_argument(
+        "--metrics-token-file",
+        type=Path,
+        default=None,
+        help="bearer token /metrics requires (Prometheus: authorization.credentials_file); with it tenant "
+        "labels are names, without it /metrics is open and tenants appear as opaque t-… labels",
+    )
+    p.add_argument(
+        "--tenant-labels",
+        action="store_true",
+        help="print each tenant of --tenants-file with its opaque /metrics label, then exit",
+    )
     p.add_argument("--policy", choices=sorted(POLICIES), default=d.policy)
     p.add_argument(
         "--poll-interval", type=float, default=d.poll_interval_s, help="seconds between inventory polls"
@@ -97,6 +109,8 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         parse_worker(w)
     if args.admin_token_file is not None:
         args.admin_token_file.read_text()  # fail at start-up, not at the first cold load
+    if args.metrics_token_file is not None and not args.metrics_token_file.read_text().strip():
+        raise ValueError(f"--metrics-token-file {args.metrics_token_file}: the file is empty")
     if args.admin_token_dir is not None and not args.admin_token_dir.is_dir():
         raise NotADirectoryError(f"--admin-token-dir {args.admin_token_dir}: not a directory")
     if not 1 <= args.max_n <= MAX_N:
@@ -115,6 +129,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         lora_modules=MappingProxyType(parse_lora_modules(args.lora_modules)),
         admin_token_file=args.admin_token_file,
         admin_token_dir=args.admin_token_dir,
+        metrics_token_file=args.metrics_token_file,
         policy=args.policy,
         poll_interval_s=args.poll_interval,
         load_timeout_s=args.load_timeout,
@@ -128,6 +143,13 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.hash_api_key:
         print(hash_api_key(sys.stdin.readline()))
+        return 0
+    if args.tenant_labels:
+        if args.tenants_file is None:
+            print("lorafleet router: --tenant-labels needs --tenants-file", file=sys.stderr)
+            return 2
+        for name, label in sorted(TenantRegistry.from_file(args.tenants_file).labels().items()):
+            print(f"{label}\t{name}")
         return 0
     try:
         settings = settings_from_args(args)

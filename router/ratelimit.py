@@ -81,7 +81,7 @@ class RateLimiter:
         try:
             return Lease(self, tenant, where="redis", id=await self._acquire_redis(tenant))
         except Limited:
-            self._metrics.ratelimited.labels(tenant.name, "redis").inc()
+            self._metrics.ratelimited.labels(self._metrics.tenant(tenant), "redis").inc()
             raise
         except Exception:
             self._metrics.ratelimit_fail_open.inc()

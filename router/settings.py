@@ -39,6 +39,9 @@ class RouterSettings:
     admin_token: str | None = None
     admin_token_file: Path | None = None
     admin_token_dir: Path | None = None
+    # A bearer token /metrics requires (Prometheus: `authorization: {credentials_file: ...}`); with
+    # it, tenant labels are names; without it /metrics is open and tenants appear as opaque labels.
+    metrics_token_file: Path | None = None
     policy: str = "lorafleet"
     load_factor: float = 1.25
     # Placement polling: each worker's GET /v1/adapters, published to the store with this TTL.
