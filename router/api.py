@@ -33,6 +33,7 @@ from lorafleet.router.metrics import RouterMetrics
 from lorafleet.router.placement import PlacementSync
 from lorafleet.router.proxy import RetryBudget, upstream_session
 from lorafleet.router.ratelimit import RateLimiter
+from lorafleet.router.redis_guard import GuardedPlacementStore, redis_breaker
 from lorafleet.router.scheduling.policies import POLICIES, Policy
 from lorafleet.router.settings import RouterSettings
 from lorafleet.router.tenants import TenantRegistry
@@ -81,17 +82,21 @@ def create_app(settings: RouterSettings, *, store: PlacementStore | None = None)
             ),
         )
         redis_client = None
+        breaker = None
         placement: PlacementStore
         if store is not None:
             placement = store
         elif settings.redis_url:
             import redis.asyncio as aioredis
 
-            # Short socket timeouts: Redis trouble must cost a request milliseconds, not seconds.
+            # Short socket timeouts: Redis trouble must cost a request milliseconds, not seconds;
+            # the breaker makes a hung Redis cost nothing once it has noticed (redis_guard.py).
             redis_client = aioredis.Redis.from_url(
                 settings.redis_url, socket_timeout=0.25, socket_connect_timeout=0.25, decode_responses=True
             )
-            placement = RedisPlacementStore(redis_client, settings.redis_prefix)
+            breaker = redis_breaker(redis_client, metrics, settings.redis_timeout_s,
+                                    settings.redis_breaker_failures, settings.redis_breaker_cooldown_s)
+            placement = GuardedPlacementStore(RedisPlacementStore(redis_client, settings.redis_prefix), breaker)
         else:
             placement = MemoryPlacementStore()
         if settings.tenants_file is not None:
@@ -133,7 +138,7 @@ def create_app(settings: RouterSettings, *, store: PlacementStore | None = None)
             fleet=fleet,
             sync=sync,
             loader=AdapterLoader(http, sync, metrics, catalog, tokens, settings.load_timeout_s),
-            limiter=RateLimiter(redis_client, metrics, settings.redis_prefix),
+            limiter=RateLimiter(redis_client, metrics, settings.redis_prefix, breaker=breaker),
             tenants=tenants,
             policy=_make_policy(settings),
             budget=RetryBudget(settings.retry_budget_ratio, settings.retry_budget_min_per_s),

@@ -27,6 +27,11 @@ class RouterSettings:
     # None: in-process placement state and rate limits (one router process only).
     redis_url: str | None = None
     redis_prefix: str = "lorafleet"
+    # Every Redis call on a request's path runs under redis_timeout_s (background ones 5x that);
+    # this many failures in a row open the circuit breaker, and a ping probes it every cooldown.
+    redis_timeout_s: float = 0.1
+    redis_breaker_failures: int = 3
+    redis_breaker_cooldown_s: float = 1.0
     # The store names replicas `scope/name` (placement_store.replica_key); None: the k8s namespace
     # with kubernetes discovery, "" with static workers (`lorafleet up` sets its reconciler's).
     placement_scope: str | None = None
