@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--redis-url", default=None, help="shared placement state and tenant limits; none: in-process"
     )
+    p.add_argument("--redis-timeout", type=float, default=d.redis_timeout_s,
+                   help="seconds a request waits on one Redis call (background calls: 5x)")
+    p.add_argument("--redis-breaker-failures", type=int, default=d.redis_breaker_failures,
+                   help="Redis failures in a row that open the circuit breaker (requests then skip Redis)")
+    p.add_argument("--redis-breaker-cooldown", type=float, default=d.redis_breaker_cooldown_s,
+                   help="seconds between background pings while the breaker is open")
     p.add_argument(
         "--tenants-file",
         type=Path,
@@ -125,6 +131,9 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         k8s_port=args.k8s_port,
         k8s_admin_port=args.k8s_admin_port,
         redis_url=args.redis_url,
+        redis_timeout_s=args.redis_timeout,
+        redis_breaker_failures=args.redis_breaker_failures,
+        redis_breaker_cooldown_s=args.redis_breaker_cooldown,
         tenants_file=args.tenants_file,
         lora_modules=MappingProxyType(parse_lora_modules(args.lora_modules)),
         admin_token_file=args.admin_token_file,
