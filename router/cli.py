@@ -9,6 +9,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from lorafleet.cli import lora_module_arg
+from lorafleet.connection_guard import add_connection_flags, limits_from_args, uvicorn_config
 from lorafleet.protocol import MAX_N
 from lorafleet.router.discovery import parse_worker
 from lorafleet.router.scheduling.policies import POLICIES
@@ -100,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens-cap", type=int, default=d.max_tokens_cap)
     p.add_argument("--max-n", type=int, default=d.max_n,
                    help=f"most choices (`n`) per prompt a request may ask for (default {d.max_n}, the worker's limit)")
+    add_connection_flags(p, d.connection_limits)
     p.add_argument("--log-level", default="info")
     p.add_argument(
         "--hash-api-key",
@@ -145,6 +147,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         max_body_bytes=args.max_body_bytes,
         max_tokens_cap=args.max_tokens_cap,
         max_n=args.max_n,
+        connection_limits=limits_from_args(args),
     )
 
 
@@ -180,11 +183,7 @@ def main(argv: list[str]) -> int:
 
     from lorafleet.router.api import create_app
 
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level=args.log_level,
-        access_log=False,
-    )
+    config = uvicorn_config(create_app(settings), settings.host, settings.port, settings.connection_limits,
+                            log_level=args.log_level, access_log=False)
+    uvicorn.Server(config).run()
     return 0

@@ -8,6 +8,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Literal
 
+from lorafleet.connection_guard import ConnectionLimits
 from lorafleet.protocol import MAX_N
 
 
@@ -68,3 +69,5 @@ class RouterSettings:
     eject_after_failures: int = 3
     eject_cooldown_s: float = 5.0
     replica_capacity: int = 64  # concurrent sequences a worker runs; normalises load scores
+    # Client connections: head/body deadlines, keep-alive, per-client and total caps.
+    connection_limits: ConnectionLimits = ConnectionLimits()

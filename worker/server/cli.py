@@ -12,6 +12,7 @@ import logging
 import sys
 
 from lorafleet.cli import lora_module_arg
+from lorafleet.connection_guard import add_connection_flags, limits_from_args, uvicorn_config
 from lorafleet.worker.config import ConfigError, EngineConfig, ModelConfig
 from lorafleet.worker.openai.reasoning import PARSERS as REASONING_PARSERS
 from lorafleet.worker.openai.tools import PARSERS
@@ -84,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "deepseek_r1 (DeepSeek R1, QwQ: answers begin in their reasoning), qwen3 (Qwen3: when "
                         "the answer or the prompt opens it)")
     p.add_argument("--seed", type=int, default=d.seed)
+    add_connection_flags(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -111,6 +113,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         port=args.port, admin_port=args.admin_port, lora_modules=tuple(args.lora_modules),
         adapter_root=args.adapter_root, admin_token_file=args.admin_token_file, engine=engine,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        connection_limits=limits_from_args(args),
     )
 
 
@@ -121,10 +124,11 @@ async def serve(settings: WorkerSettings, log_level: str = "info", admin_host: s
     from lorafleet.worker.server.app import create_apps
 
     public, admin = create_apps(settings)
-    servers = [uvicorn.Server(uvicorn.Config(public, host=settings.host, port=settings.port, log_level=log_level))]
+    limits = settings.connection_limits
+    servers = [uvicorn.Server(uvicorn_config(public, settings.host, settings.port, limits, log_level=log_level))]
     if admin is not None:
-        servers.append(uvicorn.Server(uvicorn.Config(
-            admin, host=admin_host or settings.host, port=settings.admin_port, log_level=log_level, lifespan="off",
+        servers.append(uvicorn.Server(uvicorn_config(
+            admin, admin_host or settings.host, settings.admin_port, limits, log_level=log_level, lifespan="off",
         )))
     runtime = public.state.runtime
 
