@@ -9,6 +9,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from lorafleet.cli import lora_module_arg
+from lorafleet.cli_help import finish
 from lorafleet.connection_guard import add_connection_flags, limits_from_args, uvicorn_config
 from lorafleet.protocol import MAX_N
 from lorafleet.router.discovery import parse_worker
@@ -26,8 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lorafleet router", description="Adapter-aware router gateway (OpenAI API)."
     )
-    p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--host", default=d.host, help="bind address")
+    p.add_argument("--port", type=int, default=d.port, help="port of the OpenAI API, /metrics and probes")
     p.add_argument(
         "--worker",
         action="append",
@@ -36,8 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="worker base URL (repeat); static discovery. admin=: its admin API when the worker runs with "
         "--admin-port (default: the same URL); pool=: its LoraPool, picks the token in --admin-token-dir",
     )
-    p.add_argument("--discovery", choices=["static", "kubernetes"], default=d.discovery)
-    p.add_argument("--k8s-namespace", default=d.k8s_namespace)
+    p.add_argument("--discovery", choices=["static", "kubernetes"], default=d.discovery,
+                   help="static: the --worker list; kubernetes: the worker pods matching --k8s-selector")
+    p.add_argument("--k8s-namespace", default=d.k8s_namespace, help="namespace of the worker pods")
     p.add_argument("--k8s-selector", default=d.k8s_selector, help="label selector of the worker pods")
     p.add_argument("--k8s-port", type=int, default=d.k8s_port, help="the workers' public API port")
     p.add_argument(
@@ -47,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the workers' admin API port (default: the pod's container port named `admin`, else --k8s-port)",
     )
     p.add_argument(
-        "--redis-url", default=None, help="shared placement state and tenant limits; none: in-process"
+        "--redis-url", default=None, help="shared placement state and tenant limits (default: none, in-process)"
     )
     p.add_argument("--redis-timeout", type=float, default=d.redis_timeout_s,
                    help="seconds a request waits on one Redis call (background calls: 5x)")
@@ -59,10 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--tenants-file",
         type=Path,
         default=None,
-        help="YAML/JSON tenants with hashed API keys; none: open mode",
+        help="YAML/JSON tenants with hashed API keys (default: none, open mode)",
     )
     p.add_argument(
-        "--lora-modules", nargs="*", default=[], metavar="NAME=PATH", help="adapter catalog (static mode)"
+        "--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
+        help="adapter catalog: where a worker loads each adapter from (static mode)"
     )
     p.add_argument(
         "--admin-token-file",
@@ -90,25 +93,40 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print each tenant of --tenants-file with its opaque /metrics label, then exit",
     )
-    p.add_argument("--policy", choices=sorted(POLICIES), default=d.policy)
+    p.add_argument("--policy", choices=sorted(POLICIES), default=d.policy,
+                   help="scheduling policy (lorafleet: adapter affinity, load and cache admission)")
     p.add_argument(
         "--poll-interval", type=float, default=d.poll_interval_s, help="seconds between inventory polls"
     )
     p.add_argument(
         "--load-timeout", type=float, default=d.load_timeout_s, help="seconds a request waits for a cold load"
     )
-    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
-    p.add_argument("--max-tokens-cap", type=int, default=d.max_tokens_cap)
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help="largest request body accepted (else 413)")
+    p.add_argument("--max-tokens-cap", type=int, default=d.max_tokens_cap,
+                   help="largest max_tokens a request may ask for")
     p.add_argument("--max-n", type=int, default=d.max_n,
                    help=f"most choices (`n`) per prompt a request may ask for (default {d.max_n}, the worker's limit)")
     add_connection_flags(p, d.connection_limits)
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help="debug, info, warning or error")
     p.add_argument(
         "--hash-api-key",
         action="store_true",
         help="read an API key on stdin, print its sha256 for a tenants file",
     )
-    return p
+    return finish(p, {
+        "Server": ["--host", "--port", "--log-level"],
+        "Workers and discovery": ["--worker", "--discovery", "--k8s-namespace", "--k8s-selector", "--k8s-port",
+                                  "--k8s-admin-port", "--lora-modules", "--admin-token-file", "--admin-token-dir",
+                                  "--poll-interval", "--load-timeout"],
+        "Placement store and limits (Redis)": ["--redis-url", "--redis-timeout", "--redis-breaker-failures",
+                                               "--redis-breaker-cooldown"],
+        "Tenants and access": ["--tenants-file", "--metrics-token-file", "--tenant-labels", "--hash-api-key"],
+        "Routing": ["--policy"],
+        "Request limits": ["--max-body-bytes", "--max-tokens-cap", "--max-n"],
+        "Client connections": ["--header-timeout", "--body-timeout", "--keep-alive-timeout",
+                               "--max-client-connections", "--max-server-connections"],
+    })
 
 
 def settings_from_args(args: argparse.Namespace) -> RouterSettings:

@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from lorafleet.cli_help import finish
 from lorafleet.local.manifests import (
     IGNORED_KINDS,
     KIND,
@@ -58,10 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="wide: also the source and why an adapter is not Ready; yaml/json: the whole object; "
                           "name: resource/name")
     delete = sub.add_parser("delete", parents=[common], help="delete adapters (unloaded from every worker)")
-    delete.add_argument("names", nargs="*", metavar="NAME")
+    delete.add_argument("names", nargs="*", metavar="NAME", help="adapters to delete")
     delete.add_argument("-f", "--filename", action="append", default=[],
                         help="delete the adapters a manifest file or folder names (- for stdin)")
-    return p
+    finish(apply, {"Manifests": ["--filename", "--wait"], "Fleet": ["--run-dir"]})
+    finish(get, {"Output": ["--output"], "Fleet": ["--run-dir"]})
+    finish(delete, {"Manifests": ["--filename"], "Fleet": ["--run-dir"]})
+    return finish(p, {"Fleet": ["--run-dir"]})
 
 
 def main(argv: list[str]) -> int:
