@@ -34,8 +34,9 @@ class ConnectionLimits:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     keep_alive_timeout_s: float = 5.0
-    max_client_connections: int = 256
-    max_connections: int = 2048
+    # One client may open as many as a thundering herd of a thousand requests needs, not the server's all.
+    max_client_connections: int = 1024
+    max_connections: int = 4096
 
 
 @dataclass(slots=True)
@@ -151,10 +152,27 @@ def uvicorn_config(app: Any, host: str, port: int, limits: ConnectionLimits, **k
     import uvicorn
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+    limits = within_file_limit(limits)
     return uvicorn.Config(
         app, host=host, port=port, http=guarded_protocol(AutoHTTPProtocol, limits),
         timeout_keep_alive=limits.keep_alive_timeout_s, **kwargs,  # type: ignore[arg-type]
     )
+
+
+def within_file_limit(limits: ConnectionLimits, spare: int = 256) -> ConnectionLimits:
+    """The server cap lowered below the process's open-file limit (less `spare` for upstream
+    connections, files and sockets of its own): past it, accept() fails and nobody is served."""
+    import resource
+    from dataclasses import replace
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft - spare <= 0:
+        return limits
+    room = soft - spare
+    if limits.max_connections == 0 or limits.max_connections > room:
+        log.warning("--max-server-connections lowered to %d: the open-file limit is %d (ulimit -n)", room, soft)
+        return replace(limits, max_connections=room)
+    return limits
 
 
 def add_connection_flags(parser: Any, defaults: ConnectionLimits = ConnectionLimits()) -> None:
@@ -172,7 +190,8 @@ def add_connection_flags(parser: Any, defaults: ConnectionLimits = ConnectionLim
                         help="open connections per client IP; more get 429 and are closed (behind a proxy, "
                              "every client is the proxy: raise it or 0); 0: no limit")
     parser.add_argument("--max-server-connections", type=int, default=d.max_connections, metavar="N",
-                        help="open connections in all; more get 503 and are closed; 0: no limit")
+                        help="open connections in all; more get 503 and are closed; 0: no limit (either way "
+                             "kept below the open-file limit, ulimit -n)")
 
 
 def limits_from_args(args: Any) -> ConnectionLimits:

@@ -128,3 +128,14 @@ def test_worker_slow_clients_are_closed_and_fast_ones_served(demo_model: Path) -
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_server_cap_stays_below_the_open_file_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    import resource
+
+    from lorafleet.connection_guard import ConnectionLimits, within_file_limit
+
+    monkeypatch.setattr(resource, "getrlimit", lambda _which: (1024, 4096))
+    assert within_file_limit(ConnectionLimits(max_connections=4096)).max_connections == 1024 - 256
+    assert within_file_limit(ConnectionLimits(max_connections=0)).max_connections == 1024 - 256
+    assert within_file_limit(ConnectionLimits(max_connections=100)).max_connections == 100
