@@ -13,7 +13,8 @@ lease in Redis and gives it back). An open-loop load at a fixed rate runs throug
 Run twice: with the breaker (the default) and "without" it (`--redis-breaker-failures` too high
 to open), where every request waits for the Redis timeout while Redis hangs.
 
-Usage: python bench/redis_hung.py [--rate 100] [--seconds 5] [--out bench/results/redis_hung.json]
+Usage: python bench/redis_hung.py [--rate 100] [--seconds 5] [--repeat 3] [--out bench/results/redis_hung.json]
+(the table: per case and phase, the median over the repeats of each run's p50 and p99)
 """
 
 from __future__ import annotations
@@ -144,23 +145,31 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rate", type=float, default=100.0, help="requests per second (default 100)")
     p.add_argument("--seconds", type=float, default=5.0, help="seconds per phase (default 5)")
+    p.add_argument("--repeat", type=int, default=3, help="runs of each case, alternated (default 3)")
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/redis_hung.json")
     args = p.parse_args(argv)
     up_port = free_port()
     upstream = subprocess.Popen([sys.executable, "-c", UPSTREAM, str(up_port)])
     try:
         wait(f"http://127.0.0.1:{up_port}/health")
+        runs: list[dict[str, dict]] = []
         with tempfile.TemporaryDirectory() as tmp:
-            cases = {"breaker": run_case(True, up_port, args.rate, args.seconds, Path(tmp)),
-                     "no_breaker": run_case(False, up_port, args.rate, args.seconds, Path(tmp))}
+            for _ in range(args.repeat):  # alternated, so that the machine's load falls on both alike
+                runs.append({"breaker": run_case(True, up_port, args.rate, args.seconds, Path(tmp)),
+                             "no_breaker": run_case(False, up_port, args.rate, args.seconds, Path(tmp))})
     finally:
         upstream.terminate()
         upstream.wait(timeout=10)
-    print(f"{'case':<11} {'phase':<10} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+    # Per case and phase: the median over the repeats of each run's p50 and p99.
+    cases = {case: {phase: {k: round(float(np.median([r[case][phase][k] for r in runs])), 2)
+                            for k in ("p50_ms", "p99_ms")}
+                    for phase in runs[0][case]} for case in runs[0]}
+    print(f"{'case':<11} {'phase':<10} {'p50 ms':>8} {'p99 ms':>8}   (median of {args.repeat} runs)")
     for case, phases in cases.items():
         for phase, s in phases.items():
-            print(f"{case:<11} {phase:<10} {s['p50_ms']:>8} {s['p99_ms']:>8} {s['max_ms']:>8}")
-    result = {"rate_rps": args.rate, "seconds_per_phase": args.seconds, "cases": cases,
+            print(f"{case:<11} {phase:<10} {s['p50_ms']:>8} {s['p99_ms']:>8}")
+    result = {"rate_rps": args.rate, "seconds_per_phase": args.seconds, "repeats": args.repeat, "cases": cases,
+              "runs": runs,
               "router_defaults": {"redis_timeout_s": 0.1, "redis_breaker_failures": 3, "redis_breaker_cooldown_s": 1.0},
               "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
               "note": "load generator, upstream, Redis and router share this machine's cores"}
