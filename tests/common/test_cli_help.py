@@ -19,10 +19,9 @@ SOURCES = {
     "generate": ["worker/**/*.py", "kernels/**/*.py"],
     "router": ["router/**/*.py", "common/placement_store.py", "common/breaker.py", "common/connection_guard.py"],
     "operator": ["operator/**/*.py"],
-    "up": ["common/local*.py", "common/local/**/*.py", "common/run_dir.py", "worker/**/*.py", "kernels/**/*.py"],
-    "adapters": ["common/local_fleet_adapters.py", "common/local/*adapters*.py", "common/run_dir.py",
-                 "common/manifests.py"],
-    "demo-assets": ["worker/demo_assets.py", "worker/**/demo_assets.py"],
+    "up": ["common/local/**/*.py", "worker/**/*.py", "kernels/**/*.py"],
+    "adapters": ["common/local/adapters_cli.py", "common/local/run_dir.py", "common/local/manifests.py"],
+    "demo-assets": ["worker/**/demo_assets.py"],
 }
 ENV_READ = re.compile(r"""(?:environ(?:\.get)?\(\s*|environ\[\s*|getenv\(\s*)["']([A-Z][A-Z0-9_]+)["']""")
 

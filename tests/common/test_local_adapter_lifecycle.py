@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from lorafleet.local_controller import LocalController
-from lorafleet.local_fleet_adapters import main
-from lorafleet.run_dir import FleetState, RunDir
+from lorafleet.local.adapters_cli import main
+from lorafleet.local.controller import LocalController
+from lorafleet.local.run_dir import FleetState, RunDir
 from tests.common.test_local_fleet_cli import FAILED_STATUS, READY_STATUS, manifest
 
 SPEC = {"pool": "local", "source": "sql", "replicas": {"min": 1, "max": 1}, "pinned": False}

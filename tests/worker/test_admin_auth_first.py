@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from lorafleet.worker.app import create_app
-from lorafleet.worker.settings import WorkerSettings
+from lorafleet.worker.server.app import create_app
+from lorafleet.worker.server.settings import WorkerSettings
 
 TOKEN = "s3cret-admin-token"
 

@@ -6,8 +6,8 @@ import time
 
 from fastapi.testclient import TestClient
 
-from lorafleet.worker.app import create_app
-from lorafleet.worker.settings import WorkerSettings
+from lorafleet.worker.server.app import create_app
+from lorafleet.worker.server.settings import WorkerSettings
 
 
 def test_engine_failure_503_names_no_paths(tmp_path):
