@@ -100,3 +100,15 @@ def test_503_names_no_file_paths(mixed_workers):
         assert r.status_code == 503, r.text
         assert "/refuse" not in r.text and "secret-dir" not in r.text and "adapter_config" not in r.text
         assert "HTTP 400" in r.text and "invalid_config" in r.text  # still says what happened
+
+
+def test_tenant_labels_prints_the_metrics_mapping(tenants_file, capsys):
+    from lorafleet.router.cli import main
+    from lorafleet.router.tenants import TenantRegistry
+
+    assert main(["--tenants-file", str(tenants_file), "--tenant-labels"]) == 0
+    rows = dict(line.split("\t")[::-1] for line in capsys.readouterr().out.splitlines())
+    assert set(rows) == {"acme-confidential", "beta-confidential"}
+    assert rows == TenantRegistry.from_file(tenants_file).labels()
+    assert all(label.startswith("t-") and len(label) == 14 for label in rows.values())
+    assert len(set(rows.values())) == 2
