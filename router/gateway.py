@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import aiohttp
 import httpx
 
+from lorafleet.router.admin_tokens import AdminTokens
 from lorafleet.router.fleet import Fleet
 from lorafleet.router.loader import AdapterLoader
 from lorafleet.router.metrics import RouterMetrics
@@ -35,3 +36,4 @@ class Gateway:
     budget: RetryBudget
     metrics: RouterMetrics
     catalog: dict[str, str]
+    metrics_token: AdminTokens  # its file: the token /metrics requires (none: open)

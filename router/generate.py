@@ -239,7 +239,7 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
     try:
         lease = await gw.limiter.acquire(tenant)
     except Limited as exc:
-        gw.metrics.requests.labels(tenant.name, adapter_label, "429").inc()
+        gw.metrics.requests.labels(gw.metrics.tenant(tenant), adapter_label, "429").inc()
         return await respond_error(
             send,
             429,
@@ -335,7 +335,7 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
     finally:
         gone.cancel()
     await lease.release()
-    gw.metrics.requests.labels(tenant.name, adapter_label, "503").inc()
+    gw.metrics.requests.labels(gw.metrics.tenant(tenant), adapter_label, "503").inc()
     await respond_error(
         send,
         503,
@@ -405,4 +405,4 @@ async def finish(
 ) -> None:
     release(gw, replica, adapters)
     await lease.release()
-    gw.metrics.requests.labels(tenant.name, adapter_label, status).inc()
+    gw.metrics.requests.labels(gw.metrics.tenant(tenant), adapter_label, status).inc()

@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from lorafleet.cli_help import finish
 from lorafleet.local.manifests import (
     IGNORED_KINDS,
     KIND,
@@ -58,10 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="wide: also the source and why an adapter is not Ready; yaml/json: the whole object; "
                           "name: resource/name")
     delete = sub.add_parser("delete", parents=[common], help="delete adapters (unloaded from every worker)")
-    delete.add_argument("names", nargs="*", metavar="NAME")
+    delete.add_argument("names", nargs="*", metavar="NAME", help="adapters to delete")
     delete.add_argument("-f", "--filename", action="append", default=[],
                         help="delete the adapters a manifest file or folder names (- for stdin)")
-    return p
+    finish(apply, {"Manifests": ["--filename", "--wait"], "Fleet": ["--run-dir"]})
+    finish(get, {"Output": ["--output"], "Fleet": ["--run-dir"]})
+    finish(delete, {"Manifests": ["--filename"], "Fleet": ["--run-dir"]})
+    return finish(p, {"Fleet": ["--run-dir"]})
 
 
 def main(argv: list[str]) -> int:
@@ -115,6 +119,7 @@ def apply(run_dir: RunDir, filenames: list[str], wait_s: float) -> int:
         return 1
     failed = False
     applied: dict[str, int] = {}  # name -> generation to wait for
+    uids: dict[str, str | None] = {}  # name -> the object's uid: an older object's status is not its
     current = run_dir.read_desired()
     for label, text in sources:
         try:
@@ -142,17 +147,23 @@ def apply(run_dir: RunDir, filenames: list[str], wait_s: float) -> int:
                       "spec.pool is immutable; delete and re-create the adapter to move it.", file=sys.stderr)
                 failed = True
                 continue
-            if old is not None and old.get("spec") == manifest.spec:
+            retry = old is not None and old.get("spec") == manifest.spec and \
+                failed_at(run_dir.read_status(), manifest.name, old)
+            if old is not None and old.get("spec") == manifest.spec and not retry:
                 verb, generation = "unchanged", int(old.get("generation", 1))
             else:
-                verb = "configured" if old is not None else "created"
+                # The same spec applied again over a Failed adapter is a retry (its source may have
+                # been fixed): a new generation, which the fleet judges afresh.
+                verb = "configured (retry: it was Failed)" if retry else "configured" if old is not None else "created"
                 generation = int(old.get("generation", 0)) + 1 if old is not None else 1
                 created = old.get("creationTimestamp") if old is not None else None
-                current[manifest.name] = run_dir.write_desired(manifest.name, manifest.spec, generation, created)
+                uid = old.get("uid") if old is not None else None
+                current[manifest.name] = run_dir.write_desired(manifest.name, manifest.spec, generation, created, uid)
             applied[manifest.name] = generation
+            uids[manifest.name] = current[manifest.name].get("uid")
             print(f"loraadapter.lorafleet.dev/{manifest.name} {verb}")
     if applied and wait_s > 0:
-        ready = wait_ready(run_dir, applied, wait_s)
+        ready = wait_ready(run_dir, applied, wait_s, uids)
         failed = failed or ready != set(applied)
         if ready:
             failed = not wait_routable(run_dir.read_state().router_url, ready, wait_s) or failed
@@ -167,17 +178,34 @@ def check_source(run_dir: RunDir, source: str) -> None:
                             f"(copy the folder holding adapter_config.json there)")
 
 
-def wait_ready(run_dir: RunDir, applied: dict[str, int], wait_s: float) -> set[str]:
+def failed_at(statuses: dict[str, Any], name: str, desired: dict[str, Any]) -> bool:
+    """The fleet reported this very object Failed at its current generation."""
+    entry = statuses.get(name) or {}
+    status = entry.get("status") or {}
+    return (same_object(entry, desired.get("uid")) and entry.get("generation") == desired.get("generation")
+            and status.get("phase") == "Failed")
+
+
+def same_object(status_entry: dict[str, Any], uid: str | None) -> bool:
+    """A status entry is this object's: the same uid (a spec or status without one: by name only)."""
+    return uid is None or status_entry.get("uid", uid) == uid
+
+
+def wait_ready(run_dir: RunDir, applied: dict[str, int], wait_s: float,
+               uids: dict[str, str | None] | None = None) -> set[str]:
     """The applied adapters that became Ready at their generation; prints failures and timeouts."""
     deadline = time.monotonic() + wait_s
     pending = dict(applied)
     ready: set[str] = set()
+    uids = uids or {}
     while pending:
         statuses = run_dir.read_status()
         for name, generation in list(pending.items()):
             entry = statuses.get(name) or {}
             status = entry.get("status") or {}
             if entry.get("generation") != generation or status.get("observedGeneration") != generation:
+                continue
+            if not same_object(entry, uids.get(name)):  # a deleted object's status, not yet replaced
                 continue
             phase = status.get("phase")
             refused = condition(status, "Updated")
@@ -196,7 +224,9 @@ def wait_ready(run_dir: RunDir, applied: dict[str, int], wait_s: float) -> set[s
                 del pending[name]
         if pending and time.monotonic() > deadline:
             for name in pending:
-                phase = ((run_dir.read_status().get(name) or {}).get("status") or {}).get("phase", "Pending")
+                entry = run_dir.read_status().get(name) or {}
+                status = (entry.get("status") if same_object(entry, uids.get(name)) else None) or {}
+                phase = status.get("phase", "Pending")
                 print(f"error: loraadapter.lorafleet.dev/{name} not Ready after {wait_s:g}s (phase {phase}); "
                       "see `lorafleet adapters get`", file=sys.stderr)
             return ready
@@ -279,7 +309,9 @@ def adapter_objects(desired: dict[str, Any], statuses: dict[str, Any]) -> dict[s
         metadata: dict[str, Any] = {"name": name, "generation": int(entry.get("generation", 1))}
         if entry.get("creationTimestamp"):
             metadata["creationTimestamp"] = entry["creationTimestamp"]
-        status = (statuses.get(name) or {}).get("status") or {"phase": "Pending"}
+        reported = statuses.get(name) or {}
+        # The status of an object of this name deleted before this one was applied is not this one's.
+        status = (reported.get("status") if same_object(reported, entry.get("uid")) else None) or {"phase": "Pending"}
         out[name] = {"apiVersion": API_VERSION, "kind": KIND, "metadata": metadata,
                      "spec": entry.get("spec") or {}, "status": status}
     return out

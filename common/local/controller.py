@@ -42,6 +42,7 @@ class LocalController:
     interval_s: float = 0.5
     resync_s: float = 2.0
     generations: dict[str, int] = field(default_factory=dict)  # adapter -> generation handed over
+    uids: dict[str, str | None] = field(default_factory=dict)  # adapter -> the object's uid handed over
     _last_status: dict[str, Any] | None = None
 
     @staticmethod
@@ -72,18 +73,26 @@ class LocalController:
         """Hand new, changed and deleted specs in `desired/` to the reconciler."""
         desired = self.run_dir.read_desired()
         for name, entry in desired.items():
-            generation = int(entry.get("generation", 1))
-            if self.generations.get(name) == generation:
+            generation, uid = int(entry.get("generation", 1)), entry.get("uid")
+            if self.generations.get(name) == generation and self.uids.get(name) == uid:
                 continue
-            self.generations[name] = generation
+            record = self.reconciler.adapters.get(name)
+            # Another object of this name (deleted and applied again between two polls), or a
+            # Failed one applied again (a retry): judged afresh, nothing carried over from the old
+            # record (its failure is kept across a spec it equals, as on a cluster).
+            fresh = name in self.uids and self.uids[name] != uid or record is not None and record.failure is not None
+            self.generations[name], self.uids[name] = generation, uid
             try:
                 spec = parse_adapter(NAMESPACE, name, entry.get("spec") or {})
             except SpecError as exc:  # `apply` validates first; only a hand-edited file gets here
                 log.warning("adapter %s: %s", name, exc)
                 continue
+            if fresh:
+                self.reconciler.forget_adapter(name)
             self.reconciler.upsert_adapter(spec, generation, None)
         for name in set(self.generations) - set(desired):
             del self.generations[name]
+            self.uids.pop(name, None)
             # The operator's finalizer path: unload everywhere, the store learns each unload.
             asyncio.get_running_loop().create_task(self.reconciler.unload_everywhere(name))
 
@@ -92,7 +101,8 @@ class LocalController:
         for name, record in self.reconciler.adapters.items():
             status = dict(record.status or {"phase": "Pending"})
             status.setdefault("observedGeneration", None)
-            statuses[name] = {"spec": _spec_json(record.spec), "generation": record.generation, "status": status}
+            statuses[name] = {"spec": _spec_json(record.spec), "generation": record.generation, "status": status,
+                              "uid": self.uids.get(name)}
         if statuses != self._last_status:
             self.run_dir.write_status(statuses)
             self._last_status = statuses

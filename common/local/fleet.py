@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 import httpx
 
 from lorafleet.local import process_group
+from lorafleet.local.fleet_lock import FleetLock, FleetLocked
 from lorafleet.local.options import POOL, SERVED_NAME, UpOptions, build_parser, options_from_args
 from lorafleet.local.preflight import (
     FleetError,
     check_device,
-    check_not_running,
     check_ports,
     clear_redis_prefix,
     detect_store,
@@ -68,7 +68,17 @@ async def run(options: UpOptions) -> int:
         loop.add_signal_handler(sig, stopped.set)
 
     run_dir = RunDir(options.run_dir.resolve())
-    check_not_running(run_dir)
+    try:  # first of all: a second `up` here must not touch the running fleet's files
+        lock = FleetLock.acquire(run_dir.root, options.host, options.port)
+    except FleetLocked as exc:
+        raise FleetError(str(exc)) from None
+    try:
+        return await _run(options, run_dir, stopped)
+    finally:
+        lock.release()
+
+
+async def _run(options: UpOptions, run_dir: RunDir, stopped: asyncio.Event) -> int:
     devices = check_device(options.device, options.workers)
     worker_ports = pick_worker_ports(options.host, options.port, options.workers, options.worker_port)
     check_ports(options.host, options.port, worker_ports)

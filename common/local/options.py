@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lorafleet.cli_help import WORKER_ENV, finish
 from lorafleet.local.preflight import FleetError
 from lorafleet.local.run_dir import DEFAULT_RUN_DIR
 
@@ -61,8 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"largest adapter rank the workers load (default {d.max_lora_rank})")
     p.add_argument("--ready-timeout", type=float, default=d.ready_timeout_s,
                    help=f"seconds to wait for the fleet (default {d.ready_timeout_s:g})")
-    p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
-    return p
+    p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"],
+                   help="log level of this process and the workers")
+    return finish(p, {
+        "Fleet": ["--workers", "--device", "--assets", "--run-dir", "--ready-timeout", "--log-level"],
+        "Network": ["--port", "--host", "--worker-port"],
+        "Placement store": ["--redis-url", "--no-redis"],
+        "Workers' adapters": ["--max-loras", "--max-cpu-loras", "--max-lora-rank"],
+    }, ("XDG_CACHE_HOME", *WORKER_ENV))
 
 
 def options_from_args(args: argparse.Namespace) -> UpOptions:

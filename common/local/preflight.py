@@ -1,20 +1,18 @@
-"""Before `lorafleet up` starts anything: device, ports, a fleet already running, demo assets, Redis.
+"""Before `lorafleet up` starts anything: device, ports, demo assets, Redis (a fleet already running
+is refused before these, by `fleet_lock`).
 
 Every check fails with a `FleetError` that says what to do, before any process is started.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from lorafleet.local import process_group
-from lorafleet.local.run_dir import RunDir
 
 log = logging.getLogger("lorafleet.up")
 
@@ -39,14 +37,6 @@ def check_device(device: str, workers: int) -> list[str]:
         return [device] * workers
     count = torch.cuda.device_count()
     return [f"cuda:{i % count}" for i in range(workers)]
-
-
-def check_not_running(run_dir: RunDir) -> None:
-    with contextlib.suppress(Exception):
-        state = run_dir.read_state()
-        if state.pid != os.getpid() and process_group.pid_alive(state.pid):
-            raise FleetError(f"a local fleet is already running from {run_dir.root} (pid {state.pid}, "
-                             f"router {state.router_url}); stop it, or use another --run-dir")
 
 
 def pick_worker_ports(host: str, router_port: int, workers: int, first: int | None) -> list[int]:

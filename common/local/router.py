@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import time
 
+from lorafleet.connection_guard import ConnectionLimits, uvicorn_config
 from lorafleet.local.preflight import FleetError
 
 
@@ -24,7 +25,9 @@ class RouterServer:
             def capture_signals(self):  # noqa: ANN202 - uvicorn's hook
                 yield
 
-        self.server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False))
+        # The router's default connection limits (connection_guard): local, but still on a port.
+        config = uvicorn_config(app, host, port, ConnectionLimits(), log_level=log_level, access_log=False)
+        self.server = Server(config)
         self.task: asyncio.Task | None = None
 
     async def start(self, timeout_s: float = 30.0) -> None:

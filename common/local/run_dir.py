@@ -144,10 +144,13 @@ class RunDir:
         return out
 
     def write_desired(self, name: str, spec: dict[str, Any], generation: int,
-                      created: str | None = None) -> dict[str, Any]:
-        """Writes and returns the entry; `created` (RFC 3339) is kept across updates, now when new."""
+                      created: str | None = None, uid: str | None = None) -> dict[str, Any]:
+        """Writes and returns the entry; `created` (RFC 3339) and `uid` are kept across updates, new
+        when the object is: as in Kubernetes, an adapter deleted and applied again is another object
+        (its own uid), whose status is not the old one's even at the same generation."""
         entry = {"spec": spec, "generation": generation,
-                 "creationTimestamp": created or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                 "creationTimestamp": created or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                 "uid": uid or secrets.token_hex(8)}
         write_json(self.desired_path(name), entry)
         return entry
 

@@ -20,6 +20,7 @@ import os
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Request
+from fastapi.routing import APIRoute
 
 from lorafleet.protocol import (
     REASON_IN_USE,
@@ -50,8 +51,23 @@ def require_admin(request: Request, authorization: Annotated[str | None, Header(
     return runtime
 
 
+class AdminRoute(APIRoute):
+    """Authenticates before FastAPI reads the body: its handler parses and validates the body before
+    any dependency runs, so a dependency alone would answer a bad body's 400 to a caller without a
+    token (and tell it the API's shape)."""
+
+    def get_route_handler(self):  # noqa: ANN201 - Starlette's handler type
+        handler = super().get_route_handler()
+
+        async def authenticated(request: Request):  # noqa: ANN202
+            require_admin(request, request.headers.get("authorization"))
+            return await handler(request)
+
+        return authenticated
+
+
 Admin = Annotated[WorkerRuntime, Depends(require_admin)]
-router = APIRouter()
+router = APIRouter(route_class=AdminRoute)
 
 
 def resolve_adapter_path(lora_path: str, adapter_root: str | None) -> str:

@@ -12,6 +12,8 @@ import logging
 import sys
 
 from lorafleet.cli import lora_module_arg
+from lorafleet.cli_help import WORKER_ENV, finish
+from lorafleet.connection_guard import add_connection_flags, limits_from_args, uvicorn_config
 from lorafleet.worker.config import ConfigError, EngineConfig, ModelConfig
 from lorafleet.worker.openai.reasoning import PARSERS as REASONING_PARSERS
 from lorafleet.worker.openai.tools import PARSERS
@@ -42,11 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter-root", help="runtime loads must resolve inside this folder (else refused)")
     p.add_argument("--admin-token-file", help="file holding the admin bearer token (else the admin API is off)")
     p.add_argument("--device", default=d.device, help="cpu or cuda[:N] (default cpu)")
-    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights' and activations' dtype (auto: the checkpoint's, float32 on CPU)")
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                   help="longest prompt + answer in tokens (none: the model's)")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="tokens one engine step processes")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV-cache block")
     p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks, help="KV blocks (default: from memory)")
     p.add_argument("--kv-cache-memory-fraction", type=float, default=None,
                    help="the KV cache's share of the GPU memory free after weights and adapter slots "
@@ -54,8 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="vLLM's: this worker's share of the GPU's memory (weights, slots, KV cache, activations), "
                         "so several workers can share a GPU; instead of --kv-cache-memory-fraction")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching)
-    p.add_argument("--lora-backend", default=d.lora_backend, choices=["auto", "torch", "triton"])
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
+                   help="share the KV blocks of common prompt prefixes (per adapter)")
+    p.add_argument("--lora-backend", default=d.lora_backend, choices=["auto", "torch", "triton"],
+                   help="LoRA kernels: auto = Triton on CUDA, torch on CPU")
     p.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "triton"],
                    help="decode attention: auto = the Triton paged kernel on CUDA, torch on CPU")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=d.cuda_graphs,
@@ -83,9 +90,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split chat answers' reasoning (<think>...</think>) into the message's reasoning field: "
                         "deepseek_r1 (DeepSeek R1, QwQ: answers begin in their reasoning), qwen3 (Qwen3: when "
                         "the answer or the prompt opens it)")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    return p
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the shared sampling generator")
+    add_connection_flags(p)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
+    return finish(p, {
+        "Model": ["--model", "--served-model-name", "--tokenizer", "--dtype", "--device", "--max-model-len", "--seed"],
+        "Server": ["--host", "--port", "--admin-port", "--admin-host", "--admin-token-file", "--log-level"],
+        "Adapters (LoRA)": ["--lora-modules", "--enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras",
+                            "--max-loras-per-request", "--pinned-lora-modules", "--adapter-root"],
+        "Scheduling and memory": ["--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--num-kv-blocks",
+                                  "--kv-cache-memory-fraction", "--gpu-memory-utilization",
+                                  "--enable-prefix-caching"],
+        "Kernels and execution": ["--lora-backend", "--attention-backend", "--cuda-graphs", "--enforce-eager",
+                                  "--async-scheduling", "--warmup"],
+        "Tools and reasoning": ["--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser"],
+        "Client connections": ["--header-timeout", "--body-timeout", "--keep-alive-timeout",
+                               "--max-client-connections", "--max-server-connections"],
+    }, WORKER_ENV)
 
 
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
@@ -111,6 +132,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         port=args.port, admin_port=args.admin_port, lora_modules=tuple(args.lora_modules),
         adapter_root=args.adapter_root, admin_token_file=args.admin_token_file, engine=engine,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        connection_limits=limits_from_args(args),
     )
 
 
@@ -121,10 +143,11 @@ async def serve(settings: WorkerSettings, log_level: str = "info", admin_host: s
     from lorafleet.worker.server.app import create_apps
 
     public, admin = create_apps(settings)
-    servers = [uvicorn.Server(uvicorn.Config(public, host=settings.host, port=settings.port, log_level=log_level))]
+    limits = settings.connection_limits
+    servers = [uvicorn.Server(uvicorn_config(public, settings.host, settings.port, limits, log_level=log_level))]
     if admin is not None:
-        servers.append(uvicorn.Server(uvicorn.Config(
-            admin, host=admin_host or settings.host, port=settings.admin_port, log_level=log_level, lifespan="off",
+        servers.append(uvicorn.Server(uvicorn_config(
+            admin, admin_host or settings.host, settings.admin_port, limits, log_level=log_level, lifespan="off",
         )))
     runtime = public.state.runtime
 

@@ -60,8 +60,9 @@ class WorkerRuntime:
                 LLMEngine, s.model, s.engine, s.tokenizer, dict(s.lora_modules)
             )
         except Exception as exc:  # noqa: BLE001 - reported on /health and /ready, and logged
-            self.error = f"the engine failed to start: {type(exc).__name__}: {exc}"
-            log.error("%s", self.error)
+            # Clients see the error's kind only: its text names files on this machine.
+            self.error = f"the engine failed to start ({type(exc).__name__}); the worker's log says why"
+            log.error("the engine failed to start: %s: %s", type(exc).__name__, exc)
             return
         if s.freeze_gc:
             frozen = freeze_startup_objects()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lorafleet.connection_guard import ConnectionLimits
 from lorafleet.worker.config import ConfigError, EngineConfig
 
 
@@ -25,6 +26,7 @@ class WorkerSettings:
     # Once the engine is built, take start-up's objects out of the cycle collector (gc_freeze.py).
     # Off only where many workers start in one process (tests).
     freeze_gc: bool = True
+    connection_limits: ConnectionLimits = ConnectionLimits()  # client connections' deadlines and caps
 
     def __post_init__(self) -> None:
         # `model: <base name>` means the base model, so an adapter of that name could never be asked for.
