@@ -7,6 +7,7 @@ checked too) and greedy continuations are equal for 16 tokens."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -63,6 +64,21 @@ def test_family_matches_transformers(kind, tmp_path, demo_model):
         assert config.sliding_window < len(PROMPT) and any(config.window(i) for i in range(config.num_layers))
     worst = check_against_oracle(engine, peft_model, PROMPT)
     print(f"{kind}: max |Δ logprob| {worst:.2e}")
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "phi3_longrope"])  # per-layer windows + caps; the fused kernels
+def test_family_on_the_triton_attention_and_graph_path(kind, tmp_path, demo_model):
+    """The Triton paged kernel (windows, soft-capping) and the CUDA-graph decode path (on CPU: its
+    padded static buffers without capture), checked against the same oracle."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernel runs on CPU only in the interpreter")
+    folder = tmp_path / kind
+    peft_model = build(kind, folder, demo_model)
+    engine = LLMEngine(folder, EngineConfig(max_loras=2, dtype="float32", block_size=8, attention_backend="triton",
+                                            cuda_graphs=True), lora_modules={"a": str(folder / "adapter")})
+    assert engine.runner.graphs is not None
+    worst = check_against_oracle(engine, peft_model, PROMPT)
+    print(f"{kind} (triton attention, graph path): max |Δ logprob| {worst:.2e}")
 
 
 def test_gemma2_soft_capping_bites(tmp_path, demo_model):
