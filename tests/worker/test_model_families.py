@@ -66,7 +66,9 @@ def test_family_matches_transformers(kind, tmp_path, demo_model):
     print(f"{kind}: max |Δ logprob| {worst:.2e}")
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "phi3_longrope"])  # per-layer windows + caps; the fused kernels
+# Gemma 2: per-layer windows and caps in the kernel; Phi-3 and Qwen3: the fused elementwise kernels
+# (longrope's tables; q/k norms between the projection and the fused RoPE).
+@pytest.mark.parametrize("kind", ["gemma2", "phi3_longrope", "qwen3"])
 def test_family_on_the_triton_attention_and_graph_path(kind, tmp_path, demo_model):
     """The Triton paged kernel (windows, soft-capping) and the CUDA-graph decode path (on CPU: its
     padded static buffers without capture), checked against the same oracle."""

@@ -127,6 +127,12 @@ class LlamaModel:
         w[p + "in_norm"] = _take(pending, p + "input_layernorm.weight")
         w[p + "post_norm"] = _take(pending, p + "post_attention_layernorm.weight")
 
+    def _qkv_for_rope(
+        self, x: torch.Tensor, layer: int, lora_meta: LoraMeta | None, graph: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The fused path's qkv projection -> (qkv, LoRA delta or None), as `rope_write_kv` takes them."""
+        return self._linear_deferred(x, layer, "qkv_proj", lora_meta, graph)
+
     def _rope_qk(
         self, q: torch.Tensor, k: torch.Tensor, layer: int, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,7 +259,7 @@ class LlamaModel:
         rows = None if lora_meta is None else lora_meta.has_lora  # where a LoRA delta is defined
         for i in range(c.num_layers):
             p = f"layers.{i}."
-            qkv, d = self._linear_deferred(x, i, "qkv_proj", lora_meta, graph)  # [T, q_size + 2 kv_size]
+            qkv, d = self._qkv_for_rope(x, i, lora_meta, graph)  # [T, q_size + 2 kv_size]
             k_cache, v_cache = kv_caches[i]
             q = rope_write_kv(qkv, positions, self.rotary.cos_sin, k_cache, v_cache, attn.slot_mapping, d, rows)
             o = paged_attention(q, k_cache, v_cache, attn, scale, self.attention_backend,
