@@ -66,9 +66,9 @@ def test_family_matches_transformers(kind, tmp_path, demo_model):
     print(f"{kind}: max |Δ logprob| {worst:.2e}")
 
 
-# Gemma 2: per-layer windows and caps in the kernel; Phi-3 and Qwen3: the fused elementwise kernels
-# (longrope's tables; q/k norms between the projection and the fused RoPE).
-@pytest.mark.parametrize("kind", ["gemma2", "phi3_longrope", "qwen3"])
+# Every family's fused elementwise path and the kernel's per-layer windows and caps: Gemma 2's own
+# fused layer, Gemma 3's per-layer RoPE tables and q/k norms, Phi-3's longrope tables, Qwen3's q/k norms.
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3_text", "phi3_longrope", "qwen3"])
 def test_family_on_the_triton_attention_and_graph_path(kind, tmp_path, demo_model):
     """The Triton paged kernel (windows, soft-capping) and the CUDA-graph decode path (on CPU: its
     padded static buffers without capture), checked against the same oracle."""

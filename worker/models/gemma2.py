@@ -39,7 +39,9 @@ def activation(name: str, x: torch.Tensor) -> torch.Tensor:
 
 
 class Gemma2Model(LlamaModel):
-    FUSED_ELEMENTWISE = False  # the fused kernels compute Llama's norms and SiLU
+    """On the Triton backend the layer runs `_layers_fused`: Llama's fused RoPE/KV-write and
+    RMSNorm kernels with the `1 + w` factors in the model's dtype (in fp32 the same numbers as
+    transformers' fp32 norm; in bf16 the factor multiplies after the cast, within its rounding)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -51,13 +53,15 @@ class Gemma2Model(LlamaModel):
     def load_weights(self, named) -> None:
         super().load_weights(named)
         self.weights["norm"] = 1.0 + self.weights["norm"].float()
+        self.weights["norm_fused"] = self.weights["norm"].to(self.dtype)
 
     def _take_layer(self, pending: dict[str, torch.Tensor], w: dict[str, torch.Tensor], p: str) -> None:
         super()._take_layer(pending, w, p)
         w[p + "pre_ff_norm"] = _take(pending, p + "pre_feedforward_layernorm.weight")
         w[p + "post_ff_norm"] = _take(pending, p + "post_feedforward_layernorm.weight")
-        for n in NORMS:  # offsets -> the factors they stand for, kept in fp32
+        for n in NORMS:  # offsets -> the factors they stand for, in fp32 (and the model's dtype for the kernels)
             w[p + n] = 1.0 + w[p + n].float()
+            w[p + n + "_fused"] = w[p + n].to(self.dtype)
 
     def forward(
         self,
@@ -73,7 +77,8 @@ class Gemma2Model(LlamaModel):
         """As `LlamaModel.forward`: logits `[N, vocab]`, soft-capped when the config says so."""
         embed = self.weights["embed"]
         h = F.embedding(input_ids, embed) * torch.tensor(self.config.hidden_size**0.5, dtype=embed.dtype)
-        h = self._layers_torch(h, positions, attn, kv_caches, lora_meta, logits_indices, graph)
+        layers = self._layers_fused if self.attention_backend == "triton" else self._layers_torch
+        h = layers(h, positions, attn, kv_caches, lora_meta, logits_indices, graph)
         logits = F.linear(h, self.weights["lm_head"])
         cap = self.config.final_logit_softcapping
         if cap is not None:
@@ -109,3 +114,42 @@ class Gemma2Model(LlamaModel):
             down = self._linear(activation(c.hidden_act, gate) * up, i, "down_proj", lora_meta, graph)
             h = h + gemma_rms_norm(down, w[p + "post_ff_norm"], eps)
         return gemma_rms_norm(h.index_select(0, logits_indices), w["norm"], eps)
+
+    def _layers_fused(
+        self,
+        h: torch.Tensor,  # [T, hidden], the residual stream: updated in place
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        lora_meta: LoraMeta | None,
+        logits_indices: torch.Tensor,
+        graph: bool,
+    ) -> torch.Tensor:
+        """The same layer with the Triton row kernels: qkv linear -> rope_write_kv -> attention ->
+        o linear -> rms_norm (post-attention) -> add_rms_norm (residual, pre-feedforward) -> gate_up
+        linear -> GELU-tanh · up -> down linear -> rms_norm (post-feedforward) -> add_rms_norm
+        (residual, the next layer's input norm or the final norm)."""
+        from lorafleet.kernels.rms_norm import add_rms_norm
+        from lorafleet.kernels.rms_norm import rms_norm as fused_rms_norm
+        from lorafleet.kernels.rope_kv import rope_write_kv
+
+        c, w = self.config, self.weights
+        eps = c.rms_norm_eps
+        x = fused_rms_norm(h, w["layers.0.in_norm_fused"], eps)
+        rows = None if lora_meta is None else lora_meta.has_lora
+        for i in range(c.num_layers):
+            p = f"layers.{i}."
+            qkv, d = self._qkv_for_rope(x, i, lora_meta, graph)
+            k_cache, v_cache = kv_caches[i]
+            cos_sin = self.rotaries[self._rotary_index(i)].cos_sin
+            q = rope_write_kv(qkv, positions, cos_sin, k_cache, v_cache, attn.slot_mapping, d, rows)
+            o = paged_attention(q, k_cache, v_cache, attn, c.attention_scale, self.attention_backend,
+                                window=c.window(i), softcap=c.attn_logit_softcapping).reshape(-1, c.q_size)
+            o = fused_rms_norm(self._linear(o, i, "o_proj", lora_meta, graph), w[p + "post_norm_fused"], eps)
+            x = add_rms_norm(o, h, w[p + "pre_ff_norm_fused"], eps)
+            gate, up = self._linear(x, i, "gate_up_proj", lora_meta, graph).chunk(2, dim=-1)
+            down = self._linear(activation(c.hidden_act, gate) * up, i, "down_proj", lora_meta, graph)
+            down = fused_rms_norm(down, w[p + "post_ff_norm_fused"], eps)
+            next_norm = w[f"layers.{i + 1}.in_norm_fused"] if i + 1 < c.num_layers else w["norm_fused"]
+            x = add_rms_norm(down, h, next_norm, eps)
+        return x.index_select(0, logits_indices)
