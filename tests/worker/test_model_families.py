@@ -83,6 +83,21 @@ def test_family_on_the_triton_attention_and_graph_path(kind, tmp_path, demo_mode
     print(f"{kind} (triton attention, graph path): max |Δ logprob| {worst:.2e}")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", sorted(FAMILIES))
+def test_family_on_cuda(kind, tmp_path, demo_model):
+    """The engine's CUDA defaults (Triton LoRA and attention, fused row kernels, CUDA graphs, async
+    scheduling), fp32, against the CPU oracle."""
+    folder = tmp_path / kind
+    peft_model = build(kind, folder, demo_model)
+    engine = LLMEngine(folder, EngineConfig(max_loras=2, dtype="float32", block_size=8, device="cuda"),
+                       lora_modules={"a": str(folder / "adapter")})
+    assert engine.model.attention_backend == "triton" and engine.runner.graphs is not None
+    worst = check_against_oracle(engine, peft_model, PROMPT)
+    print(f"{kind} (cuda): max |Δ logprob| {worst:.2e}")
+
+
 def test_gemma2_soft_capping_bites(tmp_path, demo_model):
     peft_model = build("gemma2", tmp_path / "g", demo_model)
     assert soft_capping_bites(peft_model, PROMPT) > 0.05
