@@ -90,7 +90,8 @@ def _paged_decode_kernel(
     num_heads,
     qk_scale,  # softmax scale × log2(e): the kernel works in base 2
     window,  # sliding window in tokens; NO_WINDOW: the whole context
-    softcap,  # scores -> softcap · tanh(scores / softcap) when SOFTCAP (in natural-log units)
+    cap_in,  # SOFTCAP: scale / softcap, so q·k × cap_in = scores / softcap
+    cap_out,  # SOFTCAP: softcap × log2(e): the capped scores in base 2
     # strides
     stride_qb,
     stride_qh,
@@ -176,9 +177,8 @@ def _paged_decode_kernel(
             s = tl.dot(q, k, input_precision="ieee")
         else:
             s = tl.dot(q, k)
-        if SOFTCAP:  # tanh(x) = 1 - 2 / (e^2x + 1): saturates to ±1 without overflow trouble
-            x = s * (qk_scale / LOG2E) / softcap
-            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * LOG2E
+        if SOFTCAP:  # softcap · tanh(scores / softcap), tanh(x) = 1 - 2 / (e^2x + 1): saturates without overflow
+            s = cap_out * (1.0 - 2.0 / (tl.exp(2.0 * (s * cap_in)) + 1.0))
         else:
             s = s * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))  # [G_PAD, BLOCK_N]
@@ -341,7 +341,8 @@ def paged_decode_attention(
         heads,
         scale * LOG2E,
         window or NO_WINDOW,
-        float(softcap or 1.0),
+        scale / softcap if softcap else 1.0,
+        softcap * LOG2E if softcap else 1.0,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
