@@ -7,7 +7,7 @@
 # Usage on the GPU machine, from the repo root: bash bench/gpu_models.sh [bench/engine_models.py args...]
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh" || exit 1
-timeout 120 python3 -m pytest -q -m gpu tests/worker/test_model_families.py tests/kernels/test_paged_attention_window.py \
+timeout 200 python3 -m pytest -q -m gpu tests/worker/test_model_families.py tests/kernels/test_paged_attention_window.py \
   -p no:cacheprovider -rf -s 2>&1 | tee "$OUT/gpu_models_tests.log" | grep -E "Δ|passed|failed|FAILED|Error" | tail -n 20
 timeout "${MODELS_TIMEOUT:-240}" python3 -m bench.engine_models --out-dir "$OUT" "$@" \
   2>&1 | tee "$OUT/engine_models.log" | grep -v "^\s*$" | tail -n 20

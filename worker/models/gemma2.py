@@ -46,6 +46,8 @@ class Gemma2Model(LlamaModel):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.rotaries: list[Rotary] = [self.rotary]  # Gemma 3 adds its local layers' tables
+        # sqrt(hidden) rounded to the weights' dtype first, as transformers scales the embedding.
+        self.embed_scale = float(torch.tensor(self.config.hidden_size**0.5, dtype=self.dtype))
 
     def _rotary_index(self, layer: int) -> int:
         return 0
@@ -75,8 +77,7 @@ class Gemma2Model(LlamaModel):
         float_logits: bool = True,
     ) -> torch.Tensor:
         """As `LlamaModel.forward`: logits `[N, vocab]`, soft-capped when the config says so."""
-        embed = self.weights["embed"]
-        h = F.embedding(input_ids, embed) * torch.tensor(self.config.hidden_size**0.5, dtype=embed.dtype)
+        h = F.embedding(input_ids, self.weights["embed"]) * self.embed_scale
         layers = self._layers_fused if self.attention_backend == "triton" else self._layers_torch
         h = layers(h, positions, attn, kv_caches, lora_meta, logits_indices, graph)
         logits = F.linear(h, self.weights["lm_head"])
