@@ -35,7 +35,7 @@ if __package__ in (None, ""):  # run as a script: make `bench.*` importable
 from bench.engine_build import SEED_SHAPE, register_random_adapters
 from bench.engine_workload import adapter_sets, decode_run
 from lorafleet.worker.config import EngineConfig, ModelConfig
-from lorafleet.worker.engine import LLMEngine
+from lorafleet.worker.engine.engine import LLMEngine
 
 SHAPES: dict[str, dict] = {
     "llama": SEED_SHAPE,

@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorafleet.kernels.paged_attention import (
+from lorafleet.kernels.attention.paged_attention import (
     DecodeConfig,
     paged_decode_attention,
     paged_decode_attention_reference,
 )
-from lorafleet.worker.attention import AttentionMetadata, paged_attention
+from lorafleet.worker.layers.attention import AttentionMetadata, paged_attention
 from tests.kernels.test_paged_attention import DEVICE, TOLERANCE, decode_meta, gpu, make_case
 
 # Contexts shorter than, equal to and longer than the windows; a padding row (0).

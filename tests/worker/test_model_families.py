@@ -14,8 +14,8 @@ import torch
 
 from lorafleet.worker.config import ARCHITECTURES, ConfigError, EngineConfig, ModelConfig
 from lorafleet.worker.engine.engine import LLMEngine
-from lorafleet.worker.models.registry import MODEL_CLASSES
 from lorafleet.worker.engine.sequence import SamplingParams
+from lorafleet.worker.models.registry import MODEL_CLASSES
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")

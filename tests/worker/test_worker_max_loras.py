@@ -14,8 +14,8 @@ import httpx
 import pytest
 import torch
 
-from lorafleet.worker.cli import build_parser, settings_from_args
-from lorafleet.worker.tokenizer import Tokenizer
+from lorafleet.worker.engine.tokenizer import Tokenizer
+from lorafleet.worker.server.cli import build_parser, settings_from_args
 from tests.router.fake_worker import free_port, wait_http
 
 pytest.importorskip("transformers")

@@ -130,9 +130,9 @@ class Gemma2Model(LlamaModel):
         o linear -> rms_norm (post-attention) -> add_rms_norm (residual, pre-feedforward) -> gate_up
         linear -> GELU-tanh · up -> down linear -> rms_norm (post-feedforward) -> add_rms_norm
         (residual, the next layer's input norm or the final norm)."""
-        from lorafleet.kernels.rms_norm import add_rms_norm
-        from lorafleet.kernels.rms_norm import rms_norm as fused_rms_norm
-        from lorafleet.kernels.rope_kv import rope_write_kv
+        from lorafleet.kernels.layers.rms_norm import add_rms_norm
+        from lorafleet.kernels.layers.rms_norm import rms_norm as fused_rms_norm
+        from lorafleet.kernels.layers.rope_kv import rope_write_kv
 
         c, w = self.config, self.weights
         eps = c.rms_norm_eps

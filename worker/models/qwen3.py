@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from lorafleet.kernels.lora_meta import LoraMeta
+from lorafleet.kernels.lora.meta import LoraMeta
 from lorafleet.worker.models.llama import LlamaModel, Rotary, _take, rms_norm
 
 
@@ -19,7 +19,7 @@ class Qwen3Model(LlamaModel):
     ) -> tuple[torch.Tensor, None]:
         """The fused path: q and k normed per head (the Triton RMSNorm over `[T·heads, head_dim]`
         rows) between the projection, its LoRA added, and the fused RoPE/KV write."""
-        from lorafleet.kernels.rms_norm import rms_norm as fused_rms_norm
+        from lorafleet.kernels.layers.rms_norm import rms_norm as fused_rms_norm
 
         c, w, p = self.config, self.weights, f"layers.{layer}."
         qkv = self._linear(x, layer, "qkv_proj", lora_meta, graph)  # [T, q_size + 2 kv_size]
