@@ -4,19 +4,23 @@ Semantics (same as `paged_decode_attention_reference`):
 
     for b in range(B):
         n = context_lens[b]                                # 0 (a padding row) gives zeros
+        lo = max(0, n - window) if window else 0           # a sliding window: the last `window` tokens
         blocks = block_tables[b, : cdiv(n, block_size)]
-        K = k_cache[blocks].flatten(0, 1)[:n]              # [n, KVH, D]
-        V = v_cache[blocks].flatten(0, 1)[:n]
+        K = k_cache[blocks].flatten(0, 1)[lo:n]            # [n - lo, KVH, D]
+        V = v_cache[blocks].flatten(0, 1)[lo:n]
         for h in range(H):
             kvh = h // (H // KVH)                          # GQA: a group of query heads per KV head
-            p = softmax(scale * K[:, kvh] @ q[b, h])       # [n], in fp32
+            s = scale * K[:, kvh] @ q[b, h]                # [n - lo]
+            if softcap: s = softcap * tanh(s / softcap)    # Gemma 2's attention soft-capping
+            p = softmax(s)                                 # in fp32
             out[b, h] = p @ V[:, kvh]                      # [D]
 
 Two launches (flash-decoding):
 - attend: grid (B, KVH, NUM_SPLITS). A program takes one sequence, one KV head and all the query
   heads of its group (padded to 16 rows for `tl.dot`), so each K/V tile is read once per group. A
   sequence's context is cut into BLOCK_N-token tiles and the tiles are shared out evenly between
-  its NUM_SPLITS programs *at run time*, from the context length read on the device: a short
+  its NUM_SPLITS programs *at run time*, from the context length read on the device (a window's
+  tiles start at its first token's, so a windowed layer reads only the window): a short
   context keeps a few programs busy and the rest exit at once, a long one uses them all. Each
   program runs an online softmax over its tiles with fp32 accumulation; a tile gathers its tokens
   through the block table, so block tables need not be contiguous and a tile may span blocks.
@@ -42,6 +46,7 @@ from lorafleet.kernels.envs import interpreting
 MIN_DOT = 16  # tl.dot's smallest M, N and K
 MAX_SPLITS = 32
 LOG2E = 1.4426950408889634
+NO_WINDOW = 1 << 30  # the `window` argument of a layer without one: longer than any context
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +89,9 @@ def _paged_decode_kernel(
     # sizes
     num_heads,
     qk_scale,  # softmax scale × log2(e): the kernel works in base 2
+    window,  # sliding window in tokens; NO_WINDOW: the whole context
+    cap_in,  # SOFTCAP: scale / softcap, so q·k × cap_in = scores / softcap
+    cap_out,  # SOFTCAP: softcap × log2(e): the capped scores in base 2
     # strides
     stride_qb,
     stride_qh,
@@ -106,6 +114,7 @@ def _paged_decode_kernel(
     NUM_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Attend one (sequence, KV head, split).
@@ -123,10 +132,12 @@ def _paged_decode_kernel(
 
     # Share the sequence's tiles evenly between its splits, from the length on the device.
     ctx = tl.load(context_lens_ptr + pid_b)
-    num_tiles = tl.cdiv(ctx, BLOCK_N)
+    lo = tl.maximum(ctx - window, 0)  # the window's first token
+    first_tile = lo // BLOCK_N
+    num_tiles = tl.cdiv(ctx, BLOCK_N) - first_tile
     per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    t_lo = pid_s * per_split
-    t_hi = tl.minimum(t_lo + per_split, num_tiles)
+    t_lo = first_tile + pid_s * per_split
+    t_hi = tl.minimum(t_lo + per_split, first_tile + num_tiles)
 
     offs_g = tl.arange(0, G_PAD)
     g_mask = offs_g < GROUP
@@ -150,7 +161,7 @@ def _paged_decode_kernel(
     v_head = v_cache_ptr + pid_kvh * stride_vh
     for t in range(t_lo, t_hi):
         tok = t * BLOCK_N + offs_n  # [BLOCK_N] positions in the sequence
-        valid = tok < ctx
+        valid = (tok < ctx) & (tok >= lo)
         # Masked: table entries past the context may be stale, and cache slots past it hold anything.
         block = tl.load(table + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         in_block = tok % BLOCK_SIZE
@@ -166,7 +177,11 @@ def _paged_decode_kernel(
             s = tl.dot(q, k, input_precision="ieee")
         else:
             s = tl.dot(q, k)
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # [G_PAD, BLOCK_N]
+        if SOFTCAP:  # softcap · tanh(scores / softcap), tanh(x) = 1 - 2 / (e^2x + 1): saturates without overflow
+            s = cap_out * (1.0 - 2.0 / (tl.exp(2.0 * (s * cap_in)) + 1.0))
+        else:
+            s = s * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))  # [G_PAD, BLOCK_N]
         # Every tile holds at least one valid token, so m_new is finite and exp2 never sees -inf - -inf.
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -248,8 +263,14 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention over a paged KV cache -> out `[B, H, D]` in q's dtype.
+
+    window: each sequence attends to its last `window` tokens only (None: all of them); softcap:
+    scores soft-capped as Gemma 2's (None: not). Both are fixed per launch (per layer), so a
+    captured graph keeps them.
 
     q: `[B, H, D]`; k_cache, v_cache: `[num_blocks, block_size, KVH, D]` (H a multiple of KVH);
     block_tables: `[B, max_blocks]` int32; context_lens: `[B]` int32, each in 0..max_blocks·block_size
@@ -286,6 +307,10 @@ def paged_decode_attention(
                             or out.stride(2) != 1):
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device} with unit stride in D")
     cfg = config or pick_config(batch, kv_heads, block_tables.shape[1], block_size, head_dim, q.device)
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1 or None, got {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
     if cfg.block_n < MIN_DOT or cfg.block_n & (cfg.block_n - 1) or cfg.num_splits & (cfg.num_splits - 1):
         raise ValueError(f"block_n must be a power of two >= {MIN_DOT} and num_splits a power of two: {cfg}")
 
@@ -315,6 +340,9 @@ def paged_decode_attention(
         part_acc,
         heads,
         scale * LOG2E,
+        window or NO_WINDOW,
+        scale / softcap if softcap else 1.0,
+        softcap * LOG2E if softcap else 1.0,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -336,6 +364,7 @@ def paged_decode_attention(
         # The interpreter's dot wants fp32; fp32 on the GPU asks for IEEE, not TF32.
         UPCAST=interp or q.dtype == torch.float32,
         IEEE=q.dtype == torch.float32 and not interp,
+        SOFTCAP=softcap is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl.launch_kwargs(use_pdl := pdl.row_kernel_pdl("attention", q)),
@@ -365,6 +394,8 @@ def paged_decode_attention_reference(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The oracle: a per-sequence loop in fp32, shapes as `paged_decode_attention`; out in q's dtype."""
     batch, heads, head_dim = q.shape
@@ -374,8 +405,12 @@ def paged_decode_attention_reference(
         if n == 0:
             continue
         blocks = block_tables[b, : math.ceil(n / block_size)].long()
-        k = k_cache[blocks].flatten(0, 1)[:n].float().repeat_interleave(heads // kv_heads, dim=1)  # [n, H, D]
-        v = v_cache[blocks].flatten(0, 1)[:n].float().repeat_interleave(heads // kv_heads, dim=1)
-        p = torch.softmax(torch.einsum("hd,nhd->hn", q[b].float(), k) * scale, dim=-1)  # [H, n]
+        lo = max(0, n - window) if window else 0
+        k = k_cache[blocks].flatten(0, 1)[lo:n].float().repeat_interleave(heads // kv_heads, dim=1)  # [n - lo, H, D]
+        v = v_cache[blocks].flatten(0, 1)[lo:n].float().repeat_interleave(heads // kv_heads, dim=1)
+        s = torch.einsum("hd,nhd->hn", q[b].float(), k) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        p = torch.softmax(s, dim=-1)  # [H, n - lo]
         out[b] = torch.einsum("hn,nhd->hd", p, v)
     return out.to(q.dtype)

@@ -187,9 +187,9 @@ for dt, group, block_n, splits in [("bf16", 4, 64, 1), ("bf16", 8, 32, 8), ("fp1
     p = "*" + dt
     sig = {"q_ptr": p, "k_cache_ptr": p, "v_cache_ptr": p, "block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
            "out_ptr": p, "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32",
-           "num_heads": "i32", "qk_scale": "fp32", **{s: "i32" for s in strides}}
+           "num_heads": "i32", "qk_scale": "fp32", "window": "i32", "cap_in": "fp32", "cap_out": "fp32", **{s: "i32" for s in strides}}
     const = dict(HEAD_DIM=128, D_PAD=128, GROUP=group, G_PAD=max(16, group), BLOCK_SIZE=16, BLOCK_N=block_n,
-                 NUM_SPLITS=splits, UPCAST=dt == "fp32", IEEE=dt == "fp32", PDL=group > 1)
+                 NUM_SPLITS=splits, UPCAST=dt == "fp32", IEEE=dt == "fp32", SOFTCAP=group == 8, PDL=group > 1)
     k = compile_(pa._paged_decode_kernel, sig, const, stages=2)
     assert "ld.global.v4" in k.asm["ptx"], "K/V loads are not vectorised"
     assert ("griddepcontrol.wait" in k.asm["ptx"]) == (group > 1)  # PDL: waits on the device first

@@ -43,7 +43,8 @@ from lorafleet.worker.layers.attention import resolve_attention_backend
 from lorafleet.worker.lora.adapter import AdapterError
 from lorafleet.worker.lora.registry import AdapterRegistry
 from lorafleet.worker.lora.slots import LoraSlots
-from lorafleet.worker.models.llama import LlamaModel, iter_checkpoint
+from lorafleet.worker.models.llama import iter_checkpoint
+from lorafleet.worker.models.registry import model_class
 from lorafleet.worker.sampling.logits_processors import bad_word_ids
 from lorafleet.worker.sampling.sampler import TokenLogprobs
 from lorafleet.worker.sampling.structured import Grammars
@@ -88,7 +89,7 @@ class LLMEngine:
 
         if self.device.type == "cuda":
             prefer_blas(envs.BLAS)
-        self.model = LlamaModel(self.model_config, self.device, self.dtype, self.max_model_len)
+        self.model = model_class(self.model_config)(self.model_config, self.device, self.dtype, self.max_model_len)
         self.model.load_weights(weights if weights is not None else iter_checkpoint(str(model_dir)))
         self.model.lora_backend = resolve_lora_backend(config.lora_backend, self.device)
         # The LoRA side path beside the base GEMMs on a second stream (linear_lora_deferred);

@@ -11,11 +11,16 @@ graphs need; off by default until its GPU tests pass on the H200). Prefill chunk
 The model reads the same switch for its elementwise ops: "triton" also replaces `write_kv` and the
 RoPE, norm and SiLU torch ops with the fused kernels of `lorafleet.kernels.layers.rms_norm`, `.rope_kv` and
 `.silu_mul`.
+
+Two per-layer options: `window` (a sliding window: the query at position p sees keys p - window + 1
+.. p, transformers' sliding-window mask; Mistral, Gemma 2/3, Qwen with use_sliding_window, Phi-3)
+and `softcap` (Gemma 2's attention logit soft-capping: scores -> softcap · tanh(scores / softcap)
+before the softmax, which SDPA cannot do: those layers run an explicit softmax).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +48,8 @@ class AttentionMetadata:
     # Prefill steps: how the sequences are batched into SDPA calls (`plan_prefill`), made by the
     # first layer and reused by the others.
     prefill_plan: list[PrefillGroup] | None = None
+    # The same for each sliding window the model's layers use (their masks differ).
+    window_plans: dict[int, list[PrefillGroup]] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -74,8 +81,11 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     backend: str = "torch",
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new queries over its cached context.
+    """Causal attention of each sequence's new queries over its cached context (within `window`
+    tokens when given; scores soft-capped at `softcap` when given).
 
     q: `[T, heads, head_dim]` -> `[T, heads, head_dim]`. Decode-only steps run as one batch through
     `decode_attention`. Other steps (prefill chunks) batch their sequences into padded SDPA calls
@@ -86,19 +96,25 @@ def paged_attention(
     """
     if meta.all_decode:
         return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens_t, scale, backend,
-                                max_context=None if meta.fixed_shapes else max(meta.context_lens))
-    if meta.prefill_plan is None:
-        meta.prefill_plan = plan_prefill(meta, k_cache.shape[1], q.device)
-    plan = meta.prefill_plan
+                                max_context=None if meta.fixed_shapes else max(meta.context_lens),
+                                window=window, softcap=softcap)
+    if window is None:
+        if meta.prefill_plan is None:
+            meta.prefill_plan = plan_prefill(meta, k_cache.shape[1], q.device)
+        plan = meta.prefill_plan
+    else:
+        if window not in meta.window_plans:
+            meta.window_plans[window] = plan_prefill(meta, k_cache.shape[1], q.device, window)
+        plan = meta.window_plans[window]
     if len(plan) == 1 and plan[0].dst is None and plan[0].n_max == q.shape[0]:  # SDPA's output as it comes
-        return _one_sequence(q, k_cache, v_cache, meta, plan[0], scale)
+        return _one_sequence(q, k_cache, v_cache, meta, plan[0], scale, softcap)
     out = torch.empty_like(q)
     for group in plan:
         if group.dst is None:
             start = meta.query_start[group.seqs[0]]
-            out[start : start + group.n_max] = _one_sequence(q, k_cache, v_cache, meta, group, scale)
+            out[start : start + group.n_max] = _one_sequence(q, k_cache, v_cache, meta, group, scale, softcap)
         else:
-            _padded_batch(q, k_cache, v_cache, group, scale, out)
+            _padded_batch(q, k_cache, v_cache, group, scale, out, softcap)
     return out
 
 
@@ -165,12 +181,14 @@ def group_prefill(
     return groups
 
 
-def plan_prefill(meta: AttentionMetadata, block_size: int, device: torch.device) -> list[PrefillGroup]:
-    """Host work done once per step: groups, their row indices and masks, moved to the device."""
+def plan_prefill(
+    meta: AttentionMetadata, block_size: int, device: torch.device, window: int | None = None
+) -> list[PrefillGroup]:
+    """Host work done once per step (and window): groups, their row indices and masks, moved to the device."""
     plan = []
     for seqs in group_prefill(meta.query_lens, meta.context_lens):
         if len(seqs) == 1:
-            plan.append(_alone(meta, seqs[0], block_size, device))
+            plan.append(_alone(meta, seqs[0], block_size, device, window))
             continue
         n_lens = torch.tensor([meta.query_lens[i] for i in seqs])
         ctxs = torch.tensor([meta.context_lens[i] for i in seqs])
@@ -182,29 +200,39 @@ def plan_prefill(meta: AttentionMetadata, block_size: int, device: torch.device)
         j = torch.minimum(torch.arange(n_max).unsqueeze(0), (n_lens - 1).unsqueeze(1))  # [B, n_max]
         qpos = (ctxs - n_lens).unsqueeze(1) + j
         kpos = torch.arange(ctx_max)
+        sees = kpos.view(1, 1, -1) <= qpos.unsqueeze(2)
+        if window is not None:
+            sees &= kpos.view(1, 1, -1) > qpos.unsqueeze(2) - window
         rows = torch.tensor(seqs, device=meta.block_tables.device)
         tables = meta.block_tables.index_select(0, rows)[:, : (ctx_max + block_size - 1) // block_size].long()
         plan.append(PrefillGroup(
             seqs=seqs, n_max=n_max, ctx_max=ctx_max, src=src.to(device), dst=dst.to(device), tables=tables,
-            mask=(kpos.view(1, 1, -1) <= qpos.unsqueeze(2)).to(device),
+            mask=sees.to(device),
             key_invalid=(kpos.unsqueeze(0) >= ctxs.unsqueeze(1)).view(len(seqs), ctx_max, 1, 1).to(device),
         ))
     return plan
 
 
-def _alone(meta: AttentionMetadata, i: int, block_size: int, device: torch.device) -> PrefillGroup:
-    """Sequence i's group of one: its blocks, and its mask where part of it is cached."""
+def _alone(meta: AttentionMetadata, i: int, block_size: int, device: torch.device, window: int | None = None
+           ) -> PrefillGroup:
+    """Sequence i's group of one: its blocks, and its mask where part of it is cached (or out of
+    its window)."""
     n, ctx = meta.query_lens[i], meta.context_lens[i]
     tables = meta.block_tables[i, : (ctx + block_size - 1) // block_size].to(device, torch.int64)
     mask = None  # no cached prefix: plain causal attention (SDPA's flash kernel takes no mask)
-    if n != ctx:  # query j sits at absolute position ctx - n + j and sees keys 0..that position
+    windowed = window is not None and ctx > window
+    if n != ctx or windowed:  # query j sits at absolute position ctx - n + j and sees keys 0..that position
         qpos = torch.arange(ctx - n, ctx, device=device).unsqueeze(1)
-        mask = torch.arange(ctx, device=device).unsqueeze(0) <= qpos  # [n, ctx]
+        kpos = torch.arange(ctx, device=device).unsqueeze(0)
+        mask = kpos <= qpos  # [n, ctx]
+        if windowed:
+            mask &= kpos > qpos - window
     return PrefillGroup(seqs=[i], n_max=n, ctx_max=ctx, tables=tables, mask=mask)
 
 
 def _padded_batch(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: PrefillGroup, scale: float, out: torch.Tensor
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: PrefillGroup, scale: float, out: torch.Tensor,
+    softcap: float | None = None,
 ) -> None:
     """One SDPA call for the group's sequences, padded to its longest query run and context."""
     heads, head_dim = q.shape[1], q.shape[2]
@@ -218,19 +246,19 @@ def _padded_batch(
     # sequence through 0 · NaN.
     k.masked_fill_(group.key_invalid, 0)
     v.masked_fill_(group.key_invalid, 0)
-    res = _sdpa(qp.view(batch, group.n_max, heads, head_dim), k, v, group.mask, scale)
+    res = _attend(qp.view(batch, group.n_max, heads, head_dim), k, v, group.mask, scale, softcap)
     out.index_copy_(0, group.src, res.reshape(batch * group.n_max, heads, head_dim).index_select(0, group.dst))
 
 
 def _one_sequence(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, group: PrefillGroup,
-    scale: float,
+    scale: float, softcap: float | None = None,
 ) -> torch.Tensor:
     """A group of one -> its rows of the output, `[n, heads, head_dim]` (strided as SDPA returns them)."""
     n, ctx, start = group.n_max, group.ctx_max, meta.query_start[group.seqs[0]]
     k = k_cache[group.tables].flatten(0, 1)[:ctx]  # [ctx, kv_heads, head_dim]
     v = v_cache[group.tables].flatten(0, 1)[:ctx]
-    return _sdpa(q[start : start + n].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), group.mask, scale)[0]
+    return _attend(q[start : start + n].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), group.mask, scale, softcap)[0]
 
 
 def decode_attention(
@@ -242,6 +270,8 @@ def decode_attention(
     scale: float,
     backend: str = "torch",
     max_context: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: q `[B, heads, head_dim]` -> `[B, heads, head_dim]`.
 
@@ -252,7 +282,8 @@ def decode_attention(
     if backend == "triton":
         from lorafleet.kernels.attention.paged_attention import paged_decode_attention
 
-        return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window=window,
+                                      softcap=softcap)
     block_size = k_cache.shape[1]
     max_ctx = block_tables.shape[1] * block_size if max_context is None else max_context
     nblocks = (max_ctx + block_size - 1) // block_size
@@ -260,8 +291,31 @@ def decode_attention(
     k = k_cache[tables].flatten(1, 2)[:, :max_ctx]  # [B, max_ctx, kv_heads, head_dim]
     v = v_cache[tables].flatten(1, 2)[:, :max_ctx]
     positions = torch.arange(max_ctx, device=q.device).unsqueeze(0)
-    mask = (positions < context_lens.unsqueeze(1)).unsqueeze(1)  # [B, 1, max_ctx]
-    return _sdpa(q.unsqueeze(1), k, v, mask, scale).squeeze(1)
+    mask = positions < context_lens.unsqueeze(1)  # [B, max_ctx]
+    if window is not None:
+        mask &= positions >= context_lens.unsqueeze(1) - window
+    return _attend(q.unsqueeze(1), k, v, mask.unsqueeze(1), scale, softcap).squeeze(1)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """`_sdpa`, or with soft-capped scores an explicit softmax (fp32, as transformers' eager
+    attention), shapes as `_sdpa`'s."""
+    if softcap is None:
+        return _sdpa(q, k, v, mask, scale)
+    heads, kv_heads = q.shape[2], k.shape[2]
+    k = k.to(q.dtype).repeat_interleave(heads // kv_heads, dim=2)
+    v = v.to(q.dtype).repeat_interleave(heads // kv_heads, dim=2)
+    scores = torch.einsum("bnhd,bchd->bhnc", q, k) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:  # causal, n == ctx
+        n = q.shape[1]
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    if mask.dim() == 2:  # [n, ctx]: one sequence
+        mask = mask.unsqueeze(0)
+    scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.einsum("bhnc,bchd->bnhd", probs, v)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:

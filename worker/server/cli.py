@@ -1,7 +1,7 @@
 """`lorafleet worker`: parse vLLM-named flags into `WorkerSettings`, then serve with uvicorn.
 
 Defaults let several adapters share a batch (vLLM's defaults allow one): `--max-loras 8`,
-`--max-cpu-loras 32`, `--max-loras-per-request 4`.
+`--max-cpu-loras 32`, `--max-loras-per-request` min(4, `--max-loras`).
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-loras", type=int, default=d.max_loras, help="GPU slots: distinct adapters per batch")
     p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="highest adapter rank accepted")
     p.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras, help="adapters kept in the CPU cache")
-    p.add_argument("--max-loras-per-request", type=int, default=d.max_loras_per_request,
-                   help="adapters one request may compose (the RFC's lora_adapters)")
+    # None until EngineConfig applies min(4, --max-loras): a fixed 4 would refuse --max-loras 1..3.
+    p.add_argument("--max-loras-per-request", type=int, default=None,
+                   help="adapters one request may compose (the RFC's lora_adapters; default min(4, --max-loras))")
     p.add_argument("--adapter-root", help="runtime loads must resolve inside this folder (else refused)")
     p.add_argument("--admin-token-file", help="file holding the admin bearer token (else the admin API is off)")
     p.add_argument("--device", default=d.device, help="cpu or cuda[:N] (default cpu)")
