@@ -6,8 +6,9 @@ which kind a replica is. What differs, and lives here:
 - inventory: `GET /v1/adapters` (lorafleet) or `GET /v1/models` + `GET /metrics` (vLLM, see
   `lorafleet.vllm_inventory`);
 - detection: a replica declared `vllm=URL` / `lorafleet=URL` (or by its pod's label) is that kind;
-  one given as a bare URL is probed once (`/v1/adapters` answers: lorafleet; else `/v1/models`
-  answers with a base model: vLLM) and the answer is remembered;
+  one given as a bare URL is probed until it tells (`/v1/adapters` answers an inventory: lorafleet;
+  it is 404 and `/v1/models` lists a base model: vLLM; any other answer: asked again next poll) and
+  the answer is remembered;
 - requests: vLLM's `--api-key` guards `/v1/*`, generation included, so requests to a vLLM replica
   carry the pool's token; a request naming one adapter through `lora_adapters` at scale 1 is sent
   to vLLM as `model: <adapter>` (vLLM has no `lora_adapters`); other compositions go to our workers;
@@ -63,6 +64,10 @@ async def detect_kind(http: httpx.AsyncClient, admin_url: str, headers: Mapping[
             return "lorafleet"
         except ValueError:
             pass
+    elif resp.status_code != 404:
+        # 401/403 (a token not yet mounted or rotating), 5xx: our worker may be behind it, and its
+        # public /v1/models looks like vLLM's. Decide on a later poll, never on this answer.
+        raise NotAWorker(f"{admin_url}/v1/adapters answered HTTP {resp.status_code}: kind not known yet")
     resp = await http.get(f"{admin_url}/v1/models", headers=dict(headers), timeout=timeout)
     if resp.status_code == 200:
         try:

@@ -157,6 +157,7 @@ def test_probe_tells_vllm_from_lorafleet_and_neither():
     ours_inv = vllm_inventory(models("a"), None).model_dump()
     ours = fake_server({"/v1/adapters": (200, ours_inv)}, seen)
     other = fake_server({"/v1/models": (200, {"data": []})}, seen)
+    locked = fake_server({"/v1/adapters": (401, {"error": "no"}), "/v1/models": (200, models("a"))}, seen)
     auth = {"Authorization": "Bearer k"}
 
     async def run():
@@ -164,6 +165,8 @@ def test_probe_tells_vllm_from_lorafleet_and_neither():
         assert await detect_kind(ours, "http://o", auth) == "lorafleet"
         with pytest.raises(NotAWorker):
             await detect_kind(other, "http://x", auth)
+        with pytest.raises(NotAWorker):  # our worker with a token not mounted yet: not taken for vLLM
+            await detect_kind(locked, "http://l", auth)
         inv = await fetch_inventory(vllm, "vllm", "http://v", auth, VllmLimits(max_cpu_loras=5))
         assert inv.adapters[0].tier == "cpu" and inv.max_loras == 2 and inv.max_cpu_loras == 5
         assert await still_listed(vllm, "http://v", auth, "a") and not await still_listed(vllm, "http://v", auth, "b")
