@@ -18,10 +18,11 @@ from lorafleet.worker.settings import WorkerSettings
 from tests.router.conftest import RouterThread
 from tests.vllm.assets import MAX_LORA_RANK
 from tests.vllm.conftest import VLLM_ONLY
-from tests.vllm.vllm_server import API_KEY
+from tests.vllm.vllm_server import API_KEY, skip_reason, vllm_python
 from tests.worker.worker_harness import RunningWorker
 
-pytestmark = [pytest.mark.timeout(900), pytest.mark.vllm]
+pytestmark = [pytest.mark.timeout(900), pytest.mark.vllm,
+              pytest.mark.skipif(vllm_python() is None, reason=skip_reason())]
 
 OURS_ONLY = "oonly"  # on our worker at start-up (the `chat` weights), nowhere else
 COLD = "cold"  # in the router's catalog (the `code` weights), held by nobody at first

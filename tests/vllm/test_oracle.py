@@ -12,9 +12,11 @@ import pytest
 from lorafleet.worker.config import EngineConfig
 from lorafleet.worker.settings import WorkerSettings
 from tests.vllm.assets import MAX_LORA_RANK, ORACLE_ADAPTERS
+from tests.vllm.vllm_server import skip_reason, vllm_python
 from tests.worker.worker_harness import RunningWorker
 
-pytestmark = [pytest.mark.timeout(900), pytest.mark.vllm]
+pytestmark = [pytest.mark.timeout(900), pytest.mark.vllm,
+              pytest.mark.skipif(vllm_python() is None, reason=skip_reason())]
 
 PROMPTS = ["The router sends each request to", "SELECT name, score FROM students WHERE"]
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
