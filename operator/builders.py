@@ -10,6 +10,7 @@ import base64
 from typing import Any
 
 from lorafleet.operator.spec import POOL_LABEL, PoolSpec
+from lorafleet.operator.vllm_pods import vllm_pod_template, vllm_service_ports
 
 TOKEN_KEY = "token"
 TOKEN_MOUNT = "/var/run/lorafleet/admin"
@@ -54,6 +55,8 @@ def worker_args(pool: PoolSpec) -> list[str]:
 
 
 def pod_template(pool: PoolSpec) -> dict[str, Any]:
+    if pool.server.kind == "vllm":
+        return vllm_pod_template(pool, labels(pool))
     volumes: list[dict[str, Any]] = [
         {"name": "admin-token", "secret": {"secretName": pool.token_secret, "defaultMode": 0o400}},
         {
@@ -131,7 +134,7 @@ def service(pool: PoolSpec) -> dict[str, Any]:
             "clusterIP": "None",
             "selector": pool.selector,
             "publishNotReadyAddresses": False,
-            "ports": [
+            "ports": vllm_service_ports(pool) if pool.server.kind == "vllm" else [
                 {"name": "http", "port": pool.http_port, "targetPort": "http"},
                 {"name": "admin", "port": pool.admin_port, "targetPort": "admin"},
             ],

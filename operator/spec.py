@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lorafleet.operator.server_spec import InvalidServer, ServerSpec, parse_server
+
 GROUP = "lorafleet.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -64,6 +66,7 @@ class PoolSpec:
     admin_port: int = 8001
     requests_per_replica: float = 5.0
     max_unavailable: int | str = 1
+    server: ServerSpec = ServerSpec()  # spec.server: our worker, or a stock vLLM (operator/vllm_pods.py)
 
     @property
     def token_secret(self) -> str:
@@ -180,6 +183,13 @@ def parse_pool(namespace: str, name: str, spec: Mapping[str, Any]) -> PoolSpec:
     mount = str(_str(volume, "mountPath", "/adapters", "spec.adapterVolume."))
     if not mount.startswith("/"):
         raise SpecError("InvalidSpec", f"spec.adapterVolume.mountPath must be absolute, not {mount!r}")
+    try:
+        server = parse_server(spec)
+    except InvalidServer as exc:
+        raise SpecError("InvalidSpec", str(exc)) from None
+    ports_given = dict(ports)
+    if server.kind == "vllm":  # one port: vLLM serves its LoRA endpoints beside generation
+        ports_given["admin"] = _int(ports, "http", 8000, 1, 65535, "spec.ports.")
     pool = PoolSpec(
         namespace=namespace,
         name=name,
@@ -195,11 +205,12 @@ def parse_pool(namespace: str, name: str, spec: Mapping[str, Any]) -> PoolSpec:
         adapter_claim=_str(volume, "claimName", None, "spec.adapterVolume.") or None,
         adapter_mount=mount,
         http_port=_int(ports, "http", 8000, 1, 65535, "spec.ports."),
-        admin_port=_int(ports, "admin", 8001, 1, 65535, "spec.ports."),
+        admin_port=_int(ports_given, "admin", 8001, 1, 65535, "spec.ports."),
         requests_per_replica=float(rate),
         max_unavailable=_max_unavailable(spec.get("maxUnavailable", 1)),
+        server=server,
     )
-    if pool.http_port == pool.admin_port:
+    if pool.http_port == pool.admin_port and server.kind != "vllm":
         raise SpecError("InvalidPorts", "ports.http and ports.admin must differ")
     return pool
 
@@ -263,6 +274,12 @@ def check_against_pool(adapter: AdapterSpec, pool: PoolSpec) -> None:
         raise SpecError(
             "RankTooHigh",
             f"rank {adapter.rank} exceeds pool {pool.name}'s maxLoraRank {pool.engine.max_lora_rank}",
+        )
+    if adapter.sha256 is not None and pool.server.kind == "vllm":
+        raise SpecError(
+            "DigestUnverifiable",
+            f"pool {pool.name} runs stock vLLM, which reports no adapter digests: spec.sha256 cannot be "
+            "checked there (remove it, or pin the content by its source path)",
         )
 
 

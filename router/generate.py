@@ -46,6 +46,7 @@ from lorafleet.router.ratelimit import Lease, Limited
 from lorafleet.router.request_fields import UnknownModel, check_fields, resolve
 from lorafleet.router.scheduling.types import Decision, NoEndpoint, RequestInfo
 from lorafleet.router.tenants import Tenant
+from lorafleet.router.worker_kinds import replicas_of_kind, request_body, request_headers, vllm_can_serve
 
 if TYPE_CHECKING:
     from lorafleet.router.gateway import Gateway
@@ -255,6 +256,8 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
     path = scope["path"]
     # In a fleet of mixed workers, those taking fewer adapters per request than this one names.
     excluded: set[str] = gw.fleet.too_narrow(len(adapters)) if len(adapters) > 1 else set()
+    if not vllm_can_serve(payload):  # a composition vLLM has no field for
+        excluded |= replicas_of_kind(gw.fleet.replicas.values(), "vllm")
     # Adapters a worker was started with that the catalog lacks: no cold load can place them.
     unloadable = [a for a in adapters if not gw.loader.can_load(a)]
     waited = 0.0  # load waits and upstream time are not the router's own latency
@@ -280,9 +283,11 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
             try:
                 await unless_gone(prepare(gw, replica, decision, adapters), gone)
                 headers = upstream_headers(scope["headers"], {HEADER_TENANT: tenant.name})
+                headers.update(request_headers(replica.kind, gw.sync.tokens.headers(replica.pool)))
                 url = replica.url + path
+                sent = request_body(replica.kind, payload, body, adapters)
                 upstream = await unless_gone(
-                    send_once(gw.upstream, url, body, headers, stream, adapters), gone
+                    send_once(gw.upstream, url, sent, headers, stream, adapters), gone
                 )
             except ClientGone:
                 return await finish(gw, replica, adapters, lease, tenant, adapter_label, CLIENT_GONE)

@@ -17,6 +17,7 @@ from lorafleet.router.admin_tokens import AdminTokens
 from lorafleet.router.fleet import Replica
 from lorafleet.router.metrics import RouterMetrics
 from lorafleet.router.placement import PlacementSync
+from lorafleet.router.worker_kinds import still_listed
 
 log = logging.getLogger("lorafleet.router")
 
@@ -152,6 +153,10 @@ class AdapterLoader:
                 )
             except httpx.HTTPError:
                 return
+            if resp.status_code == 200 and replica.kind == "vllm" and await still_listed(
+                    self.http, replica.admin_url, self.tokens.headers(replica.pool), name):
+                log.warning("unload of %r on %s answered 200 but vLLM still lists it", name, replica.name)
+                return  # the next poll shows it resident again
             if resp.status_code in (200, 404):
                 self.metrics.unloads.labels(replica.name).inc()
                 await self.sync.write_through(replica, name, None)

@@ -28,7 +28,6 @@ class Tokenizer:
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.bos_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
-        self.add_bos = bool(cfg.get("add_bos_token", False)) and self.bos_id is not None
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
@@ -57,10 +56,10 @@ class Tokenizer:
                 f"the text has a lone surrogate U+{ord(text[exc.start]):04X} at character {exc.start}: it is not "
                 "valid Unicode (a \\uD800-\\uDFFF escape is only valid as half of a surrogate pair)"
             ) from None
-        ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-        if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_id):
-            ids = [self.bos_id, *ids]
-        return ids
+        # The special tokens are the post-processor's in tokenizer.json alone: transformers 5's
+        # AutoTokenizer and vLLM add no BOS for `add_bos_token: true` in tokenizer_config.json when
+        # tokenizer.json has no post-processor writing one (Llama's tokenizer.json does).
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

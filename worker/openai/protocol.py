@@ -65,9 +65,47 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "function_call": (_off("none", "auto"), "function_call other than 'none' or 'auto' is not supported"),
     "modalities": (_text_modalities, "modalities other than ['text'] are not supported"),
     "audio": (_off(), "audio output is not supported"),
-    # vLLM's extra parameters
+    # vLLM's extra parameters (vLLM 0.32's CompletionRequest and ChatCompletionRequest; docs/worker.md
+    # lists every one with what this worker does with it)
     "use_beam_search": (_off(False), "use_beam_search is not supported"),
     "logits_processors": (_off(), "logits_processors is not supported"),
+    "length_penalty": (_off(1.0, 1), "length_penalty is not supported (it applies to beam search)"),
+    "watermarking": (_off(), "watermarking is not supported"),
+    "spaces_between_special_tokens": (_off(True), "spaces_between_special_tokens false is not supported"),
+    "truncate_prompt_tokens": (_off(), "truncate_prompt_tokens is not supported"),
+    "truncation_side": (_off("left", "right"), "truncation_side must be 'left' or 'right'"),
+    "logprob_token_ids": (_off(), "logprob_token_ids is not supported"),
+    "prompt_embeds": (_off(), "prompt_embeds is not supported"),
+    "priority": (_off(0), "priority is not supported (requests are served first come, first served)"),
+    "request_id": (_off(), "request_id is not supported (the server names each request)"),
+    "session_id": (_off(), "session_id is not supported"),
+    "return_token_ids": (_off(False), "return_token_ids is not supported"),
+    "routed_experts_prompt_start": (_off(0), "routed_experts_prompt_start is not supported"),
+    "return_token_offsets": (_off(False), "return_token_offsets is not supported"),
+    "mm_payload": (_off("tensors"), "mm_payload is not supported (text only)"),
+    "return_mm_kwargs": (_off(False), "return_mm_kwargs is not supported (text only)"),
+    "cache_salt": (_off(), "cache_salt is not supported (the prefix cache is salted per tenant)"),
+    "kv_transfer_params": (_off(), "kv_transfer_params is not supported"),
+    "ec_transfer_params": (_off(), "ec_transfer_params is not supported"),
+    "vllm_xargs": (_off(), "vllm_xargs is not supported"),
+    "repetition_detection": (_off(), "repetition_detection is not supported"),
+    "thinking_token_budget": (_off(), "thinking_token_budget is not supported"),
+    "stream_interval": (_off(1), "stream_interval is not supported (every token is streamed)"),
+}
+
+# vLLM fields of one endpoint only: a completions request naming a chat field is ignored, as vLLM does.
+COMPLETION_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "add_special_tokens": (_off(True), "add_special_tokens false is not supported in completions"),
+}
+CHAT_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "include_reasoning": (_off(True), "include_reasoning false is not supported"),
+    "continue_final_message": (_off(False), "continue_final_message is not supported"),
+    "add_special_tokens": (_off(False), "add_special_tokens is not supported in chat (the template writes them)"),
+    "documents": (_off(), "documents is not supported"),
+    "chat_template": (_off(), "chat_template is not supported (the model's own template is used)"),
+    "media_io_kwargs": (_off(), "media_io_kwargs is not supported (text only)"),
+    "mm_processor_kwargs": (_off(), "mm_processor_kwargs is not supported (text only)"),
+    "return_prompt_text": (_off(False), "return_prompt_text is not supported"),
 }
 
 
@@ -103,6 +141,7 @@ class _SamplingFields(JsonBody):
     min_tokens: int | None = Field(default=None, ge=0)
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens `token_id:N` (vLLM's)
     # The RFC's composition field: several adapters with static scales (then `model` is the base)
     lora_adapters: list[LoraAdapterRef] | None = None
     # Structured outputs (worker/sampling/structured.py): OpenAI's response_format, vLLM's guided_* and
@@ -123,9 +162,14 @@ class _SamplingFields(JsonBody):
         if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise UnsupportedField("stream_options", "stream_options is only allowed when stream is true")
         for name, value in (self.model_extra or {}).items():
-            rule = UNSUPPORTED.get(name)
+            rule = UNSUPPORTED.get(name) or self.unsupported_here().get(name)
             if rule is not None and not rule[0](value):
                 raise UnsupportedField(name, rule[1])
+
+    @classmethod
+    def unsupported_here(cls) -> dict[str, tuple[Callable[[Any], bool], str]]:
+        """This endpoint's own unimplemented vLLM fields (beside UNSUPPORTED)."""
+        return {}
 
     def sampling(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
                  tool_parser: str | None = None) -> SamplingParams:
@@ -204,6 +248,10 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     suffix: str | None = None
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's: each prompt token's logprob
+
+    @classmethod
+    def unsupported_here(cls) -> dict[str, tuple[Callable[[Any], bool], str]]:
+        return COMPLETION_UNSUPPORTED
 
     def prompt_k(self) -> int | None:
         """The prompt logprobs to compute: vLLM's prompt_logprobs, else echo's (OpenAI's legacy
@@ -299,6 +347,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None  # false: "required" makes one call
     chat_template_kwargs: TemplateKwargs = None
+    reasoning_effort: str | None = None  # OpenAI's; reaches the chat template as vLLM passes it
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -307,11 +356,24 @@ class ChatCompletionRequest(_SamplingFields):
         if self.stream and self.prompt_logprobs is not None:
             raise UnsupportedField("prompt_logprobs", "prompt_logprobs is not available when stream is true (as in vLLM)")
 
+    @classmethod
+    def unsupported_here(cls) -> dict[str, tuple[Callable[[Any], bool], str]]:
+        return CHAT_UNSUPPORTED
+
     def echo_text(self) -> str:
         """vLLM's chat echo: the last message's text, when it has the answer's role (assistant, or
         any role without a generation prompt: the answer continues that message); else ""."""
         last = self.messages[-1]
         return last.text() if self.echo and (not self.add_generation_prompt or last.role == "assistant") else ""
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's extra variables, as vLLM builds them: chat_template_kwargs, with
+        `reasoning_effort` when given and `enable_thinking` (effort other than "none") unless set."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        kwargs = {**(self.chat_template_kwargs or {}), "reasoning_effort": self.reasoning_effort}
+        kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return kwargs
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]

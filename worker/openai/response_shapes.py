@@ -55,6 +55,12 @@ class TextOffsets:
         return start
 
 
+def token_id_text(token_id: int) -> str:
+    """A token as vLLM's `return_tokens_as_token_ids` names it in logprobs: its id, not its text (which
+    may not be valid UTF-8 on its own). Its `bytes` in chat stay the token's own."""
+    return f"token_id:{token_id}"
+
+
 def completion_logprobs(lps: list[TokenLogprobs | int], token_text: Callable[[int], str],
                         offsets: TextOffsets) -> dict[str, Any]:
     """OpenAI's legacy completions logprobs: parallel lists per token. As OpenAI (and vLLM) do, each

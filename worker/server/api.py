@@ -126,7 +126,7 @@ def _prepare_chat(runtime: WorkerRuntime, body: oai.ChatCompletionRequest) -> li
     messages = body.template_messages()
     engine.check_prompt_chars(sum(len(m["content"]) for m in messages))
     ids = engine.tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt, tools=body.tools,
-                                       template_kwargs=body.chat_template_kwargs)
+                                       template_kwargs=body.template_kwargs())
     if not ids:
         raise ApiError(400, "the chat template made an empty prompt", param="messages")
     return ids
@@ -155,6 +155,8 @@ async def completions(body: oai.CompletionRequest, request: Request, runtime: Ru
     shown = [range(len(ids)) for ids in prompts]
     if body.echo or body.prompt_k() is not None:  # decoding off the event loop, as tokenizing is
         echo_texts, shown, token_text = await asyncio.to_thread(_prompt_texts, runtime, raw, prompts)
+    if body.return_tokens_as_token_ids:
+        token_text = resp.token_id_text
     # Choice i*n + j is prompt i's j-th choice (vLLM's order).
     streams = await submit_all(engine, [ids for ids in prompts for _ in range(n)], choices * len(prompts), adapters)
     rid = resp.new_id("cmpl")
@@ -256,6 +258,8 @@ async def chat_completions(body: oai.ChatCompletionRequest, request: Request, ru
     streams = await submit_all(engine, [ids] * n, oai.per_choice(plan.sampling, n), plan.adapters)
     rid = resp.new_id("chatcmpl")
     token_text, token_bytes = token_text_of(runtime), token_bytes_of(runtime)
+    if body.return_tokens_as_token_ids:
+        token_text = resp.token_id_text
     echo = "" if tool is not None else body.echo_text()
 
     if body.stream:

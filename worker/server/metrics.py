@@ -35,6 +35,7 @@ class EngineSnapshot:
     adapter_in_flight: dict[str, int]
     totals: dict[str, int]  # monotonically growing engine counters
     new_load_seconds: dict[str, list[float]] = field(default_factory=dict)  # tier -> since last snapshot
+    adapter_meta: dict[str, tuple[bool, int]] = field(default_factory=dict)  # name -> (pinned, rank)
 
 
 def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
@@ -76,6 +77,7 @@ def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
             "prefix_query_tokens": engine.blocks.prefix_queries,
         },
         new_load_seconds=new_loads,
+        adapter_meta={name: (e.pinned, e.rank) for name, e in registry.entries.items() if not e.removed},
     )
 
 
@@ -101,6 +103,16 @@ class WorkerMetrics:
             "vllm:lora_requests_info", "Running and waiting adapters (comma-separated names); value: unix time.",
             ("running_lora_adapters", "waiting_lora_adapters", "max_lora"), registry=r,
         )
+        # vLLM's residency metrics (vLLM PR #54830, read by llm-d's lora-load-state scorer): one
+        # series per adapter in a GPU slot or the CPU cache (not on disk), and the GPU slot count.
+        self.adapter_loaded = Gauge(
+            "vllm:lora_adapter_loaded", "1 for each adapter loaded, by level (gpu, cpu).",
+            ("adapter_name", "level", "pinned", "rank"), registry=r,
+        )
+        self.max_gpu_adapters = Gauge(
+            "vllm:max_gpu_lora_adapters", "Adapters the GPU slots hold at once (max_loras).", registry=r
+        )
+        self.max_gpu_adapters.set(max_loras)
         self.preemptions = Counter("vllm:num_preemptions", "Requests preempted (recomputed later).", m, registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", m, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", m, registry=r)
@@ -179,9 +191,13 @@ class WorkerMetrics:
             ",".join(snap.running_adapters), ",".join(snap.waiting_adapters), str(self.max_loras)
         ).set(time.time())
         self.resident.clear()
+        self.adapter_loaded.clear()
         tiers = {"gpu": 0, "cpu": 0, "disk": 0}
         for adapter, tier in snap.adapter_tiers.items():
             self.resident.labels(adapter, tier).set(1)
+            if tier in ("gpu", "cpu"):
+                pinned, rank = snap.adapter_meta.get(adapter, (False, 0))
+                self.adapter_loaded.labels(adapter, tier, str(pinned).lower(), str(rank)).set(1)
             tiers[tier] = tiers.get(tier, 0) + 1
         for tier, count in tiers.items():
             self.adapters_by_tier.labels(tier).set(count)
