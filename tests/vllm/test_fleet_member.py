@@ -14,7 +14,7 @@ import pytest
 
 from lorafleet.router.settings import RouterSettings
 from lorafleet.worker.config import EngineConfig
-from lorafleet.worker.settings import WorkerSettings
+from lorafleet.worker.server.settings import WorkerSettings
 from tests.router.conftest import RouterThread
 from tests.vllm.assets import MAX_LORA_RANK
 from tests.vllm.conftest import VLLM_ONLY

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from lorafleet.worker.config import EngineConfig
-from lorafleet.worker.settings import WorkerSettings
+from lorafleet.worker.server.settings import WorkerSettings
 from tests.vllm.assets import MAX_LORA_RANK, ORACLE_ADAPTERS
 from tests.vllm.vllm_server import skip_reason, vllm_python
 from tests.worker.worker_harness import RunningWorker
@@ -121,7 +121,7 @@ def test_every_vllm_request_field_is_implemented_or_refused(theirs):
     import json
     import subprocess
 
-    from lorafleet.worker import openai_protocol as oai
+    from lorafleet.worker.openai import protocol as oai
 
     script = ("import json\n"
               "from vllm.entrypoints.openai.completion.protocol import CompletionRequest as C\n"
