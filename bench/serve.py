@@ -241,7 +241,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="measure even when the self-check fails (recorded in the JSON; a busy development machine)")
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "lorafleet-serve")
     p.add_argument("--worker-arg", action="append", default=[], help="extra `lorafleet worker` argument (repeat)")
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=None,
+                   help="the JSON file, or a folder for serve-<gpu>.json (default bench/results/); logs beside it")
     args = p.parse_args(argv)
     if args.quick:
         args.concurrency, args.adapters, args.prompts, args.poisson = [64], [0, 8, 64], [128], [0.7]
@@ -265,8 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     cuda = args.device.startswith("cuda")
     gpu = gpu_name() if cuda else "cpu"
-    out = args.out or ROOT / "bench" / "results" / f"serve-{gpu}.json"
-    logs = args.workdir / "logs"
+    out = args.out or ROOT / "bench" / "results"
+    out = out / f"serve-{gpu}.json" if out.is_dir() else out
+    logs = out.parent / f"{out.stem}-logs"  # the worker's, router's and engine's output
     logs.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
     paths = [p for p in args.paths.split(",") if p]
