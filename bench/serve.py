@@ -125,7 +125,7 @@ def worker_cmd(args: argparse.Namespace, model: Path, adapters: dict[str, Path],
     cmd = [sys.executable, "-m", "lorafleet", "worker", "--model", str(model), "--served-model-name", "base",
            "--host", "127.0.0.1", "--port", str(port), "--device", args.device,
            "--max-num-seqs", str(max(args.concurrency)), "--max-loras", str(max(max(args.adapters), 1)),
-           "--max-cpu-loras", str(max(max(args.adapters), 1) + 8), "--max-lora-rank", "16",
+           "--max-cpu-loras", str(max(max(args.adapters), 1) + 8), "--max-lora-rank", "16", "--max-loras-per-request", "1",
            "--log-level", "warning", "--admin-token-file", str(token_file(args))]
     if adapters:
         cmd += ["--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
