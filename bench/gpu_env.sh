@@ -14,7 +14,7 @@ fi
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/lorafleet-wheels \
     .whl/*.whl >>"$OUT/install.log" 2>&1 && export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/lorafleet-wheels
-  python3 -c "import fastapi, uvicorn, openai, lorafleet.worker.server.app" 2>>"$OUT/install.log" \
+  python3 -c "import fastapi, uvicorn, openai, aiohttp, lorafleet.worker.server.app" 2>>"$OUT/install.log" \
     || echo "WARNING: the carried wheels do not import (see $OUT/install.log): the HTTP test suites will not run"
 fi
 python3 -c "import lorafleet.worker.engine.engine, lorafleet.kernels.lora.launch" || return 1 2>/dev/null || exit 1

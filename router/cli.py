@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 from pathlib import Path
 from types import MappingProxyType
@@ -110,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_connection_flags(p, d.connection_limits)
     p.add_argument("--log-level", default="info", help="debug, info, warning or error")
     p.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="router processes sharing the port (SO_REUSEPORT), one per core; state is shared only "
+        "through --redis-url (router/processes.py)",
+    )
+    p.add_argument(
         "--hash-api-key",
         action="store_true",
         help="read an API key on stdin, print its sha256 for a tenants file",
@@ -189,19 +197,41 @@ def main(argv: list[str]) -> int:
     if settings.discovery == "static" and not settings.workers:
         print("lorafleet router: static discovery needs at least one --worker URL", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    if args.processes < 1:
+        print("lorafleet router: --processes must be at least 1", file=sys.stderr)
+        return 2
     if settings.tenants_file is None:
         print(
             "lorafleet router: no --tenants-file given: running OPEN (no API keys) — local use only",
             file=sys.stderr,
         )
+    if args.processes > 1:
+        from functools import partial
+
+        from lorafleet.router.processes import run_processes
+
+        if settings.redis_url is None:
+            print(
+                f"lorafleet router: {args.processes} processes without --redis-url: each has its own "
+                "placement view and tenant limits (a tenant gets that many times its limit)",
+                file=sys.stderr,
+            )
+        return run_processes(args.processes, settings.host, settings.port, partial(serve, argv))
+    serve(argv, None)
+    return 0
+
+
+def serve(argv: list[str], sock: socket.socket | None) -> None:
+    """One router process: on `sock` (a `--processes` child's SO_REUSEPORT socket), else on --host/--port."""
+    args = build_parser().parse_args(argv)
+    settings = settings_from_args(args)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     import uvicorn
 
     from lorafleet.router.api import create_app
 
     config = uvicorn_config(create_app(settings), settings.host, settings.port, settings.connection_limits,
                             log_level=args.log_level, access_log=False)
-    uvicorn.Server(config).run()
-    return 0
+    uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import aiohttp
 import httpx
 
 from lorafleet.router.admin_tokens import AdminTokens
@@ -18,6 +17,7 @@ from lorafleet.router.ratelimit import RateLimiter
 from lorafleet.router.scheduling.policies import Policy
 from lorafleet.router.settings import RouterSettings
 from lorafleet.router.tenants import TenantRegistry
+from lorafleet.router.upstream import Pool
 
 
 @dataclass(slots=True)
@@ -26,7 +26,7 @@ class Gateway:
 
     settings: RouterSettings
     http: httpx.AsyncClient  # control calls: inventory polls, loads, unloads, probes
-    upstream: aiohttp.ClientSession  # proxied requests
+    upstream: Pool  # proxied requests (router/upstream.py)
     fleet: Fleet
     sync: PlacementSync
     loader: AdapterLoader

@@ -46,6 +46,7 @@ from lorafleet.router.ratelimit import Lease, Limited
 from lorafleet.router.request_fields import UnknownModel, check_fields, resolve
 from lorafleet.router.scheduling.types import Decision, NoEndpoint, RequestInfo
 from lorafleet.router.tenants import Tenant
+from lorafleet.router.upstream import Aborted
 from lorafleet.router.worker_kinds import replicas_of_kind, request_body, request_headers, vllm_can_serve
 
 if TYPE_CHECKING:
@@ -281,15 +282,14 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
             claim(replica, adapters)
             t0 = time.perf_counter()
             try:
-                await unless_gone(prepare(gw, replica, decision, adapters), gone)
+                if decision.needs_load or replica.loading:
+                    await unless_gone(prepare(gw, replica, decision, adapters), gone)
                 headers = upstream_headers(scope["headers"], {HEADER_TENANT: tenant.name})
                 headers.update(request_headers(replica.kind, gw.sync.tokens.headers(replica.pool)))
                 url = replica.url + path
                 sent = request_body(replica.kind, payload, body, adapters)
-                upstream = await unless_gone(
-                    send_once(gw.upstream, url, sent, headers, stream, adapters), gone
-                )
-            except ClientGone:
+                upstream = await send_once(gw.upstream, url, sent, headers, stream, adapters, gone)
+            except (ClientGone, Aborted):
                 return await finish(gw, replica, adapters, lease, tenant, adapter_label, CLIENT_GONE)
             except (LoadFailed, UpstreamFailed) as exc:
                 waited += time.perf_counter() - t0
@@ -327,11 +327,11 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
             if upstream.response is None:
                 await finish(gw, replica, adapters, lease, tenant, adapter_label, status)
                 return await respond(send, upstream.status, upstream.body, out_headers)
-            try:
-                await unless_gone(relay(send, upstream, out_headers, path == "/v1/responses"), gone)
+            try:  # a client that leaves closes the exchange (send_once's `gone`): Aborted
+                await relay(send, upstream, out_headers, path == "/v1/responses")
             except (StreamBroken, OSError):  # upstream broke (the client got an SSE error) or send failed
                 status = "stream_error"
-            except ClientGone:
+            except Aborted:
                 status = CLIENT_GONE
             finally:
                 upstream.response.close()  # mid-stream, this makes the worker abort
@@ -351,7 +351,8 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
 
 
 async def relay(send: Send, upstream: Upstream, headers: list[tuple[bytes, bytes]], responses_api: bool) -> None:
-    """A streamed answer to the client, chunk by chunk as the worker sends it."""
+    """A streamed answer to the client, chunk by chunk as the worker sends it: the bytes as they
+    came, each read's worth in one ASGI message (no parsing, no re-encoding)."""
     assert upstream.response is not None
     if not upstream.content_type:
         headers.append((b"content-type", b"text/event-stream"))
