@@ -43,8 +43,8 @@ from pathlib import Path
 import torch
 
 from lorafleet.worker.config import EngineConfig, ModelConfig
-from lorafleet.worker.engine import LLMEngine
-from lorafleet.worker.gc_freeze import freeze_startup_objects
+from lorafleet.worker.engine.engine import LLMEngine
+from lorafleet.worker.server.gc_freeze import freeze_startup_objects
 
 if __package__ in (None, ""):  # run as a script: make `bench.*` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -106,7 +106,7 @@ def build_engine(tiny: bool, max_lora_rank: int) -> tuple[LLMEngine, ModelConfig
                           num_kv_blocks=512 if tiny else None,
                           async_scheduling=False)  # its step timings are of synchronous steps
     engine = LLMEngine(folder, config, weights=random_weights(model_config, device))
-    freeze_startup_objects()  # as the worker does once its engine is built (worker/gc_freeze.py)
+    freeze_startup_objects()  # as the worker does once its engine is built (worker/server/gc_freeze.py)
     return engine, model_config, device
 
 

@@ -36,7 +36,7 @@ import torch
 
 from bench.adapter_folder import cached_fraction, write_folder
 from bench.engine_workload import sync
-from lorafleet.worker.engine import LLMEngine
+from lorafleet.worker.engine.engine import LLMEngine
 from lorafleet.worker.lora import file_bytes
 from lorafleet.worker.lora.adapter import UPLOAD_CHUNK_BYTES, WEIGHTS_FILE, adapter_digest
 from lorafleet.worker.lora.file_bytes import read_file

@@ -24,8 +24,8 @@ import torch
 from bench.adapter_folder import write_folder
 from bench.adapter_load_cases import PREFIX, RANK, register_from, row
 from bench.engine_workload import sync
-from lorafleet.worker.engine import LLMEngine
-from lorafleet.worker.sequence import SamplingParams
+from lorafleet.worker.engine.engine import LLMEngine
+from lorafleet.worker.engine.sequence import SamplingParams
 
 BATCH = 32
 PROMPT_LEN = 128

@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.engine_build import build_engine
 from bench.engine_workload import fresh_prompt
-from lorafleet.worker.sequence import SamplingParams
+from lorafleet.worker.engine.sequence import SamplingParams
 
 
 def main() -> None:

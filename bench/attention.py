@@ -131,13 +131,13 @@ def time_us(call: Callable[[], object], device: str) -> float:
 
 
 def run_case(case: Case, graph_width: int, bandwidth: float | None, device: str, sweep: bool) -> dict:
-    from lorafleet.kernels.paged_attention import (
+    from lorafleet.kernels.attention.paged_attention import (
         DecodeConfig,
         paged_decode_attention,
         paged_decode_attention_reference,
         pick_config,
     )
-    from lorafleet.worker.attention import decode_attention
+    from lorafleet.worker.layers.attention import decode_attention
 
     scale = case.q.shape[-1] ** -0.5
     batch, heads, head_dim = case.q.shape

@@ -24,7 +24,7 @@ import torch
 from bench.graph_timing import measure_copy_bandwidth
 from bench.kernel_cases import MODULES, Case, case_meta, case_token_slots
 from bench.kernel_runner import run_case
-from lorafleet.kernels.lora_config import LoraKernelConfig, config_for_meta, with_expand_tiles
+from lorafleet.kernels.lora.config import LoraKernelConfig, config_for_meta, with_expand_tiles
 
 DEFAULT_CASES = ",".join(f"{m}:256:{a}" for a in (1, 8, 64, 128) for m in MODULES)
 

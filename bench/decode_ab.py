@@ -3,7 +3,7 @@ kernels (an H200 experiment).
 
     python -m bench.decode_ab [--variants 0,1,2] [--adapters 0,8,64] [--repeats 2] [--out FILE]
 
-1. The op alone: `kernels/greedy.py`'s kernels over bf16 logits `[rows, 100,000]` against what a
+1. The op alone: `kernels/sampling/greedy.py`'s kernels over bf16 logits `[rows, 100,000]` against what a
    greedy batch ran before them: the lm_head output's conversion to float32, a row sum for the
    finiteness check, the argmax and the `where` (sampling.sample_on_device), each way replayed
    from a CUDA graph (`triton.testing.do_bench_cudagraph`, median µs).
@@ -28,7 +28,7 @@ import triton.testing
 from bench.engine_build import experiment_engine
 from bench.engine_workload import adapter_sets, decode_run
 from lorafleet.kernels import pdl
-from lorafleet.kernels.greedy import greedy_pick, greedy_pick_reference
+from lorafleet.kernels.sampling.greedy import greedy_pick, greedy_pick_reference
 
 VOCAB = 100_000
 ALWAYS = dict.fromkeys(pdl.ROW_KERNELS, "always")

@@ -13,7 +13,7 @@ of_ceiling_all_weights, vs_base}; the ceiling is the weight bytes a decode step 
 embedding table, of which it reads B rows) over the copy bandwidth measured in the same run; issue 9
 defines its ceiling with every weight byte (the embedding table too: a lower ceiling), reported
 beside it. `mode` is graphs (the engine's default on CUDA: synchronous steps from
-CUDA graphs), async (the same with async scheduling, `worker/async_step.py`: the next step is
+CUDA graphs), async (the same with async scheduling, `worker/engine/async_step.py`: the next step is
 launched before this one's tokens are read) or eager (graphs off); each listed mode is timed on
 the same engine (--modes, default graphs,async).
 
@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from lorafleet.kernels import lora_linear
-from lorafleet.worker.gc_freeze import freeze_startup_objects
+from lorafleet.kernels.lora import linear as lora_linear
+from lorafleet.worker.server.gc_freeze import freeze_startup_objects
 
 if __package__ in (None, ""):  # run as a script: make `bench.*` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

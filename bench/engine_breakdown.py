@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from bench.engine_workload import start_decode, sync
-from lorafleet.worker.engine import LLMEngine
+from lorafleet.worker.engine.engine import LLMEngine
 
 KERNEL_CLASSES = (  # (class, substrings of CUDA kernel names), first match wins
     ("lora", ("_lora_shrink", "_lora_expand")),

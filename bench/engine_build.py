@@ -17,9 +17,9 @@ import torch
 
 from bench.engine_workload import adapter_sets, decode_run
 from lorafleet.worker.config import EngineConfig, ModelConfig
-from lorafleet.worker.engine import LLMEngine
-from lorafleet.worker.gc_freeze import freeze_startup_objects
+from lorafleet.worker.engine.engine import LLMEngine
 from lorafleet.worker.lora.adapter import LoraWeights, ModuleWeights
+from lorafleet.worker.server.gc_freeze import freeze_startup_objects
 
 SEED_SHAPE = dict(
     model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=100_000, hidden_size=4096,
@@ -119,7 +119,7 @@ def build_engine(args, device: str, n_slots: int) -> tuple[LLMEngine, ModelConfi
                           cuda_graphs=None if device == "cuda" else "eager" not in args.modes.split(","))
     t0 = time.perf_counter()
     engine = LLMEngine(folder, config, weights=random_weights(model_config, device))
-    freeze_startup_objects()  # as the worker does once its engine is built (worker/gc_freeze.py)
+    freeze_startup_objects()  # as the worker does once its engine is built (worker/server/gc_freeze.py)
     return engine, model_config, time.perf_counter() - t0
 
 

@@ -21,8 +21,8 @@ import torch
 
 from lorafleet.worker.config import EngineConfig
 from lorafleet.worker.demo_assets import DEMO_ADAPTERS, make_demo_assets
-from lorafleet.worker.engine import LLMEngine
-from lorafleet.worker.sequence import SamplingParams
+from lorafleet.worker.engine.engine import LLMEngine
+from lorafleet.worker.engine.sequence import SamplingParams
 
 WORKLOADS = {
     "base-only": lambda names: [()] * 8,

@@ -20,7 +20,7 @@ import torch
 from bench.graph_timing import measure_copy_bandwidth
 from bench.kernel_cases import MODULES, Case
 from bench.kernel_runner import run_case
-from lorafleet.kernels import lora_config
+from lorafleet.kernels.lora import config as lora_config
 
 CAPS = (None, 144, 160, 168, 176, 192, None)
 SHAPES = ((64, 64), (64, 48))

@@ -24,6 +24,7 @@ unload-when-idle of a non-admitted adapter happens when its last request on that
 
 from __future__ import annotations
 
+import copy
 import heapq
 import math
 from collections import Counter, OrderedDict, deque
@@ -31,6 +32,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lorafleet.router.scheduling.fleet_index import FleetIndex
+from lorafleet.router.scheduling.indexed import IndexedPolicy
 from lorafleet.router.scheduling.policies import Policy
 from lorafleet.router.scheduling.types import EndpointView, RequestInfo
 
@@ -85,6 +88,7 @@ class Req:
 class Replica:
     name: str
     cfg: SimConfig
+    ident: int = -1  # position in the fleet (and id in the FleetIndex)
     cpu: OrderedDict[str, None] = field(default_factory=OrderedDict)
     gpu: OrderedDict[str, None] = field(default_factory=OrderedDict)
     loading: dict[str, list[Req]] = field(default_factory=dict)
@@ -95,11 +99,15 @@ class Replica:
     in_system: Counter[str] = field(default_factory=Counter)  # assigned, not finished
     active: Counter[str] = field(default_factory=Counter)  # running
     transient: set[str] = field(default_factory=set)
+    queued: Counter[str] = field(default_factory=Counter)  # requests in `waiting` per adapter
+    held: int = 0  # requests waiting for a load under way
     step_no: int = 0
     busy: bool = False
     served: int = 0
 
     def view(self) -> EndpointView:
+        """The replica as the gateway's poll would show it (the O(replicas) path builds one per replica
+        per decision; the indexed path keeps a `FleetIndex` in step instead, see `Simulation`)."""
         held = sum(len(v) for v in self.loading.values())
         queued = Counter(r.adapter for r in self.waiting)
         return EndpointView(
@@ -122,21 +130,43 @@ class Replica:
         self.gpu.pop(adapter, None)
         self.transient.discard(adapter)
 
-    def make_cpu_room(self) -> None:
-        """Worker-side LRU eviction (skips adapters with requests assigned)."""
+    def make_cpu_room(self) -> list[str]:
+        """Worker-side LRU eviction (skips adapters with requests assigned); returns the evicted."""
+        evicted = []
         while len(self.cpu) >= self.cfg.cpu_slots:
             victim = next((a for a in self.cpu if self.in_system[a] == 0), None)
             if victim is None:
-                return  # everything busy: over-commit briefly, as a real worker would queue
+                break  # everything busy: over-commit briefly, as a real worker would queue
             self.evict_cpu(victim)
+            evicted.append(victim)
+        return evicted
 
 
 class Simulation:
-    def __init__(self, cfg: SimConfig, policy: Policy, load: float) -> None:
+    """Runs a trace through the replicas. A lorafleet-shaped policy decides on a `FleetIndex` the
+    simulation keeps in step with every replica change (as the gateway's fleet does), the others on
+    a fresh `EndpointView` per replica per request. `check_index`: assert at every decision that the
+    index shows what the views show (tests)."""
+
+    def __init__(self, cfg: SimConfig, policy: Policy, load: float, check_index: bool = False) -> None:
         self.cfg = cfg
         self.policy = policy
         self.load = load
-        self.replicas = [Replica(f"r{i}", cfg) for i in range(cfg.replicas)]
+        self.replicas = [Replica(f"r{i}", cfg, i) for i in range(cfg.replicas)]
+        # check_index: the same policy, unused so far, run the plain way beside the indexed one
+        self.reference = copy.deepcopy(policy) if check_index else None
+        self.index: FleetIndex | None = None
+        self.indexed: IndexedPolicy | None = None
+        try:
+            self.indexed = IndexedPolicy.of(policy)
+        except ValueError:
+            pass
+        if self.indexed is not None:
+            self.index = FleetIndex()
+            for rep in self.replicas:
+                self.index.upsert(
+                    rep.name, BASE, max_loras=cfg.gpu_slots, max_cpu_loras=cfg.cpu_slots, capacity=cfg.max_batch
+                )
         self.events: list[tuple[float, int, str, object]] = []
         self._seq = 0
         self.cold_loads = 0
@@ -144,6 +174,29 @@ class Simulation:
         self.reasons: Counter[str] = Counter()
         self.deferrals = 0
         self.cold_kinds: Counter[str] = Counter()
+
+    # ---- keeping the index in step (no-ops for the policies that read views) ----------------------
+    def _tier(self, idx: int, adapter: str) -> None:
+        if self.index is not None:
+            rep = self.replicas[idx]
+            tier = "gpu" if adapter in rep.gpu else "cpu" if adapter in rep.cpu else None
+            self.index.set_tier(idx, adapter, tier)
+
+    def _flags(self, idx: int, adapter: str) -> None:
+        if self.index is not None:
+            rep = self.replicas[idx]
+            self.index.set_active(idx, adapter, rep.active[adapter] > 0)
+            self.index.set_waiting_adapter(idx, adapter, rep.queued[adapter] > 0 or adapter in rep.loading)
+
+    def _counts(self, idx: int) -> None:
+        if self.index is not None:
+            rep = self.replicas[idx]
+            queued = len(rep.waiting) + rep.held
+            self.index.set_counts(idx, len(rep.running), queued, len(rep.running) + queued)
+
+    def _evict(self, idx: int, adapter: str) -> None:
+        self.replicas[idx].evict_cpu(adapter)
+        self._tier(idx, adapter)
 
     def push(self, t: float, kind: str, payload: object) -> None:
         self._seq += 1
@@ -182,40 +235,73 @@ class Simulation:
             "last_arrival_s": trace[-1].t_arrival,
         }
 
+    def decide(self, req: Req):
+        info = RequestInfo(BASE, (req.adapter,))
+        if self.indexed is None:
+            return self.policy.schedule(info, [r.view() for r in self.replicas])
+        assert self.index is not None
+        decision = self.indexed.schedule(info, self.index)
+        if self.reference is not None:
+            views = [r.view() for r in self.replicas]
+            assert self.index.views() == views, "the index and the replicas disagree"
+            want = self.reference.schedule(info, views)
+            assert (decision.endpoint, decision.reason, decision.needs_load, decision.admission) == (
+                want.endpoint, want.reason, want.needs_load, want.admission
+            ), "the indexed decision differs from Policy.schedule's"
+        return decision
+
     def arrive(self, t: float, req: Req, measured: bool) -> None:
-        decision = self.policy.schedule(RequestInfo(BASE, (req.adapter,)), [r.view() for r in self.replicas])
+        decision = self.decide(req)
         self.reasons[decision.reason] += 1
         idx = int(decision.endpoint.name[1:])
         rep = self.replicas[idx]
         req.replica = idx
         for victim in decision.admission.unload_before:
             if rep.in_system[victim] == 0:
-                rep.evict_cpu(victim)
+                self._evict(idx, victim)
         rep.in_system[req.adapter] += 1
         a = req.adapter
         if a in rep.loading:
             rep.loading[a].append(req)
+            rep.held += 1
+            self._counts(idx)
             return
         if a in rep.cpu:
             rep.cpu.move_to_end(a)
             rep.waiting.append(req)
+            rep.queued[a] += 1
+            self._flags(idx, a)
+            self._counts(idx)
             self.kick(t, rep)
             return
         self.cold_loads += 1
         self.cold_loads_measured += measured
         if measured:
-            elsewhere = any(a in r.cpu for r in self.replicas)
+            if self.index is not None:
+                elsewhere = bool(self.index.holders.get(a))
+            else:
+                elsewhere = any(a in r.cpu for r in self.replicas)
             self.cold_kinds["spill" if elsewhere else "absent"] += 1
-        rep.make_cpu_room()
+        for victim in rep.make_cpu_room():
+            self._tier(idx, victim)
         rep.cpu[a] = None
+        self._tier(idx, a)
         if decision.needs_load and not decision.admission.admit:
             rep.transient.add(a)
         rep.loading[a] = [req]
+        rep.held += 1
+        self._flags(idx, a)
+        self._counts(idx)
         self.push(t + self.cfg.disk_load_ms / 1000, "loaded", (idx, a))
 
     def loaded(self, t: float, idx: int, adapter: str) -> None:
         rep = self.replicas[idx]
-        rep.waiting.extend(rep.loading.pop(adapter))
+        reqs = rep.loading.pop(adapter)
+        rep.waiting.extend(reqs)
+        rep.held -= len(reqs)
+        rep.queued[adapter] += len(reqs)
+        self._flags(idx, adapter)
+        self._counts(idx)
         self.kick(t, rep)
 
     def kick(self, t: float, rep: Replica) -> None:
@@ -243,17 +329,24 @@ class Simulation:
                     if victim is None:
                         break
                     del rep.gpu[victim]
+                    self._tier(rep.ident, victim)
                 rep.gpu[a] = None
+                self._tier(rep.ident, a)
             rep.gpu.move_to_end(a)
             rep.active[a] += 1
+            rep.queued[a] -= 1
             admitted.append(req)
         skipped.extend(rep.waiting)
         rep.waiting = skipped
+        for req in admitted:
+            rep.running[req.rid] = req
+        if self.index is not None:
+            for a in {req.adapter for req in admitted}:
+                self._flags(rep.ident, a)
+            self._counts(rep.ident)
         if not admitted and not rep.running:
             rep.busy = False
             return
-        for req in admitted:
-            rep.running[req.rid] = req
         rep.admitted_this_step = admitted
         rep.busy = True
         dt = cfg.step_ms(len(rep.running), len(admitted), gpu_loads) / 1000
@@ -274,9 +367,10 @@ class Simulation:
             rep.active[a] -= 1
             if rep.active[a] == 0:
                 del rep.active[a]
+                self._flags(rep.ident, a)
             rep.in_system[a] -= 1
             if rep.in_system[a] == 0:
                 del rep.in_system[a]
                 if a in rep.transient:
-                    rep.evict_cpu(a)
+                    self._evict(rep.ident, a)
         self.step_start(t, rep)

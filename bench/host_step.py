@@ -25,10 +25,10 @@ import torch
 
 from bench.engine_build import TINY_SHAPE, random_adapter, random_weights
 from lorafleet.worker.config import EngineConfig, ModelConfig
-from lorafleet.worker.cuda_graphs import DecodeOutput
 from lorafleet.worker.demo_assets import build_tokenizer
-from lorafleet.worker.engine import LLMEngine
-from lorafleet.worker.sequence import SamplingParams
+from lorafleet.worker.engine.cuda_graphs import DecodeOutput
+from lorafleet.worker.engine.engine import LLMEngine
+from lorafleet.worker.engine.sequence import SamplingParams
 
 
 def stub_engine(batch: int, adapters: int) -> LLMEngine:

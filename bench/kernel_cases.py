@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from bench.graph_timing import DEVICE, L2_FLUSH_BYTES
-from lorafleet.kernels.lora_meta import LoraMeta, build_lora_meta
-from lorafleet.kernels.lora_ops import new_lora_b
-from lorafleet.worker.cuda_graphs import chunk_class
+from lorafleet.kernels.lora.meta import LoraMeta, build_lora_meta
+from lorafleet.kernels.lora.operands import new_lora_b
+from lorafleet.worker.engine.cuda_graphs import chunk_class
 
 HIDDEN, KV, MLP = 4096, 1024, 14336
 MODULES: dict[str, tuple[int, list[int]]] = {

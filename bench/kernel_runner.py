@@ -35,11 +35,11 @@ from bench.kernel_cases import (
     case_meta,
     make_case_inputs,
 )
-from lorafleet.kernels.lora_config import LoraKernelConfig
-from lorafleet.kernels.lora_meta import LoraMeta
-from lorafleet.kernels.lora_ops import add_lora
+from lorafleet.kernels.lora.config import LoraKernelConfig
+from lorafleet.kernels.lora.launch import add_lora_triton
+from lorafleet.kernels.lora.meta import LoraMeta
+from lorafleet.kernels.lora.ops import add_lora
 from lorafleet.kernels.pdl import pdl_supported
-from lorafleet.kernels.triton_lora import add_lora_triton
 
 
 def gather_bmm(inp: Inputs, slots_dev: torch.Tensor, scales_dev: torch.Tensor) -> None:

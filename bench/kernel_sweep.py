@@ -9,7 +9,7 @@ import torch
 
 from bench.kernel_cases import MODULES, Case, case_meta, case_token_slots
 from bench.kernel_runner import run_case
-from lorafleet.kernels.lora_config import config_for_meta, with_expand_tiles
+from lorafleet.kernels.lora.config import config_for_meta, with_expand_tiles
 
 SWEEP_CASES = [(16, 1), (64, 8), (64, 64), (256, 128)]
 

@@ -27,7 +27,7 @@ import torch
 from bench.graph_timing import measure_copy_bandwidth
 from bench.kernel_cases import MODULES, case_meta, case_token_slots, main_cases, parse_cases
 from bench.kernel_runner import run_case
-from lorafleet.kernels import lora_config
+from lorafleet.kernels.lora import config as lora_config
 
 
 def parse_setting(text: str) -> object:
@@ -95,7 +95,7 @@ def run(knob: str, settings: dict[str, object], args: argparse.Namespace,
 def parser(description: str, out: str, settings: str | None = None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=description)
     if settings is None:
-        ap.add_argument("--knob", required=True, help="a module-level name in lorafleet.kernels.lora_config")
+        ap.add_argument("--knob", required=True, help="a module-level name in lorafleet.kernels.lora.config")
         ap.add_argument("--settings", required=True, help="comma-separated values (Python literals or strings)")
     else:
         ap.add_argument("--settings", default=settings)

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from lorafleet.worker.logits_processors import LogitsProcessors
-from lorafleet.worker.sampling import sample_on_device
-from lorafleet.worker.sequence import SamplingParams, Sequence
+from lorafleet.worker.engine.sequence import SamplingParams, Sequence
+from lorafleet.worker.sampling.logits_processors import LogitsProcessors
+from lorafleet.worker.sampling.sampler import sample_on_device
 
 EDITS = {
     "none": {},

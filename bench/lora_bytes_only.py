@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lorafleet.kernels.triton_lora import LoraLaunch
+from lorafleet.kernels.lora.launch import LoraLaunch
 
 PIECES = 8  # programs a (slot, slice) range
 BLOCK = 4096  # elements a program loads per iteration

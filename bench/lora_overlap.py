@@ -29,11 +29,11 @@ import torch.nn.functional as F
 
 from bench.graph_timing import DEVICE, time_graph
 from bench.kernel_cases import DTYPE, MODULES, Case, make_case_inputs
-from lorafleet.kernels import lora_linear
-from lorafleet.kernels.lora_linear import gemm_sm_carveout, linear_lora_deferred
-from lorafleet.kernels.lora_meta import build_lora_meta
-from lorafleet.kernels.triton_lora import add_lora_triton
-from lorafleet.worker.cuda_graphs import chunk_class
+from lorafleet.kernels.lora import linear as lora_linear
+from lorafleet.kernels.lora.launch import add_lora_triton
+from lorafleet.kernels.lora.linear import gemm_sm_carveout, linear_lora_deferred
+from lorafleet.kernels.lora.meta import build_lora_meta
+from lorafleet.worker.engine.cuda_graphs import chunk_class
 
 
 def fork_join(x: torch.Tensor, out: int, side: torch.cuda.Stream, base) -> torch.Tensor:

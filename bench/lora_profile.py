@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from lorafleet.kernels.lora_config import config_for_meta
-from lorafleet.kernels.triton_lora import launch_expand, launch_shrink, plan_lora_triton
+from lorafleet.kernels.lora.config import config_for_meta
+from lorafleet.kernels.lora.launch import launch_expand, launch_shrink, plan_lora_triton
 
 if __package__ in (None, ""):  # run as a script: make `bench.*` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

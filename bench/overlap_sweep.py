@@ -25,7 +25,10 @@ import torch
 from bench import lora_bytes_only, read_speed_linear
 from bench.engine_build import experiment_engine
 from bench.engine_workload import adapter_sets, decode_run
-from lorafleet.kernels import lora_config, lora_linear, lora_meta, triton_lora
+from lorafleet.kernels.lora import config as lora_config
+from lorafleet.kernels.lora import launch as triton_lora
+from lorafleet.kernels.lora import linear as lora_linear
+from lorafleet.kernels.lora import meta as lora_meta
 from lorafleet.worker.models.llama import LlamaModel
 
 # The fourteenth session's kernel knobs (its 168-register variant below), the fifteenth session's baseline.

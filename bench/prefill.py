@@ -28,8 +28,8 @@ import torch
 
 from bench.engine_build import build_engine
 from bench.engine_workload import fresh_prompt, sync, ttft
-from lorafleet.worker.engine import LLMEngine
-from lorafleet.worker.sequence import SamplingParams
+from lorafleet.worker.engine.engine import LLMEngine
+from lorafleet.worker.engine.sequence import SamplingParams
 
 
 def join(engine: LLMEngine, batch: int, prompt_len: int) -> float:

@@ -21,7 +21,7 @@ import torch
 
 from bench.engine_build import build_engine, register_random_adapters
 from bench.engine_workload import adapter_sets, decode_run
-from lorafleet.worker import cuda_graphs
+from lorafleet.worker.engine import cuda_graphs
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lorafleet.kernels.lora_meta import LoraMeta
+from lorafleet.kernels.lora.meta import LoraMeta
 
 W_BLOCK, W_ITERS = 4096, 4  # a base-weight program reads W_BLOCK * W_ITERS elements (bench/read_bandwidth.py's)
 AD_PIECES, AD_BLOCK = 4, 4096  # programs a (chunk, slice, A or B), elements a load

@@ -12,6 +12,11 @@ mode, in-process placement) in front of it — a load generator (raw HTTP/1.1 ke
 Usage: taskset -c 1 python bench/router_overhead.py [--rate 500] [--seconds 10] [--out bench/results/router_overhead.json]
 (the router on core 0, the load generator and the upstream on core 1: on a two-core machine they
 would otherwise take the router's core).
+
+`--stream`: the streaming data path instead (bench/router_stream.py): router CPU per relayed token
+and per request, TTFT of a burst of simultaneous streams, several router processes; `--compare REF`
+measures git revision REF's router in the same run:
+    taskset -c 1 python bench/router_overhead.py --stream --compare main --processes 1,2
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+if __package__ in (None, ""):  # run as a script: make `bench.*` importable
+    sys.path.insert(0, str(ROOT))
 
 UPSTREAM = """
 import sys
@@ -171,8 +178,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--no-pin", action="store_true", help="do not pin the router to one core")
-    p.add_argument("--out", type=Path, default=ROOT / "bench/results/router_overhead.json")
+    p.add_argument("--out", type=Path, default=None,
+                   help="default bench/results/router_overhead.json (--stream: router_stream.json)")
+    s = p.add_argument_group("--stream")
+    s.add_argument("--stream", action="store_true", help="measure the streaming data path")
+    s.add_argument("--streams", type=int, default=64, help="concurrent streams")
+    s.add_argument("--tokens", type=int, default=256, help="tokens per streamed request")
+    s.add_argument("--interval-ms", type=float, default=8.0, help="the fake worker's time between a stream's tokens")
+    s.add_argument("--burst", type=int, default=64, help="streamed requests sent at once")
+    s.add_argument("--rounds", type=int, default=10)
+    s.add_argument("--burst-tokens", type=int, default=16)
+    s.add_argument("--processes", default="1", help="router process counts to measure, e.g. 1,2")
+    s.add_argument("--compare", metavar="REF[,REF]", help="also measure these git revisions' routers (one process each)")
     args = p.parse_args(argv)
+    if args.stream:
+        return stream_main(args)
+    args.out = args.out or ROOT / "bench/results/router_overhead.json"
 
     up_port, router_port = free_port(), free_port()
     pin = (
@@ -240,6 +261,49 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result, indent=2))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def stream_main(args: argparse.Namespace) -> int:
+    from bench.router_stream import Router, checkout, phases, start_upstream
+
+    out = args.out or ROOT / "bench/results/router_stream.json"
+    up_port = free_port()
+    pinned = shutil.which("taskset") and (os.cpu_count() or 1) > 1 and not args.no_pin
+    upstream = start_upstream(up_port, args.interval_ms, "1" if pinned else None)
+    runs = []
+    try:
+        wait(f"http://127.0.0.1:{up_port}/health")
+        variants = [(ref, checkout(ref), 1) for ref in (args.compare or "").split(",") if ref]
+        variants += [("this tree", None, int(n)) for n in args.processes.split(",") if n]
+        for label, path, processes in variants:
+            cores = ("0" if processes == 1 else f"0-{processes - 1}") if pinned else None
+            router = Router(free_port(), up_port, cores, path, processes)
+            try:
+                wait(f"http://127.0.0.1:{router.port}/ready")
+                res = phases(router, up_port, args, closed_loop)
+            finally:
+                router.close()
+            runs.append({"router": label, "processes": processes, "cores": cores, **res})
+            st, rq, bu = res["stream"], res["requests"], res["burst"]
+            print(f"{label:<22} x{processes}: {st['us_per_token']:6.2f} µs/token ({st['us_per_token_net']:.2f} net) "
+                  f"at {st['tokens_per_s']:,.0f} tok/s, router {st['router_cpu_share']:.0%} CPU; "
+                  f"{rq['ms_per_request']:.4f} ms/request ({rq['req_per_s']:,.0f} req/s); burst of {bu['requests']}: "
+                  f"TTFT p99 +{bu['added_ttft_p99_ms']} ms (p50 +{bu['added_ttft_p50_ms']}), "
+                  f"client CPU {st['client_cpu_share']}, errors {st['errors'] + bu['errors']}", flush=True)
+    finally:
+        upstream.terminate()
+        upstream.wait(timeout=10)
+    result = {
+        "streams": args.streams, "tokens": args.tokens, "interval_ms": args.interval_ms, "seconds": args.seconds,
+        "router_pinned": bool(pinned), "runs": runs, "router_stack": server_stack(),
+        "targets": {"us_per_token": 10.0, "ms_per_request": 0.1, "added_ttft_p99_ms": 5.0},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "note": "router CPU = its processes' user+system time over each phase (psutil); fake worker and client on core 1",
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
     return 0
 
 

@@ -4,7 +4,7 @@ requests at a 100k vocabulary on the H200).
 
 Modes: `sample_on_device(...).read()` for greedy, temperature only, top-k 50, top-p 0.9, top-k 50 with
 top-p 0.9, and min-p 0.05, every row of the batch alike, with each draw (`--draws`: the torch draw,
-which sorts every row for top-p, and kernels/draw_triton.py, which does not). Pieces (the torch ops `worker/sampling.py`
+which sorts every row for top-p, and kernels/sampling/draw_triton.py, which does not). Pieces (the torch ops `worker/sampling/sampler.py`
 runs for top-p): the full sort of each row, a top-k of 50, the running-mass count
 (`_count_cumsum_below`), the softmax over the sorted rows, the exponential noise. Median wall time
 over `--repeats` (device synchronised), host work included.
@@ -26,8 +26,8 @@ from collections.abc import Callable
 import torch
 
 from bench.logit_edits import sampling_step_args
-from lorafleet.worker import sampling
-from lorafleet.worker.sequence import SamplingParams
+from lorafleet.worker.engine.sequence import SamplingParams
+from lorafleet.worker.sampling import sampler as sampling
 
 MODES = {
     "greedy": dict(temperature=0.0),
@@ -72,9 +72,9 @@ SWEEP = [dict(BLOCK=b, NUM_WARPS=w) for b in (2048, 4096, 8192) for w in (16, 32
 
 
 def sweep(logits: torch.Tensor, device: torch.device, repeats: int) -> list[dict]:
-    """kernels/draw_triton.py's kernel alone (noise and top-k floor given) under launch settings
+    """kernels/sampling/draw_triton.py's kernel alone (noise and top-k floor given) under launch settings
     (module globals, restored after)."""
-    from lorafleet.kernels import draw_triton as dt
+    from lorafleet.kernels.sampling import draw_triton as dt
 
     saved = {"BLOCK": dt.BLOCK, "NUM_WARPS": dt.NUM_WARPS}
     n, vocab = logits.shape
@@ -106,7 +106,7 @@ def sweep(logits: torch.Tensor, device: torch.device, repeats: int) -> list[dict
 def main() -> None:
     ap = sampling_step_args(__doc__)
     ap.add_argument("--repeats", type=int, default=50)
-    ap.add_argument("--draws", default="torch,triton", help="worker/sampling.py CUDA_DRAW settings to time")
+    ap.add_argument("--draws", default="torch,triton", help="worker/sampling/sampler.py CUDA_DRAW settings to time")
     ap.add_argument("--sweep", action="store_true", help="also time the Triton draw under launch settings")
     args = ap.parse_args()
     device = torch.device(args.device)

@@ -9,10 +9,10 @@ The seed-shape engine of the one-engine experiments (bench/engine_build.py: rand
 CUDA graphs, async scheduling), base-only batches of `--batch` requests. Three groups of cases:
 
 - sampling: every request with the same knobs: greedy, temperature 0.8, top-k 50, top-p 0.9, top-k
-  50 with top-p 0.9, min-p 0.05, each with each draw of worker/sampling.py (`CUDA_DRAW`: the torch
-  draw sorts every row for top-p; kernels/draw_triton.py does not);
+  50 with top-p 0.9, min-p 0.05, each with each draw of worker/sampling/sampler.py (`CUDA_DRAW`: the torch
+  draw sorts every row for top-p; kernels/sampling/draw_triton.py does not);
 - edits: greedy with logit edits on every request (300 `logit_bias` ids; frequency, presence and
-  repetition penalties), worker/logits_processors.py;
+  repetition penalties), worker/sampling/logits_processors.py;
 - host_tokens: 1, 8 or all of the batch held to a regex that outlasts the run (a grammar's mask
   follows the previous token, so the host must see it first), the rest greedy, the grammars over a
   tokenizer of the model's vocabulary size (`full_vocab_tokenizer`); each with the step's
@@ -39,8 +39,8 @@ import torch
 from bench.engine_build import build_engine, experiment_engine, full_vocab_tokenizer
 from bench.engine_workload import adapter_sets, decode_run
 from bench.sampling_cost import MODES
-from lorafleet.worker import sampling
-from lorafleet.worker.structured import Constraint, Grammars
+from lorafleet.worker.sampling import sampler as sampling
+from lorafleet.worker.sampling.structured import Constraint, Grammars
 
 EDIT_MODES = {
     "logit_bias": dict(temperature=0.0, logit_bias=tuple((t, 1.0) for t in range(10, 3010, 10))),

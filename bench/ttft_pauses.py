@@ -25,7 +25,7 @@ import torch
 
 from bench.engine_build import experiment_engine
 from bench.engine_workload import fresh_prompt, sync
-from lorafleet.worker.sequence import SamplingParams
+from lorafleet.worker.engine.sequence import SamplingParams
 
 
 def first_token(engine, prompt_len: int) -> dict:

@@ -53,8 +53,8 @@ if __package__ in (None, ""):  # run as a script: make `bench.*` importable
 
 from bench import graph_timing
 from bench import kernel_cases as kb
-from lorafleet.kernels.lora_ops import add_lora_reference
-from lorafleet.kernels.triton_lora import add_lora_triton
+from lorafleet.kernels.lora.launch import add_lora_triton
+from lorafleet.kernels.lora.ops import add_lora_reference
 
 VLLM_VERSION = "0.33.0"
 SRC = Path(__file__).resolve().parent / ".vllm"

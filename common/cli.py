@@ -12,13 +12,13 @@ import sys
 
 # subcommand -> (module, one-line help). Each module exposes `main(argv: list[str]) -> int`.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "worker": ("lorafleet.worker.cli", "run a worker: one base model, many LoRA adapters, OpenAI API"),
+    "worker": ("lorafleet.worker.server.cli", "run a worker: one base model, many LoRA adapters, OpenAI API"),
     "router": ("lorafleet.router.cli", "run the adapter-aware router gateway"),
     "operator": ("lorafleet.operator.cli", "run the Kubernetes operator (kopf)"),
     "demo-assets": ("lorafleet.worker.demo_assets", "write a tiny demo model, tokenizer and PEFT adapters"),
     "generate": ("lorafleet.worker.offline", "offline generation with the engine (no server)"),
-    "up": ("lorafleet.local_fleet", "start a local fleet: router + two workers + demo assets"),
-    "adapters": ("lorafleet.local_fleet_adapters", "manage adapters of a local fleet (apply -f FILE)"),
+    "up": ("lorafleet.local.fleet", "start a local fleet: router + two workers + demo assets"),
+    "adapters": ("lorafleet.local.adapters_cli", "manage adapters of a local fleet (apply -f FILE)"),
 }
 
 

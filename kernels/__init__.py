@@ -1,8 +1,6 @@
-"""lorafleet.kernels."""
+"""lorafleet.kernels: the Triton kernels and their torch references, by family (lora/, attention/,
+layers/, sampling/); `envs` holds every environment variable they read."""
 
-import os
+from lorafleet.kernels.envs import interpreting
 
-
-def interpreting() -> bool:
-    """Whether Triton kernels run in its interpreter (TRITON_INTERPRET=1: CPU tests)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+__all__ = ["interpreting"]

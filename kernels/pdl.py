@@ -10,21 +10,21 @@ visible) before they read or write anything. A kernel that calls `release()` let
 behind it be scheduled at once rather than as its programs exit; it changes nothing for a plain
 launch behind it.
 
-Used by the LoRA expand (behind its shrink, kernels/triton_lora.py) and, as `ROW_KERNELS` says
-for each, by the decoder's row kernels (kernels/rms_norm.py, rope_kv.py, silu_mul.py), the paged
+Used by the LoRA expand (behind its shrink, kernels/lora/launch.py) and, as `ROW_KERNELS` says
+for each, by the decoder's row kernels (kernels/layers/rms_norm.py, rope_kv.py, silu_mul.py), the paged
 decode attention and the greedy pick. `LORAFLEET_PDL=0` in the environment turns all of it off.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from lorafleet.kernels import interpreting
+from lorafleet.kernels import envs
+from lorafleet.kernels.envs import interpreting
 
 # Which kernels launch with PDL where it is supported: "always", "with_delta" (only when the
 # kernel adds a LoRA delta from the side stream), or "never". Benchmarks set it, then re-capture the
@@ -41,7 +41,7 @@ ROW_KERNELS: dict[str, str] = {
 @functools.cache
 def pdl_supported(device_index: int) -> bool:
     """Hopper or newer, a Triton that can launch with PDL, and not turned off with LORAFLEET_PDL=0."""
-    if interpreting() or not torch.cuda.is_available() or os.environ.get("LORAFLEET_PDL", "1") == "0":
+    if interpreting() or not torch.cuda.is_available() or not envs.PDL:
         return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions

@@ -9,7 +9,8 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from lorafleet.operator.spec import MODEL_MOUNT, POOL_LABEL, TOKEN_MOUNT, PoolSpec
+from lorafleet.operator.spec import MODEL_MOUNT, POOL_LABEL, TOKEN_MOUNT, PoolSpec, model_dir
+from lorafleet.operator.vllm_pods import vllm_pod_template, vllm_service_ports
 
 TOKEN_KEY = "token"
 # The worker image's user (docker/worker.Dockerfile). The token Secret's files are group-readable
@@ -30,21 +31,6 @@ def labels(pool: PoolSpec) -> dict[str, str]:
 
 def _meta(pool: PoolSpec, name: str) -> dict[str, Any]:
     return {"name": name, "namespace": pool.namespace, "labels": labels(pool)}
-
-
-def model_dir(pool: PoolSpec) -> str:
-    """The model directory in the worker container.
-
-    With a model claim (mounted at /models), `model.path` is the directory on that volume: a path
-    already under /models is taken as it is (never /models/models/...), any other is relative to
-    the volume's root. Without a claim it is a path in the image, as written.
-    """
-    path = pool.model_path
-    if not pool.model_claim:
-        return path
-    if path == MODEL_MOUNT or path.startswith(MODEL_MOUNT + "/"):
-        return path
-    return f"{MODEL_MOUNT}/{path.lstrip('/')}".rstrip("/")
 
 
 def worker_args(pool: PoolSpec) -> list[str]:
@@ -70,7 +56,8 @@ def worker_args(pool: PoolSpec) -> list[str]:
 
 
 def pod_template(pool: PoolSpec) -> dict[str, Any]:
-    pod = pool.pod
+    if pool.server.kind == "vllm":
+        return with_pod_fields(vllm_pod_template(pool, labels(pool)), pool)
     volumes: list[dict[str, Any]] = [
         {"name": "admin-token", "secret": {"secretName": pool.token_secret, "defaultMode": TOKEN_MODE}},
         {
@@ -106,32 +93,39 @@ def pod_template(pool: PoolSpec) -> dict[str, Any]:
             "failureThreshold": 6,
         },
         "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "failureThreshold": 120},
-        "volumeMounts": mounts + [dict(m) for m in pod.volume_mounts],
-        # Pod Security Standard "restricted" (with the pod's securityContext below).
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": False,
-            "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "volumeMounts": mounts,
     }
-    if pod.env:
-        container["env"] = [dict(e) for e in pod.env]
     if pool.resources:
         container["resources"] = {k: dict(v) for k, v in pool.resources.items()}
     spec: dict[str, Any] = {
         "containers": [container],
-        "volumes": volumes + [dict(v) for v in pod.volumes],
+        "volumes": volumes,
         # In-flight requests finish before the pod goes; the operator drains adapters meanwhile.
         "terminationGracePeriodSeconds": 60,
         "automountServiceAccountToken": False,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": WORKER_UID,
-            "runAsGroup": WORKER_UID,
-            "fsGroup": WORKER_UID,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+    }
+    return with_pod_fields({"metadata": {"labels": labels(pool)}, "spec": spec}, pool)
+
+
+def with_pod_fields(template: dict[str, Any], pool: PoolSpec) -> dict[str, Any]:
+    """A worker pod template (ours or a vLLM one) with Pod Security `restricted` and the pool's
+    pod fields: scheduling, pull secrets, extra env, volumes and mounts."""
+    pod = pool.pod
+    spec = template["spec"]
+    for c in spec["containers"]:
+        c["securityContext"] = {**c.get("securityContext", {}), "allowPrivilegeEscalation": False,
+                                "readOnlyRootFilesystem": False, "runAsNonRoot": True,
+                                "capabilities": {"drop": ["ALL"]}}
+        c["volumeMounts"] = c.get("volumeMounts", []) + [dict(m) for m in pod.volume_mounts]
+        if pod.env:
+            c["env"] = c.get("env", []) + [dict(e) for e in pod.env]
+    spec["volumes"] = spec.get("volumes", []) + [dict(v) for v in pod.volumes]
+    spec["securityContext"] = {
+        "runAsNonRoot": True,
+        "runAsUser": WORKER_UID,
+        "runAsGroup": WORKER_UID,
+        "fsGroup": WORKER_UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
     }
     optional = {
         "nodeSelector": dict(pod.node_selector) if pod.node_selector else None,
@@ -142,7 +136,7 @@ def pod_template(pool: PoolSpec) -> dict[str, Any]:
         "imagePullSecrets": [{"name": n} for n in pod.image_pull_secrets] or None,
     }
     spec |= {k: v for k, v in optional.items() if v is not None}
-    return {"metadata": {"labels": labels(pool)}, "spec": spec}
+    return template
 
 
 def workload(pool: PoolSpec) -> dict[str, Any]:
@@ -170,7 +164,7 @@ def service(pool: PoolSpec) -> dict[str, Any]:
             "clusterIP": "None",
             "selector": pool.selector,
             "publishNotReadyAddresses": False,
-            "ports": [
+            "ports": vllm_service_ports(pool) if pool.server.kind == "vllm" else [
                 {"name": "http", "port": pool.http_port, "targetPort": "http"},
                 {"name": "admin", "port": pool.admin_port, "targetPort": "admin"},
             ],

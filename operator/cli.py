@@ -26,6 +26,7 @@ import logging
 import os
 from typing import Any
 
+from lorafleet.cli_help import finish
 from lorafleet.operator.pool_state import ReconcilerSettings
 
 
@@ -48,8 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--liveness", default=None, metavar="URL",
                    help="serve kopf's health endpoint for a livenessProbe, e.g. http://0.0.0.0:8080/healthz "
                         "(default: none)")
-    p.add_argument("--verbose", "-v", action="store_true")
-    return p
+    p.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+    return finish(p, {
+        "Scope": ["--namespace", "--all-namespaces"],
+        "Placement store": ["--redis-url"],
+        "Reconciling": ["--resync", "--worker-timeout"],
+        "High availability": ["--peering", "--priority", "--liveness"],
+        "Logging": ["--verbose"],
+    }, ("LORAFLEET_REDIS_URL", "POD_NAMESPACE", "HOSTNAME"))
 
 
 def operator_kwargs(args: argparse.Namespace) -> dict[str, Any]:

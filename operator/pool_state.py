@@ -275,10 +275,10 @@ def digest_of(loaded: Mapping[str, set[str]], digests: Mapping[str, str], adapte
     last one a worker reported."""
     if not any(adapter in names for names in loaded.values()):
         return None
-    if target is not None and inventories is not None:
+    if target and inventories is not None:  # "": a server that reports no digests (stock vLLM)
         if any(holds(inv, adapter, target) for inv in inventories.values()):
             return target if target.startswith("sha256:") else f"sha256:{target}"
-    return digests.get(adapter)
+    return digests.get(adapter) or None
 
 
 def status_writes(

@@ -237,7 +237,9 @@ class PoolReconciler(Rollout):
         views = [
             placement.PodView(
                 p.name,
-                self.inventories[p.name].max_cpu_loras if p.name in self.inventories else pool.engine.max_cpu_loras,
+                # vLLM does not report its --max-cpu-loras: the pool's engine spec set it
+                self.inventories[p.name].max_cpu_loras if p.name in self.inventories and pool.server.kind != "vllm"
+                else pool.engine.max_cpu_loras,
                 ready=p.ready,
                 draining=p.draining,
             )

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lorafleet.operator.server_spec import InvalidServer, ServerSpec, parse_server
+
 GROUP = "lorafleet.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -28,10 +30,10 @@ class SpecError(ValueError):
         self.reason = reason
 
 
-# The worker's --tool-call-parser formats (worker/tools.py PARSERS; tests/operator/test_builders.py
+# The worker's --tool-call-parser formats (worker/openai/tools.py PARSERS; tests/operator/test_builders.py
 # checks they agree; the operator does not import the worker).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
-REASONING_PARSERS = ("deepseek_r1", "qwen3")  # the worker's --reasoning-parser (worker/reasoning.py PARSERS)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # the worker's --reasoning-parser (worker/openai/reasoning.py PARSERS)
 
 @dataclass(frozen=True, slots=True)
 class EngineSpec:
@@ -85,6 +87,7 @@ class PoolSpec:
     admin_port: int = 8001
     requests_per_replica: float = 5.0
     max_unavailable: int | str = 1
+    server: ServerSpec = ServerSpec()  # spec.server: our worker, or a stock vLLM (operator/vllm_pods.py)
     pod: PodFields = PodFields()
 
     @property
@@ -202,6 +205,13 @@ def parse_pool(namespace: str, name: str, spec: Mapping[str, Any]) -> PoolSpec:
     mount = str(_str(volume, "mountPath", "/adapters", "spec.adapterVolume."))
     if not mount.startswith("/"):
         raise SpecError("InvalidSpec", f"spec.adapterVolume.mountPath must be absolute, not {mount!r}")
+    try:
+        server = parse_server(spec)
+    except InvalidServer as exc:
+        raise SpecError("InvalidSpec", str(exc)) from None
+    ports_given = dict(ports)
+    if server.kind == "vllm":  # one port: vLLM serves its LoRA endpoints beside generation
+        ports_given["admin"] = _int(ports, "http", 8000, 1, 65535, "spec.ports.")
     pool = PoolSpec(
         namespace=namespace,
         name=name,
@@ -217,12 +227,13 @@ def parse_pool(namespace: str, name: str, spec: Mapping[str, Any]) -> PoolSpec:
         adapter_claim=_str(volume, "claimName", None, "spec.adapterVolume.") or None,
         adapter_mount=mount,
         http_port=_int(ports, "http", 8000, 1, 65535, "spec.ports."),
-        admin_port=_int(ports, "admin", 8001, 1, 65535, "spec.ports."),
+        admin_port=_int(ports_given, "admin", 8001, 1, 65535, "spec.ports."),
         requests_per_replica=float(rate),
         max_unavailable=_max_unavailable(spec.get("maxUnavailable", 1)),
+        server=server,
         pod=parse_pod_fields(spec),
     )
-    if pool.http_port == pool.admin_port:
+    if pool.http_port == pool.admin_port and server.kind != "vllm":
         raise SpecError("InvalidPorts", "ports.http and ports.admin must differ")
     own = {TOKEN_MOUNT, pool.adapter_mount} | ({MODEL_MOUNT} if pool.model_claim else set())
     clash = sorted({str(m["mountPath"]).rstrip("/") for m in pool.pod.volume_mounts} & own)
@@ -335,6 +346,12 @@ def check_against_pool(adapter: AdapterSpec, pool: PoolSpec) -> None:
             "RankTooHigh",
             f"rank {adapter.rank} exceeds pool {pool.name}'s maxLoraRank {pool.engine.max_lora_rank}",
         )
+    if adapter.sha256 is not None and pool.server.kind == "vllm":
+        raise SpecError(
+            "DigestUnverifiable",
+            f"pool {pool.name} runs stock vLLM, which reports no adapter digests: spec.sha256 cannot be "
+            "checked there (remove it, or pin the content by its source path)",
+        )
 
 
 def same_digest(a: str, b: str) -> bool:
@@ -345,3 +362,18 @@ def same_digest(a: str, b: str) -> bool:
 def digest_matches(expected_hex: str | None, reported: str) -> bool:
     """Workers report "sha256:<hex>"; the manifest holds the bare hex (None: anything matches)."""
     return expected_hex is None or same_digest(reported, expected_hex)
+
+
+def model_dir(pool: PoolSpec) -> str:
+    """The model directory in the worker container.
+
+    With a model claim (mounted at /models), `model.path` is the directory on that volume: a path
+    already under /models is taken as it is (never /models/models/...), any other is relative to
+    the volume's root. Without a claim it is a path in the image, as written.
+    """
+    path = pool.model_path
+    if not pool.model_claim:
+        return path
+    if path == MODEL_MOUNT or path.startswith(MODEL_MOUNT + "/"):
+        return path
+    return f"{MODEL_MOUNT}/{path.lstrip('/')}".rstrip("/")

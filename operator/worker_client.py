@@ -21,6 +21,7 @@ from lorafleet.protocol import (
     LoadLoraAdapterRequest,
     UnloadLoraAdapterRequest,
 )
+from lorafleet.vllm_inventory import parse_vllm_metrics, vllm_inventory
 
 RESIDENT_TIERS = ("gpu", "cpu")
 
@@ -110,12 +111,29 @@ class WorkerClient:
 
     async def inventory(self, base_url: str, token: str) -> AdapterInventory:
         response = await self._call("GET", f"{base_url}/v1/adapters", token)
+        if response.status_code == 404:  # no /v1/adapters: a stock vLLM server (LoraPool spec.server)
+            return await self._vllm_inventory(base_url, token)
         if response.status_code != 200:
             raise WorkerUnavailable(f"inventory {base_url}: {response.status_code}")
         try:
             return AdapterInventory.model_validate(response.json())
         except ValueError as exc:  # JSON or schema: not (yet) a worker of ours on that port
             raise WorkerUnavailable(f"inventory {base_url}: not an adapter inventory: {str(exc)[:200]}") from exc
+
+    async def _vllm_inventory(self, base_url: str, token: str) -> AdapterInventory:
+        """What vLLM lists (`lorafleet.vllm_inventory`): its registered adapters are resident."""
+        response = await self._call("GET", f"{base_url}/v1/models", token)
+        if response.status_code != 200:
+            raise WorkerUnavailable(f"inventory {base_url}: no /v1/adapters, /v1/models {response.status_code}")
+        try:
+            page = await self._http.get(f"{base_url}/metrics")
+            metrics = parse_vllm_metrics(page.text) if page.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            metrics = None
+        try:
+            return vllm_inventory(response.json(), metrics)
+        except ValueError as exc:
+            raise WorkerUnavailable(f"inventory {base_url}: not a worker: {str(exc)[:200]}") from exc
 
     async def load(self, base_url: str, token: str, name: str, path: str, inplace: bool = False) -> AdapterInventory:
         """Load `name` from `path`; `inplace` replaces a copy of other content (a new source or

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Annotated, Any
 
-import aiohttp
 import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -33,35 +32,19 @@ from lorafleet.router.discovery import (
     placement_scope,
 )
 from lorafleet.router.fleet import Fleet
+from lorafleet.router.gateway import Gateway
 from lorafleet.router.generate import ProxyRoutes, invalid_method
 from lorafleet.router.loader import AdapterLoader
 from lorafleet.router.metrics import RouterMetrics
 from lorafleet.router.placement import PlacementSync
 from lorafleet.router.proxy import RetryBudget, upstream_session
 from lorafleet.router.ratelimit import RateLimiter
+from lorafleet.router.redis_guard import GuardedPlacementStore, redis_breaker
 from lorafleet.router.scheduling.policies import POLICIES, Policy
 from lorafleet.router.settings import RouterSettings
 from lorafleet.router.tenants import TenantRegistry
 
 log = logging.getLogger("lorafleet.router")
-
-
-@dataclass(slots=True)
-class Gateway:
-    """Everything a request handler needs; built in the lifespan, stored on `app.state.gateway`."""
-
-    settings: RouterSettings
-    http: httpx.AsyncClient  # control calls: inventory polls, loads, unloads, probes
-    upstream: aiohttp.ClientSession  # proxied requests
-    fleet: Fleet
-    sync: PlacementSync
-    loader: AdapterLoader
-    limiter: RateLimiter
-    tenants: TenantRegistry
-    policy: Policy
-    budget: RetryBudget
-    metrics: RouterMetrics
-    catalog: dict[str, str]
 
 
 def error(
@@ -95,7 +78,7 @@ def create_app(settings: RouterSettings, *, store: PlacementStore | None = None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        metrics = RouterMetrics.create()
+        metrics = RouterMetrics.create(tenant_names=settings.metrics_token_file is not None)
         http = httpx.AsyncClient(
             timeout=httpx.Timeout(
                 settings.read_timeout_s, connect=settings.connect_timeout_s, pool=settings.connect_timeout_s
@@ -105,17 +88,21 @@ def create_app(settings: RouterSettings, *, store: PlacementStore | None = None)
             ),
         )
         redis_client = None
+        breaker = None
         placement: PlacementStore
         if store is not None:
             placement = store
         elif settings.redis_url:
             import redis.asyncio as aioredis
 
-            # Short socket timeouts: Redis trouble must cost a request milliseconds, not seconds.
+            # Short socket timeouts: Redis trouble must cost a request milliseconds, not seconds;
+            # the breaker makes a hung Redis cost nothing once it has noticed (redis_guard.py).
             redis_client = aioredis.Redis.from_url(
                 settings.redis_url, socket_timeout=0.25, socket_connect_timeout=0.25, decode_responses=True
             )
-            placement = RedisPlacementStore(redis_client, settings.redis_prefix)
+            breaker = redis_breaker(redis_client, metrics, settings.redis_timeout_s,
+                                    settings.redis_breaker_failures, settings.redis_breaker_cooldown_s)
+            placement = GuardedPlacementStore(RedisPlacementStore(redis_client, settings.redis_prefix), breaker)
         else:
             placement = MemoryPlacementStore()
         if settings.tenants_file is not None:
@@ -157,12 +144,13 @@ def create_app(settings: RouterSettings, *, store: PlacementStore | None = None)
             fleet=fleet,
             sync=sync,
             loader=AdapterLoader(http, sync, metrics, catalog, tokens, settings.load_timeout_s),
-            limiter=RateLimiter(redis_client, metrics, settings.redis_prefix),
+            limiter=RateLimiter(redis_client, metrics, settings.redis_prefix, breaker=breaker),
             tenants=tenants,
             policy=_make_policy(settings),
             budget=RetryBudget(settings.retry_budget_ratio, settings.retry_budget_min_per_s),
             metrics=metrics,
             catalog=catalog,
+            metrics_token=AdminTokens(file=settings.metrics_token_file),
         )
         app.state.gateway = gateway
         with contextlib.suppress(Exception):
@@ -212,12 +200,20 @@ async def health() -> dict[str, str]:
 
 @router.get("/ready")
 async def ready(gw: GatewayDep) -> JSONResponse:
-    up = [v.name for v in gw.fleet.views() if v.healthy and not v.ejected]
+    """Unauthenticated (probes): how many replicas serve, never which (their addresses)."""
+    up = sum(1 for v in gw.fleet.views() if v.healthy and not v.ejected)
     return JSONResponse({"ready": bool(up), "replicas": up}, status_code=200 if up else 503)
 
 
 @router.get("/metrics")
-async def metrics(gw: GatewayDep) -> Response:
+async def metrics(request: Request, gw: GatewayDep) -> Response:
+    if gw.settings.metrics_token_file is not None:
+        expected = gw.metrics_token.for_pool(None)
+        presented = request.headers.get("authorization", "")
+        scheme, _, token = presented.partition(" ")
+        if not expected or scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), expected):
+            return error(401, "/metrics needs the metrics bearer token.", "invalid_request_error",
+                         "invalid_api_key", **{"WWW-Authenticate": "Bearer"})
     return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -239,18 +235,32 @@ async def list_models(request: Request, gw: GatewayDep) -> JSONResponse:
     tenant = gw.tenants.authenticate(request.headers.get("authorization"))
     if tenant is None:
         return error(401, "Invalid API key.", "invalid_request_error", "invalid_api_key")
-    bases = sorted(m for m in gw.fleet.base_models() if tenant.may_use_model(m))
-    adapters = set(gw.catalog)
-    for replica in gw.fleet.replicas.values():
-        adapters.update(a for a in replica.residency() if a not in gw.sync.retired)
-    parent = bases[0] if len(bases) == 1 else None
+    served = gw.fleet.base_models()
+    bases = sorted(m for m in served if tenant.may_use_model(m))
     created = int(time.time())  # the listing's time, as the worker (and vLLM) stamp their model cards
     data: list[dict[str, Any]] = [
         {"id": m, "object": "model", "created": created, "owned_by": "lorafleet"} for m in bases
     ]
-    data += [
-        {"id": a, "object": "model", "created": created, "owned_by": "lorafleet", "parent": parent}
-        for a in sorted(adapters)
-        if tenant.may_use_adapter(a)
-    ]
+    for adapter, parent in sorted(adapter_bases(gw, served).items()):
+        # Listed only where the tenant may use both the adapter and the base it serves on: what a
+        # request for it would be allowed (request_fields.resolve picks the same base).
+        if tenant.may_use_adapter(adapter) and tenant.may_use_model(parent):
+            data.append({"id": adapter, "object": "model", "created": created, "owned_by": "lorafleet",
+                         "parent": parent or None})
     return JSONResponse({"object": "list", "data": data})
+
+
+def adapter_bases(gw: Gateway, served: set[str]) -> dict[str, str]:
+    """Each routable adapter -> the base model it serves on: a replica's holding it, else the
+    fleet's first base (where a catalog adapter would be loaded); "" while no replica has answered."""
+    found: dict[str, str] = {}
+    for replica in gw.fleet.replicas.values():
+        if replica.inventory is None:
+            continue
+        for a in replica.residency():
+            if a not in gw.sync.retired:
+                found.setdefault(a, replica.inventory.model)
+    fallback = min(served) if served else ""
+    for a in gw.catalog:
+        found.setdefault(a, fallback)
+    return found

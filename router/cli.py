@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 from pathlib import Path
 from types import MappingProxyType
 
 from lorafleet.cli import lora_module_arg
+from lorafleet.cli_help import finish
+from lorafleet.connection_guard import add_connection_flags, limits_from_args, uvicorn_config
 from lorafleet.protocol import MAX_N
 from lorafleet.router.discovery import parse_worker
 from lorafleet.router.scheduling.policies import POLICIES
 from lorafleet.router.settings import RouterSettings
-from lorafleet.router.tenants import hash_api_key
+from lorafleet.router.tenants import TenantRegistry, hash_api_key
 
 
 def parse_lora_modules(items: list[str]) -> dict[str, str]:
@@ -25,8 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lorafleet router", description="Adapter-aware router gateway (OpenAI API)."
     )
-    p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--host", default=d.host, help="bind address")
+    p.add_argument("--port", type=int, default=d.port, help="port of the OpenAI API, /metrics and probes")
     p.add_argument(
         "--worker",
         action="append",
@@ -35,8 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="worker base URL (repeat); static discovery. admin=: its admin API when the worker runs with "
         "--admin-port (default: the same URL); pool=: its LoraPool, picks the token in --admin-token-dir",
     )
-    p.add_argument("--discovery", choices=["static", "kubernetes"], default=d.discovery)
-    p.add_argument("--k8s-namespace", default=d.k8s_namespace)
+    p.add_argument("--discovery", choices=["static", "kubernetes"], default=d.discovery,
+                   help="static: the --worker list; kubernetes: the worker pods matching --k8s-selector")
+    p.add_argument("--k8s-namespace", default=d.k8s_namespace, help="namespace of the worker pods")
     p.add_argument("--k8s-selector", default=d.k8s_selector, help="label selector of the worker pods")
     p.add_argument("--k8s-port", type=int, default=d.k8s_port, help="the workers' public API port")
     p.add_argument(
@@ -46,16 +50,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="the workers' admin API port (default: the pod's container port named `admin`, else --k8s-port)",
     )
     p.add_argument(
-        "--redis-url", default=None, help="shared placement state and tenant limits; none: in-process"
+        "--redis-url", default=None, help="shared placement state and tenant limits (default: none, in-process)"
     )
+    p.add_argument("--redis-timeout", type=float, default=d.redis_timeout_s,
+                   help="seconds a request waits on one Redis call (background calls: 5x)")
+    p.add_argument("--redis-breaker-failures", type=int, default=d.redis_breaker_failures,
+                   help="Redis failures in a row that open the circuit breaker (requests then skip Redis)")
+    p.add_argument("--redis-breaker-cooldown", type=float, default=d.redis_breaker_cooldown_s,
+                   help="seconds between background pings while the breaker is open")
     p.add_argument(
         "--tenants-file",
         type=Path,
         default=None,
-        help="YAML/JSON tenants with hashed API keys; none: open mode",
+        help="YAML/JSON tenants with hashed API keys (default: none, open mode)",
     )
     p.add_argument(
-        "--lora-modules", nargs="*", default=[], metavar="NAME=PATH", help="adapter catalog (static mode)"
+        "--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
+        help="adapter catalog: where a worker loads each adapter from (static mode)"
     )
     p.add_argument(
         "--admin-token-file",
@@ -71,24 +82,59 @@ def build_parser() -> argparse.ArgumentParser:
         help="one token file per LoraPool, named by the pool (mounted `<pool>-admin-token` Secrets); "
         "re-read when they change",
     )
-    p.add_argument("--policy", choices=sorted(POLICIES), default=d.policy)
+    p.add_argument(
+        "--metrics-token-file",
+        type=Path,
+        default=None,
+        help="bearer token /metrics requires (Prometheus: authorization.credentials_file); with it tenant "
+        "labels are names, without it /metrics is open and tenants appear as opaque t-… labels",
+    )
+    p.add_argument(
+        "--tenant-labels",
+        action="store_true",
+        help="print each tenant of --tenants-file with its opaque /metrics label, then exit",
+    )
+    p.add_argument("--policy", choices=sorted(POLICIES), default=d.policy,
+                   help="scheduling policy (lorafleet: adapter affinity, load and cache admission)")
     p.add_argument(
         "--poll-interval", type=float, default=d.poll_interval_s, help="seconds between inventory polls"
     )
     p.add_argument(
         "--load-timeout", type=float, default=d.load_timeout_s, help="seconds a request waits for a cold load"
     )
-    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
-    p.add_argument("--max-tokens-cap", type=int, default=d.max_tokens_cap)
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help="largest request body accepted (else 413)")
+    p.add_argument("--max-tokens-cap", type=int, default=d.max_tokens_cap,
+                   help="largest max_tokens a request may ask for")
     p.add_argument("--max-n", type=int, default=d.max_n,
                    help=f"most choices (`n`) per prompt a request may ask for (default {d.max_n}, the worker's limit)")
-    p.add_argument("--log-level", default="info")
+    add_connection_flags(p, d.connection_limits)
+    p.add_argument("--log-level", default="info", help="debug, info, warning or error")
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="router processes sharing the port (SO_REUSEPORT), one per core; state is shared only "
+        "through --redis-url (router/processes.py)",
+    )
     p.add_argument(
         "--hash-api-key",
         action="store_true",
         help="read an API key on stdin, print its sha256 for a tenants file",
     )
-    return p
+    return finish(p, {
+        "Server": ["--host", "--port", "--log-level"],
+        "Workers and discovery": ["--worker", "--discovery", "--k8s-namespace", "--k8s-selector", "--k8s-port",
+                                  "--k8s-admin-port", "--lora-modules", "--admin-token-file", "--admin-token-dir",
+                                  "--poll-interval", "--load-timeout"],
+        "Placement store and limits (Redis)": ["--redis-url", "--redis-timeout", "--redis-breaker-failures",
+                                               "--redis-breaker-cooldown"],
+        "Tenants and access": ["--tenants-file", "--metrics-token-file", "--tenant-labels", "--hash-api-key"],
+        "Routing": ["--policy"],
+        "Request limits": ["--max-body-bytes", "--max-tokens-cap", "--max-n"],
+        "Client connections": ["--header-timeout", "--body-timeout", "--keep-alive-timeout",
+                               "--max-client-connections", "--max-server-connections"],
+    })
 
 
 def settings_from_args(args: argparse.Namespace) -> RouterSettings:
@@ -97,6 +143,8 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         parse_worker(w)
     if args.admin_token_file is not None:
         args.admin_token_file.read_text()  # fail at start-up, not at the first cold load
+    if args.metrics_token_file is not None and not args.metrics_token_file.read_text().strip():
+        raise ValueError(f"--metrics-token-file {args.metrics_token_file}: the file is empty")
     if args.admin_token_dir is not None and not args.admin_token_dir.is_dir():
         raise NotADirectoryError(f"--admin-token-dir {args.admin_token_dir}: not a directory")
     if not 1 <= args.max_n <= MAX_N:
@@ -111,16 +159,21 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         k8s_port=args.k8s_port,
         k8s_admin_port=args.k8s_admin_port,
         redis_url=args.redis_url,
+        redis_timeout_s=args.redis_timeout,
+        redis_breaker_failures=args.redis_breaker_failures,
+        redis_breaker_cooldown_s=args.redis_breaker_cooldown,
         tenants_file=args.tenants_file,
         lora_modules=MappingProxyType(parse_lora_modules(args.lora_modules)),
         admin_token_file=args.admin_token_file,
         admin_token_dir=args.admin_token_dir,
+        metrics_token_file=args.metrics_token_file,
         policy=args.policy,
         poll_interval_s=args.poll_interval,
         load_timeout_s=args.load_timeout,
         max_body_bytes=args.max_body_bytes,
         max_tokens_cap=args.max_tokens_cap,
         max_n=args.max_n,
+        connection_limits=limits_from_args(args),
     )
 
 
@@ -128,6 +181,13 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.hash_api_key:
         print(hash_api_key(sys.stdin.readline()))
+        return 0
+    if args.tenant_labels:
+        if args.tenants_file is None:
+            print("lorafleet router: --tenant-labels needs --tenants-file", file=sys.stderr)
+            return 2
+        for name, label in sorted(TenantRegistry.from_file(args.tenants_file).labels().items()):
+            print(f"{label}\t{name}")
         return 0
     try:
         settings = settings_from_args(args)
@@ -137,23 +197,41 @@ def main(argv: list[str]) -> int:
     if settings.discovery == "static" and not settings.workers:
         print("lorafleet router: static discovery needs at least one --worker URL", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    if args.processes < 1:
+        print("lorafleet router: --processes must be at least 1", file=sys.stderr)
+        return 2
     if settings.tenants_file is None:
         print(
             "lorafleet router: no --tenants-file given: running OPEN (no API keys) — local use only",
             file=sys.stderr,
         )
+    if args.processes > 1:
+        from functools import partial
+
+        from lorafleet.router.processes import run_processes
+
+        if settings.redis_url is None:
+            print(
+                f"lorafleet router: {args.processes} processes without --redis-url: each has its own "
+                "placement view and tenant limits (a tenant gets that many times its limit)",
+                file=sys.stderr,
+            )
+        return run_processes(args.processes, settings.host, settings.port, partial(serve, argv))
+    serve(argv, None)
+    return 0
+
+
+def serve(argv: list[str], sock: socket.socket | None) -> None:
+    """One router process: on `sock` (a `--processes` child's SO_REUSEPORT socket), else on --host/--port."""
+    args = build_parser().parse_args(argv)
+    settings = settings_from_args(args)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     import uvicorn
 
     from lorafleet.router.api import create_app
 
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level=args.log_level,
-        access_log=False,
-    )
-    return 0
+    config = uvicorn_config(create_app(settings), settings.host, settings.port, settings.connection_limits,
+                            log_level=args.log_level, access_log=False)
+    uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from lorafleet.protocol import AdapterInventory
 from lorafleet.router.discovery import Endpoint
 from lorafleet.router.scheduling.types import EndpointView
+from lorafleet.vllm_inventory import VllmLimits
 
 POLL_TIMEOUTS_UNREACHABLE = 3
 
@@ -25,6 +26,8 @@ class Replica:
     url: str  # public API
     admin_url: str = ""  # admin API (inventory, load/unload); "" means the public URL
     pool: str | None = None  # LoraPool: picks the admin token
+    kind: str | None = None  # "lorafleet" | "vllm" (router/worker_kinds.py); None until probed
+    limits: VllmLimits = field(default_factory=VllmLimits)  # a vLLM replica's flags its metrics lack
     inventory: AdapterInventory | None = None
     polled_at: float = 0.0
     reachable: bool = False  # last poll answered (or a request just succeeded)
@@ -126,11 +129,12 @@ class Fleet:
         wanted = {e.name: e for e in endpoints}
         for name, r in list(self.replicas.items()):
             e = wanted.get(name)
-            if e is None or (r.url, r.admin_url, r.pool) != (e.url, e.admin_url, e.pool):
+            if e is None or (r.url, r.admin_url, r.pool) != (e.url, e.admin_url, e.pool) or (
+                    e.kind is not None and e.kind != r.kind):
                 del self.replicas[name]
         for name, e in wanted.items():
             if name not in self.replicas:
-                self.replicas[name] = Replica(name, e.url, e.admin_url, e.pool)
+                self.replicas[name] = Replica(name, e.url, e.admin_url, e.pool, kind=e.kind, limits=e.limits)
 
     def views(self, exclude: Iterable[str] = ()) -> list[EndpointView]:
         now = self.clock()

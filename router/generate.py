@@ -46,9 +46,11 @@ from lorafleet.router.ratelimit import Lease, Limited
 from lorafleet.router.request_fields import UnknownModel, check_fields, resolve
 from lorafleet.router.scheduling.types import Decision, NoEndpoint, RequestInfo
 from lorafleet.router.tenants import Tenant
+from lorafleet.router.upstream import Aborted
+from lorafleet.router.worker_kinds import replicas_of_kind, request_body, request_headers, vllm_can_serve
 
 if TYPE_CHECKING:
-    from lorafleet.router.api import Gateway
+    from lorafleet.router.gateway import Gateway
 
 log = logging.getLogger("lorafleet.router")
 
@@ -239,7 +241,7 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
     try:
         lease = await gw.limiter.acquire(tenant)
     except Limited as exc:
-        gw.metrics.requests.labels(tenant.name, adapter_label, "429").inc()
+        gw.metrics.requests.labels(gw.metrics.tenant(tenant), adapter_label, "429").inc()
         return await respond_error(
             send,
             429,
@@ -255,6 +257,8 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
     path = scope["path"]
     # In a fleet of mixed workers, those taking fewer adapters per request than this one names.
     excluded: set[str] = gw.fleet.too_narrow(len(adapters)) if len(adapters) > 1 else set()
+    if not vllm_can_serve(payload):  # a composition vLLM has no field for
+        excluded |= replicas_of_kind(gw.fleet.replicas.values(), "vllm")
     # Adapters a worker was started with that the catalog lacks: no cold load can place them.
     unloadable = [a for a in adapters if not gw.loader.can_load(a)]
     waited = 0.0  # load waits and upstream time are not the router's own latency
@@ -278,13 +282,14 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
             claim(replica, adapters)
             t0 = time.perf_counter()
             try:
-                await unless_gone(prepare(gw, replica, decision, adapters), gone)
+                if decision.needs_load or replica.loading:
+                    await unless_gone(prepare(gw, replica, decision, adapters), gone)
                 headers = upstream_headers(scope["headers"], {HEADER_TENANT: tenant.name})
+                headers.update(request_headers(replica.kind, gw.sync.tokens.headers(replica.pool)))
                 url = replica.url + path
-                upstream = await unless_gone(
-                    send_once(gw.upstream, url, body, headers, stream, adapters), gone
-                )
-            except ClientGone:
+                sent = request_body(replica.kind, payload, body, adapters)
+                upstream = await send_once(gw.upstream, url, sent, headers, stream, adapters, gone)
+            except (ClientGone, Aborted):
                 return await finish(gw, replica, adapters, lease, tenant, adapter_label, CLIENT_GONE)
             except (LoadFailed, UpstreamFailed) as exc:
                 waited += time.perf_counter() - t0
@@ -322,11 +327,11 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
             if upstream.response is None:
                 await finish(gw, replica, adapters, lease, tenant, adapter_label, status)
                 return await respond(send, upstream.status, upstream.body, out_headers)
-            try:
-                await unless_gone(relay(send, upstream, out_headers, path == "/v1/responses"), gone)
+            try:  # a client that leaves closes the exchange (send_once's `gone`): Aborted
+                await relay(send, upstream, out_headers, path == "/v1/responses")
             except (StreamBroken, OSError):  # upstream broke (the client got an SSE error) or send failed
                 status = "stream_error"
-            except ClientGone:
+            except Aborted:
                 status = CLIENT_GONE
             finally:
                 upstream.response.close()  # mid-stream, this makes the worker abort
@@ -335,7 +340,7 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
     finally:
         gone.cancel()
     await lease.release()
-    gw.metrics.requests.labels(tenant.name, adapter_label, "503").inc()
+    gw.metrics.requests.labels(gw.metrics.tenant(tenant), adapter_label, "503").inc()
     await respond_error(
         send,
         503,
@@ -346,7 +351,8 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
 
 
 async def relay(send: Send, upstream: Upstream, headers: list[tuple[bytes, bytes]], responses_api: bool) -> None:
-    """A streamed answer to the client, chunk by chunk as the worker sends it."""
+    """A streamed answer to the client, chunk by chunk as the worker sends it: the bytes as they
+    came, each read's worth in one ASGI message (no parsing, no re-encoding)."""
     assert upstream.response is not None
     if not upstream.content_type:
         headers.append((b"content-type", b"text/event-stream"))
@@ -405,4 +411,4 @@ async def finish(
 ) -> None:
     release(gw, replica, adapters)
     await lease.release()
-    gw.metrics.requests.labels(tenant.name, adapter_label, status).inc()
+    gw.metrics.requests.labels(gw.metrics.tenant(tenant), adapter_label, status).inc()

@@ -17,6 +17,7 @@ from lorafleet.router.admin_tokens import AdminTokens
 from lorafleet.router.fleet import Replica
 from lorafleet.router.metrics import RouterMetrics
 from lorafleet.router.placement import PlacementSync
+from lorafleet.router.worker_kinds import still_listed
 
 log = logging.getLogger("lorafleet.router")
 
@@ -24,10 +25,15 @@ log = logging.getLogger("lorafleet.router")
 class LoadFailed(Exception):
     """A load that did not happen. Only `replica_fault` says anything about the replica's health
     (its admin API unreachable, a connection broken, a 5xx); an adapter it refuses, one the
-    catalog lacks, or a load slower than the wait is the adapter's or the load's, not the replica's."""
+    catalog lacks, or a load slower than the wait is the adapter's or the load's, not the replica's.
 
-    def __init__(self, message: str, unreachable: bool = False, replica_fault: bool = False) -> None:
+    The message reaches clients (in the router's 503): it never carries the worker's error text,
+    which names the adapter's files; `detail` has that, for the router's log only."""
+
+    def __init__(self, message: str, unreachable: bool = False, replica_fault: bool = False,
+                 detail: str = "") -> None:
         super().__init__(message)
+        self.detail = detail or message
         self.unreachable = unreachable
         self.replica_fault = replica_fault or unreachable
 
@@ -97,13 +103,14 @@ class AdapterLoader:
             except httpx.HTTPError as exc:
                 slow = isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout)
                 raise LoadFailed(
-                    f"load on {replica.name}: {exc!r}", unreachable=isinstance(exc, httpx.ConnectError),
-                    replica_fault=not slow,
+                    f"load on {replica.name}: {type(exc).__name__}", unreachable=isinstance(exc, httpx.ConnectError),
+                    replica_fault=not slow, detail=f"load on {replica.name}: {exc!r}",
                 ) from exc
             if resp.status_code != 200 and not (resp.status_code == 400 and "already" in resp.text.lower()):
                 raise LoadFailed(
-                    f"load of {name!r} on {replica.name}: HTTP {resp.status_code} {resp.text[:200]}",
+                    f"load of {name!r} on {replica.name}: HTTP {resp.status_code}{_reason(resp)}",
                     replica_fault=resp.status_code >= 500,
+                    detail=f"load of {name!r} on {replica.name}: HTTP {resp.status_code} {resp.text[:200]}",
                 )
             await self.sync.write_through(replica, name, "cpu")
             future.set_result(None)
@@ -115,8 +122,9 @@ class AdapterLoader:
         except Exception as exc:
             replica.transient.discard(name)  # not loaded: nothing of this load's to unload later
             self.metrics.load_failures.labels(replica.name).inc()
-            log.warning("%s", exc)
-            future.set_exception(exc if isinstance(exc, LoadFailed) else LoadFailed(repr(exc)))
+            log.warning("%s", exc.detail if isinstance(exc, LoadFailed) else repr(exc))
+            future.set_exception(exc if isinstance(exc, LoadFailed) else LoadFailed(
+                f"load of {name!r} on {replica.name} failed ({type(exc).__name__})", detail=repr(exc)))
             future.exception()  # mark retrieved: waiters may have timed out already
         finally:
             replica.loading.pop(name, None)
@@ -145,6 +153,10 @@ class AdapterLoader:
                 )
             except httpx.HTTPError:
                 return
+            if resp.status_code == 200 and replica.kind == "vllm" and await still_listed(
+                    self.http, replica.admin_url, self.tokens.headers(replica.pool), name):
+                log.warning("unload of %r on %s answered 200 but vLLM still lists it", name, replica.name)
+                return  # the next poll shows it resident again
             if resp.status_code in (200, 404):
                 self.metrics.unloads.labels(replica.name).inc()
                 await self.sync.write_through(replica, name, None)
@@ -152,3 +164,13 @@ class AdapterLoader:
             done.set_result(None)
             if replica.unloading.get(name) is done:
                 del replica.unloading[name]
+
+
+def _reason(resp: httpx.Response) -> str:
+    """The worker's machine-readable refusal reason (`error.reason`, e.g. `path_outside_root`), safe
+    to show; its message is not (it names files)."""
+    try:
+        reason = resp.json()["error"].get("reason")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return ""
+    return f" ({reason})" if isinstance(reason, str) and reason.isidentifier() else ""

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from lorafleet.router.tenants import Tenant
+
 _LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
@@ -25,9 +27,17 @@ class RouterMetrics:
     store_resyncs: Counter
     ratelimit_fail_open: Counter
     ratelimited: Counter
+    breaker_open: Gauge
+    breaker_transitions: Counter
+    # Tenant labels: names only where /metrics needs a token (--metrics-token-file), else the
+    # tenant's opaque `label`, so an unauthenticated scrape learns no tenant names.
+    tenant_names: bool = False
+
+    def tenant(self, tenant: Tenant) -> str:
+        return tenant.name if self.tenant_names or not tenant.label else tenant.label
 
     @classmethod
-    def create(cls) -> RouterMetrics:
+    def create(cls, tenant_names: bool = False) -> RouterMetrics:
         r = CollectorRegistry()
         p = "lorafleet_router_"
         return cls(
@@ -35,7 +45,7 @@ class RouterMetrics:
             # Adapter names are a label: bounded by the catalog, which the operator bounds.
             requests=Counter(
                 p + "requests",
-                "Requests by tenant, adapter and status",
+                "Requests by tenant (name, or opaque label without --metrics-token-file), adapter and status",
                 ["tenant", "adapter", "status"],
                 registry=r,
             ),
@@ -83,4 +93,16 @@ class RouterMetrics:
             ratelimited=Counter(
                 p + "ratelimited", "Requests refused by a tenant limit", ["tenant", "limit"], registry=r
             ),
+            breaker_open=Gauge(
+                p + "placement_store_breaker_open",
+                "1 while the Redis circuit breaker is open (Redis calls skipped, local fallbacks used)",
+                registry=r,
+            ),
+            breaker_transitions=Counter(
+                p + "placement_store_breaker_transitions",
+                "Redis circuit breaker state changes, by the state entered",
+                ["state"],
+                registry=r,
+            ),
+            tenant_names=tenant_names,
         )

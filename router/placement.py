@@ -17,11 +17,11 @@ from collections.abc import Mapping
 import httpx
 
 from lorafleet.placement_store import PlacementStore, in_scope, replica_key, residency_of
-from lorafleet.protocol import AdapterInventory
 from lorafleet.router.admin_tokens import AdminTokens
 from lorafleet.router.discovery import Discovery
 from lorafleet.router.fleet import Fleet, Replica
 from lorafleet.router.metrics import RouterMetrics
+from lorafleet.router.worker_kinds import detect_kind, fetch_inventory
 
 log = logging.getLogger("lorafleet.router")
 
@@ -78,12 +78,12 @@ class PlacementSync:
 
     async def _poll(self, replica: Replica) -> None:
         started = self.fleet.clock()
+        headers = self.tokens.headers(replica.pool)
         try:
-            resp = await self.http.get(
-                f"{replica.admin_url}/v1/adapters", headers=self.tokens.headers(replica.pool), timeout=2.0
-            )
-            resp.raise_for_status()
-            replica.apply_poll(AdapterInventory.model_validate(resp.json()), started)
+            if replica.kind is None:  # a bare URL: probed once, the answer kept
+                replica.kind = await detect_kind(self.http, replica.admin_url, headers)
+            inventory = await fetch_inventory(self.http, replica.kind, replica.admin_url, headers, replica.limits)
+            replica.apply_poll(inventory, started)
         except httpx.TimeoutException:
             replica.poll_failed(timed_out=True)
         except (httpx.HTTPError, ValueError):

@@ -8,12 +8,14 @@ error object then `[DONE]`, the Responses API with OpenAI's `error` event. A wor
 adapters is stale routing, not an answer: the adapter left that worker after the view the router
 routed on (the operator moved it, the worker evicted it), so the request is scheduled again.
 
-A client that goes away cancels the attempt; cancelling closes the upstream connection, which is
-what makes the worker abort the generation.
+A client that goes away (`gone`) closes the upstream connection, which is what makes the worker
+abort the generation; the waiting call raises `Aborted`.
 
-The upstream client is aiohttp: its C response parser and plain keep-alive pool cost a fraction of
-httpx's per request, which is most of the router's budget at 1,000 req/s per core. (httpx stays for
-the control calls: inventory polls, loads, unloads.)
+Bytes are forwarded, not re-encoded: the worker's SSE chunks reach the client as they came, and
+only what routing, metrics and errors need is read (the status, the headers, a 404's message, the
+tail of a stream that breaks). The upstream client is `router/upstream.py`'s: a keep-alive pool of
+asyncio protocols parsed by httptools, a fraction of aiohttp's CPU per request and per chunk (httpx
+stays for the control calls: inventory polls, loads, unloads).
 """
 
 from __future__ import annotations
@@ -23,17 +25,19 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-
-import aiohttp
+from functools import lru_cache
+from urllib.parse import urlsplit
 
 from lorafleet.protocol import INTERNAL_HEADER_PREFIX, ErrorResponse
+from lorafleet.router.upstream import Exchange, Pool, UpstreamError, request_bytes
 
 # Hop-by-hop (RFC 9110 §7.6.1) plus what the router owns: the client's key never reaches a worker.
+# accept-encoding too: the body is relayed as it comes and read in part (errors), so uncompressed.
 _DROP_REQUEST = {
     "host", "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-    "transfer-encoding", "upgrade", "content-length", "authorization", "cookie",
+    "transfer-encoding", "upgrade", "content-length", "authorization", "cookie", "accept-encoding",
 }  # fmt: skip
-# aiohttp decodes a compressed body, so its content-encoding no longer applies.
+# A worker asked for no encoding sends none; a content-encoding would not describe what is relayed.
 _DROP_RESPONSE = {
     b"connection",
     b"keep-alive",
@@ -82,24 +86,23 @@ def sse_error_event(message: str, sequence_number: int, code: int = 502) -> byte
 
 def upstream_session(
     max_connections: int, connect_timeout_s: float, read_timeout_s: float, keepalive_s: float = 4.0
-) -> aiohttp.ClientSession:
+) -> Pool:
     """The pooled client for proxied requests; made in the app's lifespan, closed at shutdown.
 
     Idle connections are dropped after `keepalive_s`, below uvicorn's 5 s on the worker side, so the
     router does not reuse a connection the worker is closing (a spurious failure and retry).
     """
-    connector = aiohttp.TCPConnector(
-        limit=max_connections, limit_per_host=0, keepalive_timeout=keepalive_s, ttl_dns_cache=60
-    )
-    timeout = aiohttp.ClientTimeout(
-        total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s, sock_read=read_timeout_s
-    )
-    return aiohttp.ClientSession(
-        connector=connector,
-        timeout=timeout,
-        cookie_jar=aiohttp.DummyCookieJar(),
-        skip_auto_headers=("User-Agent",),
-    )
+    return Pool(max_connections, connect_timeout_s, read_timeout_s, keepalive_s)
+
+
+@lru_cache(maxsize=1024)
+def _split(url: str) -> tuple[tuple[str, int], str, str]:
+    """A worker URL + path -> ((host, port), the host header, the path with its query)."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"unsupported worker URL {url!r}: http://host[:port] only")
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return (parts.hostname, parts.port or 80), parts.netloc, path
 
 
 @dataclass(slots=True)
@@ -171,51 +174,48 @@ class Upstream:
     """A worker's answer: `body` read for a non-streamed request; `response` still open for a stream."""
 
     status: int
-    raw_headers: tuple[tuple[bytes, bytes], ...]
+    raw_headers: list[tuple[bytes, bytes]]
     content_type: str
     body: bytes = b""
-    response: aiohttp.ClientResponse | None = None
+    response: Exchange | None = None
 
 
 async def send_once(
-    session: aiohttp.ClientSession,
+    session: Pool,
     url: str,
     body: bytes,
     headers: dict[str, str],
     stream: bool,
     adapters: tuple[str, ...] = (),
+    gone: asyncio.Future | None = None,
 ) -> Upstream:
     """One attempt. Raises UpstreamFailed for failures that are safe to retry elsewhere.
 
     `adapters`: the request's; a 404 naming some of them means they are not loaded there (stale
     routing: UpstreamFailed "not_loaded" with those names), any other 404 is the answer.
-    Cancelled (the client left), it closes the upstream connection: the worker aborts the request.
+    `gone` done (the client left), the upstream connection is closed (the worker aborts) and
+    `Aborted` is raised; so it is when this call is cancelled.
     """
+    key, host, path = _split(url)
     try:
-        response = await session.post(url, data=body, headers=headers)
-    except aiohttp.ClientConnectorError as exc:
-        raise UpstreamFailed("connect", unreachable=True) from exc
-    except asyncio.TimeoutError as exc:
-        raise UpstreamFailed("timeout", unreachable=False) from exc
-    except aiohttp.ClientError as exc:  # e.g. the worker closed a kept-alive connection meanwhile
-        raise UpstreamFailed("transport", unreachable=False) from exc
-    status = response.status
+        ex = await session.post(key, request_bytes("POST", host, path, headers, body), gone)
+    except UpstreamError as exc:
+        reason = {"connect": "connect", "timeout": "timeout"}.get(exc.kind, "transport")
+        raise UpstreamFailed(reason, unreachable=exc.kind == "connect") from exc
+    status = ex.status
     if status in RETRYABLE_STATUS:
-        response.close()
+        ex.close()
         raise UpstreamFailed(f"http_{status}", unreachable=False, status=status)
-    out = Upstream(status, response.raw_headers, response.headers.get("content-type", ""))
+    out = Upstream(status, ex.raw_headers, ex.content_type)
     if stream and not (status == NOT_LOADED_STATUS and adapters):
-        out.response = response
+        out.response = ex
         return out
     try:
-        out.body = await response.read()
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # died mid-answer: the client saw nothing
-        response.close()
+        out.body = await ex.read()
+    except UpstreamError as exc:  # died mid-answer: the client saw nothing
         raise UpstreamFailed("dropped", unreachable=False) from exc
-    except BaseException:  # cancelled: drop the connection rather than finish reading the answer
-        response.close()
-        raise
-    response.release()
+    finally:  # also when cancelled or aborted: an unfinished answer's connection is dropped
+        ex.close()
     if status == NOT_LOADED_STATUS and adapters:
         missing = not_loaded(out.body, adapters)
         if missing:
@@ -223,23 +223,23 @@ async def send_once(
     return out
 
 
-async def relay_stream(response: aiohttp.ClientResponse, responses_api: bool = False) -> AsyncIterator[bytes]:
-    """Chunks as they arrive; a failure after the first byte ends the stream as the route's
-    streams end on an error (`sse_error`; `responses_api`: `sse_error_event`), then raises
-    StreamBroken.
+async def relay_stream(response: Exchange, responses_api: bool = False) -> AsyncIterator[bytes]:
+    """The body's bytes as they arrive; a failure after the first byte ends the stream as the
+    route's streams end on an error (`sse_error`; `responses_api`: `sse_error_event`), then raises
+    StreamBroken. `Aborted` (the client left) passes through.
 
     The caller closes `response` (also when the client goes away mid-stream).
     """
     # Each event ends in a blank line (JSON data holds no raw newline): counted, they number the error event.
     events, tail = 0, b"\n\n"
     try:
-        async for chunk in response.content.iter_any():
+        while chunk := await response.read_some():
             if responses_api:
                 events += (tail[-1:] + chunk).count(b"\n\n")
-            tail = (tail + chunk)[-2:]
+            tail = chunk[-2:] if len(chunk) > 1 else tail[-1:] + chunk
             yield chunk
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        message = f"upstream failed mid-stream: {type(exc).__name__}"
+    except UpstreamError as exc:
+        message = f"upstream failed mid-stream: {exc}"
         cut = tail != b"\n\n"  # an event cut short: ended first (and numbered) so the error stands alone
         end = sse_error_event(message, events + cut) if responses_api else sse_error(message)
         yield (b"\n" if tail.endswith(b"\n") else b"\n\n") + end if cut else end
@@ -248,3 +248,4 @@ async def relay_stream(response: aiohttp.ClientResponse, responses_api: bool = F
 
 class StreamBroken(Exception):
     """The upstream failed after the first byte (the client got an SSE error event)."""
+

@@ -4,7 +4,8 @@ Failure mode (documented): when Redis does not answer, limits are enforced by an
 fallback with the same numbers, *per router process* — so with N router replicas a tenant may get
 up to N× its limit until Redis returns. Each fallback decision is counted in
 `lorafleet_router_ratelimit_fail_open_total`. We fail open on purpose: an outage of the limiter
-must not become an outage of inference.
+must not become an outage of inference. A hung Redis costs a request at most the breaker's
+timeout, and nothing once the breaker is open (`redis_guard.py`): while open, Redis is not asked.
 
 Only admitted requests count towards `requests_per_minute`: one refused by either limit does not.
 
@@ -21,6 +22,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from lorafleet.breaker import CircuitBreaker
 from lorafleet.router.metrics import RouterMetrics
 from lorafleet.router.tenants import Tenant
 
@@ -63,9 +65,14 @@ class LocalLimits:
 
 class RateLimiter:
     def __init__(
-        self, redis, metrics: RouterMetrics, prefix: str = "lorafleet", clock: Callable[[], float] = time.time
+        self, redis, metrics: RouterMetrics, prefix: str = "lorafleet", clock: Callable[[], float] = time.time,
+        breaker: CircuitBreaker | None = None,
     ):
         self._r = redis  # redis.asyncio.Redis or None
+        # Without the router's shared breaker (tests), one of its own: a refusal is Redis answering.
+        self._breaker = breaker or CircuitBreaker(
+            "redis", timeout_s=0.25, is_failure=lambda exc: not isinstance(exc, Limited)
+        )
         self._metrics = metrics
         self._p = prefix
         self._clock = clock
@@ -79,9 +86,10 @@ class RateLimiter:
             self.local.acquire(tenant)
             return Lease(self, tenant, where="local")
         try:
-            return Lease(self, tenant, where="redis", id=await self._acquire_redis(tenant))
+            lease_id = await self._breaker.call(lambda: self._acquire_redis(tenant))
+            return Lease(self, tenant, where="redis", id=lease_id)
         except Limited:
-            self._metrics.ratelimited.labels(tenant.name, "redis").inc()
+            self._metrics.ratelimited.labels(self._metrics.tenant(tenant), "redis").inc()
             raise
         except Exception:
             self._metrics.ratelimit_fail_open.inc()
@@ -127,7 +135,7 @@ class RateLimiter:
             self.local.release(lease.tenant)
             return
         try:
-            await self._r.zrem(f"{self._p}:leases:{lease.tenant.name}", lease.id)
+            await self._breaker.call(lambda: self._r.zrem(f"{self._p}:leases:{lease.tenant.name}", lease.id))
         except Exception:
             self._metrics.ratelimit_fail_open.inc()  # the lease fades LEASE_TTL_S after it was taken
 

@@ -12,7 +12,7 @@ from lorafleet.protocol import MAX_TOKENS_ZERO, LoraAdapterRef
 from lorafleet.router.settings import RouterSettings
 
 if TYPE_CHECKING:
-    from lorafleet.router.api import Gateway
+    from lorafleet.router.gateway import Gateway
 
 # Each path's length and count fields (the Responses API's one; the worker refuses chat's names there).
 _CAPPED = {"/v1/chat/completions": ("max_tokens", "max_completion_tokens", "n"), "/v1/responses": ("max_output_tokens",)}
@@ -21,7 +21,7 @@ _CAPPED = {"/v1/chat/completions": ("max_tokens", "max_completion_tokens", "n"),
 def check_fields(payload: dict[str, Any], s: RouterSettings, path: str) -> tuple[str, str] | None:
     """(param, message) for a field the worker would refuse or the router caps, else None.
 
-    The worker's rules (`worker/openai_protocol.py`): JSON null means "not given" (OpenAI's rule);
+    The worker's rules (`worker/openai/protocol.py`): JSON null means "not given" (OpenAI's rule);
     integer fields take JSON integers, not booleans; `max_tokens` (chat's `max_completion_tokens`,
     the Responses API's `max_output_tokens`) and `n` at least 1, but completions' `max_tokens` 0
     with `echo` true (the prompt scored, nothing generated); `stream` a JSON boolean. The messages

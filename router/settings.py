@@ -8,6 +8,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Literal
 
+from lorafleet.connection_guard import ConnectionLimits
 from lorafleet.protocol import MAX_N
 
 
@@ -27,6 +28,11 @@ class RouterSettings:
     # None: in-process placement state and rate limits (one router process only).
     redis_url: str | None = None
     redis_prefix: str = "lorafleet"
+    # Every Redis call on a request's path runs under redis_timeout_s (background ones 5x that);
+    # this many failures in a row open the circuit breaker, and a ping probes it every cooldown.
+    redis_timeout_s: float = 0.1
+    redis_breaker_failures: int = 3
+    redis_breaker_cooldown_s: float = 1.0
     # The store names replicas `scope/name` (placement_store.replica_key); None: the k8s namespace
     # with kubernetes discovery, "" with static workers (`lorafleet up` sets its reconciler's).
     placement_scope: str | None = None
@@ -39,6 +45,9 @@ class RouterSettings:
     admin_token: str | None = None
     admin_token_file: Path | None = None
     admin_token_dir: Path | None = None
+    # A bearer token /metrics requires (Prometheus: `authorization: {credentials_file: ...}`); with
+    # it, tenant labels are names; without it /metrics is open and tenants appear as opaque labels.
+    metrics_token_file: Path | None = None
     policy: str = "lorafleet"
     load_factor: float = 1.25
     # Placement polling: each worker's GET /v1/adapters, published to the store with this TTL.
@@ -60,3 +69,5 @@ class RouterSettings:
     eject_after_failures: int = 3
     eject_cooldown_s: float = 5.0
     replica_capacity: int = 64  # concurrent sequences a worker runs; normalises load scores
+    # Client connections: head/body deadlines, keep-alive, per-client and total caps.
+    connection_limits: ConnectionLimits = ConnectionLimits()

@@ -17,9 +17,10 @@ request. With no file the router runs open: one anonymous tenant that may use ev
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 
@@ -30,6 +31,9 @@ class Tenant:
     models: frozenset[str] | None = None  # None: any
     max_concurrency: int | None = None
     requests_per_minute: int | None = None
+    # What /metrics shows for this tenant when the scrape is not authenticated: an opaque id,
+    # stable while the tenant's keys are (see `metric_label`).
+    label: str = ""
 
     def may_use_adapter(self, adapter: str) -> bool:
         return self.adapters is None or adapter in self.adapters
@@ -38,7 +42,15 @@ class Tenant:
         return self.models is None or model in self.models
 
 
-ANONYMOUS = Tenant("anonymous")
+ANONYMOUS = Tenant("anonymous", label="anonymous")
+
+
+def metric_label(name: str, key_hashes: list[str]) -> str:
+    """`t-` and 12 hex digits of HMAC(key hashes, name): the name cannot be guessed back from it
+    (the key hashes are secret), and the series survive a restart. `lorafleet router
+    --tenants-file F --tenant-labels` prints the mapping for operators."""
+    key = "".join(sorted(key_hashes)).encode()
+    return "t-" + hmac.new(key, name.encode(), hashlib.sha256).hexdigest()[:12]
 
 
 def hash_api_key(key: str) -> str:
@@ -74,14 +86,19 @@ class TenantRegistry:
                 requests_per_minute=entry.get("requests_per_minute"),
             )
             hashes = entry.get("api_key_sha256", [])
-            for h in [hashes] if isinstance(hashes, str) else hashes:
-                h = str(h).lower().removeprefix("sha256:")
+            hashes = [str(h).lower().removeprefix("sha256:") for h in ([hashes] if isinstance(hashes, str) else hashes)]
+            tenant = replace(tenant, label=metric_label(tenant.name, hashes))
+            for h in hashes:
                 if len(h) != 64 or any(c not in "0123456789abcdef" for c in h):
                     raise ValueError(f"tenant {tenant.name!r}: api_key_sha256 must be 64 hex digits")
                 if h in by_hash:
                     raise ValueError(f"tenant {tenant.name!r}: a key hash is shared with {by_hash[h].name!r}")
                 by_hash[h] = tenant
         return cls(by_hash)
+
+    def labels(self) -> dict[str, str]:
+        """Tenant name -> its /metrics label."""
+        return {t.name: t.label for t in self.by_key_hash.values()}
 
     @classmethod
     def from_file(cls, path: Path) -> TenantRegistry:

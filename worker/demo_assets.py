@@ -194,10 +194,16 @@ def make_demo_assets(out: Path, progress: Callable[[str], None] = lambda _msg: N
     return out
 
 
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    from lorafleet.cli_help import finish
+
     parser = argparse.ArgumentParser(prog="lorafleet demo-assets", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="folder to write model/ and adapters/ into")
-    args = parser.parse_args(argv)
+    return finish(parser, {"Output": ["--out"]})
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
     try:
         import peft  # noqa: F401
         import transformers  # noqa: F401

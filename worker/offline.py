@@ -12,6 +12,7 @@ import logging
 import sys
 
 from lorafleet.cli import lora_module_arg
+from lorafleet.cli_help import WORKER_ENV, finish
 from lorafleet.worker.config import ConfigError, EngineConfig
 from lorafleet.worker.lora.adapter import AdapterError
 
@@ -28,25 +29,37 @@ def parse_adapter_set(text: str) -> list[tuple[str, float]]:
     return out
 
 
-def main(argv: list[str]) -> int:
-    from lorafleet.worker.engine import LLMEngine, RequestError
-    from lorafleet.worker.sequence import SamplingParams
-
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lorafleet generate", description="Offline batched generation.")
     p.add_argument("--model", required=True, help="Hugging Face model folder")
-    p.add_argument("--lora-modules", type=lora_module_arg, nargs="*", default=[], metavar="NAME=PATH")
+    p.add_argument("--lora-modules", type=lora_module_arg, nargs="*", default=[], metavar="NAME=PATH",
+                   help="adapters to load")
     p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
-    p.add_argument("--adapter", action="append", default=[], help="per prompt: '', 'name' or 'a:0.7,b:0.5'")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--max-loras", type=int, default=8)
-    p.add_argument("--max-lora-rank", type=int, default=64)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--adapter", action="append", default=[], help="per prompt: '', 'name' or 'a:0.7,b:0.5' "
+                   "(default: the base model)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--max-loras", type=int, default=8, help="distinct adapters per batch")
+    p.add_argument("--max-lora-rank", type=int, default=64, help="highest adapter rank accepted")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap decode steps' host work (default: on with CUDA graphs)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    return finish(p, {
+        "Model": ["--model", "--device", "--dtype"],
+        "Adapters": ["--lora-modules", "--adapter", "--max-loras", "--max-lora-rank"],
+        "Prompts and sampling": ["--prompt", "--max-tokens", "--temperature", "--seed", "--async-scheduling"],
+        "Output": ["--json"],
+    }, WORKER_ENV)
+
+
+def main(argv: list[str]) -> int:
+    from lorafleet.worker.engine.engine import LLMEngine, RequestError
+    from lorafleet.worker.engine.sequence import SamplingParams
+
+    p = build_parser()
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:

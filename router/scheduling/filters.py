@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from lorafleet.router.scheduling.hashing import bounded_load_limit
+from lorafleet.router.scheduling.hashing import bounded_load_limit, rendezvous_order
 from lorafleet.router.scheduling.types import EndpointView, FleetStats, RequestInfo
 
 
@@ -88,3 +89,65 @@ class SlotQueue:
             if all(a in e.active for a in req.adapters) or e.slots_over(req.adapters) <= self.max_over
         ]
         return kept or list(endpoints)
+
+
+@dataclass(slots=True)
+class DemandReplicaSet:
+    """NVIDIA Dynamo's LoRA placement: each adapter on the first R replicas of its rendezvous order.
+
+    From ai-dynamo/dynamo `lib/llm/src/lora/controller.rs` (`compute_active_replica_counts`,
+    `recompute_per_lora`), `lib/llm/src/lora/routing/hrw.rs` and `lib/llm/src/lora/load_estimator.rs`:
+    an adapter's load is its arrivals in a sliding window (30 s by default); an adapter with load
+    gets R = ceil(its share of the load × the fleet's GPU LoRA slots), at least 1 and at most the
+    replicas; if those add up to more than the slots, all are scaled to fit (floors, at least 1,
+    the leftover slots to the largest remainders); an adapter without load is pinned to its first
+    replica. The controller recomputes on a timer. A policy has no clock, so the window here is
+    counted in requests: `window_per_replica` × the replicas (≈ 30 s of arrivals per replica at
+    70% of the simulated fleet's capacity), recomputed six times per window.
+    """
+
+    window_per_replica: int = 350
+    name: str = "demand-replica-set"
+    _arrivals: Counter[str] = field(default_factory=Counter)  # in the window under way
+    _window: list[Counter[str]] = field(default_factory=list)  # the last six sixths
+    _replicas: dict[str, int] = field(default_factory=dict)  # the controller's last answer
+    _seen: int = 0
+
+    def __call__(
+        self, req: RequestInfo, endpoints: Sequence[EndpointView], stats: FleetStats
+    ) -> list[EndpointView]:
+        if not req.adapters or not endpoints:
+            return list(endpoints)
+        self._arrivals[req.key] += 1
+        self._seen += 1
+        if self._seen % max(1, self.window_per_replica * len(endpoints) // 6) == 0:
+            self._window = [*self._window[-5:], self._arrivals]
+            self._arrivals = Counter()
+            self._replicas = self._recompute(endpoints)
+        count = self._replicas.get(req.key, 1)
+        keep = set(rendezvous_order(req.key, [e.name for e in endpoints])[:count])
+        return [e for e in endpoints if e.name in keep]
+
+    def _recompute(self, endpoints: Sequence[EndpointView]) -> dict[str, int]:
+        load: Counter[str] = Counter()
+        for part in self._window:
+            load.update(part)
+        total = sum(load.values())
+        slots = sum(e.max_loras for e in endpoints)
+        n = len(endpoints)
+        if total == 0 or slots == 0:
+            return {}
+        raw = {k: min(float(n), max(1.0, math.ceil(c / total * slots))) for k, c in load.items()}
+        if sum(raw.values()) <= slots:
+            return {k: max(1, min(n, int(c))) for k, c in raw.items()}
+        scale = slots / sum(raw.values())
+        scaled = {k: max(1.0, c * scale) for k, c in raw.items()}
+        floored = {k: max(1, math.floor(c)) for k, c in scaled.items()}
+        leftover = max(0, slots - sum(floored.values()))
+        for k in sorted(scaled, key=lambda k: scaled[k] - math.floor(scaled[k]), reverse=True):
+            if leftover == 0:
+                break
+            if floored[k] < n:
+                floored[k] += 1
+                leftover -= 1
+        return {k: max(1, min(n, c)) for k, c in floored.items()}

@@ -19,6 +19,9 @@ class FrequencySketch:
     _counts: dict[str, float] = field(default_factory=dict)
     _since_halving: int = 0
     _total: float = 0.0
+    # Bumped whenever every estimate changes at once (halving, trimming): caches keyed on estimates
+    # are stale.
+    generation: int = 0
 
     def add(self, key: str, n: float = 1.0) -> None:
         self._counts[key] = self._counts.get(key, 0.0) + n
@@ -42,11 +45,13 @@ class FrequencySketch:
         return len(self._counts)
 
     def _halve(self) -> None:
+        self.generation += 1
         self._since_halving = 0
         self._counts = {k: v / 2 for k, v in self._counts.items() if v >= 0.5}
         self._total = sum(self._counts.values())
 
     def _trim(self) -> None:
+        self.generation += 1
         keep = sorted(self._counts.items(), key=lambda kv: kv[1], reverse=True)[: self.max_keys * 9 // 10]
         self._counts = dict(keep)
         self._total = sum(self._counts.values())

@@ -12,7 +12,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from lorafleet.router.scheduling.admission import FrequencyAdmission
-from lorafleet.router.scheduling.filters import Available, BoundedLoad, ServesModel, SlotQueue
+from lorafleet.router.scheduling.filters import (
+    Available,
+    BoundedLoad,
+    DemandReplicaSet,
+    ServesModel,
+    SlotQueue,
+)
 from lorafleet.router.scheduling.frequency import FrequencySketch
 from lorafleet.router.scheduling.pickers import MaxScore, RoundRobin
 from lorafleet.router.scheduling.scorers import (
@@ -20,10 +26,12 @@ from lorafleet.router.scheduling.scorers import (
     HashAffinity,
     Load,
     LoraAffinity,
+    LoraLoadState,
     Residency,
     SlotFree,
     SlotHeadroom,
 )
+from lorafleet.router.scheduling.skeleton import skeleton_order
 from lorafleet.router.scheduling.types import (
     AdmissionPlan,
     Decision,
@@ -50,6 +58,12 @@ class Policy:
     # a copy of a less popular adapter made while its home was too busy is transient (unloaded
     # once idle). None: every copy goes through admission alike.
     replicate_share: float | None = None
+    # Where no replica left after the filters holds the request's adapters, only the first
+    # `cold_candidates` of them in the key's rendezvous order (`skeleton_order` over all replicas)
+    # are scored: a cold adapter loads on one of a few stable homes, and a decision needs no look
+    # at every replica (`indexed.IndexedPolicy`). Where some hold them, only those are scored
+    # (they outrank any cold load anyway). None: every replica left is scored.
+    cold_candidates: int | None = None
 
     def schedule(self, req: RequestInfo, endpoints: Sequence[EndpointView]) -> Decision:
         if req.adapters:
@@ -61,6 +75,8 @@ class Policy:
             candidates = f(req, candidates, stats)
             if not candidates:
                 raise NoEndpoint(f"no replica left after filter {f.name!r}")
+        if self.cold_candidates is not None and req.adapters:
+            candidates = self._narrow(req, candidates, endpoints)
         scored = [(e, self._score(req, e, stats)) for e in candidates]
         chosen = self.picker(req, scored)
         missing = tuple(a for a in req.adapters if a not in chosen.resident)
@@ -69,6 +85,15 @@ class Policy:
             spill = self._is_spill(req, missing, chosen, endpoints)
             plan = self.admission.plan(req.adapters, chosen, self.frequency.estimate, transient=spill)
         return Decision(chosen, reason_for(req, chosen), missing, plan)
+
+    def _narrow(
+        self, req: RequestInfo, candidates: list[EndpointView], endpoints: Sequence[EndpointView]
+    ) -> list[EndpointView]:
+        holders = [e for e in candidates if all(a in e.resident for a in req.adapters)]
+        if holders:
+            return holders
+        rank = {name: i for i, name in enumerate(skeleton_order(req.key, [e.name for e in endpoints]))}
+        return sorted(candidates, key=lambda e: rank[e.name])[: self.cold_candidates]
 
     def _is_spill(
         self,
@@ -108,6 +133,7 @@ def lorafleet_policy(
     max_slots_over: int = 3,
     victim_weight: float = 0.2,
     admission_margin: float = 1.5,
+    cold_candidates: int | None = 8,
 ) -> Policy:
     """Ours: residency first, within a load bound and a GPU-slot queue bound.
 
@@ -128,6 +154,8 @@ def lorafleet_policy(
     from evicting popular ones; a newcomer must be `admission_margin` × as popular as its victim
     (noisy counts of similar adapters otherwise swap places), and no scratch slot is reserved
     (`scratch_slots`=0): a load that is not admitted evicts the least popular idle resident.
+    A cold adapter is placed on one of its first `cold_candidates` rendezvous replicas among those
+    the filters left (all of them on a fleet that small), so scoring looks at few replicas.
     """
     frequency = FrequencySketch()
     return Policy(
@@ -150,6 +178,7 @@ def lorafleet_policy(
         admission=FrequencyAdmission(scratch_slots=scratch_slots, margin=admission_margin),
         frequency=frequency,
         replicate_share=hot_share,
+        cold_candidates=cold_candidates,
     )
 
 
@@ -175,10 +204,34 @@ def chwbl_policy(load_factor: float = 1.25) -> Policy:
     )
 
 
+def dynamo_policy() -> Policy:
+    """NVIDIA Dynamo: demand-proportional rendezvous replica sets (`DemandReplicaSet`), least load
+    within the set (Dynamo's KV router weighs prefix overlap and load there; the simulated
+    requests share no prefixes, so load decides)."""
+    return Policy(
+        "dynamo-lora-hrw",
+        (Available(), ServesModel(), DemandReplicaSet()),
+        ((1.0, Load()), (0.0005, HashAffinity())),
+        MaxScore(),
+    )
+
+
+def llmd_policy() -> Policy:
+    """llm-d's LoRA residency scorer (`LoraLoadState`) with a load term weighted as GIE's."""
+    return Policy(
+        "llm-d-lora-load-state",
+        (Available(), ServesModel()),
+        ((1.0, LoraLoadState()), (0.1, Load())),
+        MaxScore(),
+    )
+
+
 POLICIES: dict[str, Callable[[], Policy]] = {
     "lorafleet": lorafleet_policy,
     "round-robin": round_robin_policy,
     "least-request": least_request_policy,
     "gie-lora-affinity": gie_policy,
     "chwbl": chwbl_policy,
+    "dynamo-lora-hrw": dynamo_policy,
+    "llm-d-lora-load-state": llmd_policy,
 }

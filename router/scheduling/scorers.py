@@ -152,3 +152,35 @@ class CacheVictim:
         if f + v <= 0:
             return 1.0
         return f / (f + v)
+
+
+@dataclass(frozen=True, slots=True)
+class LoraLoadState:
+    """llm-d's `lora-load-state-scorer` (llm-d/llm-d-router PR #2792), on vLLM's residency metric.
+
+    Reads where the adapter is loaded (`vllm:lora_adapter_loaded{level=gpu|cpu}`) instead of where
+    it has requests: GPU-resident 1.0, CPU-resident 0.7, a free GPU slot 0.6, a GPU slot held by
+    an idle (evictable) adapter 0.3, every slot running something 0.0. A base-model request scores
+    the share of GPU slots not serving an adapter right now.
+    """
+
+    gpu: float = 1.0
+    cpu: float = 0.7
+    free_slot: float = 0.6
+    evictable: float = 0.3
+    name: str = "lora-load-state"
+
+    def __call__(self, req: RequestInfo, endpoint: EndpointView, stats: FleetStats) -> float:
+        slots = max(1, endpoint.max_loras)
+        if not req.adapters:
+            return max(0.0, 1.0 - len(endpoint.active) / slots)
+        adapter = req.adapters[0]  # one adapter per request, as the EPP routes
+        if adapter in endpoint.gpu:
+            return self.gpu
+        if adapter in endpoint.cpu:
+            return self.cpu
+        if len(endpoint.gpu) < endpoint.max_loras:
+            return self.free_slot
+        if any(a not in endpoint.active and a not in endpoint.pinned for a in endpoint.gpu):
+            return self.evictable
+        return 0.0

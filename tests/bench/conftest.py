@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lorafleet.kernels.lora_ops import new_lora_b
+from lorafleet.kernels.lora.operands import new_lora_b
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -61,7 +61,7 @@ def test_every_case_is_measured_and_the_engine_is_left_as_found(tiny_engine, tmp
 def test_a_busy_engine_is_refused(tiny_engine, tmp_path) -> None:
     from bench.adapter_load import load_rows
     from bench.engine_workload import fresh_prompt
-    from lorafleet.worker.sequence import SamplingParams
+    from lorafleet.worker.engine.sequence import SamplingParams
 
     engine, model_config, device = tiny_engine
     engine.add_request(fresh_prompt(engine, 8), SamplingParams(max_tokens=2), ())

@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from lorafleet.kernels.lora_meta import build_lora_meta
-from lorafleet.kernels.triton_lora import plan_lora_triton
+from lorafleet.kernels.lora.launch import plan_lora_triton
+from lorafleet.kernels.lora.meta import build_lora_meta
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the interpreter")
 

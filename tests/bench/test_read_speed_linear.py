@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from lorafleet.kernels.lora_meta import build_lora_meta
+from lorafleet.kernels.lora.meta import build_lora_meta
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in the interpreter")
 

@@ -102,7 +102,7 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 def _exported_series() -> set[str]:
     """Every series name the worker and the router export (Prometheus text names)."""
     from lorafleet.router.metrics import RouterMetrics
-    from lorafleet.worker.metrics import WorkerMetrics
+    from lorafleet.worker.server.metrics import WorkerMetrics
 
     suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "gauge": [""]}
     names = set()

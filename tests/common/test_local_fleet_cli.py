@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lorafleet.local_fleet_adapters import age, main
-from lorafleet.run_dir import FleetState, RunDir
+from lorafleet.local.adapters_cli import age, main
+from lorafleet.local.run_dir import FleetState, RunDir
 
 FAILED_STATUS = {
     "phase": "Failed", "readyReplicas": 0, "desiredReplicas": 1, "observedGeneration": 1,

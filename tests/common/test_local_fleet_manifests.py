@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.manifests import ManifestError, adapter_schema, load_documents, parse_adapter_manifest
+from lorafleet.local.manifests import ManifestError, adapter_schema, load_documents, parse_adapter_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 

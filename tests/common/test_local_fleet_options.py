@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet import process_group
-from lorafleet.local_fleet_options import build_parser, options_from_args
-from lorafleet.local_preflight import FleetError
+from lorafleet.local import process_group
+from lorafleet.local.options import build_parser, options_from_args
+from lorafleet.local.preflight import FleetError
 
 
 def options(*argv: str):

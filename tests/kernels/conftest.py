@@ -1,7 +1,7 @@
 """Without CUDA, run the Triton kernels in the interpreter.
 
 The flag is read when a kernel is decorated, so it has to be set before
-`lorafleet.kernels.triton_lora` is first imported.
+`lorafleet.kernels.lora.launch` is first imported.
 """
 
 import os

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from lorafleet.kernels.lora_config import LoraKernelConfig
-from lorafleet.kernels.lora_meta import build_lora_meta
-from lorafleet.kernels.lora_ops import add_lora, lora_b_layout, new_lora_b
-from lorafleet.kernels.triton_lora import add_lora_triton
+from lorafleet.kernels.lora.config import LoraKernelConfig
+from lorafleet.kernels.lora.launch import add_lora_triton
+from lorafleet.kernels.lora.meta import build_lora_meta
+from lorafleet.kernels.lora.operands import lora_b_layout, new_lora_b
+from lorafleet.kernels.lora.ops import add_lora
 
 LAYOUTS = ["out_major", "rank_major"]
 

@@ -1,4 +1,4 @@
-"""The sort-free draw (`kernels/draw_triton.py`) against the torch draw (`worker/sampling.py`'s
+"""The sort-free draw (`kernels/sampling/draw_triton.py`) against the torch draw (`worker/sampling/sampler.py`'s
 `draw_reference`, itself checked against transformers' warpers in tests/worker/test_sampling.py):
 the same logits, knobs and noise give the same token in every row, across greedy, temperature,
 min-p, top-k, top-p and their mixes, ties, -inf entries, and rows that are not finite. In the
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorafleet.kernels.draw_triton import draw_triton
-from lorafleet.worker.sampling import _Knobs, draw_reference, top_k_floor
-from lorafleet.worker.sequence import SamplingParams
+from lorafleet.kernels.sampling.draw_triton import draw_triton
+from lorafleet.worker.engine.sequence import SamplingParams
+from lorafleet.worker.sampling.sampler import _Knobs, draw_reference, top_k_floor
 from tests.kernels.hopper_compile import run_hopper_compile
 
 HAS_CUDA = torch.cuda.is_available()
@@ -141,7 +141,7 @@ def test_seed_vocabulary_on_cuda():
 def test_one_compile_whatever_the_batch_size():
     """The batch size is not specialised on, so the engine's warm-up compiles every variant a step
     can take (with and without a top-k floor) whatever batches come later."""
-    from lorafleet.kernels.draw_triton import _draw_kernel
+    from lorafleet.kernels.sampling.draw_triton import _draw_kernel
 
     caches = getattr(_draw_kernel, "device_caches", None)
     if caches is None:
@@ -156,7 +156,7 @@ def test_one_compile_whatever_the_batch_size():
 
 
 HOPPER_COMPILE = r"""
-from lorafleet.kernels import draw_triton as d
+from lorafleet.kernels.sampling import draw_triton as d
 
 sig = {"logits_ptr": "*fp32", "noise_ptr": "*fp32", "knobs_ptr": "*fp32", "floor_ptr": "*fp32", "tokens_ptr": "*i64",
        "n": "i32", "vocab": "i32", "stride_l": "i32", "stride_e": "i32"}

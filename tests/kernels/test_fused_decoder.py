@@ -15,11 +15,11 @@ import os
 import pytest
 import torch
 
-from lorafleet.kernels.rms_norm import add_rms_norm, add_rms_norm_reference
-from lorafleet.kernels.rope_kv import rope_write_kv, rope_write_kv_reference
-from lorafleet.kernels.silu_mul import silu_mul, silu_mul_reference
-from lorafleet.worker.attention import AttentionMetadata
+from lorafleet.kernels.layers.rms_norm import add_rms_norm, add_rms_norm_reference
+from lorafleet.kernels.layers.rope_kv import rope_write_kv, rope_write_kv_reference
+from lorafleet.kernels.layers.silu_mul import silu_mul, silu_mul_reference
 from lorafleet.worker.config import EngineConfig, ModelConfig
+from lorafleet.worker.layers.attention import AttentionMetadata
 from lorafleet.worker.models.llama import LlamaModel
 from tests.kernels.fused_cases import BLOCK_SIZE, DEVICE, HAS_CUDA, NUM_BLOCKS, SEED, SINK, gpu, rotary
 
@@ -94,8 +94,8 @@ def test_model_forward_fused_matches_torch_path(dtype, tolerance: float) -> None
 
 
 def engine_logits(demo_model, demo_adapters, backend: str) -> tuple[list[list[int]], list[torch.Tensor]]:
-    from lorafleet.worker.engine import LLMEngine
-    from lorafleet.worker.sequence import SamplingParams
+    from lorafleet.worker.engine.engine import LLMEngine
+    from lorafleet.worker.engine.sequence import SamplingParams
 
     config = EngineConfig(max_loras=2, max_cpu_loras=4, num_kv_blocks=64, dtype="float32", lora_backend="torch",
                           attention_backend=backend, cuda_graphs=True)

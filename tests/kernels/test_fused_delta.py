@@ -1,4 +1,4 @@
-"""The LoRA delta of the fused row kernels (`kernels/fused_delta.py`), through each op: with
+"""The LoRA delta of the fused row kernels (`kernels/layers/fused_delta.py`), through each op: with
 `delta_rows` the delta counts only on the rows it names, and bad deltas or rows are rejected.
 
 Runs in the Triton interpreter without CUDA (conftest.py sets TRITON_INTERPRET=1), compiled with
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorafleet.kernels.rms_norm import add_rms_norm, add_rms_norm_reference
-from lorafleet.kernels.rope_kv import rope_write_kv, rope_write_kv_reference
-from lorafleet.kernels.silu_mul import silu_mul, silu_mul_reference
+from lorafleet.kernels.layers.rms_norm import add_rms_norm, add_rms_norm_reference
+from lorafleet.kernels.layers.rope_kv import rope_write_kv, rope_write_kv_reference
+from lorafleet.kernels.layers.silu_mul import silu_mul, silu_mul_reference
 from tests.kernels.fused_cases import DEVICE, TOLERANCE, norm_case, rope_case, rotary
 
 

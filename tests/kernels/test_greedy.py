@@ -1,4 +1,4 @@
-"""The greedy pick (`kernels/greedy.py`): the Triton kernels against torch's argmax and isfinite.
+"""The greedy pick (`kernels/sampling/greedy.py`): the Triton kernels against torch's argmax and isfinite.
 
 Without CUDA the kernels run in the Triton interpreter (conftest.py sets TRITON_INTERPRET=1) on
 small odd shapes; with CUDA compiled, plus the `@pytest.mark.gpu` cases: bf16 at the seed
@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorafleet.kernels.greedy import greedy_pick, greedy_pick_reference
-from lorafleet.kernels.greedy_triton import launch_shape
+from lorafleet.kernels.sampling.greedy import greedy_pick, greedy_pick_reference
+from lorafleet.kernels.sampling.greedy_triton import launch_shape
 from tests.kernels.hopper_compile import run_hopper_compile
 
 HAS_CUDA = torch.cuda.is_available()
@@ -103,7 +103,7 @@ def test_unknown_backend():
 
 
 HOPPER_COMPILE = r"""
-from lorafleet.kernels import greedy_triton as gt
+from lorafleet.kernels.sampling import greedy_triton as gt
 
 for dt in ("bf16", "fp16", "fp32"):
     for pdl in (False, True):

@@ -1,5 +1,5 @@
-"""The logit-edit kernels (`kernels/logit_edits_triton.py`) against their torch reference
-(`kernels/logit_edits.py`, itself checked against transformers' processors in
+"""The logit-edit kernels (`kernels/sampling/logit_edits_triton.py`) against their torch reference
+(`kernels/sampling/logit_edits.py`, itself checked against transformers' processors in
 tests/worker/test_logits_processors.py): in the interpreter on small odd vocabularies (a partial last
 block), compiled on CUDA (`-m gpu`) at the seed vocabulary."""
 
@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from lorafleet.kernels.logit_edits import count_tokens, edit_logits
+from lorafleet.kernels.sampling.logit_edits import count_tokens, edit_logits
 from tests.kernels.hopper_compile import run_hopper_compile
 
 HAS_CUDA = torch.cuda.is_available()
@@ -73,7 +73,7 @@ def test_counting_is_the_reference(every):
 
 
 def test_counting_more_requests_than_one_iteration_takes():
-    from lorafleet.kernels.logit_edits_triton import COUNT_BLOCK
+    from lorafleet.kernels.sampling.logit_edits_triton import COUNT_BLOCK
 
     g = torch.Generator().manual_seed(4)
     vocab, batch = 64, COUNT_BLOCK + 70
@@ -90,7 +90,7 @@ def test_counting_more_requests_than_one_iteration_takes():
 def test_one_compile_whatever_the_edits():
     """The edits, rows and request count are runtime arguments: after the first call, no mix of them
     compiles anything (the engine's warm-up makes that first call)."""
-    from lorafleet.kernels import logit_edits_triton as le
+    from lorafleet.kernels.sampling import logit_edits_triton as le
 
     if getattr(le._edit_kernel, "device_caches", None) is None:
         pytest.skip("this Triton keeps its kernel cache elsewhere")
@@ -130,7 +130,7 @@ def test_seed_vocabulary_on_cuda():
 
 
 HOPPER_COMPILE = r"""
-from lorafleet.kernels import logit_edits_triton as le
+from lorafleet.kernels.sampling import logit_edits_triton as le
 
 sig = {"logits": "*fp32", "out": "*fp32", "plan": "*fp32", "bias": "*fp32", "counts": "*i32", "in_prompt": "*u8",
        "m": "i32", "vocab": "i32", "stride_l": "i32", "stride_o": "i32", "every_row": "i32", "biased": "i32",

@@ -1,4 +1,4 @@
-"""The `@triton.jit` LoRA programs of `lorafleet.kernels.lora_kernels` compile for sm_90."""
+"""The `@triton.jit` LoRA programs of `lorafleet.kernels.lora.programs` compile for sm_90."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 HOPPER_COMPILE = r"""
 import re
 
-from lorafleet.kernels import lora_kernels as tk
+from lorafleet.kernels.lora import programs as tk
 
 i32, p = "i32", "*bf16"
 ptrs = {n: "*i32" for n in ("ranks_ptr", "chunk_slot_ptr", "chunk_start_ptr", "chunk_end_ptr", "sorted_token_ptr")}

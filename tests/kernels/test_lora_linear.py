@@ -9,7 +9,7 @@ import torch
 def test_gemm_sm_carveout_setting() -> None:
     """LORAFLEET_GEMM_SM_CARVEOUT: (few, many) beside small then large GEMMs; "few,many" for both
     sizes, one number for all four; anything else is refused."""
-    from lorafleet.kernels.lora_linear import _carveouts
+    from lorafleet.kernels.lora.linear import _carveouts
 
     assert _carveouts("32,48") == (32, 48, 32, 48) and _carveouts("16") == (16,) * 4 and _carveouts("0") == (0,) * 4
     assert _carveouts("32,48,8,40") == (32, 48, 8, 40)
@@ -19,7 +19,7 @@ def test_gemm_sm_carveout_setting() -> None:
 
 
 def test_gemm_sm_carveout_context_restores_the_setting() -> None:
-    from lorafleet.kernels.lora_linear import gemm_sm_carveout
+    from lorafleet.kernels.lora.linear import gemm_sm_carveout
 
     before = torch._C._get_sm_carveout_experimental()
     with gemm_sm_carveout(24):

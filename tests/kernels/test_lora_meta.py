@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorafleet.kernels.lora_meta import build_lora_meta, max_chunks_for
+from lorafleet.kernels.lora.meta import build_lora_meta, max_chunks_for
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -114,7 +114,7 @@ def test_one_pair_chunks_from_the_counts_unless_set() -> None:
     """A meta judges its chunks from its own counts: more than ONE_PAIR_MIN_CHUNKS of them, at most
     ONE_PAIR_CHUNKS[0] pairs each on average, none longer than ONE_PAIR_CHUNKS[1]; `one_pair`,
     which a decode graph sets from the step, overrides that."""
-    from lorafleet.kernels.lora_meta import ONE_PAIR_CHUNKS, ONE_PAIR_MIN_CHUNKS
+    from lorafleet.kernels.lora.meta import ONE_PAIR_CHUNKS, ONE_PAIR_MIN_CHUNKS
 
     def meta(slots: list[int]):
         return build_lora_meta(torch.tensor(slots, dtype=torch.int32)[:, None], torch.ones(len(slots), 1), 64, DEVICE)

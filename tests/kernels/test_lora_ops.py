@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from lorafleet.kernels.lora_meta import LoraMeta, build_lora_meta
-from lorafleet.kernels.lora_ops import add_lora_reference
+from lorafleet.kernels.lora.meta import LoraMeta, build_lora_meta
+from lorafleet.kernels.lora.ops import add_lora_reference
 
 
 def dense_lora(x, token_slots, token_scales, lora_a, lora_b, ranks) -> torch.Tensor:

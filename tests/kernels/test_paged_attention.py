@@ -13,19 +13,19 @@ import os
 import pytest
 import torch
 
-from lorafleet.kernels.paged_attention import (
+from lorafleet.kernels.attention.paged_attention import (
     DecodeConfig,
     paged_decode_attention,
     paged_decode_attention_reference,
     pick_config,
 )
-from lorafleet.worker.attention import (
+from lorafleet.worker.config import ConfigError, EngineConfig
+from lorafleet.worker.layers.attention import (
     AttentionMetadata,
     decode_attention,
     paged_attention,
     resolve_attention_backend,
 )
-from lorafleet.worker.config import ConfigError, EngineConfig
 from tests.kernels.hopper_compile import run_hopper_compile
 
 HAS_CUDA = torch.cuda.is_available()
@@ -179,7 +179,7 @@ def test_pick_config_depends_on_table_width_only() -> None:
 # divisibility-by-16 hints the JIT derives from real strides and pointers. This catches what the
 # interpreter lets through (tl.dot below 16, dtype mixes in dot, ...) without a GPU.
 HOPPER_COMPILE = r"""
-from lorafleet.kernels import paged_attention as pa
+from lorafleet.kernels.attention import paged_attention as pa
 
 strides = ["stride_qb", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_vb", "stride_vt", "stride_vh",
            "stride_tb", "stride_ob", "stride_oh"]
@@ -187,9 +187,9 @@ for dt, group, block_n, splits in [("bf16", 4, 64, 1), ("bf16", 8, 32, 8), ("fp1
     p = "*" + dt
     sig = {"q_ptr": p, "k_cache_ptr": p, "v_cache_ptr": p, "block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
            "out_ptr": p, "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32",
-           "num_heads": "i32", "qk_scale": "fp32", **{s: "i32" for s in strides}}
+           "num_heads": "i32", "qk_scale": "fp32", "window": "i32", "cap_in": "fp32", "cap_out": "fp32", **{s: "i32" for s in strides}}
     const = dict(HEAD_DIM=128, D_PAD=128, GROUP=group, G_PAD=max(16, group), BLOCK_SIZE=16, BLOCK_N=block_n,
-                 NUM_SPLITS=splits, UPCAST=dt == "fp32", IEEE=dt == "fp32", PDL=group > 1)
+                 NUM_SPLITS=splits, UPCAST=dt == "fp32", IEEE=dt == "fp32", SOFTCAP=group == 8, PDL=group > 1)
     k = compile_(pa._paged_decode_kernel, sig, const, stages=2)
     assert "ld.global.v4" in k.asm["ptx"], "K/V loads are not vectorised"
     assert ("griddepcontrol.wait" in k.asm["ptx"]) == (group > 1)  # PDL: waits on the device first
@@ -263,8 +263,8 @@ def test_backend_switch_is_validated(monkeypatch) -> None:
 
 
 def engine_step_logits(demo_model, backend: str, device: str, dtype: str) -> tuple[list[list[int]], list[torch.Tensor]]:
-    from lorafleet.worker.engine import LLMEngine
-    from lorafleet.worker.sequence import SamplingParams
+    from lorafleet.worker.engine.engine import LLMEngine
+    from lorafleet.worker.engine.sequence import SamplingParams
 
     config = EngineConfig(max_loras=2, max_cpu_loras=2, num_kv_blocks=64, device=device, dtype=dtype,
                           attention_backend=backend)

@@ -1,4 +1,4 @@
-"""Fused RMSNorm (`kernels/rms_norm.py`): `rms_norm` and `add_rms_norm` against their torch
+"""Fused RMSNorm (`kernels/layers/rms_norm.py`): `rms_norm` and `add_rms_norm` against their torch
 references, and the references against the model's torch path (`worker/models/llama.py`).
 
 Without CUDA the kernels run in the Triton interpreter (conftest.py sets TRITON_INTERPRET=1) on
@@ -12,7 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorafleet.kernels.rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
+from lorafleet.kernels.layers.rms_norm import (
+    add_rms_norm,
+    add_rms_norm_reference,
+    rms_norm,
+    rms_norm_reference,
+)
 from lorafleet.worker.models import llama
 from tests.kernels.fused_cases import DEVICE, DTYPES, SEED, TOLERANCE, gpu, norm_case
 from tests.kernels.hopper_compile import run_hopper_compile
@@ -75,7 +80,7 @@ def test_norms_reject_bad_inputs() -> None:
 # divisibility-by-16 hints the JIT derives from real sizes, strides and pointers: what the interpreter lets
 # through (dtype mixes, unsupported ops) fails here without a GPU.
 HOPPER_COMPILE = r"""
-from lorafleet.kernels import rms_norm as ops
+from lorafleet.kernels.layers import rms_norm as ops
 
 SIZES = ("hidden",)  # 4096 at the seed shape
 

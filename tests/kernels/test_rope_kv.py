@@ -1,4 +1,4 @@
-"""Fused RoPE + KV write (`kernels/rope_kv.py`): `rope_write_kv` against its torch reference, and
+"""Fused RoPE + KV write (`kernels/layers/rope_kv.py`): `rope_write_kv` against its torch reference, and
 the reference against the model's torch path (`Rotary.apply` + `write_kv`).
 
 Without CUDA the kernel runs in the Triton interpreter (conftest.py sets TRITON_INTERPRET=1) on
@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorafleet.kernels.rope_kv import rope_write_kv, rope_write_kv_reference
-from lorafleet.worker.attention import write_kv
+from lorafleet.kernels.layers.rope_kv import rope_write_kv, rope_write_kv_reference
+from lorafleet.worker.layers.attention import write_kv
 from lorafleet.worker.models.llama import Rotary
 from tests.kernels.fused_cases import DTYPES, POSITIONS, SEED, SLOTS, TOLERANCE, gpu, rope_case, rotary
 from tests.kernels.hopper_compile import run_hopper_compile
@@ -96,7 +96,7 @@ def test_rope_write_kv_rejects_bad_inputs() -> None:
 # divisibility-by-16 hints the JIT derives from real sizes, strides and pointers: what the interpreter lets
 # through (dtype mixes, unsupported ops) fails here without a GPU.
 HOPPER_COMPILE = r"""
-from lorafleet.kernels import rope_kv as ops
+from lorafleet.kernels.layers import rope_kv as ops
 
 for dt in ("bf16", "fp16", "fp32"):
     p = "*" + dt

@@ -1,4 +1,4 @@
-"""`scaled_copies` (kernels/scaled_copy.py) against its torch reference, bit for bit.
+"""`scaled_copies` (kernels/lora/scaled_copy.py) against its torch reference, bit for bit.
 
 Without CUDA the kernel runs in the Triton interpreter (conftest.py). Cases: A-like row copies and
 B-like transposed ones, scales of 1 and not, every pair of bf16 / fp16 / fp32 source and
@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 
-from lorafleet.kernels.scaled_copy import BLOCK, scaled_copies, scaled_copies_reference
+from lorafleet.kernels.lora.scaled_copy import BLOCK, scaled_copies, scaled_copies_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -58,7 +58,7 @@ def test_kernel_equals_the_reference(src_dtype, dst_dtype):
 @pytest.mark.parametrize("max_blocks", [1, 2])
 def test_programs_stride_over_copies_longer_than_the_grid(max_blocks, monkeypatch):
     """Past MAX_BLOCKS programs a copy, each program walks several blocks of it."""
-    from lorafleet.kernels import scaled_copy
+    from lorafleet.kernels.lora import scaled_copy
 
     monkeypatch.setattr(scaled_copy, "MAX_BLOCKS", max_blocks)
     gen = torch.Generator().manual_seed(2)

@@ -1,4 +1,4 @@
-"""Fused SiLU and multiply (`kernels/silu_mul.py`): `silu_mul` against its torch reference, and the
+"""Fused SiLU and multiply (`kernels/layers/silu_mul.py`): `silu_mul` against its torch reference, and the
 reference against the model's torch path (`F.silu(gate) * up`).
 
 Without CUDA the kernel runs in the Triton interpreter (conftest.py sets TRITON_INTERPRET=1) on
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lorafleet.kernels.silu_mul import silu_mul, silu_mul_reference
+from lorafleet.kernels.layers.silu_mul import silu_mul, silu_mul_reference
 from tests.kernels.fused_cases import DEVICE, DTYPES, SEED, TOLERANCE, gpu
 from tests.kernels.hopper_compile import run_hopper_compile
 
@@ -44,7 +44,7 @@ def test_silu_mul_rejects_bad_inputs() -> None:
 # divisibility-by-16 hints the JIT derives from real sizes, strides and pointers: what the interpreter lets
 # through (dtype mixes, unsupported ops) fails here without a GPU.
 HOPPER_COMPILE = r"""
-from lorafleet.kernels import silu_mul as ops
+from lorafleet.kernels.layers import silu_mul as ops
 
 SIZES = ("inter",)  # 14336 at the seed shape
 

@@ -14,10 +14,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lorafleet.kernels.lora_config import LoraKernelConfig
-from lorafleet.kernels.lora_meta import build_lora_meta
-from lorafleet.kernels.lora_ops import add_lora
-from lorafleet.kernels.triton_lora import add_lora_triton
+from lorafleet.kernels.lora.config import LoraKernelConfig
+from lorafleet.kernels.lora.launch import add_lora_triton
+from lorafleet.kernels.lora.meta import build_lora_meta
+from lorafleet.kernels.lora.ops import add_lora
 from tests.kernels.lora_cases import DEVICE, LAYOUTS, TOL, make_weights, mapping, run_both
 
 # (case id, tokens, k, d_in, outs, ranks per slice, mapping, dtype, chunk_size, config)
@@ -257,7 +257,7 @@ def test_launches_hand_the_kernels_the_config(split_sum, meta_round, tokens, exp
     when unrolled, 0 for the loop and for a launch whose partial reads pass UNROLL_MAX_PARTIAL_BYTES
     (320 tokens on 4 adapters: 20 chunks x 256 column groups x 3 splits x 16 rows x 16 ranks, 15 MiB);
     META_ROUND to both."""
-    from lorafleet.kernels import triton_lora
+    from lorafleet.kernels.lora import launch as triton_lora
 
     seen: dict[str, dict] = {}
 
@@ -286,7 +286,7 @@ def test_split_sum_codes() -> None:
     """The expand's SPLIT_SUM constexpr: 0 (the loop) for the loop, for one split, past the unroll
     bound and for launches that would read more partials than UNROLL_MAX_PARTIAL_BYTES; else the
     split count."""
-    from lorafleet.kernels.lora_config import (
+    from lorafleet.kernels.lora.config import (
         MAX_UNROLLED_SPLITS,
         UNROLL_MAX_PARTIAL_BYTES,
         partial_read_bytes,

@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorafleet.kernels.lora_config import LoraKernelConfig
-from lorafleet.kernels.lora_meta import build_lora_meta
+from lorafleet.kernels.lora.config import LoraKernelConfig
+from lorafleet.kernels.lora.meta import build_lora_meta
 from tests.kernels.lora_cases import DEVICE, make_weights
 
 
 def test_pick_config_runs_the_shrink_a_row_at_a_time_only_where_asked(monkeypatch) -> None:
     """SHRINK_ROWS: for a step of one-pair chunks, decode-sized only, with its K tile and warps;
     never while it is empty."""
-    from lorafleet.kernels import lora_config
+    from lorafleet.kernels.lora import config as lora_config
 
     cfg = lora_config.pick_config(64, 3, 4096, 16, one_pair=True)
     assert (cfg.shrink_rows, cfg.block_k, cfg.shrink_warps) == (True, *lora_config.SHRINK_ROWS)
@@ -26,7 +26,7 @@ def test_pick_config_runs_the_shrink_a_row_at_a_time_only_where_asked(monkeypatc
 
 def test_pick_config_runs_the_expand_a_row_at_a_time_only_where_asked(monkeypatch) -> None:
     """EXPAND_ROWS: likewise, one B tile of its width a program, with its warps."""
-    from lorafleet.kernels import lora_config
+    from lorafleet.kernels.lora import config as lora_config
 
     monkeypatch.setattr(lora_config, "EXPAND_ROWS", (256, 8))
     cfg = lora_config.pick_config(64, 3, 4096, 16, one_pair=True)
@@ -44,7 +44,7 @@ def test_pick_config_runs_the_expand_a_row_at_a_time_only_where_asked(monkeypatc
 def test_pick_config_loads_the_next_expand_tile_ahead_only_where_asked(monkeypatch) -> None:
     """EXPAND_AHEAD: for programs of several tl.dot tiles of at most 16 rows, with few chunks (by
     default) or many."""
-    from lorafleet.kernels import lora_config
+    from lorafleet.kernels.lora import config as lora_config
 
     assert lora_config.pick_config(8, 3, 4096, 16).expand_ahead  # 8 adapters' decode: 256 columns, 128 a tile
     assert not lora_config.pick_config(16, 2, 4096, 64).expand_ahead  # chunks of 64 rows (prefill)
@@ -82,7 +82,7 @@ def test_kernel_config_refuses_what_the_compiler_would(bad: dict, says: str) -> 
 def test_plan_refuses_a_launch_bound_below_the_chunks() -> None:
     """Chunks past the launch bound would be skipped (their tokens left without LoRA, or with an
     unwritten delta): the plan refuses such a meta on the host."""
-    from lorafleet.kernels.triton_lora import plan_lora_triton
+    from lorafleet.kernels.lora.launch import plan_lora_triton
 
     g = torch.Generator().manual_seed(23)
     tokens, slots, d_in = 20, 4, 16

@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lorafleet.kernels.lora_meta import build_lora_meta
-from lorafleet.kernels.lora_ops import add_lora
+from lorafleet.kernels.lora.meta import build_lora_meta
+from lorafleet.kernels.lora.ops import add_lora
 from tests.kernels.lora_cases import DEVICE, LAYOUTS, TOL, make_weights
 
 
@@ -21,8 +21,8 @@ def test_shrink_zeroes_the_delta_it_expands_into(k: int, launch_bound: int | Non
     then the expand accumulates into it. A NaN-poisoned buffer, tokens without an adapter, a slot
     that leaves a slice untargeted (rank 0), and more elements than one block per program; with
     the shrink a row at a time too."""
-    from lorafleet.kernels.lora_config import pick_config
-    from lorafleet.kernels.triton_lora import launch_expand, launch_shrink, plan_lora_triton
+    from lorafleet.kernels.lora.config import pick_config
+    from lorafleet.kernels.lora.launch import launch_expand, launch_shrink, plan_lora_triton
 
     g = torch.Generator().manual_seed(3 + k)
     tokens, slots, d_in, outs = 40, 5, 48, [700, 300]
@@ -60,8 +60,8 @@ def test_storing_expand_writes_only_rows_with_an_adapter(launch_bound: int | Non
     rows without one keep what was there (NaN here), and `meta.has_lora` names exactly the others.
     Decode-sized (16) and prefill-sized (64) chunks, both B layouts; the expand a row at a time,
     and with its next tile loaded ahead."""
-    from lorafleet.kernels.lora_config import pick_config
-    from lorafleet.kernels.triton_lora import launch_expand, launch_shrink, plan_lora_triton
+    from lorafleet.kernels.lora.config import pick_config
+    from lorafleet.kernels.lora.launch import launch_expand, launch_shrink, plan_lora_triton
 
     g = torch.Generator().manual_seed(21)
     tokens, slots, d_in, outs = 40, 5, 48, [700, 300]
@@ -96,7 +96,7 @@ def test_storing_expand_writes_only_rows_with_an_adapter(launch_bound: int | Non
 
 def test_storing_expand_refuses_what_it_cannot_do() -> None:
     """k > 1 needs the atomic add into a zeroed delta; a zeroing shrink is for an adding expand."""
-    from lorafleet.kernels.triton_lora import launch_expand, launch_shrink, plan_lora_triton
+    from lorafleet.kernels.lora.launch import launch_expand, launch_shrink, plan_lora_triton
 
     g = torch.Generator().manual_seed(22)
     tokens, slots, d_in, outs = 8, 3, 16, [16]

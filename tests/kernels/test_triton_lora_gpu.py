@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorafleet.kernels.lora_config import LoraKernelConfig
-from lorafleet.kernels.lora_linear import linear_lora_deferred
-from lorafleet.kernels.lora_meta import build_lora_meta
-from lorafleet.kernels.lora_ops import add_lora
+from lorafleet.kernels.lora.config import LoraKernelConfig
+from lorafleet.kernels.lora.launch import add_lora_triton
+from lorafleet.kernels.lora.linear import linear_lora_deferred
+from lorafleet.kernels.lora.meta import build_lora_meta
+from lorafleet.kernels.lora.ops import add_lora
 from lorafleet.kernels.pdl import pdl_supported
-from lorafleet.kernels.triton_lora import add_lora_triton
 from tests.kernels.lora_cases import HAS_CUDA, LAYOUTS, make_weights, run_both
 
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -145,7 +145,7 @@ def test_lora_on_a_side_stream_beside_the_gemm(captured: bool, slots: int, blas:
     `meta.has_lora` names (some tokens here have no adapter).
     Eager, and captured once then replayed with other steps' metadata: y (+ delta) = x Wᵀ + LoRA,
     against the GEMM plus the torch reference."""
-    from lorafleet.kernels import lora_linear
+    from lorafleet.kernels.lora import linear as lora_linear
 
     monkeypatch.setattr(lora_linear, "DELTA_STORE", (store, store))
     monkeypatch.setattr(lora_linear, "OVERLAP_MAX_CHUNKS", max_chunks)

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from lorafleet import process_group
+from lorafleet.local import process_group
 from lorafleet.operator.builders import TOKEN_KEY
 
 # Torch inside each worker would otherwise take every core; several workers share a small machine.

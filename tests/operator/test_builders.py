@@ -123,14 +123,14 @@ def test_pool_spec_errors() -> None:
 def test_a_tool_call_parser_reaches_the_workers_flags() -> None:
     """spec.engine.toolCallParser becomes the worker's --enable-auto-tool-choice --tool-call-parser,
     which the worker's own CLI reads back; unset, neither flag is passed; another value is a spec error."""
-    from lorafleet.worker.cli import build_parser, settings_from_args
+    from lorafleet.worker.server.cli import build_parser, settings_from_args
 
     def args(engine: dict) -> list[str]:
         pool = parse_pool("ns", "p", {**POOL, "engine": {**POOL["engine"], **engine}})
         return builders.workload(pool)["spec"]["template"]["spec"]["containers"][0]["args"]
 
     from lorafleet.operator.spec import TOOL_CALL_PARSERS
-    from lorafleet.worker.tools import PARSERS
+    from lorafleet.worker.openai.tools import PARSERS
 
     assert set(TOOL_CALL_PARSERS) == set(PARSERS)  # the operator's list is the worker's
     for name in TOOL_CALL_PARSERS:
@@ -145,8 +145,8 @@ def test_a_reasoning_parser_reaches_the_workers_flags() -> None:
     """spec.engine.reasoningParser becomes the worker's --reasoning-parser, read back by the worker's
     CLI; unset, no flag; another value is a spec error."""
     from lorafleet.operator.spec import REASONING_PARSERS
-    from lorafleet.worker.cli import build_parser, settings_from_args
-    from lorafleet.worker.reasoning import PARSERS
+    from lorafleet.worker.openai.reasoning import PARSERS
+    from lorafleet.worker.server.cli import build_parser, settings_from_args
 
     def args(engine: dict) -> list[str]:
         pool = parse_pool("ns", "p", {**POOL, "engine": {**POOL["engine"], **engine}})

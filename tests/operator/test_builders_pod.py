@@ -39,7 +39,8 @@ def pod(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("spec", [BASE, FULL, {**BASE, "workloadKind": "StatefulSet"},
-                                  {"model": {"path": "/opt/m", "servedName": "m"}, "image": "w"}])
+                                  {"model": {"path": "/opt/m", "servedName": "m"}, "image": "w"},
+                                  {**FULL, "server": {"kind": "vllm"}}])
 def test_worker_pod_passes_restricted(spec: dict[str, Any]) -> None:
     assert restricted_violations(pod(spec)) == []
 
@@ -141,3 +142,12 @@ def test_bad_pod_fields_are_spec_errors(patch: dict[str, Any], words: str) -> No
     with pytest.raises(SpecError) as err:
         parse_pool("ns", "p", {**BASE, **patch})
     assert err.value.reason == "InvalidSpec" and words in str(err.value)
+
+
+def test_vllm_pool_pods_get_the_pool_pod_fields_and_model_path() -> None:
+    spec = pod({**FULL, "server": {"kind": "vllm"}})
+    assert spec["runtimeClassName"] == "nvidia" and spec["tolerations"] == FULL["tolerations"]
+    container = spec["containers"][0]
+    assert {"name": "HF_HUB_OFFLINE", "value": "1"} in container["env"]
+    assert {m["name"] for m in container["volumeMounts"]} >= {"shm", "cache"}
+    assert container["args"][container["args"].index("--model") + 1] == "/models/llama"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import httpx
 
+from lorafleet.local.process_group import free_port
 from lorafleet.operator.cli import build_parser, operator_kwargs
-from lorafleet.process_group import free_port
 from tests.operator.conftest import OperatorRunner, eventually
 from tests.operator.kmock_harness import PatchedEmulator
 

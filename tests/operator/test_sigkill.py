@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet import process_group
+from lorafleet.local import process_group
 from lorafleet.operator.spec import GROUP
 from tests.operator.conftest import Kubectl, eventually
 from tests.operator.fake_worker import write_adapter

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from lorafleet.local.process_group import free_port
 from lorafleet.operator.worker_client import (
     LoadRefused,
     NotVerified,
@@ -24,7 +25,6 @@ from lorafleet.operator.worker_client import (
     WorkerUnavailable,
     resident,
 )
-from lorafleet.process_group import free_port
 from tests.operator.fake_worker import FakeWorkerState, create_app, write_adapter
 from tests.worker.worker_harness import TOKEN, RunningWorker, worker_settings
 

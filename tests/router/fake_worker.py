@@ -146,6 +146,11 @@ def create_fake_worker(cfg: FakeWorkerConfig) -> FastAPI:
         if not authorized(request):
             return _err(401, "unauthorized", "authentication_error")
         body = LoadLoraAdapterRequest.model_validate(await request.json())
+        if body.lora_path.startswith("/refuse/"):  # refused as the real worker does: its message names the file
+            refused = _err(400, f"{body.lora_path}/adapter_config.json: not a LoRA adapter")
+            payload = json.loads(refused.body)
+            payload["error"]["reason"] = "invalid_config"
+            return JSONResponse(payload, status_code=400)
         if body.lora_name in resident:
             if resident[body.lora_name] != body.lora_path:
                 return _err(409, f"adapter {body.lora_name!r} already loaded from another path")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 
-import aiohttp
 import pytest
 
 from lorafleet.router.proxy import (
@@ -16,6 +15,7 @@ from lorafleet.router.proxy import (
     sse_error,
     upstream_headers,
 )
+from lorafleet.router.upstream import UpstreamError
 
 
 class Clock:
@@ -53,16 +53,15 @@ def test_sse_error_is_an_sse_event_then_done():
 
 
 class _Breaking:
-    """An aiohttp response whose body gives `chunks`, then fails as a dropped connection does."""
+    """An upstream exchange whose body gives `chunks`, then fails as a dropped connection does."""
 
     def __init__(self, chunks: list[bytes]) -> None:
-        self.content = self
-        self._chunks = chunks
+        self._chunks = list(chunks)
 
-    async def iter_any(self):
-        for chunk in self._chunks:
-            yield chunk
-        raise aiohttp.ClientPayloadError("connection lost")
+    async def read_some(self) -> bytes:
+        if self._chunks:
+            return self._chunks.pop(0)
+        raise UpstreamError("transport", "connection lost")
 
 
 def _relayed(chunks: list[bytes], responses_api: bool) -> bytes:
@@ -108,8 +107,9 @@ def test_a_broken_responses_stream_ends_in_an_error_event_numbered_after_the_res
 
 def test_an_event_cut_short_is_ended_before_the_error():
     raw = _relayed([b'data: {"id": 1}\n\n', b'data: {"id"'], False)
-    assert raw.endswith(b'data: {"id"\n\n' + sse_error("upstream failed mid-stream: ClientPayloadError"))
-    assert _relayed([], False) == sse_error("upstream failed mid-stream: ClientPayloadError")
+    message = "upstream failed mid-stream: transport: connection lost"
+    assert raw.endswith(b'data: {"id"\n\n' + sse_error(message))
+    assert _relayed([], False) == sse_error(message)
     assert [e["sequence_number"] for e in _events(_relayed([_response_event(0)[:-1]], True))][-1] == 1
 
 

@@ -4,8 +4,8 @@ parameters, and an engine on the graph path (run uncaptured on CPU), synchronous
 from __future__ import annotations
 
 from lorafleet.worker.config import EngineConfig
-from lorafleet.worker.engine import LLMEngine
-from lorafleet.worker.sequence import SamplingParams
+from lorafleet.worker.engine.engine import LLMEngine
+from lorafleet.worker.engine.sequence import SamplingParams
 
 MIXED = [
     ("Hello world", ()),

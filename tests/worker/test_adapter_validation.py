@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lorafleet.worker.config import EngineConfig
-from lorafleet.worker.engine import LLMEngine
+from lorafleet.worker.engine.engine import LLMEngine
+from lorafleet.worker.engine.sequence import SamplingParams
 from lorafleet.worker.lora.adapter import AdapterError
-from lorafleet.worker.sequence import SamplingParams
 
 
 def edit_config(folder: Path, **changes) -> None:

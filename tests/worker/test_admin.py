@@ -13,8 +13,8 @@ import time
 import httpx
 import pytest
 
-from lorafleet.worker.engine import LLMEngine
-from lorafleet.worker.sequence import SamplingParams
+from lorafleet.worker.engine.engine import LLMEngine
+from lorafleet.worker.engine.sequence import SamplingParams
 from tests.worker.worker_harness import TOKEN, RunningWorker, auth, wait_for, worker_settings
 
 PROMPT = "Every institute uses the same printed textbook"

@@ -4,15 +4,15 @@
 
 from __future__ import annotations
 
-from lorafleet.worker.sequence import SamplingParams
+from lorafleet.worker.engine.sequence import SamplingParams
 
 
 def _scheduler_state(rng, prefix_caching: bool):
     """A scheduler mid-decode: running requests one token behind, waiting ones (some sharing cached
     prompt blocks, some for adapters that are not ready), KV blocks from plenty to scarce."""
-    from lorafleet.worker.block_manager import BlockManager
-    from lorafleet.worker.scheduler import Scheduler, SchedulerConfig
-    from lorafleet.worker.sequence import Sequence
+    from lorafleet.worker.engine.block_manager import BlockManager
+    from lorafleet.worker.engine.scheduler import Scheduler, SchedulerConfig
+    from lorafleet.worker.engine.sequence import Sequence
 
     bs = 4
     blocks = BlockManager(rng.randint(12, 60), bs, prefix_caching)
@@ -70,8 +70,8 @@ def test_admission_dry_run_agrees_with_schedule():
 
 
 def test_admission_cost_is_what_admission_takes():
-    from lorafleet.worker.block_manager import BlockManager
-    from lorafleet.worker.sequence import Sequence
+    from lorafleet.worker.engine.block_manager import BlockManager
+    from lorafleet.worker.engine.sequence import Sequence
 
     blocks = BlockManager(32, 4)
     first = Sequence(0, list(range(1, 14)), SamplingParams(), cache_salt="s")

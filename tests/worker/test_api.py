@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
-from lorafleet.worker.engine import LLMEngine
-from lorafleet.worker.sequence import SamplingParams
+from lorafleet.worker.engine.engine import LLMEngine
+from lorafleet.worker.engine.sequence import SamplingParams
 from tests.worker.worker_harness import TOKEN, RunningWorker, auth, wait_for, worker_settings
 
 MAX_TOKENS = 12
@@ -201,16 +201,16 @@ def test_logprobs_bytes_are_each_tokens_own_bytes(worker, offline):
 
 @pytest.mark.parametrize("skip_special", [True, False])
 def test_text_offsets_index_the_echoed_text(worker, offline, skip_special):
-    """Echo with logprobs: `text_offset` indexes the choice's text, prompt and completion. The BOS
-    the tokenizer put before the string prompt is not in the echoed text (it has no width, at 0);
+    """Echo with logprobs: `text_offset` indexes the choice's text, prompt and completion. A BOS
+    sent as the prompt's first token id is in the echoed text (decoded with special tokens) at 0;
     a generated special token is in the text only with skip_special_tokens off. The oracle: the
     tokenizer's own decode of each token's prefix; streamed, the same offsets."""
     tok = offline.tokenizer
-    ids = tok.encode(PROMPT)
-    assert ids[0] == tok.bos_id and tok.bos_id in tok.special_ids
+    ids = [tok.bos_id, *tok.encode(PROMPT)]
+    assert tok.bos_id in tok.special_ids and tok.bos_id not in tok.encode(PROMPT)
     pad = tok.token_id("<pad>")
     forced = [*tok.encode(" and then", add_special_tokens=False), pad, *tok.encode(" more", add_special_tokens=False)]
-    body = {"model": "demo", "prompt": PROMPT, "max_tokens": len(forced), "temperature": 0, "ignore_eos": True,
+    body = {"model": "demo", "prompt": ids, "max_tokens": len(forced), "temperature": 0, "ignore_eos": True,
             "echo": True, "logprobs": 0, "skip_special_tokens": skip_special}
     worker.engine.logits_hook = forcing(forced)
     try:
@@ -222,9 +222,10 @@ def test_text_offsets_index_the_echoed_text(worker, offline, skip_special):
         worker.engine.logits_hook = None
 
     text = whole["text"]
-    assert text == PROMPT + tok.decode(forced, skip_special_tokens=skip_special)
-    want = [0] + [len(tok.decode(ids[1:i], skip_special_tokens=False)) for i in range(1, len(ids))]
-    want += [len(PROMPT) + len(tok.decode(forced[:j], skip_special_tokens=skip_special)) for j in range(len(forced))]
+    shown = tok.decode(ids, skip_special_tokens=False)
+    assert shown == "<s>" + PROMPT and text == shown + tok.decode(forced, skip_special_tokens=skip_special)
+    want = [len(tok.decode(ids[:i], skip_special_tokens=False)) for i in range(len(ids))]
+    want += [len(shown) + len(tok.decode(forced[:j], skip_special_tokens=skip_special)) for j in range(len(forced))]
     lp = whole["logprobs"]
     assert lp["text_offset"] == want and lp["tokens"][0] == "<s>"
     for token, start in zip(lp["tokens"][1:], lp["text_offset"][1:]):  # each shown token's text is there
@@ -375,6 +376,22 @@ def test_metrics_have_vllm_names_and_ours(worker, client):
         'vllm:inter_token_latency_seconds_bucket',
     ):
         assert needle in text, needle
+
+
+def test_residency_under_vllms_metric_names(worker, client):
+    """vllm:lora_adapter_loaded (vLLM PR #54830's labels) lists exactly the inventory's gpu and cpu
+    adapters with their rank and pin; vllm:max_gpu_lora_adapters is max_loras."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.completions.create(model="sql", prompt=PROMPT, max_tokens=2)
+    inventory = httpx.get(f"{worker.url}/v1/adapters", headers=auth()).json()
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{worker.url}/metrics").text)}
+    loaded = {(s.labels["adapter_name"], s.labels["level"], s.labels["pinned"], s.labels["rank"])
+              for s in families["vllm:lora_adapter_loaded"].samples if s.value == 1}
+    want = {(a["name"], a["tier"], str(a["pinned"]).lower(), str(a["rank"]))
+            for a in inventory["adapters"] if a["tier"] in ("gpu", "cpu")}
+    assert loaded == want and ("sql", "gpu") in {(n, lvl) for n, lvl, _, _ in loaded}
+    assert [s.value for s in families["vllm:max_gpu_lora_adapters"].samples] == [inventory["max_loras"]]
 
 
 def test_lora_requests_info_names_running_adapters(worker):

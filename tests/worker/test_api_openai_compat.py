@@ -255,11 +255,18 @@ UNSUPPORTED = [  # (tools themselves: tests/worker/test_tools.py)
     ("best_of", 2),
     ("modalities", ["text", "audio"]),
     ("use_beam_search", True),
+    ("priority", 1), ("request_id", "abc"), ("return_token_ids", True), ("cache_salt", "x"),
+    ("spaces_between_special_tokens", False), ("truncate_prompt_tokens", 3), ("prompt_embeds", "AAAA"),
+    ("continue_final_message", True), ("chat_template", "{{ messages }}"), ("documents", [{"text": "d"}]),
+    ("include_reasoning", False), ("add_special_tokens", True), ("vllm_xargs", {"k": 1}),
 ]
 HARMLESS = [
     ("user", "u-1"), ("metadata", {"k": "v"}), ("store", False), ("parallel_tool_calls", True),
     ("service_tier", "auto"), ("tool_choice", "none"), ("tool_choice", "auto"), ("tools", []),
     ("response_format", {"type": "text"}), ("modalities", ["text"]), ("best_of", 1), ("reasoning_effort", "low"),
+    ("priority", 0), ("spaces_between_special_tokens", True), ("add_special_tokens", False), ("length_penalty", 1.0),
+    ("mm_payload", "tensors"), ("include_reasoning", True), ("continue_final_message", False),
+    ("no_such_field_anywhere", 1),  # neither OpenAI's nor vLLM's: ignored, as OpenAI does
 ]
 
 
@@ -271,7 +278,8 @@ def test_unsupported_features_are_400_naming_the_field(worker, field, value, str
     assert field in refused(post(worker, "chat/completions", body), field)
 
 
-@pytest.mark.parametrize("field,value", [("suffix", " end"), ("best_of", 3)])
+@pytest.mark.parametrize("field,value", [("suffix", " end"), ("best_of", 3), ("add_special_tokens", False),
+                                         ("priority", -1), ("length_penalty", 0.5)])
 def test_unsupported_completions_fields_are_400(worker, field, value):
     body = {"model": "demo", "prompt": PROMPT, "max_tokens": 2, field: value}
     assert field in refused(post(worker, "completions", body), field)
@@ -350,3 +358,31 @@ def test_completions_top_logprobs_hold_the_sampled_token(client, k):
         assert top is not None and top[token] == logprob and len(top) <= k + 1
     if k == 0:
         assert all(len(top) == 1 for top in lp.top_logprobs)
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(worker, route):
+    """vLLM's `return_tokens_as_token_ids`: each logprobs token (chosen and top) is `token_id:N`, with
+    N the id; the text and chat's `bytes` stay the token's own."""
+    common = {"model": "demo", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    if route == "completions":
+        body = {**common, "prompt": PROMPT, "logprobs": 3}
+    else:
+        body = {**common, "messages": CHAT, "logprobs": True, "top_logprobs": 3}
+    plain = post(worker, route, body).json()["choices"][0]
+    by_id = post(worker, route, {**body, "return_tokens_as_token_ids": True}).json()["choices"][0]
+    if route == "completions":
+        assert by_id["text"] == plain["text"]
+        tokens = by_id["logprobs"]["tokens"]
+        assert all(t.startswith("token_id:") for t in tokens) and len(tokens) == len(plain["logprobs"]["tokens"])
+        for top in by_id["logprobs"]["top_logprobs"]:
+            assert all(k.startswith("token_id:") for k in top)
+        texts = [httpx.post(f"{worker.url}/detokenize", json={"model": "demo", "tokens": [int(t[9:])]}, timeout=30)
+                 .json()["prompt"] for t in tokens]
+        assert "".join(texts) == plain["text"]
+    else:
+        assert by_id["message"]["content"] == plain["message"]["content"]
+        for got, want in zip(by_id["logprobs"]["content"], plain["logprobs"]["content"], strict=True):
+            assert got["token"].startswith("token_id:") and got["bytes"] == want["bytes"]
+            assert got["logprob"] == want["logprob"]
+            assert all(t["token"].startswith("token_id:") for t in got["top_logprobs"])

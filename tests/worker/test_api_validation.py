@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from lorafleet.worker.engine import LLMEngine
-from lorafleet.worker.sequence import SamplingParams
+from lorafleet.worker.engine.engine import LLMEngine
+from lorafleet.worker.engine.sequence import SamplingParams
 from tests.worker.worker_harness import CHAT, PROMPT
 
 

@@ -8,11 +8,11 @@ import threading
 
 import pytest
 
-from lorafleet.worker.async_engine import AsyncEngine, EngineFailure
 from lorafleet.worker.config import EngineConfig
-from lorafleet.worker.engine import LLMEngine, RequestError
+from lorafleet.worker.engine.async_engine import AsyncEngine, EngineFailure
+from lorafleet.worker.engine.engine import LLMEngine, RequestError
+from lorafleet.worker.engine.sequence import SamplingParams
 from lorafleet.worker.lora.registry import AdapterNotFound
-from lorafleet.worker.sequence import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 CONFIG = EngineConfig(max_loras=2, max_cpu_loras=2, max_loras_per_request=2, num_kv_blocks=128)

@@ -1,4 +1,4 @@
-"""Async scheduling (`EngineConfig.async_scheduling`, worker/async_step.py) against the synchronous engine.
+"""Async scheduling (`EngineConfig.async_scheduling`, worker/engine/async_step.py) against the synchronous engine.
 
 CPU, through the graph path's static buffers (`cuda_graphs=True` runs them without capture): the
 same RequestOutputs, in the same order per request, for mixed adapters, stop strings and stop
@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorafleet.worker.engine import LLMEngine
-from lorafleet.worker.outputs import RequestOutput
-from lorafleet.worker.sequence import SamplingParams
+from lorafleet.worker.engine.engine import LLMEngine
+from lorafleet.worker.engine.outputs import RequestOutput
+from lorafleet.worker.engine.sequence import SamplingParams
 from tests.worker.async_harness import MIXED, _engine, greedy
 
 
@@ -163,7 +163,7 @@ def test_logprobs_equal(demo_model, modules):
 def _host_token_requests():
     """Requests whose next token needs the host's view of the last one (grammars), among plain,
     seeded and edited ones; two of them end by their grammar while the rest still decode."""
-    from lorafleet.worker.structured import Constraint
+    from lorafleet.worker.sampling.structured import Constraint
 
     choice = Constraint.choice(["yes", "no", "maybe so"], "guided_choice")
     knobs = [dict(), dict(constraint=choice), dict(temperature=1.0, seed=11,
@@ -283,7 +283,7 @@ def test_max_num_seqs_holds_waiting_requests_in_async(demo_model, modules):
 def test_error_token_ends_only_its_request(demo_model, modules, monkeypatch):
     """A row whose logits are not finite reads -1 (sampling.sample): that request ends with
     finish_reason=error while its extra row in the step in flight is discarded."""
-    import lorafleet.worker.model_runner as model_runner
+    import lorafleet.worker.engine.model_runner as model_runner
 
     requests = [(p, greedy(8), a) for p, a in MIXED[:4]]
     want = _drive(_engine(demo_model, modules, False), requests)
@@ -356,7 +356,7 @@ def test_has_unfinished_while_a_step_is_in_flight(demo_model, modules):
 
 
 def test_async_scheduling_flag_reaches_the_engine_config():
-    from lorafleet.worker.cli import build_parser, settings_from_args
+    from lorafleet.worker.server.cli import build_parser, settings_from_args
 
     def flag(*flags: str) -> bool:
         return settings_from_args(build_parser().parse_args(["--model", "m", *flags])).engine.async_scheduling

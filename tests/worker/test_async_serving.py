@@ -1,4 +1,4 @@
-"""Async scheduling in the server's engine thread (worker/async_engine.py): its streams equal
+"""Async scheduling in the server's engine thread (worker/engine/async_engine.py): its streams equal
 offline generate, and a launch that fails fails its requests while the server recovers."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from tests.worker.async_harness import MIXED, _engine, greedy
 
 
 def test_server_loop_with_async_scheduling(demo_model, modules):
-    """The engine thread (worker/async_engine.py) unchanged: streams equal offline generate."""
-    from lorafleet.worker.async_engine import AsyncEngine
+    """The engine thread (worker/engine/async_engine.py) unchanged: streams equal offline generate."""
+    from lorafleet.worker.engine.async_engine import AsyncEngine
 
     served, offline = _engine(demo_model, modules, True), _engine(demo_model, modules, False)
     cases = [(p, a) for p, a in MIXED[:5]]
@@ -39,7 +39,7 @@ def test_server_loop_with_async_scheduling(demo_model, modules):
 
 
 def test_failing_launch_fails_its_requests_and_the_server_recovers(demo_model, modules):
-    from lorafleet.worker.async_engine import AsyncEngine, EngineFailure
+    from lorafleet.worker.engine.async_engine import AsyncEngine, EngineFailure
 
     served, offline = _engine(demo_model, modules, True), _engine(demo_model, modules, False)
     real = served.runner.launch

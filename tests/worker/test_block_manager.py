@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from lorafleet.worker.block_manager import BlockManager
-from lorafleet.worker.sequence import SamplingParams, Sequence
+from lorafleet.worker.engine.block_manager import BlockManager
+from lorafleet.worker.engine.sequence import SamplingParams, Sequence
 
 
 def seq(tokens: list[int], salt: str = "", sid: int = 0) -> Sequence:

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from lorafleet.worker.chat_answer import OFF, AnswerStream, answer
-from lorafleet.worker.tools import PARSERS, plan
+from lorafleet.worker.openai.chat_answer import OFF, AnswerStream, answer
+from lorafleet.worker.openai.tools import PARSERS, plan
 
 TOOLS = [{"type": "function", "function": {"name": "get", "parameters": {
              "type": "object", "properties": {"a": {"type": "string"}}}}},

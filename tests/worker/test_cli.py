@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from lorafleet.worker.cli import build_parser, main, settings_from_args
 from lorafleet.worker.config import ConfigError
+from lorafleet.worker.server.cli import build_parser, main, settings_from_args
 
 
 @pytest.mark.parametrize("served", ["demo", None], ids=["served-name", "model-path"])

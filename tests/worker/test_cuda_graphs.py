@@ -1,4 +1,4 @@
-"""Decode steps from per-bucket static buffers (`worker/cuda_graphs.py`) against the eager path.
+"""Decode steps from per-bucket static buffers (`worker/engine/cuda_graphs.py`) against the eager path.
 
 CPU: bucket choice, the padded inputs against `ModelRunner.prepare`, and whole engines run
 through the static-buffer path without capture (padding rows, the KV sink, LoRA metadata copied
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from lorafleet.worker.config import EngineConfig
-from lorafleet.worker.cuda_graphs import (
+from lorafleet.worker.engine.cuda_graphs import (
     bucket_for,
     chunk_class,
     decode_inputs,
@@ -27,9 +27,9 @@ from lorafleet.worker.cuda_graphs import (
     is_graphable,
     rank_class,
 )
-from lorafleet.worker.engine import LLMEngine
-from lorafleet.worker.scheduler import ScheduledBatch
-from lorafleet.worker.sequence import SamplingParams, Sequence
+from lorafleet.worker.engine.engine import LLMEngine
+from lorafleet.worker.engine.scheduler import ScheduledBatch
+from lorafleet.worker.engine.sequence import SamplingParams, Sequence
 
 from .peft_oracle import rel_err, rel_norm_err, run_engine_with_logits
 
@@ -211,7 +211,8 @@ def test_triton_paths_with_rank_classes_match_torch_on_cpu(demo_model, modules, 
     against the torch reference engine: same tokens, logits within 1e-4. With `rows_from` 0 the
     shrink runs a row at a time in every step of one-pair chunks (the default takes it above 16
     chunks, which these batches never have), keyed apart from the steps of fuller chunks."""
-    from lorafleet.kernels import lora_config, lora_meta
+    from lorafleet.kernels.lora import config as lora_config
+    from lorafleet.kernels.lora import meta as lora_meta
 
     monkeypatch.setattr(lora_meta, "ONE_PAIR_MIN_CHUNKS", rows_from)
     picked = []
@@ -273,7 +274,7 @@ def test_graphs_can_be_switched_off_at_run_time(demo_model, modules):
 
 
 def test_cuda_graphs_flag_reaches_the_engine_config():
-    from lorafleet.worker.cli import build_parser, settings_from_args
+    from lorafleet.worker.server.cli import build_parser, settings_from_args
 
     def graphs(*flags: str) -> bool | None:
         return settings_from_args(build_parser().parse_args(["--model", "m", *flags])).engine.cuda_graphs

@@ -106,9 +106,9 @@ def test_a_load_does_not_wait_for_its_digest(tmp_path, demo_model, demo_adapters
     needs the value (a second load under the same name) gets the right one once it is done."""
     import threading
 
-    from lorafleet.worker.engine import LLMEngine
+    from lorafleet.worker.engine.engine import LLMEngine
+    from lorafleet.worker.engine.sequence import SamplingParams
     from lorafleet.worker.lora.registry import AdapterConflict
-    from lorafleet.worker.sequence import SamplingParams
 
     gate = threading.Event()
     real = adapter_mod.Sha256Thread

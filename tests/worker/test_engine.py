@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from lorafleet.worker.config import EngineConfig
-from lorafleet.worker.engine import LLMEngine, RequestError
+from lorafleet.worker.engine.engine import LLMEngine, RequestError
+from lorafleet.worker.engine.sequence import SamplingParams
 from lorafleet.worker.lora.registry import AdapterNotFound
-from lorafleet.worker.sequence import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = ["Hello world", "The router sends each request", "Roses are red", "SELECT name FROM students"]
@@ -229,7 +229,7 @@ def test_a_logits_hook_edits_what_a_graph_decode_step_samples(demo_model, module
 
 
 def test_slots_store_b_rank_major(demo_model, modules):
-    from lorafleet.kernels.lora_ops import lora_b_layout
+    from lorafleet.kernels.lora.operands import lora_b_layout
 
     engine = LLMEngine(demo_model, EngineConfig(max_loras=2), lora_modules={"sql": modules["sql"]})
     assert lora_b_layout(engine.slots.layers[0]["qkv_proj"].lora_b[0]) == "rank_major"

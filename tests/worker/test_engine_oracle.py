@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from lorafleet.worker.config import EngineConfig
-from lorafleet.worker.engine import LLMEngine
-from lorafleet.worker.sequence import SamplingParams
+from lorafleet.worker.engine.engine import LLMEngine
+from lorafleet.worker.engine.sequence import SamplingParams
 
 pytest.importorskip("peft")
 pytest.importorskip("transformers")

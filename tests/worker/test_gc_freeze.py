@@ -1,4 +1,4 @@
-"""Start-up objects leave the cycle collector once the engine is built (worker/gc_freeze.py)."""
+"""Start-up objects leave the cycle collector once the engine is built (worker/server/gc_freeze.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import weakref
 
 import pytest
 
-from lorafleet.worker import runtime as runtime_mod
-from lorafleet.worker.gc_freeze import freeze_startup_objects
+from lorafleet.worker.server import runtime as runtime_mod
+from lorafleet.worker.server.gc_freeze import freeze_startup_objects
 from tests.worker.worker_harness import worker_settings
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lorafleet.worker.config import EngineConfig
-from lorafleet.worker.engine import LLMEngine, RequestError
-from lorafleet.worker.sequence import SamplingParams
+from lorafleet.worker.engine.engine import LLMEngine, RequestError
+from lorafleet.worker.engine.sequence import SamplingParams
 
 pytest.importorskip("transformers")
 
@@ -184,7 +184,7 @@ def test_bad_words_are_never_generated_as_transformers_bans_them(engine, hf):
 
 
 def test_bad_words_tokenize_as_vllm_does(engine):
-    from lorafleet.worker.logits_processors import bad_word_ids
+    from lorafleet.worker.sampling.logits_processors import bad_word_ids
 
     tok = engine.tokenizer
     got = bad_word_ids(tok, ["  name", "students"])

@@ -1,4 +1,4 @@
-"""Per-request logit edits (worker/logits_processors.py) and min-p (worker/sampling.py) against
+"""Per-request logit edits (worker/sampling/logits_processors.py) and min-p (worker/sampling/sampler.py) against
 transformers' logits processors where it has one (repetition penalty, min new tokens, sequence
 bias, min-p), and OpenAI's documented formula for the frequency and presence penalties."""
 
@@ -10,9 +10,9 @@ from collections import Counter
 import pytest
 import torch
 
-from lorafleet.worker.logits_processors import LogitsProcessors
-from lorafleet.worker.sampling import sample, sample_on_device
-from lorafleet.worker.sequence import SamplingParams, Sequence
+from lorafleet.worker.engine.sequence import SamplingParams, Sequence
+from lorafleet.worker.sampling.logits_processors import LogitsProcessors
+from lorafleet.worker.sampling.sampler import sample, sample_on_device
 
 transformers = pytest.importorskip("transformers")
 from transformers.generation.logits_process import (  # noqa: E402

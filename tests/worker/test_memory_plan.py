@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from lorafleet.worker.cli import build_parser, settings_from_args
 from lorafleet.worker.config import ConfigError, EngineConfig, ModelConfig, RopeScaling
-from lorafleet.worker.memory_plan import plan_kv_blocks
+from lorafleet.worker.engine.memory_plan import plan_kv_blocks
+from lorafleet.worker.server.cli import build_parser, settings_from_args
 
 GIB = 1 << 30
 MODEL = ModelConfig(model_type="llama", vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2,

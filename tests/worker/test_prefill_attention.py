@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from lorafleet.worker.attention import AttentionMetadata, group_prefill, paged_attention
+from lorafleet.worker.layers.attention import AttentionMetadata, group_prefill, paged_attention
 
 BLOCK = 4
 
@@ -110,7 +110,7 @@ def test_random_steps_under_any_grouping(seed: int, monkeypatch) -> None:
     group limits (so calls of one, a few and all sequences all occur), against the oracle."""
     import random
 
-    from lorafleet.worker import attention
+    from lorafleet.worker.layers import attention
 
     r = random.Random(seed)
     limits = dict(budget=r.choice([64, 500, 5000, 1 << 22]), max_query=r.choice([4, 16, 128]),
@@ -153,7 +153,7 @@ def test_batched_prefill_on_cuda(dtype, tol, seed: int) -> None:
     scale = 128**-0.5
     out = paged_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), meta, scale).cpu()
     assert torch.isfinite(out).all()
-    from lorafleet.worker import attention
+    from lorafleet.worker.layers import attention
 
     if attention.PREFILL_BATCH_QUERY > 0:  # (LORAFLEET_PREFILL_BATCH_QUERY=0 runs one call per sequence)
         assert len(meta.prefill_plan) < len(query_lens)  # batched: fewer calls than sequences
@@ -165,7 +165,7 @@ def test_batched_prefill_on_cuda(dtype, tol, seed: int) -> None:
 
 def test_cpu_attention_leaves_the_sdpa_flags_alone(monkeypatch) -> None:
     """On the CPU the cuDNN flag (a CUDA backend's) is neither read nor changed."""
-    from lorafleet.worker import attention
+    from lorafleet.worker.layers import attention
 
     seen = []
     real = torch.nn.functional.scaled_dot_product_attention
@@ -206,7 +206,7 @@ def test_one_sequence_step_on_cuda(query_lens, context_lens) -> None:
 def test_cudnn_sdpa_is_off_during_the_call_only(cudnn_before: bool, monkeypatch) -> None:
     """cuDNN's SDPA (a graph built per new shape, ~1.8 ms of host time a call) is off while the
     attention runs and set back as it was afterwards, also when SDPA raises."""
-    from lorafleet.worker import attention
+    from lorafleet.worker.layers import attention
 
     seen = []
     real = torch.nn.functional.scaled_dot_product_attention

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lorafleet.worker.config import EngineConfig
-from lorafleet.worker.engine import LLMEngine
-from lorafleet.worker.sequence import SamplingParams
+from lorafleet.worker.engine.engine import LLMEngine
+from lorafleet.worker.engine.sequence import SamplingParams
 
 pytest.importorskip("transformers")
 
@@ -97,7 +97,7 @@ def test_a_prefill_preempted_midway_scores_each_prompt_token_once(demo_model, hf
 def test_scored_rows_are_bounded_per_step_over_all_requests(demo_model, hf, monkeypatch):
     """Each scored prompt token keeps a vocabulary-wide row of logits: a step scores at most
     PROMPT_SCORING_CHUNK prompt tokens over all its requests, whatever its token budget."""
-    from lorafleet.worker import model_runner, scheduler
+    from lorafleet.worker.engine import model_runner, scheduler
 
     monkeypatch.setattr(scheduler, "PROMPT_SCORING_CHUNK", 5)
     rows: list[int] = []

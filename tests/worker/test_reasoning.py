@@ -1,4 +1,4 @@
-"""Reasoning split out of chat answers (worker/reasoning.py, --reasoning-parser): the split of known
+"""Reasoning split out of chat answers (worker/openai/reasoning.py, --reasoning-parser): the split of known
 texts, the same streamed in pieces of every size as read whole; served, through the official
 client, the message's `reasoning` (and `reasoning_content`) and content, structured outputs and
 tool calls held until the reasoning ends, `chat_template_kwargs` reaching the template."""
@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from lorafleet.worker.reasoning import ReasoningStream, split, starts_in_reasoning
+from lorafleet.worker.openai.reasoning import ReasoningStream, split, starts_in_reasoning
 from tests.worker.test_api_openai_compat import post, refused
 from tests.worker.worker_harness import CHAT, RunningWorker, worker_settings
 
@@ -208,7 +208,7 @@ def test_template_variables_of_the_server_cannot_be_set(qwen3_worker, key):
 
 
 def test_what_a_variable_makes_the_template_do_is_a_400(thinking_model):
-    from lorafleet.worker.tokenizer import Tokenizer
+    from lorafleet.worker.engine.tokenizer import Tokenizer
 
     tok = Tokenizer(thinking_model)
     tok.chat_template = "{{ depth + 1 }}{{ messages[0]['content'] }}"
@@ -220,8 +220,8 @@ def test_what_a_variable_makes_the_template_do_is_a_400(thinking_model):
 
 def test_a_model_without_the_markers_does_not_start(demo_model, demo_adapters, monkeypatch):
     """It fails before the weights load (the engine is never built), saying why."""
-    from lorafleet.worker import engine
-    from lorafleet.worker.runtime import WorkerRuntime
+    from lorafleet.worker.engine import engine
+    from lorafleet.worker.server.runtime import WorkerRuntime
 
     def not_built(*args, **kw):
         raise AssertionError("the engine was built before the markers were checked")

@@ -1,5 +1,5 @@
-"""The Responses API answer builder (worker/response_writer.py), torch-free: answers of reasoning,
-words and calls, read by the chat reader (worker/chat_answer.py `AnswerStream`) and fed whole or
+"""The Responses API answer builder (worker/openai/response_writer.py), torch-free: answers of reasoning,
+words and calls, read by the chat reader (worker/openai/chat_answer.py `AnswerStream`) and fed whole or
 cut into pieces of every size, give the same response (its items those chat's whole answer gives,
 `chat_answer.answer` the oracle); every event and the response validate as the `openai` library's
 types; the deltas add up to the items' texts."""
@@ -12,9 +12,9 @@ import typing
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
-from lorafleet.worker.chat_answer import OFF, AnswerStream, answer
-from lorafleet.worker.response_writer import ResponseWriter
-from lorafleet.worker.tools import ToolPlan
+from lorafleet.worker.openai.chat_answer import OFF, AnswerStream, answer
+from lorafleet.worker.openai.response_writer import ResponseWriter
+from lorafleet.worker.openai.tools import ToolPlan
 
 _EVENTS = {typing.get_args(cls.model_fields["type"].annotation)[0]: cls
            for cls in typing.get_args(typing.get_args(ResponseStreamEvent)[0])}

@@ -1,4 +1,4 @@
-"""`POST /v1/responses` served (worker/responses_route.py), through the official `openai` client:
+"""`POST /v1/responses` served (worker/server/responses_route.py), through the official `openai` client:
 the oracle is the same greedy request through `/v1/chat/completions` (its content is the
 output_text, its tool_calls the function_call items, its reasoning the reasoning item, its usage
 the usage); streamed, the client's own stream reader puts together the same response, and every

@@ -1,4 +1,4 @@
-"""The Responses API request read as a chat request (worker/responses_protocol.py), torch-free:
+"""The Responses API request read as a chat request (worker/openai/responses_protocol.py), torch-free:
 input items as chat messages, flat function tools as chat's nested ones, text.format as
 response_format, include's logprobs as chat's; extras passed on; what it cannot be is a 400 naming
 the field (served 400s: tests/worker/test_responses_api.py)."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from lorafleet.worker.openai_protocol import UnsupportedField
-from lorafleet.worker.responses_protocol import BadField, ResponsesRequest
+from lorafleet.worker.openai.protocol import UnsupportedField
+from lorafleet.worker.openai.responses_protocol import BadField, ResponsesRequest
 
 
 def request(**body) -> ResponsesRequest:

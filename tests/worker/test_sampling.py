@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lorafleet.worker import sampling
-from lorafleet.worker.logits_processors import LogitsProcessors
-from lorafleet.worker.model_runner import ModelRunner
-from lorafleet.worker.sampling import sample, sample_on_device
-from lorafleet.worker.sequence import SamplingParams, Sequence
+from lorafleet.worker.engine.model_runner import ModelRunner
+from lorafleet.worker.engine.sequence import SamplingParams, Sequence
+from lorafleet.worker.sampling import sampler as sampling
+from lorafleet.worker.sampling.logits_processors import LogitsProcessors
+from lorafleet.worker.sampling.sampler import sample, sample_on_device
 
 DEVICES = [
     "cpu",
@@ -278,7 +278,7 @@ def test_logprobs_are_the_models_log_softmax(device):
 
 
 def test_a_decode_graphs_greedy_pick_is_taken_only_for_plain_greedy_batches(device):
-    """`greedy` (a decode graph's picks, kernels/greedy.py) is what an all-greedy batch without
+    """`greedy` (a decode graph's picks, kernels/sampling/greedy.py) is what an all-greedy batch without
     logprobs reads; any row that samples or asks for logprobs sends the batch through the logits,
     converted to float32 there (the graph leaves them bf16): the same tokens as sampling the
     float32 logits."""

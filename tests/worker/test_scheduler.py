@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 
-from lorafleet.worker.block_manager import BlockManager
-from lorafleet.worker.scheduler import Scheduler, SchedulerConfig
-from lorafleet.worker.sequence import SamplingParams, Sequence
+from lorafleet.worker.engine.block_manager import BlockManager
+from lorafleet.worker.engine.scheduler import Scheduler, SchedulerConfig
+from lorafleet.worker.engine.sequence import SamplingParams, Sequence
 
 _ids = itertools.count()
 

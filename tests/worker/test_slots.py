@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lorafleet.kernels.lora_ops import lora_b_layout, new_lora_b
+from lorafleet.kernels.lora.operands import lora_b_layout, new_lora_b
 from lorafleet.worker.config import FUSED_SLICES, ModelConfig
 from lorafleet.worker.lora import slots as slots_mod
 from lorafleet.worker.lora.adapter import LoraWeights, load_adapter

@@ -4,8 +4,8 @@ tokens ends nothing and none of it is held back or cut later; one after them cut
 
 from __future__ import annotations
 
-from lorafleet.worker.outputs import TrackedRequest
-from lorafleet.worker.sequence import SamplingParams, Sequence
+from lorafleet.worker.engine.outputs import TrackedRequest
+from lorafleet.worker.engine.sequence import SamplingParams, Sequence
 
 PIECES = {1: "x", 2: "ab", 3: "c", 4: "d", 5: "a", 6: "b"}
 

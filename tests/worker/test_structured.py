@@ -1,4 +1,4 @@
-"""Structured outputs (worker/structured.py): the engine's answers under a choice list, a regex, a JSON
+"""Structured outputs (worker/sampling/structured.py): the engine's answers under a choice list, a regex, a JSON
 schema and any JSON object, checked against the constraint itself (Python's `re` and `json`, not
 xgrammar); unconstrained requests in the same batch unchanged; bad constraints are 400s naming their
 field; the API's response_format, guided_* and structured_outputs spellings."""
@@ -11,9 +11,9 @@ import re
 import pytest
 
 from lorafleet.worker.config import EngineConfig
-from lorafleet.worker.engine import LLMEngine
-from lorafleet.worker.sequence import SamplingParams
-from lorafleet.worker.structured import Constraint
+from lorafleet.worker.engine.engine import LLMEngine
+from lorafleet.worker.engine.sequence import SamplingParams
+from lorafleet.worker.sampling.structured import Constraint
 from tests.worker.test_api_openai_compat import post, refused
 from tests.worker.worker_harness import CHAT, PROMPT
 
@@ -97,7 +97,7 @@ def test_mask_filler_rows_are_each_matchers_own_mask(engine):
     import torch
     import xgrammar as xgr
 
-    from lorafleet.worker.structured import BATCH_FILL_ROWS, MaskFiller
+    from lorafleet.worker.sampling.structured import BATCH_FILL_ROWS, MaskFiller
 
     vocab = engine.model_config.vocab_size
     kinds = [Constraint.choice(["yes", "no"], "guided_choice"), Constraint("regex", "[0-9]{2,9}", "guided_regex"),

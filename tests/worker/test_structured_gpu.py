@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lorafleet.worker.config import EngineConfig
-from lorafleet.worker.engine import LLMEngine
+from lorafleet.worker.engine.engine import LLMEngine
 from tests.worker.test_reasoning import *  # noqa: F403
 from tests.worker.test_reasoning import reasoning_worker
 from tests.worker.test_structured import *  # noqa: F403 (the suite's tests)

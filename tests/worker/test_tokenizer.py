@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from lorafleet.worker.tokenizer import IncrementalDetokenizer, Tokenizer
+from lorafleet.worker.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 CORPUS = ["the router sends each request to a worker", "hello world, the adapters answer", "héllo wörld ünïcode"]
 
@@ -199,3 +199,27 @@ def test_chat_ids_are_transformers_one_bos(bos_adding_folder, generation_prompt)
     got = ours.encode_chat(messages, add_generation_prompt=generation_prompt)
     assert got == list(want) and got.count(ours.bos_id) == 1
     assert ours.encode(ours.apply_chat_template(messages, generation_prompt)).count(ours.bos_id) == 2
+
+
+@pytest.mark.parametrize("post_processor", [False, True])
+def test_special_tokens_are_autotokenizers(tmp_path, post_processor):
+    """`add_bos_token: true` in tokenizer_config.json adds a BOS only when tokenizer.json's
+    post-processor writes one, as transformers' AutoTokenizer (and vLLM, which uses it) does."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    tok = HFTokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator(CORPUS * 3, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"],
+                                                          show_progress=False))
+    if post_processor:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, hf = Tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in CORPUS:
+        assert ours.encode(text) == hf(text)["input_ids"]
+        assert ours.encode(text, add_special_tokens=False) == hf(text, add_special_tokens=False)["input_ids"]
+        assert (ours.encode(text)[0] == ours.bos_id) is post_processor

@@ -1,4 +1,4 @@
-"""Tool calls read out of an answer as it is written (worker/tool_parsers.py): answers built from
+"""Tool calls read out of an answer as it is written (worker/openai/tool_parsers.py): answers built from
 known calls with `json.dumps` (any spacing, key order, escapes) give those calls back (checked with
 `json.loads`); fed in pieces of every size, a stream sends the same content and calls as the whole
 answer reads to, its arguments piece by piece; what is not a call is content."""
@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from lorafleet.worker.tool_parsers import CallStream, parse
+from lorafleet.worker.openai.tool_parsers import CallStream, parse
 
 WEATHER = {"name": "weather", "arguments": {"city": "Oslo", "unit": "C"}}
 ODD = {"name": "wé \"x\"", "arguments": {"q": "}{ ] [ \\\" ;,", "n": [1, {"a": None}], "t": True, "f": -1.5e3}}

@@ -1,4 +1,4 @@
-"""Function calling (worker/tools.py, worker/tool_parsers.py): a named tool_choice and "required"
+"""Function calling (worker/openai/tools.py, worker/openai/tool_parsers.py): a named tool_choice and "required"
 come back as OpenAI's `tool_calls`, their arguments held to the tools' schemas (checked with `json`),
 from the official client, streamed and not (streamed: the arguments piece by piece, put together by
 the `openai` library's own stream reader); what cannot be honoured is a 400 naming the field; tools
@@ -12,7 +12,7 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from lorafleet.worker.tokenizer import Tokenizer
+from lorafleet.worker.engine.tokenizer import Tokenizer
 from tests.worker.test_api_openai_compat import post, refused
 from tests.worker.worker_harness import CHAT
 
@@ -154,7 +154,7 @@ def test_tools_and_tool_turns_reach_the_template(demo_model, tmp_path):
                                "{{ m.role }}:{{ m.content }}{% if m.tool_calls %}{{ m.tool_calls[0].function.name }}"
                                "{% endif %}{% if m.tool_call_id %}#{{ m.tool_call_id }}{% endif %};{% endfor %}")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    from lorafleet.worker.openai_protocol import ChatCompletionRequest
+    from lorafleet.worker.openai.protocol import ChatCompletionRequest
 
     body = ChatCompletionRequest.model_validate({"messages": CHAT + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
@@ -320,8 +320,8 @@ def test_auto_calls_in_pythonic(pythonic_worker):
 
 
 def test_the_parser_flags_go_together():
-    from lorafleet.worker.cli import build_parser, settings_from_args
     from lorafleet.worker.config import ConfigError
+    from lorafleet.worker.server.cli import build_parser, settings_from_args
 
     for flags in (["--enable-auto-tool-choice"], ["--tool-call-parser", "hermes"]):
         with pytest.raises(ConfigError):

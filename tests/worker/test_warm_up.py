@@ -1,14 +1,14 @@
-"""Start-up warm-up (worker/warm_up.py, `--warmup`): it runs prompts through the real path and
+"""Start-up warm-up (worker/engine/warm_up.py, `--warmup`): it runs prompts through the real path and
 leaves nothing behind, so an engine that warmed up answers exactly like one that did not."""
 
 from __future__ import annotations
 
 import pytest
 
-from lorafleet.worker.block_manager import BlockManager
 from lorafleet.worker.config import EngineConfig
-from lorafleet.worker.engine import LLMEngine
-from lorafleet.worker.sequence import SamplingParams
+from lorafleet.worker.engine.block_manager import BlockManager
+from lorafleet.worker.engine.engine import LLMEngine
+from lorafleet.worker.engine.sequence import SamplingParams
 
 PROMPTS = ["Hello there", "SELECT name FROM users", "A poem about the sea"]
 
@@ -69,7 +69,7 @@ def test_warm_up_refuses_a_busy_engine(demo_model, demo_adapters) -> None:
 
 
 def test_reset_prefix_cache_needs_idle_blocks() -> None:
-    from lorafleet.worker.sequence import Sequence
+    from lorafleet.worker.engine.sequence import Sequence
 
     bm = BlockManager(8, 4)
     seq = Sequence(seq_id=0, prompt_ids=list(range(9)), sampling=SamplingParams(), adapters=(), cache_salt="", arrival=0.0)

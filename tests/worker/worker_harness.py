@@ -12,9 +12,9 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
-from lorafleet.worker.app import create_apps
 from lorafleet.worker.config import EngineConfig
-from lorafleet.worker.settings import WorkerSettings
+from lorafleet.worker.server.app import create_apps
+from lorafleet.worker.server.settings import WorkerSettings
 
 TOKEN = "s3cret-admin-token"
 # The public API suites' prompt and chat.

@@ -140,8 +140,9 @@ def _read_config_bytes(folder: Path) -> bytes:
     return path.read_bytes()
 
 
-def parse_adapter_config(raw: bytes, max_lora_rank: int) -> dict:
-    """Validate adapter_config.json's bytes (the same bytes the digest covers)."""
+def parse_adapter_config(raw: bytes, max_lora_rank: int, model: ModelConfig | None = None) -> dict:
+    """Validate adapter_config.json's bytes (the same bytes the digest covers); target modules
+    against `model`'s family (`ModelConfig.adapter_targets`) when given, else the unfused names."""
     try:
         cfg = json.loads(raw.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -173,10 +174,11 @@ def parse_adapter_config(raw: bytes, max_lora_rank: int) -> dict:
         raise AdapterError("bad_targets", f"target_modules is a regex string ({targets!r}); list module names instead")
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
         raise AdapterError("bad_targets", "target_modules must be a non-empty list of module names")
-    unknown = sorted(set(targets) - set(LORA_TARGETS))
+    allowed = model.adapter_targets if model is not None else LORA_TARGETS
+    unknown = sorted(set(targets) - set(allowed))
     if unknown:
         raise AdapterError(
-            "bad_targets", f"target_modules {unknown} are not in this model (supported: {', '.join(LORA_TARGETS)})"
+            "bad_targets", f"target_modules {unknown} are not in this model (supported: {', '.join(allowed)})"
         )
     return cfg
 
@@ -231,7 +233,7 @@ def load_adapter(
     if not folder.is_dir():
         raise AdapterError("not_found", f"adapter folder {path} does not exist")
     config_bytes = _read_config_bytes(folder)
-    cfg = parse_adapter_config(config_bytes, max_lora_rank)
+    cfg = parse_adapter_config(config_bytes, max_lora_rank, model)
     weights_path = folder / WEIGHTS_FILE
     if not weights_path.is_file():
         pickled = [n for n in PICKLE_FILES if (folder / n).exists()]
@@ -350,7 +352,12 @@ def _read_weights(
         if not a.is_floating_point() or not b.is_floating_point():
             raise AdapterError("bad_weights", f"layer {layer} {target}: weights must be floating point")
         scaling = alpha / math.sqrt(r) if rslora else alpha / r
-        out.modules[(layer, target)] = ModuleWeights(a=a, b=b, scaling=scaling)
+        # A fused module (Phi-3's qkv_proj, gate_up_proj): each slice takes the shared A and its rows of B.
+        row = 0
+        for part in model.adapter_targets[target]:
+            rows = model.linear_shape(part)[0]
+            out.modules[(layer, part)] = ModuleWeights(a=a, b=b[row : row + rows], scaling=scaling)
+            row += rows
     return out, _runs(base, infos)
 
 

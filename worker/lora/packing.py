@@ -3,7 +3,7 @@
 An adapter is laid out once, as the slots (worker/lora/slots.py) hold it (`pack_weights`;
 `AdapterRegistry.read` calls its two halves, `plan_pack` while the file is still being read and
 `PackPlan.run` once it is there, off the engine loop). With the file on the
-GPU (a registry with CUDA slots) the layout is made there, in one `kernels/scaled_copy.py` launch
+GPU (a registry with CUDA slots) the layout is made there, in one `kernels/lora/scaled_copy.py` launch
 per source dtype, and copied back once into the pinned host buffers. Per column, the layers
 the adapter targets form runs of consecutive layers at one rank (a uniform adapter: one run of all
 L layers; a rank_pattern that changes the rank, or a skipped layer, starts a new run); a run is one
@@ -214,7 +214,7 @@ class PackPlan:
         sizes = [c.numel() for c in self.packed.chunks]
         buffers = list(staged.split(sizes)) if staged is not None else self.packed.chunks
         if self.launches:
-            from lorafleet.kernels.scaled_copy import scaled_copies
+            from lorafleet.kernels.lora.scaled_copy import scaled_copies
 
             for src, table, scales, largest in self.launches:
                 scaled_copies(src, staged, table, scales, largest)
@@ -255,7 +255,7 @@ def _recorded(device: torch.device) -> torch.cuda.Event:
 def _launches(copies: list, staged: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
     """`PackPlan.launches` for `copies` into `staged`, or [] where one launch cannot make them
     (sources in more than one buffer, or not float16 / bfloat16 / float32)."""
-    from lorafleet.kernels.scaled_copy import FLOAT_DTYPES
+    from lorafleet.kernels.lora.scaled_copy import FLOAT_DTYPES
 
     if not copies or staged.dtype not in FLOAT_DTYPES:
         return []

@@ -4,7 +4,7 @@ Storage. Each slice column (SLICE_ORDER: q, k, v, o, gate, up, down) owns one A 
 `[L, S, r_max, in]` and one B tensor `[L, S, r_max, out]` for all L layers. Layer l's stacks are
 views of them: `lora_a[j]` = A[l], a contiguous `[S, r_max, in]`, and `lora_b[j]` =
 `B[l].transpose(1, 2)`, indexed `[S, out, r_max]` with rank-major memory, the strides
-`lora_ops.new_lora_b` gives (`lora_b_layout` == "rank_major"). So the kernels see exactly what
+`operands.new_lora_b` gives (`lora_b_layout` == "rank_major"). So the kernels see exactly what
 per-layer tensors gave them, and a slot's true-rank rows are one contiguous block per layer (on the
 H200 a rank-8 adapter in a rank-64 pool ran 10-20% faster than with out-major B).
 
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lorafleet.kernels.lora_ops import lora_b_layout
+from lorafleet.kernels.lora.operands import lora_b_layout
 from lorafleet.worker.config import FUSED_SLICES, ModelConfig
 from lorafleet.worker.lora.adapter import LoraWeights
 from lorafleet.worker.lora.packing import _COLUMN, SLICE_ORDER, PackedLora, _copy_all, pack_weights

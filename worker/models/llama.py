@@ -1,12 +1,16 @@
 """Llama-family decoder (Llama, Mistral, Qwen2) with fused projections and a multi-LoRA side path.
 
+The other families (worker/models/qwen3.py, gemma2.py, gemma3.py, phi3.py) subclass it and change
+what differs: the weights they load (`_take_layer`), q and k before attention (`_rope_qk`), or the
+whole layer (Gemma). Sliding-window layers (`ModelConfig.window`) pass their window to the attention.
+
 q/k/v and gate/up are fused into one base matmul each; every fused projection then adds each
-token's LoRA deltas through `lorafleet.kernels.lora_linear.linear_lora_deferred` (torch reference on CPU, Triton
+token's LoRA deltas through `lorafleet.kernels.lora.linear.linear_lora_deferred` (torch reference on CPU, Triton
 on CUDA), reading the step's LoRA metadata that was built once for all layers.
 
 Between the matmuls, `attention_backend` picks the elementwise path too: "torch" (the CPU path,
 and the oracle) or "triton", which fuses each layer's norms, residual adds, RoPE, K/V writes and
-SiLU into 4 launches (`lorafleet.kernels.rms_norm`, `.rope_kv`, `.silu_mul`), where a decode step is
+SiLU into 4 launches (`lorafleet.kernels.layers.rms_norm`, `.rope_kv`, `.silu_mul`), where a decode step is
 launch-bound.
 """
 
@@ -17,10 +21,10 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from lorafleet.kernels.lora_linear import linear_lora_deferred
-from lorafleet.kernels.lora_meta import LoraMeta
-from lorafleet.worker.attention import AttentionMetadata, paged_attention, write_kv
+from lorafleet.kernels.lora.linear import linear_lora_deferred
+from lorafleet.kernels.lora.meta import LoraMeta
 from lorafleet.worker.config import ModelConfig, rope_inv_freq
+from lorafleet.worker.layers.attention import AttentionMetadata, paged_attention, write_kv
 from lorafleet.worker.lora.slots import LoraSlots
 
 
@@ -32,16 +36,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Rotary:
-    """cos/sin tables for every position, computed once (HF's non-interleaved rotate-half layout)."""
+    """cos/sin tables for every position, computed once (HF's non-interleaved rotate-half layout).
 
-    def __init__(self, config: ModelConfig, max_positions: int, device: torch.device) -> None:
-        inv_freq = torch.tensor(rope_inv_freq(config), dtype=torch.float32, device=device)
+    local: Gemma 3's sliding-window layers' base. longrope (Phi-3): the short factors below
+    `original_max_position_embeddings`, the long ones from there on, cos and sin scaled by its
+    attention factor (transformers picks one set for a whole forward from its length: the same
+    as here for every position a prompt shorter than the original length reaches)."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, device: torch.device, local: bool = False) -> None:
+        def inv(long: bool) -> torch.Tensor:
+            return torch.tensor(rope_inv_freq(config, local, long), dtype=torch.float32, device=device)
+
         t = torch.arange(max_positions, dtype=torch.float32, device=device)
-        freqs = torch.outer(t, inv_freq)
+        s = config.rope_local_scaling if local and config.rope_local_theta is not None else config.rope_scaling
+        freqs = torch.outer(t, inv(False))  # [P, head_dim / 2]
+        factor = 1.0
+        if s.rope_type == "longrope":
+            long = (t >= s.original_max_position_embeddings).unsqueeze(1)
+            freqs = torch.where(long, torch.outer(t, inv(True)), freqs)
+            factor = s.attention_factor
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, head_dim]
-        self.cos, self.sin = emb.cos(), emb.sin()
+        self.cos, self.sin = emb.cos() * factor, emb.sin() * factor
         # [P, head_dim]: cos | sin of each rotary pair, the layout `rope_kv.rope_write_kv` reads.
-        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        self.cos_sin = torch.cat([freqs.cos() * factor, freqs.sin() * factor], dim=-1)
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for the step's positions, `[T, 1, head_dim]` each (gathered once per step)."""
@@ -57,6 +74,11 @@ class Rotary:
 
 class LlamaModel:
     """Weights as plain tensors (no nn.Module: nothing here trains); `forward` runs one step."""
+
+    # Whether the Triton elementwise kernels (`_layers_fused`) compute this family's layer: a family
+    # with other maths between the matmuls runs `_layers_torch` on every backend (its attention
+    # still takes the backend's kernel).
+    FUSED_ELEMENTWISE = True
 
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int) -> None:
         self.config = config
@@ -88,19 +110,36 @@ class LlamaModel:
             # Some checkpoints tie weights without saying so in config.json.
             w["lm_head"] = w["embed"]
         for i in range(c.num_layers):
-            p = f"layers.{i}."
-            w[p + "qkv"] = torch.cat([_take(pending, p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-            if c.qkv_bias:
-                w[p + "qkv_bias"] = torch.cat([_take(pending, p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-            w[p + "o"] = _take(pending, p + "self_attn.o_proj.weight")
-            w[p + "gate_up"] = torch.cat([_take(pending, p + "mlp.gate_proj.weight"), _take(pending, p + "mlp.up_proj.weight")])
-            w[p + "down"] = _take(pending, p + "mlp.down_proj.weight")
-            w[p + "in_norm"] = _take(pending, p + "input_layernorm.weight")
-            w[p + "post_norm"] = _take(pending, p + "post_attention_layernorm.weight")
+            self._take_layer(pending, w, f"layers.{i}.")
         leftovers = [k for k in pending if "rotary_emb" not in k]
         if leftovers:
             raise ValueError(f"checkpoint has tensors this model does not use: {leftovers[:5]}")
         self.weights = w
+
+    def _take_layer(self, pending: dict[str, torch.Tensor], w: dict[str, torch.Tensor], p: str) -> None:
+        """Move layer `p`'s tensors from the checkpoint's names (`pending`) into `w`, fusing q/k/v and gate/up."""
+        w[p + "qkv"] = torch.cat([_take(pending, p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        if self.config.qkv_bias:
+            w[p + "qkv_bias"] = torch.cat([_take(pending, p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+        w[p + "o"] = _take(pending, p + "self_attn.o_proj.weight")
+        w[p + "gate_up"] = torch.cat([_take(pending, p + "mlp.gate_proj.weight"), _take(pending, p + "mlp.up_proj.weight")])
+        w[p + "down"] = _take(pending, p + "mlp.down_proj.weight")
+        w[p + "in_norm"] = _take(pending, p + "input_layernorm.weight")
+        w[p + "post_norm"] = _take(pending, p + "post_attention_layernorm.weight")
+
+    def _qkv_for_rope(
+        self, x: torch.Tensor, layer: int, lora_meta: LoraMeta | None, graph: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The fused path's qkv projection -> (qkv, LoRA delta or None), as `rope_write_kv` takes them."""
+        return self._linear_deferred(x, layer, "qkv_proj", lora_meta, graph)
+
+    def _rope_qk(
+        self, q: torch.Tensor, k: torch.Tensor, layer: int, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q `[T, q_size]`, k `[T, kv_size]` -> rotated `[T, heads, head_dim]`, `[T, kv_heads, head_dim]`."""
+        c = self.config
+        return (Rotary.apply(q.reshape(-1, c.num_heads, c.head_dim), cos, sin),
+                Rotary.apply(k.reshape(-1, c.num_kv_heads, c.head_dim), cos, sin))
 
     def weight_bytes(self) -> int:
         seen: set[int] = set()
@@ -149,13 +188,13 @@ class LlamaModel:
     ) -> torch.Tensor:
         """One engine step over all scheduled tokens -> logits `[N, vocab]` (float32 by default).
 
-        graph: the step runs in (or is captured into) a CUDA graph (`worker/cuda_graphs.py`): no
+        graph: the step runs in (or is captured into) a CUDA graph (`worker/engine/cuda_graphs.py`): no
         host checks may skip a launch, and `attn` must have fixed shapes. float_logits=False leaves
         the logits in the model's dtype, as the lm_head computed them (`.float()` of them is what
         float_logits=True returns, bit for bit).
         """
         h = F.embedding(input_ids, self.weights["embed"])  # [T, hidden]
-        if self.attention_backend == "triton":
+        if self.attention_backend == "triton" and self.FUSED_ELEMENTWISE:
             h = self._layers_fused(h, positions, attn, kv_caches, lora_meta, logits_indices, graph)
         else:
             h = self._layers_torch(h, positions, attn, kv_caches, lora_meta, logits_indices, graph)
@@ -174,19 +213,19 @@ class LlamaModel:
     ) -> torch.Tensor:
         """The decoder layers and the final norm in plain torch ops -> `[N, hidden]` at logits_indices."""
         c, w = self.config, self.weights
-        scale = c.head_dim**-0.5
+        scale = c.attention_scale
         cos, sin = self.rotary.at(positions, h.dtype)
         for i in range(c.num_layers):
             p = f"layers.{i}."
             x = rms_norm(h, w[p + "in_norm"], c.rms_norm_eps)
             qkv = self._linear(x, i, "qkv_proj", lora_meta, graph)
             q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-            q = Rotary.apply(q.reshape(-1, c.num_heads, c.head_dim), cos, sin)
-            k = Rotary.apply(k.reshape(-1, c.num_kv_heads, c.head_dim), cos, sin)
+            q, k = self._rope_qk(q, k, i, cos, sin)
             v = v.reshape(-1, c.num_kv_heads, c.head_dim)
             k_cache, v_cache = kv_caches[i]
             write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
-            o = paged_attention(q, k_cache, v_cache, attn, scale, self.attention_backend).reshape(-1, c.q_size)
+            o = paged_attention(q, k_cache, v_cache, attn, scale, self.attention_backend,
+                                window=c.window(i)).reshape(-1, c.q_size)
             h = h + self._linear(o, i, "o_proj", lora_meta, graph)
             x = rms_norm(h, w[p + "post_norm"], c.rms_norm_eps)
             gate, up = self._linear(x, i, "gate_up_proj", lora_meta, graph).chunk(2, dim=-1)
@@ -209,21 +248,22 @@ class LlamaModel:
         linear -> silu_mul -> down linear -> add_rms_norm (the next layer's input norm, or the
         final norm, taken over all T rows before the logits rows are picked).
         """
-        from lorafleet.kernels.rms_norm import add_rms_norm
-        from lorafleet.kernels.rms_norm import rms_norm as fused_rms_norm
-        from lorafleet.kernels.rope_kv import rope_write_kv
-        from lorafleet.kernels.silu_mul import silu_mul
+        from lorafleet.kernels.layers.rms_norm import add_rms_norm
+        from lorafleet.kernels.layers.rms_norm import rms_norm as fused_rms_norm
+        from lorafleet.kernels.layers.rope_kv import rope_write_kv
+        from lorafleet.kernels.layers.silu_mul import silu_mul
 
         c, w = self.config, self.weights
-        eps, scale = c.rms_norm_eps, c.head_dim**-0.5
+        eps, scale = c.rms_norm_eps, c.attention_scale
         x = fused_rms_norm(h, w["layers.0.in_norm"], eps)
         rows = None if lora_meta is None else lora_meta.has_lora  # where a LoRA delta is defined
         for i in range(c.num_layers):
             p = f"layers.{i}."
-            qkv, d = self._linear_deferred(x, i, "qkv_proj", lora_meta, graph)  # [T, q_size + 2 kv_size]
+            qkv, d = self._qkv_for_rope(x, i, lora_meta, graph)  # [T, q_size + 2 kv_size]
             k_cache, v_cache = kv_caches[i]
             q = rope_write_kv(qkv, positions, self.rotary.cos_sin, k_cache, v_cache, attn.slot_mapping, d, rows)
-            o = paged_attention(q, k_cache, v_cache, attn, scale, self.attention_backend).reshape(-1, c.q_size)
+            o = paged_attention(q, k_cache, v_cache, attn, scale, self.attention_backend,
+                                window=c.window(i)).reshape(-1, c.q_size)
             o, d = self._linear_deferred(o, i, "o_proj", lora_meta, graph)
             x = add_rms_norm(o, h, w[p + "post_norm"], eps, d, rows)
             gate_up, d = self._linear_deferred(x, i, "gate_up_proj", lora_meta, graph)

@@ -1,0 +1,165 @@
+"""Decode throughput of each model family at an ~8B shape of its own, through the engine (issue 50).
+
+    python -m bench.engine_models [--archs llama,qwen3,gemma2] [--adapters 0,64] [--batch 64]
+                                  [--rank 16] [--prompt-len 128] [--new-tokens 64] [--out-dir D]
+
+Each family's engine is built in turn with random bf16 weights under its own checkpoint names
+(made on the GPU, loaded through the engine's loading path; nothing is downloaded), with the
+engine's defaults on CUDA (Triton LoRA and attention, CUDA graphs, warm-up), then freed. Rows:
+{arch, adapter_kind, adapters, batch, rank, tokens_per_s, weight_bytes, bytes_rate, vs_llama}, where
+bytes_rate = tokens_per_s × weight_bytes (the same fraction of the memory bound reads as the same
+rate whatever the shape) and vs_llama is that over Llama's at the seed shape with the same
+adapters. Writes bench/results/engine-models-<gpu>.json.
+
+Shapes: Llama is the seed guide's 7.8B; Qwen3 is Qwen3-8B's (hidden 4096, 32 heads over 8 KV heads
+of 128, MLP 12288, vocab 151936, q/k norms, untied) at 32 layers; Gemma 2 is Gemma 2 9B's head
+and MLP (16 heads over 8 KV heads of 256, MLP 14336, vocab 256000 tied, soft-capping, a
+4096-token window on alternate layers) at hidden 4096 and 32 layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make `bench.*` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.engine_build import SEED_SHAPE, register_random_adapters
+from bench.engine_workload import adapter_sets, decode_run
+from lorafleet.worker.config import EngineConfig, ModelConfig
+from lorafleet.worker.engine.engine import LLMEngine
+
+SHAPES: dict[str, dict] = {
+    "llama": SEED_SHAPE,
+    "qwen3": dict(SEED_SHAPE, model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151_936,
+                  intermediate_size=12_288, rope_theta=1_000_000.0, rms_norm_eps=1e-6),
+    "gemma2": dict(SEED_SHAPE, model_type="gemma2", architectures=["Gemma2ForCausalLM"], vocab_size=256_000,
+                   num_attention_heads=16, num_key_value_heads=8, head_dim=256, intermediate_size=14_336,
+                   hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+                   final_logit_softcapping=30.0, sliding_window=4096, tie_word_embeddings=True,
+                   rope_theta=10_000.0, rms_norm_eps=1e-6),
+}
+
+
+def tiny(shape: dict) -> dict:
+    """--tiny: the family's shape cut down for a CPU smoke run (checks the script, measures nothing)."""
+    heads = 4
+    kv = 2
+    return dict(shape, vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=heads, num_key_value_heads=kv, head_dim=16,
+                **({"query_pre_attn_scalar": 16, "sliding_window": 8} if shape["model_type"] == "gemma2" else {}))
+
+
+def random_weights(config: ModelConfig, device: str):
+    """The family's Hugging Face names -> random tensors made on the device."""
+    g = torch.Generator(device=device).manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+
+    def rnd(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype, generator=g) * 0.02
+
+    def norm(n: int) -> torch.Tensor:  # Gemma's weights are offsets from 1
+        return torch.full((n,), 0.0 if config.model_type.startswith("gemma") else 1.0, device=device, dtype=dtype)
+
+    h, i, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
+    yield "model.embed_tokens.weight", rnd(config.vocab_size, h)
+    yield "model.norm.weight", norm(h)
+    if not config.tie_word_embeddings:
+        yield "lm_head.weight", rnd(config.vocab_size, h)
+    for layer in range(config.num_layers):
+        p = f"model.layers.{layer}."
+        for name, shape in (("self_attn.q_proj", (q, h)), ("self_attn.k_proj", (kv, h)), ("self_attn.v_proj", (kv, h)),
+                            ("self_attn.o_proj", (h, q)), ("mlp.gate_proj", (i, h)), ("mlp.up_proj", (i, h)),
+                            ("mlp.down_proj", (h, i))):
+            yield p + name + ".weight", rnd(*shape)
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        if config.model_type == "gemma2":
+            norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        for name in norms:
+            yield p + name + ".weight", norm(h)
+        if config.qk_norm:
+            yield p + "self_attn.q_norm.weight", norm(config.head_dim)
+            yield p + "self_attn.k_norm.weight", norm(config.head_dim)
+
+
+def build(shape: dict, device: str, batch: int, rank: int, n_slots: int) -> LLMEngine:
+    folder = Path(tempfile.mkdtemp())
+    (folder / "config.json").write_text(json.dumps(shape))
+    from lorafleet.worker.demo_assets import build_tokenizer
+
+    build_tokenizer(folder)  # the folder layout only: the benchmark feeds token ids
+    model_config = ModelConfig.from_folder(folder)
+    config = EngineConfig(max_loras=max(n_slots, 1), max_cpu_loras=n_slots + 8, max_lora_rank=rank,
+                          max_num_seqs=batch, max_num_batched_tokens=8192, device=device, dtype="bfloat16",
+                          max_loras_per_request=1, num_kv_blocks=512 if device == "cpu" else None)
+    return LLMEngine(folder, config, weights=random_weights(model_config, device))
+
+
+def family_rows(arch: str, shape: dict, device: str, args) -> list[dict]:
+    counts = [int(x) for x in args.adapters.split(",") if x]
+    t0 = time.perf_counter()
+    engine = build(shape, device, args.batch, args.rank, max(counts + [1]))
+    names = register_random_adapters(engine, engine.model_config, max(counts + [1]), args.rank)
+    weight_bytes = engine.model.weight_bytes()
+    print(f"{arch}: built in {time.perf_counter() - t0:.1f}s, weights {weight_bytes / 2**30:.2f} GiB", flush=True)
+    rows = []
+    for d in counts:
+        sets = adapter_sets(names, d, args.batch)
+        decode_run(engine, sets, args.prompt_len, min(args.new_tokens, 8))  # JIT, allocator, graph capture
+        res = decode_run(engine, sets, args.prompt_len, args.new_tokens)
+        rows.append({"arch": arch, "adapter_kind": "lora" if d else "base", "adapters": d, "batch": args.batch,
+                     "rank": args.rank, "tokens_per_s": res["tokens_per_s"], "weight_bytes": weight_bytes,
+                     "decode_step_ms": res["decode_step_ms"], "prompt_len": args.prompt_len,
+                     "bytes_rate": res["tokens_per_s"] * weight_bytes})
+        print(f"{arch:<8} adapters {d:>3}: {res['tokens_per_s']:>9,.0f} tok/s, step {res['decode_step_ms']} ms",
+              flush=True)
+    del engine
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--archs", default="llama,qwen3,gemma2")
+    ap.add_argument("--adapters", default="0,64", help="distinct adapters in the batch (0: base only)")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes on CPU: checks the script, measures nothing")
+    ap.add_argument("--out", type=Path, default=None, help="default: <--out-dir>/engine-models-<gpu>.json")
+    ap.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    args = ap.parse_args()
+    device = "cpu" if args.tiny else "cuda"
+    gpu = "cpu" if args.tiny else torch.cuda.get_device_name().split()[1].lower()  # "NVIDIA H100 ..." -> h100
+    out = args.out or args.out_dir / f"engine-models-{gpu}.json"
+    rows: list[dict] = []
+    for arch in [a for a in args.archs.split(",") if a]:
+        shape = tiny(SHAPES[arch]) if args.tiny else SHAPES[arch]
+        rows += family_rows(arch, shape, device, args)
+    llama = {r["adapters"]: r["bytes_rate"] for r in rows if r["arch"] == "llama"}
+    for r in rows:
+        r["vs_llama"] = round(r["bytes_rate"] / llama[r["adapters"]], 3) if r["adapters"] in llama else None
+    print(f"\n{'arch':<8} {'adapters':>8} {'tok/s':>10} {'weights GiB':>12} {'tok/s x bytes vs llama':>24}")
+    for r in rows:
+        print(f"{r['arch']:<8} {r['adapters']:>8} {r['tokens_per_s']:>10,.0f} {r['weight_bytes'] / 2**30:>12.2f} "
+              f"{r['vs_llama'] if r['vs_llama'] is not None else '-':>24}")
+    result = {"machine": torch.cuda.get_device_name() if device == "cuda" else "cpu (--tiny smoke run)",
+              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "rows": rows}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""The router's streaming data path: CPU per relayed token and per request, burst TTFT, several processes.
+
+Setup, all on loopback: `bench/fake_stream.py` (a raw-asyncio fake worker streaming one token every
+`--interval-ms` per stream, in its own process) — `lorafleet router` pinned to core 0 (`taskset`) —
+`bench/loadgen.py`'s aiohttp client in a separate process. The router's CPU is its processes' user +
+system time (psutil) over each phase, so the figures hold on a machine shared with other work:
+
+- `us_per_token`: router CPU over a closed loop of `--streams` streams of `--tokens` tokens each,
+  divided by the tokens relayed (each request's own cost spread over its tokens included);
+- `us_per_token_net`: the same less the per-request cost below, times the requests;
+- `ms_per_request`: router CPU per non-streamed request (closed loop, raw keep-alive client);
+- `burst`: `--burst` streamed requests sent at once, `--rounds` times: TTFT p50/p99 through the
+  router and directly (the fake worker's own), and the difference;
+- several router processes sharing the port (`--processes N`, SO_REUSEPORT): the same CPU figures
+  summed over the processes (per-core cost unchanged means the processes scale with cores).
+
+`--compare REF` runs the same phases on the router of git revision REF (from `git archive`, in a
+temporary folder) in the same run: before/after figures from one machine state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from bench.loadgen import Workload, run_load
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process and its children (a multi-process router's workers)."""
+    proc = psutil.Process(pid)
+    total = 0.0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def checkout(ref: str) -> Path:
+    """`ref`'s sources as an importable `lorafleet` (the layout setup.py maps) in a temporary folder."""
+    where = Path(tempfile.mkdtemp(prefix="lorafleet-ref-"))
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(where)], input=archive, check=True)
+    shim = where / "shim" / "lorafleet"
+    shutil.copytree(where / "common", shim)
+    for folder in ("worker", "kernels", "router", "operator"):
+        (shim / folder).symlink_to(where / folder)
+    return where / "shim"
+
+
+class Router:
+    """`lorafleet router` in front of `upstream`, pinned to `cores`, from `pythonpath` (None: this tree)."""
+
+    def __init__(self, port: int, upstream: int, cores: str | None, pythonpath: Path | None, processes: int) -> None:
+        pin = ["taskset", "-c", cores] if cores and shutil.which("taskset") else []
+        env = dict(os.environ)
+        if pythonpath is not None:
+            env["PYTHONPATH"] = str(pythonpath)
+            env["PYTHONSAFEPATH"] = "1"  # the ref's package, not this tree's
+        extra = ["--processes", str(processes)] if processes > 1 else []
+        self.proc = subprocess.Popen(
+            [*pin, sys.executable, "-m", "lorafleet", "router", "--port", str(port), "--log-level", "warning",
+             "--worker", f"http://127.0.0.1:{upstream}", "--lora-modules", "a=/a", *extra],
+            env=env, stderr=subprocess.DEVNULL, cwd=tempfile.gettempdir() if pythonpath else None)
+        self.port = port
+
+    def cpu(self) -> float:
+        return cpu_seconds(self.proc.pid)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+def phases(router: Router, direct_port: int, args, closed_loop) -> dict:
+    """The measured phases against one router; `closed_loop(port, concurrency, seconds)` -> req/s
+    (router_overhead's raw non-streamed client)."""
+    url = f"http://127.0.0.1:{router.port}"
+    out: dict = {}
+    # Streaming: CPU per relayed token.
+    w = Workload("closed", concurrency=args.streams, duration_s=args.seconds, warmup_s=0.0,
+                 new_tokens=args.tokens, fixed_length=True, prompt_tokens=8, model="a")
+    run_load(url, Workload("burst", concurrency=8, rounds=1, new_tokens=4, prompt_tokens=8, model="a"))  # warm
+    c0, t0 = router.cpu(), time.monotonic()
+    stream = run_load(url, w)
+    cpu, wall = router.cpu() - c0, time.monotonic() - t0
+    relayed = stream["tokens_per_s"] * args.seconds
+    out["stream"] = {**stream, "router_cpu_s": round(cpu, 3), "router_cpu_share": round(cpu / wall, 3),
+                     "us_per_token": round(1e6 * cpu / max(1.0, relayed), 2)}
+    # Non-streamed requests: CPU per request.
+    asyncio.run(closed_loop(router.port, args.concurrency, 1.0))  # warm
+    c0 = router.cpu()
+    rps = asyncio.run(closed_loop(router.port, args.concurrency, args.seconds))
+    cpu = router.cpu() - c0
+    out["requests"] = {"req_per_s": round(rps, 1), "router_cpu_s": round(cpu, 3),
+                       "ms_per_request": round(1e3 * cpu / max(1.0, rps * args.seconds), 4)}
+    requests = stream["requests"] or 1
+    per_request_s = out["requests"]["ms_per_request"] / 1e3
+    net = (out["stream"]["router_cpu_s"] - requests * per_request_s) / max(1.0, relayed)
+    out["stream"]["us_per_token_net"] = round(1e6 * net, 2)
+    # A burst of simultaneous streamed requests: TTFT through the router against the same burst direct.
+    b = Workload("burst", concurrency=args.burst, rounds=args.rounds, duration_s=1.0 + args.burst_tokens * args.interval_ms / 1e3,
+                 new_tokens=args.burst_tokens, fixed_length=True, prompt_tokens=8, model="a")
+    routed = run_load(url, b)
+    direct = run_load(f"http://127.0.0.1:{direct_port}", b)
+    out["burst"] = {"requests": args.burst, "rounds": args.rounds,
+                    "router_ttft_p50_ms": routed["ttft_p50_ms"], "router_ttft_p99_ms": routed["ttft_p99_ms"],
+                    "direct_ttft_p50_ms": direct["ttft_p50_ms"], "direct_ttft_p99_ms": direct["ttft_p99_ms"],
+                    "added_ttft_p50_ms": round(routed["ttft_p50_ms"] - direct["ttft_p50_ms"], 2),
+                    "added_ttft_p99_ms": round(routed["ttft_p99_ms"] - direct["ttft_p99_ms"], 2),
+                    "errors": routed["errors"] + direct["errors"]}
+    return out
+
+
+def start_upstream(port: int, interval_ms: float, cores: str | None) -> subprocess.Popen:
+    pin = ["taskset", "-c", cores] if cores and shutil.which("taskset") else []
+    return subprocess.Popen([*pin, sys.executable, str(ROOT / "bench" / "fake_stream.py"), "--port", str(port),
+                             "--interval-ms", str(interval_ms)], cwd=ROOT, stderr=subprocess.DEVNULL)

@@ -1,0 +1,344 @@
+"""The served path under load: `lorafleet worker` (and `lorafleet router` in front) driven over HTTP.
+
+    python -m bench.serve --device cuda --quick            # one GPU, ~6 minutes, model writing included
+    python -m bench.serve --device cpu --concurrency 4 ... # the tiny model on a CPU: checks the suite
+
+Steps, all in one run so every figure comes from one card:
+1. the load generator's self-check: `bench/fake_stream.py` streaming at `--selfcheck-rate` tokens/s
+   (default 2x the engine's figure at the largest batch, at least 2,000) with a known TTFT; the
+   generator must measure both (tokens/s within 5%, TTFT p50 within the TTFT plus one interval),
+   else the run stops: what it would measure could be the client;
+2. the model and adapters written (bench/serve_assets.py: the engine benchmark's random-weight
+   model, seed shape on a GPU, tiny on a CPU; random rank-16 PEFT adapters a0..);
+3. the engine's tokens/s at each closed-loop batch and adapter count (bench/engine.py's decode_run,
+   in its own process, before the worker takes the GPU);
+4. the worker started with the adapters, warmed up (every adapter count at the run's concurrency,
+   outside the measurement windows); then the router in front, when `--paths` has `router`;
+5. per path, prompt length and adapter count: a closed loop at each `--concurrency` (output lengths
+   drawn from [n/4, 7n/4], staggered starts) and Poisson arrivals at each `--poisson` fraction of
+   the peak that path's closed loop measured at the largest concurrency (bench/loadgen.py).
+
+Writes bench/results/serve-<gpu>.json (`rows` as issue 55 names them, plus the self-check, the
+engine rows and the settings) and, with matplotlib, serve-<gpu>.png (throughput against TTFT p50).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `bench.*` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx
+
+from bench.loadgen import Workload, run_load
+
+ROOT = Path(__file__).resolve().parent.parent
+ROW_KEYS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "max_stall_ms", "errors",
+            "client_cpu_share")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited with {proc.returncode}; its log:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"{url} not ready in {timeout_s:.0f}s; log:\n{log.read_text()[-3000:]}")
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def stop(proc: subprocess.Popen | None) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def selfcheck(rate: float, processes: int, seconds: float) -> dict:
+    """The generator against a fake worker at a known rate: tokens/s and TTFT it must measure."""
+    interval_ms, ttft_ms = 10.0, 20.0
+    streams = max(1, round(rate * interval_ms / 1e3))
+    port = free_port()
+    fake = subprocess.Popen([sys.executable, str(ROOT / "bench" / "fake_stream.py"), "--port", str(port), "--interval-ms",
+                             str(interval_ms), "--ttft-ms", str(ttft_ms)], cwd=ROOT, stderr=subprocess.DEVNULL)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/health", fake, 30, Path(os.devnull))
+        w = Workload("closed", concurrency=streams, duration_s=seconds, warmup_s=min(2.0, seconds / 3),
+                     new_tokens=200, fixed_length=True, prompt_tokens=16)
+        got = run_load(f"http://127.0.0.1:{port}", w, processes)
+    finally:
+        stop(fake)
+    # Each request: its first token after ttft, the other n - 1 one interval apart; then the next.
+    n = w.new_tokens
+    expected = streams * n * 1e3 / (ttft_ms + (n - 1) * interval_ms)
+    ok = (abs(got["tokens_per_s"] / expected - 1) <= 0.05 and ttft_ms <= got["ttft_p50_ms"] <= ttft_ms + interval_ms
+          and got["errors"] == 0)
+    return {"expected_tokens_per_s": expected, "expected_ttft_ms": ttft_ms, "streams": streams, **got, "ok": ok}
+
+
+def engine_figures(device: str, batches: list[int], prompts: list[int], new_tokens: int, adapters: list[int],
+                   log: Path) -> dict[tuple[int, int, int], float]:
+    """(batch, prompt, adapters) -> the engine's tokens/s, each batch in its own process."""
+    out: dict[tuple[int, int, int], float] = {}
+    for batch in batches:
+        for prompt in prompts:
+            cmd = [sys.executable, str(ROOT / "bench" / "serve_assets.py"), "engine", "--device", device, "--batch", str(batch),
+                   "--prompt", str(prompt), "--new-tokens", str(new_tokens),
+                   "--adapters", ",".join(str(a) for a in adapters if a <= batch)]
+            with log.open("a") as err:
+                res = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True, timeout=900)
+            if res.returncode != 0:
+                print(f"engine figures for batch {batch} failed (see {log})", flush=True)
+                continue
+            for r in json.loads(res.stdout.strip().splitlines()[-1])["rows"]:
+                out[(batch, prompt, r["adapters"])] = r["tokens_per_s"]
+    return out
+
+
+def worker_cmd(args: argparse.Namespace, model: Path, adapters: dict[str, Path], port: int) -> list[str]:
+    cmd = [sys.executable, "-m", "lorafleet", "worker", "--model", str(model), "--served-model-name", "base",
+           "--host", "127.0.0.1", "--port", str(port), "--device", args.device,
+           "--max-num-seqs", str(max(args.concurrency)), "--max-loras", str(max(max(args.adapters), 1)),
+           "--max-cpu-loras", str(max(max(args.adapters), 1) + 8), "--max-lora-rank", "16", "--max-loras-per-request", "1",
+           "--log-level", "warning", "--admin-token-file", str(token_file(args))]
+    if adapters:
+        cmd += ["--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
+    if not args.device.startswith("cuda"):
+        cmd += ["--dtype", "float32"]
+    return cmd + args.worker_arg
+
+
+def token_file(args: argparse.Namespace) -> Path:
+    """The admin token the router polls the worker's inventory with (/v1/adapters)."""
+    path = args.workdir / "admin-token"
+    if not path.exists():
+        path.write_text(os.urandom(16).hex())
+    return path
+
+
+def names_for(count: int) -> tuple[str, ...]:
+    return tuple(f"a{k}" for k in range(count))
+
+
+def warm_up(url: str, args: argparse.Namespace, vocab: int) -> None:
+    """Every adapter count at the run's largest concurrency and each prompt length, briefly: graph
+    captures, adapter loads and first-use costs happen here, not in a measurement window."""
+    for prompt in args.prompts:
+        for d in args.adapters:
+            w = Workload("burst", concurrency=max(args.concurrency), rounds=1, duration_s=0.0, new_tokens=8,
+                         fixed_length=True, prompt_tokens=prompt, vocab=vocab, adapters=names_for(d))
+            res = run_load(url, w, args.client_processes)
+            if res["errors"]:
+                raise RuntimeError(f"warm-up with {d} adapters failed: {res['first_error']}")
+
+
+def measure(url: str, path: str, prompt: int, d: int, args: argparse.Namespace, vocab: int, engine: dict,
+            peaks: dict) -> list[dict]:
+    """One path, prompt length and adapter count: the closed loops, then the Poisson rates.
+
+    `peaks`: (prompt, adapters) -> the closed loop's figures at the largest concurrency, from the
+    first path measured: the Poisson rates of every path are fractions of the same peak."""
+    rows = []
+    base = {"path": path, "adapters": d, "prompt": prompt, "new_tokens": args.new_tokens}
+    common = dict(duration_s=args.seconds, warmup_s=args.warmup, new_tokens=args.new_tokens,
+                  prompt_tokens=prompt, vocab=vocab, adapters=names_for(d))
+    peak = None
+    for c in sorted(args.concurrency):
+        res = run_load(url, Workload("closed", concurrency=c, **common), args.client_processes)
+        rows.append(row(base, {"concurrency": c}, res, engine.get((c, prompt, d))))
+        peak = res
+    if peak is None:
+        return rows
+    peak = peaks.setdefault((prompt, d), peak)
+    top = max(args.concurrency)
+    for frac in args.poisson:
+        rate = frac * peak["tokens_per_s"] / max(1.0, peak["mean_new_tokens"] or args.new_tokens)
+        res = run_load(url, Workload("poisson", rate=rate, **common), args.client_processes)
+        rows.append(row(base, {"rate": round(rate, 2), "of_peak": frac}, res, engine.get((top, prompt, d))))
+    return rows
+
+
+def row(base: dict, load: dict, res: dict, engine_tps: float | None) -> dict:
+    r = {**base, **load, **{k: res[k] for k in ROW_KEYS}, "engine_tokens_per_s": engine_tps,
+         "requests": res["requests"], "client_processes": res["client_processes"]}
+    if res["errors"]:
+        r["first_error"] = res["first_error"]
+    label = f"c={load['concurrency']}" if "concurrency" in load else f"{load['of_peak']:.0%} ({load['rate']}/s)"
+    print(f"{r['path']:<7} {r['adapters']:>3} ad prompt {r['prompt']:>4} {label:<16} {r['tokens_per_s']:>9,.0f} tok/s "
+          f"(engine {engine_tps or float('nan'):>8,.0f})  TTFT {r['ttft_p50_ms']:>8} / {r['ttft_p99_ms']:>8} ms  "
+          f"ITL {r['itl_p50_ms']:>6} / {r['itl_p99_ms']:>7} ms  stall {r['max_stall_ms']:>7} ms  "
+          f"err {r['errors']}  client {r['client_cpu_share']}", flush=True)
+    return r
+
+
+def plot(rows: list[dict], out: Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot"
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key in sorted({(r["path"], r["adapters"], r["prompt"]) for r in rows}):
+        pts = sorted((r["tokens_per_s"], r["ttft_p50_ms"]) for r in rows if (r["path"], r["adapters"], r["prompt"]) == key)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{key[0]}, {key[1]} adapters, prompt {key[2]}")
+    ax.set_xlabel("tokens/s")
+    ax.set_ylabel("TTFT p50 (ms)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    return f"wrote {out}"
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu", help="cpu or cuda (the worker's --device)")
+    p.add_argument("--quick", action="store_true",
+                   help="concurrency 64 closed loop and 70%% Poisson; base, 8 and 64 adapters; prompt 128; "
+                        "direct and router; short windows (fits ~8 minutes on one GPU)")
+    p.add_argument("--concurrency", type=ints, default=[1, 16, 64, 256])
+    p.add_argument("--adapters", type=ints, default=[0, 8, 64])
+    p.add_argument("--prompts", type=ints, default=[128, 512])
+    p.add_argument("--poisson", type=lambda s: [float(x) for x in s.split(",") if x], default=[0.5, 0.7, 0.9])
+    p.add_argument("--paths", default="direct,router")
+    p.add_argument("--new-tokens", type=int, default=128, help="mean output length")
+    p.add_argument("--seconds", type=float, default=20.0, help="each row's arrivals")
+    p.add_argument("--warmup", type=float, default=4.0, help="seconds of each row before its window")
+    p.add_argument("--client-processes", type=int, default=None, help="default: 1 on a CPU, 4 on a GPU (its host's 16 cores)")
+    p.add_argument("--selfcheck-rate", type=float, default=None, help="tokens/s (default: 2x the engine's peak)")
+    p.add_argument("--no-engine", action="store_true", help="skip the engine's figures")
+    p.add_argument("--ignore-selfcheck", action="store_true",
+                   help="measure even when the self-check fails (recorded in the JSON; a busy development machine)")
+    p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "lorafleet-serve")
+    p.add_argument("--worker-arg", action="append", default=[], help="extra `lorafleet worker` argument (repeat)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="the JSON file, or a folder for serve-<gpu>.json (default bench/results/); logs beside it")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.concurrency, args.adapters, args.prompts, args.poisson = [64], [0, 8, 64], [128], [0.7]
+        args.seconds, args.warmup = 10.0, 2.5
+    if args.client_processes is None:
+        args.client_processes = 4 if args.device.startswith("cuda") else 1
+    return args
+
+
+def gpu_name() -> str:
+    """A short name of GPU 0 for the file name (nvidia-smi: no CUDA context in this process)."""
+    try:
+        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
+                              capture_output=True, text=True, timeout=30).stdout.strip().lower()
+    except (OSError, subprocess.TimeoutExpired):
+        return "cuda"
+    return next((g for g in ("h200", "h100", "a100", "l40s", "l4") if g in name), name.replace(" ", "-") or "cuda")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    cuda = args.device.startswith("cuda")
+    gpu = gpu_name() if cuda else "cpu"
+    out = args.out or ROOT / "bench" / "results"
+    out = out / f"serve-{gpu}.json" if out.is_dir() else out
+    logs = out.parent / f"{out.stem}-logs"  # the worker's, router's and engine's output
+    logs.mkdir(parents=True, exist_ok=True)
+    t_start = time.monotonic()
+    paths = [p for p in args.paths.split(",") if p]
+    # Model and adapters, in a process of their own (on a GPU: no CUDA context left in this one).
+    model = args.workdir / ("model-seed" if cuda else "model-tiny")
+    cmd = [sys.executable, str(ROOT / "bench" / "serve_assets.py"), "write", "--device", args.device, "--model", str(model),
+           "--adapter-root", str(args.workdir / ("adapters-seed" if cuda else "adapters-tiny")),
+           "--count", str(max(args.adapters))]
+    written = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, check=True)
+    adapters = {k: Path(v) for k, v in json.loads(written.stdout.strip().splitlines()[-1]).items()}
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    print(f"model and {len(adapters)} adapters ready in {time.monotonic() - t_start:.0f}s", flush=True)
+    engine: dict = {}
+    if not args.no_engine:
+        engine = engine_figures(args.device, sorted(args.concurrency), args.prompts, args.new_tokens, args.adapters,
+                                logs / "engine.log")
+        print(f"engine figures ({time.monotonic() - t_start:.0f}s): "
+              + ", ".join(f"batch {b} prompt {p} {d} adapters {v:,.0f}" for (b, p, d), v in engine.items()), flush=True)
+    rate = args.selfcheck_rate or max(2000.0, 2 * max(engine.values(), default=1000.0))
+    check = selfcheck(rate, args.client_processes, min(8.0, args.seconds))
+    print(f"load generator self-check at {check['expected_tokens_per_s']:,.0f} tok/s: measured "
+          f"{check['tokens_per_s']:,.0f} tok/s, TTFT p50 {check['ttft_p50_ms']} ms (expected "
+          f"{check['expected_ttft_ms']} + one interval), client CPU {check['client_cpu_share']}: "
+          f"{'ok' if check['ok'] else 'FAILED'}", flush=True)
+    result = {"machine": gpu, "device": args.device, "date": time.strftime("%Y-%m-%d"), "selfcheck": check,
+              "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+              "engine": [{"batch": b, "prompt": p, "adapters": d, "tokens_per_s": v} for (b, p, d), v in engine.items()],
+              "rows": []}
+    if not check["ok"] and not args.ignore_selfcheck:
+        print("the load generator cannot measure this rate here: stopping (see selfcheck in the JSON)")
+        return write(result, out, 1)
+    worker = router = None
+    try:
+        port = free_port()
+        worker = start(worker_cmd(args, model, adapters, port), logs / "worker.log")
+        wait_ready(f"http://127.0.0.1:{port}/ready", worker, 900, logs / "worker.log")
+        direct = f"http://127.0.0.1:{port}"
+        warm_up(direct, args, vocab)
+        print(f"worker ready and warm ({time.monotonic() - t_start:.0f}s)", flush=True)
+        urls = {"direct": direct}
+        if "router" in paths:
+            rport = free_port()
+            router = start([sys.executable, "-m", "lorafleet", "router", "--port", str(rport), "--worker", direct,
+                            "--log-level", "warning", "--admin-token-file", str(token_file(args)), "--lora-modules", *(f"{n}={p}" for n, p in adapters.items())],
+                           logs / "router.log")
+            wait_ready(f"http://127.0.0.1:{rport}/ready", router, 60, logs / "router.log")
+            urls["router"] = f"http://127.0.0.1:{rport}"
+        peaks: dict = {}
+        for prompt in args.prompts:
+            for d in args.adapters:
+                for path in paths:  # paired, so a run cut short still compares them
+                    result["rows"] += measure(urls[path], path, prompt, d, args, vocab, engine, peaks)
+                    write(result, out, 0)
+    finally:
+        stop(router)
+        stop(worker)
+    result["seconds"] = round(time.monotonic() - t_start, 1)
+    print(plot(result["rows"], out.with_suffix(".png")))
+    print(f"wrote {out} ({result['seconds']:.0f}s)")
+    return write(result, out, 0)
+
+
+def write(result: dict, out: Path, status: int) -> int:
+    """Written after every measured combination too: a run stopped by a time limit keeps its rows."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""`lorafleet up`: a whole fleet on this machine (run directory, worker processes, router, placement loop, manifests)."""

@@ -1,0 +1,78 @@
+"""The worker processes of `lorafleet up`: their command line and environment, start and readiness.
+
+Each worker is a `lorafleet worker` child process in its own process group (`process_group`),
+serving on a loopback port; its name is `host:port`, the replica name the router derives from its URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from lorafleet.local import process_group
+from lorafleet.local.options import SERVED_NAME, UpOptions
+from lorafleet.local.preflight import FleetError
+from lorafleet.local.process_group import Child
+from lorafleet.local.run_dir import RunDir
+
+
+@dataclass(slots=True)
+class WorkerProc:
+    name: str  # host:port, the replica name the router derives from the URL
+    url: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    child: Child | None = None
+    restarts: int = 0
+    ready: bool = False
+
+    def start(self) -> None:
+        self.child = process_group.spawn(self.name, self.argv, self.log_path, self.env)
+        self.ready = False
+
+
+def worker_argv(options: UpOptions, run_dir: RunDir, model: Path, port: int, device: str) -> list[str]:
+    return [
+        sys.executable, "-m", "lorafleet", "worker",
+        "--model", str(model), "--served-model-name", SERVED_NAME,
+        "--host", options.host, "--port", str(port),
+        "--adapter-root", str(run_dir.adapters), "--admin-token-file", str(run_dir.token_file),
+        "--max-loras", str(options.max_loras), "--max-cpu-loras", str(options.max_cpu_loras),
+        "--max-lora-rank", str(options.max_lora_rank), "--device", device,
+        "--log-level", "info" if options.log_level == "debug" else "warning",
+    ]
+
+
+def worker_env(workers: int) -> dict[str, str]:
+    env = dict(os.environ)
+    # CPU workers share the cores instead of each starting one thread per core.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+async def wait_ready(workers: list[WorkerProc], http: httpx.AsyncClient, stopped: asyncio.Event, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(w.ready for w in workers):
+        if stopped.is_set():
+            return
+        for w in workers:
+            assert w.child is not None
+            if not w.child.alive():
+                raise FleetError(f"worker {w.name} exited with code {w.child.process.returncode} while starting; "
+                                 f"last lines of {w.log_path}:\n{w.child.log_tail()}")
+            if not w.ready:
+                with contextlib.suppress(httpx.HTTPError):
+                    w.ready = (await http.get(f"{w.url}/ready", timeout=1.0)).status_code == 200
+        if time.monotonic() > deadline:
+            late = ", ".join(w.name for w in workers if not w.ready)
+            raise FleetError(f"workers not ready after {timeout_s:g}s: {late}; see {workers[0].log_path.parent}")
+        await asyncio.sleep(0.2)

@@ -1,0 +1,1 @@
+"""Paged decode attention in Triton."""

@@ -1,0 +1,1 @@
+"""Sampling kernels: greedy pick, the sampled draw, per-request logit edits."""

@@ -1,0 +1,23 @@
+"""bench/engine_models.py end to end on CPU (`--tiny`): every family's engine is built under its own
+checkpoint names, timed, and written as the rows issue 50 asks for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.bench.test_engine_bench import run_bench
+
+
+@pytest.mark.slow
+def test_tiny_models_benchmark(tmp_path: Path) -> None:
+    data = run_bench(tmp_path, "engine_models", "--adapters", "0,2", "--batch", "4", "--prompt-len", "16",
+                     "--new-tokens", "4")
+    rows = data["rows"]
+    assert {(r["arch"], r["adapters"]) for r in rows} == {(a, d) for a in ("llama", "qwen3", "gemma2") for d in (0, 2)}
+    for r in rows:
+        assert set(r) >= {"arch", "adapter_kind", "adapters", "batch", "rank", "tokens_per_s", "weight_bytes"}
+        assert r["tokens_per_s"] > 0 and r["weight_bytes"] > 0
+    llama = next(r for r in rows if r["arch"] == "llama" and r["adapters"] == 0)
+    assert llama["vs_llama"] == 1.0

@@ -1,0 +1,375 @@
+"""CUDA graphs for decode steps, one per batch-size bucket (issue 9: the decode step is host-bound).
+
+A decode step at the seed shape launches ~1,550 kernels; replaying them from a captured graph
+costs one launch. Shapes inside a graph are fixed, so every decode step is padded to the smallest
+bucket that holds it:
+
+    bucket  = bucket_for(len(batch), buckets)        # 1, 2, 4, 8, 16, 32, 48, 64, ... max_num_seqs
+    inputs  = decode_inputs(batch, ...)              # host tensors padded to the bucket (pure)
+    static  <- inputs                                # copies into the graph's input buffers
+    graph.replay()                                   # captured lazily on a bucket's first use
+    out     = DecodeOutput(static_logits[:len(batch)], (static_tokens[:len(batch)], static_shown[:len(batch)]))
+
+The graph ends with the greedy pick (`kernels/sampling/greedy.py`: each row's argmax and whether it is
+finite, one read of the lm_head's logits, left in the model's dtype), so a batch of greedy
+requests without logprobs reads its tokens straight from the graph; any other batch samples
+outside it, from the logits (sampling.sample_on_device converts them to float32 there).
+
+Padding rows have token 0, position 0, context 0 (the paged kernel reads nothing for them), no
+adapter (slot -1), and write their K/V into the *sink*: one KV block past the block manager's
+blocks, never handed out and never read, so padding cannot touch a real sequence's cache.
+
+Inside a graph nothing may depend on the step's host values: block tables are as wide as the
+model's context (`ceil(max_model_len / block_size)`), the LoRA metadata is built for the bucket's
+T with k = max_loras_per_request and max_slots = max_loras, and every LoRA op launches even when
+no token has an adapter (whether a token has one, and each slot's rank, is data on the device, so
+adapters entering and leaving slots need no re-capture). A step without adapters has its own
+graph (no LoRA launches at all); steps with adapters are keyed by a *chunk class* as well: the
+LoRA kernels pick their launch configuration (split K, columns per program) from
+the number of active chunks on the host, and a graph keeps the one it was captured with, so each
+class (up to 4, 16, 64, ... active chunks) is captured with the class's bound as its count. The
+third key is the *rank class* (16, 32, 64, ... up to max_lora_rank; from 8 with one-pair chunks) bounding the largest true rank
+among the step's slots: the kernels' rank tiles are captured that wide (LoraMeta.rank_bound). The
+fourth is whether the step has *one-pair chunks* (LoraMeta.one_pair_chunks: many chunks of about
+one token each), for which the shrink runs a row at a time; the class does not tell (32 chunks of
+two tokens and 64 of one share class 64), so the step's own counts decide.
+
+On CPU (tests) nothing is captured: `capture=False` runs the model eagerly on the same static
+buffers, which checks the padding, the sink and the buffer fills against the eager path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lorafleet.kernels.lora.meta import LoraMeta, build_lora_meta
+from lorafleet.kernels.sampling.greedy import greedy_pick
+from lorafleet.worker.engine.scheduler import ScheduledBatch
+from lorafleet.worker.layers.attention import AttentionMetadata
+from lorafleet.worker.models.llama import LlamaModel
+from lorafleet.worker.sampling.sampler import GreedyPick
+
+log = logging.getLogger("lorafleet.cuda_graphs")
+
+SMALL_BUCKETS = (1, 2, 4, 8)
+BUCKET_STEP = 16
+
+
+def graph_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 below `max_batch`, then `max_batch` itself."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    sizes = {b for b in SMALL_BUCKETS if b < max_batch} | set(range(BUCKET_STEP, max_batch, BUCKET_STEP))
+    return sorted(sizes | {max_batch})
+
+
+def bucket_for(batch_size: int, buckets: list[int]) -> int | None:
+    """The smallest bucket holding `batch_size` sequences; None when it is larger than all of them."""
+    for b in buckets:
+        if b >= batch_size:
+            return b
+    return None
+
+
+def chunk_class(num_chunks: int, max_chunks: int) -> int:
+    """0 for a step without adapters, else the power of 4 bounding its active LoRA chunks (<= max)."""
+    if num_chunks <= 0:
+        return 0
+    cls = 1
+    while cls < num_chunks:
+        cls *= 4
+    return min(cls, max_chunks)
+
+
+def rank_class(bound: int, r_max: int, one_pair: bool = True) -> int:
+    """The rank bound a graph is captured for: 8, 16, 32, 64, ... bounding `bound`, at most r_max.
+
+    Class 8 only for steps of one-pair chunks, whose row-at-a-time modes then take 8-row tiles
+    (rank-8 adapters, common, in a pool of higher max_lora_rank get them inside graphs too); the
+    `tl.dot` modes' tiles are 16 wide at least, so other steps start at 16 (class 8 would capture
+    the same kernels again)."""
+    cls = 8 if one_pair else 16
+    while cls < bound:
+        cls *= 2
+    return min(cls, r_max)
+
+
+def is_graphable(batch: ScheduledBatch) -> bool:
+    """Every sequence decodes one token and samples it (a 1-token prefill chunk samples nothing)."""
+    return bool(batch.seqs) and all(
+        n == 1 and seq.num_computed + 1 == len(seq) for seq, n in zip(batch.seqs, batch.num_new_tokens)
+    )
+
+
+@dataclass(slots=True)
+class DecodeInputs:
+    """One decode step's inputs on the host, padded to a bucket (rows past `num_seqs` are padding)."""
+
+    num_seqs: int
+    input_ids: torch.Tensor  # [bucket] int64
+    positions: torch.Tensor  # [bucket] int64
+    slot_mapping: torch.Tensor  # [bucket] int64; padding rows -> the sink slot
+    block_tables: torch.Tensor  # [bucket, width] int32, padded with 0
+    context_lens: torch.Tensor  # [bucket] int32; padding rows 0
+    token_slots: torch.Tensor  # [bucket, k] int32; -1 = no adapter
+    token_scales: torch.Tensor  # [bucket, k] float32
+
+    @property
+    def has_adapters(self) -> bool:
+        return bool((self.token_slots >= 0).any())
+
+
+def decode_inputs(
+    batch: ScheduledBatch,
+    slot_of: dict[str, int],
+    bucket: int,
+    width: int,
+    block_size: int,
+    k: int,
+    sink_slot: int,
+) -> DecodeInputs:
+    """The padded host inputs of an all-decode batch; rows match `ModelRunner.prepare`'s.
+
+    Each row decodes at position `seq.num_computed`. That is `len(seq) - 1` (the newest token), or,
+    for async scheduling's next step, `len(seq)`: the token there is still on the device and the
+    row's host id is replaced (`DecodeGraphs.run(input_ids=...)`); the block table must hold it.
+    """
+    n = len(batch.seqs)
+    if n > bucket:
+        raise ValueError(f"{n} sequences do not fit bucket {bucket}")
+    ids = np.zeros(bucket, dtype=np.int64)
+    positions = np.zeros(bucket, dtype=np.int64)
+    slots = np.full(bucket, sink_slot, dtype=np.int64)
+    tables = np.zeros((bucket, width), dtype=np.int32)
+    ctx = np.zeros(bucket, dtype=np.int32)
+    token_slots = np.full((bucket, k), -1, dtype=np.int32)
+    token_scales = np.zeros((bucket, k), dtype=np.float32)
+    for i, seq in enumerate(batch.seqs):
+        pos = seq.num_computed  # the newest token (not `seq.tokens`, which copies); see above
+        ids[i] = seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1]
+        positions[i] = pos
+        slots[i] = seq.block_table[pos // block_size] * block_size + pos % block_size
+        if len(seq.block_table) > width:
+            raise ValueError(f"sequence {seq.seq_id} has {len(seq.block_table)} blocks, the graph's tables {width}")
+        tables[i, : len(seq.block_table)] = seq.block_table
+        ctx[i] = pos + 1
+        for j, (name, scale) in enumerate(seq.adapters):
+            token_slots[i, j] = slot_of[name]
+            token_scales[i, j] = scale
+    return DecodeInputs(
+        num_seqs=n,
+        input_ids=torch.from_numpy(ids),
+        positions=torch.from_numpy(positions),
+        slot_mapping=torch.from_numpy(slots),
+        block_tables=torch.from_numpy(tables),
+        context_lens=torch.from_numpy(ctx),
+        token_slots=torch.from_numpy(token_slots),
+        token_scales=torch.from_numpy(token_scales),
+    )
+
+
+@dataclass(slots=True)
+class DecodeOutput:
+    """A decode step's outputs, `[num_seqs]` rows; views of a graph's static buffers, valid until
+    the next `DecodeGraphs.run` (every row is read, or copied, in stream order before that)."""
+
+    logits: torch.Tensor  # [N, vocab] in the model's dtype, as the lm_head computed them
+    # (tokens, shown), [N] int64 each (greedy.greedy_pick: each row's argmax, and the argmax or -1
+    # where the row's logits are not finite); None: not picked in the graph
+    greedy: GreedyPick | None
+
+    def rows(self, n: int) -> DecodeOutput:
+        return DecodeOutput(self.logits[:n], None if self.greedy is None else (self.greedy[0][:n], self.greedy[1][:n]))
+
+
+@dataclass(slots=True)
+class _Captured:
+    bucket: int
+    attn: AttentionMetadata  # views of the static buffers
+    lora_meta: LoraMeta | None  # this graph's own device buffers; each step's meta is copied in
+    graph: torch.cuda.CUDAGraph | None  # None when not capturing (CPU)
+    out: DecodeOutput | None  # the graph's outputs, [bucket] rows
+
+
+@dataclass(slots=True)
+class GraphStats:
+    captures: int = 0
+    replays: int = 0  # decode steps run from a bucket's buffers (graph replays on CUDA)
+    capture_s: float = 0.0
+
+
+class DecodeGraphs:
+    """Static input buffers and one captured forward per (bucket, chunk class)."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        block_size: int,
+        max_model_len: int,
+        max_batch: int,
+        max_loras: int,
+        max_loras_per_request: int,
+        sink_slot: int,
+        capture: bool,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.width = -(-max_model_len // block_size)  # table width: the longest context the model takes
+        self.buckets = graph_buckets(max_batch)
+        self.max_loras = max_loras
+        self.k = max_loras_per_request
+        self.sink_slot = sink_slot
+        self.capture = capture
+        self.enabled = True  # benchmarks flip this to time both modes on one engine
+        # Benchmarks flip this too (then re-capture) to time the greedy pick against sampling's
+        # torch passes over float32 logits: False leaves every batch to sampling.sample_on_device.
+        self.pick_in_graph = True
+        self.stats = GraphStats()
+        dev = model.device
+        top = self.buckets[-1]
+        # Allocated once, outside any graph's pool; each bucket captures views of their first rows.
+        self.input_ids = torch.zeros(top, dtype=torch.int64, device=dev)  # [top]
+        self.positions = torch.zeros(top, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((top,), sink_slot, dtype=torch.int64, device=dev)
+        self.block_tables = torch.zeros(top, self.width, dtype=torch.int32, device=dev)  # [top, width]
+        self.context_lens = torch.zeros(top, dtype=torch.int32, device=dev)
+        self.logits_rows = torch.arange(top, dtype=torch.int64, device=dev)
+        # (bucket, chunk class, rank class, one-pair chunks) -> graph
+        self._graphs: dict[tuple[int, int, int, bool], _Captured] = {}
+        self.last: _Captured | None = None  # the last step's graph (benchmarks time its replay alone)
+        self._pool = None  # one memory pool shared by every bucket's graph (made at the first capture)
+
+    def can_run(self, batch: ScheduledBatch) -> bool:
+        return self.enabled and len(batch.seqs) <= self.buckets[-1] and is_graphable(batch)
+
+    def run(self, batch: ScheduledBatch, slot_of: dict[str, int], input_ids: torch.Tensor | None = None) -> DecodeOutput:
+        """Forward an all-decode batch from its bucket's graph -> its logits and greedy picks.
+
+        `input_ids` (`[num_seqs]` on the device), when given, replaces the rows' host input tokens:
+        async scheduling feeds the previous step's sampled tokens before the host has read them.
+        The outputs are views of the graph's output buffers: valid until the next `run`.
+        """
+        bucket = bucket_for(len(batch.seqs), self.buckets)  # the caller checked `can_run`
+        assert bucket is not None
+        inputs = decode_inputs(batch, slot_of, bucket, self.width, self.block_size, self.k, self.sink_slot)
+        step_meta = None
+        if self.model.lora is not None and inputs.has_adapters:
+            step_meta = build_lora_meta(inputs.token_slots, inputs.token_scales, self.max_loras, "cpu")
+        key = (bucket, 0, 0, False)
+        if step_meta is not None:
+            bound = self.model.lora.rank_bound(inputs.token_slots)
+            key = (bucket, chunk_class(step_meta.num_chunks, step_meta.max_chunks),
+                   rank_class(bound, self.model.lora.max_rank, step_meta.one_pair_chunks), step_meta.one_pair_chunks)
+        captured = self._graphs.get(key)
+        if captured is None:
+            captured = self._graphs[key] = self._capture(*key)
+        self._fill(captured, inputs, step_meta)
+        if input_ids is not None:
+            self.input_ids[: inputs.num_seqs].copy_(input_ids, non_blocking=True)  # queued after the fill
+        self.last = captured
+        if captured.graph is not None:
+            captured.graph.replay()
+            out = captured.out
+        else:
+            out = self._forward(captured)
+        self.stats.replays += 1
+        assert out is not None
+        return out.rows(inputs.num_seqs)
+
+    def capture_base(self) -> int:
+        """Capture the no-adapter graph of every bucket not captured yet (start-up warm-up; graphs with
+        adapters, one per chunk class, rank class and one-pair flag, are captured on first use) ->
+        graphs captured."""
+        missing = [b for b in self.buckets if (b, 0, 0, False) not in self._graphs]
+        for bucket in missing:
+            self._graphs[(bucket, 0, 0, False)] = self._capture(bucket, 0, 0, False)
+        return len(missing)
+
+    # -- internals -----------------------------------------------------------------------------
+    def _fill(self, captured: _Captured, inputs: DecodeInputs, step_meta: LoraMeta | None) -> None:
+        """Copy a step's inputs into the static buffers (queued on the stream, before the replay)."""
+        b = captured.bucket
+        for dst, src in (
+            (self.input_ids, inputs.input_ids),
+            (self.positions, inputs.positions),
+            (self.slot_mapping, inputs.slot_mapping),
+            (self.block_tables, inputs.block_tables),
+            (self.context_lens, inputs.context_lens),
+        ):
+            dst[:b].copy_(src, non_blocking=True)
+        if captured.lora_meta is not None:
+            assert step_meta is not None
+            captured.lora_meta.copy_(step_meta)
+
+    def _pad(self, bucket: int) -> None:
+        """Every row a padding row: what the warm-up and capture run on (their K/V go to the sink)."""
+        self.input_ids[:bucket].zero_()
+        self.positions[:bucket].zero_()
+        self.slot_mapping[:bucket].fill_(self.sink_slot)
+        self.block_tables[:bucket].zero_()
+        self.context_lens[:bucket].zero_()
+
+    def _forward(self, captured: _Captured) -> DecodeOutput:
+        b = captured.bucket
+        logits = self.model.forward(
+            self.input_ids[:b], self.positions[:b], captured.attn, self.kv_caches, captured.lora_meta,
+            self.logits_rows[:b], graph=True, float_logits=not self.pick_in_graph,
+        )
+        return DecodeOutput(logits, greedy_pick(logits, self.model.attention_backend) if self.pick_in_graph else None)
+
+    def _capture(self, bucket: int, cls: int, rank_cls: int, one_pair: bool) -> _Captured:
+        attn = AttentionMetadata(
+            query_lens=[1] * bucket,
+            context_lens=[0] * bucket,  # host copies are not read in a graph (fixed_shapes)
+            query_start=list(range(bucket + 1)),
+            slot_mapping=self.slot_mapping[:bucket],
+            block_tables=self.block_tables[:bucket],
+            context_lens_t=self.context_lens[:bucket],
+            all_decode=True,
+            fixed_shapes=True,
+        )
+        meta = None
+        if cls:
+            meta = build_lora_meta(
+                torch.full((bucket, self.k), -1, dtype=torch.int32),
+                torch.zeros((bucket, self.k), dtype=torch.float32),
+                self.max_loras,
+                self.model.device,
+            )
+            meta.num_chunks = cls  # what the kernels pick their configuration for (module docstring)
+            meta.launch_chunks = cls  # and their grids: a step of this class has at most cls chunks
+            meta.rank_bound = rank_cls  # their rank tiles likewise
+            meta.one_pair = one_pair  # and the shrink's mode: the step's chunks, not the class
+        captured = _Captured(bucket=bucket, attn=attn, lora_meta=meta, graph=None, out=None)
+        if not self.capture:
+            return captured
+        t0 = time.perf_counter()
+        self._pad(bucket)
+        dev = self.model.device
+        with torch.cuda.device(dev):
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            # Warm-up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture.
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                self._forward(captured)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: the server pins adapter weights in another thread while a bucket captures.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                captured.out = self._forward(captured)
+        captured.graph = graph
+        self.stats.captures += 1
+        self.stats.capture_s += time.perf_counter() - t0
+        log.info("captured the decode graph for batch bucket %d, LoRA chunk class %d, rank class %d%s in %.2f s",
+                 bucket, cls, rank_cls, ", one-pair chunks" if one_pair else "", time.perf_counter() - t0)
+        return captured

@@ -1,0 +1,22 @@
+"""Every environment variable the worker's engine reads, in one place, read once at import
+(start-up). Server settings come from `lorafleet worker`'s flags (server/settings.py); these are
+A/B switches for benchmarks and operators. The kernels' own are in `lorafleet.kernels.envs`.
+
+| variable | default | meaning |
+|---|---|---|
+| `LORAFLEET_BLAS` | `cublaslt` | the BLAS library torch prefers for the base GEMMs on CUDA |
+| `LORAFLEET_LORA_OVERLAP` | `1` | `0`: the LoRA side path runs after each GEMM on the main stream instead of beside it |
+| `LORAFLEET_PREFILL_BATCH_QUERY` | `128` | query runs up to this many tokens share one padded prefill-attention call (`0`: one call a sequence) |
+| `LORAFLEET_LOGIT_EDITS` | `triton` | the per-request logit edits on CUDA: `triton` or `torch` |
+| `LORAFLEET_SAMPLER` | `triton` | the sampled draw on CUDA: `triton` or `torch` |
+"""
+
+from __future__ import annotations
+
+import os
+
+BLAS = os.environ.get("LORAFLEET_BLAS", "cublaslt")
+LORA_OVERLAP = os.environ.get("LORAFLEET_LORA_OVERLAP", "1") != "0"
+PREFILL_BATCH_QUERY = int(os.environ.get("LORAFLEET_PREFILL_BATCH_QUERY", "128"))
+LOGIT_EDITS = os.environ.get("LORAFLEET_LOGIT_EDITS", "triton")
+SAMPLER = os.environ.get("LORAFLEET_SAMPLER", "triton")

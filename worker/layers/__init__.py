@@ -1,0 +1,1 @@
+"""Layers the model families share: paged attention over the block-table KV cache."""

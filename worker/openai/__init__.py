@@ -1,0 +1,1 @@
+"""OpenAI's request and response shapes as the worker reads and writes them: completions, chat, the Responses API, tools, reasoning."""

@@ -1,0 +1,1 @@
+"""Turning a step's logits into tokens: per-request logit edits, structured-output masks, the sampler."""

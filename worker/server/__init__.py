@@ -1,0 +1,1 @@
+"""The worker's HTTP server: FastAPI app, public and admin routes, auth, metrics, settings and the `lorafleet worker` command."""

@@ -1,0 +1,81 @@
+"""What the routes share: settings, metrics, the admin token and the engine (built after start-up)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+from lorafleet.worker.engine.async_engine import AsyncEngine
+from lorafleet.worker.openai.reasoning import marker_ids
+from lorafleet.worker.server.auth import AdminToken
+from lorafleet.worker.server.errors import ApiError
+from lorafleet.worker.server.gc_freeze import freeze_startup_objects
+from lorafleet.worker.server.metrics import WorkerMetrics
+from lorafleet.worker.server.settings import WorkerSettings
+
+log = logging.getLogger("lorafleet.worker")
+
+
+@dataclass(slots=True)
+class WorkerRuntime:
+    """Everything the routes share; created per app, never at import time."""
+
+    settings: WorkerSettings
+    metrics: WorkerMetrics
+    admin_token: AdminToken
+    engine: AsyncEngine | None = None
+    error: str | None = None  # why the engine failed to start
+    reasoning_markers: tuple[int, int] | None = None  # --reasoning-parser's <think>, </think> token ids
+    loads: dict[tuple[str, str], asyncio.Task] = field(default_factory=dict)  # single flight per (name, path)
+    _task: asyncio.Task | None = None
+
+    @classmethod
+    def create(cls, settings: WorkerSettings) -> WorkerRuntime:
+        return cls(
+            settings=settings,
+            metrics=WorkerMetrics(settings.model_name, settings.engine.max_loras),
+            admin_token=AdminToken(settings.admin_token_file),
+        )
+
+    def require_engine(self) -> AsyncEngine:
+        if self.engine is None or not self.engine.alive:
+            raise ApiError(503, self.error or "the model is still loading; retry when /ready answers 200")
+        return self.engine
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._load())
+
+    async def _load(self) -> None:
+        from lorafleet.worker.engine.engine import LLMEngine
+        from lorafleet.worker.engine.tokenizer import Tokenizer
+
+        s = self.settings
+        try:
+            if s.reasoning_parser is not None:  # before the weights: a vocabulary without the markers fails at once
+                tokenizer = await asyncio.to_thread(Tokenizer, s.tokenizer or s.model)
+                self.reasoning_markers = marker_ids(tokenizer, s.reasoning_parser)
+            engine = await asyncio.to_thread(
+                LLMEngine, s.model, s.engine, s.tokenizer, dict(s.lora_modules)
+            )
+        except Exception as exc:  # noqa: BLE001 - reported on /health and /ready, and logged
+            # Clients see the error's kind only: its text names files on this machine.
+            self.error = f"the engine failed to start ({type(exc).__name__}); the worker's log says why"
+            log.error("the engine failed to start: %s: %s", type(exc).__name__, exc)
+            return
+        if s.freeze_gc:
+            frozen = freeze_startup_objects()
+            log.info("start-up objects taken out of the cycle collector: %d", frozen)
+        async_engine = AsyncEngine(engine, observer=self.metrics)
+        async_engine.start()
+        self.engine = async_engine
+        log.info("ready: serving %r with adapters %s", s.model_name, sorted(engine.registry.names()))
+
+    async def stop(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        if self.engine is not None:
+            await self.engine.stop()
