@@ -141,11 +141,14 @@ def main(argv: list[str] | None = None) -> None:
         if not groups:
             continue
         rows += run_child("bench.sampling_decode", {"LORAFLEET_SAMPLER": draw}, _child_argv(args, draw, groups))
-    greedy = statistics.median(r["tokens_per_s"] for r in rows if r["mode"] == "greedy")
+    def median(key: tuple[str, str, str, str]) -> float:
+        return statistics.median(r["tokens_per_s"] for r in rows if (r["group"], r["mode"], r["variant"], r["draw"]) == key)
+
+    # Each process has its own greedy run: a case is compared with the greedy run of its process.
     print(f"\n{'group':12} {'mode':22} {'variant':12} {'tok/s':>10} {'vs greedy':>10}")
-    keys = list(dict.fromkeys((r["group"], r["mode"], r["variant"]) for r in rows if r["mode"] != "greedy"))
-    for key in [("sampling", "greedy", "-"), *keys]:
-        tps = statistics.median(r["tokens_per_s"] for r in rows if (r["group"], r["mode"], r["variant"]) == key)
+    for key in dict.fromkeys((r["group"], r["mode"], r["variant"], r["draw"]) for r in rows):
+        tps = median(key)
+        greedy = median(("sampling", "greedy", "-", key[3]))
         print(f"{key[0]:12} {key[1]:22} {key[2]:12} {tps:>10,.0f} {tps / greedy:>10.3f}")
     if args.out:
         device = "cpu (--tiny smoke run)" if args.tiny else torch.cuda.get_device_name()

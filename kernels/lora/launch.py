@@ -26,7 +26,7 @@ Two launches per projection group (all slices in each):
   into a buffer nothing zeroed, whose rows of tokens without an adapter it leaves alone
   (`LoraMeta.has_lora` tells the reader which rows are defined).
 - Both run a row at a time instead of `tl.dot` for decode steps of about one pair a chunk
-  (`pick_config`'s one_pair: SHRINK_ROWS, EXPAND_ROWS).
+  (`pick_config`'s one_pair: the tuning's shrink_rows, expand_rows).
 
 Rank tiles cover `meta.rank_bound` (the step's largest true rank, set by the caller), not the
 pool's r_max, so a step of rank-8 adapters in a rank-64 pool computes and sums rank-8 tiles.

@@ -254,7 +254,7 @@ def test_chunk_meta_in_one_round_matches_reference(case) -> None:
     ids=["unrolled", "loop", "past-the-bytes-bound"])
 def test_launches_hand_the_kernels_the_config(split_sum, meta_round, tokens, expect, monkeypatch) -> None:
     """What the two launches pass for the config's split sum and chunk-meta round: the split count
-    when unrolled, 0 for the loop and for a launch whose partial reads pass UNROLL_MAX_PARTIAL_BYTES
+    when unrolled, 0 for the loop and for a launch whose partial reads pass tuning.unroll_max_partial_bytes
     (320 tokens on 4 adapters: 20 chunks x 256 column groups x 3 splits x 16 rows x 16 ranks, 15 MiB);
     META_ROUND to both."""
     from lorafleet.kernels.lora import launch as triton_lora
