@@ -60,7 +60,7 @@ def tuning_from_dict(data: dict[str, Any], base: LoraTuning | None = None) -> Lo
     unknown = sorted(set(data) - known - {"device", "comment"})
     if unknown:
         raise ValueError(f"unknown LoRA tuning fields {unknown}; known: {sorted(known)}")
-    values = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in known}
+    values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in known}
     if base is not None:
         return replace(base, **values)
     missing = sorted(known - set(values))
