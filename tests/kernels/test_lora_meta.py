@@ -124,7 +124,7 @@ def test_one_pair_chunks_from_the_counts_unless_set() -> None:
     tuning = active_tuning()
     assert tuning.one_pair_min_chunks == 16 and tuning.one_pair_chunks == (1.5, 2)
     each = meta(list(range(32)))  # 32 chunks of one
-    few = meta(list(range(16)))  # 16 chunks of one: not more than ONE_PAIR_MIN_CHUNKS
+    few = meta(list(range(16)))  # 16 chunks of one: not more than one_pair_min_chunks
     twos = meta([t // 2 for t in range(64)])  # 32 chunks of two: 2 on average
     long = meta(list(range(30)) + [40] * 10)  # 31 chunks, 1.3 on average, but one of 10
     mixed = meta(list(range(24)) + [30, 30, 31, 31, 32, 32])  # 27 chunks, 1.1 on average, none over 2
