@@ -32,6 +32,11 @@ from lorafleet.kernels.lora.config import LoraKernelConfig, config_for_meta
 from lorafleet.kernels.lora.tuning import LoraTuning, active_tuning, tuning_from_dict
 
 
+# Tuning fields the launch reads itself (launch.py: split_sum_code's bounds), not through the config a
+# case is timed with.
+LAUNCH_TIME_FIELDS = ("max_unrolled_splits", "unroll_max_partial_bytes")
+
+
 def parse_setting(text: str) -> object:
     """A Python literal ("(True, False)", "32"), else the text itself ("tile")."""
     try:
@@ -119,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.knob not in {f.name for f in fields(LoraTuning)}:
         ap.error(f"LoraTuning has no field {args.knob}")
+    if args.knob in LAUNCH_TIME_FIELDS:
+        ap.error(f"{args.knob} is read at launch from the process's tuning, not from the config: compare it with "
+                 f"LORAFLEET_LORA_TUNING in a process a setting")
     parts = split_settings(args.settings)
     if "" in parts or len(set(parts)) != len(parts):
         ap.error(f"--settings needs distinct, non-empty values: {args.settings!r}")

@@ -45,3 +45,9 @@ def test_repeated_or_empty_settings_are_a_usage_error(knob_ab, capsys, settings)
     with pytest.raises(SystemExit) as exc:
         knob_ab.main(["--knob", "split_sum", "--settings", settings])
     assert exc.value.code == 2 and "distinct, non-empty" in capsys.readouterr().err
+
+
+def test_a_field_the_launch_reads_itself_is_a_usage_error(knob_ab, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        knob_ab.main(["--knob", "max_unrolled_splits", "--settings", "16,32"])
+    assert exc.value.code == 2 and "LORAFLEET_LORA_TUNING" in capsys.readouterr().err
