@@ -28,8 +28,8 @@ from lorafleet.kernels.lora.ops import add_lora
 # carveout the LoRA kernels wait for the GEMM's last CTAs. With one adapter per token the expand
 # stores the delta (`delta_store`: nothing zeroes it); otherwise, above `few_chunks` the shrink's
 # programs zero it instead of a memset launch before them (`zero_in_shrink`). Above `few_chunks` the
-# side path runs beside only decode-sized GEMMs (prefill steps with many chunks: after the GEMM, which
-# is faster there). Carveouts are capped at CARVEOUT_MAX_SHARE of the GPU's SMs. The measurements
+# side path runs beside only decode-sized GEMMs (prefill steps with many chunks keep it after the GEMM,
+# where it is measured). Carveouts are capped at CARVEOUT_MAX_SHARE of the GPU's SMs. The measurements
 # behind each default: docs/benchmarks.md, "LoRA side path".
 
 
