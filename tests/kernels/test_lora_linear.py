@@ -44,6 +44,11 @@ def test_side_path_from_the_settings(monkeypatch) -> None:
     got = side_path_from_env()
     assert (got.gemm_first, got.delta_store, got.zero_in_shrink, got.few_chunks) == ((False, True), (False, False), False, 0)
     for name, bad in (("GEMM_FIRST", "yes"), ("DELTA_STORE", "1,1,1")):
+        monkeypatch.setattr(envs, "GEMM_FIRST", "1,1")
         monkeypatch.setattr(envs, name, bad)
         with pytest.raises(ValueError, match=f"LORAFLEET_{name}"):
             side_path_from_env()
+    monkeypatch.setattr(envs, "DELTA_STORE", "1")
+    monkeypatch.setattr(envs, "LORA_FEW_CHUNKS", -1)
+    with pytest.raises(ValueError, match="LORAFLEET_LORA_FEW_CHUNKS"):
+        side_path_from_env()
