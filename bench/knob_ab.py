@@ -31,7 +31,6 @@ from bench.kernel_runner import run_case
 from lorafleet.kernels.lora.config import LoraKernelConfig, config_for_meta
 from lorafleet.kernels.lora.tuning import LoraTuning, active_tuning, tuning_from_dict
 
-
 # Tuning fields the launch reads itself (launch.py: split_sum_code's bounds), not through the config a
 # case is timed with.
 LAUNCH_TIME_FIELDS = ("max_unrolled_splits", "unroll_max_partial_bytes")
