@@ -24,4 +24,4 @@ for package, folder in ROOTS.items():
         packages.append(f"{package}.{sub}")
         package_dir[f"{package}.{sub}"] = f"{folder}/{sub.replace('.', '/')}"
 
-setup(packages=packages, package_dir=package_dir, package_data={"lorafleet.operator": ["*.yaml"]})
+setup(packages=packages, package_dir=package_dir, package_data={"lorafleet.operator": ["*.yaml"], "lorafleet.kernels.lora": ["tunings/*.json"]})

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import shutil
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -67,30 +68,31 @@ def medians_ms(samples: list[dict[str, float]], keys: tuple[str, ...]) -> dict[s
 
 # -- disk -> GPU and CPU -> GPU -----------------------------------------------------------------
 class PieceClock:
-    """When the last byte of a read landed: wraps `file_bytes._read_piece` (the one function every
-    read request of `FileRead` runs) to note each request's end. Inside a load this splits its
-    time into the disk's (`t0` to the last byte) and what comes after, in the same trial: the
-    read-alone case is timed in trials of its own, on a disk whose speed drifts from trial to trial."""
+    """When the last byte of a read landed: notes each return from `file_bytes._read_piece` (the one
+    function every read request of `FileRead` runs, on the read's own threads, started inside) with
+    a profile hook on the threads started while it is entered; nothing in lorafleet is replaced.
+    Inside a load this splits its time into the disk's (`t0` to the last byte) and what comes
+    after, in the same trial: the read-alone case is timed in trials of its own, on a disk whose
+    speed drifts from trial to trial."""
 
     def __init__(self) -> None:
         self.ends: list[float] = []  # appended by the read's threads (list.append is atomic)
+        self._code = file_bytes._read_piece.__code__
 
     @property
     def last(self) -> float:
         return max(self.ends)
 
-    def __enter__(self) -> PieceClock:
-        inner = self._inner = file_bytes._read_piece
-
-        def timed(*args):
-            inner(*args)
+    def _hook(self, frame, event: str, arg) -> None:
+        if event == "return" and frame.f_code is self._code:
             self.ends.append(time.perf_counter())
 
-        file_bytes._read_piece = timed
+    def __enter__(self) -> PieceClock:
+        threading.setprofile(self._hook)
         return self
 
     def __exit__(self, *exc) -> None:
-        file_bytes._read_piece = self._inner
+        threading.setprofile(None)
 
 
 def disk_to_gpu(engine: LLMEngine, folder: Path, name: str) -> dict[str, float]:

@@ -31,11 +31,13 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from lorafleet.kernels.lora import linear as lora_linear
+from lorafleet.kernels.lora.linear import SIDE_PATH
+from lorafleet.kernels.lora.tuning import active_tuning, tuning_to_dict
 from lorafleet.worker.server.gc_freeze import freeze_startup_objects
 
 if __package__ in (None, ""):  # run as a script: make `bench.*` importable
@@ -180,7 +182,8 @@ def main() -> None:
         "ttft_ms_512_runs": [round(t, 2) for t in ttft_ms], "ttft_breakdown": ttft_breakdown, "ttft_host": ttft_host,
         "lora_backend": engine.model.lora_backend, "attention_backend": engine.model.attention_backend,
         "blas": torch.backends.cuda.preferred_blas_library().name.lower() if device == "cuda" else None,
-        "lora_overlap_max_chunks": lora_linear.OVERLAP_MAX_CHUNKS, "gemm_sm_carveout": lora_linear.GEMM_SM_CARVEOUT,
+        "lora_overlap_max_chunks": SIDE_PATH.overlap_max_chunks, "gemm_sm_carveout": SIDE_PATH.carveout,
+        "lora_side_path": asdict(SIDE_PATH), "lora_tuning": tuning_to_dict(active_tuning()),
         "warmup_s": None if engine.warmup_s is None else round(engine.warmup_s, 2),
         "cuda_graphs": None if graphs is None else {
             "buckets": graphs.buckets, "captures": graphs.stats.captures, "replays": graphs.stats.replays,

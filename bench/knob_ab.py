@@ -1,12 +1,13 @@
-"""A `lora_config` knob's settings timed against each other over the kernel table's cases, on the GPU.
+"""A LoRA tuning field's settings timed against each other over the kernel table's cases, on the GPU.
 
-    python -m bench.knob_ab --knob EXPAND_SPLIT_SUM --settings loop,unroll [--rounds 2]
+    python -m bench.knob_ab --knob split_sum --settings loop,unroll [--rounds 2]
                             [--min-tokens 16] [--max-adapters N] [--cases MODULE:TOKENS:ADAPTERS,...]
                             [--out bench/results/knob-ab-h200.json]
 
 For each case (bench/kernels.py's table with at least --min-tokens tokens, or --cases at rank 16),
-`add_lora_triton` at `pick_config`'s default is timed with the module-level knob `lora_config.KNOB`
-set to each setting in turn (a setting is a Python literal, or a plain string), --rounds times over,
+`add_lora_triton` is timed with the config `pick_config` chooses from the process's tuning
+(`lorafleet.kernels.lora.tuning.LoraTuning`) with the field KNOB set to each setting in turn (a
+setting is a Python literal, or a plain string; the tuning is passed in), --rounds times over,
 settings interleaved within a case so a drift of the machine hits all of them. Timing as in
 bench/kernels.py. Prints each case's median per setting and its ratio to the first; rows
 {case..., setting, round, lora_us, floor_us, rel_err, and the launch config's fields}.
@@ -19,7 +20,7 @@ import ast
 import json
 import statistics
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
@@ -27,7 +28,12 @@ import torch
 from bench.graph_timing import measure_copy_bandwidth
 from bench.kernel_cases import MODULES, case_meta, case_token_slots, main_cases, parse_cases
 from bench.kernel_runner import run_case
-from lorafleet.kernels.lora import config as lora_config
+from lorafleet.kernels.lora.config import LoraKernelConfig, config_for_meta
+from lorafleet.kernels.lora.tuning import LoraTuning, active_tuning, tuning_from_dict
+
+# Tuning fields the launch reads itself (launch.py: split_sum_code's bounds), not through the config a
+# case is timed with.
+LAUNCH_TIME_FIELDS = ("max_unrolled_splits", "unroll_max_partial_bytes")
 
 
 def parse_setting(text: str) -> object:
@@ -54,8 +60,9 @@ def split_settings(text: str) -> list[str]:
 
 
 def run(knob: str, settings: dict[str, object], args: argparse.Namespace,
-        row_extra: Callable[[lora_config.LoraKernelConfig], dict] = asdict) -> list[dict]:
-    """Time each case under each setting of `lora_config.<knob>`; the knob is restored after."""
+        row_extra: Callable[[LoraKernelConfig], dict] = asdict) -> list[dict]:
+    """Time each case under each setting of the tuning field `knob` (the process's tuning, that field
+    replaced; lists become tuples as in a tuning file)."""
     cases = parse_cases(args.cases) if args.cases else [
         c for c in main_cases(False)
         if c.tokens >= args.min_tokens and (args.max_adapters is None or c.adapters <= args.max_adapters)]
@@ -65,37 +72,40 @@ def run(knob: str, settings: dict[str, object], args: argparse.Namespace,
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
           f"{knob}: {settings}", flush=True)
     names = list(settings)
-    rows, initial = [], getattr(lora_config, knob)
-    try:
-        for case in cases:
-            d_in, outs = MODULES[case.module]
-            slots = case_token_slots(case)
-            meta = case_meta(case, slots, torch.ones(slots.shape))
-            us: dict[str, list[float]] = {s: [] for s in names}
-            for rnd in range(args.rounds):
-                for name in names:
-                    setattr(lora_config, knob, settings[name])
-                    cfg = lora_config.config_for_meta(meta, len(outs), d_in)
-                    row = run_case(case, bandwidth, g, config=cfg, baselines=False)
-                    us[name].append(row["lora_us"])
-                    rows.append({**asdict(case), "setting": name, "round": rnd, "lora_us": row["lora_us"],
-                                 "floor_us": row["floor_us"], "rel_err": row["rel_err"], **row_extra(cfg)})
-            med = {s: statistics.median(t) for s, t in us.items()}
-            print(f"{case.module:8s} T={case.tokens:4d} A={case.adapters:3d} r={case.rank:2d}/{case.pool_rank:2d} "
-                  f"k={case.k} {case.b_layout[:4]}: " + "  ".join(
-                      f"{s}: {med[s]:6.2f} ({med[s] / med[names[0]]:.3f})" for s in names), flush=True)
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(rows, indent=1))
-            torch.cuda.empty_cache()
-    finally:
-        setattr(lora_config, knob, initial)
+    tunings = {name: tuning_for(knob, value) for name, value in settings.items()}
+    rows = []
+    for case in cases:
+        d_in, outs = MODULES[case.module]
+        slots = case_token_slots(case)
+        meta = case_meta(case, slots, torch.ones(slots.shape))
+        us: dict[str, list[float]] = {s: [] for s in names}
+        for rnd in range(args.rounds):
+            for name in names:
+                cfg = config_for_meta(meta, len(outs), d_in, tunings[name])
+                row = run_case(case, bandwidth, g, config=cfg, baselines=False)
+                us[name].append(row["lora_us"])
+                rows.append({**asdict(case), "setting": name, "round": rnd, "lora_us": row["lora_us"],
+                             "floor_us": row["floor_us"], "rel_err": row["rel_err"], **row_extra(cfg)})
+        med = {s: statistics.median(t) for s, t in us.items()}
+        print(f"{case.module:8s} T={case.tokens:4d} A={case.adapters:3d} r={case.rank:2d}/{case.pool_rank:2d} "
+              f"k={case.k} {case.b_layout[:4]}: " + "  ".join(
+                  f"{s}: {med[s]:6.2f} ({med[s] / med[names[0]]:.3f})" for s in names), flush=True)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+        torch.cuda.empty_cache()
     return rows
+
+
+def tuning_for(knob: str, value: object, base: LoraTuning | None = None) -> LoraTuning:
+    """The process's tuning (or `base`) with one field set; an unknown field or a bad value raises
+    ValueError naming it."""
+    return tuning_from_dict({knob: value}, active_tuning() if base is None else base)
 
 
 def parser(description: str, out: str, settings: str | None = None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=description)
     if settings is None:
-        ap.add_argument("--knob", required=True, help="a module-level name in lorafleet.kernels.lora.config")
+        ap.add_argument("--knob", required=True, help="a field of lorafleet.kernels.lora.tuning.LoraTuning")
         ap.add_argument("--settings", required=True, help="comma-separated values (Python literals or strings)")
     else:
         ap.add_argument("--settings", default=settings)
@@ -111,12 +121,21 @@ def parser(description: str, out: str, settings: str | None = None) -> argparse.
 def main(argv: list[str] | None = None) -> int:
     ap = parser(__doc__.splitlines()[0], "bench/results/knob-ab-h200.json")
     args = ap.parse_args(argv)
-    if not hasattr(lora_config, args.knob):
-        ap.error(f"lora_config has no {args.knob}")
+    if args.knob not in {f.name for f in fields(LoraTuning)}:
+        ap.error(f"LoraTuning has no field {args.knob}")
+    if args.knob in LAUNCH_TIME_FIELDS:
+        ap.error(f"{args.knob} is read at launch from the process's tuning, not from the config: compare it with "
+                 f"LORAFLEET_LORA_TUNING in a process a setting")
     parts = split_settings(args.settings)
     if "" in parts or len(set(parts)) != len(parts):
         ap.error(f"--settings needs distinct, non-empty values: {args.settings!r}")
-    run(args.knob, {p: parse_setting(p) for p in parts}, args)
+    settings = {p: parse_setting(p) for p in parts}
+    for p, value in settings.items():
+        try:
+            tuning_for(args.knob, value)
+        except (ValueError, TypeError) as e:
+            ap.error(f"--settings {p}: {e}")
+    run(args.knob, settings, args)
     return 0
 
 

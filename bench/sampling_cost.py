@@ -73,10 +73,9 @@ SWEEP = [dict(BLOCK=b, NUM_WARPS=w) for b in (2048, 4096, 8192) for w in (16, 32
 
 def sweep(logits: torch.Tensor, device: torch.device, repeats: int) -> list[dict]:
     """kernels/sampling/draw_triton.py's kernel alone (noise and top-k floor given) under launch settings
-    (module globals, restored after)."""
+    (its block and num_warps arguments)."""
     from lorafleet.kernels.sampling import draw_triton as dt
 
-    saved = {"BLOCK": dt.BLOCK, "NUM_WARPS": dt.NUM_WARPS}
     n, vocab = logits.shape
     log_noise = torch.empty_like(logits).exponential_().log_()
     rows = []
@@ -87,26 +86,22 @@ def sweep(logits: torch.Tensor, device: torch.device, repeats: int) -> list[dict
         floor = sampling.top_k_floor(logits, knobs_t, knobs.k_max)
         want = None
         for setting in SWEEP:
-            for k, v in {**saved, **setting}.items():
-                setattr(dt, k, v)
-
-            def run(knobs_t=knobs_t, floor=floor):
-                return dt.draw_triton(logits, knobs_t, log_noise, floor)
+            def run(knobs_t=knobs_t, floor=floor, setting=setting):
+                return dt.draw_triton(logits, knobs_t, log_noise, floor, block=setting["BLOCK"],
+                                      num_warps=setting["NUM_WARPS"])
             got = run()
             want = got if want is None else want
             s = timed(run, device, repeats)
             same = bool(torch.equal(got, want))
             rows.append({"kind": "sweep", "name": mode, **setting, "us": round(s * 1e6, 1), "same_tokens": same})
             print(f"{mode:20} {setting} {s * 1e6:>10.1f} us{'' if same else '  tokens differ'}")
-    for k, v in saved.items():
-        setattr(dt, k, v)
     return rows
 
 
 def main() -> None:
     ap = sampling_step_args(__doc__)
     ap.add_argument("--repeats", type=int, default=50)
-    ap.add_argument("--draws", default="torch,triton", help="worker/sampling/sampler.py CUDA_DRAW settings to time")
+    ap.add_argument("--draws", default="torch,triton", help="sample_on_device's draw settings to time (LORAFLEET_SAMPLER's values)")
     ap.add_argument("--sweep", action="store_true", help="also time the Triton draw under launch settings")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -117,9 +112,8 @@ def main() -> None:
     for name, knobs in MODES.items():
         params = [SamplingParams(max_tokens=16, **knobs)] * args.batch
         for draw in args.draws.split(","):
-            sampling.CUDA_DRAW = draw
-            s = timed(lambda params=params: sampling.sample_on_device(logits, params, [None] * args.batch).read(),
-                      device, args.repeats)
+            s = timed(lambda params=params, draw=draw: sampling.sample_on_device(
+                logits, params, [None] * args.batch, draw=draw).read(), device, args.repeats)
             rows.append({"kind": "mode", "name": name, "draw": draw, "us": round(s * 1e6, 1)})
             print(f"{name + ' (' + draw + ')':32} {s * 1e6:>10.1f}")
     if args.sweep:

@@ -23,6 +23,12 @@ ENVIRONMENT: dict[str, str] = {
     "LORAFLEET_OVERLAP_MAX_CHUNKS": "most chunks the LoRA/GEMM overlap splits a matmul into (default: no cap)",
     "LORAFLEET_GEMM_SM_CARVEOUT": "SMs kept from the base GEMM for the LoRA kernels: N, N,M or A,B,C,D "
                                   "(default 48,80,48,48)",
+    "LORAFLEET_LORA_FEW_CHUNKS": "the LoRA side path's few-chunks bound (default 16)",
+    "LORAFLEET_GEMM_FIRST": "the base GEMM launched before the LoRA kernels beside it, few,many chunks (default 1,1)",
+    "LORAFLEET_DELTA_STORE": "with one adapter a token the expand stores the delta, few,many chunks (default 1,1)",
+    "LORAFLEET_ZERO_IN_SHRINK": "0: a memset zeroes the LoRA delta above the few-chunks bound (default 1)",
+    "LORAFLEET_LORA_TUNING": "the LoRA kernels' tuning overridden: a JSON file's path or inline JSON "
+                             "(default: kernels/lora/tunings/ by device)",
     "TRITON_INTERPRET": "1: run the Triton kernels in Triton's interpreter (CPU; tests)",
     "LORAFLEET_REDIS_URL": "the default of --redis-url",
     "POD_NAMESPACE": "the namespace watched without --namespace (set from the pod's metadata)",
@@ -31,7 +37,8 @@ ENVIRONMENT: dict[str, str] = {
 }
 WORKER_ENV = ("LORAFLEET_SAMPLER", "LORAFLEET_LOGIT_EDITS", "LORAFLEET_BLAS", "LORAFLEET_LORA_OVERLAP",
               "LORAFLEET_PREFILL_BATCH_QUERY", "LORAFLEET_PDL", "LORAFLEET_OVERLAP_MAX_CHUNKS",
-              "LORAFLEET_GEMM_SM_CARVEOUT", "TRITON_INTERPRET")
+              "LORAFLEET_GEMM_SM_CARVEOUT", "LORAFLEET_LORA_FEW_CHUNKS", "LORAFLEET_GEMM_FIRST",
+              "LORAFLEET_DELTA_STORE", "LORAFLEET_ZERO_IN_SHRINK", "LORAFLEET_LORA_TUNING", "TRITON_INTERPRET")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

@@ -3,7 +3,7 @@ it on the stream has finished, that waits for it on the device.
 
 A plain launch starts a kernel's programs only once the kernel ahead of it has completed and its
 writes are flushed: in a decode graph that is ~0.3–0.8 µs of idle GPU at each of ~300 kernel
-boundaries a step (docs/benchmarks-history.md, "what the GPU does between decode graphs"). Launched with
+boundaries a step (docs/benchmarks.md, "LoRA kernel tuning"). Launched with
 PDL, a kernel's programs are scheduled as the one ahead of it drains and block in `wait()`
 (`griddepcontrol.wait`: until every kernel it depends on has completed and its memory is
 visible) before they read or write anything. A kernel that calls `release()` lets a PDL launch

@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="read an API key on stdin, print its sha256 for a tenants file",
     )
     return finish(p, {
-        "Server": ["--host", "--port", "--log-level"],
+        "Server": ["--host", "--port", "--processes", "--log-level"],
         "Workers and discovery": ["--worker", "--discovery", "--k8s-namespace", "--k8s-selector", "--k8s-port",
                                   "--k8s-admin-port", "--lora-modules", "--admin-token-file", "--admin-token-dir",
                                   "--poll-interval", "--load-timeout"],

@@ -368,7 +368,7 @@ class EngineConfig:
     # Launch each steady-state decode step before reading the previous one's tokens, so the host's
     # bookkeeping overlaps the GPU (worker/engine/async_step.py; vLLM's --async-scheduling). Needs the
     # graph path; everything else (prefill, admissions, preemption) runs synchronously. None: on
-    # wherever decode steps replay captured CUDA graphs (measured on the H200: 10.6k -> 12.0k tok/s).
+    # wherever decode steps replay captured CUDA graphs (docs/benchmarks.md, "Engine on the H200").
     async_scheduling: bool | None = None
     # Before serving, run a long and a short prompt (with a start-up adapter, if any) through
     # prefill and decode, and capture every batch bucket's base decode graph, so the first requests

@@ -26,7 +26,7 @@ Two launches per projection group (all slices in each):
   into a buffer nothing zeroed, whose rows of tokens without an adapter it leaves alone
   (`LoraMeta.has_lora` tells the reader which rows are defined).
 - Both run a row at a time instead of `tl.dot` for decode steps of about one pair a chunk
-  (`pick_config`'s one_pair: SHRINK_ROWS, EXPAND_ROWS).
+  (`pick_config`'s one_pair: the tuning's shrink_rows, expand_rows).
 
 Rank tiles cover `meta.rank_bound` (the step's largest true rank, set by the caller), not the
 pool's r_max, so a step of rank-8 adapters in a rank-64 pool computes and sums rank-8 tiles.
@@ -88,9 +88,9 @@ class LoraLaunch:
     r_blocks: int
     # The rank tile of the row-at-a-time modes: the step's rank bound rounded up to a power of two
     # (the shrink's at most BLOCK_R, one rank block of the grid). A rank-8 step in a rank-64 pool
-    # then holds and multiplies 8 rows, not BLOCK_R = 16 with half masked: on the H200 that made
-    # 64 tokens on 64 adapters 9-27% slower than the same step in a rank-8 pool, whose R_MAX = 8
-    # let the compiler drop the masked rows (docs/benchmarks-history.md, fourteenth session). Decode
+    # then holds and multiplies 8 rows, not BLOCK_R = 16 with half masked, which is slower than the
+    # same step in a rank-8 pool, whose R_MAX = 8 lets the compiler drop the masked rows
+    # (docs/benchmarks.md, "LoRA kernel tuning"). Decode
     # graphs of one-pair steps capture rank classes from 8 up for it (cuda_graphs.rank_class).
     rows_rank: int
     n_slices: int

@@ -3,8 +3,8 @@
 With the Triton backend, a side stream and few enough chunks, the side path (shrink, expand into
 a delta) runs on that stream while the base GEMM runs, a decode-sized GEMM leaving SMs free for it
 (`gemm_sm_carveout`), and the caller adds the delta where it reads y anyway; otherwise the LoRA is
-added into y after the GEMM (`add_lora`). The module-level knobs below choose where and how;
-LORAFLEET_OVERLAP_MAX_CHUNKS and LORAFLEET_GEMM_SM_CARVEOUT are read at import.
+added into y after the GEMM (`add_lora`). `SidePath` chooses where and how: the process's from the
+LORAFLEET_* settings (kernels/envs.py), or one passed in.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -19,25 +20,35 @@ from lorafleet.kernels import envs
 from lorafleet.kernels.lora.meta import LoraMeta
 from lorafleet.kernels.lora.ops import add_lora
 
-# The side path runs beside the GEMM up to OVERLAP_MAX_CHUNKS chunks (default: always), and a
+# The side path runs beside the GEMM up to `overlap_max_chunks` chunks (default: always), and a
 # decode-sized GEMM beside it (at most CARVEOUT_MAX_TOKENS rows: memory-bound, so it keeps its
 # bandwidth on fewer SMs) leaves SMs free for the LoRA kernels (cuBLASLt's SM count target; cuBLAS
-# ignores it): GEMM_SM_CARVEOUT[0] for a launch of at most FEW_CHUNKS chunks, [1] above, beside a
-# GEMM under LARGE_GEMM_ELEMENTS weight elements; [2] and [3] likewise beside a larger one. With one
-# adapter per token the expand stores the delta (DELTA_STORE: nothing zeroes it); otherwise, above
-# FEW_CHUNKS the shrink's programs zero it instead of a memset launch before them. Above FEW_CHUNKS
-# the side path runs beside only decode-sized GEMMs (prefill steps with many chunks: after the GEMM,
-# as measured before). Carveouts are capped at CARVEOUT_MAX_SHARE of the GPU's SMs.
-# Measured on the H200 at batch 64 (docs/benchmarks-history.md, tokens/s vs base-only): without a carveout
-# the LoRA kernels wait for the GEMM's last CTAs, and beside the GEMM lost to after it with 64
-# adapters (0.617 vs 0.645); with 32 SMs free it won (0.66). With 64 adapters the zeroing shrink
-# then took 0.653 -> 0.674 and 48 SMs 0.689. The storing expand with the GEMM launched first
-# (sixth session): 8 adapters 0.89 -> 0.92, 64 adapters 0.69 -> 0.73; then 48 SMs beside every GEMM
-# up to FEW_CHUNKS (8 adapters 0.928, 1 adapter 0.957) and 80 beside the small GEMMs above it, where
-# qkv's LoRA outlasts its GEMM (32 and 64 adapters +0.011). 8 adapters in a 64-token step launch 16
-# chunks, 64 adapters 64.
-OVERLAP_MAX_CHUNKS = envs.OVERLAP_MAX_CHUNKS
-FEW_CHUNKS = 16
+# ignores it): `carveout[0]` for a launch of at most `few_chunks` chunks, [1] above, beside a GEMM
+# under LARGE_GEMM_ELEMENTS weight elements; [2] and [3] likewise beside a larger one; without a
+# carveout the LoRA kernels wait for the GEMM's last CTAs. With one adapter per token the expand
+# stores the delta (`delta_store`: nothing zeroes it); otherwise, above `few_chunks` the shrink's
+# programs zero it instead of a memset launch before them (`zero_in_shrink`). Above `few_chunks` the
+# side path runs beside only decode-sized GEMMs (prefill steps with many chunks keep it after the GEMM,
+# where it is measured). Carveouts are capped at CARVEOUT_MAX_SHARE of the GPU's SMs. The measurements
+# behind each default: docs/benchmarks.md, "LoRA side path".
+
+
+@dataclass(frozen=True, slots=True)
+class SidePath:
+    """Where and how `linear_lora_deferred` runs the LoRA side path; pairs are (at most, above)
+    `few_chunks` chunks. `SIDE_PATH` is the process's, from the LORAFLEET_* settings (kernels/envs.py)."""
+
+    overlap_max_chunks: int
+    few_chunks: int
+    carveout: tuple[int, int, int, int]  # (few small, many small, few large, many large)
+    # The GEMM launched before the LoRA kernels beside it: LoRA kernels launched first fill every SM
+    # with their programs and the GEMM's CTAs wait for them to drain; a GEMM launched first takes its
+    # SMs and leaves the carveout to the LoRA.
+    gemm_first: tuple[bool, bool]
+    zero_in_shrink: bool  # above few_chunks, unless the expand stores (False: a memset)
+    # With one adapter per token, the expand stores the delta (no memset or zeroing shrink before it,
+    # no read of it; its reader masks the rows of tokens without an adapter with LoraMeta.has_lora).
+    delta_store: tuple[bool, bool]
 
 
 def _carveouts(text: str) -> tuple[int, int, int, int]:
@@ -64,23 +75,29 @@ def carveout_table(parts: Sequence[int]) -> tuple[int, int, int, int]:
     raise ValueError(f"1, 2 or 4 carveouts, got {len(parts)}")
 
 
-GEMM_SM_CARVEOUT = _carveouts(envs.GEMM_SM_CARVEOUT)
+def _pair(name: str, text: str) -> tuple[bool, bool]:
+    """LORAFLEET_GEMM_FIRST / LORAFLEET_DELTA_STORE: "few,many" of 0/1, or one value for both."""
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) not in (1, 2) or any(p not in ("0", "1") for p in parts):
+        raise ValueError(f"{name} must be 0, 1 or two of them (few,many chunks), got {text!r}")
+    return (parts[0] == "1", parts[-1] == "1")
+
+
+def side_path_from_env() -> SidePath:
+    """The side path the LORAFLEET_* settings read at start-up (kernels/envs.py) describe."""
+    if envs.LORA_FEW_CHUNKS < 0:
+        raise ValueError(f"LORAFLEET_LORA_FEW_CHUNKS must be >= 0, got {envs.LORA_FEW_CHUNKS}")
+    return SidePath(
+        overlap_max_chunks=envs.OVERLAP_MAX_CHUNKS, few_chunks=envs.LORA_FEW_CHUNKS,
+        carveout=_carveouts(envs.GEMM_SM_CARVEOUT), gemm_first=_pair("LORAFLEET_GEMM_FIRST", envs.GEMM_FIRST),
+        zero_in_shrink=envs.ZERO_IN_SHRINK, delta_store=_pair("LORAFLEET_DELTA_STORE", envs.DELTA_STORE),
+    )
+
+
+SIDE_PATH = side_path_from_env()
 CARVEOUT_MAX_SHARE = 5 / 8  # of the GPU's SMs; the rest stay with the GEMM (82 of the H200's 132)
 LARGE_GEMM_ELEMENTS = 1 << 25  # weight elements: at the seed shape gate_up and down are large, qkv and o small
 CARVEOUT_MAX_TOKENS = 128
-# Whether the GEMM is launched before the LoRA kernels beside it, with at most and above FEW_CHUNKS
-# chunks. LoRA kernels launched first fill every SM with their programs, and the GEMM's CTAs
-# wait for them to drain (the H200's step timeline at 64 adapters: ~1.1 ms a step of GEMMs
-# starting late); a GEMM launched first takes its SMs and leaves the carveout to the LoRA. Alone it
-# won little on the H200 (64 adapters 0.684 -> 0.689, overlap-sweep-gemm-first-h200.json), and at
-# few chunks neither it nor the storing expand won alone (8 adapters 0.89 -> 0.891 and 0.897 ->
-# 0.887); together they did (0.922; overlap-sweep-store2-h200.json, overlap-sweep-store-h200.json).
-GEMM_FIRST = (True, True)
-ZERO_IN_SHRINK = True  # above FEW_CHUNKS, unless the expand stores (False: a memset; benchmarks compare)
-# With one adapter per token, whether the expand stores the delta (no memset or zeroing shrink
-# before it, no read of it; its reader masks the rows of tokens without an adapter with
-# LoraMeta.has_lora), with at most and above FEW_CHUNKS chunks.
-DELTA_STORE = (True, True)
 
 
 @functools.cache
@@ -88,10 +105,10 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _carveout(device: torch.device, many: bool, large: bool) -> int:
-    """GEMM_SM_CARVEOUT (tuned on the H200's 132 SMs), at most CARVEOUT_MAX_SHARE of this GPU's
+def _carveout(side: SidePath, device: torch.device, many: bool, large: bool) -> int:
+    """side.carveout (tuned on the H200's 132 SMs), at most CARVEOUT_MAX_SHARE of this GPU's
     SMs: a smaller GPU keeps most of its SMs for the GEMM."""
-    return min(GEMM_SM_CARVEOUT[2 * large + many], int(_sm_count(device) * CARVEOUT_MAX_SHARE))
+    return min(side.carveout[2 * large + many], int(_sm_count(device) * CARVEOUT_MAX_SHARE))
 
 
 @contextlib.contextmanager
@@ -120,26 +137,29 @@ def linear_lora_deferred(
     meta: LoraMeta,
     backend: str = "torch",
     side_stream: torch.cuda.Stream | None = None,
+    side_path: SidePath | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`base()` (the base projection of x) and the LoRA side path -> (y, delta).
 
-    With the Triton backend, a side stream and at most OVERLAP_MAX_CHUNKS chunks to launch for
-    (above FEW_CHUNKS, decode-sized steps only), the whole side path runs on the side stream while
-    the base GEMM runs: zero a delta buffer (a memset, or the shrink's programs above FEW_CHUNKS),
+    With the Triton backend, a side stream and at most `overlap_max_chunks` chunks to launch for
+    (above `few_chunks`, decode-sized steps only), the whole side path runs on the side stream while
+    the base GEMM runs: zero a delta buffer (a memset, or the shrink's programs above `few_chunks`),
     shrink, expand into the delta. The current stream waits for the side stream before
     returning, and the caller adds the delta where it reads y anyway (the fused row kernels'
     `delta` argument), so in a decode step the small, latency-bound LoRA launches hide behind the
-    GEMM's weight reads instead of following it. A decode-sized GEMM leaves GEMM_SM_CARVEOUT SMs
+    GEMM's weight reads instead of following it. A decode-sized GEMM leaves `carveout` SMs
     to them (a GEMM that fills every SM makes them wait for its last CTAs). CUDA-graph capture
     records the fork and the join as graph edges.
     Not beside the GEMM (another backend, no side stream, too many chunks), the LoRA is added into
     y in place and delta is None.
-    With one adapter per token (and DELTA_STORE) the expand stores into the delta instead of adding
+    With one adapter per token (and `delta_store`) the expand stores into the delta instead of adding
     into a zeroed one: nothing zeroes it, and its rows of tokens without an adapter are left
     undefined, so the reader masks them with `meta.has_lora` (the fused row kernels' `delta_rows`).
+    side_path: these settings (default: the process's, SIDE_PATH).
     """
-    beside = meta.grid_chunks <= OVERLAP_MAX_CHUNKS and (
-        meta.grid_chunks <= FEW_CHUNKS or x.shape[0] <= CARVEOUT_MAX_TOKENS)  # many chunks: decode steps only
+    side = SIDE_PATH if side_path is None else side_path
+    beside = meta.grid_chunks <= side.overlap_max_chunks and (
+        meta.grid_chunks <= side.few_chunks or x.shape[0] <= CARVEOUT_MAX_TOKENS)  # many chunks: decode steps only
     if backend != "triton" or side_stream is None or not beside:
         y = base()
         add_lora(y, x, lora_a, lora_b, ranks, ranks_device, meta, backend)
@@ -153,10 +173,10 @@ def linear_lora_deferred(
     # side stream's next request while the current stream still reads them.
     delta = torch.empty((x.shape[0], sum(b.shape[1] for b in lora_b)), dtype=x.dtype, device=x.device)
     main = torch.cuda.current_stream(x.device)
-    many = meta.grid_chunks > FEW_CHUNKS
+    many = meta.grid_chunks > side.few_chunks
     large = x.shape[1] * delta.shape[1] >= LARGE_GEMM_ELEMENTS
-    carveout = _carveout(x.device, many, large) if x.shape[0] <= CARVEOUT_MAX_TOKENS else 0
-    gemm_first = GEMM_FIRST[many]
+    carveout = _carveout(side, x.device, many, large) if x.shape[0] <= CARVEOUT_MAX_TOKENS else 0
+    gemm_first = side.gemm_first[many]
     inputs_ready = torch.cuda.Event()
     inputs_ready.record(main)
     side_stream.wait_event(inputs_ready)  # x, not the GEMM; before the try, so the join is well-formed
@@ -166,8 +186,8 @@ def linear_lora_deferred(
             with gemm_sm_carveout(carveout):
                 y = base()
         with torch.cuda.stream(side_stream):
-            store = DELTA_STORE[many] and meta.token_slots.shape[1] == 1 and meta.has_lora is not None
-            zero_in_shrink = ZERO_IN_SHRINK and many and not store
+            store = side.delta_store[many] and meta.token_slots.shape[1] == 1 and meta.has_lora is not None
+            zero_in_shrink = side.zero_in_shrink and many and not store
             if not (store or zero_in_shrink):
                 delta.zero_()
             launch_shrink(plan, zero=delta if zero_in_shrink else None)

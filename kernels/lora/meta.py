@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from lorafleet.kernels.lora.tuning import LoraTuning, active_tuning
+
 
 @dataclass(slots=True)
 class LoraMeta:
@@ -72,12 +74,19 @@ class LoraMeta:
 
     @property
     def one_pair_chunks(self) -> bool:
-        """More than ONE_PAIR_MIN_CHUNKS chunks of at most ONE_PAIR_CHUNKS[0] pairs on average and
-        ONE_PAIR_CHUNKS[1] at most (decode with about as many adapters as tokens); `one_pair` when set."""
+        """`one_pair_chunks_for` the process's LoRA tuning."""
+        return self.one_pair_chunks_for(active_tuning())
+
+    def one_pair_chunks_for(self, tuning: LoraTuning) -> bool:
+        """More than tuning.one_pair_min_chunks chunks of at most tuning.one_pair_chunks[0] pairs on
+        average and one_pair_chunks[1] at most (decode with about as many adapters as tokens: the
+        row-at-a-time shrink walks a chunk's rows one after another, so a long chunk would set the
+        launch's time); `one_pair` when set."""
         if self.one_pair is not None:
             return self.one_pair
-        return (self.num_chunks > ONE_PAIR_MIN_CHUNKS and self.num_entries <= ONE_PAIR_CHUNKS[0] * self.num_chunks
-                and self.longest_chunk <= ONE_PAIR_CHUNKS[1])
+        average, longest = tuning.one_pair_chunks
+        return (self.num_chunks > tuning.one_pair_min_chunks and self.num_entries <= average * self.num_chunks
+                and self.longest_chunk <= longest)
 
     @property
     def grid_chunks(self) -> int:
@@ -105,16 +114,6 @@ class LoraMeta:
         self.segments = list(other.segments)
         self.num_chunks = other.num_chunks
         self.longest_chunk = other.longest_chunk
-
-
-# One-pair chunks (`LoraMeta.one_pair_chunks`): more than ONE_PAIR_MIN_CHUNKS of them, at most
-# ONE_PAIR_CHUNKS[0] pairs each on average and none over ONE_PAIR_CHUNKS[1] (the row-at-a-time shrink
-# walks a chunk's rows one after another: a long one would set the launch's time). In the engine at
-# batch 64 (docs/benchmarks-history.md, eighth session) that shrink took 64 adapters (one pair a chunk)
-# 0.752 -> 0.760 of base-only, and 32 adapters (two) 0.851 -> 0.840; alone, chunks of 8 pairs
-# (8 adapters) ran it 2.1-2.8x slower than the tl.dot shrink. (Up to 16 chunks it is never used.)
-ONE_PAIR_CHUNKS = (1.5, 2)
-ONE_PAIR_MIN_CHUNKS = 16
 
 
 def default_chunk_size(num_pairs: int) -> int:

@@ -204,8 +204,8 @@ def _lora_expand_kernel(
     multiply-and-sum in registers (B tile × the row's rank-r activations, summed over r), no
     `tl.dot`: for chunks of about one row (decode with as many adapters as tokens), where a
     BLOCK_M-row tile is mostly padding. Each thread then holds whole rank columns of B; at 8 columns
-    a thread (BLOCK_N = 256 · warps) its loads are 16-byte vectors, and on the H200 only those
-    configs beat the `tl.dot` mode (2 or 4 columns a thread ran 1.5-2x slower).
+    a thread (BLOCK_N = 256 · warps) its loads are 16-byte vectors; only such configs beat the
+    `tl.dot` mode (docs/benchmarks.md, "LoRA kernel tuning").
     """
     pid_c = tl.program_id(0)
     pid_n = tl.program_id(1)

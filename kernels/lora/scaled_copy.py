@@ -2,9 +2,8 @@
 
 A freshly read adapter is laid out for the GPU slots on the GPU (`worker/lora/packing.py`,
 `PackPlan.run`): at the seed shape that is 448 tensors (every layer's A as it is, B transposed
-and times alpha/r, all cast to the slot dtype). One torch copy each cost ~5 µs of host time a
-launch, ~4.5-6.5 ms a load on the H200 machine, after the last byte had arrived; this is one
-launch per source dtype.
+and times alpha/r, all cast to the slot dtype). One torch copy each costs ~5 µs of host time a
+launch, milliseconds a load after the last byte has arrived; this is one launch per source dtype.
 
 Semantics (`scaled_copies_reference` is the oracle). For each row k of `table`, the copy
 (src offset, dst offset, rows, cols, row stride, col stride) in elements of `src` and `dst`:

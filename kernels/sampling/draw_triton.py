@@ -38,18 +38,19 @@ NUM_WARPS = 32
 
 
 def draw_triton(logits: torch.Tensor, knobs: torch.Tensor, log_noise: torch.Tensor,
-                top_k_floor: torch.Tensor | None) -> torch.Tensor:
+                top_k_floor: torch.Tensor | None, block: int = BLOCK, num_warps: int = NUM_WARPS) -> torch.Tensor:
     """[N] int64 tokens. logits [N, vocab] float32 (edited, not scaled); knobs [5, N] float32 rows
     temperature, k-th position (unused here), top_p (> 1: none), greedy (1.0), log min_p (-inf:
     none); log_noise [N, vocab] float32 log E (greedy rows' is not read); top_k_floor [N] float32:
-    each row's k-th largest scaled value (-inf: no top-k), None when no row asks for top-k."""
+    each row's k-th largest scaled value (-inf: no top-k), None when no row asks for top-k. block,
+    num_warps: the launch setting (vocabulary entries a program reads per iteration, its warps)."""
     n, vocab = logits.shape
     if logits.stride(1) != 1 or log_noise.stride(1) != 1 or not knobs.is_contiguous():
         raise ValueError("logits and log_noise need unit stride along the vocabulary, knobs contiguous")
     tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
     top_k = top_k_floor is not None
     _draw_kernel[(n,)](logits, log_noise, knobs, top_k_floor if top_k else knobs, tokens, n, vocab, logits.stride(0),
-                       log_noise.stride(0), TOP_K=top_k, BLOCK=BLOCK, num_warps=NUM_WARPS)
+                       log_noise.stride(0), TOP_K=top_k, BLOCK=block, num_warps=num_warps)
     return tokens
 
 

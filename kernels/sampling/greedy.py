@@ -12,8 +12,8 @@ Sampling's own check (a row's float32 sum not finite) also flags a row of finite
 overflows (each above ~1e33); the pick does not, and gives it its argmax.
 
 Torch takes three passes for this over float32 logits (the conversion from the lm_head's bf16, a
-row sum for finiteness, the argmax: 59 µs a decode step at batch 64 and vocab 100,000 on an
-H200, docs/benchmarks-history.md). The kernel reads the bf16 logits once: each (row, split) program
+row sum for finiteness, the argmax: tens of µs a decode step at batch 64 and vocab 100,000;
+docs/benchmarks.md, "Sampling without a sort"). The kernel reads the bf16 logits once: each (row, split) program
 reduces its range to (max, first index, any non-finite), and a second launch, one program a row,
 reduces the splits (`greedy_triton.py`). Both launches' grids follow from the shape alone, so the
 decode graphs capture them (worker/engine/cuda_graphs.py). `greedy_pick_reference` is the torch oracle and

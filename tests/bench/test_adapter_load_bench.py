@@ -67,3 +67,24 @@ def test_a_busy_engine_is_refused(tiny_engine, tmp_path) -> None:
     engine.add_request(fresh_prompt(engine, 8), SamplingParams(max_tokens=2), ())
     with pytest.raises(RuntimeError, match="idle engine"):
         load_rows(engine, model_config, device, repeats=1, workdir=tmp_path)
+
+
+def test_piece_clock_notes_every_piece_of_a_read_without_patching(bench_importable, tmp_path) -> None:
+    """PieceClock sees each read request's end (a profile hook on the read's threads) and leaves
+    `file_bytes` as it was; after it, reads are no longer noted."""
+    import time
+
+    from bench.adapter_load_cases import PieceClock
+    from lorafleet.worker.lora import file_bytes
+
+    path = tmp_path / "blob"
+    path.write_bytes(bytes(range(256)) * (3 * file_bytes.PIECE_BYTES // 256 + 7))
+    before = file_bytes._read_piece
+    t0 = time.perf_counter()
+    with PieceClock() as clock:
+        got = file_bytes.read_file(path, max_bytes=1 << 30)
+    assert file_bytes._read_piece is before
+    assert len(clock.ends) == 4 and t0 < clock.last <= time.perf_counter()
+    assert got[0:len(got)] == path.read_bytes()
+    file_bytes.read_file(path, max_bytes=1 << 30)
+    assert len(clock.ends) == 4

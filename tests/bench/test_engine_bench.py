@@ -86,8 +86,12 @@ def test_tiny_sampling_decode_benchmark(tmp_path: Path) -> None:
     they say: deferred sampling on the async path, or synchronous steps."""
     data = run_bench(tmp_path, "sampling_decode", "--batch", "4", "--prompt-len", "8", "--new-tokens", "6")
     rows = data["rows"]
+    assert len(rows) == 2 * len({(r["group"], r["mode"], r["variant"], r["draw"]) for r in rows})
+    assert all(r["tokens_per_s"] > 0 for r in rows)
     cases = {(r["group"], r["mode"], r["variant"]) for r in rows}
-    assert len(rows) == 2 * len(cases) and all(r["tokens_per_s"] > 0 for r in rows)
+    # a process a draw (LORAFLEET_SAMPLER), each with its greedy baseline
+    assert {r["draw"] for r in rows if r["mode"] == "greedy"} == {"torch", "triton"}
+    assert all(r["variant"] == r["draw"] for r in rows if r["group"] == "sampling" and r["mode"] != "greedy")
     assert {("sampling", "greedy", "-"), ("sampling", "top_p_0.9", "triton"), ("sampling", "top_p_0.9", "torch"),
             ("edits", "logit_bias", "-"), ("edits", "penalties", "-")} <= cases
     hosts = [r for r in rows if r["group"] == "host_tokens"]

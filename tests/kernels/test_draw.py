@@ -63,6 +63,23 @@ def test_same_token_as_the_torch_draw(vocab, scale):
         assert torch.equal(got, want), (trial, got.tolist(), want.tolist())
 
 
+@pytest.mark.parametrize("block, num_warps", [(1024, 4), (8192, 16)])
+def test_other_launch_settings_draw_the_same_token(block, num_warps):
+    """The launch setting passed in (`block`, `num_warps`: what bench/sampling_cost.py --sweep compares)
+    changes nothing but the speed: the same token as the torch draw in every row."""
+    g = torch.Generator().manual_seed(block)
+    params = _params(KNOBS)
+    n, vocab = len(params), 2500
+    logits = (torch.randn(n, vocab, generator=g) * 3).to(DEVICE)
+    knobs = _Knobs(params, vocab)
+    knobs_t = torch.tensor(knobs.values, dtype=torch.float32).view(_Knobs.ROWS, n).to(DEVICE)
+    log_noise = torch.empty(n, vocab).exponential_(generator=g).clamp_min_(1e-38).log_().to(DEVICE)
+    got = draw_triton(logits, knobs_t, log_noise, top_k_floor(logits, knobs_t, knobs.k_max), block=block,
+                      num_warps=num_warps)
+    want = draw_reference(logits, knobs_t, log_noise.clone(), knobs.k_max, knobs.any_p, knobs.any_min_p)
+    assert torch.equal(got.cpu(), want.cpu())
+
+
 def test_ties_and_masked_tokens():
     """bf16-like coarse logits (many ties, also at the k-th value), -inf entries (allowed ids, bias)."""
     g = torch.Generator().manual_seed(1)

@@ -29,7 +29,7 @@ for pdl, meta_round, split_sum in ((False, False, 0), (True, False, 8), (True, T
     # it); the storing expand.
     for atomic, early, store in ((True, False, False), (False, True, False), (False, False, False),
                                  (False, False, True)):
-        # (B rank-major, a row at a time, the tl.dot loop's loads ahead: lora_config.EXPAND_AHEAD)
+        # (B rank-major, a row at a time, the tl.dot loop's loads ahead: tuning.expand_ahead)
         for rank_major, rows, ahead in ((False, False, False), (True, False, False), (False, True, False),
                                         (True, True, False), (False, False, True), (True, False, True)):
             k = compile_(tk._lora_expand_kernel, expand,

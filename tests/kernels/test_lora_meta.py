@@ -111,23 +111,28 @@ def test_build_lora_meta_rejects_bad_input() -> None:
 
 
 def test_one_pair_chunks_from_the_counts_unless_set() -> None:
-    """A meta judges its chunks from its own counts: more than ONE_PAIR_MIN_CHUNKS of them, at most
-    ONE_PAIR_CHUNKS[0] pairs each on average, none longer than ONE_PAIR_CHUNKS[1]; `one_pair`,
-    which a decode graph sets from the step, overrides that."""
-    from lorafleet.kernels.lora.meta import ONE_PAIR_CHUNKS, ONE_PAIR_MIN_CHUNKS
+    """A meta judges its chunks from its own counts: more than tuning.one_pair_min_chunks of them, at
+    most tuning.one_pair_chunks[0] pairs each on average, none longer than one_pair_chunks[1];
+    `one_pair`, which a decode graph sets from the step, overrides that."""
+    from dataclasses import replace
+
+    from lorafleet.kernels.lora.tuning import active_tuning
 
     def meta(slots: list[int]):
         return build_lora_meta(torch.tensor(slots, dtype=torch.int32)[:, None], torch.ones(len(slots), 1), 64, DEVICE)
 
-    assert ONE_PAIR_MIN_CHUNKS == 16 and ONE_PAIR_CHUNKS == (1.5, 2)
+    tuning = active_tuning()
+    assert tuning.one_pair_min_chunks == 16 and tuning.one_pair_chunks == (1.5, 2)
     each = meta(list(range(32)))  # 32 chunks of one
-    few = meta(list(range(16)))  # 16 chunks of one: not more than ONE_PAIR_MIN_CHUNKS
+    few = meta(list(range(16)))  # 16 chunks of one: not more than one_pair_min_chunks
     twos = meta([t // 2 for t in range(64)])  # 32 chunks of two: 2 on average
     long = meta(list(range(30)) + [40] * 10)  # 31 chunks, 1.3 on average, but one of 10
     mixed = meta(list(range(24)) + [30, 30, 31, 31, 32, 32])  # 27 chunks, 1.1 on average, none over 2
     none = meta([-1] * 32)
     assert each.one_pair_chunks and mixed.one_pair_chunks
     assert not any(m.one_pair_chunks for m in (few, twos, long, none))
+    assert twos.one_pair_chunks_for(replace(tuning, one_pair_chunks=(2.0, 2)))  # a tuning passed in
+    assert not each.one_pair_chunks_for(replace(tuning, one_pair_min_chunks=32))
     twos.one_pair = True
     each.one_pair = False
     assert twos.one_pair_chunks and not each.one_pair_chunks

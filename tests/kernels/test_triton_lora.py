@@ -238,7 +238,7 @@ def test_every_split_sum_matches_reference(case, split_sum, splits) -> None:
 
 
 # The cases with a config of their own (the others take pick_config's, which has meta_round on as
-# CHUNK_META_ROUND is, and run so in test_triton_matches_reference).
+# the tuning's meta_round is, and run so in test_triton_matches_reference).
 META_CASES = [c for c in CASES if c[-1] is not None]
 
 
@@ -254,7 +254,7 @@ def test_chunk_meta_in_one_round_matches_reference(case) -> None:
     ids=["unrolled", "loop", "past-the-bytes-bound"])
 def test_launches_hand_the_kernels_the_config(split_sum, meta_round, tokens, expect, monkeypatch) -> None:
     """What the two launches pass for the config's split sum and chunk-meta round: the split count
-    when unrolled, 0 for the loop and for a launch whose partial reads pass UNROLL_MAX_PARTIAL_BYTES
+    when unrolled, 0 for the loop and for a launch whose partial reads pass tuning.unroll_max_partial_bytes
     (320 tokens on 4 adapters: 20 chunks x 256 column groups x 3 splits x 16 rows x 16 ranks, 15 MiB);
     META_ROUND to both."""
     from lorafleet.kernels.lora import launch as triton_lora
@@ -284,14 +284,13 @@ def test_launches_hand_the_kernels_the_config(split_sum, meta_round, tokens, exp
 
 def test_split_sum_codes() -> None:
     """The expand's SPLIT_SUM constexpr: 0 (the loop) for the loop, for one split, past the unroll
-    bound and for launches that would read more partials than UNROLL_MAX_PARTIAL_BYTES; else the
-    split count."""
-    from lorafleet.kernels.lora.config import (
-        MAX_UNROLLED_SPLITS,
-        UNROLL_MAX_PARTIAL_BYTES,
-        partial_read_bytes,
-        split_sum_code,
-    )
+    bound and for launches that would read more partials than tuning.unroll_max_partial_bytes; else
+    the split count."""
+    from lorafleet.kernels.lora.config import partial_read_bytes, split_sum_code
+    from lorafleet.kernels.lora.tuning import active_tuning
+
+    MAX_UNROLLED_SPLITS = active_tuning().max_unrolled_splits
+    UNROLL_MAX_PARTIAL_BYTES = active_tuning().unroll_max_partial_bytes
 
     assert [split_sum_code("loop", n) for n in (1, 8, 28)] == [0, 0, 0]
     assert [split_sum_code("unroll", n) for n in (1, 3, 28, MAX_UNROLLED_SPLITS + 1)] == [0, 3, 28, 0]

@@ -3,46 +3,49 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from lorafleet.kernels.lora.config import LoraKernelConfig
 from lorafleet.kernels.lora.meta import build_lora_meta
+from lorafleet.kernels.lora.tuning import active_tuning
 from tests.kernels.lora_cases import DEVICE, make_weights
 
 
-def test_pick_config_runs_the_shrink_a_row_at_a_time_only_where_asked(monkeypatch) -> None:
-    """SHRINK_ROWS: for a step of one-pair chunks, decode-sized only, with its K tile and warps;
+def test_pick_config_runs_the_shrink_a_row_at_a_time_only_where_asked() -> None:
+    """tuning.shrink_rows: for a step of one-pair chunks, decode-sized only, with its K tile and warps;
     never while it is empty."""
     from lorafleet.kernels.lora import config as lora_config
 
     cfg = lora_config.pick_config(64, 3, 4096, 16, one_pair=True)
-    assert (cfg.shrink_rows, cfg.block_k, cfg.shrink_warps) == (True, *lora_config.SHRINK_ROWS)
+    assert (cfg.shrink_rows, cfg.block_k, cfg.shrink_warps) == (True, *active_tuning().shrink_rows)
     assert not lora_config.pick_config(64, 3, 4096, 16).shrink_rows  # chunks of several pairs
     assert not lora_config.pick_config(64, 3, 4096, 64, one_pair=True).shrink_rows  # prefill chunks
-    monkeypatch.setattr(lora_config, "SHRINK_ROWS", ())
-    assert not lora_config.pick_config(64, 3, 4096, 16, one_pair=True).shrink_rows
+    never = replace(active_tuning(), shrink_rows=())
+    assert not lora_config.pick_config(64, 3, 4096, 16, one_pair=True, tuning=never).shrink_rows
 
 
-def test_pick_config_runs_the_expand_a_row_at_a_time_only_where_asked(monkeypatch) -> None:
-    """EXPAND_ROWS: likewise, one B tile of its width a program, with its warps."""
+def test_pick_config_runs_the_expand_a_row_at_a_time_only_where_asked() -> None:
+    """tuning.expand_rows: likewise, one B tile of its width a program, with its warps."""
     from lorafleet.kernels.lora import config as lora_config
 
-    monkeypatch.setattr(lora_config, "EXPAND_ROWS", (256, 8))
-    cfg = lora_config.pick_config(64, 3, 4096, 16, one_pair=True)
+    t = replace(active_tuning(), expand_rows=(256, 8))
+    cfg = lora_config.pick_config(64, 3, 4096, 16, one_pair=True, tuning=t)
     assert (cfg.expand_rows, cfg.block_n, cfg.n_per_prog, cfg.expand_warps) == (True, 256, 256, 8)
-    assert cfg.expand_maxnreg is None  # no register cap unless EXPAND_ROWS names one
-    monkeypatch.setattr(lora_config, "EXPAND_ROWS", (256, 8, 168))
-    assert lora_config.pick_config(64, 3, 4096, 16, one_pair=True).expand_maxnreg == 168
-    assert lora_config.pick_config(64, 3, 4096, 16).expand_maxnreg is None  # the tl.dot expand: never
-    assert not lora_config.pick_config(64, 3, 4096, 16).expand_rows  # chunks of several pairs
-    assert not lora_config.pick_config(64, 3, 4096, 64, one_pair=True).expand_rows  # prefill chunks
-    monkeypatch.setattr(lora_config, "EXPAND_ROWS", ())
-    assert not lora_config.pick_config(64, 3, 4096, 16, one_pair=True).expand_rows
+    assert cfg.expand_maxnreg is None  # no register cap unless expand_rows names one
+    t = replace(t, expand_rows=(256, 8, 168))
+    assert lora_config.pick_config(64, 3, 4096, 16, one_pair=True, tuning=t).expand_maxnreg == 168
+    assert lora_config.pick_config(64, 3, 4096, 16, tuning=t).expand_maxnreg is None  # the tl.dot expand: never
+    assert not lora_config.pick_config(64, 3, 4096, 16, tuning=t).expand_rows  # chunks of several pairs
+    assert not lora_config.pick_config(64, 3, 4096, 64, one_pair=True, tuning=t).expand_rows  # prefill chunks
+    t = replace(t, expand_rows=())
+    assert not lora_config.pick_config(64, 3, 4096, 16, one_pair=True, tuning=t).expand_rows
 
 
-def test_pick_config_loads_the_next_expand_tile_ahead_only_where_asked(monkeypatch) -> None:
-    """EXPAND_AHEAD: for programs of several tl.dot tiles of at most 16 rows, with few chunks (by
+def test_pick_config_loads_the_next_expand_tile_ahead_only_where_asked() -> None:
+    """tuning.expand_ahead: for programs of several tl.dot tiles of at most 16 rows, with few chunks (by
     default) or many."""
     from lorafleet.kernels.lora import config as lora_config
 
@@ -55,10 +58,10 @@ def test_pick_config_loads_the_next_expand_tile_ahead_only_where_asked(monkeypat
     rows = lora_config.pick_config(64, 3, 4096, 16, one_pair=True)  # a sweep's tl.dot tiles for a row-expand step
     assert rows.expand_rows and not lora_config.with_expand_tiles(rows, 64, 16, 256, 128).expand_rows
     assert not lora_config.pick_config(64, 3, 4096, 16).expand_ahead  # many chunks
-    monkeypatch.setattr(lora_config, "EXPAND_AHEAD", (False, True))
-    assert not lora_config.pick_config(8, 3, 4096, 16).expand_ahead
-    assert lora_config.pick_config(64, 3, 4096, 16).expand_ahead
-    assert not lora_config.pick_config(64, 3, 4096, 16, one_pair=True).expand_ahead  # the row expand: never
+    many = replace(active_tuning(), expand_ahead=(False, True))
+    assert not lora_config.pick_config(8, 3, 4096, 16, tuning=many).expand_ahead
+    assert lora_config.pick_config(64, 3, 4096, 16, tuning=many).expand_ahead
+    assert not lora_config.pick_config(64, 3, 4096, 16, one_pair=True, tuning=many).expand_ahead  # the row expand: never
 
 
 @pytest.mark.parametrize("bad,says", [

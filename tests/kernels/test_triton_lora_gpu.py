@@ -7,6 +7,8 @@ with the LoRA on a side stream beside the base GEMM. The helpers are lora_cases.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -139,18 +141,17 @@ def test_lora_on_a_side_stream_beside_the_gemm(captured: bool, slots: int, blas:
                                                max_chunks: int, gemm_first: bool, store: bool, monkeypatch) -> None:
     """`linear_lora_deferred` with a side stream (the engine's CUDA path): with few chunks, zero,
     shrink and expand into a delta run beside the base GEMM (which leaves `carveout` SMs free);
-    with more than OVERLAP_MAX_CHUNKS (16, or no limit) the LoRA is added after the GEMM (no
-    delta). Above FEW_CHUNKS (16) beside the GEMM, the shrink zeroes the delta (no memset); with
-    DELTA_STORE (`store`) nothing zeroes it and the expand stores into it, defined on the rows
+    with more than `overlap_max_chunks` (16, or no limit) the LoRA is added after the GEMM (no
+    delta). Above `few_chunks` (16) beside the GEMM, the shrink zeroes the delta (no memset); with
+    `delta_store` (`store`) nothing zeroes it and the expand stores into it, defined on the rows
     `meta.has_lora` names (some tokens here have no adapter).
     Eager, and captured once then replayed with other steps' metadata: y (+ delta) = x Wᵀ + LoRA,
     against the GEMM plus the torch reference."""
     from lorafleet.kernels.lora import linear as lora_linear
 
-    monkeypatch.setattr(lora_linear, "DELTA_STORE", (store, store))
-    monkeypatch.setattr(lora_linear, "OVERLAP_MAX_CHUNKS", max_chunks)
-    monkeypatch.setattr(lora_linear, "GEMM_SM_CARVEOUT", (carveout,) * 4)
-    monkeypatch.setattr(lora_linear, "GEMM_FIRST", (gemm_first, gemm_first))  # GEMM or LoRA launched first
+    monkeypatch.setattr(lora_linear, "SIDE_PATH", replace(
+        lora_linear.SIDE_PATH, delta_store=(store, store), overlap_max_chunks=max_chunks, carveout=(carveout,) * 4,
+        gemm_first=(gemm_first, gemm_first)))  # GEMM or LoRA launched first
     before = torch.backends.cuda.preferred_blas_library()
     torch.backends.cuda.preferred_blas_library(blas)
     try:

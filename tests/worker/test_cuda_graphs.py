@@ -211,10 +211,15 @@ def test_triton_paths_with_rank_classes_match_torch_on_cpu(demo_model, modules, 
     against the torch reference engine: same tokens, logits within 1e-4. With `rows_from` 0 the
     shrink runs a row at a time in every step of one-pair chunks (the default takes it above 16
     chunks, which these batches never have), keyed apart from the steps of fuller chunks."""
+    from dataclasses import replace
+
     from lorafleet.kernels.lora import config as lora_config
     from lorafleet.kernels.lora import meta as lora_meta
+    from lorafleet.kernels.lora.tuning import active_tuning
 
-    monkeypatch.setattr(lora_meta, "ONE_PAIR_MIN_CHUNKS", rows_from)
+    tuning = replace(active_tuning(), one_pair_min_chunks=rows_from)  # the process's tuning, as if so loaded
+    for module in (lora_meta, lora_config):
+        monkeypatch.setattr(module, "active_tuning", lambda: tuning)
     picked = []
     pick = lora_config.pick_config
     monkeypatch.setattr(lora_config, "pick_config", lambda *a, **kw: picked.append(pick(*a, **kw)) or picked[-1])

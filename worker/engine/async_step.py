@@ -27,9 +27,8 @@ Some rows' next token depends on the host's view of the last one: a grammar's ma
 holding such a row is launched in two halves: step n+1's graph is replayed from step n's device
 tokens as above, step n is read (the matchers take its tokens, the tails are known), and only then
 is step n+1's sampling queued behind the replay, while the GPU still runs it. The host's mask work
-overlaps the forward pass instead of the GPU waiting for it (such batches used to run synchronous
-steps: at batch 64 on the H200, with 1 to 64 requests held to a regex, 0.71-0.78 of greedy decode's
-tokens/s, now 0.97; docs/benchmarks.md). A row whose
+overlaps the forward pass instead of the GPU waiting for it (docs/benchmarks.md, "Requests that
+need the host's tokens"). A row whose
 request ended on reading step n is then sampled greedy and unedited, and discarded as below.
 `defer_sampling` off restores the synchronous fallback (benchmarks compare the two).
 

@@ -329,7 +329,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
         v = v.repeat_interleave(heads // kv_heads, dim=2)
     extra = {"enable_gqa": True} if grouped and _SDPA_GQA else {}
     # cuDNN's SDPA builds a graph per new shape, and decode changes the context length every step:
-    # measured on an H200, 1.8 ms of host time per call. The other CUDA backends have no such cost.
+    # about 1.8 ms of host time per call on an H200. The other CUDA backends have no such cost.
     # Turned off around the call by its flag alone (the other backends follow the process's flags,
     # all on by default): torch's `sdpa_kernel` context costs 29 µs of host time a call on the H200
     # machine, more than a layer's attention kernel on a 512-token prompt (22 µs). The flag is the

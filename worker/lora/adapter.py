@@ -9,7 +9,7 @@ validated with the safetensors library's rules (`safetensors_view`), the tensors
 of those bytes. For a registry with GPU slots the bytes go on to the GPU chunk by chunk while the
 rest is still being read, the host plans the layout meanwhile (`packing.plan_pack`), and the
 registry lays the adapter out on the GPU once the last chunk is there: on the H200 machine the
-host's own copies were most of a load (docs/benchmarks-history.md, "Cold adapter loads"). Once the
+host's own copies were most of a load (docs/benchmarks.md, "Cold adapter loads"). Once the
 tensors are checked against the model and `prepare` has run (the registry lays them out for the
 slots and checks them), their sha256 starts in a thread over the same bytes (`digest`), and the
 load returns without waiting for it (`Digest`). Not before: on the H200 machine a hash running

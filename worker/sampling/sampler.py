@@ -143,8 +143,10 @@ def sample_on_device(
     generators: list[torch.Generator | None],
     greedy: GreedyPick | None = None,
     edit: LogitsEdit | None = None,
+    draw: str | None = None,
 ) -> SampledTokens:
-    """`sample`'s kernels, queued; nothing is read on the host (see SampledTokens)."""
+    """`sample`'s kernels, queued; nothing is read on the host (see SampledTokens). draw: the draw on
+    CUDA, "triton" or "torch" (default: CUDA_DRAW, from LORAFLEET_SAMPLER)."""
     if greedy is not None and edit is None and all(p.greedy and p.logprobs is None for p in params):
         tokens, shown = greedy
         return SampledTokens(tokens, shown, params, [], 0)
@@ -164,7 +166,7 @@ def sample_on_device(
     if edit is not None:  # a row the edits left without any token (all -inf) ends its request with an error
         finite &= edited.amax(dim=-1) > float("-inf")
     if knobs.any_sampled:
-        tokens = _sample_rows(edited, uploaded[: _Knobs.ROWS * n].view(_Knobs.ROWS, n), knobs, generators)
+        tokens = _sample_rows(edited, uploaded[: _Knobs.ROWS * n].view(_Knobs.ROWS, n), knobs, generators, draw)
     else:
         tokens = edited.argmax(dim=-1)
     if edit is not None:
@@ -252,11 +254,12 @@ def _upload(values: list[float], device: torch.device) -> torch.Tensor:
 
 
 def _sample_rows(
-    logits: torch.Tensor, knobs_t: torch.Tensor, knobs: _Knobs, generators: list[torch.Generator | None]
+    logits: torch.Tensor, knobs_t: torch.Tensor, knobs: _Knobs, generators: list[torch.Generator | None],
+    draw: str | None = None,
 ) -> torch.Tensor:
     """A token for every row in one batched pass (greedy rows: the argmax); on the device."""
     log_noise = _log_noise(logits, knobs, generators)
-    if logits.device.type == "cuda" and CUDA_DRAW == "triton":
+    if logits.device.type == "cuda" and (CUDA_DRAW if draw is None else draw) == "triton":
         from lorafleet.kernels.sampling.draw_triton import draw_triton
 
         return draw_triton(logits, knobs_t, log_noise, top_k_floor(logits, knobs_t, knobs.k_max))
