@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from lorafleet.operator.server_spec import InvalidServer, ServerSpec, parse_server
@@ -185,7 +185,7 @@ def parse_pool(namespace: str, name: str, spec: Mapping[str, Any]) -> PoolSpec:
         max_loras=_int(engine_raw, "maxLoras", 4, 1, 256, where),
         max_cpu_loras=_int(engine_raw, "maxCpuLoras", 16, 1, 4096, where),
         max_lora_rank=_int(engine_raw, "maxLoraRank", 64, 1, 1024, where),
-        max_loras_per_request=_int(engine_raw, "maxLorasPerRequest", 4, 1, 16, where),
+        max_loras_per_request=_int(engine_raw, "maxLorasPerRequest", 0, 1, 16, where),
         device=str(_str(engine_raw, "device", "cuda", where, ("cpu", "cuda"))),
         dtype=str(_str(engine_raw, "dtype", "auto", where, ("auto", "float16", "bfloat16", "float32"))),
         tool_call_parser=_str(engine_raw, "toolCallParser", "", where, ("", *TOOL_CALL_PARSERS)) or None,
@@ -193,6 +193,12 @@ def parse_pool(namespace: str, name: str, spec: Mapping[str, Any]) -> PoolSpec:
     )
     if engine.max_loras > engine.max_cpu_loras:
         raise SpecError("InvalidEngine", "engine.maxLoras must be <= engine.maxCpuLoras")
+    # The worker's own default (--max-loras-per-request): min(4, --max-loras); more than maxLoras
+    # could never be batched, so the worker refuses it at start-up: refused here first.
+    if not engine.max_loras_per_request:
+        engine = replace(engine, max_loras_per_request=min(4, engine.max_loras))
+    elif engine.max_loras_per_request > engine.max_loras:
+        raise SpecError("InvalidEngine", "engine.maxLorasPerRequest must be <= engine.maxLoras")
     volume = _mapping(spec, "adapterVolume", "spec.")
     ports = _mapping(spec, "ports", "spec.")
     placement = _mapping(spec, "placement", "spec.")

@@ -158,3 +158,18 @@ def test_a_reasoning_parser_reaches_the_workers_flags() -> None:
     assert "--reasoning-parser" not in args({})
     with pytest.raises(SpecError, match="reasoningParser"):
         args({"reasoningParser": "granite"})
+
+
+@pytest.mark.parametrize(("engine", "per_request"), [
+    ({"maxLoras": 1}, 1), ({"maxLoras": 3}, 3), ({"maxLoras": 8}, 4), ({}, 4),
+    ({"maxLoras": 8, "maxLorasPerRequest": 2}, 2),
+])
+def test_max_loras_per_request_defaults_to_what_the_worker_takes(engine: dict, per_request: int) -> None:
+    pool = parse_pool("ns", "p", {**POOL, "engine": {"maxCpuLoras": 8, **engine}})
+    args = builders.worker_args(pool)
+    assert args[args.index("--max-loras-per-request") + 1] == str(per_request)
+
+
+def test_max_loras_per_request_above_max_loras_is_refused() -> None:
+    with pytest.raises(SpecError, match="maxLorasPerRequest must be <= engine.maxLoras"):
+        parse_pool("ns", "p", {**POOL, "engine": {"maxLoras": 2, "maxLorasPerRequest": 4}})
