@@ -55,7 +55,7 @@ PLAN_WHILE_READING = True
 # the wrapper prefixes or with the adapter name (as vLLM reads them). Layer numbers in ASCII, no
 # leading zeros: PEFT would not map "layers.07" or a non-ASCII digit onto a layer.
 _TENSOR_NAME = re.compile(
-    r"(?:base_model\.model\.)?(?:model\.)?layers\.(0|[1-9][0-9]{0,8})\.(self_attn|mlp)\.([a-z_]+)"
+    r"(?:(?:base_model\.model\.)?model\.)?layers\.(0|[1-9][0-9]{0,8})\.(self_attn|mlp)\.([a-z_]+)"
     r"\.lora_([AB])(?:\.default)?\.weight"
 )  # fullmatch
 if TYPE_CHECKING:

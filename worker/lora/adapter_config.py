@@ -43,8 +43,9 @@ def module_path(layer: int, target: str) -> str:
 
 
 def module_names(model: ModelConfig) -> list[str]:
-    """The base model's `named_modules()` names (a transformers Llama/Mistral/Qwen2 CausalLM)."""
-    names = ["", "model", "model.embed_tokens", "model.layers"]
+    """The base model's `named_modules()` names (a transformers Llama/Mistral/Qwen2 CausalLM), but
+    the root's "" (PEFT never adapts the model itself)."""
+    names = ["model", "model.embed_tokens", "model.layers"]
     for layer in range(model.num_layers):
         p = f"model.layers.{layer}"
         names += [p, f"{p}.self_attn", *(f"{p}.self_attn.{t}" for t in _ATTENTION), f"{p}.mlp",
@@ -109,10 +110,10 @@ def _finite_number(v: object) -> bool:
 
 
 def _pattern_dict(cfg: dict, key: str, ok, reason: str, kind: str) -> dict:
-    value = cfg.get(key)
-    if value is None:
+    if key not in cfg:
         return {}
-    if not isinstance(value, dict):
+    value = cfg[key]
+    if not isinstance(value, dict):  # null too: PEFT fails on it
         raise AdapterError("bad_config", f"{key} must be an object mapping module patterns to values")
     for k, v in value.items():
         if not ok(v):
@@ -142,7 +143,7 @@ def _targets(targets: object, model: ModelConfig, sandbox: RegexSandbox | None) 
         raise AdapterError("bad_targets", "target_modules must be a non-empty list of module names or a regex string")
     if not matched:
         raise AdapterError("bad_targets", f"target_modules {_short(targets)} matches no module of this model")
-    others = [n or "(the whole model)" for n in matched if n not in linear]
+    others = [n for n in matched if n not in linear]
     if others:
         raise AdapterError("bad_targets", f"target_modules matches {_short(others[0])}, which is not a layer this "
                            f"worker adapts (supported: {', '.join(LORA_TARGETS)})")

@@ -70,9 +70,8 @@ def _irrelevant(why: str, accepts: Callable[[object], bool] = _any) -> KeyRule:
 
 
 def _refused(why: str, *off: object) -> KeyRule:
-    """Served only as null or as one of `off` (PEFT's default, and what it treats the same)."""
-    same = _one_of(*off)
-    return KeyRule(REFUSED, lambda v: v is None or same(v), why)
+    """Served only as one of `off` (PEFT's default, and what it treats the same; default null)."""
+    return KeyRule(REFUSED, _one_of(*(off or (None,))), why)
 
 
 # One entry per field of peft.LoraConfig (tests/worker/test_config_rules.py fails when PEFT adds
@@ -95,7 +94,7 @@ RULES: dict[str, KeyRule] = {
     "revision": _irrelevant("the base model's revision", _is_str_or_null),
     "inference_mode": _irrelevant("whether PEFT freezes the adapter", _is_bool),
     "lora_dropout": _irrelevant("dropout on the LoRA input during training (off at inference)",
-                                lambda v: _is_int(v) or isinstance(v, float)),
+                                lambda v: (_is_int(v) or isinstance(v, float)) and 0 <= v <= 1),
     "megatron_core": _irrelevant("the Megatron module name, used only with megatron_config", _is_str_or_null),
     "qalora_group_size": _irrelevant("the QA-LoRA pooling group, used only with use_qalora", _is_int),
     "ensure_weight_tying": _irrelevant("ties adapters of tied embeddings (embeddings are never targets here)",
