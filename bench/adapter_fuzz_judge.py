@@ -21,6 +21,7 @@ import copy
 import json
 import math
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -35,7 +36,8 @@ from lorafleet.worker.lora.config_rules import RULES, is_off
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PICKLES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 FLOATS = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"}
-REGEX_TIMEOUT_S = 3.0
+REGEX_CPU_S = 3  # CPU seconds for PEFT's matching of one config (the worker allows 0.5)
+REGEX_WALL_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,15 +223,20 @@ class Judge:
         patterns = [*(cfg.get("rank_pattern") or {}), *(cfg.get("alpha_pattern") or {})]
         if not (isinstance(targets, str) and targets != "all-linear") and not patterns:
             return
-        code = ("import re, sys, json\nd = json.load(sys.stdin)\nfor n in d['names']:\n"
+        # CPU seconds, not wall time: a busy machine must not turn a sound pattern into a verdict.
+        code = ("import re, resource, sys, json\n"
+                f"resource.setrlimit(resource.RLIMIT_CPU, ({REGEX_CPU_S}, {REGEX_CPU_S}))\n"
+                "d = json.load(sys.stdin)\nfor n in d['names']:\n"
                 "    if isinstance(d['t'], str): re.fullmatch(d['t'], n)\n"
                 "    for k in d['p']: re.match(rf'(.*\\.)?({k})$', n)\n")
         try:
-            done = subprocess.run([sys.executable, "-I", "-S", "-c", code], timeout=REGEX_TIMEOUT_S,
+            done = subprocess.run([sys.executable, "-I", "-S", "-c", code], timeout=REGEX_WALL_S,
                                   input=json.dumps({"names": self.names, "t": targets, "p": patterns}).encode(),
                                   capture_output=True)
         except subprocess.TimeoutExpired:
             raise Invalid("a regex does not finish") from None
+        if done.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+            raise Invalid("a regex does not finish")
         if done.returncode != 0:
             raise Invalid("a regex does not compile")
 
