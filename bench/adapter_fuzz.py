@@ -250,9 +250,11 @@ def run_campaign(args: argparse.Namespace) -> dict:
 
 
 def _remove(folder: Path) -> None:
-    for p in list(folder.parent.glob(folder.name + ".outside.*")):
-        p.unlink()
-    shutil.rmtree(folder, ignore_errors=True)
+    for p in [*folder.parent.glob(folder.name + ".outside.*"), folder]:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
 
 
 def _ms(values: list[float], q: float) -> float | None:
@@ -290,6 +292,8 @@ def report(args, tally: Tally, probe: GreedyProbe | None, t_start: float, t_end:
             "gaps_over_50ms_per_min_campaign": _per_min(during, t_start, t_end, probe),
             "greedy_outputs_distinct": len(probe.outputs), "probe_requests": sum(probe.outputs.values()),
             "probe_errors": probe.errors,
+            # the same split by whether a load (or its serve check) was in flight: the loads' own share
+            **_in_and_out(probe, tally.windows, t_start, t_end),
             "longest_gaps": _attribute(probe, tally.windows, t_start, t_end),
         }
     if not args.keep and args.workdir is None:
@@ -301,6 +305,25 @@ def _per_min(gaps: list[float], t0: float, t1: float, probe: GreedyProbe) -> flo
     first = probe.gaps[0][0] if probe.gaps else t0
     minutes = (t1 - max(t0, first)) / 60
     return round(sum(g > 0.05 for g in gaps) / minutes, 1) if minutes > 0 else None
+
+
+def _in_and_out(probe: GreedyProbe, windows: list[tuple[str, float, float]], t0: float, t1: float) -> dict:
+    inside = sum(b - a for _, a, b in windows)
+    outside = max(1e-9, (t1 - t0) - inside)
+    starts = [a for _, a, _ in windows]
+    ends = [b for _, _, b in windows]
+
+    def in_load(when: float) -> bool:
+        import bisect
+
+        i = bisect.bisect_right(starts, when) - 1
+        return i >= 0 and when <= ends[i]
+
+    over = [(when, g) for when, g in probe.gaps if t0 <= when <= t1 and g > 0.05]
+    n_in = sum(in_load(w) for w, _ in over)
+    return {"gaps_over_50ms_per_min_during_loads": round(n_in / (inside / 60), 1) if inside else None,
+            "gaps_over_50ms_per_min_between_loads": round((len(over) - n_in) / (outside / 60), 1),
+            "seconds_with_a_load_in_flight": round(inside, 1), "seconds_between_loads": round(outside, 1)}
 
 
 def _attribute(probe: GreedyProbe, windows: list[tuple[str, float, float]], t0: float, t1: float,

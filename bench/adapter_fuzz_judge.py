@@ -97,7 +97,7 @@ class Judge:
             raise Invalid("no tensors")
         seen: dict[str, torch.Tensor] = {}
         for name, t in tensors.items():
-            key = _peft_key(name)
+            key = peft_key(name)
             if key not in expected:
                 raise Invalid(f"tensor {name!r} is not one PEFT's model has")
             if key in seen:
@@ -245,7 +245,7 @@ class Invalid(Exception):
     pass
 
 
-def _peft_key(name: str) -> str:
+def peft_key(name: str) -> str:
     """A tensor name in PEFT's saved form: the wrapper prefixes and the adapter name restored."""
     key = name.replace(".default.weight", ".weight") if name.endswith(".default.weight") else name
     if key.startswith("layers."):

@@ -30,14 +30,14 @@ def fuzz(tmp_path_factory, demo_model, demo_adapters):
     sys.path.insert(0, str(link_dir))
     try:
         from bench.adapter_fuzz_cases import base_cases, corpus, mutate
-        from bench.adapter_fuzz_judge import Caps, Judge
+        from bench.adapter_fuzz_judge import Caps, Judge, peft_key
     finally:
         sys.path.remove(str(link_dir))
     bases = base_cases(next(iter(demo_adapters.values())).parent)
     rng = random.Random(SEED)
     cases = corpus(bases) + [mutate(bases, rng) for _ in range(MUTATED)]
     reader = AdapterReader(ModelConfig.from_folder(demo_model), EngineConfig(max_lora_rank=64), torch.float32, None)
-    return {"cases": cases, "judge": Judge(demo_model, Caps()), "reader": reader}
+    return {"cases": cases, "judge": Judge(demo_model, Caps()), "reader": reader, "peft_key": peft_key}
 
 
 def test_corpus_names_the_issues_variants(fuzz):
@@ -69,3 +69,48 @@ def test_every_case_gets_the_judges_verdict(fuzz, tmp_path):
     assert not disagreements, "\n".join(disagreements)
     assert not catch_all, f"refused only by the reader's catch-all: {catch_all}"
     assert 10 <= valid < len(fuzz["cases"]) - 10  # both verdicts exercised
+
+
+def test_valid_cases_decode_as_peft_does(fuzz, tmp_path, demo_model):
+    """Each valid case served by the engine decodes greedily as PEFT does with the same config and
+    tensors (tensor names put in PEFT's saved form, as the judge reads them)."""
+    import copy
+    import json
+    import warnings
+
+    import peft
+    from safetensors.torch import load_file
+
+    from lorafleet.worker.engine import LLMEngine
+    from lorafleet.worker.sequence import SamplingParams
+
+    judge = fuzz["judge"]
+    engine = LLMEngine(demo_model, EngineConfig(max_loras=2, max_cpu_loras=2, max_lora_rank=64, dtype="float32"))
+    prompt = [3, 17, 40, 99, 5, 250, 7]
+    compared = 0
+    for i, case in enumerate(fuzz["cases"]):
+        folder = tmp_path / f"v{i}"
+        case.write(folder)
+        if not judge(folder).valid:
+            continue
+        cfg = json.loads((folder / "adapter_config.json").read_text())
+        fields = set(peft.LoraConfig.__dataclass_fields__)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = peft.get_peft_model(copy.deepcopy(judge.base),
+                                        peft.LoraConfig(**{k: v for k, v in cfg.items() if k in fields and k != "peft_type"}))
+            tensors = {fuzz["peft_key"](k): v.float() for k, v in load_file(str(folder / "adapter_model.safetensors")).items()}
+            peft.set_peft_model_state_dict(model, tensors)
+        model.eval()
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(4):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        engine.load_adapter(f"v{i}", str(folder))
+        got = engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                              [((f"v{i}", 1.0),)])[0].token_ids
+        engine.unload_adapter(f"v{i}")
+        assert list(got) == ids[len(prompt):], case.name
+        compared += 1
+    assert compared >= 10
+
