@@ -242,8 +242,9 @@ def _targets(case: Case, rng: random.Random) -> None:
         value = rng.choice(BAD_REGEXES)
     else:
         value = rng.sample(TARGET_ENTRIES, rng.randint(1, 4))
-        if rng.random() < 0.5:  # keep the adapter's own targets too
-            value = sorted(set(value) | set(case.config.get("target_modules") or []), key=str)
+        own = case.config.get("target_modules")
+        if rng.random() < 0.5 and isinstance(own, list):  # keep the adapter's own targets too
+            value = sorted(set(value) | {t for t in own if isinstance(t, str)})
     case.config["target_modules"] = value
     case.labels.append(f"targets={_short(value)}")
 
