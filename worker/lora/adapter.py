@@ -26,10 +26,8 @@ import math
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,6 +44,7 @@ from lorafleet.worker.lora.errors import AdapterError
 from lorafleet.worker.lora.file_bytes import FileBytes, FileRead
 from lorafleet.worker.lora.regex_sandbox import RegexSandbox
 from lorafleet.worker.lora.safetensors_view import TensorInfo, parse_safetensors, tensor_view
+from lorafleet.worker.lora.weights import LoraWeights, ModuleWeights
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
@@ -63,51 +62,6 @@ _TENSOR_NAME = re.compile(
     r"(?:(?:base_model\.model\.)?model\.)?layers\.(0|[1-9][0-9]{0,8})\.(self_attn|mlp)\.([a-z_]+)"
     r"\.lora_([AB])(?:\.default)?\.weight"
 )  # fullmatch
-if TYPE_CHECKING:
-    from lorafleet.worker.lora.packing import PackedLora
-
-
-@dataclass(slots=True)
-class ModuleWeights:
-    a: torch.Tensor  # [r, in]
-    b: torch.Tensor  # [out, r]
-    scaling: float  # alpha / r, or alpha / sqrt(r) with rsLoRA
-
-    @property
-    def rank(self) -> int:
-        return self.a.shape[0]
-
-
-@dataclass(slots=True)
-class LoraWeights:
-    """A validated adapter in CPU memory."""
-
-    path: str
-    rank: int  # the config's `r` (modules may differ through rank_pattern)
-    alpha: float
-    use_rslora: bool
-    # "sha256:<hex>" over config, NUL, weights, NUL; may still be hashing (`Digest.value` waits).
-    digest: Digest
-    modules: dict[tuple[int, str], ModuleWeights] = field(default_factory=dict)  # (layer, target) ->
-    # The slot layout (`packing.pack_weights`): set by `AdapterRegistry.read`/`insert_cpu`. Once the
-    # adapter is in the CPU cache, `modules` are views into it (B scaled, in the slot dtype).
-    packed: PackedLora | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.digest, str):
-            self.digest = Digest(self.digest)
-
-    @property
-    def max_rank(self) -> int:
-        return max((m.rank for m in self.modules.values()), default=0)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(m.a.numel() * m.a.element_size() + m.b.numel() * m.b.element_size() for m in self.modules.values())
-
-    @property
-    def targets(self) -> set[str]:
-        return {target for _, target in self.modules}
 
 
 def adapter_digest(folder: Path) -> str:
