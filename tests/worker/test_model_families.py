@@ -37,7 +37,7 @@ def check_against_oracle(engine: LLMEngine, peft_model, prompt: list[int]) -> fl
     worst = 0.0
     for rid, (out, with_adapter) in zip(sorted(rows), zip(outs, (False, True))):
         want = oracle_logprobs(peft_model, prompt + out.token_ids[:-1], with_adapter)[len(prompt) - 1 :]
-        got = torch.log_softmax(torch.stack(rows[rid]).double(), dim=-1)
+        got = torch.log_softmax(torch.stack(rows[rid]).double().cpu(), dim=-1)  # the oracle is on the CPU
         assert got.shape == want.shape == (STEPS, want.shape[1])
         worst = max(worst, float((got - want).abs().max()))
         # The first step's top 5 as the API returns them: the oracle's tokens and logprobs.
