@@ -218,8 +218,9 @@ def test_what_a_variable_makes_the_template_do_is_a_400(thinking_model):
             tok.apply_chat_template(CHAT, template_kwargs={"depth": bad})
 
 
-def test_a_model_without_the_markers_does_not_start(demo_model, demo_adapters, monkeypatch):
-    """It fails before the weights load (the engine is never built), saying why."""
+def test_a_model_without_the_markers_does_not_start(demo_model, demo_adapters, monkeypatch, caplog):
+    """It fails before the weights load (the engine is never built), saying why in the log (the
+    error clients see names the error's type only: docs/hardening.md)."""
     from lorafleet.worker.engine import engine
     from lorafleet.worker.server.runtime import WorkerRuntime
 
@@ -229,8 +230,10 @@ def test_a_model_without_the_markers_does_not_start(demo_model, demo_adapters, m
     monkeypatch.setattr(engine, "LLMEngine", not_built)
     settings = dataclasses.replace(worker_settings(demo_model, demo_adapters), reasoning_parser="qwen3")
     runtime = WorkerRuntime.create(settings)
-    asyncio.run(runtime._load())
-    assert runtime.engine is None and "--reasoning-parser qwen3" in runtime.error and "</think>" in runtime.error
+    with caplog.at_level("ERROR", logger="lorafleet.worker"):
+        asyncio.run(runtime._load())
+    assert runtime.engine is None and "ValueError" in runtime.error
+    assert "--reasoning-parser qwen3" in caplog.text and "</think>" in caplog.text
 
 
 def test_without_a_parser_there_is_no_reasoning_field(worker):
