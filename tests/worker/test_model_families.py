@@ -91,7 +91,9 @@ def test_family_on_cuda(kind, tmp_path, demo_model):
     scheduling), fp32, against the CPU oracle."""
     folder = tmp_path / kind
     peft_model = build(kind, folder, demo_model)
-    engine = LLMEngine(folder, EngineConfig(max_loras=2, dtype="float32", block_size=8, device="cuda", max_num_seqs=4),
+    # 64 KV blocks: sized from free memory, each engine of the session would take the whole GPU.
+    engine = LLMEngine(folder, EngineConfig(max_loras=2, dtype="float32", block_size=8, device="cuda", max_num_seqs=4,
+                                            num_kv_blocks=64),
                        lora_modules={"a": str(folder / "adapter")})
     assert engine.model.attention_backend == "triton" and engine.runner.graphs is not None
     worst = check_against_oracle(engine, peft_model, PROMPT)
