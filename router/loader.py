@@ -88,8 +88,6 @@ class AdapterLoader:
             raise LoadFailed(f"adapter load on {replica.name} took longer than {self.timeout_s:g}s") from exc
 
     async def _load(self, replica: Replica, name: str, future: asyncio.Future[None]) -> None:
-        self.loads_started += 1
-        self.metrics.cold_loads.labels(replica.name).inc()
         try:
             unloading = replica.unloading.get(name)
             if unloading is not None:
@@ -102,6 +100,8 @@ class AdapterLoader:
             if self.leases is not None:
                 token = await self.leases.claim(lease_key, name, self.timeout_s)
             if token != LOADED:
+                self.loads_started += 1
+                self.metrics.cold_loads.labels(replica.name).inc()
                 try:
                     await self._post_load(replica, name, path)
                 except BaseException:

@@ -68,6 +68,13 @@ def _wait_ready(urls: list[str], procs: list[subprocess.Popen]) -> None:
     assert not pending, f"routers not ready: {pending}"
 
 
+def _cold_loads(url: str) -> float:
+    """The router's `lorafleet_router_cold_loads_total`, all replicas together."""
+    lines = httpx.get(url + "/metrics", timeout=5).text.splitlines()
+    return sum(float(line.rpartition(" ")[2]) for line in lines
+               if line.split("{")[0].split(" ")[0] == "lorafleet_router_cold_loads_total")
+
+
 def _complete(url: str, key: str, model: str) -> httpx.Response:
     return httpx.post(url + "/v1/completions", headers={"authorization": f"Bearer {key}"},
                       json={"model": model, "prompt": "hi", "max_tokens": 2}, timeout=60)
@@ -113,6 +120,8 @@ def test_routers_share_loads_placement_and_limits_and_fail_open(fleet):
     stats = {w.cfg.name: w.stats() for w in workers}
     calls = {name: s["load_calls"].get("c", 0) for name, s in stats.items()}
     assert all(c <= 1 for c in calls.values()), f"a replica was asked to load 'c' more than once: {calls}"
+    # The routers count only the loads they asked for: one in all.
+    assert sum(_cold_loads(url) for url in urls) == sum(calls.values())
     served_on = {by_port[r.headers[HEADER_REPLICA]] for _, r in answers}
     # Agreement: every replica a router sent 'c' to is one whose load the fleet started (once).
     assert served_on == {name for name, c in calls.items() if c == 1}, (served_on, calls)
