@@ -34,6 +34,7 @@ from lorafleet.router.discovery import (
 from lorafleet.router.fleet import Fleet
 from lorafleet.router.gateway import Gateway
 from lorafleet.router.generate import ProxyRoutes, invalid_method
+from lorafleet.router.load_lease import LoadLeases
 from lorafleet.router.loader import AdapterLoader
 from lorafleet.router.metrics import RouterMetrics
 from lorafleet.router.placement import PlacementSync
@@ -143,7 +144,10 @@ def create_app(settings: RouterSettings, *, store: PlacementStore | None = None)
             upstream=upstream,
             fleet=fleet,
             sync=sync,
-            loader=AdapterLoader(http, sync, metrics, catalog, tokens, settings.load_timeout_s),
+            loader=AdapterLoader(
+                http, sync, metrics, catalog, tokens, settings.load_timeout_s,
+                leases=LoadLeases(redis_client, breaker, settings.redis_prefix) if redis_client else None,
+            ),
             limiter=RateLimiter(redis_client, metrics, settings.redis_prefix, breaker=breaker),
             tenants=tenants,
             policy=_make_policy(settings),

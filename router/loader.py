@@ -12,9 +12,11 @@ import logging
 
 import httpx
 
+from lorafleet.placement_store import replica_key
 from lorafleet.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from lorafleet.router.admin_tokens import AdminTokens
 from lorafleet.router.fleet import Replica
+from lorafleet.router.load_lease import LOADED, LoadLeases
 from lorafleet.router.metrics import RouterMetrics
 from lorafleet.router.placement import PlacementSync
 from lorafleet.router.worker_kinds import still_listed
@@ -47,8 +49,11 @@ class AdapterLoader:
         catalog: dict[str, str],
         tokens: AdminTokens,
         timeout_s: float,
+        leases: LoadLeases | None = None,
     ) -> None:
         self.http = http
+        # Across router processes: one load per (replica, adapter) through a Redis lease (load_lease.py).
+        self.leases = leases
         self.sync = sync
         self.metrics = metrics
         self.catalog = catalog
@@ -83,8 +88,6 @@ class AdapterLoader:
             raise LoadFailed(f"adapter load on {replica.name} took longer than {self.timeout_s:g}s") from exc
 
     async def _load(self, replica: Replica, name: str, future: asyncio.Future[None]) -> None:
-        self.loads_started += 1
-        self.metrics.cold_loads.labels(replica.name).inc()
         try:
             unloading = replica.unloading.get(name)
             if unloading is not None:
@@ -92,27 +95,22 @@ class AdapterLoader:
             path = self.catalog.get(name)
             if path is None:
                 raise LoadFailed(f"adapter {name!r} is not in the catalog")
-            body = LoadLoraAdapterRequest(lora_name=name, lora_path=path).model_dump(exclude_defaults=True)
-            try:
-                resp = await self.http.post(
-                    f"{replica.admin_url}/v1/load_lora_adapter",
-                    json=body,
-                    headers=self.tokens.headers(replica.pool),
-                    timeout=self.timeout_s,
-                )
-            except httpx.HTTPError as exc:
-                slow = isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout)
-                raise LoadFailed(
-                    f"load on {replica.name}: {type(exc).__name__}", unreachable=isinstance(exc, httpx.ConnectError),
-                    replica_fault=not slow, detail=f"load on {replica.name}: {exc!r}",
-                ) from exc
-            if resp.status_code != 200 and not (resp.status_code == 400 and "already" in resp.text.lower()):
-                raise LoadFailed(
-                    f"load of {name!r} on {replica.name}: HTTP {resp.status_code}{_reason(resp)}",
-                    replica_fault=resp.status_code >= 500,
-                    detail=f"load of {name!r} on {replica.name}: HTTP {resp.status_code} {resp.text[:200]}",
-                )
+            # Another router's load of it under way: wait for that one (LOADED) instead of posting ours.
+            lease_key, token = replica_key(self.sync.scope, replica.name), None
+            if self.leases is not None:
+                token = await self.leases.claim(lease_key, name, self.timeout_s)
+            if token != LOADED:
+                self.loads_started += 1
+                self.metrics.cold_loads.labels(replica.name).inc()
+                try:
+                    await self._post_load(replica, name, path)
+                except BaseException:
+                    if token is not None:
+                        await self.leases.finish(lease_key, name, token, False)
+                    raise
             await self.sync.write_through(replica, name, "cpu")
+            if token is not None and token != LOADED:
+                await self.leases.finish(lease_key, name, token, True)
             future.set_result(None)
             if name in replica.transient and replica.inflight_by_adapter.get(name, 0) == 0:
                 # A scratch-slot copy whose requests all left while it loaded (their clients went
@@ -128,6 +126,29 @@ class AdapterLoader:
             future.exception()  # mark retrieved: waiters may have timed out already
         finally:
             replica.loading.pop(name, None)
+
+    async def _post_load(self, replica: Replica, name: str, path: str) -> None:
+        """Ask the worker to load; `LoadFailed` unless it did (or already had the adapter)."""
+        body = LoadLoraAdapterRequest(lora_name=name, lora_path=path).model_dump(exclude_defaults=True)
+        try:
+            resp = await self.http.post(
+                f"{replica.admin_url}/v1/load_lora_adapter",
+                json=body,
+                headers=self.tokens.headers(replica.pool),
+                timeout=self.timeout_s,
+            )
+        except httpx.HTTPError as exc:
+            slow = isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout)
+            raise LoadFailed(
+                f"load on {replica.name}: {type(exc).__name__}", unreachable=isinstance(exc, httpx.ConnectError),
+                replica_fault=not slow, detail=f"load on {replica.name}: {exc!r}",
+            ) from exc
+        if resp.status_code != 200 and not (resp.status_code == 400 and "already" in resp.text.lower()):
+            raise LoadFailed(
+                f"load of {name!r} on {replica.name}: HTTP {resp.status_code}{_reason(resp)}",
+                replica_fault=resp.status_code >= 500,
+                detail=f"load of {name!r} on {replica.name}: HTTP {resp.status_code} {resp.text[:200]}",
+            )
 
     async def unload(self, replica: Replica, name: str) -> None:
         """Best effort: a failed unload leaves the worker's own LRU to reclaim the slot.
@@ -160,6 +181,8 @@ class AdapterLoader:
             if resp.status_code in (200, 404):
                 self.metrics.unloads.labels(replica.name).inc()
                 await self.sync.write_through(replica, name, None)
+                if self.leases is not None:
+                    await self.leases.forget(replica_key(self.sync.scope, replica.name), name)
         finally:
             done.set_result(None)
             if replica.unloading.get(name) is done:

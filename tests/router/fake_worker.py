@@ -5,7 +5,8 @@ Speaks the same wire models as the real worker (`lorafleet.protocol`): OpenAI co
 `/health`, `/ready`, `/metrics`. Generated text names the worker and the model so a test can see
 where a request ran; `max_tokens` sets how many tokens it takes (`token_delay_s` each). A client
 that disconnects aborts its request, as on the real worker. `/fake/stats` (test only) counts loads,
-served requests and requests aborted by a disconnect.
+served requests and requests aborted by a disconnect;
+`load_calls` counts every load request, also those joining a load under way.
 
 Run as a process (so a test can kill it): `python tests/router/fake_worker.py --port P --name N
 --lora-modules a=/adapters/a ...`; `FakeWorkerProcess` does that and waits for /health. Swap it
@@ -66,6 +67,7 @@ def create_fake_worker(cfg: FakeWorkerConfig) -> FastAPI:
     app = FastAPI()
     resident: OrderedDict[str, str] = OrderedDict(cfg.lora_modules)  # name -> path, LRU order
     loads: Counter[str] = Counter()
+    load_calls: Counter[str] = Counter()  # every authorized load request, joined or not
     served: Counter[str] = Counter()
     inflight: Counter[str] = Counter()
     aborted: Counter[str] = Counter()
@@ -102,6 +104,7 @@ def create_fake_worker(cfg: FakeWorkerConfig) -> FastAPI:
         return {
             "name": cfg.name,
             "loads": dict(loads),
+            "load_calls": dict(load_calls),
             "served": dict(served),
             "aborted": dict(aborted),
             "resident": list(resident),
@@ -146,6 +149,7 @@ def create_fake_worker(cfg: FakeWorkerConfig) -> FastAPI:
         if not authorized(request):
             return _err(401, "unauthorized", "authentication_error")
         body = LoadLoraAdapterRequest.model_validate(await request.json())
+        load_calls[body.lora_name] += 1
         if body.lora_path.startswith("/refuse/"):  # refused as the real worker does: its message names the file
             refused = _err(400, f"{body.lora_path}/adapter_config.json: not a LoRA adapter")
             payload = json.loads(refused.body)
