@@ -7,6 +7,7 @@ refused."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -155,6 +156,9 @@ def test_s3_adapter_answers_as_the_local_folder(worker):
 def test_sha256_pins_the_content(worker, demo_adapters):
     assert load(worker, "poem-pinned-ref", "poem").status_code == 200
     digest = inventory(worker)["poem-pinned-ref"]["digest"]
+    folder = demo_adapters["poem"]  # the digest as docs/worker.md defines it, computed independently
+    assert digest == "sha256:" + hashlib.sha256((folder / FILES[0]).read_bytes() + b"\0"
+                                                + (folder / FILES[1]).read_bytes() + b"\0").hexdigest()
     r = load(worker, "poem-pinned", f"s3://{BUCKET}/team/poem", sha256=digest.removeprefix("sha256:"))
     assert r.status_code == 200, r.text
     wrong = "0" * 64
