@@ -237,11 +237,19 @@ def test_cache_is_bounded_lru_and_keyed_by_content(s3, tmp_path, demo_adapters):
     one = sum((demo_adapters["poem"] / f).stat().st_size for f in FILES)
     fetcher = S3Fetcher(tmp_path / "cache", max_cache_bytes=int(one * 1.5))
     poem = fetcher.fetch(S3Source(BUCKET, "team/poem/"), 1 << 30)
+    # Leased (its caller still reading it): kept even over the bound.
     code = fetcher.fetch(S3Source(BUCKET, "team/code/"), 1 << 30)
-    assert not Path(poem).exists() and Path(code).is_dir() and fetcher.stats.evictions == 1
+    assert Path(poem).is_dir() and Path(code).is_dir() and fetcher.stats.evictions == 0
+    fetcher.release(poem)
+    fetcher.release(code)
+    sql = fetcher.fetch(S3Source(BUCKET, "team/sql/"), 1 << 30)
+    fetcher.release(sql)
+    assert not Path(poem).exists() and not Path(code).exists() and Path(sql).is_dir()  # least recently used first
+    assert fetcher.stats.evictions == 2
     # A folder an adapter is loaded from is kept even over the bound.
-    legal = fetcher.fetch(S3Source(BUCKET, "team/legal/"), 1 << 30, protected=lambda: {code})
-    assert Path(code).is_dir() and Path(legal).is_dir()
+    legal = fetcher.fetch(S3Source(BUCKET, "team/legal/"), 1 << 30, protected=lambda: {sql})
+    fetcher.release(legal)
+    assert Path(sql).is_dir() and Path(legal).is_dir()
     assert not list((tmp_path / "cache").glob(".partial-*"))
     # An object that changes gets a new folder: the old content is never swapped under a path.
     cfg = json.loads((demo_adapters["legal"] / FILES[0]).read_text())

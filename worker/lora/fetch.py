@@ -80,6 +80,7 @@ class S3Fetcher:
         self._flights: dict[S3Source, Future] = {}
         self._client = None
         self._used: dict[str, float] = {}  # cache folder name -> last use (monotonic), for LRU
+        self._leases: dict[str, int] = {}  # folders handed out and not yet `release`d: never evicted
 
     @classmethod
     def from_env(cls) -> S3Fetcher:
@@ -105,14 +106,15 @@ class S3Fetcher:
         """The local folder holding `source`'s adapter_config.json and adapter_model.safetensors
         (AdapterError with a reason if they cannot be had). `max_bytes` caps the weights file, as
         for local folders; `protected()` names folders eviction must keep (adapters loaded from them
-        are re-read from there)."""
+        are re-read from there). The folder is leased to the caller, safe from eviction until
+        `release(path)`."""
         with self._lock:
             flight = self._flights.get(source)
             leader = flight is None
             if leader:
                 flight = self._flights[source] = Future()
         if not leader:
-            return flight.result()
+            return self._lease(flight.result())
         try:
             path = self._fetch(source, max_bytes)
         except BaseException as exc:
@@ -124,12 +126,25 @@ class S3Fetcher:
             raise
         with self._lock:
             del self._flights[source]
+        self._lease(path)
         flight.set_result(path)
         try:
             self._evict(keep={path} | set(protected()))
         except OSError as exc:  # a cache that cannot be trimmed must not fail the load
             log.warning("adapter cache eviction failed: %s", exc)
         return path
+
+    def _lease(self, path: str) -> str:
+        with self._lock:
+            self._leases[path] = self._leases.get(path, 0) + 1
+        return path
+
+    def release(self, path: str) -> None:
+        """The caller of `fetch` is done reading `path` (the folder may be evicted from now on)."""
+        with self._lock:
+            left = self._leases.pop(path, 0) - 1
+            if left > 0:
+                self._leases[path] = left
 
     # -- one fetch -------------------------------------------------------------------------------
     def _fetch(self, source: S3Source, max_bytes: int) -> str:
@@ -232,6 +247,8 @@ class S3Fetcher:
             used = self._used.get(entry.name)
             folders.append(((0, entry.stat().st_mtime) if used is None else (1, used), entry, size))
         total = sum(size for _u, _e, size in folders)
+        with self._lock:
+            keep = keep | set(self._leases)
         kept = {os.path.realpath(p) for p in keep}
         for _used, entry, size in sorted(folders, key=lambda f: f[0]):
             if total <= self.max_cache_bytes:

@@ -153,11 +153,24 @@ async def _read_and_register(runtime: WorkerRuntime, name: str, source: Source, 
                              want: str | None) -> bool:
     engine = runtime.require_engine()
     registry = engine.engine.registry
-    path = str(source)
-    if isinstance(source, S3Source):  # fetched (or found in the cache) in a thread, then read as a folder
-        loaded = await engine.call(lambda: {e.path for e in registry.entries.values()})  # re-read from there
-        path = await asyncio.to_thread(runtime.fetcher.fetch, source, engine.engine.config.max_adapter_bytes,
-                                       lambda: loaded)
+    if not isinstance(source, S3Source):
+        return await _register_folder(runtime, name, str(source), source, inplace, want)
+    # Fetched (or found in the cache) in a thread, then read as a local folder. The folder is leased
+    # until registered (no other fetch's eviction removes it meanwhile); after that the registry's
+    # paths protect it (a CPU-cache eviction re-reads from there).
+    loaded = await engine.call(lambda: {e.path for e in registry.entries.values()})
+    path = await asyncio.to_thread(runtime.fetcher.fetch, source, engine.engine.config.max_adapter_bytes,
+                                   lambda: loaded)
+    try:
+        return await _register_folder(runtime, name, path, source, inplace, want)
+    finally:
+        runtime.fetcher.release(path)
+
+
+async def _register_folder(runtime: WorkerRuntime, name: str, path: str, source: Source, inplace: bool,
+                           want: str | None) -> bool:
+    engine = runtime.require_engine()
+    registry = engine.engine.registry
     # Validate and read off the engine thread: nothing is evicted before this succeeds.
     weights: LoraWeights = await asyncio.to_thread(registry.read, path)
     if want is not None:
