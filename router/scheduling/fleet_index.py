@@ -78,7 +78,7 @@ class ReplicaArrays:
     def grow(self, n: int) -> None:
         if n <= len(self.table):
             return
-        new = np.zeros((max(n, 2 * len(self.table), 16), 6), dtype=np.int64)
+        new: np.ndarray = np.zeros((max(n, 2 * len(self.table), 16), 6), dtype=np.int64)
         new[:, MODEL] = -1
         new[: len(self.table)] = self.table
         self.table = new

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -44,7 +45,7 @@ _U64 = float(2**64)
 _TIE = 1e-9
 # A single adapter held on more replicas than this is scored with array operations.
 VECTOR_MIN = 12
-_SCORERS = (Residency, SlotFree, CacheVictim, SlotHeadroom, Load, HashAffinity)
+_SCORERS: tuple[type, ...] = (Residency, SlotFree, CacheVictim, SlotHeadroom, Load, HashAffinity)
 
 
 @dataclass(slots=True)
@@ -68,7 +69,7 @@ class IndexedPolicy:
 
     @classmethod
     def of(cls, policy: Policy) -> IndexedPolicy:
-        kinds = [type(f) for f in policy.filters]
+        kinds: list[type] = [type(f) for f in policy.filters]
         if kinds != [Available, ServesModel, BoundedLoad, SlotQueue] or policy.cold_candidates is None:
             raise ValueError(f"policy {policy.name!r} is not lorafleet-shaped: no index for it")
         if any(type(s) not in _SCORERS for _, s in policy.scorers) or not isinstance(policy.picker, MaxScore):
@@ -188,7 +189,7 @@ class IndexedPolicy:
         if any(not s for s in sets):
             return []
         smallest = min(sets, key=len)  # type: ignore[arg-type]
-        return [i for i in smallest if i in eligible and all(i in s for s in sets)]  # type: ignore[operator]
+        return [i for i in smallest if i in eligible and all(i in s for s in sets)]  # type: ignore[operator, union-attr]
 
     def _first_k(
         self, req: RequestInfo, index: FleetIndex, eligible: set[int], bounded: Callable[[int], bool], slots: bool
@@ -296,14 +297,15 @@ class IndexedPolicy:
         adapters = req.adapters
         one = adapters[0] if len(adapters) == 1 else None  # the common case, without the loops
         for w, scorer in scorers:
-            kind = type(scorer)
+            kind: type = type(scorer)
             if kind is Residency:
+                res = cast(Residency, scorer)
                 if one is not None:
-                    s = scorer.gpu if one in r.gpu else scorer.cpu if one in r.resident else 0.0
+                    s = res.gpu if one in r.gpu else res.cpu if one in r.resident else 0.0
                 else:
                     s = 1.0
                     for a in adapters:
-                        s = min(s, scorer.gpu if a in r.gpu else scorer.cpu if a in r.resident else 0.0)
+                        s = min(s, res.gpu if a in r.gpu else res.cpu if a in r.resident else 0.0)
             elif kind is SlotFree:
                 new = (one not in r.active) if one is not None else sum(1 for a in adapters if a not in r.active)
                 s = 1.0 if len(r.active) + new <= r.max_loras else 0.0

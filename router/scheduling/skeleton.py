@@ -78,7 +78,7 @@ def group_weights(key_seed: int, salts: np.ndarray, sizes: np.ndarray) -> np.nda
 
     Always over the full fixed-length arrays, so the reference and the ring compute the same floats.
     """
-    z = _member_weights(np.uint64(mix64(key_seed)), salts) >> _U11
+    z = _member_weights(np.uint64(mix64(key_seed)), salts) >> _U11  # type: ignore[arg-type]
     with np.errstate(divide="ignore", invalid="ignore"):
         w = (np.log(z.astype(np.float64) + 0.5) - _LN_2_53) / sizes
     return np.where(sizes > 0, w, -np.inf)
@@ -89,7 +89,7 @@ def skeleton_order(key: str, names: Iterable[str], groups: int = GROUPS) -> list
     names = list(names)
     k = seed64(key)
     km = mix64(k)
-    sizes = np.zeros(groups, dtype=np.float64)
+    sizes: np.ndarray = np.zeros(groups, dtype=np.float64)
     for n in names:
         sizes[group_of(n, groups)] += 1
     gw = group_weights(k, _salts(groups), sizes).tolist()
@@ -173,5 +173,5 @@ class SkeletonRing:
                 yield grp.ids[0]
                 continue
             ids = grp.ids
-            for j in np.argsort(_member_weights(km, grp.seeds), kind="stable")[::-1].tolist():
+            for j in np.argsort(_member_weights(km, grp.seeds), kind="stable")[::-1].tolist():  # type: ignore[arg-type]
                 yield ids[j]

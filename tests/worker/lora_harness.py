@@ -16,7 +16,6 @@ import torch
 from safetensors.torch import save_file
 
 from lorafleet.worker.config import FUSED_SLICES, EngineConfig, ModelConfig
-from lorafleet.worker.lora import adapter as adapter_mod
 from lorafleet.worker.lora.adapter import LoraWeights, ModuleWeights
 from lorafleet.worker.lora.packing import SLICE_ORDER
 from lorafleet.worker.lora.registry import AdapterRegistry
@@ -52,7 +51,7 @@ def write_adapter(folder: Path, model: ModelConfig, dtype: torch.dtype, *, r: in
         for t in targets:
             out, in_ = model.linear_shape(t)
             block = "self_attn" if t in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            rr = adapter_mod._pattern_value(rank_pattern, f"model.layers.{layer}.{block}.{t}", r)
+            rr = _pattern_value(rank_pattern, f"model.layers.{layer}.{block}.{t}", r)
             p = f"base_model.model.model.layers.{layer}.{block}.{t}"
             tensors[p + ".lora_A.weight"] = (torch.randn(rr, in_, generator=g) * 0.3).to(dtype)
             tensors[p + ".lora_B.weight"] = (torch.randn(out, rr, generator=g) * 0.3).to(dtype)
@@ -62,6 +61,15 @@ def write_adapter(folder: Path, model: ModelConfig, dtype: torch.dtype, *, r: in
     (folder / CONFIG).write_text(json.dumps(cfg))
     save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
     return folder
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    """PEFT's own rule (`get_pattern_key`): the value of the first key matching the module name's end."""
+    if not patterns:
+        return default
+    from peft.utils.other import get_pattern_key
+
+    return patterns.get(get_pattern_key(list(patterns), module), default)
 
 
 def reference_slot(weights, model: ModelConfig, dtype: torch.dtype):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -62,6 +63,44 @@ def drop_first_b(tensors):
     return tensors
 
 
+def _link_out(folder: Path, name: str) -> None:
+    """The file moved next to the folder (outside it) and linked back in."""
+    outside = folder.parent / f"{folder.name}-outside-{name}"
+    (folder / name).rename(outside)
+    (folder / name).symlink_to(outside)
+
+
+def _fifo(folder: Path, name: str) -> None:
+    (folder / name).unlink()
+    os.mkfifo(folder / name)
+
+
+def _dir(folder: Path, name: str) -> None:
+    (folder / name).unlink()
+    (folder / name).mkdir()
+
+
+def _broken_link(folder: Path, name: str) -> None:
+    (folder / name).unlink()
+    (folder / name).symlink_to(folder / "nowhere")
+
+
+def _duplicate_first(tensors):
+    """The first A again under its short name (as many tensors as before: one module dropped)."""
+    key = first_key(tensors)
+    last = sorted(tensors)[-1].rsplit(".lora_", 1)[0]
+    for half in ("lora_A", "lora_B"):
+        del tensors[f"{last}.{half}.weight"]
+    tensors[key.replace("base_model.model.", "")] = tensors[key].clone()
+    return tensors
+
+
+def _ints_first(tensors):
+    key = first_key(tensors)
+    tensors[key] = tensors[key].to(torch.int32)
+    return tensors
+
+
 CASES = {
     # name: (how to break a copy of the "sql" adapter, expected reason)
     "dora": (lambda f: edit_config(f, use_dora=True), "unsupported"),
@@ -69,7 +108,31 @@ CASES = {
     "not_lora": (lambda f: edit_config(f, peft_type="IA3"), "not_lora"),
     "bias": (lambda f: edit_config(f, bias="all"), "unsupported"),
     "modules_to_save": (lambda f: edit_config(f, modules_to_save=["lm_head"]), "unsupported"),
-    "regex_targets": (lambda f: edit_config(f, target_modules=".*proj"), "bad_targets"),
+    "regex_matches_non_linear": (lambda f: edit_config(f, target_modules=r".*\.self_attn"), "bad_targets"),
+    "regex_invalid": (lambda f: edit_config(f, target_modules="(q_proj"), "bad_targets"),
+    "regex_no_match": (lambda f: edit_config(f, target_modules="nothing"), "bad_targets"),
+    "list_matches_embeddings": (lambda f: edit_config(f, target_modules=["q_proj", "embed_tokens"]), "bad_targets"),
+    "activated_lora": (lambda f: edit_config(f, alora_invocation_tokens=[5, 6]), "unsupported"),
+    "block_diagonal": (lambda f: edit_config(f, use_bdlora={"nblocks": 2}), "unsupported"),
+    "kasa": (lambda f: edit_config(f, kasa_config={}), "unsupported"),
+    "pissa_init": (lambda f: edit_config(f, init_lora_weights="pissa"), "unsupported"),
+    "unknown_key_on": (lambda f: edit_config(f, use_future_variant=True), "unsupported"),
+    "bad_pattern_regex": (lambda f: edit_config(f, rank_pattern={"(q": 4}), "bad_config"),
+    "pattern_not_object": (lambda f: edit_config(f, alpha_pattern=["q_proj"]), "bad_config"),
+    "deep_json": (lambda f: (f / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000), "bad_config"),
+    "huge_int_rank": (lambda f: (f / "adapter_config.json").write_text('{"peft_type": "LORA", "r": ' + "9" * 5000 + "}"),
+                      "bad_config"),
+    "config_over_cap": (lambda f: (f / "adapter_config.json").write_text(" " * (300 << 10) + "{}"), "too_large"),
+    "config_link_outside": (lambda f: _link_out(f, "adapter_config.json"), "link_outside_root"),
+    "weights_link_outside": (lambda f: _link_out(f, "adapter_model.safetensors"), "link_outside_root"),
+    "config_is_fifo": (lambda f: _fifo(f, "adapter_config.json"), "not_regular_file"),
+    "weights_is_fifo": (lambda f: _fifo(f, "adapter_model.safetensors"), "not_regular_file"),
+    "config_is_dir": (lambda f: _dir(f, "adapter_config.json"), "not_regular_file"),
+    "broken_link": (lambda f: _broken_link(f, "adapter_model.safetensors"), "missing_file"),
+    "duplicate_tensor": (lambda f: edit_tensors(f, _duplicate_first), "bad_tensor"),
+    "block_mismatch": (lambda f: edit_tensors(f, lambda t: rename_first(t, "base_model.model.model.layers.0.mlp.q_proj.lora_A.weight")), "bad_tensor"),
+    "leading_zero_layer": (lambda f: edit_tensors(f, lambda t: rename_first(t, "base_model.model.model.layers.00.self_attn.q_proj.lora_A.weight")), "bad_tensor"),
+    "int_weights": (lambda f: edit_tensors(f, _ints_first), "bad_weights"),
     "unknown_target": (lambda f: edit_config(f, target_modules=["q_proj", "embed_tokens"]), "bad_targets"),
     "fractional_rank": (lambda f: edit_config(f, r=8.5), "bad_rank"),
     "rank_too_high": (lambda f: edit_config(f, r=128), "rank_too_high"),
@@ -108,6 +171,7 @@ def test_malformed_adapter_is_refused_with_its_reason(case, engine, demo_adapter
         engine.load_adapter("broken", str(folder))
     assert info.value.reason == reason, str(info.value)
     assert str(info.value)  # a message a person can act on
+    assert str(tmp_path) not in str(info.value)  # and no server path
     # Nothing was evicted, nothing registered, and the engine still serves the same answers.
     assert list(engine.registry.cpu) == cpu_before and "broken" not in engine.registry.entries
     assert engine.generate(["Hello world"], sp, [(("sql", 1.0),)])[0].token_ids == before

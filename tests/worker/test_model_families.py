@@ -141,4 +141,4 @@ def test_phi3_adapter_on_unfused_names_is_refused(tmp_path, demo_model):
                                    "num_hidden_layers": 2, "num_attention_heads": 4})
     raw = json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}).encode()
     with pytest.raises(AdapterError, match="qkv_proj"):
-        parse_adapter_config(raw, 64, model)
+        parse_adapter_config(raw, model, 64)

@@ -45,8 +45,7 @@ def s3(tmp_path_factory, demo_adapters):
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}",
-           "LORAFLEET_ADAPTER_CACHE_DIR": str(tmp_path_factory.mktemp("adapter-cache"))}
+           "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}"}
     saved = {k: os.environ.get(k) for k in (*env, "AWS_ENDPOINT_URL", "AWS_PROFILE", "AWS_SESSION_TOKEN")}
     for k in ("AWS_ENDPOINT_URL", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
         os.environ.pop(k, None)
@@ -66,7 +65,7 @@ def s3(tmp_path_factory, demo_adapters):
     client.put_object(Bucket=BUCKET, Key="broken/pickled/adapter_config.json",
                       Body=(demo_adapters["sql"] / FILES[0]).read_bytes())
     client.put_object(Bucket=BUCKET, Key="broken/pickled/adapter_model.bin", Body=b"not really a pickle")
-    yield {"client": client, "put": put, "cache": Path(env["LORAFLEET_ADAPTER_CACHE_DIR"])}
+    yield {"client": client, "put": put}
     server.stop()
     for k, v in saved.items():
         if v is None:
@@ -83,7 +82,9 @@ def worker(s3, demo_model, demo_adapters, tmp_path_factory):
     shutil.copytree(demo_adapters["poem"], root / "poem")
     token = base / "token"
     token.write_text(TOKEN + "\n")
-    w = RunningWorker(worker_settings(demo_model, {}, token_file=token, adapter_root=root)).start()
+    w = RunningWorker(worker_settings(demo_model, {}, token_file=token, adapter_root=root))
+    w.runtime.fetcher = S3Fetcher(base / "adapter-cache")  # LORAFLEET_ADAPTER_CACHE_DIR's place
+    w.start()
     yield w
     w.stop()
 

@@ -22,24 +22,30 @@ digest (`DIGEST_CACHE`).
 from __future__ import annotations
 
 import hashlib
-import json
 import math
+import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from lorafleet.worker.config import LORA_TARGETS, ModelConfig
+from lorafleet.worker.config import ModelConfig
+from lorafleet.worker.lora.adapter_config import (
+    ATTENTION_TARGETS,
+    CONFIG_FILE,
+    AdapterConfig,
+    parse_adapter_config,
+)
+from lorafleet.worker.lora.adapter_files import MAX_CONFIG_BYTES, open_checked, read_small, within
 from lorafleet.worker.lora.digest import DIGEST_CACHE, Digest, Sha256Thread
 from lorafleet.worker.lora.errors import AdapterError
 from lorafleet.worker.lora.file_bytes import FileBytes, FileRead
+from lorafleet.worker.lora.regex_sandbox import RegexSandbox
 from lorafleet.worker.lora.safetensors_view import TensorInfo, parse_safetensors, tensor_view
+from lorafleet.worker.lora.weights import LoraWeights, ModuleWeights
 
-CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 # A read for the GPU goes there in pinned chunks of this size, each copied as soon as it is read
@@ -49,65 +55,13 @@ UPLOAD_CHUNK_BYTES = 16 << 20
 # (False: only once all of it is read; for A/B runs, see bench/adapter_load.py).
 PLAN_WHILE_READING = True
 
+# PEFT's saved names ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"), also without
+# the wrapper prefixes or with the adapter name (as vLLM reads them). Layer numbers in ASCII, no
+# leading zeros: PEFT would not map "layers.07" or a non-ASCII digit onto a layer.
 _TENSOR_NAME = re.compile(
-    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$"
-)
-# Config keys that change the maths in ways we do not implement; each must be off/empty.
-_UNSUPPORTED_FLAGS = {
-    "use_dora": "DoRA adapters are not supported",
-    "lora_bias": "LoRA bias terms are not supported",
-    "fan_in_fan_out": "fan_in_fan_out (Conv1D-style) adapters are not supported",
-    "use_qalora": "QA-LoRA adapters are not supported",
-    "layer_replication": "layer_replication is not supported",
-    "target_parameters": "target_parameters (parameter-level LoRA) is not supported",
-    "trainable_token_indices": "trainable token indices are not supported",
-    "modules_to_save": "modules_to_save (fully trained extra modules) is not supported",
-}
-if TYPE_CHECKING:
-    from lorafleet.worker.lora.packing import PackedLora
-
-
-@dataclass(slots=True)
-class ModuleWeights:
-    a: torch.Tensor  # [r, in]
-    b: torch.Tensor  # [out, r]
-    scaling: float  # alpha / r, or alpha / sqrt(r) with rsLoRA
-
-    @property
-    def rank(self) -> int:
-        return self.a.shape[0]
-
-
-@dataclass(slots=True)
-class LoraWeights:
-    """A validated adapter in CPU memory."""
-
-    path: str
-    rank: int  # the config's `r` (modules may differ through rank_pattern)
-    alpha: float
-    use_rslora: bool
-    # "sha256:<hex>" over config, NUL, weights, NUL; may still be hashing (`Digest.value` waits).
-    digest: Digest
-    modules: dict[tuple[int, str], ModuleWeights] = field(default_factory=dict)  # (layer, target) ->
-    # The slot layout (`packing.pack_weights`): set by `AdapterRegistry.read`/`insert_cpu`. Once the
-    # adapter is in the CPU cache, `modules` are views into it (B scaled, in the slot dtype).
-    packed: PackedLora | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.digest, str):
-            self.digest = Digest(self.digest)
-
-    @property
-    def max_rank(self) -> int:
-        return max((m.rank for m in self.modules.values()), default=0)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(m.a.numel() * m.a.element_size() + m.b.numel() * m.b.element_size() for m in self.modules.values())
-
-    @property
-    def targets(self) -> set[str]:
-        return {target for _, target in self.modules}
+    r"(?:(?:base_model\.model\.)?model\.)?layers\.(0|[1-9][0-9]{0,8})\.(self_attn|mlp)\.([a-z_]+)"
+    r"\.lora_([AB])(?:\.default)?\.weight"
+)  # fullmatch
 
 
 def adapter_digest(folder: Path) -> str:
@@ -119,69 +73,6 @@ def adapter_digest(folder: Path) -> str:
                 h.update(chunk)
         h.update(b"\0")
     return "sha256:" + h.hexdigest()
-
-
-def _pattern_value(patterns: dict, module_path: str, default):
-    # PEFT's rule: a pattern key matches a module whose dotted path ends with it.
-    for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module_path):
-            return value
-    return default
-
-
-def read_adapter_config(folder: Path, max_lora_rank: int) -> dict:
-    return parse_adapter_config(_read_config_bytes(folder), max_lora_rank)
-
-
-def _read_config_bytes(folder: Path) -> bytes:
-    path = folder / CONFIG_FILE
-    if not path.is_file():
-        raise AdapterError("missing_config", f"{folder} has no {CONFIG_FILE}: not a PEFT adapter folder")
-    return path.read_bytes()
-
-
-def parse_adapter_config(raw: bytes, max_lora_rank: int, model: ModelConfig | None = None) -> dict:
-    """Validate adapter_config.json's bytes (the same bytes the digest covers); target modules
-    against `model`'s family (`ModelConfig.adapter_targets`) when given, else the unfused names."""
-    try:
-        cfg = json.loads(raw.decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise AdapterError("bad_config", f"{CONFIG_FILE} is not valid JSON: {exc}") from None
-    if not isinstance(cfg, dict):
-        raise AdapterError("bad_config", f"{CONFIG_FILE} must be a JSON object")
-    if cfg.get("peft_type") != "LORA":
-        raise AdapterError("not_lora", f"peft_type is {cfg.get('peft_type')!r}; only LORA adapters are served")
-    for key, message in _UNSUPPORTED_FLAGS.items():
-        if cfg.get(key):
-            raise AdapterError("unsupported", f"{message} ({key}={cfg[key]!r})")
-    if cfg.get("bias", "none") != "none":
-        raise AdapterError("unsupported", f"bias={cfg.get('bias')!r} is not supported (only 'none')")
-    r = cfg.get("r")
-    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
-        raise AdapterError("bad_rank", f"r must be a positive integer, got {r!r}")
-    ranks = [r, *cfg.get("rank_pattern", {}).values()]
-    for rank in ranks:
-        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-            raise AdapterError("bad_rank", f"rank_pattern values must be positive integers, got {rank!r}")
-    if max(ranks) > max_lora_rank:
-        raise AdapterError("rank_too_high", f"adapter rank {max(ranks)} exceeds max_lora_rank {max_lora_rank}")
-    alphas = [cfg.get("lora_alpha"), *cfg.get("alpha_pattern", {}).values()]
-    for alpha in alphas:
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-            raise AdapterError("bad_alpha", f"lora_alpha must be a finite number, got {alpha!r}")
-    targets = cfg.get("target_modules")
-    if isinstance(targets, str):
-        raise AdapterError("bad_targets", f"target_modules is a regex string ({targets!r}); list module names instead")
-    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
-        raise AdapterError("bad_targets", "target_modules must be a non-empty list of module names")
-    allowed = model.adapter_targets if model is not None else LORA_TARGETS
-    unknown = sorted(set(targets) - set(allowed))
-    if unknown:
-        raise AdapterError(
-            "bad_targets", f"target_modules {unknown} are not in this model (supported: {', '.join(allowed)})"
-        )
-    return cfg
-
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -214,6 +105,9 @@ def load_adapter(
     max_bytes: int,
     prepare: Callable[[LoraWeights], Callable[[], None]] | None = None,
     device: torch.device | None = None,
+    *,
+    bound: str | Path | None = None,
+    regex: RegexSandbox | None = None,
 ) -> LoraWeights:
     """Validate and read a PEFT adapter folder; raises AdapterError with a reason on any problem.
 
@@ -228,24 +122,41 @@ def load_adapter(
     so it may plan (views, buffers) but must not read the modules; what it returns runs after the
     last chunk's copy is queued, ordered after it on the stream. Without `prepare` the weights are
     checked here, vectorized over each run of same-dtype tensors. The digest starts after that.
+
+    Every file of the adapter must be a regular file resolving inside `bound` (the worker's adapter
+    root; None: the adapter's own folder). Regexes of the config run in `regex` (None: a
+    temporary sandbox, started only if the config has any). Messages name files by their name in
+    the adapter, never by a server path.
     """
     folder = Path(path)
     if not folder.is_dir():
-        raise AdapterError("not_found", f"adapter folder {path} does not exist")
-    config_bytes = _read_config_bytes(folder)
-    cfg = parse_adapter_config(config_bytes, max_lora_rank, model)
+        raise AdapterError("not_found", "the adapter folder does not exist")
+    folder = Path(os.path.realpath(folder))
+    bound = Path(os.path.realpath(bound)) if bound is not None else folder
+    if not within(str(folder), str(bound)):
+        raise AdapterError("link_outside_root", "the adapter folder resolves outside the adapter root")
+    config_path = folder / CONFIG_FILE
+    if not os.path.lexists(config_path):
+        raise AdapterError("missing_config", f"the adapter folder has no {CONFIG_FILE}: not a PEFT adapter folder")
+    config_bytes = read_small(config_path, bound, CONFIG_FILE, MAX_CONFIG_BYTES)
+    cfg = parse_adapter_config(config_bytes, model, max_lora_rank, regex)
     weights_path = folder / WEIGHTS_FILE
-    if not weights_path.is_file():
-        pickled = [n for n in PICKLE_FILES if (folder / n).exists()]
+    if not os.path.lexists(weights_path):
+        pickled = [n for n in PICKLE_FILES if os.path.lexists(folder / n)]
         if pickled:
             raise AdapterError("pickle", f"{pickled[0]} is a pickle; only {WEIGHTS_FILE} is accepted (pickles can run code)")
-        raise AdapterError("missing_weights", f"{folder} has no {WEIGHTS_FILE}")
-    identity = DIGEST_CACHE.key(folder / CONFIG_FILE, weights_path)  # before the bytes are read
+        raise AdapterError("missing_weights", f"the adapter folder has no {WEIGHTS_FILE}")
+    os.close(open_checked(weights_path, bound, WEIGHTS_FILE))  # a checked file, before its stat is taken
+    try:
+        identity = DIGEST_CACHE.key(folder / CONFIG_FILE, weights_path)  # before the bytes are read
+    except OSError as exc:
+        raise AdapterError("unreadable", f"cannot read the adapter's files: {exc.strerror or exc}") from None
     cached = DIGEST_CACHE.get(identity)
     gpu = device is not None and device.type == "cuda"
     with FileRead(weights_path, max_bytes=max_bytes, pin=gpu,
-                  chunk_bytes=UPLOAD_CHUNK_BYTES if gpu else 0) as reading:
-        infos = parse_safetensors(reading, WEIGHTS_FILE)  # waits for the header's bytes only
+                  chunk_bytes=UPLOAD_CHUNK_BYTES if gpu else 0, bound=bound) as reading:
+        # waits for the header's bytes only; an adapter holds at most an A and a B per module
+        infos = parse_safetensors(reading, WEIGHTS_FILE, max_tensors=2 * len(cfg.modules))
         upload = _Upload(device, len(reading)) if gpu else None
         # Views of bytes still on their way are only safe on the GPU (the work on them is queued
         # after the copies), and only without a misaligned tensor (tensor_view copies those).
@@ -310,38 +221,35 @@ def _host_base(file: FileBytes) -> torch.Tensor:
 
 
 def _read_weights(
-    folder: Path, base: torch.Tensor, infos: list[TensorInfo], cfg: dict, model: ModelConfig
+    folder: Path, base: torch.Tensor, infos: list[TensorInfo], cfg: AdapterConfig, model: ModelConfig
 ) -> tuple[LoraWeights, list[torch.Tensor]]:
-    rslora = bool(cfg.get("use_rslora", False))
-    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
-    targets = set(cfg["target_modules"])
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     typed: dict = {}  # `base` as each dtype (tensor_view)
     for info in sorted(infos, key=lambda i: i.name):
         name = info.name
-        m = _TENSOR_NAME.match(name)
-        if not m:
+        m = _TENSOR_NAME.fullmatch(name)
+        if not m or m.group(3) not in model.adapter_targets or m.group(2) != _block(m.group(3)):
             raise AdapterError("bad_tensor", f"tensor {name!r} is not a LoRA A/B weight of a supported module")
-        layer, target, half = int(m.group(1)), m.group(2), m.group(3)
-        if target not in targets:
-            raise AdapterError("bad_tensor", f"tensor {name!r} targets {target}, which is not in target_modules")
+        layer, target, half = int(m.group(1)), m.group(3), m.group(4)
         if layer >= model.num_layers:
             raise AdapterError("shape_mismatch", f"tensor {name!r}: the base model has {model.num_layers} layers")
-        if info.dtype is None:
+        if (layer, target) not in cfg.modules:
+            raise AdapterError("bad_tensor", f"tensor {name!r} targets {target}, which is not in target_modules")
+        if info.dtype is None or not info.dtype.is_floating_point:
             raise AdapterError("bad_weights", f"tensor {name!r}: weights must be floating point")
-        halves.setdefault((layer, target), {})[half] = tensor_view(base, info, typed)
+        pair = halves.setdefault((layer, target), {})
+        if half in pair:
+            raise AdapterError("bad_tensor", f"tensor {name!r}: layer {layer} {target} has two lora_{half} tensors")
+        pair[half] = tensor_view(base, info, typed)
     if not halves:
         raise AdapterError("bad_weights", f"{WEIGHTS_FILE} holds no LoRA tensors")
 
-    out = LoraWeights(path=str(folder), rank=cfg["r"], alpha=float(cfg["lora_alpha"]), use_rslora=rslora,
-                      digest=Digest(""))
+    out = LoraWeights(path=str(folder), rank=cfg.r, alpha=cfg.alpha, use_rslora=cfg.use_rslora, digest=Digest(""))
     for (layer, target), pair in sorted(halves.items()):
         if set(pair) != {"A", "B"}:
             raise AdapterError("bad_weights", f"layer {layer} {target} has lora_{''.join(pair)} but not both A and B")
         a, b = pair["A"], pair["B"]
-        module_path = f"model.layers.{layer}.{'self_attn' if target in ('q_proj', 'k_proj', 'v_proj', 'o_proj') else 'mlp'}.{target}"
-        r = _pattern_value(rank_pattern, module_path, cfg["r"])
-        alpha = float(_pattern_value(alpha_pattern, module_path, cfg["lora_alpha"]))
+        r, alpha = cfg.modules[(layer, target)]
         out_dim, in_dim = model.linear_shape(target)
         if a.shape != (r, in_dim) or b.shape != (out_dim, r):
             raise AdapterError(
@@ -349,9 +257,7 @@ def _read_weights(
                 f"layer {layer} {target}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit the base model "
                 f"(expected A ({r}, {in_dim}), B ({out_dim}, {r}))",
             )
-        if not a.is_floating_point() or not b.is_floating_point():
-            raise AdapterError("bad_weights", f"layer {layer} {target}: weights must be floating point")
-        scaling = alpha / math.sqrt(r) if rslora else alpha / r
+        scaling = cfg.scaling(r, alpha)
         # A fused module (Phi-3's qkv_proj, gate_up_proj): each slice takes the shared A and its rows of B.
         row = 0
         for part in model.adapter_targets[target]:
@@ -359,6 +265,10 @@ def _read_weights(
             out.modules[(layer, part)] = ModuleWeights(a=a, b=b[row : row + rows], scaling=scaling)
             row += rows
     return out, _runs(base, infos)
+
+
+def _block(target: str) -> str:
+    return "self_attn" if target in ATTENTION_TARGETS else "mlp"
 
 
 def _runs(base: torch.Tensor, infos: list[TensorInfo]) -> list[torch.Tensor]:

@@ -26,16 +26,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lorafleet.worker import envs
 from lorafleet.worker.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
+from lorafleet.worker.lora.adapter_files import MAX_CONFIG_BYTES
 from lorafleet.worker.lora.errors import AdapterError
 from lorafleet.worker.lora.sources import S3Source
 
 log = logging.getLogger(__name__)
 
-CONFIG_MAX_BYTES = 1 << 20  # adapter_config.json is a few hundred bytes; anything near this is not one
 PICKLE_NAMES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
-CACHE_DIR_ENV = "LORAFLEET_ADAPTER_CACHE_DIR"
-CACHE_BYTES_ENV = "LORAFLEET_ADAPTER_CACHE_BYTES"
 DEFAULT_CACHE_BYTES = 20 << 30
 _READ_BYTES = 8 << 20
 _NOT_FOUND = {"NoSuchBucket", "NoSuchKey", "404", "NotFound"}
@@ -85,13 +84,9 @@ class S3Fetcher:
     @classmethod
     def from_env(cls) -> S3Fetcher:
         """From `LORAFLEET_ADAPTER_CACHE_DIR` (default: TMPDIR/lorafleet-adapters) and
-        `LORAFLEET_ADAPTER_CACHE_BYTES` (default 20 GiB); touches nothing until the first fetch."""
-        raw = os.environ.get(CACHE_BYTES_ENV)
-        try:
-            limit = int(raw) if raw else DEFAULT_CACHE_BYTES
-        except ValueError:
-            raise ValueError(f"{CACHE_BYTES_ENV}={raw!r} is not a number of bytes") from None
-        return cls(os.environ.get(CACHE_DIR_ENV) or None, limit)
+        `LORAFLEET_ADAPTER_CACHE_BYTES` (default 20 GiB), read at start-up (`worker/envs.py`);
+        touches nothing until the first fetch."""
+        return cls(envs.ADAPTER_CACHE_DIR, envs.ADAPTER_CACHE_BYTES)
 
     def client(self):
         """The boto3 S3 client (created on first use, from the standard AWS environment)."""
@@ -207,8 +202,8 @@ class S3Fetcher:
                 raise AdapterError("pickle", f"adapter source {source}: {pickled[0]} is a pickle; only {WEIGHTS_FILE} "
                                    "is accepted (pickles can run code)")
             raise AdapterError("missing_weights", f"adapter source {source} has no {WEIGHTS_FILE}")
-        if config.size > CONFIG_MAX_BYTES:
-            raise AdapterError("too_large", f"{CONFIG_FILE} is {config.size} bytes, over the {CONFIG_MAX_BYTES}-byte cap")
+        if config.size > MAX_CONFIG_BYTES:
+            raise AdapterError("too_large", f"{CONFIG_FILE} is {config.size} bytes, over the {MAX_CONFIG_BYTES}-byte cap")
         if weights.size > max_bytes:
             raise AdapterError("too_large", f"adapter weights are {weights.size} bytes, over the {max_bytes}-byte cap")
         return config, weights

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from lorafleet.worker.lora.adapter_files import open_checked
 from lorafleet.worker.lora.errors import AdapterError
 
 PIECE_BYTES = 1 << 20  # one request
@@ -71,9 +72,15 @@ class FileRead:
     Use it as a context manager: leaving waits for the requests under way, drops the others, and
     closes the file (an I/O error is AdapterError "unreadable")."""
 
-    def __init__(self, path: Path, *, max_bytes: int, pin: bool = False, chunk_bytes: int = 0) -> None:
+    def __init__(self, path: Path, *, max_bytes: int, pin: bool = False, chunk_bytes: int = 0,
+                 bound: Path | None = None) -> None:
+        """`bound`: the real path `path` must resolve inside (`adapter_files.open_checked`: a regular
+        file, never opened blocking); None: opened as it is."""
         self.path = path
-        self._fd = _unreadable(path, lambda: os.open(path, os.O_RDONLY))
+        if bound is not None:
+            self._fd = open_checked(path, bound, path.name)
+        else:
+            self._fd = _unreadable(path, lambda: os.open(path, os.O_RDONLY))
         self._pieces: list[tuple[int, int, Future]] = []  # (begin, end, request), in file order
         self._pool: ThreadPoolExecutor | None = None
         try:

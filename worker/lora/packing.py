@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lorafleet.worker.config import FUSED_SLICES
-from lorafleet.worker.lora.adapter import LoraWeights, ModuleWeights
+from lorafleet.worker.lora.weights import LoraWeights, ModuleWeights, PackedLora
 
 # Slot order of the slices in a layer: qkv's q, k, v, then o, gate, up, down (FUSED_SLICES order).
 SLICE_ORDER: tuple[str, ...] = tuple(t for names in FUSED_SLICES.values() for t in names)
@@ -35,45 +35,6 @@ PINNED_CHUNK_BYTES = 16 << 20
 # like `(b.float() * s).to(dtype)`.
 _FLOAT32_OPMATH = (torch.bfloat16, torch.float16, torch.float32)
 _A, _B = 0, 1  # a piece's half
-
-
-@dataclass(slots=True)
-class PackedLora:
-    """An adapter laid out as the slots hold it (see the module docstring)."""
-
-    dtype: torch.dtype
-    pinned: bool
-    chunks: list[torch.Tensor]  # flat buffers holding every piece below, back to back
-    # Per module, sorted by k = layer * len(SLICE_ORDER) + column: (k, rank, A rows [r*in], B
-    # rank-major rows [r*out]), views into the pieces (for checks and error messages).
-    blocks: list[tuple[int, int, torch.Tensor, torch.Tensor]]
-    ranks: torch.Tensor  # [num_layers, len(SLICE_ORDER)] int32, 0 = untargeted (pinned with the chunks)
-    # The modules as views of the blocks (A [r, in], B [out, r] scaled, scaling 1): what the CPU cache keeps.
-    views: dict[tuple[int, str], ModuleWeights] = field(default_factory=dict)
-    # (column, half (_A/_B), first layer, layers, rank) per piece: adapters of one shape share it,
-    # and the slots reuse the copy targets they built for it.
-    layout: tuple[tuple[int, int, int, int, int], ...] = ()
-    sources: list[torch.Tensor] = field(default_factory=list)  # per piece: [layers, rank, in | out]
-    # Laid out on a GPU (`PackPlan.run`): the same pieces there, until `release_gpu` (a fill copies
-    # from them instead of over PCIe), complete once `gpu_ready` has passed on the stream that made
-    # them; and `host_ready`, after which the host buffers above hold them too (the copy back is
-    # not waited for: `wait_host` before reading `chunks`, `blocks` or `views` on the host).
-    gpu_sources: list[torch.Tensor] | None = None
-    gpu_ready: torch.cuda.Event | None = None
-    host_ready: torch.cuda.Event | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c.numel() * c.element_size() for c in self.chunks)
-
-    def wait_host(self) -> None:
-        """Block until the host buffers hold the layout (at once unless it was made on a GPU)."""
-        if self.host_ready is not None:
-            self.host_ready.synchronize()
-
-    def release_gpu(self) -> None:
-        """Let the GPU copy of the layout go (the host buffers stay)."""
-        self.gpu_sources = None
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -9,6 +9,8 @@ copied back into that pinned layout behind the check (the read does not wait for
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable
 from functools import partial
 
@@ -23,6 +25,12 @@ from lorafleet.worker.lora.adapter import (
     non_finite_module,
 )
 from lorafleet.worker.lora.packing import SLICE_ORDER, PackedLora, PackPlan, plan_pack
+from lorafleet.worker.lora.regex_sandbox import RegexSandbox
+
+log = logging.getLogger("lorafleet.worker.lora")
+# What parsing a malformed file may raise past the explicit checks (never MemoryError, OSError or
+# a CUDA error: those are the worker's, not the adapter's).
+_MALFORMED = (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, RecursionError)
 
 
 class AdapterReader:
@@ -40,6 +48,7 @@ class AdapterReader:
         # `read` copies the file to the GPU, lays it out and checks it on this stream (never the
         # compute stream) and waits for it alone.
         self.check_stream = torch.cuda.Stream(device) if device is not None else None
+        self.regex = RegexSandbox()  # the adapters' regexes, matched off the serving threads
 
     def read(self, path: str) -> LoraWeights:
         """Validate, read and prepare an adapter folder (safe to run in a thread).
@@ -53,13 +62,22 @@ class AdapterReader:
         may still run when this returns: `weights.packed.wait_host()` before reading it on the
         host (fills wait for it on the GPU, or use the GPU copy, `packed.gpu_sources`).
         """
-        if self.check_stream is None:
-            return load_adapter(path, self.model, self.engine.max_lora_rank, self.engine.max_adapter_bytes,
-                                prepare=self._pack_checked)
-        device = self.device
-        with torch.cuda.device(device), torch.cuda.stream(self.check_stream):
-            return load_adapter(path, self.model, self.engine.max_lora_rank, self.engine.max_adapter_bytes,
-                                prepare=self._pack_checked, device=device)
+        try:
+            if self.check_stream is None:
+                return load_adapter(path, self.model, self.engine.max_lora_rank, self.engine.max_adapter_bytes,
+                                    prepare=self._pack_checked, regex=self.regex)
+            device = self.device
+            with torch.cuda.device(device), torch.cuda.stream(self.check_stream):
+                return load_adapter(path, self.model, self.engine.max_lora_rank, self.engine.max_adapter_bytes,
+                                    prepare=self._pack_checked, device=device, regex=self.regex)
+        except AdapterError:
+            raise
+        except _MALFORMED as exc:
+            # A malformed file that no check above names: still the adapter's fault, never the
+            # worker's (4xx, not 5xx), but logged with its trace as a gap in the checks.
+            log.error("adapter %s refused by an unexpected %s", os.path.basename(path), type(exc).__name__,
+                      exc_info=True)
+            raise AdapterError("malformed", f"the adapter could not be read ({type(exc).__name__})") from None
 
     def _pack_checked(self, weights: LoraWeights) -> Callable[[], None]:
         """`load_adapter`'s `prepare`: plan the slot layout now (on a GPU the file is still being

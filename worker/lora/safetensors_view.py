@@ -24,7 +24,10 @@ _ST_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
 }
-_MAX_HEADER = 100_000_000  # the safetensors library's cap
+# Header bytes: the safetensors library allows 100 MB; one json.loads holds the GIL for all of it
+# (~16 ms per MB here), stalling the engine's steps, and an adapter of an 80-layer model with every
+# target (1,120 tensors) has a header of ~170 KB.
+MAX_HEADER_BYTES = 1 << 20
 # Headers parsed and found valid, by (header bytes, file size): a fleet's adapters mostly share one
 # layout (same rank and targets), and a seed-shape header (448 tensors, 60 KB of JSON) takes 2.5-4.3
 # ms of Python to parse and check, in the read's thread, beside the engine loop. A kept header holds
@@ -44,10 +47,11 @@ class TensorInfo:
     end: int
 
 
-def parse_safetensors(buf: Sized, file_name: str) -> list[TensorInfo]:
+def parse_safetensors(buf: Sized, file_name: str, max_tensors: int | None = None) -> list[TensorInfo]:
     """The header's tensors in file order, validated as safetensors validates it. `buf` is the file:
     bytes, or anything sized that slices into bytes (`FileBytes`); `file_name` is for the error
-    messages (AdapterError "bad_weights")."""
+    messages (AdapterError "bad_weights"). Over MAX_HEADER_BYTES or `max_tensors` tensors:
+    AdapterError "too_large", before the header is parsed (bytes) or its tensors checked (count)."""
 
     def bad(why: str) -> AdapterError:
         return AdapterError("bad_weights", f"{file_name} is not a valid safetensors file: {why}")
@@ -56,8 +60,8 @@ def parse_safetensors(buf: Sized, file_name: str) -> list[TensorInfo]:
     if size < 8:
         raise bad("shorter than the 8-byte header length")
     n = int.from_bytes(buf[:8], "little")
-    if n > _MAX_HEADER:
-        raise bad(f"header of {n} bytes is over the {_MAX_HEADER}-byte limit")
+    if n > MAX_HEADER_BYTES:
+        raise AdapterError("too_large", f"{file_name} has a header of {n} bytes, over the {MAX_HEADER_BYTES}-byte cap")
     if 8 + n > size:
         raise bad(f"header length {n} runs past the end of the file ({size} bytes)")
     raw = bytes(buf[8 : 8 + n])
@@ -65,8 +69,10 @@ def parse_safetensors(buf: Sized, file_name: str) -> list[TensorInfo]:
         known = _PARSED.get((raw, size))
         if known is not None:
             _PARSED.move_to_end((raw, size))
-            return list(known)
-    infos = _parse_header(raw, n, size, bad)
+    if known is not None:
+        _check_count(len(known), max_tensors, file_name)
+        return list(known)
+    infos = _parse_header(raw, n, size, bad, max_tensors, file_name)
     if n <= _PARSED_MAX_BYTES:
         with _PARSED_LOCK:
             _PARSED[(raw, size)] = tuple(infos)
@@ -75,7 +81,13 @@ def parse_safetensors(buf: Sized, file_name: str) -> list[TensorInfo]:
     return infos
 
 
-def _parse_header(raw: bytes, n: int, size: int, bad) -> list[TensorInfo]:
+def _check_count(count: int, max_tensors: int | None, file_name: str) -> None:
+    if max_tensors is not None and count > max_tensors:
+        raise AdapterError("too_large", f"{file_name} holds {count} tensors; this adapter's config adapts modules "
+                           f"for at most {max_tensors}")
+
+
+def _parse_header(raw: bytes, n: int, size: int, bad, max_tensors: int | None, file_name: str) -> list[TensorInfo]:
     """`parse_safetensors` past the header's length: its JSON, checked."""
     try:
         text = raw.decode("utf-8")
@@ -85,8 +97,10 @@ def _parse_header(raw: bytes, n: int, size: int, bad) -> list[TensorInfo]:
         raise bad("the header is not a JSON object")
     try:
         header = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise bad(f"the header is not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, nesting, int digit limits
+        raise bad(f"the header is not valid JSON ({str(exc)[:120]})") from None
+    if not isinstance(header, dict):
+        raise bad("the header is not a JSON object")
     meta = header.pop("__metadata__", None)
     if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
         raise bad("__metadata__ must map strings to strings")
@@ -94,6 +108,7 @@ def _parse_header(raw: bytes, n: int, size: int, bad) -> list[TensorInfo]:
     def is_uint(v) -> bool:
         return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
+    _check_count(len(header), max_tensors, file_name)
     infos = []
     for name, info in header.items():
         if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
