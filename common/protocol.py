@@ -48,8 +48,11 @@ class LoadLoraAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     lora_name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-/]*$")
-    lora_path: str = Field(min_length=1, max_length=4096)
+    lora_path: str = Field(min_length=1, max_length=4096)  # a folder, or s3://BUCKET/PREFIX (worker/lora/sources.py)
     load_inplace: bool = False
+    # The content the caller expects (the digest `GET /v1/adapters` reports, with or without its
+    # "sha256:" prefix): other content is refused with reason DigestMismatch and never served.
+    sha256: str | None = Field(default=None, pattern=r"^(sha256:)?[0-9a-fA-F]{64}$")
 
 
 class UnloadLoraAdapterRequest(BaseModel):

@@ -9,6 +9,8 @@ A/B switches for benchmarks and operators. The kernels' own are in `lorafleet.ke
 | `LORAFLEET_PREFILL_BATCH_QUERY` | `128` | query runs up to this many tokens share one padded prefill-attention call (`0`: one call a sequence) |
 | `LORAFLEET_LOGIT_EDITS` | `triton` | the per-request logit edits on CUDA: `triton` or `torch` |
 | `LORAFLEET_SAMPLER` | `triton` | the sampled draw on CUDA: `triton` or `torch` |
+| `LORAFLEET_ADAPTER_CACHE_DIR` | `$TMPDIR/lorafleet-adapters` | where `s3://` adapters are fetched to (worker/lora/fetch.py) |
+| `LORAFLEET_ADAPTER_CACHE_BYTES` | 20 GiB | that cache's bound in bytes (least recently used folders removed first) |
 """
 
 from __future__ import annotations
@@ -20,3 +22,5 @@ LORA_OVERLAP = os.environ.get("LORAFLEET_LORA_OVERLAP", "1") != "0"
 PREFILL_BATCH_QUERY = int(os.environ.get("LORAFLEET_PREFILL_BATCH_QUERY", "128"))
 LOGIT_EDITS = os.environ.get("LORAFLEET_LOGIT_EDITS", "triton")
 SAMPLER = os.environ.get("LORAFLEET_SAMPLER", "triton")
+ADAPTER_CACHE_DIR = os.environ.get("LORAFLEET_ADAPTER_CACHE_DIR") or None
+ADAPTER_CACHE_BYTES = int(os.environ.get("LORAFLEET_ADAPTER_CACHE_BYTES") or 20 << 30)

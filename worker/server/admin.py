@@ -8,6 +8,11 @@ thread before anything is evicted. Same name and same content → 200 (`created:
 and different content → 409 (unless `load_inplace` and no request uses the old version). Identical
 loads that arrive together are read once (single flight per name and path).
 
+`lora_path` may also be `s3://BUCKET/PREFIX` (worker/lora/sources.py): the folder is fetched into
+the worker's adapter cache first, in a thread (worker/lora/fetch.py), then read and validated like a
+local one. `hf://` is parsed and refused as not supported yet; other schemes are refused. An optional
+`sha256` pins the content: a different digest is refused (reason `DigestMismatch`) before serving.
+
 Unload: new requests for the name get 404 at once; requests already in flight finish with the old
 weights, which are freed when the last one ends (the inventory stops listing the name at once).
 """
@@ -31,6 +36,7 @@ from lorafleet.protocol import (
 )
 from lorafleet.worker.lora.adapter import AdapterError, LoraWeights
 from lorafleet.worker.lora.registry import AdapterConflict
+from lorafleet.worker.lora.sources import HubSource, LocalSource, S3Source, Source, parse_source
 from lorafleet.worker.server.errors import ApiError, from_engine
 from lorafleet.worker.server.runtime import WorkerRuntime
 
@@ -70,11 +76,15 @@ Admin = Annotated[WorkerRuntime, Depends(require_admin)]
 router = APIRouter(route_class=AdminRoute)
 
 
-def resolve_adapter_path(lora_path: str, adapter_root: str | None) -> str:
-    """The real path of `lora_path`, refused unless it lies inside the adapter root."""
+def _require_loading(adapter_root: str | None) -> None:
     if adapter_root is None:
         raise ApiError(403, "runtime adapter loading is disabled: start the worker with --adapter-root",
                        param="lora_path", reason="loading_disabled")
+
+
+def resolve_adapter_path(lora_path: str, adapter_root: str | None) -> str:
+    """The real path of `lora_path`, refused unless it lies inside the adapter root."""
+    _require_loading(adapter_root)
     if "\0" in lora_path:
         raise ApiError(400, "lora_path contains a NUL byte", param="lora_path", reason="path_outside_root")
     root = os.path.realpath(adapter_root)
@@ -93,11 +103,12 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, runtime: Admin) -> dic
     if body.lora_name == base:  # such an adapter could never be asked for
         raise ApiError(400, f"lora_name {base!r} is the base model's name; choose another", param="lora_name",
                        reason="base_model_name")
-    path = resolve_adapter_path(body.lora_path, runtime.settings.adapter_root)
-    key = (body.lora_name, path, body.load_inplace)
+    source = resolve_source(body.lora_path, runtime.settings.adapter_root)
+    want = None if body.sha256 is None else "sha256:" + body.sha256.lower().removeprefix("sha256:")
+    key = (body.lora_name, str(source), body.load_inplace, want)
     task = runtime.loads.get(key)
     if task is None:
-        task = asyncio.create_task(_load(runtime, body.lora_name, path, body.load_inplace))
+        task = asyncio.create_task(_load(runtime, body.lora_name, source, body.load_inplace, want))
         runtime.loads[key] = task
         task.add_done_callback(lambda _t: runtime.loads.pop(key, None))
     try:
@@ -108,10 +119,27 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, runtime: Admin) -> dic
             "message": f"adapter {body.lora_name!r} {'loaded' if created else 'already loaded with this content'}"}
 
 
-async def _load(runtime: WorkerRuntime, name: str, path: str, inplace: bool) -> bool:
-    """One physical load (counted in `lorafleet:lora_admin_loads_total` by result)."""
+def resolve_source(lora_path: str, adapter_root: str | None) -> Source:
+    """`lora_path` parsed: a local path resolved inside the adapter root (`resolve_adapter_path`),
+    an s3:// source as given (runtime loads must be enabled all the same); others refused."""
     try:
-        created = await _read_and_register(runtime, name, path, inplace)
+        source = parse_source(lora_path)
+    except AdapterError as exc:
+        raise ApiError(400, str(exc), param="lora_path", reason=exc.reason) from None
+    if isinstance(source, HubSource):
+        raise ApiError(400, f"adapter source {source}: hf:// sources are not supported yet; use s3:// or a path",
+                       param="lora_path", reason="unsupported_source")
+    if isinstance(source, S3Source):
+        _require_loading(adapter_root)
+        return source
+    return LocalSource(resolve_adapter_path(lora_path, adapter_root))
+
+
+async def _load(runtime: WorkerRuntime, name: str, source: Source, inplace: bool, want: str | None) -> bool:
+    """One physical load (counted in `lorafleet:lora_admin_loads_total` by result)."""
+    path = str(source)
+    try:
+        created = await _read_and_register(runtime, name, source, inplace, want)
     except Exception as exc:  # noqa: BLE001 - counted, then mapped to 4xx by the caller
         reason = getattr(exc, "reason", None) or type(exc).__name__
         runtime.metrics.admin_loads.labels(reason).inc()
@@ -121,11 +149,34 @@ async def _load(runtime: WorkerRuntime, name: str, path: str, inplace: bool) -> 
     return created
 
 
-async def _read_and_register(runtime: WorkerRuntime, name: str, path: str, inplace: bool) -> bool:
+async def _read_and_register(runtime: WorkerRuntime, name: str, source: Source, inplace: bool,
+                             want: str | None) -> bool:
+    engine = runtime.require_engine()
+    registry = engine.engine.registry
+    if not isinstance(source, S3Source):
+        return await _register_folder(runtime, name, str(source), source, inplace, want)
+    # Fetched (or found in the cache) in a thread, then read as a local folder. The folder is leased
+    # until registered (no other fetch's eviction removes it meanwhile); after that the registry's
+    # paths protect it (a CPU-cache eviction re-reads from there).
+    loaded = await engine.call(lambda: {e.path for e in registry.entries.values()})
+    path = await asyncio.to_thread(runtime.fetcher.fetch, source, engine.engine.config.max_adapter_bytes,
+                                   lambda: loaded)
+    try:
+        return await _register_folder(runtime, name, path, source, inplace, want)
+    finally:
+        runtime.fetcher.release(path)
+
+
+async def _register_folder(runtime: WorkerRuntime, name: str, path: str, source: Source, inplace: bool,
+                           want: str | None) -> bool:
     engine = runtime.require_engine()
     registry = engine.engine.registry
     # Validate and read off the engine thread: nothing is evicted before this succeeds.
     weights: LoraWeights = await asyncio.to_thread(registry.read, path)
+    if want is not None:
+        got = await asyncio.to_thread(lambda: weights.digest.value)
+        if got != want:
+            raise AdapterError("DigestMismatch", f"digest mismatch for {source}: expected {want}, got {got}")
     old = registry.entries.get(name)
     if old is not None:  # comparing contents needs both digests: wait for them here, not on the engine thread
         await asyncio.to_thread(lambda: (weights.digest.value, old.digest.value))
@@ -143,7 +194,7 @@ async def _read_and_register(runtime: WorkerRuntime, name: str, path: str, inpla
     created = await engine.call(register)
     if created:
         shown = weights.digest.value[:19] if weights.digest.ready else "digest still hashing"
-        log.info("loaded adapter %s (rank %d, %s) from %s", name, weights.max_rank, shown, path)
+        log.info("loaded adapter %s (rank %d, %s) from %s", name, weights.max_rank, shown, source)
     return created
 
 

@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass, field
 
 from lorafleet.worker.engine.async_engine import AsyncEngine
+from lorafleet.worker.lora.fetch import S3Fetcher
 from lorafleet.worker.openai.reasoning import marker_ids
 from lorafleet.worker.server.auth import AdminToken
 from lorafleet.worker.server.errors import ApiError
@@ -28,7 +29,8 @@ class WorkerRuntime:
     engine: AsyncEngine | None = None
     error: str | None = None  # why the engine failed to start
     reasoning_markers: tuple[int, int] | None = None  # --reasoning-parser's <think>, </think> token ids
-    loads: dict[tuple[str, str], asyncio.Task] = field(default_factory=dict)  # single flight per (name, path)
+    loads: dict[tuple, asyncio.Task] = field(default_factory=dict)  # single flight per (name, path, ...)
+    fetcher: S3Fetcher = field(default_factory=S3Fetcher.from_env)  # s3:// adapter sources and their cache
     _task: asyncio.Task | None = None
 
     @classmethod
