@@ -15,9 +15,9 @@ import torch
 
 from lorafleet.worker.config import EngineConfig
 from lorafleet.worker.engine.engine import LLMEngine
+from lorafleet.worker.engine.sequence import SamplingParams
 from lorafleet.worker.lora.config_rules import IMPLEMENTED, IRRELEVANT, REFUSED, RULES, check_config_keys
 from lorafleet.worker.lora.errors import AdapterError
-from lorafleet.worker.engine.sequence import SamplingParams
 
 peft = pytest.importorskip("peft")
 pytest.importorskip("transformers")
