@@ -74,7 +74,7 @@ def test_a_preempted_request_scores_each_prompt_token_once(demo_model, hf):
 def test_a_prefill_preempted_midway_scores_each_prompt_token_once(demo_model, hf):
     """A long prompt prefilled in chunks of 8 into 12 blocks of 8: the requests beside it take the
     blocks it needs, it is preempted with its prompt partly scored, and resumes where it was."""
-    long = " ".join(["once upon a time"] * 6)  # 48 tokens; the newest request, so the one preempted
+    long = " ".join(["once upon a time"] * 7)  # 55 tokens; the newest request, so the one preempted
     prompts = ["Roses are red", "SELECT name FROM students", "The router sends each request", long]
     sp = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)] * 3 + [
         SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=1)]

@@ -16,6 +16,7 @@ Semantics are PEFT's, in the same `re` module: `target_modules` as a string is
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import selectors
@@ -80,6 +81,7 @@ class RegexSandbox:
         self.wall_timeout_s = wall_timeout_s
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
+        self._closed_at_exit = False
 
     def match(self, names: list[str], patterns: list[tuple[str, str]], what: str) -> list[PatternResult]:
         """For each (mode, pattern), the names it matches. `what` names the config key for errors.
@@ -119,6 +121,10 @@ class RegexSandbox:
             self._proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-c", _CHILD, str(self.memory_bytes), str(self.cpu_budget_s)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True,
+                # Its own process group: a signal to the worker's group (`lorafleet up` stopping it)
+                # does not kill it under a worker that would then not reap it; it ends at the
+                # worker's exit (atexit below) or, if the worker is killed, at its stdin's EOF.
+                start_new_session=True,
             )
             try:
                 ready = _read_line(self._proc, time.monotonic() + START_TIMEOUT_S)
@@ -127,6 +133,11 @@ class RegexSandbox:
             if ready != b"ready\n":
                 self._stop()
                 raise AdapterError("regex_budget", "the regex helper process did not start; retry the load")
+            if not self._closed_at_exit:
+                # Stopped and reaped when the worker exits: an orphan would outlive it (and, where
+                # nothing reaps orphans, stay a zombie in the worker's process group).
+                atexit.register(self.close)
+                self._closed_at_exit = True
         return self._proc
 
     def _stop(self) -> None:
