@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from lorafleet.worker.lora.adapter import AdapterError
-from lorafleet.worker.lora.fetch import S3Fetcher
+from lorafleet.worker.lora.fetch import AdapterFetcher
 from lorafleet.worker.lora.sources import HubSource, LocalSource, S3Source, parse_source
 from tests.worker.worker_harness import TOKEN, RunningWorker, auth, worker_settings
 
@@ -83,7 +83,7 @@ def worker(s3, demo_model, demo_adapters, tmp_path_factory):
     token = base / "token"
     token.write_text(TOKEN + "\n")
     w = RunningWorker(worker_settings(demo_model, {}, token_file=token, adapter_root=root))
-    w.runtime.fetcher = S3Fetcher(base / "adapter-cache")  # LORAFLEET_ADAPTER_CACHE_DIR's place
+    w.runtime.fetcher = AdapterFetcher(base / "adapter-cache")  # LORAFLEET_ADAPTER_CACHE_DIR's place
     w.start()
     yield w
     w.stop()
@@ -110,7 +110,7 @@ def greedy(worker, model: str) -> tuple[int, list[str], list[float]]:
     return 200, lp["tokens"], lp["token_logprobs"]
 
 
-def count_gets(fetcher: S3Fetcher, delay: float = 0.0) -> list[str]:
+def count_gets(fetcher: AdapterFetcher, delay: float = 0.0) -> list[str]:
     """The keys of every GetObject the fetcher's client sends from now on (each held `delay` s first)."""
     keys: list[str] = []
 
@@ -131,8 +131,10 @@ def test_parse_sources():
     assert parse_source("S3://my-bucket") == S3Source("my-bucket", "")
     assert parse_source("hf://acme/sql-lora") == HubSource("acme/sql-lora", None)
     assert parse_source("hf://acme/sql-lora@0123abc") == HubSource("acme/sql-lora", "0123abc")
+    assert parse_source("hf://acme/loras/sql/v2@refs/pr/3") == HubSource("acme/loras", "refs/pr/3", "sql/v2")
+    assert str(parse_source("hf://acme/loras/sql/v2/@main")) == "hf://acme/loras/sql/v2@main"
     for bad, words in [("gs://b/x", "scheme 'gs'"), ("http://x/y", "scheme 'http'"), ("s3://Bad_Bucket/x", "bucket"),
-                       ("s3://bkt/../x", "'..'"), ("hf://only-one", "OWNER/NAME"), ("hf://a/b/c", "OWNER/NAME"),
+                       ("s3://bkt/../x", "'..'"), ("hf://only-one", "OWNER/NAME"), ("hf://a/b/../c", "'..'"),
                        ("hf://a/b@", "revision")]:
         with pytest.raises(AdapterError) as err:
             parse_source(bad)
@@ -184,7 +186,6 @@ def test_sha256_pins_the_content(worker, demo_adapters):
     (f"s3://{BUCKET}/broken/config-only", "missing_weights"),
     (f"s3://{BUCKET}/broken/pickled", "pickle"),
     ("gs://bucket/x", "bad_source"),
-    ("hf://acme/sql-lora@main", "unsupported_source"),
 ])
 def test_refused_sources_name_a_reason(worker, path, reason):
     r = load(worker, "refused", path)
@@ -224,7 +225,7 @@ def test_concurrent_loads_of_one_source_download_once(worker):
 
 # -- the fetcher alone ---------------------------------------------------------------------------------
 def test_size_caps_are_checked_before_downloading(s3, tmp_path, demo_adapters):
-    fetcher = S3Fetcher(tmp_path / "cache")
+    fetcher = AdapterFetcher(tmp_path / "cache")
     gets = count_gets(fetcher)
     size = (demo_adapters["sql"] / FILES[1]).stat().st_size
     with pytest.raises(AdapterError) as err:
@@ -236,7 +237,7 @@ def test_size_caps_are_checked_before_downloading(s3, tmp_path, demo_adapters):
 
 def test_cache_is_bounded_lru_and_keyed_by_content(s3, tmp_path, demo_adapters):
     one = sum((demo_adapters["poem"] / f).stat().st_size for f in FILES)
-    fetcher = S3Fetcher(tmp_path / "cache", max_cache_bytes=int(one * 1.5))
+    fetcher = AdapterFetcher(tmp_path / "cache", max_cache_bytes=int(one * 1.5))
     poem = fetcher.fetch(S3Source(BUCKET, "team/poem/"), 1 << 30)
     # Leased (its caller still reading it): kept even over the bound.
     code = fetcher.fetch(S3Source(BUCKET, "team/code/"), 1 << 30)
@@ -278,5 +279,5 @@ def test_missing_boto3_names_the_extra(monkeypatch, tmp_path):
 
     monkeypatch.setattr(builtins, "__import__", no_boto3)
     with pytest.raises(AdapterError, match=r"lorafleet\[sources\]") as err:
-        S3Fetcher(tmp_path).fetch(S3Source(BUCKET, "team/poem/"), 1 << 30)
+        AdapterFetcher(tmp_path).fetch(S3Source(BUCKET, "team/poem/"), 1 << 30)
     assert err.value.reason == "sources_unavailable"
