@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -265,3 +268,40 @@ def test_caps_before_download(hub, tmp_path, demo_adapters):
         fetcher.fetch(HubSource("acme/poem-lora", None), max_bytes=size - 1)
     assert err.value.reason == "too_large" and str(size) in str(err.value)
     assert len(hub.seen("GET", "/resolve/")) == before and not any((tmp_path / "caps").glob("*/*"))
+
+
+# -- the digest: the worker's, the CLI's and the documented one-liner's -------------------------------
+def documented_one_liner() -> str:
+    """The one-liner docs/worker.md gives for the digest (the test runs what the docs say)."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "worker.md").read_text()
+    lines = [ln.strip().strip("`") for ln in text.splitlines() if ln.strip().startswith("`python -c 'import hashlib")]
+    assert len(lines) == 1, lines
+    return lines[0].removesuffix(" FOLDER")
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lorafleet", "adapters", "digest", *args], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_cli_digest_is_the_workers_and_the_documented_one(worker, hub, demo_adapters):
+    folder = demo_adapters["sql"]
+    assert load(worker, "sql-for-digest", "sql").status_code == 200
+    reported = inventory(worker)["sql-for-digest"]["digest"]
+    cli = run_cli(str(folder))
+    assert cli.returncode == 0, cli.stderr
+    assert "sha256:" + cli.stdout.strip() == reported
+    one_liner = subprocess.run(["bash", "-c", f"{documented_one_liner()} {folder}"], capture_output=True, text=True,
+                               timeout=60)
+    assert one_liner.returncode == 0, one_liner.stderr
+    assert "sha256:" + one_liner.stdout.strip() == reported
+    # Remote sources through the worker's fetcher (HF_ENDPOINT and HF_TOKEN from the environment);
+    # several sources: "HEX  SOURCE" lines.
+    cli = run_cli(str(demo_adapters["poem"]), "hf://acme/loras/sql/v2@" + hub.commits["multi"],
+                  env={"HF_ENDPOINT": hub.url, "HF_TOKEN": HF_TOKEN})
+    assert cli.returncode == 0, cli.stderr
+    assert cli.stdout.splitlines() == [f"{digest_of(demo_adapters['poem'])[7:]}  {demo_adapters['poem']}",
+                                       f"{reported[7:]}  hf://acme/loras/sql/v2@{hub.commits['multi']}"]
+    assert HF_TOKEN not in cli.stdout + cli.stderr
+    bad = run_cli(str(demo_adapters["poem"].parent), "hf://acme/no-such-repo", env={"HF_ENDPOINT": hub.url})
+    assert bad.returncode == 1 and "not a PEFT adapter folder" in bad.stderr and "hf://acme/no-such-repo" in bad.stderr

@@ -120,7 +120,8 @@ class HubBackend:
             return AdapterError("not_found", f"{what}: no such repo on the Hub (or HF_TOKEN cannot see it)")
         if isinstance(exc, errors.RevisionNotFoundError):
             return AdapterError("not_found", f"{what}: revision {source.revision!r} not found in the repo")
-        if isinstance(exc, errors.RemoteEntryNotFoundError):
+        # RemoteEntryNotFoundError from huggingface_hub 1.0, EntryNotFoundError before.
+        if isinstance(exc, getattr(errors, "RemoteEntryNotFoundError", errors.EntryNotFoundError)):
             return AdapterError("not_found", f"{what}: {file or 'a file'} not found at the resolved commit")
         if status == 403:
             return AdapterError("access_denied", f"{what}: the Hub answered 403; HF_TOKEN lacks read access")
