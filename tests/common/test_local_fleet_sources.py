@@ -92,7 +92,7 @@ def fleet(stores, tmp_path, demo_assets) -> Iterator[Fleet]:
 
 
 def manifest(name: str, source: str, replicas: int = 1, sha256: str | None = None) -> str:
-    pin = f", sha256: {sha256}" if sha256 else ""
+    pin = f", sha256: '{sha256}'" if sha256 else ""
     return (f"apiVersion: lorafleet.dev/v1alpha1\nkind: LoraAdapter\nmetadata: {{name: {name}}}\n"
             f"spec: {{pool: local, source: '{source}', replicas: {{min: {replicas}, max: {replicas}}}{pin}}}\n---\n")
 
