@@ -274,9 +274,9 @@ def test_caps_before_download(hub, tmp_path, demo_adapters):
 def documented_one_liner() -> str:
     """The one-liner docs/worker.md gives for the digest (the test runs what the docs say)."""
     text = (Path(__file__).resolve().parents[2] / "docs" / "worker.md").read_text()
-    lines = [ln.strip().strip("`") for ln in text.splitlines() if ln.strip().startswith("`python -c 'import hashlib")]
-    assert len(lines) == 1, lines
-    return lines[0].removesuffix(" FOLDER")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("python -c 'import hashlib")]
+    assert len(lines) == 1 and lines[0].endswith(" FOLDER"), lines
+    return sys.executable + lines[0].removeprefix("python").removesuffix(" FOLDER")
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
