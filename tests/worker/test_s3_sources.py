@@ -22,6 +22,7 @@ import pytest
 from lorafleet.worker.lora.adapter import AdapterError
 from lorafleet.worker.lora.fetch import AdapterFetcher
 from lorafleet.worker.lora.sources import HubSource, LocalSource, S3Source, parse_source
+from tests.worker.flaky_proxy import FlakyProxy
 from tests.worker.worker_harness import TOKEN, RunningWorker, auth, worker_settings
 
 moto_server = pytest.importorskip("moto.server")
@@ -201,6 +202,7 @@ def test_concurrent_loads_of_one_source_download_once(worker):
     gets = count_gets(worker.runtime.fetcher, delay=0.5)
     stats = worker.runtime.fetcher.stats
     before, hits = stats.downloads, stats.hits
+    scraped = {m: fetch_metric(worker, m) for m in ("misses", "hits", "bytes")}
     barrier = threading.Barrier(3)
     answers: dict[str, httpx.Response] = {}
 
@@ -221,6 +223,21 @@ def test_concurrent_loads_of_one_source_download_once(worker):
     # Asked again later: answered from the cache, no GET.
     assert load(worker, "code-d", f"s3://{BUCKET}/team/code").status_code == 200
     assert len(gets) == 2
+    # /metrics: one download of both files, one cache hit.
+    size = sum(int(obj["Size"]) for obj in boto3.client("s3").list_objects_v2(
+        Bucket=BUCKET, Prefix="team/code/")["Contents"])
+    assert fetch_metric(worker, "misses") == scraped["misses"] + 1
+    assert fetch_metric(worker, "hits") == scraped["hits"] + 1
+    assert fetch_metric(worker, "bytes") == scraped["bytes"] + size
+
+
+def fetch_metric(worker, counter: str) -> float:
+    """lorafleet:adapter_fetch_{cache_misses,cache_hits,bytes}_total{scheme="s3"} on /metrics."""
+    name = {"misses": "cache_misses", "hits": "cache_hits", "bytes": "bytes"}[counter]
+    for line in httpx.get(f"{worker.url}/metrics").text.splitlines():
+        if line.startswith(f'lorafleet:adapter_fetch_{name}_total{{scheme="s3"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 # -- the fetcher alone ---------------------------------------------------------------------------------
@@ -281,3 +298,37 @@ def test_missing_boto3_names_the_extra(monkeypatch, tmp_path):
     with pytest.raises(AdapterError, match=r"lorafleet\[sources\]") as err:
         AdapterFetcher(tmp_path).fetch(S3Source(BUCKET, "team/poem/"), 1 << 30)
     assert err.value.reason == "sources_unavailable"
+
+
+# -- transient errors: retried with back-off, a bounded number of times ---------------------------------
+@pytest.fixture
+def flaky(s3, monkeypatch):
+    """A proxy in front of moto that fails requests on demand; the AWS environment points at it."""
+    proxy = FlakyProxy(os.environ["AWS_ENDPOINT_URL_S3"])
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.url)
+    yield proxy
+    proxy.stop()
+
+
+def test_s3_5xx_and_cut_downloads_are_retried(flaky, tmp_path, demo_adapters):
+    fetcher = AdapterFetcher(tmp_path / "cache", attempts=3, backoff_s=0.01)
+    weights = "/team/code/adapter_model.safetensors"
+    flaky.fail("GET", weights, "503", times=2)  # botocore's own retries (standard mode)
+    flaky.fail("GET", weights, "cut", times=1)  # the body broken off midway: the fetcher's retry
+    folder = Path(fetcher.fetch(S3Source(BUCKET, "team/code/"), 1 << 30))
+    assert flaky.seen("GET", weights) == [503, 503, 0, 200]
+    for name in FILES:
+        assert (folder / name).read_bytes() == (demo_adapters["code"] / name).read_bytes()
+    assert fetcher.stats.totals[("retries", "s3", "")] == 1 and fetcher.stats.downloads == 1
+    assert not list((tmp_path / "cache").glob(".partial-*"))
+
+
+def test_s3_that_keeps_failing_is_given_up_on(flaky, tmp_path):
+    fetcher = AdapterFetcher(tmp_path / "cache", attempts=3, backoff_s=0.01)
+    flaky.fail("GET", f"/{BUCKET}", "503", times=100)
+    with pytest.raises(AdapterError) as err:
+        fetcher.fetch(S3Source(BUCKET, "team/poem/"), 1 << 30)
+    assert err.value.reason == "unavailable" and "ServiceUnavailable" in str(err.value)
+    assert flaky.seen("GET", f"/{BUCKET}") == [503] * 3, flaky.requests  # the LIST, tried 3 times in all
+    assert fetcher.stats.totals[("errors", "s3", "unavailable")] == 1
+    assert "testing-secret" not in str(err.value)

@@ -54,7 +54,7 @@ class S3Backend:
             if self._client is None:
                 boto3, config = _boto3()
                 self._client = boto3.session.Session().client(
-                    "s3", config=config(retries={"max_attempts": self.attempts, "mode": "standard"}))
+                    "s3", config=config(retries={"total_max_attempts": self.attempts, "mode": "standard"}))
             return self._client
 
     def resolve(self, source: S3Source, max_bytes: int) -> Resolved:
