@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from lorafleet.worker.engine.engine import LLMEngine
+from lorafleet.worker.lora.fetch import FetchStats
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
 LOAD_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+FETCH_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 @dataclass(slots=True)
@@ -161,7 +163,25 @@ class WorkerMetrics:
         self.admin_loads = Counter(
             "lorafleet:lora_admin_loads", "Admin load calls by result.", ("result",), registry=r
         )
+        # Remote adapter sources (s3://, hf://; worker/lora/fetch.py), mirrored from `FetchStats`.
+        s = ("scheme",)
+        self.fetch_counters = {
+            "bytes": Counter("lorafleet:adapter_fetch_bytes", "Bytes of adapter files downloaded.", s, registry=r),
+            "hits": Counter("lorafleet:adapter_fetch_cache_hits", "Remote adapter fetches answered from the "
+                            "worker's adapter cache.", s, registry=r),
+            "misses": Counter("lorafleet:adapter_fetch_cache_misses", "Remote adapter fetches that downloaded.", s,
+                              registry=r),
+            "retries": Counter("lorafleet:adapter_fetch_retries", "Remote calls retried after a transient error "
+                               "(5xx, 429, connection reset, timeout).", s, registry=r),
+            "errors": Counter("lorafleet:adapter_fetch_errors", "Remote adapter fetches refused, by reason.",
+                              (*s, "reason"), registry=r),
+        }
+        self.fetch_seconds = Histogram(
+            "lorafleet:adapter_fetch_seconds", "Time to download a remote adapter's files (cache misses).", s,
+            buckets=FETCH_BUCKETS, registry=r,
+        )
         self._last_totals: dict[str, int] = {}
+        self._last_fetch: dict[tuple[str, str, str], int] = {}
 
     # -- StepObserver (engine thread) ------------------------------------------------------------
     def on_first_token(self, seconds: float) -> None:
@@ -226,3 +246,16 @@ class WorkerMetrics:
             if increase > 0:
                 counter.inc(increase)
             self._last_totals[key] = max(value, self._last_totals.get(key, 0))
+
+    def update_fetch(self, stats: FetchStats) -> None:
+        """Mirror the fetcher's totals by their increase since the last scrape; take its new durations."""
+        totals, seconds = dict(stats.totals), stats.take_seconds()
+        for key, value in totals.items():
+            counter, scheme, reason = key
+            increase = value - self._last_fetch.get(key, 0)
+            if increase > 0:
+                metric = self.fetch_counters[counter]
+                (metric.labels(scheme, reason) if counter == "errors" else metric.labels(scheme)).inc(increase)
+            self._last_fetch[key] = max(value, self._last_fetch.get(key, 0))
+        for scheme, s in seconds:
+            self.fetch_seconds.labels(scheme).observe(s)
