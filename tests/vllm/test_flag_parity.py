@@ -25,12 +25,17 @@ SCRIPT = Path(__file__).with_name("vllm_parse.py")
 
 
 @pytest.fixture(scope="module")
-def vllm_parsed(tmp_path_factory) -> dict:
+def vllm_parsed(request, tmp_path_factory) -> dict:
     argvs = [[*MODEL, *c.argv] for c in CASES]
-    out = subprocess.run([vllm_python(), str(SCRIPT), json.dumps(SETTINGS)], input=json.dumps(argvs),
-                         capture_output=True, text=True, timeout=400, check=True,
-                         cwd=tmp_path_factory.mktemp("vllm-parse"))  # not the repo: its operator/ shadows
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    proc = subprocess.Popen([vllm_python(), str(SCRIPT), json.dumps(SETTINGS)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path_factory.mktemp("vllm-parse"))  # not the repo: its operator/ shadows
+    # The tier's one vLLM server starts meanwhile (its tests need it anyway): the two imports of
+    # vLLM overlap instead of adding up.
+    request.getfixturevalue("vllm_server")
+    out, err = proc.communicate(json.dumps(argvs), timeout=400)
+    assert proc.returncode == 0, err[-2000:]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def test_the_pinned_flag_list_is_vllms(vllm_parsed):

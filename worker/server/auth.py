@@ -12,6 +12,8 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from lorafleet.worker.server.errors import error_response
+
 log = logging.getLogger("lorafleet.worker.server.auth")
 
 
@@ -97,8 +99,6 @@ class ApiKeyGuard:
                 headers = dict(scope.get("headers") or ())
                 raw = headers.get(b"authorization")
                 if not self.allowed(raw.decode("latin-1") if raw is not None else None):
-                    from lorafleet.worker.server.errors import error_response
-
                     response = error_response(401, "missing or wrong API key: send `Authorization: Bearer KEY` "
                                                    "with a key of the worker's --api-key",
                                               headers={"WWW-Authenticate": "Bearer"})
