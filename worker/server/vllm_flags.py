@@ -41,9 +41,9 @@ DEFAULT_DIFFERENCES: tuple[DefaultDifference, ...] = (
                       "the product's point: many tenants' adapters stay warm in host memory, so a request "
                       "for one costs a copy to the GPU, not a read from disk"),
     DefaultDifference("--max-lora-rank", "64", "16",
-                      "the product's point: one pool serves tenants' adapters of mixed ranks (a slot keeps "
-                      "its adapter's own rank, so the ceiling does not slow rank-8 adapters); vLLM's 16 "
-                      "refuses rank-32 and rank-64 fine-tunes"),
+                      "the product's point: one pool serves tenants' adapters of mixed ranks (the kernels "
+                      "read each at its own rank; the ceiling sizes the slots' memory); vLLM's 16 refuses "
+                      "rank-32 and rank-64 fine-tunes"),
     DefaultDifference("--max-num-seqs", "64", "128 on CPU, 256 on most GPUs, 1024 on H100/H200",
                       "one value on every device: the decode CUDA graphs are captured per batch bucket up "
                       "to it at start-up"),
