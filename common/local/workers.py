@@ -61,6 +61,8 @@ def worker_env(workers: int, adapter_cache: Path | None = None) -> dict[str, str
     # CPU workers share the cores instead of each starting one thread per core.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
     env["PYTHONUNBUFFERED"] = "1"
+    # vLLM's API key variable would make each worker require a key the local router does not send.
+    env.pop("VLLM_API_KEY", None)
     return env
 
 
