@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lorafleet.operator import placement
+from lorafleet.operator.sources import is_remote
 from lorafleet.operator.spec import AdapterSpec, PoolSpec, digest_matches, same_digest
 from lorafleet.operator.status import AdapterObservation, adapter_status, pool_phase, status_changed
 from lorafleet.operator.worker_client import RESIDENT_TIERS
@@ -123,6 +124,8 @@ class AdapterRecord:
             shown = (self.status or {}).get("source")
             self.outdated = shown is not None and shown != self.spec.source  # changed while no operator ran
             self.previous_digest = (self.status or {}).get("digest")  # what the copies held, as last reported
+            if self.spec.sha256 is None and is_remote(self.spec.source) and shown == self.spec.source:
+                self.current_digest = self.previous_digest  # the recorded pin outlives the operator
             return
         self.conflict = old.conflict
         if old.spec == self.spec:

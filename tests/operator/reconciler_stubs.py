@@ -42,12 +42,16 @@ class StubWorkers:
             adapters=list(self.held[url].values()),
         )
 
-    async def load(self, url: str, token: str, name: str, path: str, inplace: bool = False) -> AdapterInventory:
+    async def load(self, url: str, token: str, name: str, path: str, inplace: bool = False,
+                   sha256: str | None = None) -> AdapterInventory:
         old = self.held[url].get(name)
         self.events.append(("reload" if inplace and old is not None else "load", url, name))
         if name in self.refuse or path in self.refuse:
             raise LoadRefused(400, "not an adapter")
         new = info(name, path=path)
+        want = None if sha256 is None else "sha256:" + sha256.lower().removeprefix("sha256:")
+        if want is not None and new.digest != want:  # as the real worker: refused before it serves
+            raise LoadRefused(400, f"digest mismatch for {path}: expected {want}, got {new.digest}", "DigestMismatch")
         if old is not None and old.digest != new.digest:
             if not inplace:
                 raise LoadRefused(409, f"{name} is loaded with different content")
