@@ -125,6 +125,7 @@ class _Fleet:
         from lorafleet.local.controller import NAMESPACE, LocalController, worker_urls
         from lorafleet.operator.pool_state import PodState
         from lorafleet.operator.reconciler import PoolReconciler
+        from lorafleet.operator.sources import SourcesSpec
         from lorafleet.operator.spec import EngineSpec, PoolSpec
         from lorafleet.operator.worker_client import WorkerClient
         from lorafleet.placement_store import MemoryPlacementStore, RedisPlacementStore
@@ -153,6 +154,8 @@ class _Fleet:
             engine=EngineSpec(max_loras=o.max_loras, max_cpu_loras=o.max_cpu_loras, max_lora_rank=o.max_lora_rank,
                               device=o.device),
             adapter_mount=str(self.run_dir.adapters),
+            # The local fleet allows any bucket and Hub owner, with the user's own credentials.
+            sources=SourcesSpec(enabled=True, allowed_buckets=("*",), allowed_hub_owners=("*",)),
         )
         reconciler = PoolReconciler(NAMESPACE, POOL, WorkerClient.create(), None, self.store,
                                     LocalController.settings(), url_of=worker_urls({w.name: w.url for w in self.workers}))
