@@ -244,6 +244,7 @@ class Rollout:
         expected = record.expected_digest
         if expected is not None and any(same_digest(c.digest, expected) for c in copies):
             log.warning("load of %s refused on %s while the same content serves elsewhere: %s", name, pod_name, exc.message)
+            record.replica_refused = (exc.reason, exc.message)
             return True
         version = pool_state.serving_version(record, copies)
         if version is None:
@@ -295,6 +296,7 @@ class Rollout:
     def _took(self, record: AdapterRecord, pod: str, inventory: AdapterInventory, before: AdapterInfo | None) -> None:
         """The bookkeeping after a load of the record's target on `pod` answered with `inventory`."""
         self.loaded.setdefault(pod, set()).add(record.spec.name)
+        record.replica_refused = None
         self._note_copy(pod, inventory, record.spec.name)
         self._adopt(record, pod, inventory, before)
         pool_state.note_digests(self.digests, inventory)

@@ -210,6 +210,10 @@ async def test_s3_adapters_through_the_operator(
         assert inv[holder]["legal"] == recorded and "legal" not in inv[other], inv
         assert status(api, "legal")["digest"] == recorded
         assert status(api, "legal")["readyReplicas"] == 1
+        legal = status(api, "legal")
+        cond = ready_condition(api, "legal")
+        assert (legal["phase"], cond["status"], cond["reason"]) == ("Degraded", "False", "DigestMismatch"), legal
+        assert f"expected {recorded}" in cond["message"] and "digest mismatch" in cond["message"], cond
         assert (await greedy(workers[holder], "legal"))[0] == 200
         assert (await greedy(workers[other], "legal"))[0] == 404
     finally:

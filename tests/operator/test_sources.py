@@ -190,3 +190,62 @@ def test_the_workers_refusals_name_their_reason(worker_reason, status, reason) -
 def test_bad_pool_sources_are_refused(raw: dict) -> None:
     with pytest.raises(SpecError):
         pool(sources=raw)
+
+
+SOURCE = "s3://b-1/a"
+
+
+def remote_reconciler(status: dict | None = None):
+    from lorafleet.operator.pool_state import PodState
+    from lorafleet.operator.reconciler import PoolReconciler
+    from lorafleet.operator.spec import PoolSpec
+    from tests.operator.reconciler_stubs import NOW, PODS, RecordingStore, StubWorkers
+
+    events: list[tuple] = []
+    workers = StubWorkers(events)
+    reconciler = PoolReconciler("ns", "pool", workers, None, RecordingStore(events), url_of=lambda pod, _p: pod.name,
+                                clock=lambda: NOW)
+    allow = sources.SourcesSpec(enabled=True, allowed_buckets=("b-1",))
+    reconciler.set_pool(PoolSpec("ns", "pool", "img", "/model", "base", sources=allow), "token")
+    for pod in PODS:
+        reconciler.observe_pod(PodState(pod, "10.0.0.1", ready=True, draining=False))
+    return reconciler, workers
+
+
+def respec_remote(reconciler, replicas: int, status: dict | None = None) -> None:
+    spec = parse_adapter("ns", "a", {"pool": "pool", "source": SOURCE, "replicas": {"min": replicas, "max": replicas}})
+    reconciler.upsert_adapter(spec, replicas, status)
+
+
+async def test_an_object_changed_after_its_first_load_is_not_served_by_a_new_replica() -> None:
+    from tests.operator.reconciler_stubs import digest_of
+
+    reconciler, workers = remote_reconciler()
+    respec_remote(reconciler, 1)
+    await reconciler.reconcile_once()
+    first = digest_of(SOURCE)
+    (home,) = [pod for pod, held in workers.held.items() if "a" in held]
+    assert reconciler.adapters["a"].status["digest"] == first  # recorded
+    assert workers.held[home]["a"].path == SOURCE  # the worker is asked for the source itself
+
+    workers.changed[SOURCE] = "sha256:" + "cd" * 32  # the object is replaced in the bucket
+    respec_remote(reconciler, 2)
+    for _ in range(2):
+        reconciler.wake(resync=True)
+        await reconciler.reconcile_once()
+    other = next(pod for pod in workers.held if pod != home)
+    assert "a" not in workers.held[other] and workers.held[home]["a"].digest == first
+    status = reconciler.adapters["a"].status
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert (status["phase"], status["digest"], ready["reason"]) == ("Degraded", first, "DigestMismatch")
+    assert f"expected {first}" in ready["message"] and "cd" * 32 in ready["message"]
+
+    # After an operator restart the pin comes from status.digest.
+    restarted, workers2 = remote_reconciler()
+    workers2.held[home]["a"] = workers.held[home]["a"]
+    workers2.changed[SOURCE] = workers.changed[SOURCE]
+    respec_remote(restarted, 2, status={"phase": "Degraded", "source": SOURCE, "digest": first})
+    for _ in range(2):
+        restarted.wake(resync=True)
+        await restarted.reconcile_once()
+    assert "a" not in workers2.held[other] and workers2.held[home]["a"].digest == first
