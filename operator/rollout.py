@@ -245,6 +245,9 @@ class Rollout:
         if expected is not None and any(same_digest(c.digest, expected) for c in copies):
             log.warning("load of %s refused on %s while the same content serves elsewhere: %s", name, pod_name, exc.message)
             record.replica_refused = (exc.reason, exc.message)
+            mine = pool_state.info_of(here, name)
+            if mine is not None and not same_digest(mine.digest, expected):  # e.g. a router's cold load of changed bytes
+                await self._drain(url, pod_name, name)
             return True
         version = pool_state.serving_version(record, copies)
         if version is None:

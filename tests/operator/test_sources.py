@@ -249,3 +249,23 @@ async def test_an_object_changed_after_its_first_load_is_not_served_by_a_new_rep
         restarted.wake(resync=True)
         await restarted.reconcile_once()
     assert "a" not in workers2.held[other] and workers2.held[home]["a"].digest == first
+
+
+async def test_a_copy_of_changed_bytes_loaded_behind_the_operator_is_unloaded() -> None:
+    """A router's cold load reads the catalog's source without a digest: if the object changed, that
+    copy holds other bytes than the recorded digest; its pinned reload is refused, so it is unloaded."""
+    from tests.operator.reconciler_stubs import digest_of, info
+
+    reconciler, workers = remote_reconciler()
+    respec_remote(reconciler, 1)
+    await reconciler.reconcile_once()
+    (home,) = [pod for pod, held in workers.held.items() if "a" in held]
+    other = next(pod for pod in workers.held if pod != home)
+    changed = "sha256:" + "ef" * 32
+    workers.changed[SOURCE] = changed
+    workers.held[other]["a"] = info("a", path=SOURCE).model_copy(update={"digest": changed})
+    for _ in range(2):
+        reconciler.wake(resync=True)
+        await reconciler.reconcile_once()
+    assert "a" not in workers.held[other]
+    assert workers.held[home]["a"].digest == digest_of(SOURCE)
