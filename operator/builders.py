@@ -125,8 +125,9 @@ def with_pod_fields(template: dict[str, Any], pool: PoolSpec) -> dict[str, Any]:
                                 "readOnlyRootFilesystem": False, "runAsNonRoot": True,
                                 "capabilities": {"drop": ["ALL"]}}
         c["volumeMounts"] = c.get("volumeMounts", []) + [dict(m) for m in pod.volume_mounts]
-        if pod.env:
-            c["env"] = c.get("env", []) + [dict(e) for e in pod.env]
+        if pod.env:  # the pool's own entries win over the operator's of the same name (e.g. AWS_REGION)
+            names = {e["name"] for e in pod.env}
+            c["env"] = [e for e in c.get("env", []) if e["name"] not in names] + [dict(e) for e in pod.env]
     spec["volumes"] = spec.get("volumes", []) + [dict(v) for v in pod.volumes]
     spec["securityContext"] = {
         "runAsNonRoot": True,

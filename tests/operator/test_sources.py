@@ -269,3 +269,12 @@ async def test_a_copy_of_changed_bytes_loaded_behind_the_operator_is_unloaded() 
         await reconciler.reconcile_once()
     assert "a" not in workers.held[other]
     assert workers.held[home]["a"].digest == digest_of(SOURCE)
+
+
+def test_the_pools_own_env_wins_over_the_secrets_key() -> None:
+    p = pool(sources={"credentialsSecretRef": {"name": "store"}},
+             env=[{"name": "AWS_ENDPOINT_URL_S3", "value": "http://minio:9000"}])
+    env = pod_template(p)["spec"]["containers"][0]["env"]
+    mine = [e for e in env if e["name"] == "AWS_ENDPOINT_URL_S3"]
+    assert mine == [{"name": "AWS_ENDPOINT_URL_S3", "value": "http://minio:9000"}]
+    assert any(e["name"] == "AWS_SECRET_ACCESS_KEY" for e in env)
