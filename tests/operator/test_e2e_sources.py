@@ -5,8 +5,8 @@ The workers get the store's endpoint and credentials only from the pool's Secret
 (`spec.sources.credentialsSecretRef`, `secretKeyRef` env resolved by the test kubelet): this process's
 environment holds no AWS settings, so a fetch that works proves the Secret reached the worker.
 Checked: an s3:// adapter answers exactly as the same files on the volume; a wrong sha256 is
-refused (Failed, DigestMismatch, both digests) and never served; a missing prefix and a bucket
-outside the pool's allow-list are refused with their reasons; an object changed after the first
+refused (Failed, DigestMismatch, both digests) and never served; a missing prefix or object, and a
+bucket or Hub owner outside the pool's allow-lists, are refused with their reasons; an object changed after the first
 load is not served by a new replica under the recorded digest; a volume adapter serves throughout;
 the Secret's values appear in no object, event, operator log or worker log.
 """
@@ -77,6 +77,8 @@ def s3(demo_adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch, tmp_path
 
     for name in ("poem", "sql", "legal"):
         put(f"team/{name}", demo_adapters[name])
+    client.put_object(Bucket=BUCKET, Key="team/halfway/adapter_config.json",  # no weights object
+                      Body=(demo_adapters["sql"] / FILES[0]).read_bytes())
     yield {"endpoint": endpoint, "put": put}
     server.stop()
 
@@ -137,11 +139,12 @@ async def test_s3_adapters_through_the_operator(
     remote = {
         "s3poem": f"s3://{BUCKET}/team/poem", "s3sql": f"s3://{BUCKET}/team/sql", "legal": f"s3://{BUCKET}/team/legal",
         "wrongsha": f"s3://{BUCKET}/team/sql", "missing": f"s3://{BUCKET}/team/nothing-here",
-        "outside": "s3://another-bucket/team/poem",
+        "outside": "s3://another-bucket/team/poem", "halfway": f"s3://{BUCKET}/team/halfway",
+        "stranger": "hf://stranger/poem-lora@main",
     }
     manifests = [adapter_manifest(name, source=source, credentialsSecretRef={"name": "adapter-store"})
                  for name, source in remote.items()]
-    manifests[3]["spec"]["sha256"] = "0" * 64
+    next(m for m in manifests if m["metadata"]["name"] == "wrongsha")["spec"]["sha256"] = "0" * 64
     await apply(kubectl, tmp_path, credentials_secret(s3["endpoint"]), pool, adapter_manifest("poem", 2, 2), *manifests)
 
     good = ("poem", "s3poem", "s3sql", "legal")
@@ -174,11 +177,15 @@ async def test_s3_adapters_through_the_operator(
         s3poem_pod = next(p for p, names in inv.items() if "s3poem" in names)
         assert inv[s3poem_pod]["s3poem"] == inv[s3poem_pod]["poem"]
         assert status(api, "s3poem")["digest"] == inv[s3poem_pod]["poem"]
-        assert await greedy(workers[s3poem_pod], "s3poem") == await greedy(workers[s3poem_pod], "poem")
+        from_s3, from_volume = await greedy(workers[s3poem_pod], "s3poem"), await greedy(workers[s3poem_pod], "poem")
+        assert from_s3[:2] == from_volume[:2] and from_s3[0] == 200  # the same tokens
+        # and the same log-probabilities, to float32 rounding (the batch around each request differs)
+        assert from_s3[2] == pytest.approx(from_volume[2], abs=1e-4)
 
         # Refused with a reason before serving: a wrong sha256, a missing prefix, a bucket not allowed.
-        for name, reason in (("wrongsha", "DigestMismatch"), ("missing", "SourceNotFound"),
-                             ("outside", "SourceNotAllowed")):
+        refused = (("wrongsha", "DigestMismatch"), ("missing", "SourceNotFound"), ("halfway", "SourceNotFound"),
+                   ("outside", "SourceNotAllowed"), ("stranger", "SourceNotAllowed"))
+        for name, reason in refused:
             await eventually(lambda n=name: status(api, n).get("phase") == "Failed", timeout=30)
             cond = ready_condition(api, name)
             assert (cond["status"], cond["reason"]) == ("False", reason), cond
@@ -186,13 +193,15 @@ async def test_s3_adapters_through_the_operator(
         assert "digest mismatch" in message and f"sha256:{'0' * 64}" in message, message
         assert status(api, "s3sql")["digest"] in message, message  # the content's own digest
         assert "another-bucket" in ready_condition(api, "outside")["message"]
+        assert "adapter_model.safetensors" in ready_condition(api, "halfway")["message"]
+        assert "Hub owner 'stranger'" in ready_condition(api, "stranger")["message"]
         inv = await inventory(api, kubelet)
-        for name in ("wrongsha", "missing", "outside"):
+        for name, _reason in refused:
             assert not any(name in names for names in inv.values()), inv
             for worker in workers.values():
                 assert (await greedy(worker, name))[0] == 404
         logs = "".join((factory.root / pod / "worker.log").read_text() for pod in workers)
-        assert "another-bucket" not in logs  # refused by the policy before any load
+        assert "another-bucket" not in logs and "stranger" not in logs  # refused by the policy before any load
 
         # The object behind "legal" changes after its first load: a new replica fetches the new
         # bytes, which differ from the digest recorded in status, and does not serve them.
