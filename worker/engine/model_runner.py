@@ -132,7 +132,7 @@ class ModelRunner:
         """Forward the batch; sample one token for each sequence in `sampled` (prefill done or decode)."""
         greedy = None
         if self.graphs is not None and self.graphs.can_run(batch):
-            out = self.graphs.run(batch, slot_of)  # every sequence is sampled: rows match `sampled`
+            out = self.graphs.run(batch, slot_of)  # the sampling sequences' rows: they match `sampled`
             logits, greedy = out.logits, out.greedy
         else:
             input_ids, positions, attn, lora_meta, logits_rows, prompt_rows = self.prepare(batch, slot_of)
