@@ -105,24 +105,34 @@ def decode_inputs(
     logits_rows = np.zeros(logits_len, dtype=np.int64)
     row = sampled = 0
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
-        start = seq.num_computed  # not `seq.tokens`, which copies; see above
+        start, total = seq.num_computed, len(seq)  # not `seq.tokens`, which copies; see above
         if len(seq.block_table) > width:
             raise ValueError(f"sequence {seq.seq_id} has {len(seq.block_table)} blocks, the graph's tables {width}")
         end = row + n
-        if start + n <= len(seq):
+        if n == 1:  # a decode (or async scheduling's next step, whose token is replaced on the device)
+            if start + 1 >= total:
+                ids[row] = seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1]
+            else:  # a one-token prompt chunk
+                ids[row] = _token_ids(seq, start, 1)[0]
+            positions[row] = start
+            slots[row] = seq.block_table[start // block_size] * block_size + start % block_size
+            ctx[row] = start + 1
+            tables[row, : len(seq.block_table)] = seq.block_table
+            for j, (name, scale) in enumerate(seq.adapters):
+                token_slots[row, j] = slot_of[name]
+                token_scales[row, j] = scale
+        else:
             ids[row:end] = _token_ids(seq, start, n)
-        else:  # async scheduling's next step: replaced on the device
-            ids[row] = seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1]
-        pos = np.arange(start, start + n)
-        positions[row:end] = pos
-        table = np.asarray(seq.block_table, dtype=np.int64)
-        slots[row:end] = table[pos // block_size] * block_size + pos % block_size
-        tables[row:end, : len(seq.block_table)] = seq.block_table
-        ctx[row:end] = pos + 1
-        for j, (name, scale) in enumerate(seq.adapters):
-            token_slots[row:end, j] = slot_of[name]
-            token_scales[row:end, j] = scale
-        if start + n >= len(seq):  # it samples: its last row's logits
+            pos = np.arange(start, start + n)
+            positions[row:end] = pos
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            slots[row:end] = table[pos // block_size] * block_size + pos % block_size
+            ctx[row:end] = pos + 1
+            tables[row:end, : len(seq.block_table)] = seq.block_table
+            for j, (name, scale) in enumerate(seq.adapters):
+                token_slots[row:end, j] = slot_of[name]
+                token_scales[row:end, j] = scale
+        if start + n >= total:  # it samples: its last row's logits
             if sampled >= logits_len:
                 raise ValueError(f"more than {logits_len} sequences sample in this step")
             logits_rows[sampled] = end - 1
