@@ -6,11 +6,13 @@ for a decode step, and a closed loop at concurrency 64 delivered 0.23 of the eng
 (docs/benchmarks.md, "The served path"). Here (CPU, no capture): the rows of such a step against
 `ModelRunner.prepare`'s, the scheduler's budget beside decodes, and whole engines with requests
 arriving while others decode: every step from the graphs' buffers, the same tokens and logits as
-the eager engine (fp32: max |Δ| / max |eager| <= 1e-5, as tests/worker/test_cuda_graphs.py).
+the eager engine (fp32: max |Δ| / max |eager| <= 1e-5, as tests/worker/test_cuda_graphs.py; on a
+GPU, `-m gpu`, with captured graphs: 1e-4).
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lorafleet.worker.config import EngineConfig
@@ -102,9 +104,10 @@ def test_budget_beside_decodes_chunks_prompts():
     assert chunks == [15, 15, 10]
 
 
-def _engine(demo_model, modules, graphs: bool) -> LLMEngine:
-    config = EngineConfig(max_loras=4, max_cpu_loras=8, device="cpu", cuda_graphs=graphs, num_kv_blocks=256,
-                          warmup=False, enable_prefix_caching=False, max_num_seqs=8, max_graph_tokens=24)
+def _engine(demo_model, modules, graphs: bool, device: str) -> LLMEngine:
+    config = EngineConfig(max_loras=4, max_cpu_loras=8, device=device, cuda_graphs=graphs, num_kv_blocks=256,
+                          warmup=False, enable_prefix_caching=False, max_num_seqs=8, max_graph_tokens=24,
+                          dtype="float32")
     return LLMEngine(demo_model, config, lora_modules=modules)
 
 
@@ -141,9 +144,16 @@ def _staggered(engine: LLMEngine) -> tuple[dict[int, list[torch.Tensor]], list[b
     return logits, eager
 
 
-def test_prompts_joining_decodes_run_in_the_graphs(demo_model, modules):
-    want_logits, eager_steps = _staggered(_engine(demo_model, modules, graphs=False))
-    graph_engine = _engine(demo_model, modules, graphs=True)
+@pytest.mark.parametrize("device, tolerance", [
+    ("cpu", 1e-5),
+    # Captured graphs; the prompt rows' attention comes from the paged decode kernel where the eager
+    # step calls SDPA: summed in another order.
+    pytest.param("cuda", 1e-4, marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                           reason="needs a CUDA GPU")]),
+])
+def test_prompts_joining_decodes_run_in_the_graphs(demo_model, modules, device, tolerance):
+    want_logits, eager_steps = _staggered(_engine(demo_model, modules, False, device))
+    graph_engine = _engine(demo_model, modules, True, device)
     got_logits, graph_steps = _staggered(graph_engine)
     assert all(eager_steps)
     assert not any(graph_steps), "a step ran eagerly: a prompt joining decodes should replay a graph"
@@ -155,4 +165,4 @@ def test_prompts_joining_decodes_run_in_the_graphs(demo_model, modules):
         got_tokens = [int(row.argmax()) for row in got_logits[rid]]
         assert got_tokens == [int(row.argmax()) for row in want_logits[rid]], f"request {rid}"
         for step, (g, e) in enumerate(zip(got_logits[rid], want_logits[rid])):
-            assert rel_err(g, e) <= 1e-5, f"request {rid} step {step}"
+            assert rel_err(g, e) <= tolerance, f"request {rid} step {step}"

@@ -7,6 +7,8 @@ requests for adapters already in the batch or base-only requests. A request defe
 `aging_steps` steps is *starving*: admission then stops for everything that would keep other
 adapters in the batch, so they drain and the starving adapter gets a slot (base-only requests
 still flow). When KV blocks run out, the newest running request is preempted by recompute.
+While any running request decodes, the step's budget is `mixed_step_tokens` when set (the decode
+graphs' rows, worker/engine/cuda_graphs.py), so prompts joining decodes are chunked to fit a graph.
 """
 
 from __future__ import annotations
