@@ -4,7 +4,8 @@ per token, and the Triton kernel against the reference.
 Without CUDA the kernel runs in the Triton interpreter (conftest.py). Cases: bf16 / fp16 / fp32,
 widths that are not multiples of the block, one to many tokens, DoRA, plain-LoRA and base tokens
 in one step, two entries per token, with and without a deferred delta and a bias, and bad
-arguments refused.
+arguments refused. `@pytest.mark.gpu`: the kernel captured in a CUDA graph sees slots turn DoRA
+and back between replays.
 """
 
 from __future__ import annotations
@@ -104,3 +105,24 @@ def test_bad_arguments_are_refused():
         dora_epilogue_triton(y, delta, g.double(), is_dora, slots, bias)
     with pytest.raises(ValueError):
         dora_epilogue(y, delta, g, is_dora, slots, bias, backend="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graph_replay_sees_slot_changes():
+    y0, delta0, g, is_dora, slots, bias = (x.cuda() for x in case(64, 6144, 1, torch.bfloat16))
+    y, delta = y0.clone(), delta0.clone()
+    dora_epilogue_triton(y, delta, g, is_dora, slots, bias)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dora_epilogue_triton(y, delta, g, is_dora, slots, bias)
+    for flags in ([1, 0, 1, 0], [0, 1, 1, 1], [0, 0, 0, 0]):
+        is_dora.copy_(torch.tensor(flags, dtype=torch.int32))
+        g.mul_(1.1)
+        y.copy_(y0)
+        delta.copy_(delta0)
+        graph.replay()
+        want_y, want_d = y0.clone(), delta0.clone()
+        dora_epilogue_reference(want_y, want_d, g, is_dora, slots, bias)
+        assert torch.allclose(y.float(), want_y.float(), atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+        assert torch.equal(delta, want_d)

@@ -58,8 +58,8 @@ PLAN_WHILE_READING = True
 # PEFT's saved names ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"), also without
 # the wrapper prefixes or with the adapter name (as vLLM reads them). Layer numbers in ASCII, no
 # leading zeros: PEFT would not map "layers.07" or a non-ASCII digit onto a layer.
-# A DoRA adapter's magnitude vector is saved as "...q_proj.lora_magnitude_vector" (PEFT 0.21 drops the
-# ".default.weight" of its parameter's name; the longer forms are taken too).
+# A DoRA adapter's magnitude vector is taken under the one name PEFT saves and reads it by,
+# "...q_proj.lora_magnitude_vector" (its parameter's ".default.weight" dropped).
 _TENSOR_NAME = re.compile(
     r"(?:(?:base_model\.model\.)?model\.)?layers\.(0|[1-9][0-9]{0,8})\.(self_attn|mlp)\.([a-z_]+)"
     r"\.(?:lora_([AB])(?:\.default)?\.weight|lora_(magnitude)_vector(?:\.default)?(?:\.weight)?)"
