@@ -118,3 +118,17 @@ def test_bad_dora_adapters_are_refused(edit, reason, match, tmp_path, demo_model
     with pytest.raises(AdapterError, match=match) as err:
         engine.load_adapter("d", str(folder / "dora"))
     assert err.value.reason == reason
+
+
+def test_one_slot_turns_dora_and_back(tmp_path, demo_model):
+    """One GPU slot, taken in turn by the DoRA adapter, the LoRA one and the DoRA one again: the
+    slot's DoRA flag follows its adapter (a LoRA adapter in a slot a DoRA one left is not rescaled)."""
+    folder = tmp_path / "qwen2"
+    lora = build("qwen2_tied", folder, demo_model)
+    dora = build_dora("qwen2_tied", folder)
+    engine = LLMEngine(folder, EngineConfig(max_loras=1, dtype="float32", block_size=8),
+                       lora_modules={"a": str(folder / "adapter"), "d": str(folder / "dora")})
+    for name, model in (("d", dora), ("a", lora), ("d", dora)):
+        check_mixed_batch(engine, {"": lora, name: model}, PROMPT)
+        # the host flag picks eager steps' launches, the device one the rows a graph's launch rewrites
+        assert engine.slots.slot_dora == [name == "d"] and engine.slots.is_dora.tolist() == [int(name == "d")]
