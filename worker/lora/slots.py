@@ -76,6 +76,7 @@ class LoraSlots:
                                              dtype=torch.float32, device=device) for fused in FUSED_SLICES}
         self.is_dora = torch.zeros(num_slots, dtype=torch.int32, device=device)
         self.slot_dora = [False] * num_slots
+        self._dora_step: tuple[LoraMeta | None, bool] = (None, False)  # the last step's meta, and its answer
         self.layers: list[dict[str, FusedSlots]] = []
         self._host_ranks: list[list[int]] = []  # per layer, in SLICE_ORDER (index k): the slice's host ranks
         for layer_idx in range(config.num_layers):
@@ -158,6 +159,7 @@ class LoraSlots:
             if weights.dora or self.slot_dora[slot]:
                 self.is_dora[slot : slot + 1].fill_(int(weights.dora))
         self.slot_dora[slot] = weights.dora
+        self._dora_step = (None, False)
         if stream is not None:
             event = torch.cuda.Event()
             event.record(stream)
@@ -172,6 +174,7 @@ class LoraSlots:
         if self.slot_dora[slot]:
             self.is_dora[slot] = 0
             self.slot_dora[slot] = False
+            self._dora_step = (None, False)
         self._ready.pop(slot, None)
 
     def rank_bound(self, token_slots: torch.Tensor) -> int:
@@ -184,9 +187,18 @@ class LoraSlots:
         """Rescale the DoRA tokens' rows of a fused projection's output in place (`kernels/lora/dora.py`):
         y = b + g ⊙ (y + delta - b), their delta rows zeroed. Outside a graph, only when a slot of the
         step holds a DoRA adapter; in a graph always (which tokens are DoRA ones is data there)."""
-        if not graph and not any(self.slot_dora[slot] for slot, _, _ in meta.segments):
+        if not graph and not self._step_has_dora(meta):
             return
         dora_epilogue(y, delta, self.layers[layer][fused].dora_scale, self.is_dora, meta.token_slots, bias, backend)
+
+    def _step_has_dora(self, meta: LoraMeta) -> bool:
+        """Whether a slot of the step holds a DoRA adapter (asked once per step: every layer's
+        projections share the step's meta)."""
+        if not any(self.slot_dora):
+            return False
+        if self._dora_step[0] is not meta:
+            self._dora_step = (meta, any(self.slot_dora[slot] for slot, _, _ in meta.segments))
+        return self._dora_step[1]
 
     def wait(self, slots: list[int]) -> None:
         """Make the compute stream wait for pending copies into these slots (no host sync)."""
