@@ -41,6 +41,7 @@ from lorafleet.worker.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from lorafleet.worker.engine.warm_up import warm_up
 from lorafleet.worker.layers.attention import resolve_attention_backend
 from lorafleet.worker.lora.adapter import AdapterError
+from lorafleet.worker.lora.dora import dora_refusal
 from lorafleet.worker.lora.registry import AdapterRegistry
 from lorafleet.worker.lora.slots import LoraSlots
 from lorafleet.worker.models.llama import iter_checkpoint
@@ -103,7 +104,8 @@ class LLMEngine:
                                            self.model.lora_backend)
         self.slots = LoraSlots(self.model_config, config.max_loras, config.max_lora_rank, self.device, self.dtype)
         self.model.lora = self.slots
-        self.registry = AdapterRegistry(self.model_config, config, self.slots, self.dtype)
+        self.registry = AdapterRegistry(self.model_config, config, self.slots, self.dtype,
+                                        base_weight=self.model.base_weight)
 
         num_blocks = plan_kv_blocks(config, self.model_config, self.device,
                                     ModelRunner.kv_bytes_per_block(self.model, config.block_size), baseline_free)
@@ -236,6 +238,9 @@ class LLMEngine:
                 f"{len(adapters)} adapters requested; this worker allows max_loras_per_request="
                 f"{self.config.max_loras_per_request}", "lora_adapters"
             )
+        why = dora_refusal(adapters, self.registry.is_dora)
+        if why is not None:
+            raise RequestError(why, "lora_adapters")
         stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self._eos_ids)
         if sampling.min_tokens and sampling.allowed_token_ids is not None and stop_ids >= set(sampling.allowed_token_ids):
             raise RequestError("min_tokens: every token in allowed_token_ids is a stop token, so none can be sampled first",
