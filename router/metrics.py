@@ -29,6 +29,7 @@ class RouterMetrics:
     ratelimited: Counter
     breaker_open: Gauge
     breaker_transitions: Counter
+    index_checks: Counter
     # Tenant labels: names only where /metrics needs a token (--metrics-token-file), else the
     # tenant's opaque `label`, so an unauthenticated scrape learns no tenant names.
     tenant_names: bool = False
@@ -102,6 +103,12 @@ class RouterMetrics:
                 p + "placement_store_breaker_transitions",
                 "Redis circuit breaker state changes, by the state entered",
                 ["state"],
+                registry=r,
+            ),
+            index_checks=Counter(
+                p + "index_checks",
+                "--verify-index: indexed decisions compared with the plain policy's, by result (agree/disagree)",
+                ["result"],
                 registry=r,
             ),
             tenant_names=tenant_names,
