@@ -50,6 +50,7 @@ class Replica:
     # sync: cached, and dropped by those three.
     _residency: dict[str, str] | None = None
     _touched: set[str] | None = None  # the fleet's set of replicas whose view changed
+    _inventory_active: frozenset[str] | None = None  # adapters the last poll saw running
 
     def __post_init__(self) -> None:
         if not self.admin_url:
@@ -89,6 +90,7 @@ class Replica:
         self.poll_timeouts = 0
         self.overlay = {k: v for k, v in self.overlay.items() if v[1] > started_at}
         self._residency = None
+        self._inventory_active = None
         self.touch()
 
     def poll_failed(self, timed_out: bool) -> None:
@@ -109,12 +111,19 @@ class Replica:
         self.ejected_until = until
         self.touch()
 
+    def inventory_active(self) -> frozenset[str]:
+        if self._inventory_active is None:
+            inv = self.inventory
+            self._inventory_active = frozenset(
+                a.name for a in inv.adapters if a.requests_in_flight > 0) if inv else frozenset()
+        return self._inventory_active
+
     def view(self, now: float, capacity: int) -> EndpointView:
         inv = self.inventory
         tiers = self.residency()
         gpu = frozenset(n for n, t in tiers.items() if t == "gpu")
         cpu = frozenset(tiers) | frozenset(self.loading)  # a request joins a load under way
-        active = frozenset(a.name for a in inv.adapters if a.requests_in_flight > 0) if inv else frozenset()
+        active = self.inventory_active()
         return EndpointView(
             name=self.name,
             model=inv.model if inv else "",
@@ -179,6 +188,41 @@ class Fleet:
             (self._ejected.add if view.ejected else self._ejected.discard)(name)
         touched.clear()
         return index
+
+    def claim(self, replica: Replica, adapters: tuple[str, ...]) -> None:
+        """A request sent to `replica`: its in-flight counts."""
+        replica.inflight += 1
+        for a in adapters:
+            replica.inflight_by_adapter[a] += 1
+        self._follow_counts(replica, adapters)
+
+    def release(self, replica: Replica, adapters: tuple[str, ...]) -> list[str]:
+        """A request on `replica` finished (or failed): its in-flight counts; returns the adapters
+        it left with no request in flight there."""
+        replica.inflight = max(0, replica.inflight - 1)
+        idle = []
+        for a in adapters:
+            replica.inflight_by_adapter[a] -= 1
+            if replica.inflight_by_adapter[a] <= 0:
+                del replica.inflight_by_adapter[a]
+                idle.append(a)
+        self._follow_counts(replica, adapters)
+        return idle
+
+    def _follow_counts(self, replica: Replica, adapters: tuple[str, ...]) -> None:
+        """The index follows a count change without re-reading the whole replica: its load and the
+        adapters' activity (running per the last poll, or in flight from here), as `view` has them."""
+        name = replica.name
+        i = self._index.ids.get(name)
+        if name in self._touched or i is None:
+            self._touched.add(name)
+            return
+        index = self._index
+        state = index.replicas[i]
+        index.set_counts(i, state.running, state.waiting, replica.inflight)
+        polled = replica.inventory_active()
+        for a in adapters:
+            index.set_active(i, a, a in polled or replica.inflight_by_adapter.get(a, 0) > 0)
 
     def views(self, exclude: Iterable[str] = ()) -> list[EndpointView]:
         now = self.clock()

@@ -258,7 +258,7 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
     try:
         lease = await gw.limiter.acquire(tenant)
     except Limited as exc:
-        gw.metrics.requests.labels(gw.metrics.tenant(tenant), adapter_label, "429").inc()
+        gw.metrics.count_request(tenant, adapter_label, "429")
         return await respond_error(
             send,
             429,
@@ -295,8 +295,8 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
                 why += [f"adapter {a!r} is not in the catalog: only a replica holding it can serve it" for a in unloadable]
                 break
             replica = gw.fleet.replicas[decision.endpoint.name]
-            gw.metrics.routes.labels(decision.reason).inc()
-            claim(replica, adapters)
+            gw.metrics.count_route(decision.reason)
+            claim(gw, replica, adapters)
             t0 = time.perf_counter()
             try:
                 if decision.needs_load or replica.loading:
@@ -357,7 +357,7 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
     finally:
         gone.cancel()
     await lease.release()
-    gw.metrics.requests.labels(gw.metrics.tenant(tenant), adapter_label, "503").inc()
+    gw.metrics.count_request(tenant, adapter_label, "503")
     await respond_error(
         send,
         503,
@@ -367,23 +367,15 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
     )
 
 
-def claim(replica: Replica, adapters: tuple[str, ...]) -> None:
-    replica.touch()
-    replica.inflight += 1
-    for a in adapters:
-        replica.inflight_by_adapter[a] += 1
+def claim(gw: Gateway, replica: Replica, adapters: tuple[str, ...]) -> None:
+    gw.fleet.claim(replica, adapters)
 
 
 def release(gw: Gateway, replica: Replica, adapters: tuple[str, ...]) -> None:
-    replica.touch()
-    replica.inflight = max(0, replica.inflight - 1)
-    for a in adapters:
-        replica.inflight_by_adapter[a] -= 1
-        if replica.inflight_by_adapter[a] <= 0:
-            del replica.inflight_by_adapter[a]
-            if a in replica.transient and a not in replica.loading:
-                replica.transient.discard(a)  # not admitted to the cache: give the slot back
-                asyncio.get_running_loop().create_task(gw.loader.unload(replica, a))
+    for a in gw.fleet.release(replica, adapters):
+        if a in replica.transient and a not in replica.loading:
+            replica.transient.discard(a)  # not admitted to the cache: give the slot back
+            asyncio.get_running_loop().create_task(gw.loader.unload(replica, a))
 
 
 async def prepare(gw: Gateway, replica: Replica, decision: Decision, adapters: tuple[str, ...]) -> None:
@@ -416,4 +408,4 @@ async def finish(
 ) -> None:
     release(gw, replica, adapters)
     await lease.release()
-    gw.metrics.requests.labels(gw.metrics.tenant(tenant), adapter_label, status).inc()
+    gw.metrics.count_request(tenant, adapter_label, status)
