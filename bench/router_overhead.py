@@ -164,7 +164,8 @@ def server_stack() -> dict[str, str]:
     return {
         "http_parser": "httptools" if have("httptools") else "h11",
         "event_loop": "uvloop" if have("uvloop") else "asyncio",
-        "upstream_client": "aiohttp",
+        "upstream_client": "router/upstream.py (httptools protocols, keep-alive pool)",
+        "stream_relay": "direct to uvicorn's transport (router/relay.py)",
     }
 
 

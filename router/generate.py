@@ -302,7 +302,8 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
                 if decision.needs_load or replica.loading:
                     await unless_gone(prepare(gw, replica, decision, adapters), gone)
                 headers = upstream_headers(scope["headers"], {HEADER_TENANT: tenant.name})
-                headers.update(request_headers(replica.kind, gw.sync.tokens.headers(replica.pool)))
+                if replica.kind == "vllm":  # the pool's token (a file's stat per lookup): only vLLM takes it here
+                    headers.update(request_headers(replica.kind, gw.sync.tokens.headers(replica.pool)))
                 url = replica.url + path
                 sent = request_body(replica.kind, payload, body, adapters)
                 upstream = await send_once(gw.upstream, url, sent, headers, stream, adapters, gone)
