@@ -138,7 +138,7 @@ def callgrind_counts(pythonpath: Path | None, fixed_requests, requests: int = 40
     `requests` non-streamed requests 4 at a time (`fixed_requests(port, n, concurrency)`), `idle_s`
     of nothing (the background polls' rate), then `streams` streams of `tokens` tokens, one every
     `interval_ms` (slow enough that each upstream read holds one token under valgrind). Counted only
-    during each phase (`--instr-atstart=no`, `callgrind_control --instr`), so start-up is left out. The
+    during each phase (`--instr-atstart=no`, `callgrind_control -i`), so start-up is left out. The
     counts do not move with the machine's load, unlike CPU time. Needs `valgrind`; takes minutes."""
     up_port, port = _free_port(), _free_port()
     upstream = start_upstream(up_port, interval_ms, None)
@@ -158,12 +158,13 @@ def callgrind_counts(pythonpath: Path | None, fixed_requests, requests: int = 40
         subprocess.run(["callgrind_control", *args, str(proc.pid)], capture_output=True, check=False)
 
     def phase(name: str, work) -> float:
-        control("--instr=on")
+        control("-i", "on")
         t0 = time.monotonic()
         work()
         wall = time.monotonic() - t0
-        control(f"--dump={name}")
-        control("--instr=off")
+        control("-d", name)
+        control("-i", "off")
+        control("-z")
         return wall
 
     try:
@@ -187,7 +188,7 @@ def callgrind_counts(pythonpath: Path | None, fixed_requests, requests: int = 40
     counts = {}
     for f in out.glob("cg.*.*"):
         text = f.read_text(errors="replace")
-        trigger = next((ln.split()[-1].split("=")[-1] for ln in text.splitlines() if ln.startswith("desc: Trigger:")), "")
+        trigger = next((ln.split()[-1] for ln in text.splitlines() if ln.startswith("desc: Trigger:")), "")
         total = next((int(ln.split(":")[1]) for ln in text.splitlines() if ln.startswith("summary:")), 0)
         counts[trigger] = total
     shutil.rmtree(out, ignore_errors=True)
