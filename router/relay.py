@@ -30,9 +30,13 @@ def direct_writer(send: Send, tail: StreamTail) -> Callable[[bytes], bool] | Non
     kind = type(cycle)
     if (kind.__module__, kind.__name__) != _UVICORN_CYCLE or getattr(cycle, "chunked_encoding", None) is not True:
         return None
-    if not cycle.response_started or cycle.response_complete or cycle.scope["method"] == "HEAD":
+    try:  # uvicorn's internals: a version that moved them gets the generic relay
+        if not cycle.response_started or cycle.response_complete or cycle.scope["method"] == "HEAD":
+            return None
+        transport, flow = cycle.transport, cycle.flow
+        flow.write_paused, cycle.disconnected  # noqa: B018  (read per write below)
+    except (AttributeError, KeyError):
         return None
-    transport, flow = cycle.transport, cycle.flow
     see = tail.see
 
     def write(data: bytes) -> bool:
