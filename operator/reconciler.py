@@ -22,6 +22,7 @@ from typing import Any
 
 from lorafleet.operator import placement, pool_state, status_writer
 from lorafleet.operator.kube import KubeClient
+from lorafleet.operator.pod_roll import PodRoll
 from lorafleet.operator.pool_state import (
     AdapterRecord,
     PodState,
@@ -48,7 +49,7 @@ log = logging.getLogger("lorafleet.operator")
 
 
 @dataclass(slots=True)
-class PoolReconciler(Rollout):
+class PoolReconciler(Rollout, PodRoll):
     """The reconcile loop of one pool.
 
     `url_of` is how the loop reaches a worker (see `UrlOf`). The default suits Kubernetes; a
@@ -82,6 +83,8 @@ class PoolReconciler(Rollout):
     # (pod, adapter) copies of a new version loaded beside a busy old one (`_load_spare`): kept by
     # the placement, as copies in use are, until the old one is drained.
     _spares: set[tuple[str, str]] = field(default_factory=set)
+    # pod -> its deletion cost and gate as this term wrote them: newer than a pod event still queued.
+    _marks: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     # ---- inputs from the handlers -------------------------------------------------------------
 
@@ -234,6 +237,8 @@ class PoolReconciler(Rollout):
             for r in self.adapters.values()
             if r.problem is None
         ]
+        live = [self.pods[p.name] for p in live if p.name in self.pods]  # as they are now, after the awaits
+        leaving = self._retiring()
         views = [
             placement.PodView(
                 p.name,
@@ -241,7 +246,8 @@ class PoolReconciler(Rollout):
                 self.inventories[p.name].max_cpu_loras if p.name in self.inventories and pool.server.kind != "vllm"
                 else pool.engine.max_cpu_loras,
                 ready=p.ready,
-                draining=p.draining,
+                draining=p.draining or p.name in leaving,  # retiring: keeps serving until emptied
+                serving=p.in_service,
             )
             for p in live
         ]
@@ -262,6 +268,7 @@ class PoolReconciler(Rollout):
         result.actions = len(actions)
         if actions:
             result.errors += await self._execute(actions)
+        result.errors += await self._roll_pods(target, leaving)
         await self._publish()
         # An old version still loaded (its reload is refused for now) is not a ready replica.
         loading = {a.adapter for a in actions if a.kind == "load"} | stale_names
@@ -356,7 +363,7 @@ class PoolReconciler(Rollout):
         try:
             for name, pod in self.pods.items():
                 inv = self.inventories.get(name)
-                if inv is None or not pod.ready or pod.draining or pod.ip is None:
+                if inv is None or not pod.in_service:
                     continue
                 tiers = {a.name: a.tier for a in inv.adapters}
                 adapters = {n: tiers.get(n, "cpu") for n in self.loaded.get(name, ())}
