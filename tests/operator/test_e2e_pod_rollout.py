@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -32,7 +33,9 @@ def endpoints(api: PatchedEmulator) -> list[str]:
 
 @dataclass
 class Watcher:
-    """Every `tick_s`: each adapter must be held by a pod the routers route to."""
+    """Every `tick_s`: each adapter must be held by a pod the routers route to. At the first gap it
+    keeps the scene for the failure message: every pod's annotations, terminating, conditions and
+    adapters, and each worker's load/unload calls of the first missing adapter."""
 
     api: PatchedEmulator
     kubelet: Kubelet
@@ -41,10 +44,9 @@ class Watcher:
     ticks: int = 0
     gaps: list[tuple[int, str]] = field(default_factory=list)  # (tick, adapter) with no serving copy
     first_served: dict[str, set[str]] = field(default_factory=dict)  # pod -> its adapters when it first served
+    scene: dict[str, Any] = field(default_factory=dict)
+    _workers: dict[str, Any] = field(default_factory=dict)  # every worker seen, gone ones included
     _task: asyncio.Task | None = None
-    scene: dict = field(default_factory=dict)
-    seen: dict = field(default_factory=dict)
-    calls: dict = field(default_factory=dict)
 
     def check(self) -> None:
         self.ticks += 1
@@ -54,16 +56,17 @@ class Watcher:
             held = set(running.worker.state.adapters) if running is not None else set()
             self.first_served.setdefault(pod, held)
             served |= held
-        for n, rp in self.kubelet.pods.items():
-            self.seen[n] = rp.worker
+        self._workers |= {n: p.worker for n, p in self.kubelet.pods.items()}
         missing = [(self.ticks, a) for a in self.adapters if a not in served]
         if missing and not self.scene:
-            self.calls = {n: [c for c in w.state.calls if c[1] == missing[0][1]] + [len(w.state.adapters)] for n, w in self.seen.items()}
-        if missing and not self.scene:
-            self.scene = {n: ((o.get("metadata") or {}).get("annotations"), bool(o["metadata"].get("deletionTimestamp")),
-                              [(c["type"], c["status"]) for c in o["status"]["conditions"]],
-                              sorted(self.kubelet.pods[n].worker.state.adapters) if n in self.kubelet.pods else None)
-                          for o in self.api.items("v1/pods", "default") for n in [o["metadata"]["name"]]}
+            first = missing[0][1]
+            self.scene = {
+                "pods": {o["metadata"]["name"]: (o["metadata"].get("annotations"), bool(o["metadata"].get("deletionTimestamp")),
+                                                 [(c["type"], c["status"]) for c in o["status"]["conditions"]])
+                         for o in self.api.items("v1/pods", "default")},
+                "held": {n: sorted(w.state.adapters) for n, w in self._workers.items()},
+                f"calls of {first}": {n: [c for c in w.state.calls if c[1] == first] for n, w in self._workers.items()},
+            }
         self.gaps += missing
 
     async def _loop(self) -> None:
@@ -111,7 +114,7 @@ async def test_rollout_keeps_a_serving_copy_of_every_adapter_at_every_tick(
         await eventually(lambda: rolled_out(api, kubelet, before, 3), timeout=60)
         await eventually(lambda: all(status(api, n).get("phase") == "Ready" for n in names), timeout=20)
     assert watch.ticks > 50
-    assert watch.gaps == [], f"adapters with no serving copy: {watch.gaps[:10]} ({len(watch.gaps)} in all) {watch.scene} {watch.calls}"
+    assert watch.gaps == [], f"adapters with no serving copy: {watch.gaps[:10]} ({len(watch.gaps)} in all) {watch.scene}"
     # Routers never saw a new pod before it held adapters (its readiness gate held it back).
     new = {p: held for p, held in watch.first_served.items() if p not in before}
     assert len(new) == 3 and all(new.values()), new
@@ -139,7 +142,7 @@ async def test_rollout_continues_safely_after_the_operator_is_killed_and_a_stand
             await active.kill()
             await eventually(lambda: rolled_out(api, kubelet, before, 3), timeout=60)
             await eventually(lambda: all(status(api, n).get("phase") == "Ready" for n in names), timeout=20)
-        assert watch.gaps == [], f"adapters with no serving copy: {watch.gaps[:10]} ({len(watch.gaps)} in all) {watch.scene} {watch.calls}"
+        assert watch.gaps == [], f"adapters with no serving copy: {watch.gaps[:10]} ({len(watch.gaps)} in all) {watch.scene}"
         assert getattr(standby.memo, "fleet", None) is not None and standby.memo.fleet.pools, "the standby took over"
         await eventually(lambda: sorted(n for p in kubelet.pods.values() for n in p.worker.state.adapters) == sorted(names))
     finally:
@@ -166,7 +169,7 @@ async def test_rollout_waits_while_no_operator_runs_and_a_new_one_finishes_it(
         await operator.start()
         await eventually(lambda: rolled_out(api, kubelet, before, 3), timeout=60)
         await eventually(lambda: all(status(api, n).get("phase") == "Ready" for n in names), timeout=20)
-    assert watch.gaps == [], f"adapters with no serving copy: {watch.gaps[:10]} ({len(watch.gaps)} in all) {watch.scene} {watch.calls}"
+    assert watch.gaps == [], f"adapters with no serving copy: {watch.gaps[:10]} ({len(watch.gaps)} in all) {watch.scene}"
     await eventually(lambda: sorted(n for p in kubelet.pods.values() for n in p.worker.state.adapters) == sorted(names))
 
 
@@ -195,6 +198,6 @@ async def test_scale_down_removes_the_pod_whose_copies_exist_elsewhere_then_empt
         await kubectl("patch", "lorapool", "pool", "--type=merge", "-p", '{"spec": {"replicas": 1}}')
         await eventually(lambda: len(kubelet.pods) == 1 and len(endpoints(api)) == 1, timeout=30)
         await eventually(lambda: all(len(holders(kubelet, n)) == 1 for n in names), timeout=20)
-    assert watch.gaps == [], f"adapters with no serving copy: {watch.gaps[:10]} ({len(watch.gaps)} in all) {watch.scene} {watch.calls}"
+    assert watch.gaps == [], f"adapters with no serving copy: {watch.gaps[:10]} ({len(watch.gaps)} in all) {watch.scene}"
     await eventually(lambda: all(status(api, n).get("phase") == "Ready" for n in solo), timeout=10)
     assert all(status(api, n).get("readyReplicas") == 1 for n in shared)  # 3 wanted, 1 pod left: Degraded
