@@ -120,6 +120,7 @@ def _pod_state(body: kopf.Body | dict[str, Any]) -> PodState:
         revision=labels.get("pod-template-hash") or labels.get("controller-revision-hash") or "",
         cost=cost,
         created=meta.get("creationTimestamp") or "",
+        uid=meta.get("uid") or "",
     )
 
 

@@ -67,9 +67,15 @@ class PodRoll:
         """The pods with what this term wrote on them: a pod event sent before a write may arrive
         after it, and a pod that seems to lose its retiring cost would be replaced as the one to
         go while the Deployment is removing it."""
-        for gone in set(self._marks) - set(self.pods):
-            del self._marks[gone]
-        return {n: dataclasses.replace(p, **self._marks[n]) if n in self._marks else p for n, p in self.pods.items()}
+        for name, marks in list(self._marks.items()):
+            if name not in self.pods or self.pods[name].uid != marks["uid"]:  # gone, or re-created
+                del self._marks[name]
+        return {n: dataclasses.replace(p, **{k: v for k, v in self._marks[n].items() if k != "uid"})
+                if n in self._marks else p for n, p in self.pods.items()}
+
+    def _mark(self, pod: str, **marks: Any) -> None:
+        if pod in self.pods:
+            self._marks.setdefault(pod, {"uid": self.pods[pod].uid}).update(marks)
 
     def _retiring(self) -> set[str]:
         """The pods to empty before they go (placement takes nothing new there)."""
@@ -111,7 +117,7 @@ class PodRoll:
         ok = await self._write(f"gate of {pod}", self.kube.patch(path, {"status": {"conditions": [condition]}},
                                                                  content_type=STRATEGIC_MERGE_PATCH))
         if ok:
-            self._marks.setdefault(pod, {})["gate_open"] = True
+            self._mark(pod, gate_open=True)
         return ok
 
     async def _set_cost(self, pod: str, cost: int) -> bool:
@@ -119,7 +125,7 @@ class PodRoll:
         body = {"metadata": {"annotations": {retire.COST: str(cost)}}}
         ok = await self._write(f"deletion cost of {pod}", self.kube.patch(KubeClient.path("v1", "pods", self.namespace, pod), body))
         if ok:
-            self._marks.setdefault(pod, {})["cost"] = cost
+            self._mark(pod, cost=cost)
         return ok
 
     async def _lower_replicas(self) -> bool:

@@ -50,6 +50,7 @@ class PodState:
     revision: str = ""  # the pod template it was made from (pod-template-hash)
     cost: int | None = None  # its pod-deletion-cost annotation
     created: str = ""  # creationTimestamp
+    uid: str = ""  # a pod re-created under its name (a StatefulSet's) has another
 
     @property
     def usable(self) -> bool:

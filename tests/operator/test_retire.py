@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lorafleet.operator import placement, retire
 from lorafleet.operator.pool_state import PodState
+from lorafleet.operator.reconciler import PoolReconciler
 
 
 def pod(name: str, revision: str = "r1", *, serving: bool = True, gated: bool = True, gate_open: bool = True,
@@ -96,3 +97,16 @@ def test_deletion_costs() -> None:
 def test_a_pod_retiring_no_more_loses_its_lowest_cost_even_unpolled() -> None:
     pods = pods_of(pod("a", cost=retire.RETIRING_COST), pod("b"))
     assert retire.deletion_costs(pods, {"b": {"x"}}, {"x"}, set()) == {"a": 0, "b": 1}
+
+
+def test_what_a_term_wrote_outlives_a_late_event_but_not_the_pod() -> None:
+    """A pod event sent before the operator's write may arrive after it: the write wins. A pod
+    re-created under its name (another uid, a StatefulSet's) starts with nothing written."""
+    reconciler = PoolReconciler("default", "pool", workers=None, kube=None, store=None)  # type: ignore[arg-type]
+    reconciler.pods["a"] = PodState("a", "10.0.0.1", True, False, serving=True, gated=True, uid="u1")
+    reconciler._mark("a", cost=retire.RETIRING_COST, gate_open=True)
+    reconciler.pods["a"] = PodState("a", "10.0.0.1", True, False, serving=True, gated=True, cost=3, uid="u1")
+    assert (reconciler._marked()["a"].cost, reconciler._marked()["a"].gate_open) == (retire.RETIRING_COST, True)
+    reconciler.pods["a"] = PodState("a", "10.0.0.2", True, False, serving=False, gated=True, uid="u2")
+    assert (reconciler._marked()["a"].cost, reconciler._marked()["a"].gate_open) == (None, False)
+    assert reconciler._marks == {}
