@@ -23,7 +23,7 @@ from tests.operator.kubelet import Kubelet, template_hash
 from tests.operator.test_e2e import adapter_manifest, apply, holders, pool_manifest, status
 from tests.operator.test_peering import PEERING_CRDS, ThreadedOperator
 
-GATE = "lorafleet.dev/adapters-loaded"
+COST = "controller.kubernetes.io/pod-deletion-cost"
 
 
 def endpoints(api: PatchedEmulator) -> list[str]:
@@ -201,3 +201,27 @@ async def test_scale_down_removes_the_pod_whose_copies_exist_elsewhere_then_empt
     assert watch.gaps == [], f"adapters with no serving copy: {watch.gaps[:10]} ({len(watch.gaps)} in all) {watch.scene}"
     await eventually(lambda: all(status(api, n).get("phase") == "Ready" for n in solo), timeout=10)
     assert all(status(api, n).get("readyReplicas") == 1 for n in shared)  # 3 wanted, 1 pod left: Degraded
+
+
+async def test_scale_down_held_while_no_operator_runs_and_finished_by_the_next(
+    api: PatchedEmulator, kubectl: Kubectl, kubelet: Kubelet, operator: OperatorRunner, tmp_path: Path,
+) -> None:
+    """The operator is killed once it has chosen the pods to go: a restarted one keeps the
+    Deployment's replicas (the pool says fewer) until those pods are emptied, then lowers them."""
+    names = [f"q{i}" for i in range(6)]  # they fit on one pod (maxCpuLoras 8)
+    await ready_pool(api, kubectl, kubelet, tmp_path, names)
+    deployment = lambda: api.get("apps/v1/deployments", "default", "pool")["spec"]["replicas"]  # noqa: E731
+    with Watcher(api, kubelet, names) as watch:
+        await kubectl("patch", "lorapool", "pool", "--type=merge", "-p", '{"spec": {"replicas": 1}}')
+        retiring = lambda: [p["metadata"]["name"] for p in api.items("v1/pods", "default")  # noqa: E731
+                            if (p["metadata"].get("annotations") or {}).get(COST) == "-1"]
+        await eventually(lambda: len(retiring()) == 2, timeout=20, interval=0.01)
+        await operator.kill()
+        if deployment() == 3:  # killed before the pods were emptied: nothing goes while no operator runs
+            await asyncio.sleep(1.5)
+            assert deployment() == 3 and len(kubelet.pods) == 3
+        await operator.start()
+        await eventually(lambda: deployment() == 1 and len(kubelet.pods) == 1 and len(endpoints(api)) == 1, timeout=30)
+        await eventually(lambda: all(len(holders(kubelet, n)) == 1 for n in names), timeout=20)
+    assert watch.gaps == [], f"adapters with no serving copy: {watch.gaps[:10]} ({len(watch.gaps)} in all) {watch.scene}"
+    assert all(status(api, n).get("phase") == "Ready" for n in names)
