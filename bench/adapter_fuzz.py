@@ -11,7 +11,8 @@ Verdicts (`adapter_fuzz_judge.Judge`: safetensors, PEFT, the accepted-config tab
 valid → the load must answer 200 and the adapter must then serve; invalid → a 4xx with a reason.
 Counted: invalid accepted, valid refused, 5xx, hangs (no answer in --hang-s), responses that name
 a server path or the token, and the resident adapter's greedy output changing. Delays: gaps
-between the background stream's tokens, before the campaign (baseline) and during it. Prints a
+between the background stream's tokens, before the campaign (baseline) and during it, split by
+whether a load was in flight; every verdict is judged before the worker starts. Prints a
 table and writes bench/results/adapter_fuzz-<seed>.json.
 """
 
@@ -193,6 +194,14 @@ def run_campaign(args: argparse.Namespace) -> dict:
     token_file.write_text(TOKEN + "\n")
     judge = Judge(demo / "model", Caps())
     all_cases = cases(demo, args.seed, args.cases)
+    # Every verdict first, before the worker starts: the judge builds a PEFT model per new config,
+    # and doing that on the worker's cores during the campaign would be counted as the loads' delay.
+    verdicts = []
+    for i, case in enumerate(all_cases):
+        folder = root / f"c{i}"
+        case.write(folder)
+        verdicts.append(judge(folder))
+        _remove(folder)
     tally = Tally()
     proc = url = probe = None
     if not args.in_process:
@@ -214,7 +223,7 @@ def run_campaign(args: argparse.Namespace) -> dict:
         for i, case in enumerate(all_cases):
             folder = root / f"c{i}"
             case.write(folder)
-            verdict = judge(folder)
+            verdict = verdicts[i]
             if args.in_process:
                 t0 = time.monotonic()
                 try:
@@ -321,7 +330,11 @@ def _in_and_out(probe: GreedyProbe, windows: list[tuple[str, float, float]], t0:
 
     over = [(when, g) for when, g in probe.gaps if t0 <= when <= t1 and g > 0.05]
     n_in = sum(in_load(w) for w, _ in over)
-    return {"gaps_over_50ms_per_min_during_loads": round(n_in / (inside / 60), 1) if inside else None,
+    gaps_in = [g for w, g in probe.gaps if t0 <= w <= t1 and in_load(w)]
+    gaps_out = [g for w, g in probe.gaps if t0 <= w <= t1 and not in_load(w)]
+    return {"gap_p99_ms_during_loads": _ms(gaps_in, 0.99), "gap_max_ms_during_loads": _ms(gaps_in, 1.0),
+            "gap_p99_ms_between_loads": _ms(gaps_out, 0.99), "gap_max_ms_between_loads": _ms(gaps_out, 1.0),
+            "gaps_over_50ms_per_min_during_loads": round(n_in / (inside / 60), 1) if inside else None,
             "gaps_over_50ms_per_min_between_loads": round((len(over) - n_in) / (outside / 60), 1),
             "seconds_with_a_load_in_flight": round(inside, 1), "seconds_between_loads": round(outside, 1)}
 

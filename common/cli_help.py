@@ -29,9 +29,13 @@ ENVIRONMENT: dict[str, str] = {
     "LORAFLEET_ZERO_IN_SHRINK": "0: a memset zeroes the LoRA delta above the few-chunks bound (default 1)",
     "LORAFLEET_LORA_TUNING": "the LoRA kernels' tuning overridden: a JSON file's path or inline JSON "
                              "(default: kernels/lora/tunings/ by device)",
-    "LORAFLEET_ADAPTER_CACHE_DIR": "where adapters fetched from S3 are cached (default $TMPDIR/lorafleet-adapters)",
-    "LORAFLEET_ADAPTER_CACHE_BYTES": "the S3 adapter cache's size bound in bytes (default 20 GiB)",
+    "LORAFLEET_ADAPTER_CACHE_DIR": "where adapters fetched from S3 or the Hub are cached (default "
+                                   "$TMPDIR/lorafleet-adapters)",
+    "LORAFLEET_ADAPTER_CACHE_BYTES": "the remote adapter cache's size bound in bytes (default 20 GiB)",
+    "LORAFLEET_ADAPTER_FETCH_ATTEMPTS": "tries per S3/Hub call on transient errors, with back-off (default 5)",
     "TRITON_INTERPRET": "1: run the Triton kernels in Triton's interpreter (CPU; tests)",
+    "VLLM_API_KEY": "vLLM's: the key `lorafleet worker`'s /v1/* requires without --api-key (not passed on to "
+                    "`lorafleet up`'s workers)",
     "LORAFLEET_REDIS_URL": "the default of --redis-url",
     "POD_NAMESPACE": "the namespace watched without --namespace (set from the pod's metadata)",
     "HOSTNAME": "the pod's name, from which the peering priority is derived without --priority",
@@ -41,7 +45,8 @@ WORKER_ENV = ("LORAFLEET_SAMPLER", "LORAFLEET_LOGIT_EDITS", "LORAFLEET_BLAS", "L
               "LORAFLEET_PREFILL_BATCH_QUERY", "LORAFLEET_PDL", "LORAFLEET_OVERLAP_MAX_CHUNKS",
               "LORAFLEET_GEMM_SM_CARVEOUT", "LORAFLEET_LORA_FEW_CHUNKS", "LORAFLEET_GEMM_FIRST",
               "LORAFLEET_DELTA_STORE", "LORAFLEET_ZERO_IN_SHRINK", "LORAFLEET_LORA_TUNING", "LORAFLEET_ADAPTER_CACHE_DIR",
-              "LORAFLEET_ADAPTER_CACHE_BYTES", "TRITON_INTERPRET")
+              "LORAFLEET_ADAPTER_CACHE_BYTES", "LORAFLEET_ADAPTER_FETCH_ATTEMPTS", "TRITON_INTERPRET",
+              "VLLM_API_KEY")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

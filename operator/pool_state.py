@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lorafleet.operator import placement
+from lorafleet.operator.sources import is_remote
 from lorafleet.operator.spec import AdapterSpec, PoolSpec, digest_matches, same_digest
 from lorafleet.operator.status import AdapterObservation, adapter_status, pool_phase, status_changed
 from lorafleet.operator.worker_client import RESIDENT_TIERS
@@ -106,6 +107,9 @@ class AdapterRecord:
     # The content the record this one replaced served (its target digest): the version to keep
     # serving if this spec's is refused.
     previous_digest: str | None = None
+    # (reason, message) of the last load refused on a new replica while copies of the target serve
+    # elsewhere (a remote object changed since its digest was recorded); cleared by a load that takes.
+    replica_refused: tuple[str, str] | None = None
 
     @property
     def expected_digest(self) -> str | None:
@@ -137,6 +141,8 @@ class AdapterRecord:
             shown = (self.status or {}).get("source")
             self.outdated = shown is not None and shown != self.spec.source  # changed while no operator ran
             self.previous_digest = (self.status or {}).get("digest")  # what the copies held, as last reported
+            if self.spec.sha256 is None and is_remote(self.spec.source) and shown == self.spec.source:
+                self.current_digest = self.previous_digest  # the recorded pin outlives the operator
             return
         self.conflict = old.conflict
         if old.spec == self.spec:
@@ -145,7 +151,7 @@ class AdapterRecord:
             self.status = old.status
         if (old.spec.source, old.spec.sha256) == (self.spec.source, self.spec.sha256):
             for name in ("verified", "outdated", "current_digest", "busy_since", "update_refused", "serving_path",
-                         "serving_digest", "next_probe", "probe_delay", "previous_digest"):
+                         "serving_digest", "next_probe", "probe_delay", "previous_digest", "replica_refused"):
                 setattr(self, name, getattr(old, name))
         else:  # a new sha256 alone leaves copies of the right content alone (check_loaded decides)
             self.outdated = old.outdated or old.spec.source != self.spec.source
@@ -326,6 +332,7 @@ def status_writes(
             loading=name in loading,
             failure=record.problem,
             update_refused=record.update_refused,
+            replica_refused=record.replica_refused,
             placed_reason=why,
             placed_message=detail,
             digest=digest_of(loaded, digests, name, inventories, record.target_digest),

@@ -32,6 +32,7 @@ from lorafleet.operator.pool_state import (
     pod_url,
 )
 from lorafleet.operator.rollout import Rollout
+from lorafleet.operator.sources import is_remote
 from lorafleet.operator.spec import AdapterSpec, PoolSpec, SpecError, check_against_pool
 from lorafleet.operator.worker_client import (
     LoadRefused,
@@ -42,8 +43,9 @@ from lorafleet.operator.worker_client import (
 from lorafleet.placement_store import replica_key
 from lorafleet.protocol import AdapterInventory
 
-# Failure reasons that depend on the pool's spec (its maxLoraRank, its served name), not the adapter's alone.
-POOL_FAILURES = frozenset({"RankTooHigh", "NameIsBaseModel"})
+# Failure reasons that depend on the pool's spec (maxLoraRank, served name, sources), not the adapter's alone.
+POOL_FAILURES = frozenset({"RankTooHigh", "NameIsBaseModel", "SourceNotAllowed", "CredentialsNotOnPool",
+                           "SourceUnsupported"})
 
 log = logging.getLogger("lorafleet.operator")
 
@@ -307,7 +309,8 @@ class PoolReconciler(Rollout, PodRoll):
                         before = pool_state.info_of(self.inventories.get(action.pod), action.adapter)
                         # In place: this operator owns the name's content, so an old version the
                         # pod still lists (a disk-tier entry, a router's copy) is replaced, not a 409.
-                        inv = await self.workers.load(url, token, action.adapter, self._target_path(record), inplace=True)
+                        inv = await self.workers.load(url, token, action.adapter, self._target_path(record), inplace=True,
+                                                      sha256=self._pin(record))
                         self._took(record, action.pod, inv, before)
                     else:
                         # Withdraw first: routers stop sending it here before the worker drops it.
@@ -346,7 +349,11 @@ class PoolReconciler(Rollout, PodRoll):
             self.inventories[pod] = cached.model_copy(update={"adapters": [*others, info]})
 
     def _source_path(self, spec: AdapterSpec) -> str:
+        """What the worker loads: a remote source as written (the worker fetches it), else the
+        folder on the pool's adapter volume."""
         assert self.pool is not None
+        if is_remote(spec.source):
+            return spec.source
         return f"{self.pool.adapter_mount.rstrip('/')}/{spec.source}"
 
     async def _record_residency(self, pod: str, adapter: str, tier: str | None) -> None:

@@ -9,8 +9,10 @@ A/B switches for benchmarks and operators. The kernels' own are in `lorafleet.ke
 | `LORAFLEET_PREFILL_BATCH_QUERY` | `128` | query runs up to this many tokens share one padded prefill-attention call (`0`: one call a sequence) |
 | `LORAFLEET_LOGIT_EDITS` | `triton` | the per-request logit edits on CUDA: `triton` or `torch` |
 | `LORAFLEET_SAMPLER` | `triton` | the sampled draw on CUDA: `triton` or `torch` |
-| `LORAFLEET_ADAPTER_CACHE_DIR` | `$TMPDIR/lorafleet-adapters` | where `s3://` adapters are fetched to (worker/lora/fetch.py) |
+| `LORAFLEET_ADAPTER_CACHE_DIR` | `$TMPDIR/lorafleet-adapters` | where `s3://` and `hf://` adapters are fetched to (worker/lora/fetch.py) |
 | `LORAFLEET_ADAPTER_CACHE_BYTES` | 20 GiB | that cache's bound in bytes (least recently used folders removed first) |
+| `LORAFLEET_ADAPTER_FETCH_ATTEMPTS` | `5` | tries per remote call on transient errors (5xx, 429, resets, timeouts), with back-off |
+| `VLLM_API_KEY` | unset | vLLM's: the API key `/v1/*` requires when `--api-key` is not given |
 """
 
 from __future__ import annotations
@@ -24,3 +26,5 @@ LOGIT_EDITS = os.environ.get("LORAFLEET_LOGIT_EDITS", "triton")
 SAMPLER = os.environ.get("LORAFLEET_SAMPLER", "triton")
 ADAPTER_CACHE_DIR = os.environ.get("LORAFLEET_ADAPTER_CACHE_DIR") or None
 ADAPTER_CACHE_BYTES = int(os.environ.get("LORAFLEET_ADAPTER_CACHE_BYTES") or 20 << 30)
+ADAPTER_FETCH_ATTEMPTS = int(os.environ.get("LORAFLEET_ADAPTER_FETCH_ATTEMPTS") or 5)
+VLLM_API_KEY = os.environ.get("VLLM_API_KEY") or None

@@ -6,6 +6,8 @@
                                                      prints the CRD's columns; `-o wide` adds the
                                                      source and the Ready condition's reason and message
     lorafleet adapters delete NAME ... | -f FILE     unload everywhere
+    lorafleet adapters digest SOURCE ...             the content digest a worker reports (for spec.sha256);
+                                                     a folder, s3:// or hf:// (no fleet needed)
 
 `apply` writes each validated spec to the run directory with a new generation; the fleet's control
 loop (`lorafleet up`, the operator's reconciler) places and loads it and reports the status that
@@ -62,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     delete.add_argument("names", nargs="*", metavar="NAME", help="adapters to delete")
     delete.add_argument("-f", "--filename", action="append", default=[],
                         help="delete the adapters a manifest file or folder names (- for stdin)")
+    digest = sub.add_parser("digest", help="print an adapter's content digest, as workers report it (spec.sha256)")
+    digest.add_argument("sources", nargs="+", metavar="SOURCE",
+                        help="an adapter folder, s3://BUCKET/PREFIX or hf://OWNER/NAME[/SUBFOLDER][@REVISION]")
+    digest.add_argument("--max-bytes", type=int, default=2 << 30,
+                        help="refuse remote weights larger than this before downloading (a worker's max_adapter_bytes)")
+    finish(digest, {"Remote sources (the AWS environment, HF_ENDPOINT, HF_TOKEN)": ["--max-bytes"]})
     finish(apply, {"Manifests": ["--filename", "--wait"], "Fleet": ["--run-dir"]})
     finish(get, {"Output": ["--output"], "Fleet": ["--run-dir"]})
     finish(delete, {"Manifests": ["--filename"], "Fleet": ["--run-dir"]})
@@ -73,6 +81,10 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.command == "delete" and not args.names and not args.filename:
         parser.error("delete: name the adapters, or give -f FILE")
+    if args.command == "digest":  # needs no fleet
+        from lorafleet.local.digest_cli import main as digest_main
+
+        return digest_main(args.sources, args.max_bytes)
     run_dir = RunDir(args.run_dir.resolve())
     try:
         state = run_dir.read_state()
@@ -171,7 +183,10 @@ def apply(run_dir: RunDir, filenames: list[str], wait_s: float) -> int:
 
 
 def check_source(run_dir: RunDir, source: str) -> None:
-    """The folder must be on the local adapter volume (on a cluster: the pool's adapter volume)."""
+    """The folder must be on the local adapter volume (on a cluster: the pool's adapter volume); an
+    s3:// or hf:// source is the workers' to fetch (its form checked by the CRD's rules)."""
+    if "://" in source:
+        return
     folder = run_dir.adapters / source
     if not (folder / "adapter_config.json").is_file():
         raise ManifestError(f"spec.source {source!r}: no PEFT adapter at {folder} "

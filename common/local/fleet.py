@@ -90,10 +90,10 @@ async def _run(options: UpOptions, run_dir: RunDir, stopped: asyncio.Event) -> i
     demo = seed_adapter_volume(assets, run_dir.adapters)
     token = run_dir.new_token()
 
-    env = worker_env(options.workers)
     workers = [
         WorkerProc(f"{options.host}:{port}", f"http://{options.host}:{port}",
-                   worker_argv(options, run_dir, assets / "model", port, devices[i]), env, run_dir.logs / f"worker-{i}.log")
+                   worker_argv(options, run_dir, assets / "model", port, devices[i]),
+                   worker_env(options.workers, run_dir.adapter_cache / str(i)), run_dir.logs / f"worker-{i}.log")
         for i, port in enumerate(worker_ports)
     ]
     redis_url = detect_store(options.redis_url)
@@ -125,7 +125,7 @@ class _Fleet:
         from lorafleet.local.controller import NAMESPACE, LocalController, worker_urls
         from lorafleet.operator.pool_state import PodState
         from lorafleet.operator.reconciler import PoolReconciler
-        from lorafleet.operator.spec import EngineSpec, PoolSpec
+        from lorafleet.operator.spec import parse_pool
         from lorafleet.operator.worker_client import WorkerClient
         from lorafleet.placement_store import MemoryPlacementStore, RedisPlacementStore
 
@@ -147,13 +147,17 @@ class _Fleet:
             self.store = RedisPlacementStore.from_url(self.redis_url, self.prefix)
         else:
             memory = self.store = MemoryPlacementStore()
-        pool = PoolSpec(
-            namespace=NAMESPACE, name=POOL, image="local", model_path=str(o.assets / "model"), served_name=SERVED_NAME,
-            replicas=len(self.workers),
-            engine=EngineSpec(max_loras=o.max_loras, max_cpu_loras=o.max_cpu_loras, max_lora_rank=o.max_lora_rank,
-                              device=o.device),
-            adapter_mount=str(self.run_dir.adapters),
-        )
+        # The pool as a LoraPool's spec would give it. Any bucket and Hub owner is allowed: on one's
+        # own machine there is no one else's allow-list to keep (the workers fetch with the caller's
+        # AWS and HF environment).
+        pool = parse_pool(NAMESPACE, POOL, {
+            "image": "local", "model": {"path": str(o.assets / "model"), "servedName": SERVED_NAME},
+            "replicas": len(self.workers),
+            "engine": {"maxLoras": o.max_loras, "maxCpuLoras": o.max_cpu_loras, "maxLoraRank": o.max_lora_rank,
+                       "device": o.device},
+            "adapterVolume": {"mountPath": str(self.run_dir.adapters)},
+            "sources": {"allowedBuckets": ["*"], "allowedHubOwners": ["*"]},
+        })
         reconciler = PoolReconciler(NAMESPACE, POOL, WorkerClient.create(), None, self.store,
                                     LocalController.settings(), url_of=worker_urls({w.name: w.url for w in self.workers}))
         reconciler.set_pool(pool, self.token)

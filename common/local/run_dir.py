@@ -7,6 +7,7 @@
     desired/NAME.json applied LoraAdapter specs (written by `adapters apply`, read by `up`)
     status.json       each adapter's status as the operator's reconciler computes it (written by `up`)
     logs/             one log per worker
+    adapter-cache/N/  worker N's cache of adapters fetched from s3:// and hf:// sources (its emptyDir)
 
 `desired/` plays the API server's part: `adapters apply` writes specs with a generation, `up`
 reconciles them and publishes status with the observed generation, which `apply` waits for.
@@ -97,6 +98,10 @@ class RunDir:
     @property
     def logs(self) -> Path:
         return self.root / "logs"
+
+    @property
+    def adapter_cache(self) -> Path:
+        return self.root / "adapter-cache"
 
     def create(self) -> None:
         for folder in (self.root, self.adapters, self.desired, self.logs):

@@ -51,11 +51,18 @@ def worker_argv(options: UpOptions, run_dir: RunDir, model: Path, port: int, dev
     ]
 
 
-def worker_env(workers: int) -> dict[str, str]:
+def worker_env(workers: int, adapter_cache: Path | None = None) -> dict[str, str]:
+    """The workers' environment: the caller's (AWS_*, HF_ENDPOINT, HF_TOKEN reach the fetchers as
+    they are), and each worker its own adapter cache folder, as each pod has its own emptyDir (a
+    cache shared by workers could be trimmed by one under another's loaded adapters)."""
     env = dict(os.environ)
+    if adapter_cache is not None:
+        env["LORAFLEET_ADAPTER_CACHE_DIR"] = str(adapter_cache)
     # CPU workers share the cores instead of each starting one thread per core.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
     env["PYTHONUNBUFFERED"] = "1"
+    # vLLM's API key variable would make each worker require a key the local router does not send.
+    env.pop("VLLM_API_KEY", None)
     return env
 
 

@@ -20,8 +20,9 @@ import httpx
 import pytest
 
 from lorafleet.worker.lora.adapter import AdapterError
-from lorafleet.worker.lora.fetch import S3Fetcher
+from lorafleet.worker.lora.fetch import AdapterFetcher
 from lorafleet.worker.lora.sources import HubSource, LocalSource, S3Source, parse_source
+from tests.worker.flaky_proxy import FlakyProxy
 from tests.worker.worker_harness import TOKEN, RunningWorker, auth, worker_settings
 
 moto_server = pytest.importorskip("moto.server")
@@ -83,7 +84,7 @@ def worker(s3, demo_model, demo_adapters, tmp_path_factory):
     token = base / "token"
     token.write_text(TOKEN + "\n")
     w = RunningWorker(worker_settings(demo_model, {}, token_file=token, adapter_root=root))
-    w.runtime.fetcher = S3Fetcher(base / "adapter-cache")  # LORAFLEET_ADAPTER_CACHE_DIR's place
+    w.runtime.fetcher = AdapterFetcher(base / "adapter-cache")  # LORAFLEET_ADAPTER_CACHE_DIR's place
     w.start()
     yield w
     w.stop()
@@ -110,7 +111,7 @@ def greedy(worker, model: str) -> tuple[int, list[str], list[float]]:
     return 200, lp["tokens"], lp["token_logprobs"]
 
 
-def count_gets(fetcher: S3Fetcher, delay: float = 0.0) -> list[str]:
+def count_gets(fetcher: AdapterFetcher, delay: float = 0.0) -> list[str]:
     """The keys of every GetObject the fetcher's client sends from now on (each held `delay` s first)."""
     keys: list[str] = []
 
@@ -131,8 +132,10 @@ def test_parse_sources():
     assert parse_source("S3://my-bucket") == S3Source("my-bucket", "")
     assert parse_source("hf://acme/sql-lora") == HubSource("acme/sql-lora", None)
     assert parse_source("hf://acme/sql-lora@0123abc") == HubSource("acme/sql-lora", "0123abc")
+    assert parse_source("hf://acme/loras/sql/v2@refs/pr/3") == HubSource("acme/loras", "refs/pr/3", "sql/v2")
+    assert str(parse_source("hf://acme/loras/sql/v2/@main")) == "hf://acme/loras/sql/v2@main"
     for bad, words in [("gs://b/x", "scheme 'gs'"), ("http://x/y", "scheme 'http'"), ("s3://Bad_Bucket/x", "bucket"),
-                       ("s3://bkt/../x", "'..'"), ("hf://only-one", "OWNER/NAME"), ("hf://a/b/c", "OWNER/NAME"),
+                       ("s3://bkt/../x", "'..'"), ("hf://only-one", "OWNER/NAME"), ("hf://a/b/../c", "'..'"),
                        ("hf://a/b@", "revision")]:
         with pytest.raises(AdapterError) as err:
             parse_source(bad)
@@ -184,7 +187,6 @@ def test_sha256_pins_the_content(worker, demo_adapters):
     (f"s3://{BUCKET}/broken/config-only", "missing_weights"),
     (f"s3://{BUCKET}/broken/pickled", "pickle"),
     ("gs://bucket/x", "bad_source"),
-    ("hf://acme/sql-lora@main", "unsupported_source"),
 ])
 def test_refused_sources_name_a_reason(worker, path, reason):
     r = load(worker, "refused", path)
@@ -200,6 +202,7 @@ def test_concurrent_loads_of_one_source_download_once(worker):
     gets = count_gets(worker.runtime.fetcher, delay=0.5)
     stats = worker.runtime.fetcher.stats
     before, hits = stats.downloads, stats.hits
+    scraped = {m: fetch_metric(worker, m) for m in ("misses", "hits", "bytes")}
     barrier = threading.Barrier(3)
     answers: dict[str, httpx.Response] = {}
 
@@ -220,11 +223,26 @@ def test_concurrent_loads_of_one_source_download_once(worker):
     # Asked again later: answered from the cache, no GET.
     assert load(worker, "code-d", f"s3://{BUCKET}/team/code").status_code == 200
     assert len(gets) == 2
+    # /metrics: one download of both files, one cache hit.
+    size = sum(int(obj["Size"]) for obj in boto3.client("s3").list_objects_v2(
+        Bucket=BUCKET, Prefix="team/code/")["Contents"])
+    assert fetch_metric(worker, "misses") == scraped["misses"] + 1
+    assert fetch_metric(worker, "hits") == scraped["hits"] + 1
+    assert fetch_metric(worker, "bytes") == scraped["bytes"] + size
+
+
+def fetch_metric(worker, counter: str) -> float:
+    """lorafleet:adapter_fetch_{cache_misses,cache_hits,bytes}_total{scheme="s3"} on /metrics."""
+    name = {"misses": "cache_misses", "hits": "cache_hits", "bytes": "bytes"}[counter]
+    for line in httpx.get(f"{worker.url}/metrics").text.splitlines():
+        if line.startswith(f'lorafleet:adapter_fetch_{name}_total{{scheme="s3"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 # -- the fetcher alone ---------------------------------------------------------------------------------
 def test_size_caps_are_checked_before_downloading(s3, tmp_path, demo_adapters):
-    fetcher = S3Fetcher(tmp_path / "cache")
+    fetcher = AdapterFetcher(tmp_path / "cache")
     gets = count_gets(fetcher)
     size = (demo_adapters["sql"] / FILES[1]).stat().st_size
     with pytest.raises(AdapterError) as err:
@@ -236,7 +254,7 @@ def test_size_caps_are_checked_before_downloading(s3, tmp_path, demo_adapters):
 
 def test_cache_is_bounded_lru_and_keyed_by_content(s3, tmp_path, demo_adapters):
     one = sum((demo_adapters["poem"] / f).stat().st_size for f in FILES)
-    fetcher = S3Fetcher(tmp_path / "cache", max_cache_bytes=int(one * 1.5))
+    fetcher = AdapterFetcher(tmp_path / "cache", max_cache_bytes=int(one * 1.5))
     poem = fetcher.fetch(S3Source(BUCKET, "team/poem/"), 1 << 30)
     # Leased (its caller still reading it): kept even over the bound.
     code = fetcher.fetch(S3Source(BUCKET, "team/code/"), 1 << 30)
@@ -278,5 +296,39 @@ def test_missing_boto3_names_the_extra(monkeypatch, tmp_path):
 
     monkeypatch.setattr(builtins, "__import__", no_boto3)
     with pytest.raises(AdapterError, match=r"lorafleet\[sources\]") as err:
-        S3Fetcher(tmp_path).fetch(S3Source(BUCKET, "team/poem/"), 1 << 30)
+        AdapterFetcher(tmp_path).fetch(S3Source(BUCKET, "team/poem/"), 1 << 30)
     assert err.value.reason == "sources_unavailable"
+
+
+# -- transient errors: retried with back-off, a bounded number of times ---------------------------------
+@pytest.fixture
+def flaky(s3, monkeypatch):
+    """A proxy in front of moto that fails requests on demand; the AWS environment points at it."""
+    proxy = FlakyProxy(os.environ["AWS_ENDPOINT_URL_S3"])
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.url)
+    yield proxy
+    proxy.stop()
+
+
+def test_s3_5xx_and_cut_downloads_are_retried(flaky, tmp_path, demo_adapters):
+    fetcher = AdapterFetcher(tmp_path / "cache", attempts=3, backoff_s=0.01)
+    weights = "/team/code/adapter_model.safetensors"
+    flaky.fail("GET", weights, "503", times=2)  # botocore's own retries (standard mode)
+    flaky.fail("GET", weights, "cut", times=1)  # the body broken off midway: the fetcher's retry
+    folder = Path(fetcher.fetch(S3Source(BUCKET, "team/code/"), 1 << 30))
+    assert flaky.seen("GET", weights) == [503, 503, 0, 200]
+    for name in FILES:
+        assert (folder / name).read_bytes() == (demo_adapters["code"] / name).read_bytes()
+    assert fetcher.stats.totals[("retries", "s3", "")] == 1 and fetcher.stats.downloads == 1
+    assert not list((tmp_path / "cache").glob(".partial-*"))
+
+
+def test_s3_that_keeps_failing_is_given_up_on(flaky, tmp_path):
+    fetcher = AdapterFetcher(tmp_path / "cache", attempts=3, backoff_s=0.01)
+    flaky.fail("GET", f"/{BUCKET}", "503", times=100)
+    with pytest.raises(AdapterError) as err:
+        fetcher.fetch(S3Source(BUCKET, "team/poem/"), 1 << 30)
+    assert err.value.reason == "unavailable" and "ServiceUnavailable" in str(err.value)
+    assert flaky.seen("GET", f"/{BUCKET}") == [503] * 3, flaky.requests  # the LIST, tried 3 times in all
+    assert fetcher.stats.totals[("errors", "s3", "unavailable")] == 1
+    assert "testing-secret" not in str(err.value)

@@ -75,7 +75,9 @@ def test_worker_starts_and_serves_exactly(max_loras, gemma2):
             for _ in range(STEPS):  # the oracle's greedy continuation
                 ids.append(int(oracle_logprobs(peft_model, ids, with_adapter)[-1].argmax()))
             want = oracle_logprobs(peft_model, ids[:-1], with_adapter)[len(PROMPT) - 1 :]
-            assert choice["text"] == tok.decode(ids[len(PROMPT):]), f"{model}: greedy text differs"
+            # the oracle's tokens decoded, less a character cut at the end (vLLM's DecodeStream rule)
+            want_text = tok.decode(ids[len(PROMPT):]).rstrip("\ufffd")
+            assert choice["text"] == want_text, f"{model}: greedy text differs"
             chosen = want.gather(1, torch.tensor(ids[len(PROMPT):]).unsqueeze(1)).squeeze(1)
             got = torch.tensor(choice["logprobs"]["token_logprobs"], dtype=torch.float64)
             assert float((got - chosen).abs().max()) <= 2e-3

@@ -23,12 +23,12 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 class ServerThread:
-    def __init__(self, app: FastAPI, lifespan: str = "on") -> None:
+    def __init__(self, app: FastAPI, lifespan: str = "on", host: str = "127.0.0.1", port: int = 0) -> None:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
+        self._sock.bind((host, port))
         self.port = self._sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         config = uvicorn.Config(app, log_level="warning", lifespan=lifespan, timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)
@@ -49,10 +49,10 @@ class ServerThread:
 class RunningWorker:
     """A worker (public app, plus an admin app when `admin_port` is asked for) until `stop()`."""
 
-    def __init__(self, settings: WorkerSettings) -> None:
+    def __init__(self, settings: WorkerSettings, host: str = "127.0.0.1", port: int = 0) -> None:
         public, admin = create_apps(settings)
         self.runtime = public.state.runtime
-        self.public = ServerThread(public)
+        self.public = ServerThread(public, host=host, port=port)
         self.admin = ServerThread(admin, lifespan="off") if admin is not None else None
         self.url = self.public.url
         self.admin_url = self.admin.url if self.admin else self.url

@@ -112,8 +112,10 @@ class LLMEngine:
                                   config.max_num_seqs)
         if self.use_graphs:
             self.runner.graphs = self._decode_graphs()
+        graph_rows = None if self.runner.graphs is None else self.runner.graphs.buckets[-1]
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_loras, config.aging_steps),
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_loras, config.aging_steps,
+                            graph_rows),
             self.blocks,
             adapter_ready=self.registry.on_cpu,
         )
@@ -146,7 +148,8 @@ class LLMEngine:
             self.model, self.runner.kv_caches, block_size=self.config.block_size, max_model_len=self.max_model_len,
             max_batch=self.config.max_num_seqs, max_loras=self.config.max_loras,
             max_loras_per_request=self.config.max_loras_per_request, sink_slot=self.runner.sink_slot,
-            capture=capture,
+            capture=capture, max_rows=max(self.config.max_num_seqs,
+                                          min(self.config.max_graph_tokens, self.config.max_num_batched_tokens)),
         )
 
     def _log_memory_plan(self, num_blocks: int) -> None:

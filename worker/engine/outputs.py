@@ -59,7 +59,7 @@ class TrackedRequest:
         if reason is None:
             self.detok.update(seq.output_ids)
             text = self.detok.text
-        else:  # the final text: a held-back partial character flushed, a stop token's own text left out
+        else:  # the final text: a trailing partial character left out (vLLM's rule), so is a stop token's text
             text = self.detok.finish(seq.output_ids[:-1] if stop_token else seq.output_ids)
         # Stop strings count once min_tokens tokens are out (vLLM's rule), and only where they start
         # after the text of those tokens, which is returned as it comes.

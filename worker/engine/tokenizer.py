@@ -187,7 +187,8 @@ class IncrementalDetokenizer:
 
     The window starts a few tokens before the new ones (the last prompt tokens at first), so
     tokenizers that mark word starts on the token (SentencePiece's "▁") keep the spaces between
-    words; a trailing partial UTF-8 character is held back until it completes (or the request ends).
+    words; a trailing partial UTF-8 character is held back until it completes, and left out if the
+    request ends first (vLLM's rule).
     `text` is the sum of the deltas so far.
     """
 
@@ -221,8 +222,9 @@ class IncrementalDetokenizer:
         return delta
 
     def finish(self, output_ids: list[int]) -> str:
-        """The final text, a trailing partial character included (as U+FFFD)."""
-        done, new = self._window(output_ids)
-        self.text += new[len(done) :]
-        self._prefix, self._read = self._read, len(self._ids)
+        """The final text. A trailing partial character (an answer cut between the byte tokens of
+        one character) is left out, as vLLM's detokenizer (tokenizers' DecodeStream) never emits it.
+        Token by token, so text completed before that character is kept."""
+        for end in range(self._consumed + 1, len(output_ids) + 1):
+            self.update(output_ids[:end])
         return self.text

@@ -1,103 +1,116 @@
-"""Adapters from S3 (and S3-compatible stores): listed, size-checked, downloaded once into a local
-cache, then read like any local folder (the same validation, the same digest).
+"""Adapters from remote sources (`s3://`, `hf://`): resolved, size-checked, downloaded once into a
+local cache, then read like any local folder (the same validation, the same digest).
 
-Credentials and endpoint come from boto3's standard chain (`AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY`/
-`AWS_SESSION_TOKEN`, profiles, IRSA/pod identity; `AWS_ENDPOINT_URL_S3` or `AWS_ENDPOINT_URL` for
-MinIO, R2 and the like); nothing here logs or reports them. The cache (`LORAFLEET_ADAPTER_CACHE_DIR`,
-bounded by `LORAFLEET_ADAPTER_CACHE_BYTES`, least recently used folders evicted first) holds one
-folder per (bucket, prefix, the two files' ETags and sizes): an object that changes gets a new folder,
-never a silent swap. A download lands in a temporary folder beside the cache and is renamed into
-place whole, so a partial download is never visible. Concurrent fetches of one source share one
-download (single flight).
+A backend per scheme (`s3_fetch.S3Backend`, `hub_fetch.HubBackend`) resolves a source into the two
+files, their sizes and a content identity (S3: the objects' ETags; the Hub: the commit and the
+files' blob ids), and downloads one file. Everything else is here and shared:
+
+- the cache (`LORAFLEET_ADAPTER_CACHE_DIR`, bounded by `LORAFLEET_ADAPTER_CACHE_BYTES`, least
+  recently used folders evicted first) holds one folder per content identity: content that changes
+  gets a new folder, never a silent swap under a loaded adapter;
+- size caps before any download (`pick_files`);
+- atomicity: a download lands in a `.partial-*` folder beside the cache and is renamed into place
+  whole, so a partial download is never visible;
+- single flight: concurrent fetches of one source share one download;
+- bounded retries with exponential back-off on transient errors (5xx, 429, connection resets,
+  timeouts; `LORAFLEET_ADAPTER_FETCH_ATTEMPTS`);
+- counters for the worker's `/metrics` (`FetchStats`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
+import random
 import shutil
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from lorafleet.worker import envs
-from lorafleet.worker.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
-from lorafleet.worker.lora.adapter_files import MAX_CONFIG_BYTES
+from lorafleet.worker.lora.adapter import WEIGHTS_FILE
 from lorafleet.worker.lora.errors import AdapterError
+from lorafleet.worker.lora.hub_fetch import HubBackend
+from lorafleet.worker.lora.remote_files import Backend, RemoteSource, TransientError
+from lorafleet.worker.lora.s3_fetch import S3Backend
 from lorafleet.worker.lora.sources import S3Source
 
 log = logging.getLogger(__name__)
 
-PICKLE_NAMES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 DEFAULT_CACHE_BYTES = 20 << 30
-_READ_BYTES = 8 << 20
-_NOT_FOUND = {"NoSuchBucket", "NoSuchKey", "404", "NotFound"}
-_DENIED = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"}
-_CHANGED = {"PreconditionFailed", "412"}
+DEFAULT_ATTEMPTS = 5
+MAX_BACKOFF_S = 10.0
+_SECONDS_KEPT = 1024  # download durations no scrape has taken yet (oldest dropped beyond)
 
-
-def _boto3():
-    try:
-        import boto3
-        from botocore.config import Config
-    except ImportError:
-        raise AdapterError("sources_unavailable", "s3:// adapter sources need boto3: pip install 'lorafleet[sources]'") \
-            from None
-    return boto3, Config
-
-
-@dataclass(frozen=True, slots=True)
-class _Listed:
-    key: str
-    etag: str
-    size: int
+T = TypeVar("T")
 
 
 @dataclass
 class FetchStats:
+    """What the fetcher did, for tests and the worker's `/metrics` (mirrored there at each scrape)."""
+
     downloads: int = 0  # sources downloaded (each once)
     hits: int = 0  # fetches answered from the cache
     bytes_downloaded: int = 0
     evictions: int = 0
     errors: dict[str, int] = field(default_factory=dict)  # by reason
+    # (counter, scheme, reason or "") -> total; counters: hits, misses, bytes, retries, errors
+    totals: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    # (scheme, download seconds) not yet taken by a scrape; the oldest dropped beyond the bound
+    seconds: deque[tuple[str, float]] = field(default_factory=lambda: deque(maxlen=_SECONDS_KEPT))
+
+    def take_seconds(self) -> list[tuple[str, float]]:
+        """The durations recorded since the last call (safe beside the fetcher's threads)."""
+        out = []
+        while self.seconds:
+            out.append(self.seconds.popleft())
+        return out
+
+    def count(self, counter: str, scheme: str, n: int = 1, reason: str = "") -> None:
+        key = (counter, scheme, reason)
+        self.totals[key] = self.totals.get(key, 0) + n
 
 
-class S3Fetcher:
-    """Fetches `s3://` adapter folders into a bounded local cache (thread-safe)."""
+class AdapterFetcher:
+    """Fetches `s3://` and `hf://` adapter folders into a bounded local cache (thread-safe)."""
 
-    def __init__(self, cache_dir: str | os.PathLike | None = None, max_cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+    def __init__(self, cache_dir: str | os.PathLike | None = None, max_cache_bytes: int = DEFAULT_CACHE_BYTES, *,
+                 attempts: int = DEFAULT_ATTEMPTS, backoff_s: float = 0.5, hub_endpoint: str | None = None,
+                 hub_token: str | None = None) -> None:
         self.cache_dir = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "lorafleet-adapters"
         self.max_cache_bytes = max_cache_bytes
+        self.attempts = max(1, attempts)
+        self.backoff_s = backoff_s
+        self.s3 = S3Backend(self.attempts)
+        self.hub = HubBackend(hub_endpoint, hub_token)
         self.stats = FetchStats()
         self._lock = threading.Lock()
-        self._flights: dict[S3Source, Future] = {}
-        self._client = None
+        self._flights: dict[RemoteSource, Future] = {}
         self._used: dict[str, float] = {}  # cache folder name -> last use (monotonic), for LRU
         self._leases: dict[str, int] = {}  # folders handed out and not yet `release`d: never evicted
 
     @classmethod
-    def from_env(cls) -> S3Fetcher:
-        """From `LORAFLEET_ADAPTER_CACHE_DIR` (default: TMPDIR/lorafleet-adapters) and
-        `LORAFLEET_ADAPTER_CACHE_BYTES` (default 20 GiB), read at start-up (`worker/envs.py`);
-        touches nothing until the first fetch."""
-        return cls(envs.ADAPTER_CACHE_DIR, envs.ADAPTER_CACHE_BYTES)
+    def from_env(cls) -> AdapterFetcher:
+        """From `LORAFLEET_ADAPTER_CACHE_DIR` (default: TMPDIR/lorafleet-adapters),
+        `LORAFLEET_ADAPTER_CACHE_BYTES` (default 20 GiB) and `LORAFLEET_ADAPTER_FETCH_ATTEMPTS`
+        (default 5), read at start-up (`worker/envs.py`); the Hub's `HF_ENDPOINT` and `HF_TOKEN` are
+        huggingface_hub's own. Touches nothing until the first fetch."""
+        return cls(envs.ADAPTER_CACHE_DIR, envs.ADAPTER_CACHE_BYTES, attempts=envs.ADAPTER_FETCH_ATTEMPTS)
 
     def client(self):
         """The boto3 S3 client (created on first use, from the standard AWS environment)."""
-        with self._lock:
-            if self._client is None:
-                boto3, config = _boto3()
-                self._client = boto3.session.Session().client(
-                    "s3", config=config(retries={"max_attempts": 5, "mode": "standard"}))
-            return self._client
+        return self.s3.client()
 
-    def fetch(self, source: S3Source, max_bytes: int, protected: Callable[[], set[str]] = set) -> str:
+    def backend(self, source: RemoteSource) -> Backend:
+        return self.s3 if isinstance(source, S3Source) else self.hub
+
+    def fetch(self, source: RemoteSource, max_bytes: int, protected: Callable[[], set[str]] = set) -> str:
         """The local folder holding `source`'s adapter_config.json and adapter_model.safetensors
         (AdapterError with a reason if they cannot be had). `max_bytes` caps the weights file, as
         for local folders; `protected()` names folders eviction must keep (adapters loaded from them
@@ -110,12 +123,14 @@ class S3Fetcher:
                 flight = self._flights[source] = Future()
         if not leader:
             return self._lease(flight.result())
+        scheme = self.backend(source).scheme
         try:
             path = self._fetch(source, max_bytes)
         except BaseException as exc:
             reason = getattr(exc, "reason", type(exc).__name__)
             with self._lock:
                 self.stats.errors[reason] = self.stats.errors.get(reason, 0) + 1
+                self.stats.count("errors", scheme, reason=reason)
                 del self._flights[source]
             flight.set_exception(exc)
             raise
@@ -142,23 +157,29 @@ class S3Fetcher:
                 self._leases[path] = left
 
     # -- one fetch -------------------------------------------------------------------------------
-    def _fetch(self, source: S3Source, max_bytes: int) -> str:
-        listed = self._list(source)
-        config, weights = self._pick(source, listed, max_bytes)
-        key = hashlib.sha256(json.dumps([source.bucket, source.prefix, config.etag, config.size, weights.etag,
-                                         weights.size]).encode()).hexdigest()[:40]
+    def _fetch(self, source: RemoteSource, max_bytes: int) -> str:
+        backend = self.backend(source)
+        resolved = self.retrying(backend.scheme, lambda: backend.resolve(source, max_bytes))
+        key = f"{backend.scheme}-{resolved.identity}"
         final = self.cache_dir / key
         if (final / WEIGHTS_FILE).is_file():
             with self._lock:
                 self.stats.hits += 1
+                self.stats.count("hits", backend.scheme)
                 self._used[key] = time.monotonic()
             return str(final)
+        with self._lock:
+            self.stats.count("misses", backend.scheme)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=self.cache_dir))
+        t0 = time.perf_counter()
         try:
-            t0 = time.perf_counter()
-            for obj, name in ((config, CONFIG_FILE), (weights, WEIGHTS_FILE)):
-                self._download(source, obj, tmp / name)
+            for file in (resolved.config, resolved.weights):
+                dest = tmp / file.name
+                self.retrying(backend.scheme, lambda f=file, d=dest: backend.download(source, resolved, f, d))
+                if dest.stat().st_size != file.size:  # every backend checks; a last net before the rename
+                    raise AdapterError("changed", f"adapter source {source}: {file.name} is {dest.stat().st_size} "
+                                       f"bytes, listed {file.size}; retry")
             try:
                 os.rename(tmp, final)
             except OSError:  # another process put the same content there first
@@ -168,65 +189,32 @@ class S3Fetcher:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        seconds = time.perf_counter() - t0
+        size = resolved.config.size + resolved.weights.size
         with self._lock:
             self.stats.downloads += 1
-            self.stats.bytes_downloaded += config.size + weights.size
+            self.stats.bytes_downloaded += size
+            self.stats.count("bytes", backend.scheme, size)
+            self.stats.seconds.append((backend.scheme, seconds))
             self._used[key] = time.monotonic()
-        log.info("fetched adapter %s (%d bytes) in %.2f s", source, config.size + weights.size,
-                 time.perf_counter() - t0)
+        log.info("fetched adapter %s (%d bytes) in %.2f s", source, size, seconds)
         return str(final)
 
-    def _list(self, source: S3Source) -> dict[str, _Listed]:
-        """The objects directly under the prefix, by file name."""
-        out: dict[str, _Listed] = {}
-        paginator = self.client().get_paginator("list_objects_v2")
-        try:
-            for page in paginator.paginate(Bucket=source.bucket, Prefix=source.prefix, Delimiter="/"):
-                for obj in page.get("Contents", ()):
-                    name = obj["Key"][len(source.prefix):]
-                    out[name] = _Listed(obj["Key"], obj["ETag"], int(obj["Size"]))
-        except Exception as exc:  # noqa: BLE001 - botocore's errors become reasons
-            raise _s3_error(source, exc) from None
-        if not out:
-            raise AdapterError("not_found", f"adapter source {source}: no objects under this prefix")
-        return out
-
-    @staticmethod
-    def _pick(source: S3Source, listed: dict[str, _Listed], max_bytes: int) -> tuple[_Listed, _Listed]:
-        config, weights = listed.get(CONFIG_FILE), listed.get(WEIGHTS_FILE)
-        if config is None:
-            raise AdapterError("missing_config", f"adapter source {source} has no {CONFIG_FILE}: not a PEFT adapter")
-        if weights is None:
-            pickled = [n for n in PICKLE_NAMES if n in listed]
-            if pickled:
-                raise AdapterError("pickle", f"adapter source {source}: {pickled[0]} is a pickle; only {WEIGHTS_FILE} "
-                                   "is accepted (pickles can run code)")
-            raise AdapterError("missing_weights", f"adapter source {source} has no {WEIGHTS_FILE}")
-        if config.size > MAX_CONFIG_BYTES:
-            raise AdapterError("too_large", f"{CONFIG_FILE} is {config.size} bytes, over the {MAX_CONFIG_BYTES}-byte cap")
-        if weights.size > max_bytes:
-            raise AdapterError("too_large", f"adapter weights are {weights.size} bytes, over the {max_bytes}-byte cap")
-        return config, weights
-
-    def _download(self, source: S3Source, obj: _Listed, dest: Path) -> None:
-        """`obj` into `dest`, exactly its listed size and ETag (a changed object is refused)."""
-        try:
-            body = self.client().get_object(Bucket=source.bucket, Key=obj.key, IfMatch=obj.etag)["Body"]
-            written = 0
-            with open(dest, "wb") as out:
-                while chunk := body.read(_READ_BYTES):
-                    written += len(chunk)
-                    if written > obj.size:
-                        break
-                    out.write(chunk)
-            body.close()
-        except AdapterError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - botocore's errors become reasons
-            raise _s3_error(source, exc) from None
-        if written != obj.size:
-            raise AdapterError("changed", f"adapter source {source}: {dest.name} changed while it was being fetched "
-                               f"({written} bytes, listed {obj.size}); retry")
+    def retrying(self, scheme: str, call: Callable[[], T]) -> T:
+        """`call()`, again after a back-off (0.5 s, 1 s, 2 s, ... at most 10 s, jittered) while it
+        raises `TransientError`, at most `attempts` times in all."""
+        for attempt in range(1, self.attempts + 1):
+            try:
+                return call()
+            except TransientError as exc:
+                if attempt == self.attempts:
+                    raise TransientError(f"{exc} (gave up after {attempt} attempts)") from None
+                delay = min(MAX_BACKOFF_S, self.backoff_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+                with self._lock:
+                    self.stats.count("retries", scheme)
+                log.warning("%s; retrying in %.2f s (attempt %d of %d)", exc, delay, attempt + 1, self.attempts)
+                time.sleep(delay)
+        raise AssertionError("unreachable")
 
     # -- the cache -------------------------------------------------------------------------------
     def _evict(self, keep: set[str]) -> None:
@@ -256,21 +244,3 @@ class S3Fetcher:
                 self._used.pop(entry.name, None)
                 self.stats.evictions += 1
             log.info("evicted cached adapter folder %s (%d bytes)", entry.name, size)
-
-
-def _s3_error(source: S3Source, exc: Exception) -> AdapterError:
-    """A botocore error as an AdapterError with a reason; the message names the source and S3's
-    error code, never a credential."""
-    code = str(getattr(exc, "response", {}).get("Error", {}).get("Code", "")) if hasattr(exc, "response") else ""
-    name = type(exc).__name__
-    if code in _NOT_FOUND:
-        return AdapterError("not_found", f"adapter source {source}: {code}")
-    if code in _DENIED:
-        return AdapterError("access_denied", f"adapter source {source}: access denied ({code}); check the "
-                            "worker's AWS credentials")
-    if code in _CHANGED:
-        return AdapterError("changed", f"adapter source {source} changed while it was being fetched; retry")
-    if name in ("NoCredentialsError", "PartialCredentialsError"):
-        return AdapterError("no_credentials", f"adapter source {source}: no AWS credentials found (set "
-                            "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, or a pod identity)")
-    return AdapterError("fetch_failed", f"adapter source {source}: {code or name}")

@@ -4,7 +4,11 @@
 |---|---|
 | a path (`/adapters/sql`, `sql`) | a folder on a volume the worker mounts (confined to `--adapter-root`) |
 | `s3://BUCKET/PREFIX` | the objects under `PREFIX/` in an S3 or S3-compatible bucket (fetch.py) |
-| `hf://OWNER/NAME[@REVISION]` | a Hugging Face Hub repo, optionally pinned to a revision (parsed; not fetched yet) |
+| `hf://OWNER/NAME[/SUBFOLDER][@REVISION]` | a Hugging Face Hub model repo (or a folder in it) at a branch, tag or commit (hub_fetch.py) |
+
+`hf://acme/loras/sql/v2@3f2a…` is the folder `sql/v2` of the repo `acme/loras` at that commit; without
+`@REVISION` the repo's default branch, resolved to its commit when fetched. The revision follows the
+first `@` and may hold `/` (`@refs/pr/3`); repo and folder names may not hold `@`.
 
 Any other `scheme://` is refused with a message naming these. Parsing touches no network or disk.
 """
@@ -17,12 +21,16 @@ from dataclasses import dataclass
 from lorafleet.worker.lora.errors import AdapterError
 
 SCHEMES = ("s3", "hf")
-ALLOWED = "a local path, s3://BUCKET/PREFIX or hf://OWNER/NAME[@REVISION]"
+ALLOWED = "a local path, s3://BUCKET/PREFIX or hf://OWNER/NAME[/SUBFOLDER][@REVISION]"
 
 # S3's bucket naming rules (3-63 characters, lower case, digits, dots, hyphens).
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 # The Hub's repo id rules: OWNER/NAME of letters, digits, '-', '_', '.'.
 _HUB_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,95}$")
+# A folder in a repo: segments of letters, digits, '-', '_', '.' (no '.' or '..' segment).
+_HUB_FOLDER_PART = re.compile(r"^[A-Za-z0-9._\-]{1,255}$")
+# Branches, tags ("v1.0"), commits (40 hex digits) and refs ("refs/pr/3").
+_HUB_REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]{0,127}$")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 
 
@@ -47,9 +55,11 @@ class S3Source:
 class HubSource:
     repo_id: str  # OWNER/NAME
     revision: str | None  # a branch, tag or commit; None: the repo's default branch
+    subfolder: str = ""  # a folder in the repo ("a/b", no slashes around it); "": the repo's root
 
     def __str__(self) -> str:
-        return f"hf://{self.repo_id}" + (f"@{self.revision}" if self.revision else "")
+        folder = f"/{self.subfolder}" if self.subfolder else ""
+        return f"hf://{self.repo_id}{folder}" + (f"@{self.revision}" if self.revision else "")
 
 
 Source = LocalSource | S3Source | HubSource
@@ -86,10 +96,14 @@ def _parse_s3(text: str, rest: str) -> S3Source:
 
 
 def _parse_hub(text: str, rest: str) -> HubSource:
-    repo, at, revision = rest.partition("@")
-    parts = repo.split("/")
-    if len(parts) != 2 or not all(_HUB_PART.match(p) for p in parts) or any(".." in p for p in parts):
-        raise bad_source(f"adapter source {text!r}: expected hf://OWNER/NAME[@REVISION]")
-    if at and not re.match(r"^[A-Za-z0-9][A-Za-z0-9._\-/]{0,127}$", revision):
+    path, at, revision = rest.partition("@")
+    parts = path.rstrip("/").split("/")
+    owner_name, folder = parts[:2], parts[2:]
+    if len(owner_name) != 2 or not all(_HUB_PART.match(p) for p in owner_name) or any(".." in p for p in owner_name):
+        raise bad_source(f"adapter source {text!r}: expected hf://OWNER/NAME[/SUBFOLDER][@REVISION]")
+    if not all(_HUB_FOLDER_PART.match(p) and p not in (".", "..") for p in folder):
+        raise bad_source(f"adapter source {text!r}: the folder may hold letters, digits, '-', '_' and '.' "
+                         "between slashes, and no '.' or '..' segments")
+    if at and (not _HUB_REVISION.match(revision) or ".." in revision or revision.endswith("/")):
         raise bad_source(f"adapter source {text!r}: {revision!r} is not a valid revision")
-    return HubSource(repo, revision if at else None)
+    return HubSource("/".join(owner_name), revision if at else None, "/".join(folder))

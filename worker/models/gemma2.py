@@ -65,26 +65,14 @@ class Gemma2Model(LlamaModel):
             w[p + n] = 1.0 + w[p + n].float()
             w[p + n + "_fused"] = w[p + n].to(self.dtype)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        attn: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        lora_meta: LoraMeta | None,
-        logits_indices: torch.Tensor,
-        graph: bool = False,
-        float_logits: bool = True,
-    ) -> torch.Tensor:
-        """As `LlamaModel.forward`: logits `[N, vocab]`, soft-capped when the config says so."""
-        h = F.embedding(input_ids, self.weights["embed"]) * self.embed_scale
-        layers = self._layers_fused if self.attention_backend == "triton" else self._layers_torch
-        h = layers(h, positions, attn, kv_caches, lora_meta, logits_indices, graph)
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weights["embed"]) * self.embed_scale
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The lm_head's logits, soft-capped when the config says so."""
         logits = F.linear(h, self.weights["lm_head"])
         cap = self.config.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits.float() if float_logits else logits
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _layers_torch(
         self,

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import torch
 
-from lorafleet.kernels.lora.meta import LoraMeta
 from lorafleet.worker.models.gemma2 import Gemma2Model, gemma_rms_norm
+from lorafleet.worker.models.head_norm import HeadNormAttention
 from lorafleet.worker.models.llama import Rotary, _take
 
 
-class Gemma3Model(Gemma2Model):
+class Gemma3Model(HeadNormAttention, Gemma2Model):
+    FUSED_NORM_SUFFIX = "_fused"
+    head_norm = staticmethod(gemma_rms_norm)
+
     def __init__(self, config, device, dtype, max_positions: int) -> None:
         super().__init__(config, device, dtype, max_positions)
         self.rotaries.append(Rotary(config, max_positions, device, local=True))
@@ -35,25 +38,3 @@ class Gemma3Model(Gemma2Model):
         w[p + "q_norm"] = 1.0 + _take(pending, p + "self_attn.q_norm.weight").float()
         w[p + "k_norm"] = 1.0 + _take(pending, p + "self_attn.k_norm.weight").float()
         w[p + "q_norm_fused"], w[p + "k_norm_fused"] = w[p + "q_norm"].to(self.dtype), w[p + "k_norm"].to(self.dtype)
-
-    def _qkv_for_rope(
-        self, x: torch.Tensor, layer: int, lora_meta: LoraMeta | None, graph: bool
-    ) -> tuple[torch.Tensor, None]:
-        """The fused path: q and k normed per head (the Triton RMSNorm over `[T·heads, head_dim]`
-        rows) between the projection, its LoRA added, and the fused RoPE/KV write."""
-        from lorafleet.kernels.layers.rms_norm import rms_norm as fused_rms_norm
-
-        c, w, p = self.config, self.weights, f"layers.{layer}."
-        qkv = self._linear(x, layer, "qkv_proj", lora_meta, graph)  # [T, q_size + 2 kv_size]
-        t, qs, ks = qkv.shape[0], c.q_size, c.kv_size
-        q = fused_rms_norm(qkv[:, :qs].reshape(-1, c.head_dim), w[p + "q_norm_fused"], c.rms_norm_eps)
-        k = fused_rms_norm(qkv[:, qs : qs + ks].reshape(-1, c.head_dim), w[p + "k_norm_fused"], c.rms_norm_eps)
-        return torch.cat([q.view(t, qs), k.view(t, ks), qkv[:, qs + ks :]], dim=-1), None
-
-    def _rope_qk(
-        self, q: torch.Tensor, k: torch.Tensor, layer: int, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        c, w, p = self.config, self.weights, f"layers.{layer}."
-        q = gemma_rms_norm(q.reshape(-1, c.num_heads, c.head_dim), w[p + "q_norm"], c.rms_norm_eps)
-        k = gemma_rms_norm(k.reshape(-1, c.num_kv_heads, c.head_dim), w[p + "k_norm"], c.rms_norm_eps)
-        return Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)

@@ -193,13 +193,19 @@ class LlamaModel:
         the logits in the model's dtype, as the lm_head computed them (`.float()` of them is what
         float_logits=True returns, bit for bit).
         """
-        h = F.embedding(input_ids, self.weights["embed"])  # [T, hidden]
+        h = self._embed(input_ids)  # [T, hidden]
         if self.attention_backend == "triton" and self.FUSED_ELEMENTWISE:
             h = self._layers_fused(h, positions, attn, kv_caches, lora_meta, logits_indices, graph)
         else:
             h = self._layers_torch(h, positions, attn, kv_caches, lora_meta, logits_indices, graph)
-        logits = F.linear(h, self.weights["lm_head"])
+        logits = self._logits(h)
         return logits.float() if float_logits else logits
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weights["embed"])
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.weights["lm_head"])
 
     def _layers_torch(
         self,

@@ -10,7 +10,8 @@ loads that arrive together are read once (single flight per name and path).
 
 `lora_path` may also be `s3://BUCKET/PREFIX` (worker/lora/sources.py): the folder is fetched into
 the worker's adapter cache first, in a thread (worker/lora/fetch.py), then read and validated like a
-local one. `hf://` is parsed and refused as not supported yet; other schemes are refused. An optional
+local one; `hf://OWNER/NAME[/SUBFOLDER][@REVISION]` likewise, from the Hugging Face Hub. Other
+schemes are refused. An optional
 `sha256` pins the content: a different digest is refused (reason `DigestMismatch`) before serving.
 
 Unload: new requests for the name get 404 at once; requests already in flight finish with the old
@@ -113,6 +114,10 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, runtime: Admin) -> dic
         task.add_done_callback(lambda _t: runtime.loads.pop(key, None))
     try:
         created = await asyncio.shield(task)  # callers that joined a load under way share its result
+    except AdapterError as exc:
+        if exc.reason == "unavailable":  # the store or the Hub kept failing: worth a retry later
+            raise ApiError(503, str(exc), param="lora_path", reason=exc.reason) from None
+        raise from_engine(exc) from None
     except Exception as exc:  # noqa: BLE001 - adapter problems are 4xx
         raise from_engine(exc) from None
     return {"status": "ok", "lora_name": body.lora_name, "created": created,
@@ -121,15 +126,12 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, runtime: Admin) -> dic
 
 def resolve_source(lora_path: str, adapter_root: str | None) -> Source:
     """`lora_path` parsed: a local path resolved inside the adapter root (`resolve_adapter_path`),
-    an s3:// source as given (runtime loads must be enabled all the same); others refused."""
+    an s3:// or hf:// source as given (runtime loads must be enabled all the same); others refused."""
     try:
         source = parse_source(lora_path)
     except AdapterError as exc:
         raise ApiError(400, str(exc), param="lora_path", reason=exc.reason) from None
-    if isinstance(source, HubSource):
-        raise ApiError(400, f"adapter source {source}: hf:// sources are not supported yet; use s3:// or a path",
-                       param="lora_path", reason="unsupported_source")
-    if isinstance(source, S3Source):
+    if isinstance(source, S3Source | HubSource):
         _require_loading(adapter_root)
         return source
     return LocalSource(resolve_adapter_path(lora_path, adapter_root))
@@ -153,7 +155,7 @@ async def _read_and_register(runtime: WorkerRuntime, name: str, source: Source, 
                              want: str | None) -> bool:
     engine = runtime.require_engine()
     registry = engine.engine.registry
-    if not isinstance(source, S3Source):
+    if isinstance(source, LocalSource):
         return await _register_folder(runtime, name, str(source), source, inplace, want)
     # Fetched (or found in the cache) in a thread, then read as a local folder. The folder is leased
     # until registered (no other fetch's eviction removes it meanwhile); after that the registry's

@@ -69,6 +69,7 @@ async def metrics(runtime: Runtime) -> Response:
         engine = runtime.engine
         snap = await engine.call(take_snapshot, engine.engine)
         runtime.metrics.update(snap)
+    runtime.metrics.update_fetch(runtime.fetcher.stats)
     return Response(generate_latest(runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -21,6 +21,7 @@ from lorafleet.protocol import field_path
 from lorafleet.worker.server.admin import router as admin_router
 from lorafleet.worker.server.api import probes
 from lorafleet.worker.server.api import router as public_router
+from lorafleet.worker.server.auth import ApiKeyGuard
 from lorafleet.worker.server.errors import ApiError, error_response
 from lorafleet.worker.server.responses_route import router as responses_router
 from lorafleet.worker.server.runtime import WorkerRuntime
@@ -66,6 +67,9 @@ def _build(runtime: WorkerRuntime, public: bool, admin: bool, owns_runtime: bool
         app.include_router(admin_router)
     if not public:  # the admin port answers probes too
         app.include_router(probes)
+    keys = runtime.settings.api_keys
+    if public and keys:  # vLLM's --api-key; the admin routes keep their own token
+        app.add_middleware(ApiKeyGuard, keys=keys, exempt={r.path for r in admin_router.routes} if admin else ())
     _install_error_handlers(app)
     return app
 

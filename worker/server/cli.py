@@ -1,7 +1,7 @@
 """`lorafleet worker`: parse vLLM-named flags into `WorkerSettings`, then serve with uvicorn.
 
-Defaults let several adapters share a batch (vLLM's defaults allow one): `--max-loras 8`,
-`--max-cpu-loras 32`, `--max-loras-per-request` min(4, `--max-loras`).
+The flags shared with vLLM take vLLM's values with vLLM's meaning (vllm_flags.py); defaults that
+differ (several adapters share a batch: `--max-loras 8`) are in `vllm_flags.DEFAULT_DIFFERENCES`.
 """
 
 from __future__ import annotations
@@ -9,55 +9,75 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import re
 import sys
 
 from lorafleet.cli import lora_module_arg
 from lorafleet.cli_help import WORKER_ENV, finish
 from lorafleet.connection_guard import add_connection_flags, limits_from_args, uvicorn_config
+from lorafleet.worker import envs
 from lorafleet.worker.config import ConfigError, EngineConfig, ModelConfig
 from lorafleet.worker.openai.reasoning import PARSERS as REASONING_PARSERS
 from lorafleet.worker.openai.tools import PARSERS
 from lorafleet.worker.server.settings import WorkerSettings
+from lorafleet.worker.server.vllm_flags import (
+    DTYPE_ALIASES,
+    DTYPES,
+    VllmCompatibleParser,
+    human_readable_int,
+    log_default_differences,
+    model_len,
+)
 
 log = logging.getLogger("lorafleet.worker")
 
 
 def build_parser() -> argparse.ArgumentParser:
     d = EngineConfig()
-    p = argparse.ArgumentParser(prog="lorafleet worker", description="Serve one base model and many LoRA "
-                                "adapters behind an OpenAI-compatible API.")
+    p = VllmCompatibleParser(prog="lorafleet worker", description="Serve one base model and many LoRA "
+                             "adapters behind an OpenAI-compatible API. Flags shared with vLLM take vLLM's "
+                             "values; vLLM's other flags are refused by name.")
     p.add_argument("--model", required=True, help="Hugging Face model folder (config.json + *.safetensors)")
-    p.add_argument("--served-model-name", help="name clients use for the base model (default: --model as given)")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="name clients use for the base model (default: --model as given); one name (vLLM's "
+                        "further names, aliases, are refused)")
     p.add_argument("--tokenizer", help="tokenizer folder (default: the model folder)")
     p.add_argument("--host", default="0.0.0.0", help="bind address of the public API (default 0.0.0.0)")
     p.add_argument("--port", type=int, default=8000, help="public API port (default 8000)")
+    p.add_argument("--api-key", nargs="+", metavar="KEY", default=None,
+                   help="vLLM's: /v1/* (but the admin routes, which take --admin-token-file's token) requires "
+                        "`Authorization: Bearer KEY`, one of these keys (default: $VLLM_API_KEY, else open)")
     p.add_argument("--admin-port", type=int, help="serve the admin API on this port only (default: on --port)")
     p.add_argument("--admin-host", help="bind address of --admin-port (default: --host)")
     p.add_argument("--lora-modules", type=lora_module_arg, nargs="+", action="extend", default=[],
                    metavar="NAME=PATH", help="adapters loaded at start-up; repeat the flag or list several")
-    p.add_argument("--enable-lora", action="store_true", help="accepted for vLLM compatibility (always on)")
+    p.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=None,
+                   help="vLLM's; LoRA is always on here, so --no-enable-lora is refused (default: on)")
     p.add_argument("--max-loras", type=int, default=d.max_loras, help="GPU slots: distinct adapters per batch")
     p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="highest adapter rank accepted")
-    p.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras, help="adapters kept in the CPU cache")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help=f"adapters kept in the CPU cache (default: max({d.max_cpu_loras}, --max-loras))")
     # None until EngineConfig applies min(4, --max-loras): a fixed 4 would refuse --max-loras 1..3.
     p.add_argument("--max-loras-per-request", type=int, default=None,
                    help="adapters one request may compose (the RFC's lora_adapters; default min(4, --max-loras))")
     p.add_argument("--adapter-root", help="runtime loads must resolve inside this folder (else refused)")
     p.add_argument("--admin-token-file", help="file holding the admin bearer token (else the admin API is off)")
     p.add_argument("--device", default=d.device, help="cpu or cuda[:N] (default cpu)")
-    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights' and activations' dtype (auto: the checkpoint's, float32 on CPU)")
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
-                   help="longest prompt + answer in tokens (none: the model's)")
+    p.add_argument("--dtype", default=d.dtype, choices=DTYPES,
+                   help="weights' and activations' dtype; half = float16, float = float32 (vLLM's names) "
+                        "(auto: the checkpoint's half type on CUDA, bfloat16 for a float32 one; float32 on CPU)")
+    p.add_argument("--max-model-len", type=model_len, default=d.max_model_len,
+                   help="longest prompt + answer in tokens, vLLM's forms (2048, 1k = 1000, 1K = 1024) "
+                        "(default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences running at once")
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                   help="tokens one engine step processes")
+    p.add_argument("--max-num-batched-tokens", type=human_readable_int, default=d.max_num_batched_tokens,
+                   help="tokens one engine step processes (2048, 2k, 2K as in vLLM)")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV-cache block")
     p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks, help="KV blocks (default: from memory)")
     p.add_argument("--kv-cache-memory-fraction", type=float, default=None,
                    help="the KV cache's share of the GPU memory free after weights and adapter slots "
                         f"(default {d.kv_cache_memory_fraction:g})")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+    p.add_argument("--gpu-memory-utilization", "--device-memory-utilization", type=float, default=None,
                    help="vLLM's: this worker's share of the GPU's memory (weights, slots, KV cache, activations), "
                         "so several workers can share a GPU; instead of --kv-cache-memory-fraction")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
@@ -71,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "with the triton backends)")
     p.add_argument("--enforce-eager", dest="cuda_graphs", action="store_false",
                    help="no CUDA graphs (vLLM's name for --no-cuda-graphs)")
+    p.add_argument("--no-enforce-eager", dest="cuda_graphs", action="store_const", const=None,
+                   help="vLLM's: CUDA graphs where they apply (the default)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="vLLM's; one GPU per worker here, so only 1 (run more workers behind the router)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                    help="launch each decode step before reading the previous one's tokens, overlapping the "
                         "host's work with the GPU (default: on where decode steps replay CUDA graphs)")
@@ -79,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "requests do not pay compiles and captures (default: on for CUDA)")
     p.add_argument("--pinned-lora-modules", nargs="+", action="extend", default=[], metavar="NAME",
                    help="start-up adapters never evicted from the GPU")
-    p.add_argument("--enable-auto-tool-choice", action="store_true",
+    p.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=False,
                    help="answer tool_choice \"auto\" (the default with tools): the model's calls are parsed out "
                         "of its answer in the --tool-call-parser format")
     p.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
@@ -93,16 +117,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "the answer or the prompt opens it)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the shared sampling generator")
     add_connection_flags(p)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
+    p.add_argument("--log-level", default="info", type=str.lower,
+                   choices=["debug", "info", "warning", "error", "critical"], help="log level (any case, as vLLM's)")
     return finish(p, {
         "Model": ["--model", "--served-model-name", "--tokenizer", "--dtype", "--device", "--max-model-len", "--seed"],
-        "Server": ["--host", "--port", "--admin-port", "--admin-host", "--admin-token-file", "--log-level"],
+        "Server": ["--host", "--port", "--api-key", "--admin-port", "--admin-host", "--admin-token-file",
+                   "--log-level"],
         "Adapters (LoRA)": ["--lora-modules", "--enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras",
                             "--max-loras-per-request", "--pinned-lora-modules", "--adapter-root"],
         "Scheduling and memory": ["--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--num-kv-blocks",
                                   "--kv-cache-memory-fraction", "--gpu-memory-utilization",
-                                  "--enable-prefix-caching"],
+                                  "--enable-prefix-caching", "--tensor-parallel-size"],
         "Kernels and execution": ["--lora-backend", "--attention-backend", "--cuda-graphs", "--enforce-eager",
+                                  "--no-enforce-eager",
                                   "--async-scheduling", "--warmup"],
         "Tools and reasoning": ["--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser"],
         "Client connections": ["--header-timeout", "--body-timeout", "--keep-alive-timeout",
@@ -110,26 +137,48 @@ def build_parser() -> argparse.ArgumentParser:
     }, WORKER_ENV)
 
 
-def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
-    if args.gpu_memory_utilization is not None and args.kv_cache_memory_fraction is not None:
-        raise ConfigError("--gpu-memory-utilization and --kv-cache-memory-fraction size the KV cache two ways; give one")
-    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
-        raise ConfigError("--enable-auto-tool-choice and --tool-call-parser go together (vLLM's rule): give both or neither")
+def engine_config(args: argparse.Namespace, max_cpu_loras: int) -> EngineConfig:
     fraction = {} if args.kv_cache_memory_fraction is None else {"kv_cache_memory_fraction": args.kv_cache_memory_fraction}
-    engine = EngineConfig(
-        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+    return EngineConfig(
+        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=max_cpu_loras,
         max_loras_per_request=args.max_loras_per_request, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-        device=args.device, dtype=args.dtype, lora_backend=args.lora_backend,
+        device=args.device, dtype=DTYPE_ALIASES.get(args.dtype, args.dtype), lora_backend=args.lora_backend,
         attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs, async_scheduling=args.async_scheduling,
         warmup=args.warmup,
         pinned_adapters=tuple(args.pinned_lora_modules), seed=args.seed, **fraction,
     )
+
+
+def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
+    if args.enable_lora is False:
+        raise ConfigError("--no-enable-lora: LoRA is always on in lorafleet worker (serve the base model by "
+                          "naming it; leave the flag out)")
+    if args.tensor_parallel_size != 1:
+        raise ConfigError(f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not "
+                          "implemented (one GPU per worker; run several workers behind the router)")
+    names = args.served_model_name or [None]
+    if len(names) > 1:
+        raise ConfigError(f"--served-model-name {' '.join(names)}: one name; vLLM's further names (aliases) "
+                          "are not implemented")
+    max_cpu_loras = args.max_cpu_loras
+    if max_cpu_loras is None:
+        max_cpu_loras = max(EngineConfig().max_cpu_loras, args.max_loras)
+    keys = tuple(k for k in (args.api_key or [envs.VLLM_API_KEY]) if k)  # the flag before the env, as vLLM
+    if args.gpu_memory_utilization is not None and args.kv_cache_memory_fraction is not None:
+        raise ConfigError("--gpu-memory-utilization and --kv-cache-memory-fraction size the KV cache two ways; give one")
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise ConfigError("--enable-auto-tool-choice and --tool-call-parser go together (vLLM's rule): give both or neither")
+    try:
+        engine = engine_config(args, max_cpu_loras)
+    except ConfigError as exc:  # its fields named as the flags that set them
+        raise ConfigError(re.sub(r"\b[a-z]+(?:_[a-z]+)+\b", lambda m: "--" + m[0].replace("_", "-")
+                                 if m[0] in vars(args) else m[0], str(exc))) from None
     return WorkerSettings(
-        model=args.model, served_model_name=args.served_model_name, tokenizer=args.tokenizer, host=args.host,
+        model=args.model, served_model_name=names[0], tokenizer=args.tokenizer, host=args.host, api_keys=keys,
         port=args.port, admin_port=args.admin_port, lora_modules=tuple(args.lora_modules),
         adapter_root=args.adapter_root, admin_token_file=args.admin_token_file, engine=engine,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
@@ -175,6 +224,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"lorafleet worker: {exc}", file=sys.stderr)
         return 2
+    log_default_differences(log, argv)
     if settings.admin_token_file is None:
         log.warning("no --admin-token-file: the admin API (load/unload, /v1/adapters) refuses every call")
     if settings.adapter_root is None:

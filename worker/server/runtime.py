@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass, field
 
 from lorafleet.worker.engine.async_engine import AsyncEngine
-from lorafleet.worker.lora.fetch import S3Fetcher
+from lorafleet.worker.lora.fetch import AdapterFetcher
 from lorafleet.worker.openai.reasoning import marker_ids
 from lorafleet.worker.server.auth import AdminToken
 from lorafleet.worker.server.errors import ApiError
@@ -30,7 +30,7 @@ class WorkerRuntime:
     error: str | None = None  # why the engine failed to start
     reasoning_markers: tuple[int, int] | None = None  # --reasoning-parser's <think>, </think> token ids
     loads: dict[tuple, asyncio.Task] = field(default_factory=dict)  # single flight per (name, path, ...)
-    fetcher: S3Fetcher = field(default_factory=S3Fetcher.from_env)  # s3:// adapter sources and their cache
+    fetcher: AdapterFetcher = field(default_factory=AdapterFetcher.from_env)  # s3:// and hf:// sources, their cache
     _task: asyncio.Task | None = None
 
     @classmethod

@@ -19,6 +19,8 @@ class WorkerSettings:
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) loaded at start-up
     adapter_root: str | None = None  # runtime loads must resolve inside it; None: runtime loads refused
     admin_token_file: str | None = None  # None: the admin API answers 401 to everything
+    # vLLM's --api-key: /v1/* (but the admin routes) needs `Bearer <one of them>`; empty: open. Not in repr.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
     engine: EngineConfig = field(default_factory=EngineConfig)
     max_request_prompts: int = 16  # prompts in one /v1/completions call
     tool_call_parser: str | None = None  # tool_choice "auto"'s format (worker/openai/tools.py); None: "auto" refused
