@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 from typing import Any
 
+from lorafleet.operator.retire import GATE
 from lorafleet.operator.sources import CACHE_MOUNT, cache_volume, worker_env
 from lorafleet.operator.spec import MODEL_MOUNT, POOL_LABEL, TOKEN_MOUNT, PoolSpec, model_dir
 from lorafleet.operator.vllm_pods import vllm_pod_template, vllm_service_ports
@@ -129,6 +130,9 @@ def with_pod_fields(template: dict[str, Any], pool: PoolSpec) -> dict[str, Any]:
             names = {e["name"] for e in pod.env}
             c["env"] = [e for e in c.get("env", []) if e["name"] not in names] + [dict(e) for e in pod.env]
     spec["volumes"] = spec.get("volumes", []) + [dict(v) for v in pod.volumes]
+    # Ready (for the Deployment's rollout, the Service, the routers) only once the operator says the
+    # pod holds its adapters and no pod leaving holds an adapter's last copy (operator/retire.py).
+    spec["readinessGates"] = [{"conditionType": GATE}]
     spec["securityContext"] = {
         "runAsNonRoot": True,
         "runAsUser": WORKER_UID,

@@ -41,13 +41,27 @@ class ReconcilerSettings:
 class PodState:
     name: str
     ip: str | None
-    ready: bool
+    ready: bool  # the worker is up (its containers are ready): it may take loads
     draining: bool
+    # Kubernetes' Ready, readiness gates included: the Service and the routers send it traffic.
+    # None: the same as `ready` (workers outside Kubernetes).
+    serving: bool | None = None
+    gated: bool = False  # has the operator's readiness gate (`retire.GATE`)
+    gate_open: bool = False  # ... and the operator has set it
+    revision: str = ""  # the pod template it was made from (pod-template-hash)
+    cost: int | None = None  # its pod-deletion-cost annotation
+    created: str = ""  # creationTimestamp
+    uid: str = ""  # a pod re-created under its name (a StatefulSet's) has another
 
     @property
     def usable(self) -> bool:
         """Takes new loads: addressable, ready and not going away."""
         return bool(self.ip) and self.ready and not self.draining
+
+    @property
+    def in_service(self) -> bool:
+        """Routers may send it requests: addressable, Ready and not going away."""
+        return bool(self.ip) and (self.ready if self.serving is None else self.serving) and not self.draining
 
 
 # `url_of(pod, port) -> base URL` of one worker API; `port` is the pool's admin or http port.
@@ -266,7 +280,7 @@ def ready_replicas(pods: Mapping[str, PodState], loaded: Mapping[str, set[str]],
     return sum(
         1
         for pod, names in loaded.items()
-        if adapter in names and (p := pods.get(pod)) is not None and p.ready and not p.draining
+        if adapter in names and (p := pods.get(pod)) is not None and p.in_service
     )
 
 
@@ -333,7 +347,7 @@ def status_writes(
 
 def pool_status_of(pool: PoolSpec, pods: Mapping[str, PodState], adapters: Mapping[str, AdapterRecord]) -> dict[str, Any]:
     """The LoraPool's status: its workers and how many of its adapters are Ready."""
-    ready = sum(1 for p in pods.values() if p.ready and not p.draining)
+    ready = sum(1 for p in pods.values() if p.in_service)
     ready_adapters = sum(1 for r in adapters.values() if (r.status or {}).get("phase") == "Ready")
     phase = pool_phase(pool.replicas, ready)
     return {
