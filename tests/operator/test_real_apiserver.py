@@ -225,8 +225,70 @@ async def test_operator_as_the_charts_service_account(cluster: RealCluster, tmp_
         finally:
             await runner.kill()
     assert not kubelet.errors, kubelet.errors
+    collected = [e for e in cluster.audit() if e["verb"] == "delete"
+                 and e.get("user", {}).get("username") == "system:serviceaccount:kube-system:generic-garbage-collector"
+                 and e.get("objectRef", {}).get("resource") == "deployments"]
+    assert collected, "the garbage collector removed no Deployment of the pool"
     refused = [f"{e['verb']} {e.get('requestURI')} -> {e['responseStatus']['code']}"
                for e in cluster.audit() if e.get("user", {}).get("username") == user
                and e.get("responseStatus", {}).get("code") in (403, 422)]
     assert refused == [], refused
     assert any(e.get("user", {}).get("username") == user for e in cluster.audit()), "the operator made no call"
+
+
+async def test_rollout_keeps_a_serving_copy_of_every_adapter(cluster: RealCluster, tmp_path: Path) -> None:
+    """A pool's image changes with single-copy adapters placed: the real Deployment controller rolls
+    the pods (surge 1, readiness gates, pod-deletion-cost), and at every tick each adapter is held by
+    a pod the API reports Ready (what the router routes to)."""
+    ns = "roll"
+    restricted_namespace(cluster, ns)
+    result = await asyncio.to_thread(helm_install, cluster, ns, {})
+    assert result["ok"], result.get("error")
+    account = next(o["metadata"]["name"] for o in yaml.safe_load_all(result["manifest"])
+                   if o and o["kind"] == "ServiceAccount" and "operator" in o["metadata"]["name"])
+    names = [f"r{i}" for i in range(4)]
+    for name in names:
+        write_adapter(tmp_path, name)
+    (tmp_path / "admin.kubeconfig").write_text(cluster.kubeconfig(ADMIN_TOKEN, ns))
+
+    def apply(*docs: dict[str, Any]) -> None:
+        kubectl(tmp_path / "admin.kubeconfig", "apply", "-f", "-", stdin=yaml.safe_dump_all(docs))
+
+    def ready_pods() -> set[str]:
+        pods = get(cluster, f"/api/v1/namespaces/{ns}/pods?labelSelector=app.kubernetes.io/component%3Dworker")
+        return {p["metadata"]["name"] for p in pods["items"] if not p["metadata"].get("deletionTimestamp")
+                and any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))}
+
+    def served(kubelet: RealKubelet) -> dict[str, bool]:
+        ready = ready_pods()
+        return {n: any(n in w.state.adapters for pod, (_, w) in list(kubelet.workers.items()) if pod in ready)
+                for n in names}
+
+    def images() -> set[str]:
+        pods = get(cluster, f"/api/v1/namespaces/{ns}/pods?labelSelector=app.kubernetes.io/component%3Dworker")
+        return {p["spec"]["containers"][0]["image"] for p in pods["items"]}
+
+    runner = OperatorRunner(None, namespaces=(ns,), info=operator_info(cluster, ns, account))
+    async with RealKubelet(cluster, ns, fake_worker_factory) as kubelet:
+        await runner.start()
+        try:
+            await asyncio.to_thread(apply, pool_doc(tmp_path, 2), *(adapter_doc(n, 1) for n in names))
+            await eventually(lambda: all(served(kubelet).values()), timeout=90)
+            rolled = pool_doc(tmp_path, 2)
+            rolled["spec"]["image"] = "lorafleet/worker:next"
+            await asyncio.to_thread(apply, rolled)
+            gaps: list[str] = []
+            deadline = time.monotonic() + 120
+            while images() != {"lorafleet/worker:next"} or len(ready_pods()) < 2:
+                assert time.monotonic() < deadline, f"rollout unfinished: {images()}, ready {ready_pods()}"
+                now = await asyncio.to_thread(served, kubelet)
+                gaps += [n for n, ok in now.items() if not ok]
+                await asyncio.sleep(0.1)
+            await eventually(lambda: all(served(kubelet).values()), timeout=30)
+        finally:
+            await runner.kill()
+    assert gaps == [], f"adapters without a Ready copy during the rollout: {sorted(set(gaps))}"
+    costs = [e for e in cluster.audit() if e.get("objectRef", {}).get("resource") == "pods"
+             and e.get("objectRef", {}).get("subresource") == "status" and e["verb"] == "patch"
+             and e.get("user", {}).get("username", "").endswith(f":{account}")]
+    assert costs, "the operator opened no readiness gate through pods/status"
