@@ -79,3 +79,44 @@ async def test_a_fetch_that_keeps_failing_shows_in_the_status_until_it_loads(
         faults.clear()  # the endpoint fixed: the next round's load takes
         await eventually(lambda: status(api, "sql").get("phase") == "Ready", timeout=20)
         assert ready_condition("sql")["reason"] == "Loaded"
+
+
+async def test_a_real_workers_answer_to_a_wrong_endpoint_is_a_fetch_retry(
+    demo_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker's own 503 for a store it cannot reach (nothing listens on the endpoint), as the
+    operator's client reads it: a fetch retry with the worker's reason and no local path."""
+    pytest.importorskip("boto3")
+    import socket
+
+    from lorafleet.operator.worker_client import WorkerClient
+    from lorafleet.worker.lora.fetch import AdapterFetcher
+    from tests.worker.worker_harness import TOKEN, RunningWorker, worker_settings
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    for key in ("AWS_ENDPOINT_URL", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{dead}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "op52-secret-value")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    root = tmp_path / "root"
+    root.mkdir()
+    worker = RunningWorker(worker_settings(demo_model, {}, token_file=token, adapter_root=root))
+    worker.runtime.fetcher = AdapterFetcher(tmp_path / "cache", attempts=2, backoff_s=0.01)
+    worker.start()
+    client = WorkerClient.create(timeout_s=60)
+    try:
+        with pytest.raises(WorkerUnavailable) as info:
+            await client.load(worker.admin_url, TOKEN, "sql", "s3://adapters/team/sql")
+    finally:
+        await client.close()
+        worker.stop()
+    reason, message = fetch_retry(info.value)
+    assert reason == "unavailable" and "s3://adapters/team/sql" in message, message
+    assert "did not answer (EndpointConnectionError)" in message, message
+    assert str(tmp_path) not in message and KEY not in message and "op52-secret-value" not in message
