@@ -7,8 +7,13 @@ logprobs (and the prompt logprobs) within 1e-4."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import subprocess
+import sys
+import time
 
+import httpx
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,6 +23,8 @@ from lorafleet.worker.engine.engine import LLMEngine
 from lorafleet.worker.engine.parallel import free_port, init_group, start_followers, stop
 from lorafleet.worker.engine.sequence import SamplingParams
 from lorafleet.worker.models.sharding import check_shardable, shard_config
+from tests.router.fake_worker import free_port as http_port
+from tests.router.fake_worker import wait_http
 from tests.worker.lora_harness import write_adapter
 
 ADAPTERS = {"r4": dict(r=4, seed=1), "r16": dict(r=16, seed=2, targets=("q_proj", "v_proj", "o_proj", "down_proj")),
@@ -122,3 +129,49 @@ def test_shard_config_and_refusals(assets):
         check_shardable(dataclasses.replace(config, intermediate_size=90), 4)
     with pytest.raises(ConfigError, match="gemma2 family"):
         check_shardable(dataclasses.replace(config, model_type="gemma2"), 2)
+
+
+def _start_worker(model_dir, adapters, tp: int) -> tuple[subprocess.Popen, str]:
+    port = http_port()
+    argv = [sys.executable, "-m", "lorafleet", "worker", "--model", str(model_dir), "--served-model-name", "tiny",
+            "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "float32",
+            "--tensor-parallel-size", str(tp), "--max-loras", "2", "--max-lora-rank", "16",
+            "--lora-modules", *(f"{n}={p}" for n, p in adapters.items()), "--log-level", "warning"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            wait_http(url + "/ready", timeout_s=1)
+            return proc, url
+        except TimeoutError:
+            continue
+    proc.kill()
+    raise AssertionError(f"worker -tp {tp} did not start: {proc.communicate(timeout=30)[1].decode()[-2000:]}")
+
+
+def test_worker_http_tp2_serves_like_tp1_and_stops_when_a_rank_dies(assets, reference):
+    model_dir, adapters, prompts = assets
+    proc, url = _start_worker(model_dir, adapters, 2)
+    try:
+        for i in (0, 1, 3):  # no adapter, one, two with scales
+            body = {"model": "tiny", "prompt": prompts[i], "max_tokens": 6, "temperature": 0, "logprobs": 3}
+            if REQUESTS[i]:
+                body["lora_adapters"] = [{"name": n, "scale": s} for n, s in REQUESTS[i]]
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["text"] == reference[i].text
+            assert abs(choice["logprobs"]["token_logprobs"][0] - reference[i].logprobs[0].logprob) < 1e-4
+        children = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(proc.pid)], capture_output=True, text=True)
+        (rank1,) = [int(line.split()[0]) for line in children.stdout.splitlines()
+                    if "lorafleet.worker.engine.parallel" in line]
+        os.kill(rank1, signal.SIGKILL)
+        code = proc.wait(timeout=60)
+        err = proc.stderr.read().decode()
+        assert code != 0
+        assert "tensor-parallel rank 1 of 2 exited" in err, err[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

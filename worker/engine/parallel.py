@@ -55,7 +55,7 @@ def init_group(rank: int, world: int, init_method: str, device: torch.device, ti
     """Join the group: NCCL on CUDA (device `cuda:<rank>`), gloo on CPU; plus a gloo group for commands."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
     commands = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
@@ -211,6 +211,60 @@ def start_followers(model_dir: str | Path, config: EngineConfig, init_method: st
                               "--world", str(config.tensor_parallel_size), "--init-method", init_method,
                               "--model", str(model_dir), "--engine-config", json.dumps(fields)])
             for rank in range(1, config.tensor_parallel_size)]
+
+
+@dataclasses.dataclass(slots=True)
+class Ranks:
+    """Rank 0's view of the group it started: the group and ranks 1..N-1's processes."""
+
+    group: Group
+    followers: list
+
+    @classmethod
+    def start(cls, model_dir: str | Path, config: EngineConfig) -> Ranks:
+        """Start ranks 1..N-1 and join them as rank 0 (blocks until every rank has joined)."""
+        world = config.tensor_parallel_size
+        device = torch.device(config.device)
+        if device.type == "cuda" and torch.cuda.device_count() < world:
+            raise ConfigError(f"--tensor-parallel-size {world} needs {world} CUDA devices; "
+                              f"{torch.cuda.device_count()} visible")
+        init = f"tcp://127.0.0.1:{free_port()}"
+        followers = start_followers(model_dir, config, init)
+        try:
+            group = init_group(0, world, init, device)
+        except BaseException:
+            for p in followers:
+                p.kill()
+            raise
+        return cls(group, followers)
+
+    def failure(self) -> str | None:
+        """Why the group is broken (a rank has exited), or None while every rank runs."""
+        for rank, p in enumerate(self.followers, start=1):
+            code = p.poll()
+            if code is not None:
+                return (f"tensor-parallel rank {rank} of {self.group.shard.world} exited with code {code} "
+                        "(its log says why); every rank stops")
+        return None
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Tell the other ranks to return (if they still can), close the group, reap them."""
+        import subprocess
+
+        if self.failure() is None:
+            try:
+                stop(self.group)
+            except Exception as e:  # noqa: BLE001 - a rank died meanwhile: it is reaped below
+                log.warning("tensor-parallel stop: %s", e)
+        for p in self.followers:
+            if p.poll() is None:
+                try:
+                    p.wait(timeout=timeout_s)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
