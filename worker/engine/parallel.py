@@ -219,6 +219,7 @@ class Ranks:
 
     group: Group
     followers: list
+    stopping: bool = False  # rank 0 asked the others to return: their exits are no failure
 
     @classmethod
     def start(cls, model_dir: str | Path, config: EngineConfig) -> Ranks:
@@ -240,6 +241,8 @@ class Ranks:
 
     def failure(self) -> str | None:
         """Why the group is broken (a rank has exited), or None while every rank runs."""
+        if self.stopping:
+            return None
         for rank, p in enumerate(self.followers, start=1):
             code = p.poll()
             if code is not None:
@@ -252,6 +255,7 @@ class Ranks:
         import subprocess
 
         if self.failure() is None:
+            self.stopping = True
             try:
                 stop(self.group)
             except Exception as e:  # noqa: BLE001 - a rank died meanwhile: it is reaped below
