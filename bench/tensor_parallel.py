@@ -11,7 +11,7 @@ step's communication is timed alone too: one all-reduce of `[batch, hidden]` per
                  + measured all-reduce time per step
     bound_tokens_per_s = batch / bound step;   ratio = tokens_per_s / bound_tokens_per_s
 
-Run (one host, N GPUs):  python -m bench tensor_parallel --tp 4 --adapters 0,8,64 --out bench/results/tp-h100.json
+Run (one host, N GPUs):  python -m bench tensor_parallel --tp 4 --adapters 0,8,64 --out bench/results/tp-<gpu>.json
 CPU smoke run (gloo):    python -m bench tensor_parallel --tp 2 --tiny --device cpu --steps 3
 """
 
