@@ -4,7 +4,7 @@ a tensor-parallel forward communicates (docs/tensor_parallel.md).
 - row-parallel projections (o_proj, down_proj): the partial output, LoRA delta included (its shrink
   on this rank's input columns, expanded with the full B), is summed over the ranks in one all-reduce;
 - the vocab-parallel embedding: ids outside this rank's rows look up zeros, then one all-reduce;
-- the vocab-parallel lm_head: each rank's logit columns gathered to rank 0 (the others get None
+- the vocab-parallel lm_head: each rank's logit columns gathered to rank 0 (the others get no rows
   back from `forward`: only rank 0 samples).
 
 Only a model built by `sharded_class` runs any of this: the single-device classes are untouched.
@@ -48,30 +48,24 @@ class TensorParallel:
         dist.all_reduce(h)
         return h
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor | None:
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Rank 0: the full logits `[N, vocab]`; the other ranks send their columns and get `[0, V']` back."""
         part = F.linear(h, self.weights["lm_head"]).contiguous()  # type: ignore[attr-defined]  # [N, V']
         if self.shard.rank != 0:
             dist.gather(part, None, dst=0)
-            return None
+            return part[:0]
         parts = [torch.empty_like(part) for _ in range(self.shard.world)]
         dist.gather(part, parts, dst=0)
         return torch.cat(parts, dim=1)[:, : self.full_vocab]
 
     def forward(self, input_ids, positions, attn, kv_caches, lora_meta, logits_indices, graph=False,
-                float_logits=True) -> torch.Tensor | None:
-        """LlamaModel.forward on this rank's shard -> the full logits on rank 0, None on the others.
-        On rank 0, `on_step` (the engine's broadcast to the other ranks) runs first."""
+                float_logits=True) -> torch.Tensor:
+        """LlamaModel.forward on this rank's shard (rank 0 gets the logits). On rank 0, `on_step`
+        (the engine's broadcast of the step to the other ranks) runs first."""
         if self.on_step is not None:
             self.on_step(input_ids, positions, attn, lora_meta, logits_indices)
-        h = self._embed(input_ids)
-        if self.attention_backend == "triton" and self.FUSED_ELEMENTWISE:  # type: ignore[attr-defined]
-            h = self._layers_fused(h, positions, attn, kv_caches, lora_meta, logits_indices, graph)  # type: ignore[attr-defined]
-        else:
-            h = self._layers_torch(h, positions, attn, kv_caches, lora_meta, logits_indices, graph)  # type: ignore[attr-defined]
-        logits = self._logits(h)
-        if logits is None:
-            return None
-        return logits.float() if float_logits else logits
+        return super().forward(input_ids, positions, attn, kv_caches, lora_meta, logits_indices,  # type: ignore[misc]
+                               graph, float_logits)
 
 
 @cache
