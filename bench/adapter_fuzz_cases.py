@@ -185,6 +185,8 @@ def corpus(bases: dict[str, Case]) -> list[Case]:
         raw(sql, "header_deep", weights_raw=_with_header(b"[" * 50_000 + b"]" * 50_000)),
         raw(sql, "header_over_cap", weights_raw=_with_header(b"{" + b" " * (2 << 20) + b"}")),
     ]
+    cases += [with_magnitudes(cfg(sql, "dora_magnitudes", use_dora=True)),
+              with_magnitudes(cfg(sql, "magnitudes_without_dora"))]
     missing_config = _copy(sql)
     missing_config.labels.append("no_config")
     missing_config.config = None
@@ -192,6 +194,17 @@ def corpus(bases: dict[str, Case]) -> list[Case]:
     missing_weights.labels.append("no_weights")
     missing_weights.tensors = None
     return cases + [missing_config, missing_weights]
+
+
+def with_magnitudes(case: Case) -> Case:
+    """`case` with a DoRA magnitude vector beside each module's lora_B (PEFT's saved name), drawn
+    in [1, 2)."""
+    gen = torch.Generator().manual_seed(len(case.labels))
+    case.tensors = dict(case.tensors)
+    for k, v in list(case.tensors.items()):
+        if ".lora_B." in k:
+            case.tensors[k.split(".lora_B.")[0] + ".lora_magnitude_vector"] = (1 + torch.rand(v.shape[0], generator=gen)).to(v.dtype)
+    return case
 
 
 def _with_header(header: bytes, data: bytes = b"") -> bytes:

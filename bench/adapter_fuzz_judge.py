@@ -9,10 +9,12 @@ decided by the reference libraries and the documented caps:
 - the config: UTF-8 JSON that `peft.LoraConfig` accepts, the implemented keys' values of the
   right kind; every regex finishes within a budget (a helper process with a timeout) and compiles;
 - the model PEFT builds from it (`get_peft_model` on the demo base): it adapts only the linear
-  layers the worker adapts, and its `lora_A`/`lora_B` names and shapes are the only tensors the
-  file may hold (in PEFT's saved naming, or without the wrapper prefixes, or with ".default");
-- the weights: `safetensors.safe_open` reads them; floating point; both halves of every module;
-  finite, also once B is scaled by alpha/r in the serving dtype.
+  layers the worker adapts, and its `lora_A`/`lora_B` names and shapes (and with `use_dora` its
+  `lora_magnitude_vector`s) are the only tensors the file may hold (in PEFT's saved naming, or
+  without the wrapper prefixes; A and B also with ".default");
+- the weights: `safetensors.safe_open` reads them; floating point; both halves of every module
+  and, with `use_dora`, its magnitude vector; finite, also once B is scaled by alpha/r in the
+  serving dtype.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from lorafleet.worker.lora.config_rules import RULES, is_off
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PICKLES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 FLOATS = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"}
+MAGNITUDE = ".lora_magnitude_vector"  # a DoRA module's magnitude, as PEFT saves it
 REGEX_CPU_S = 3  # CPU seconds for PEFT's matching of one config (the worker allows 0.5)
 REGEX_WALL_S = 120.0
 
@@ -106,10 +109,17 @@ class Judge:
                 raise Invalid(f"{key} shape {tuple(t.shape)} != {expected[key]}")
             seen[key] = t
         scaling = self._scalings(cfg)
+        dora = cfg.get("use_dora") is True
         for key, t in seen.items():
-            other = key.replace("lora_A", "lora_B") if "lora_A" in key else key.replace("lora_B", "lora_A")
-            if other not in seen:
-                raise Invalid(f"{key} without its other half")
+            if key.endswith(MAGNITUDE):
+                others = [key[: -len(MAGNITUDE)] + h for h in (".lora_A.weight", ".lora_B.weight")]
+            else:
+                module = key.split(".lora_A.")[0] if ".lora_A." in key else key.split(".lora_B.")[0]
+                others = [module + (".lora_B.weight" if ".lora_A." in key else ".lora_A.weight")]
+                others += [module + MAGNITUDE] if dora else []
+            missing = [o for o in others if o not in seen]
+            if missing:
+                raise Invalid(f"{key} without {missing[0].rsplit('.', 2)[-2]}")
             if not torch.isfinite(t.to(self.caps.dtype)).all():
                 raise Invalid(f"{key} not finite in the serving dtype")
             if "lora_B" in key:
@@ -208,8 +218,8 @@ class Judge:
         shapes = {k: tuple(v.shape) for k, v in state.items()}
         if max(s[0] for k, s in shapes.items() if "lora_A" in k) > self.caps.max_rank:
             raise Invalid("rank over the worker's max_lora_rank")
-        if set(shapes) != {k for k in shapes if ".lora_A." in k or ".lora_B." in k}:
-            raise Invalid("PEFT's model holds more than LoRA A/B")
+        if set(shapes) != {k for k in shapes if ".lora_A." in k or ".lora_B." in k or k.endswith(MAGNITUDE)}:
+            raise Invalid("PEFT's model holds more than LoRA A/B and DoRA magnitudes")
         scales = {f"base_model.model.{n}": m.scaling["default"] for n, m in model.base_model.model.named_modules()
                   if hasattr(m, "lora_A")}
         return shapes, scales

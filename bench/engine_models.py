@@ -1,7 +1,7 @@
 """Decode throughput of each model family at an ~8B shape of its own, through the engine (issue 50).
 
-    python -m bench.engine_models [--archs llama,qwen3,gemma2] [--adapters 0,64] [--batch 64]
-                                  [--rank 16] [--prompt-len 128] [--new-tokens 64] [--out-dir D]
+    python -m bench.engine_models [--archs llama,qwen3,gemma2] [--adapters 0,64] [--dora-archs llama]
+                                  [--batch 64] [--rank 16] [--prompt-len 128] [--new-tokens 64] [--out-dir D]
 
 Each family's engine is built in turn with random bf16 weights under its own checkpoint names
 (made on the GPU, loaded through the engine's loading path; nothing is downloaded), with the
@@ -9,7 +9,10 @@ engine's defaults on CUDA (Triton LoRA and attention, CUDA graphs, warm-up), the
 {arch, adapter_kind, adapters, batch, rank, tokens_per_s, weight_bytes, bytes_rate, vs_llama}, where
 bytes_rate = tokens_per_s × weight_bytes (the same fraction of the memory bound reads as the same
 rate whatever the shape) and vs_llama is that over Llama's at the seed shape with the same
-adapters. Writes bench/results/engine-models-<gpu>.json.
+adapters. adapter_kind is "base" (no adapters), "lora", or "dora" (for the families of
+--dora-archs: the same batch with as many DoRA adapters, random magnitudes, whose g = m / ||W + s·BA||
+the registry computes at registration; the LoRA side path plus DoRA's per-token epilogue).
+Writes bench/results/engine-models-<gpu>.json.
 
 Shapes: Llama is the seed guide's 7.8B; Qwen3 is Qwen3-8B's (hidden 4096, 32 heads over 8 KV heads
 of 128, MLP 12288, vocab 151936, q/k norms, untied) at 32 layers; Gemma 2 is Gemma 2 9B's head
@@ -32,10 +35,11 @@ import torch
 if __package__ in (None, ""):  # run as a script: make `bench.*` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.engine_build import SEED_SHAPE, register_random_adapters
+from bench.engine_build import SEED_SHAPE, random_adapter, register_random_adapters
 from bench.engine_workload import adapter_sets, decode_run
 from lorafleet.worker.config import EngineConfig, ModelConfig
 from lorafleet.worker.engine.engine import LLMEngine
+from lorafleet.worker.lora.weights import LoraWeights
 
 SHAPES: dict[str, dict] = {
     "llama": SEED_SHAPE,
@@ -90,6 +94,18 @@ def random_weights(config: ModelConfig, device: str):
             yield p + "self_attn.k_norm.weight", norm(config.head_dim)
 
 
+def random_dora_adapter(config: ModelConfig, rank: int, seed: int) -> LoraWeights:
+    """`random_adapter` with a DoRA magnitude per output row, near the rows' norms of
+    `random_weights` (0.02 · sqrt(in)), so g stays near 1."""
+    w = random_adapter(config, rank, seed)
+    w.dora, w.path = True, f"<random-dora:{seed}>"
+    g = torch.Generator().manual_seed(10_000 + seed)
+    for m in w.modules.values():
+        out, in_ = m.b.shape[0], m.a.shape[1]
+        m.magnitude = 0.02 * in_ ** 0.5 * (1 + 0.05 * torch.randn(out, generator=g))
+    return w
+
+
 def build(shape: dict, device: str, batch: int, rank: int, n_slots: int) -> LLMEngine:
     folder = Path(tempfile.mkdtemp())
     (folder / "config.json").write_text(json.dumps(shape))
@@ -108,19 +124,28 @@ def family_rows(arch: str, shape: dict, device: str, args) -> list[dict]:
     t0 = time.perf_counter()
     engine = build(shape, device, args.batch, args.rank, max(counts + [1]))
     names = register_random_adapters(engine, engine.model_config, max(counts + [1]), args.rank)
+    kinds = [("lora", names)]
+    if arch in args.dora_archs.split(","):
+        t1 = time.perf_counter()
+        dora = [f"d{k}" for k in range(max(counts + [1]))]
+        for k, name in enumerate(dora):
+            engine.registry.register(name, random_dora_adapter(engine.model_config, args.rank, seed=k))
+        kinds.append(("dora", dora))
+        print(f"{arch}: {len(dora)} DoRA adapters' norms in {time.perf_counter() - t1:.1f}s", flush=True)
     weight_bytes = engine.model.weight_bytes()
     print(f"{arch}: built in {time.perf_counter() - t0:.1f}s, weights {weight_bytes / 2**30:.2f} GiB", flush=True)
     rows = []
     for d in counts:
-        sets = adapter_sets(names, d, args.batch)
-        decode_run(engine, sets, args.prompt_len, min(args.new_tokens, 8))  # JIT, allocator, graph capture
-        res = decode_run(engine, sets, args.prompt_len, args.new_tokens)
-        rows.append({"arch": arch, "adapter_kind": "lora" if d else "base", "adapters": d, "batch": args.batch,
-                     "rank": args.rank, "tokens_per_s": res["tokens_per_s"], "weight_bytes": weight_bytes,
-                     "decode_step_ms": res["decode_step_ms"], "prompt_len": args.prompt_len,
-                     "bytes_rate": res["tokens_per_s"] * weight_bytes})
-        print(f"{arch:<8} adapters {d:>3}: {res['tokens_per_s']:>9,.0f} tok/s, step {res['decode_step_ms']} ms",
-              flush=True)
+        for kind, kind_names in kinds if d else [("base", names)]:
+            sets = adapter_sets(kind_names, d, args.batch)
+            decode_run(engine, sets, args.prompt_len, min(args.new_tokens, 8))  # JIT, allocator, graph capture
+            res = decode_run(engine, sets, args.prompt_len, args.new_tokens)
+            rows.append({"arch": arch, "adapter_kind": kind, "adapters": d, "batch": args.batch,
+                         "rank": args.rank, "tokens_per_s": res["tokens_per_s"], "weight_bytes": weight_bytes,
+                         "decode_step_ms": res["decode_step_ms"], "prompt_len": args.prompt_len,
+                         "bytes_rate": res["tokens_per_s"] * weight_bytes})
+            print(f"{arch:<8} {kind:<4} adapters {d:>3}: {res['tokens_per_s']:>9,.0f} tok/s, "
+                  f"step {res['decode_step_ms']} ms", flush=True)
     del engine
     gc.collect()
     if device == "cuda":
@@ -132,6 +157,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--archs", default="llama,qwen3,gemma2")
     ap.add_argument("--adapters", default="0,64", help="distinct adapters in the batch (0: base only)")
+    ap.add_argument("--dora-archs", default="llama", help="families also run with DoRA adapters ('' for none)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -147,13 +173,19 @@ def main() -> None:
     for arch in [a for a in args.archs.split(",") if a]:
         shape = tiny(SHAPES[arch]) if args.tiny else SHAPES[arch]
         rows += family_rows(arch, shape, device, args)
-    llama = {r["adapters"]: r["bytes_rate"] for r in rows if r["arch"] == "llama"}
+    llama = {(r["adapter_kind"], r["adapters"]): r["bytes_rate"] for r in rows if r["arch"] == "llama"}
+    lora = {(r["arch"], r["adapters"]): r["tokens_per_s"] for r in rows if r["adapter_kind"] == "lora"}
     for r in rows:
-        r["vs_llama"] = round(r["bytes_rate"] / llama[r["adapters"]], 3) if r["adapters"] in llama else None
-    print(f"\n{'arch':<8} {'adapters':>8} {'tok/s':>10} {'weights GiB':>12} {'tok/s x bytes vs llama':>24}")
+        key = (r["adapter_kind"], r["adapters"])
+        r["vs_llama"] = round(r["bytes_rate"] / llama[key], 3) if key in llama else None
+        if r["adapter_kind"] == "dora" and (r["arch"], r["adapters"]) in lora:
+            r["vs_lora"] = round(r["tokens_per_s"] / lora[(r["arch"], r["adapters"])], 3)
+    print(f"\n{'arch':<8} {'kind':<5} {'adapters':>8} {'tok/s':>10} {'weights GiB':>12} {'tok/s x bytes vs llama':>24}"
+          f" {'vs lora':>8}")
     for r in rows:
-        print(f"{r['arch']:<8} {r['adapters']:>8} {r['tokens_per_s']:>10,.0f} {r['weight_bytes'] / 2**30:>12.2f} "
-              f"{r['vs_llama'] if r['vs_llama'] is not None else '-':>24}")
+        print(f"{r['arch']:<8} {r['adapter_kind']:<5} {r['adapters']:>8} {r['tokens_per_s']:>10,.0f} "
+              f"{r['weight_bytes'] / 2**30:>12.2f} {r['vs_llama'] if r['vs_llama'] is not None else '-':>24} "
+              f"{r.get('vs_lora', '-'):>8}")
     result = {"machine": torch.cuda.get_device_name() if device == "cuda" else "cpu (--tiny smoke run)",
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "rows": rows}
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -192,8 +192,10 @@ def _child(url: str, w: Workload, part: int, parts: int, start_at: float, conn) 
         conn.close()
 
 
-def run_load(url: str, w: Workload, processes: int = 1) -> dict:
-    """Runs `w` against `url` from `processes` client processes; returns `summarize`'s figures."""
+def run_load(url: str, w: Workload, processes: int = 1, on_start=None) -> dict:
+    """Runs `w` against `url` from `processes` client processes; returns `summarize`'s figures.
+    `on_start(start_at)`, once the processes are started: the caller's hook on the shared schedule
+    (bench/serve.py scrapes the worker's metrics at the window's edges)."""
     ctx = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
     start_at = time.monotonic() + 0.5 + 0.1 * processes
     pipes, procs = [], []
@@ -204,6 +206,8 @@ def run_load(url: str, w: Workload, processes: int = 1) -> dict:
         child.close()
         pipes.append(parent)
         procs.append(proc)
+    if on_start is not None:
+        on_start(start_at)
     records: list[Record] = []
     shares = []
     for pipe, proc in zip(pipes, procs):

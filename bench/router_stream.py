@@ -15,7 +15,8 @@ system time (psutil) over each phase, so the figures hold on a machine shared wi
   summed over the processes (per-core cost unchanged means the processes scale with cores).
 
 `--compare REF` runs the same phases on the router of git revision REF (from `git archive`, in a
-temporary folder) in the same run: before/after figures from one machine state.
+temporary folder) in the same run: before/after figures from one machine state. `--callgrind` counts
+instructions instead (`callgrind_counts`): figures a shared machine's load does not move.
 """
 
 from __future__ import annotations
@@ -129,3 +130,89 @@ def start_upstream(port: int, interval_ms: float, cores: str | None) -> subproce
     pin = ["taskset", "-c", cores] if cores and shutil.which("taskset") else []
     return subprocess.Popen([*pin, sys.executable, str(ROOT / "bench" / "fake_stream.py"), "--port", str(port),
                              "--interval-ms", str(interval_ms)], cwd=ROOT, stderr=subprocess.DEVNULL)
+
+
+def callgrind_counts(pythonpath: Path | None, fixed_requests, requests: int = 400, streams: int = 8,
+                     tokens: int = 64, interval_ms: float = 40.0, idle_s: float = 10.0) -> dict:
+    """Instructions (valgrind's callgrind, user space) one router process runs for a fixed workload:
+    `requests` non-streamed requests 4 at a time (`fixed_requests(port, n, concurrency)`), `idle_s`
+    of nothing (the background polls' rate), then `streams` streams of `tokens` tokens, one every
+    `interval_ms` (slow enough that each upstream read holds one token under valgrind). Counted only
+    during each phase (`--instr-atstart=no`, `callgrind_control -i`), so start-up is left out. The
+    counts do not move with the machine's load, unlike CPU time. Needs `valgrind`; takes minutes."""
+    up_port, port = _free_port(), _free_port()
+    upstream = start_upstream(up_port, interval_ms, None)
+    out = Path(tempfile.mkdtemp(prefix="router-callgrind-"))
+    env = dict(os.environ)
+    if pythonpath is not None:
+        env["PYTHONPATH"], env["PYTHONSAFEPATH"] = str(pythonpath), "1"
+    proc = subprocess.Popen(
+        ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}/cg.%p",
+         sys.executable, "-m", "lorafleet", "router", "--port", str(port), "--log-level", "warning",
+         "--worker", f"http://127.0.0.1:{up_port}", "--lora-modules", "a=/a"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=tempfile.gettempdir() if pythonpath else None)
+    url = f"http://127.0.0.1:{port}"
+
+    def control(*args: str) -> None:
+        subprocess.run(["callgrind_control", *args, str(proc.pid)], capture_output=True, check=False)
+
+    def phase(name: str, work) -> float:
+        control("-i", "on")
+        t0 = time.monotonic()
+        work()
+        wall = time.monotonic() - t0
+        control("-d", name)
+        control("-i", "off")
+        control("-z")
+        return wall
+
+    try:
+        deadline = time.monotonic() + 900
+        while not _ready(url):
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("the router under valgrind did not get ready")
+            time.sleep(1.0)
+        asyncio.run(fixed_requests(port, 40, 4))  # warm
+        run_load(url, Workload("burst", concurrency=4, rounds=1, new_tokens=8, prompt_tokens=8, model="a"))
+        walls = {"requests": phase("requests", lambda: asyncio.run(fixed_requests(port, requests, 4))),
+                 "idle": phase("idle", lambda: time.sleep(idle_s))}
+        load = Workload("burst", concurrency=streams, rounds=1, new_tokens=tokens, fixed_length=True,
+                        prompt_tokens=8, model="a", duration_s=10.0)
+        walls["stream"] = phase("stream", lambda: run_load(url, load))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        upstream.terminate()
+        upstream.wait(timeout=10)
+    counts = {}
+    for f in out.glob("cg.*.*"):
+        text = f.read_text(errors="replace")
+        trigger = next((ln.split()[-1] for ln in text.splitlines() if ln.startswith("desc: Trigger:")), "")
+        total = next((int(ln.split(":")[1]) for ln in text.splitlines() if ln.startswith("summary:")), 0)
+        counts[trigger] = total
+    shutil.rmtree(out, ignore_errors=True)
+    background = counts.get("idle", 0) / walls["idle"]
+    per_request = (counts["requests"] - background * walls["requests"]) / requests
+    relayed = streams * tokens
+    per_token = (counts["stream"] - background * walls["stream"] - streams * per_request) / relayed
+    return {"instructions_per_request": round(per_request), "instructions_per_token_net": round(per_token),
+            "background_instructions_per_s": round(background), "raw": counts,
+            "phase_wall_s": {k: round(v, 2) for k, v in walls.items()}}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ready(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/ready", timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False

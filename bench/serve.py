@@ -1,6 +1,7 @@
 """The served path under load: `lorafleet worker` (and `lorafleet router` in front) driven over HTTP.
 
-    python -m bench.serve --device cuda --quick            # one GPU, ~6 minutes, model writing included
+    python -m bench.serve --print-gpu-commands             # the GPU run in pieces of < 8 minutes each
+    python -m bench.serve --device cuda --quick            # one GPU at once (~11 minutes: past a device call)
     python -m bench.serve --device cpu --concurrency 4 ... # the tiny model on a CPU: checks the suite
 
 Steps, all in one run so every figure comes from one card:
@@ -20,6 +21,13 @@ Steps, all in one run so every figure comes from one card:
 
 Writes bench/results/serve-<gpu>.json (`rows` as issue 55 names them, plus the self-check, the
 engine rows and the settings) and, with matplotlib, serve-<gpu>.png (throughput against TTFT p50).
+Each row also carries the worker's own view of its window (`worker`, from /metrics scraped at the
+window's edges): mean running requests per engine step, steps by path (graph / eager) and their mean times.
+
+In pieces, each well inside a 10-minute device call (`--print-gpu-commands` prints them):
+`--engine-only` writes the model (kept under `--workdir` for the next pieces) and the engine's
+figures; later pieces pass `--no-engine --merge`, which keeps the JSON's engine figures and rows
+and takes the Poisson rates from its closed-loop peaks.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ if __package__ in (None, ""):  # run as a script: make `bench.*` importable
 import httpx
 
 from bench.loadgen import Workload, run_load
+from bench.serve_window import windowed
 
 ROOT = Path(__file__).resolve().parent.parent
 ROW_KEYS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "max_stall_ms", "errors",
@@ -147,19 +156,20 @@ def names_for(count: int) -> tuple[str, ...]:
 
 
 def warm_up(url: str, args: argparse.Namespace, vocab: int) -> None:
-    """Every adapter count at the run's largest concurrency and each prompt length, briefly: graph
-    captures, adapter loads and first-use costs happen here, not in a measurement window."""
+    """Every adapter count at the run's largest concurrency and each prompt length, briefly (3 s):
+    graph captures, adapter loads and first-use costs happen here, not in a measurement window."""
     for prompt in args.prompts:
         for d in args.adapters:
-            w = Workload("burst", concurrency=max(args.concurrency), rounds=1, duration_s=0.0, new_tokens=8,
-                         fixed_length=True, prompt_tokens=prompt, vocab=vocab, adapters=names_for(d))
+            # A short closed loop: prompts join decoding batches, so the graphs of such steps are captured here.
+            w = Workload("closed", concurrency=max(args.concurrency, default=64), duration_s=3.0, warmup_s=0.0,
+                         new_tokens=32, prompt_tokens=prompt, vocab=vocab, adapters=names_for(d))
             res = run_load(url, w, args.client_processes)
             if res["errors"]:
                 raise RuntimeError(f"warm-up with {d} adapters failed: {res['first_error']}")
 
 
 def measure(url: str, path: str, prompt: int, d: int, args: argparse.Namespace, vocab: int, engine: dict,
-            peaks: dict) -> list[dict]:
+            peaks: dict, worker_url: str) -> list[dict]:
     """One path, prompt length and adapter count: the closed loops, then the Poisson rates.
 
     `peaks`: (prompt, adapters) -> the closed loop's figures at the largest concurrency, from the
@@ -170,30 +180,33 @@ def measure(url: str, path: str, prompt: int, d: int, args: argparse.Namespace, 
                   prompt_tokens=prompt, vocab=vocab, adapters=names_for(d))
     peak = None
     for c in sorted(args.concurrency):
-        res = run_load(url, Workload("closed", concurrency=c, **common), args.client_processes)
-        rows.append(row(base, {"concurrency": c}, res, engine.get((c, prompt, d))))
+        res, view = windowed(url, Workload("closed", concurrency=c, **common), args.client_processes, worker_url)
+        rows.append(row(base, {"concurrency": c}, res, engine.get((c, prompt, d)), view))
         peak = res
-    if peak is None:
-        return rows
     peak = peaks.setdefault((prompt, d), peak)
-    top = max(args.concurrency)
+    if peak is None:
+        if args.poisson:
+            print(f"no closed-loop peak for prompt {prompt}, {d} adapters (run or merge one): no Poisson rows")
+        return rows
+    top = peak.get("concurrency") or max(args.concurrency, default=64)
     for frac in args.poisson:
         rate = frac * peak["tokens_per_s"] / max(1.0, peak["mean_new_tokens"] or args.new_tokens)
-        res = run_load(url, Workload("poisson", rate=rate, **common), args.client_processes)
-        rows.append(row(base, {"rate": round(rate, 2), "of_peak": frac}, res, engine.get((top, prompt, d))))
+        res, view = windowed(url, Workload("poisson", rate=rate, **common), args.client_processes, worker_url)
+        rows.append(row(base, {"rate": round(rate, 2), "of_peak": frac}, res, engine.get((top, prompt, d)), view))
     return rows
 
 
-def row(base: dict, load: dict, res: dict, engine_tps: float | None) -> dict:
+def row(base: dict, load: dict, res: dict, engine_tps: float | None, worker: dict) -> dict:
     r = {**base, **load, **{k: res[k] for k in ROW_KEYS}, "engine_tokens_per_s": engine_tps,
-         "requests": res["requests"], "client_processes": res["client_processes"]}
+         "requests": res["requests"], "client_processes": res["client_processes"],
+         "mean_new_tokens": res["mean_new_tokens"], "worker": worker}
     if res["errors"]:
         r["first_error"] = res["first_error"]
     label = f"c={load['concurrency']}" if "concurrency" in load else f"{load['of_peak']:.0%} ({load['rate']}/s)"
     print(f"{r['path']:<7} {r['adapters']:>3} ad prompt {r['prompt']:>4} {label:<16} {r['tokens_per_s']:>9,.0f} tok/s "
           f"(engine {engine_tps or float('nan'):>8,.0f})  TTFT {r['ttft_p50_ms']:>8} / {r['ttft_p99_ms']:>8} ms  "
           f"ITL {r['itl_p50_ms']:>6} / {r['itl_p99_ms']:>7} ms  stall {r['max_stall_ms']:>7} ms  "
-          f"err {r['errors']}  client {r['client_cpu_share']}", flush=True)
+          f"err {r['errors']}  client {r['client_cpu_share']}  worker {worker}", flush=True)
     return r
 
 
@@ -238,10 +251,19 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=4.0, help="seconds of each row before its window")
     p.add_argument("--client-processes", type=int, default=None, help="default: 1 on a CPU, 4 on a GPU (its host's 16 cores)")
     p.add_argument("--selfcheck-rate", type=float, default=None, help="tokens/s (default: 2x the engine's peak)")
-    p.add_argument("--no-engine", action="store_true", help="skip the engine's figures")
+    p.add_argument("--no-engine", action="store_true", help="skip the engine's figures (with --merge: keep the JSON's)")
+    p.add_argument("--engine-only", action="store_true",
+                   help="write the model and adapters and take the engine's figures, then stop (the first piece)")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the existing JSON's engine figures and rows (a row measured again replaces its "
+                        "namesake) and take Poisson rates from its closed-loop peaks")
+    p.add_argument("--print-gpu-commands", action="store_true",
+                   help="print the device commands that measure issue 55's rows in pieces, then stop")
     p.add_argument("--ignore-selfcheck", action="store_true",
                    help="measure even when the self-check fails (recorded in the JSON; a busy development machine)")
-    p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "lorafleet-serve")
+    p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "lorafleet-serve",
+                   help="model and adapter folders, kept between runs (a device call keeps the repository's "
+                        "ignored .lorafleet/ folder: pass .lorafleet/serve-work there)")
     p.add_argument("--worker-arg", action="append", default=[], help="extra `lorafleet worker` argument (repeat)")
     p.add_argument("--out", type=Path, default=None,
                    help="the JSON file, or a folder for serve-<gpu>.json (default bench/results/); logs beside it")
@@ -264,12 +286,56 @@ def gpu_name() -> str:
     return next((g for g in ("h200", "h100", "a100", "l40s", "l4") if g in name), name.replace(" ", "-") or "cuda")
 
 
+GPU_PIECES = (
+    # (what it measures, serve.py arguments, expected minutes on an H100; +2 where the model is written
+    # again: a machine released between calls keeps nothing)
+    ("the model and 8 adapters written (~2 min), the engine's figures at batch 64 for 0 and 8 adapters",
+     "--engine-only --concurrency 64 --adapters 0,8 --prompts 128", 5.5),
+    ("56 more adapters written (~1 min), the engine's figures at batch 64 for 64 adapters",
+     "--engine-only --concurrency 64 --adapters 64 --prompts 128", 4.5),
+    ("direct, closed loop c=64 and Poisson at 70% of its peak, base / 8 / 64 adapters", "--no-engine --quick --paths direct", 5),
+    ("through the router, the same loads (Poisson rates from the direct peaks)", "--no-engine --quick --paths router", 5),
+)
+
+
+def gpu_commands() -> str:
+    env = "source bench/gpu_env.sh && "
+    lines = ["# one device call each, in this order, from the repository root after `bash bench/gpu_wheels.sh`;",
+             "# the model and the JSON stay in the ignored .lorafleet/ folder between calls (--merge adds to it);",
+             "# copy $OUT/serve-results/serve-<gpu>.json into bench/results/ at the end"]
+    for what, extra, minutes in GPU_PIECES:
+        lines += [f"# {what} (~{minutes:g} min)",
+                  f"{env}timeout 540 python3 -m bench.serve --device cuda --workdir .lorafleet/serve-work "
+                  f"--out .lorafleet/serve-results --merge {extra}; cp -r .lorafleet/serve-results \"$OUT\"/"]
+    return "\n".join(lines)
+
+
+def merged(out: Path, args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
+    """The existing JSON's engine figures, rows and closed-loop peaks (empty without --merge)."""
+    if not args.merge or not out.exists():
+        return {}, [], {}
+    old = json.loads(out.read_text())
+    engine = {(e["batch"], e["prompt"], e["adapters"]): e["tokens_per_s"] for e in old.get("engine", [])}
+    rows = old.get("rows", [])
+    peaks: dict = {}
+    for r in sorted((r for r in rows if r["path"] == "direct" and "concurrency" in r), key=lambda r: r["concurrency"]):
+        peaks[(r["prompt"], r["adapters"])] = r  # the largest concurrency last
+    return engine, rows, peaks
+
+
+def row_key(r: dict) -> tuple:
+    return (r["path"], r["adapters"], r["prompt"], r.get("concurrency"), r.get("of_peak"))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.print_gpu_commands:
+        print(gpu_commands())
+        return 0
     cuda = args.device.startswith("cuda")
     gpu = gpu_name() if cuda else "cpu"
     out = args.out or ROOT / "bench" / "results"
-    out = out / f"serve-{gpu}.json" if out.is_dir() else out
+    out = out / f"serve-{gpu}.json" if out.is_dir() or not out.suffix else out
     logs = out.parent / f"{out.stem}-logs"  # the worker's, router's and engine's output
     logs.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
@@ -283,22 +349,25 @@ def main(argv: list[str] | None = None) -> int:
     adapters = {k: Path(v) for k, v in json.loads(written.stdout.strip().splitlines()[-1]).items()}
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     print(f"model and {len(adapters)} adapters ready in {time.monotonic() - t_start:.0f}s", flush=True)
-    engine: dict = {}
+    engine, old_rows, peaks = merged(out, args)
     if not args.no_engine:
-        engine = engine_figures(args.device, sorted(args.concurrency), args.prompts, args.new_tokens, args.adapters,
-                                logs / "engine.log")
+        engine.update(engine_figures(args.device, sorted(args.concurrency), args.prompts, args.new_tokens,
+                                     args.adapters, logs / "engine.log"))
         print(f"engine figures ({time.monotonic() - t_start:.0f}s): "
               + ", ".join(f"batch {b} prompt {p} {d} adapters {v:,.0f}" for (b, p, d), v in engine.items()), flush=True)
+    result = {"machine": gpu, "device": args.device, "date": time.strftime("%Y-%m-%d"),
+              "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+              "engine": [{"batch": b, "prompt": p, "adapters": d, "tokens_per_s": v} for (b, p, d), v in engine.items()],
+              "rows": list(old_rows)}
+    if args.engine_only:
+        return write(result, out, 0)
     rate = args.selfcheck_rate or max(2000.0, 2 * max(engine.values(), default=1000.0))
     check = selfcheck(rate, args.client_processes, min(8.0, args.seconds))
     print(f"load generator self-check at {check['expected_tokens_per_s']:,.0f} tok/s: measured "
           f"{check['tokens_per_s']:,.0f} tok/s, TTFT p50 {check['ttft_p50_ms']} ms (expected "
           f"{check['expected_ttft_ms']} + one interval), client CPU {check['client_cpu_share']}: "
           f"{'ok' if check['ok'] else 'FAILED'}", flush=True)
-    result = {"machine": gpu, "device": args.device, "date": time.strftime("%Y-%m-%d"), "selfcheck": check,
-              "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "engine": [{"batch": b, "prompt": p, "adapters": d, "tokens_per_s": v} for (b, p, d), v in engine.items()],
-              "rows": []}
+    result["selfcheck"] = check
     if not check["ok"] and not args.ignore_selfcheck:
         print("the load generator cannot measure this rate here: stopping (see selfcheck in the JSON)")
         return write(result, out, 1)
@@ -318,11 +387,12 @@ def main(argv: list[str] | None = None) -> int:
                            logs / "router.log")
             wait_ready(f"http://127.0.0.1:{rport}/ready", router, 60, logs / "router.log")
             urls["router"] = f"http://127.0.0.1:{rport}"
-        peaks: dict = {}
         for prompt in args.prompts:
             for d in args.adapters:
                 for path in paths:  # paired, so a run cut short still compares them
-                    result["rows"] += measure(urls[path], path, prompt, d, args, vocab, engine, peaks)
+                    new = measure(urls[path], path, prompt, d, args, vocab, engine, peaks, direct)
+                    keys = {row_key(r) for r in new}
+                    result["rows"] = [r for r in result["rows"] if row_key(r) not in keys] + new
                     write(result, out, 0)
     finally:
         stop(router)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import base64
 from typing import Any
 
+from lorafleet.operator.retire import GATE
+from lorafleet.operator.sources import CACHE_MOUNT, cache_volume, worker_env
 from lorafleet.operator.spec import (
     GPU_RESOURCE,
     MODEL_MOUNT,
@@ -85,6 +87,10 @@ def pod_template(pool: PoolSpec) -> dict[str, Any]:
     if pool.model_claim:
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": pool.model_claim, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    cache = cache_volume(pool.sources)  # remote sources (spec.sources): the fetch cache
+    if cache is not None:
+        volumes.append(cache)
+        mounts.append({"name": cache["name"], "mountPath": CACHE_MOUNT})
     container: dict[str, Any] = {
         "name": "worker",
         "image": pool.image,
@@ -104,6 +110,9 @@ def pod_template(pool: PoolSpec) -> dict[str, Any]:
         "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "failureThreshold": 120},
         "volumeMounts": mounts,
     }
+    env = worker_env(pool.sources)  # the cache's settings and the pool's Secret, by reference only
+    if env:
+        container["env"] = env
     if pool.resources:
         container["resources"] = {k: dict(v) for k, v in pool.resources.items()}
     spec: dict[str, Any] = {
@@ -141,9 +150,13 @@ def with_pod_fields(template: dict[str, Any], pool: PoolSpec) -> dict[str, Any]:
                                 "readOnlyRootFilesystem": False, "runAsNonRoot": True,
                                 "capabilities": {"drop": ["ALL"]}}
         c["volumeMounts"] = c.get("volumeMounts", []) + [dict(m) for m in pod.volume_mounts]
-        if pod.env:
-            c["env"] = c.get("env", []) + [dict(e) for e in pod.env]
+        if pod.env:  # the pool's own entries win over the operator's of the same name (e.g. AWS_REGION)
+            names = {e["name"] for e in pod.env}
+            c["env"] = [e for e in c.get("env", []) if e["name"] not in names] + [dict(e) for e in pod.env]
     spec["volumes"] = spec.get("volumes", []) + [dict(v) for v in pod.volumes]
+    # Ready (for the Deployment's rollout, the Service, the routers) only once the operator says the
+    # pod holds its adapters and no pod leaving holds an adapter's last copy (operator/retire.py).
+    spec["readinessGates"] = [{"conditionType": GATE}]
     spec["securityContext"] = {
         "runAsNonRoot": True,
         "runAsUser": WORKER_UID,
@@ -158,6 +171,9 @@ def with_pod_fields(template: dict[str, Any], pool: PoolSpec) -> dict[str, Any]:
         "priorityClassName": pod.priority_class,
         "runtimeClassName": pod.runtime_class,
         "imagePullSecrets": [{"name": n} for n in pod.image_pull_secrets] or None,
+        # IRSA / EKS Pod Identity / GKE Workload Identity: the ServiceAccount's annotations name the
+        # cloud role; those webhooks project their own token, so the API token stays unmounted.
+        "serviceAccountName": pool.service_account,
     }
     spec |= {k: v for k, v in optional.items() if v is not None}
     return template

@@ -16,9 +16,10 @@ from typing import Any
 
 import kopf
 
-from lorafleet.operator import builders
+from lorafleet.operator import builders, retire
 from lorafleet.operator.fleet import Fleet
 from lorafleet.operator.kube import Conflict, KubeClient, KubeError, NotFound
+from lorafleet.operator.pod_roll import hold_scale_down
 from lorafleet.operator.pool_state import PodState, ReconcilerSettings
 from lorafleet.operator.spec import GROUP, POOL_LABEL, VERSION, SpecError, parse_adapter, parse_pool
 from lorafleet.operator.status import AdapterObservation, Condition, adapter_status, render_conditions
@@ -99,13 +100,27 @@ async def _ensure_token(kube: KubeClient, pool: Any, owner: kopf.Body) -> str:
 
 
 def _pod_state(body: kopf.Body | dict[str, Any]) -> PodState:
-    conditions = body.get("status", {}).get("conditions") or []
-    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    meta = body["metadata"]
+    conditions = {c.get("type"): c.get("status") == "True" for c in body.get("status", {}).get("conditions") or []}
+    gates = {g.get("conditionType") for g in (body.get("spec") or {}).get("readinessGates") or []}
+    labels, annotations = meta.get("labels") or {}, meta.get("annotations") or {}
+    try:
+        cost = int(annotations[retire.COST]) if retire.COST in annotations else None
+    except ValueError:
+        cost = None
     return PodState(
-        name=body["metadata"]["name"],
+        name=meta["name"],
         ip=body.get("status", {}).get("podIP"),
-        ready=ready,
-        draining=bool(body["metadata"].get("deletionTimestamp")),
+        # The worker is up once its containers are; Ready waits for the readiness gate too.
+        ready=conditions.get("ContainersReady", conditions.get("Ready", False)),
+        draining=bool(meta.get("deletionTimestamp")),
+        serving=conditions.get("Ready", False),
+        gated=retire.GATE in gates,
+        gate_open=conditions.get(retire.GATE, False),
+        revision=labels.get("pod-template-hash") or labels.get("controller-revision-hash") or "",
+        cost=cost,
+        created=meta.get("creationTimestamp") or "",
+        uid=meta.get("uid") or "",
     )
 
 
@@ -175,7 +190,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
             token = await _ensure_token(fleet.kube, pool, body)
             for child in builders.pool_children(pool, token)[1:]:
                 kopf.adopt(child, owner=body)
-                await _apply_child(fleet.kube, child)
+                await _apply_child(fleet.kube, await hold_scale_down(fleet.kube, child))
         except (KubeError, OSError) as exc:
             # Shown on the pool (kopf applies the patch whatever the handler raises).
             patch.status["conditions"] = reconciled(False, "ChildrenNotApplied", f"workers' objects not applied: {exc}")

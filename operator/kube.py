@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 
 MERGE_PATCH = "application/merge-patch+json"
+# Built-in kinds only: lists merge by their key (a pod condition by its `type`) instead of being replaced.
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 
 
 class KubeError(Exception):
@@ -109,8 +111,8 @@ class KubeClient:
     async def create(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self._request("POST", path, json=body)
 
-    async def patch(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._request("PATCH", path, json=body, headers={"Content-Type": MERGE_PATCH})
+    async def patch(self, path: str, body: dict[str, Any], content_type: str = MERGE_PATCH) -> dict[str, Any]:
+        return await self._request("PATCH", path, json=body, headers={"Content-Type": content_type})
 
     async def delete(self, path: str) -> dict[str, Any]:
         return await self._request("DELETE", path)

@@ -12,8 +12,8 @@ Rules, in order:
    name), then the replicas above `min` that demand asks for, so a busy adapter cannot starve
    another adapter's `min`, and a demand change does not reshuffle the `min` replicas.
 4. Make-before-break: an adapter is unloaded from a pod it should leave only once every one of its
-   wanted replicas is loaded (or it is not wanted anywhere any more). A draining pod keeps its
-   adapters until their replacements are loaded.
+   wanted replicas is loaded on a serving pod (or it is not wanted anywhere any more). A draining
+   pod keeps its adapters until their replacements are loaded and serve.
 5. Never more loaded adapters on a pod than its capacity: a load that would overflow a pod waits
    for that pod's unloads. If nothing at all could proceed (two adapters swapping full pods), the
    unload blocking the first waiting load is let through, so the fleet cannot deadlock.
@@ -52,6 +52,9 @@ class PodView:
     capacity: int  # adapters the worker may hold at once (its max_cpu_loras)
     ready: bool = True
     draining: bool = False  # terminating or cordoned: keep serving, take nothing new
+    # Routers send it requests (Kubernetes Ready). A pod that is ready but not serving yet (held at
+    # its readiness gate) takes loads, but its copies replace none elsewhere until it serves.
+    serving: bool = True
 
     @property
     def usable(self) -> bool:
@@ -175,7 +178,7 @@ def plan(
             continue
         # Make-before-break: every wanted replica is loaded (and one is wanted somewhere at all,
         # so an adapter whose pods all drain keeps serving until a new pod appears).
-        settled = want <= have and (bool(want) or target.wanted.get(name, 0) == 0)
+        settled = want <= have and all(by_name[p].serving for p in want) and (bool(want) or target.wanted.get(name, 0) == 0)
         spare = max_of.get(name, 0) - len(want)  # copies rule 6 may keep beyond the desired pods
         for pod in sorted(extra):
             if name not in target.pods:

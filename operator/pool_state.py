@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lorafleet.operator import placement
+from lorafleet.operator.sources import is_remote
 from lorafleet.operator.spec import AdapterSpec, PoolSpec, digest_matches, same_digest
 from lorafleet.operator.status import AdapterObservation, adapter_status, pool_phase, status_changed
 from lorafleet.operator.worker_client import RESIDENT_TIERS
@@ -40,13 +41,27 @@ class ReconcilerSettings:
 class PodState:
     name: str
     ip: str | None
-    ready: bool
+    ready: bool  # the worker is up (its containers are ready): it may take loads
     draining: bool
+    # Kubernetes' Ready, readiness gates included: the Service and the routers send it traffic.
+    # None: the same as `ready` (workers outside Kubernetes).
+    serving: bool | None = None
+    gated: bool = False  # has the operator's readiness gate (`retire.GATE`)
+    gate_open: bool = False  # ... and the operator has set it
+    revision: str = ""  # the pod template it was made from (pod-template-hash)
+    cost: int | None = None  # its pod-deletion-cost annotation
+    created: str = ""  # creationTimestamp
+    uid: str = ""  # a pod re-created under its name (a StatefulSet's) has another
 
     @property
     def usable(self) -> bool:
         """Takes new loads: addressable, ready and not going away."""
         return bool(self.ip) and self.ready and not self.draining
+
+    @property
+    def in_service(self) -> bool:
+        """Routers may send it requests: addressable, Ready and not going away."""
+        return bool(self.ip) and (self.ready if self.serving is None else self.serving) and not self.draining
 
 
 # `url_of(pod, port) -> base URL` of one worker API; `port` is the pool's admin or http port.
@@ -92,6 +107,9 @@ class AdapterRecord:
     # The content the record this one replaced served (its target digest): the version to keep
     # serving if this spec's is refused.
     previous_digest: str | None = None
+    # (reason, message) of the last load refused on a new replica while copies of the target serve
+    # elsewhere (a remote object changed since its digest was recorded); cleared by a load that takes.
+    replica_refused: tuple[str, str] | None = None
 
     @property
     def expected_digest(self) -> str | None:
@@ -123,6 +141,8 @@ class AdapterRecord:
             shown = (self.status or {}).get("source")
             self.outdated = shown is not None and shown != self.spec.source  # changed while no operator ran
             self.previous_digest = (self.status or {}).get("digest")  # what the copies held, as last reported
+            if self.spec.sha256 is None and is_remote(self.spec.source) and shown == self.spec.source:
+                self.current_digest = self.previous_digest  # the recorded pin outlives the operator
             return
         self.conflict = old.conflict
         if old.spec == self.spec:
@@ -131,7 +151,7 @@ class AdapterRecord:
             self.status = old.status
         if (old.spec.source, old.spec.sha256) == (self.spec.source, self.spec.sha256):
             for name in ("verified", "outdated", "current_digest", "busy_since", "update_refused", "serving_path",
-                         "serving_digest", "next_probe", "probe_delay", "previous_digest"):
+                         "serving_digest", "next_probe", "probe_delay", "previous_digest", "replica_refused"):
                 setattr(self, name, getattr(old, name))
         else:  # a new sha256 alone leaves copies of the right content alone (check_loaded decides)
             self.outdated = old.outdated or old.spec.source != self.spec.source
@@ -260,7 +280,7 @@ def ready_replicas(pods: Mapping[str, PodState], loaded: Mapping[str, set[str]],
     return sum(
         1
         for pod, names in loaded.items()
-        if adapter in names and (p := pods.get(pod)) is not None and p.ready and not p.draining
+        if adapter in names and (p := pods.get(pod)) is not None and p.in_service
     )
 
 
@@ -312,6 +332,7 @@ def status_writes(
             loading=name in loading,
             failure=record.problem,
             update_refused=record.update_refused,
+            replica_refused=record.replica_refused,
             placed_reason=why,
             placed_message=detail,
             digest=digest_of(loaded, digests, name, inventories, record.target_digest),
@@ -326,7 +347,7 @@ def status_writes(
 
 def pool_status_of(pool: PoolSpec, pods: Mapping[str, PodState], adapters: Mapping[str, AdapterRecord]) -> dict[str, Any]:
     """The LoraPool's status: its workers and how many of its adapters are Ready."""
-    ready = sum(1 for p in pods.values() if p.ready and not p.draining)
+    ready = sum(1 for p in pods.values() if p.in_service)
     ready_adapters = sum(1 for r in adapters.values() if (r.status or {}).get("phase") == "Ready")
     phase = pool_phase(pool.replicas, ready)
     return {

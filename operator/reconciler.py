@@ -8,7 +8,8 @@ One loop per pool, not one per adapter: placement is pool-wide (capacity is shar
 that polls each worker once per round scales to thousands of adapters with a handful of requests.
 The records it keeps, and the pure read-outs of them (verification, readiness, statuses), are in
 `pool_state`; the status writes to the API in `status_writer`; how a changed adapter is rolled out
-(reloads, canaries, refused updates) in `rollout`.
+(reloads, canaries, refused updates) in `rollout`; worker pods that roll or go in `pod_roll`; what
+the routers read from the placement store in `store_sync`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 from lorafleet.operator import placement, pool_state, status_writer
 from lorafleet.operator.kube import KubeClient
+from lorafleet.operator.pod_roll import PodRoll
 from lorafleet.operator.pool_state import (
     AdapterRecord,
     PodState,
@@ -31,24 +33,26 @@ from lorafleet.operator.pool_state import (
     pod_url,
 )
 from lorafleet.operator.rollout import Rollout
+from lorafleet.operator.sources import is_remote
 from lorafleet.operator.spec import AdapterSpec, PoolSpec, SpecError, check_against_pool
+from lorafleet.operator.store_sync import StoreSync
 from lorafleet.operator.worker_client import (
     LoadRefused,
     WorkerClient,
     WorkerError,
     resident,
 )
-from lorafleet.placement_store import replica_key
 from lorafleet.protocol import AdapterInventory
 
-# Failure reasons that depend on the pool's spec (its maxLoraRank, its served name), not the adapter's alone.
-POOL_FAILURES = frozenset({"RankTooHigh", "NameIsBaseModel"})
+# Failure reasons that depend on the pool's spec (maxLoraRank, served name, sources), not the adapter's alone.
+POOL_FAILURES = frozenset({"RankTooHigh", "NameIsBaseModel", "SourceNotAllowed", "CredentialsNotOnPool",
+                           "SourceUnsupported"})
 
 log = logging.getLogger("lorafleet.operator")
 
 
 @dataclass(slots=True)
-class PoolReconciler(Rollout):
+class PoolReconciler(Rollout, PodRoll, StoreSync):
     """The reconcile loop of one pool.
 
     `url_of` is how the loop reaches a worker (see `UrlOf`). The default suits Kubernetes; a
@@ -82,6 +86,8 @@ class PoolReconciler(Rollout):
     # (pod, adapter) copies of a new version loaded beside a busy old one (`_load_spare`): kept by
     # the placement, as copies in use are, until the old one is drained.
     _spares: set[tuple[str, str]] = field(default_factory=set)
+    # pod -> its deletion cost and gate as this term wrote them: newer than a pod event still queued.
+    _marks: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     # ---- inputs from the handlers -------------------------------------------------------------
 
@@ -234,6 +240,8 @@ class PoolReconciler(Rollout):
             for r in self.adapters.values()
             if r.problem is None
         ]
+        live = [self.pods[p.name] for p in live if p.name in self.pods]  # as they are now, after the awaits
+        leaving = self._retiring()
         views = [
             placement.PodView(
                 p.name,
@@ -241,7 +249,8 @@ class PoolReconciler(Rollout):
                 self.inventories[p.name].max_cpu_loras if p.name in self.inventories and pool.server.kind != "vllm"
                 else pool.engine.max_cpu_loras,
                 ready=p.ready,
-                draining=p.draining,
+                draining=p.draining or p.name in leaving,  # retiring: keeps serving until emptied
+                serving=p.in_service,
             )
             for p in live
         ]
@@ -262,6 +271,7 @@ class PoolReconciler(Rollout):
         result.actions = len(actions)
         if actions:
             result.errors += await self._execute(actions)
+        result.errors += await self._roll_pods(target, leaving)
         await self._publish()
         # An old version still loaded (its reload is refused for now) is not a ready replica.
         loading = {a.adapter for a in actions if a.kind == "load"} | stale_names
@@ -300,7 +310,8 @@ class PoolReconciler(Rollout):
                         before = pool_state.info_of(self.inventories.get(action.pod), action.adapter)
                         # In place: this operator owns the name's content, so an old version the
                         # pod still lists (a disk-tier entry, a router's copy) is replaced, not a 409.
-                        inv = await self.workers.load(url, token, action.adapter, self._target_path(record), inplace=True)
+                        inv = await self.workers.load(url, token, action.adapter, self._target_path(record), inplace=True,
+                                                      sha256=self._pin(record))
                         self._took(record, action.pod, inv, before)
                     else:
                         # Withdraw first: routers stop sending it here before the worker drops it.
@@ -339,34 +350,12 @@ class PoolReconciler(Rollout):
             self.inventories[pod] = cached.model_copy(update={"adapters": [*others, info]})
 
     def _source_path(self, spec: AdapterSpec) -> str:
+        """What the worker loads: a remote source as written (the worker fetches it), else the
+        folder on the pool's adapter volume."""
         assert self.pool is not None
+        if is_remote(spec.source):
+            return spec.source
         return f"{self.pool.adapter_mount.rstrip('/')}/{spec.source}"
-
-    async def _record_residency(self, pod: str, adapter: str, tier: str | None) -> None:
-        if self.store is None:
-            return
-        try:
-            await self.store.record_residency(replica_key(self.namespace, pod), adapter, tier, self.settings.publish_ttl_s)
-        except Exception as exc:  # advisory: the round's publish writes the whole residency again
-            log.debug("placement store write failed: %s", exc)
-
-    async def _publish(self) -> None:
-        if self.store is None or self.pool is None:
-            return
-        try:
-            for name, pod in self.pods.items():
-                inv = self.inventories.get(name)
-                if inv is None or not pod.ready or pod.draining or pod.ip is None:
-                    continue
-                tiers = {a.name: a.tier for a in inv.adapters}
-                adapters = {n: tiers.get(n, "cpu") for n in self.loaded.get(name, ())}
-                url = self.url_of(pod, self.pool.http_port)
-                await self.store.publish_replica(replica_key(self.namespace, name), url, self.pool.served_name, adapters,
-                                                 self.settings.publish_ttl_s)
-            catalog = {r.spec.name: self._target_path(r) for r in self.adapters.values() if r.problem is None}
-            await self.store.set_catalog(catalog)
-        except Exception as exc:  # the router keeps its last view; the next round publishes again
-            log.warning("placement store publish failed: %s", exc)
 
     def ready_replicas(self, adapter: str) -> int:
         return pool_state.ready_replicas(self.pods, self.loaded, adapter)
@@ -411,14 +400,6 @@ class PoolReconciler(Rollout):
             if not keep_catalog:  # first, so that no router cold-loads it back while the unloads run
                 await self._remove_catalog(adapter)
             return await self._unload_everywhere(adapter)
-
-    async def _remove_catalog(self, name: str) -> None:
-        if self.store is None:
-            return
-        try:
-            await self.store.remove_catalog(name)
-        except Exception as exc:  # routers keep the entry until the next publish without it
-            log.warning("placement store: %s not removed from the catalog: %s", name, exc)
 
     async def _unload_everywhere(self, adapter: str) -> list[str]:
         if self.pool is None or self.token is None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from lorafleet.operator import pool_state
 from lorafleet.operator.pool_state import AdapterRecord
+from lorafleet.operator.sources import load_pin
 from lorafleet.operator.spec import digest_matches, same_digest
 from lorafleet.operator.worker_client import LoadRefused, WorkerBusy, WorkerError, resident
 from lorafleet.protocol import AdapterInfo, AdapterInventory
@@ -59,6 +60,11 @@ class Rollout:
         """Where copies of the record's target come from: the serving version's path while an
         update is refused, else the spec's source."""
         return record.serving_path or self._source_path(record.spec)  # set exactly while an update is refused
+
+    def _pin(self, record: AdapterRecord) -> str | None:
+        """The digest a load of the record's target must have (operator/sources.py `load_pin`)."""
+        assert self.pool is not None
+        return load_pin(record.spec.sha256, record.spec.source, record.target_digest, self.pool.server.kind)
 
     def _copies(self, name: str, skip: str | None = None) -> list[AdapterInfo]:
         return [a for pod, inv in self.inventories.items() if pod != skip for a in inv.adapters if a.name == name]
@@ -115,7 +121,8 @@ class Rollout:
                 before = pool_state.info_of(self.inventories.get(pod_name), name)
                 refused_before = record.update_refused
                 try:
-                    inv = await self.workers.load(url, token, name, self._target_path(record), inplace=True)
+                    inv = await self.workers.load(url, token, name, self._target_path(record), inplace=True,
+                                                  sha256=self._pin(record))
                 except LoadRefused as exc:  # the new version is unusable: the old one keeps serving
                     return await self._refused(record, exc, url, pod_name)
                 except WorkerBusy as exc:  # requests still run on the old weights
@@ -237,6 +244,10 @@ class Rollout:
         expected = record.expected_digest
         if expected is not None and any(same_digest(c.digest, expected) for c in copies):
             log.warning("load of %s refused on %s while the same content serves elsewhere: %s", name, pod_name, exc.message)
+            record.replica_refused = (exc.reason, exc.message)
+            mine = pool_state.info_of(here, name)
+            if mine is not None and not same_digest(mine.digest, expected):  # e.g. a router's cold load of changed bytes
+                await self._drain(url, pod_name, name)
             return True
         version = pool_state.serving_version(record, copies)
         if version is None:
@@ -273,7 +284,8 @@ class Rollout:
         url = self.url_of(self.pods[spare], self.pool.admin_port)
         log.info("%s busy on %s past the grace: loading the new version on %s first", name, busy_pod, spare)
         try:
-            inv = await self.workers.load(url, self.token, name, self._target_path(record), inplace=True)
+            inv = await self.workers.load(url, self.token, name, self._target_path(record), inplace=True,
+                                          sha256=self._pin(record))
         except LoadRefused as exc:
             await self._refused(record, exc, url, spare)
             return
@@ -287,6 +299,7 @@ class Rollout:
     def _took(self, record: AdapterRecord, pod: str, inventory: AdapterInventory, before: AdapterInfo | None) -> None:
         """The bookkeeping after a load of the record's target on `pod` answered with `inventory`."""
         self.loaded.setdefault(pod, set()).add(record.spec.name)
+        record.replica_refused = None
         self._note_copy(pod, inventory, record.spec.name)
         self._adopt(record, pod, inventory, before)
         pool_state.note_digests(self.digests, inventory)

@@ -13,6 +13,15 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from lorafleet.operator.server_spec import InvalidServer, ServerSpec, parse_server
+from lorafleet.operator.sources import (
+    CACHE_MOUNT,
+    InvalidSource,
+    SourcesSpec,
+    check_policy,
+    check_source,
+    parse_sources,
+    secret_name,
+)
 
 GROUP = "lorafleet.dev"
 VERSION = "v1alpha1"
@@ -63,7 +72,7 @@ class PodFields:
 
 
 # Volume names and mount paths the operator's own pod template uses (builders.py).
-RESERVED_VOLUMES = ("admin-token", "adapters", "model")
+RESERVED_VOLUMES = ("admin-token", "adapters", "model", "adapter-cache")
 TOKEN_MOUNT = "/var/run/lorafleet/admin"
 GPU_RESOURCE = "nvidia.com/gpu"
 SHM_MOUNT = "/dev/shm"  # tensorParallelSize > 1: NCCL's shared-memory transport (a memory-backed emptyDir)
@@ -92,6 +101,8 @@ class PoolSpec:
     max_unavailable: int | str = 1
     server: ServerSpec = ServerSpec()  # spec.server: our worker, or a stock vLLM (operator/vllm_pods.py)
     pod: PodFields = PodFields()
+    sources: SourcesSpec = SourcesSpec()  # spec.sources: remote adapter sources (operator/sources.py)
+    service_account: str | None = None  # spec.serviceAccountName (IRSA / pod identity)
 
     @property
     def token_secret(self) -> str:
@@ -114,6 +125,7 @@ class AdapterSpec:
     max_replicas: int = 1
     pinned: bool = False
     tenants: tuple[str, ...] = ()
+    credentials_secret: str | None = None  # spec.credentialsSecretRef.name: must be the pool's
 
 
 _MISSING = object()
@@ -218,6 +230,10 @@ def parse_pool(namespace: str, name: str, spec: Mapping[str, Any]) -> PoolSpec:
         server = parse_server(spec)
     except InvalidServer as exc:
         raise SpecError("InvalidSpec", str(exc)) from None
+    try:
+        sources = parse_sources(spec)
+    except InvalidSource as exc:
+        raise SpecError(exc.reason, str(exc)) from None
     ports_given = dict(ports)
     if server.kind == "vllm":  # one port: vLLM serves its LoRA endpoints beside generation
         ports_given["admin"] = _int(ports, "http", 8000, 1, 65535, "spec.ports.")
@@ -242,6 +258,8 @@ def parse_pool(namespace: str, name: str, spec: Mapping[str, Any]) -> PoolSpec:
         max_unavailable=_max_unavailable(spec.get("maxUnavailable", 1)),
         server=server,
         pod=parse_pod_fields(spec),
+        sources=sources,
+        service_account=_str(spec, "serviceAccountName", None, "spec.") or None,
     )
     if pool.http_port == pool.admin_port and server.kind != "vllm":
         raise SpecError("InvalidPorts", "ports.http and ports.admin must differ")
@@ -250,7 +268,8 @@ def parse_pool(namespace: str, name: str, spec: Mapping[str, Any]) -> PoolSpec:
         raise SpecError("InvalidSpec", f"spec.resources.limits {GPU_RESOURCE}={gpus} but spec.tensorParallelSize="
                         f"{pool.tensor_parallel_size}: each worker needs one GPU per rank (leave the limit out: "
                         "the operator sets it)")
-    own = {TOKEN_MOUNT, pool.adapter_mount} | ({MODEL_MOUNT} if pool.model_claim else set())
+    own = {TOKEN_MOUNT, pool.adapter_mount} | ({MODEL_MOUNT} if pool.model_claim else set()) | (
+        {CACHE_MOUNT} if sources.enabled else set())
     if pool.tensor_parallel_size > 1:
         own.add(SHM_MOUNT)
     clash = sorted({str(m["mountPath"]).rstrip("/") for m in pool.pod.volume_mounts} & own)
@@ -321,10 +340,11 @@ def parse_adapter(namespace: str, name: str, spec: Mapping[str, Any]) -> Adapter
         raise SpecError("InvalidSpec", f"spec.pool must be a string, not {pool!r}")
     if not source or not isinstance(source, str):
         raise SpecError("MissingSource", "spec.source is required")
-    if "://" in source:
-        raise SpecError("SourceNotAllowed", f"remote source {source!r} is not allow-listed; put it on the pool's volume")
-    if source.startswith("/") or ".." in source.split("/"):
-        raise SpecError("SourceOutsideVolume", f"source {source!r} must be relative to the adapter volume, without '..'")
+    try:
+        check_source(source)
+        credentials = secret_name(spec.get("credentialsSecretRef"), "spec.")
+    except InvalidSource as exc:
+        raise SpecError(exc.reason, str(exc)) from None
     replicas = _mapping(spec, "replicas", "spec.")
     lo = _int(replicas, "min", 1, 0, 1000, "spec.replicas.")
     hi = _int(replicas, "max", 1, 1, 1000, "spec.replicas.")
@@ -348,6 +368,7 @@ def parse_adapter(namespace: str, name: str, spec: Mapping[str, Any]) -> Adapter
         max_replicas=hi,
         pinned=_bool(spec, "pinned", False, "spec."),
         tenants=tuple(tenants),
+        credentials_secret=credentials,
     )
 
 
@@ -369,6 +390,10 @@ def check_against_pool(adapter: AdapterSpec, pool: PoolSpec) -> None:
             f"pool {pool.name} runs stock vLLM, which reports no adapter digests: spec.sha256 cannot be "
             "checked there (remove it, or pin the content by its source path)",
         )
+    try:
+        check_policy(adapter.source, adapter.credentials_secret, pool.name, pool.sources, pool.server.kind)
+    except InvalidSource as exc:
+        raise SpecError(exc.reason, str(exc)) from None
 
 
 def same_digest(a: str, b: str) -> bool:

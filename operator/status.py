@@ -43,6 +43,9 @@ class AdapterObservation:
     digest: str | None = None
     source: str | None = None  # the spec.source the loaded copies come from
     update_refused: tuple[str, str] | None = None  # (reason, message): the old version still serves
+    # (reason, message): a new replica's worker refused the content the others serve (e.g. an
+    # object changed since the digest was recorded): they keep serving, no replica is added.
+    replica_refused: tuple[str, str] | None = None
 
 
 def adapter_phase(obs: AdapterObservation) -> str:
@@ -50,6 +53,8 @@ def adapter_phase(obs: AdapterObservation) -> str:
         return "Failed"
     if obs.ready >= obs.desired:
         return "Ready"
+    if obs.replica_refused is not None:
+        return "Degraded" if obs.ready > 0 else "Pending"
     if obs.loading:
         return "Loading"
     return "Degraded" if obs.ready > 0 else "Pending"
@@ -70,6 +75,9 @@ def adapter_conditions(obs: AdapterObservation) -> list[Condition]:
                          f"the update was refused: {obs.update_refused[1]}")
     elif ready_ok:
         ready_reason = "Loaded"
+    elif obs.replica_refused is not None:
+        ready_reason = obs.replica_refused[0]
+        ready_message = f"{ready_message}; a new replica refused the content the others serve: {obs.replica_refused[1]}"
     elif obs.loading:
         ready_reason = "Loading"
     elif not placed_ok:  # why it is not loaded: the placement's reason (e.g. PoolNotFound), not "NotLoaded"

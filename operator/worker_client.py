@@ -38,16 +38,35 @@ class WorkerBusy(WorkerUnavailable):
     """A 409 that passes once the requests running on the old weights finish (BUSY_REASONS)."""
 
 
+# The worker's error reasons (worker/lora/fetch.py, worker/server/admin.py) that name their own
+# condition reason; any other refusal is LoadRefused, a 409 ContentConflict.
+SOURCE_REASONS = {
+    "DigestMismatch": "DigestMismatch",
+    "not_found": "SourceNotFound",
+    "missing_config": "SourceNotFound",
+    "missing_weights": "SourceNotFound",
+    "access_denied": "SourceAccessDenied",
+    "no_credentials": "SourceAccessDenied",
+    "unsupported_source": "SourceUnsupported",
+    "bad_source": "InvalidSource",
+}
+# Fetch errors that pass (a network or store hiccup, an object replaced mid-download): retried.
+TRANSIENT_REASONS = ("fetch_failed", "changed")
+
+
 class LoadRefused(WorkerError):
     """Permanent for this adapter spec: the worker rejected the adapter."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, worker_reason: str | None = None) -> None:
         super().__init__(f"worker refused the load ({status}): {message}")
         self.status = status
         self.message = message
+        self.worker_reason = worker_reason
 
     @property
     def reason(self) -> str:
+        if self.worker_reason in SOURCE_REASONS:
+            return SOURCE_REASONS[self.worker_reason]
         return "ContentConflict" if self.status == 409 else "LoadRefused"
 
 
@@ -135,18 +154,24 @@ class WorkerClient:
         except ValueError as exc:
             raise WorkerUnavailable(f"inventory {base_url}: not a worker: {str(exc)[:200]}") from exc
 
-    async def load(self, base_url: str, token: str, name: str, path: str, inplace: bool = False) -> AdapterInventory:
+    async def load(self, base_url: str, token: str, name: str, path: str, inplace: bool = False,
+                   sha256: str | None = None) -> AdapterInventory:
         """Load `name` from `path`; `inplace` replaces a copy of other content (a new source or
-        sha256), atomically on the worker, once no request runs on the old one."""
-        body = LoadLoraAdapterRequest(lora_name=name, lora_path=path, load_inplace=inplace).model_dump(exclude_defaults=True)
+        sha256), atomically on the worker, once no request runs on the old one. `sha256` pins the
+        content: the worker refuses other bytes (DigestMismatch) before serving them."""
+        body = LoadLoraAdapterRequest(lora_name=name, lora_path=path, load_inplace=inplace,
+                                      sha256=sha256).model_dump(exclude_defaults=True)
         response = await self._call("POST", f"{base_url}/v1/load_lora_adapter", token, body)
         if response.status_code >= 400:
             text = _error_text(response)
-            if response.status_code == 409 and _error_reason(response) in BUSY_REASONS:
+            reason = _error_reason(response)
+            if response.status_code == 409 and reason in BUSY_REASONS:
                 raise WorkerBusy(f"load {name} on {base_url}: {text}")
+            if reason in TRANSIENT_REASONS:
+                raise WorkerUnavailable(f"load {name} on {base_url}: {text}")
             # vLLM answers 400 "already loaded" for a name it holds: the inventory decides.
             if not (response.status_code == 400 and "already" in text.lower()):
-                raise LoadRefused(response.status_code, text)
+                raise LoadRefused(response.status_code, text, reason)
         inventory = await self.inventory(base_url, token)
         if name not in resident(inventory):
             raise NotVerified(f"{name} not resident on {base_url} after a successful load")

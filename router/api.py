@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 from lorafleet.placement_store import MemoryPlacementStore, PlacementStore, RedisPlacementStore
 from lorafleet.protocol import ErrorResponse, response_not_kept
 from lorafleet.router.admin_tokens import AdminTokens
+from lorafleet.router.decisions import Decider
 from lorafleet.router.discovery import (
     SA_DIR,
     Discovery,
@@ -74,7 +75,7 @@ async def internal_error(_request: Request, exc: Exception) -> JSONResponse:
     return error(500, f"internal error: {type(exc).__name__}", "server_error")
 
 
-def create_app(settings: RouterSettings, *, store: PlacementStore | None = None) -> FastAPI:
+def create_app(settings: RouterSettings, *, store: PlacementStore | None = None) -> ProxyRoutes:
     """`store` overrides the one `settings` describes (tests; `lorafleet up` with embedded state)."""
 
     @contextlib.asynccontextmanager
@@ -150,7 +151,7 @@ def create_app(settings: RouterSettings, *, store: PlacementStore | None = None)
             ),
             limiter=RateLimiter(redis_client, metrics, settings.redis_prefix, breaker=breaker),
             tenants=tenants,
-            policy=_make_policy(settings),
+            decider=Decider.of(fleet, lambda: _make_policy(settings), settings.verify_index, metrics.index_checks),
             budget=RetryBudget(settings.retry_budget_ratio, settings.retry_budget_min_per_s),
             metrics=metrics,
             catalog=catalog,
@@ -177,10 +178,9 @@ def create_app(settings: RouterSettings, *, store: PlacementStore | None = None)
         title="lorafleet router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
     app.include_router(router)
-    app.add_middleware(ProxyRoutes)
     app.add_exception_handler(HTTPException, http_error)
-    app.add_exception_handler(Exception, internal_error)  # in front of ProxyRoutes too
-    return app
+    app.add_exception_handler(Exception, internal_error)
+    return ProxyRoutes(app)  # its `state` is the FastAPI app's
 
 
 def _make_policy(settings: RouterSettings) -> Policy:

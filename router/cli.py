@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--policy", choices=sorted(POLICIES), default=d.policy,
                    help="scheduling policy (lorafleet: adapter affinity, load and cache admission)")
+    p.add_argument("--verify-index", action="store_true",
+                   help="also decide every request with the plain O(replicas) policy and count disagreements "
+                   "with the indexed one (lorafleet_router_index_checks_total); for tests and audits")
     p.add_argument(
         "--poll-interval", type=float, default=d.poll_interval_s, help="seconds between inventory polls"
     )
@@ -130,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Placement store and limits (Redis)": ["--redis-url", "--redis-timeout", "--redis-breaker-failures",
                                                "--redis-breaker-cooldown"],
         "Tenants and access": ["--tenants-file", "--metrics-token-file", "--tenant-labels", "--hash-api-key"],
-        "Routing": ["--policy"],
+        "Routing": ["--policy", "--verify-index"],
         "Request limits": ["--max-body-bytes", "--max-tokens-cap", "--max-n"],
         "Client connections": ["--header-timeout", "--body-timeout", "--keep-alive-timeout",
                                "--max-client-connections", "--max-server-connections"],
@@ -168,6 +171,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         admin_token_dir=args.admin_token_dir,
         metrics_token_file=args.metrics_token_file,
         policy=args.policy,
+        verify_index=args.verify_index,
         poll_interval_s=args.poll_interval,
         load_timeout_s=args.load_timeout,
         max_body_bytes=args.max_body_bytes,

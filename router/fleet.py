@@ -1,7 +1,9 @@
 """Live state of the replicas: last inventory, write-through overlay, in-flight counts, ejection.
 
 Mutated only by the gateway's event loop (no locks needed); `views()` turns it into the pure
-`EndpointView`s the scheduler reads.
+`EndpointView`s the scheduler reads, `index()` into the incremental `FleetIndex` the indexed policy
+reads. Whatever changes a replica's view calls `Replica.touch()` (its own methods do): the index
+re-reads only the replicas touched since the last decision, and those whose ejection ran out.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 
 from lorafleet.protocol import AdapterInventory
 from lorafleet.router.discovery import Endpoint
+from lorafleet.router.scheduling.fleet_index import FleetIndex
 from lorafleet.router.scheduling.types import EndpointView
 from lorafleet.vllm_inventory import VllmLimits
 
@@ -46,10 +49,17 @@ class Replica:
     # residency() is read several times per request and changes only on a poll, a note or a store
     # sync: cached, and dropped by those three.
     _residency: dict[str, str] | None = None
+    _touched: set[str] | None = None  # the fleet's set of replicas whose view changed
+    _inventory_active: frozenset[str] | None = None  # adapters the last poll saw running
 
     def __post_init__(self) -> None:
         if not self.admin_url:
             self.admin_url = self.url
+
+    def touch(self) -> None:
+        """Its view changed (counts, residency, loads, health): the fleet's index re-reads it."""
+        if self._touched is not None:
+            self._touched.add(self.name)
 
     def residency(self) -> dict[str, str]:
         """adapter -> tier ("gpu" | "cpu"); shared, do not mutate."""
@@ -60,6 +70,7 @@ class Replica:
     def set_shared(self, adapters: Mapping[str, str]) -> None:
         self.shared = adapters
         self._residency = None
+        self.touch()
 
     def _compute_residency(self) -> dict[str, str]:
         tiers: dict[str, str] = dict(self.shared)
@@ -79,6 +90,8 @@ class Replica:
         self.poll_timeouts = 0
         self.overlay = {k: v for k, v in self.overlay.items() if v[1] > started_at}
         self._residency = None
+        self._inventory_active = None
+        self.touch()
 
     def poll_failed(self, timed_out: bool) -> None:
         """A poll that got no inventory. Refused, reset or malformed: unreachable at once. Timed
@@ -87,17 +100,30 @@ class Replica:
         self.poll_timeouts = self.poll_timeouts + 1 if timed_out else 0
         if not timed_out or self.poll_timeouts >= POLL_TIMEOUTS_UNREACHABLE:
             self.reachable = False
+            self.touch()
 
     def note(self, adapter: str, tier: str | None, now: float) -> None:
         self.overlay[adapter] = (tier, now)
         self._residency = None
+        self.touch()
+
+    def eject_until(self, until: float) -> None:
+        self.ejected_until = until
+        self.touch()
+
+    def inventory_active(self) -> frozenset[str]:
+        if self._inventory_active is None:
+            inv = self.inventory
+            self._inventory_active = frozenset(
+                a.name for a in inv.adapters if a.requests_in_flight > 0) if inv else frozenset()
+        return self._inventory_active
 
     def view(self, now: float, capacity: int) -> EndpointView:
         inv = self.inventory
         tiers = self.residency()
         gpu = frozenset(n for n, t in tiers.items() if t == "gpu")
         cpu = frozenset(tiers) | frozenset(self.loading)  # a request joins a load under way
-        active = frozenset(a.name for a in inv.adapters if a.requests_in_flight > 0) if inv else frozenset()
+        active = self.inventory_active()
         return EndpointView(
             name=self.name,
             model=inv.model if inv else "",
@@ -123,6 +149,9 @@ class Fleet:
     cooldown_s: float = 5.0
     clock: Callable[[], float] = time.monotonic
     replicas: dict[str, Replica] = field(default_factory=dict)
+    _index: FleetIndex = field(default_factory=FleetIndex)
+    _touched: set[str] = field(default_factory=set)  # replicas whose view the index has not seen
+    _ejected: set[str] = field(default_factory=set)  # replicas the index holds ejected
 
     def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
         """Adopt the discovered endpoints; replicas that left or moved are dropped, state kept for the rest."""
@@ -132,9 +161,68 @@ class Fleet:
             if e is None or (r.url, r.admin_url, r.pool) != (e.url, e.admin_url, e.pool) or (
                     e.kind is not None and e.kind != r.kind):
                 del self.replicas[name]
+                self._touched.add(name)
         for name, e in wanted.items():
             if name not in self.replicas:
-                self.replicas[name] = Replica(name, e.url, e.admin_url, e.pool, kind=e.kind, limits=e.limits)
+                self.replicas[name] = Replica(name, e.url, e.admin_url, e.pool, kind=e.kind, limits=e.limits,
+                                              _touched=self._touched)
+                self._touched.add(name)
+
+    def index(self) -> FleetIndex:
+        """The index of `views()` (all replicas), brought up to date: O(replicas touched since the
+        last call, and their adapters). Its replica entries equal `views()`'s."""
+        now = self.clock()
+        touched = self._touched
+        for name in [n for n in self._ejected if self.replicas.get(n) is None
+                     or self.replicas[n].ejected_until <= now]:
+            touched.add(name)
+        index = self._index
+        for name in touched:
+            replica = self.replicas.get(name)
+            if replica is None:
+                index.remove(name)
+                self._ejected.discard(name)
+                continue
+            view = replica.view(now, self.capacity)
+            index.sync(view)
+            (self._ejected.add if view.ejected else self._ejected.discard)(name)
+        touched.clear()
+        return index
+
+    def claim(self, replica: Replica, adapters: tuple[str, ...]) -> None:
+        """A request sent to `replica`: its in-flight counts."""
+        replica.inflight += 1
+        for a in adapters:
+            replica.inflight_by_adapter[a] += 1
+        self._follow_counts(replica, adapters)
+
+    def release(self, replica: Replica, adapters: tuple[str, ...]) -> list[str]:
+        """A request on `replica` finished (or failed): its in-flight counts; returns the adapters
+        it left with no request in flight there."""
+        replica.inflight = max(0, replica.inflight - 1)
+        idle = []
+        for a in adapters:
+            replica.inflight_by_adapter[a] -= 1
+            if replica.inflight_by_adapter[a] <= 0:
+                del replica.inflight_by_adapter[a]
+                idle.append(a)
+        self._follow_counts(replica, adapters)
+        return idle
+
+    def _follow_counts(self, replica: Replica, adapters: tuple[str, ...]) -> None:
+        """The index follows a count change without re-reading the whole replica: its load and the
+        adapters' activity (running per the last poll, or in flight from here), as `view` has them."""
+        name = replica.name
+        i = self._index.ids.get(name)
+        if name in self._touched or i is None:
+            self._touched.add(name)
+            return
+        index = self._index
+        state = index.replicas[i]
+        index.set_counts(i, state.running, state.waiting, replica.inflight)
+        polled = replica.inventory_active()
+        for a in adapters:
+            index.set_active(i, a, a in polled or replica.inflight_by_adapter.get(a, 0) > 0)
 
     def views(self, exclude: Iterable[str] = ()) -> list[EndpointView]:
         now = self.clock()
@@ -159,6 +247,8 @@ class Fleet:
     def record_success(self, name: str) -> None:
         replica = self.replicas.get(name)
         if replica is not None:
+            if not replica.reachable:
+                replica.touch()
             replica.failures = 0
             replica.reachable = True
 
@@ -169,9 +259,10 @@ class Fleet:
             return False
         if unreachable:
             replica.reachable = False  # connection refused: no point trying until a poll answers
+            replica.touch()
         replica.failures += 1
         if replica.failures >= self.eject_after and replica.ejected_until <= self.clock():
-            replica.ejected_until = self.clock() + self.cooldown_s
+            replica.eject_until(self.clock() + self.cooldown_s)
             return True
         return False
 
@@ -185,4 +276,4 @@ class Fleet:
         replica = self.replicas.get(name)
         if replica is not None:
             replica.failures = 0
-            replica.ejected_until = 0.0
+            replica.eject_until(0.0)

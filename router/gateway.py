@@ -8,13 +8,13 @@ from dataclasses import dataclass
 import httpx
 
 from lorafleet.router.admin_tokens import AdminTokens
+from lorafleet.router.decisions import Decider
 from lorafleet.router.fleet import Fleet
 from lorafleet.router.loader import AdapterLoader
 from lorafleet.router.metrics import RouterMetrics
 from lorafleet.router.placement import PlacementSync
 from lorafleet.router.proxy import RetryBudget
 from lorafleet.router.ratelimit import RateLimiter
-from lorafleet.router.scheduling.policies import Policy
 from lorafleet.router.settings import RouterSettings
 from lorafleet.router.tenants import TenantRegistry
 from lorafleet.router.upstream import Pool
@@ -32,7 +32,7 @@ class Gateway:
     loader: AdapterLoader
     limiter: RateLimiter
     tenants: TenantRegistry
-    policy: Policy
+    decider: Decider  # the policy, on the fleet's index where it can (router/decisions.py)
     budget: RetryBudget
     metrics: RouterMetrics
     catalog: dict[str, str]

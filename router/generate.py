@@ -6,15 +6,16 @@ use them → tenant limits → schedule (pure policy) → load if cold (single f
 before the first byte) → relay. From the forward on, a client that disconnects cancels the upstream
 request (uvicorn's `send` does not raise once the client is gone: `receive` says so).
 
-`ProxyRoutes` sits in front of FastAPI's router and takes these two routes straight from the ASGI
-scope: no routing table, dependency injection or Request/Response objects on the hot path (together
-several times the router's own work per request). Everything else (`/v1/models`, `/metrics`, ...)
-goes on to FastAPI.
+`ProxyRoutes` is the outermost ASGI app and takes these routes straight from the ASGI scope: no
+middleware, routing table, dependency injection or Request/Response objects on the hot path
+(together several times the router's own work per request). Everything else (`/v1/models`,
+`/metrics`, ...) goes on to FastAPI. A stream is relayed by `router/relay.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -22,7 +23,8 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.datastructures import State
+from starlette.types import Receive, Scope, Send
 
 from lorafleet.protocol import (
     HEADER_REPLICA,
@@ -35,14 +37,13 @@ from lorafleet.router.fleet import Replica
 from lorafleet.router.loader import LoadFailed
 from lorafleet.router.proxy import (
     StreamBroken,
-    Upstream,
     UpstreamFailed,
     downstream_headers,
-    relay_stream,
     send_once,
     upstream_headers,
 )
 from lorafleet.router.ratelimit import Lease, Limited
+from lorafleet.router.relay import relay
 from lorafleet.router.request_fields import UnknownModel, check_fields, resolve
 from lorafleet.router.scheduling.types import Decision, NoEndpoint, RequestInfo
 from lorafleet.router.tenants import Tenant
@@ -50,6 +51,8 @@ from lorafleet.router.upstream import Aborted
 from lorafleet.router.worker_kinds import replicas_of_kind, request_body, request_headers, vllm_can_serve
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+
     from lorafleet.router.gateway import Gateway
 
 log = logging.getLogger("lorafleet.router")
@@ -64,19 +67,33 @@ T = TypeVar("T")
 
 
 class ProxyRoutes:
-    """ASGI middleware: the proxied paths are served here (POST only), the rest by `app`."""
+    """The outermost ASGI app: the proxied paths are served here (POST only), the rest by `app`
+    (FastAPI, whose middleware and routing stay off the proxied requests' path).
 
-    def __init__(self, app: ASGIApp) -> None:
+    A bug in a proxied request answers 500 in the API's error envelope when nothing was sent
+    yet, then propagates to the server (which logs it), as FastAPI's error middleware does."""
+
+    def __init__(self, app: FastAPI) -> None:
         self.app = app
+
+    @property
+    def state(self) -> State:
+        return self.app.state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] not in PROXIED:
             await self.app(scope, receive, send)
-        elif scope["method"] == "POST":
-            await generate(scope["app"].state.gateway, scope, receive, send)
-        else:
-            message = invalid_method(scope["method"], scope["path"])
-            await respond_error(send, 405, message, "invalid_request_error", headers={"Allow": "POST"})
+            return
+        try:
+            if scope["method"] == "POST":
+                await generate(self.app.state.gateway, scope, receive, send)
+            else:
+                message = invalid_method(scope["method"], scope["path"])
+                await respond_error(send, 405, message, "invalid_request_error", headers={"Allow": "POST"})
+        except Exception as exc:
+            with contextlib.suppress(Exception):  # the response had started: only the server can end it
+                await respond_error(send, 500, f"internal error: {type(exc).__name__}", "server_error")
+            raise
 
 
 def invalid_method(method: str, path: str) -> str:
@@ -241,7 +258,7 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
     try:
         lease = await gw.limiter.acquire(tenant)
     except Limited as exc:
-        gw.metrics.requests.labels(gw.metrics.tenant(tenant), adapter_label, "429").inc()
+        gw.metrics.count_request(tenant, adapter_label, "429")
         return await respond_error(
             send,
             429,
@@ -272,20 +289,21 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
             lacking = {r.name for r in gw.fleet.replicas.values()
                        if any(a not in r.residency() for a in unloadable)} if unloadable else set()
             try:
-                decision = gw.policy.schedule(req, gw.fleet.views(exclude=excluded | lacking))
+                decision = gw.decider.schedule(req, excluded | lacking)
             except NoEndpoint as exc:
                 why.append(str(exc))
                 why += [f"adapter {a!r} is not in the catalog: only a replica holding it can serve it" for a in unloadable]
                 break
             replica = gw.fleet.replicas[decision.endpoint.name]
-            gw.metrics.routes.labels(decision.reason).inc()
-            claim(replica, adapters)
+            gw.metrics.count_route(decision.reason)
+            claim(gw, replica, adapters)
             t0 = time.perf_counter()
             try:
                 if decision.needs_load or replica.loading:
                     await unless_gone(prepare(gw, replica, decision, adapters), gone)
                 headers = upstream_headers(scope["headers"], {HEADER_TENANT: tenant.name})
-                headers.update(request_headers(replica.kind, gw.sync.tokens.headers(replica.pool)))
+                if replica.kind == "vllm":  # the pool's token (a file's stat per lookup): only vLLM takes it here
+                    headers.update(request_headers(replica.kind, gw.sync.tokens.headers(replica.pool)))
                 url = replica.url + path
                 sent = request_body(replica.kind, payload, body, adapters)
                 upstream = await send_once(gw.upstream, url, sent, headers, stream, adapters, gone)
@@ -340,7 +358,7 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
     finally:
         gone.cancel()
     await lease.release()
-    gw.metrics.requests.labels(gw.metrics.tenant(tenant), adapter_label, "503").inc()
+    gw.metrics.count_request(tenant, adapter_label, "503")
     await respond_error(
         send,
         503,
@@ -350,35 +368,15 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
     )
 
 
-async def relay(send: Send, upstream: Upstream, headers: list[tuple[bytes, bytes]], responses_api: bool) -> None:
-    """A streamed answer to the client, chunk by chunk as the worker sends it: the bytes as they
-    came, each read's worth in one ASGI message (no parsing, no re-encoding)."""
-    assert upstream.response is not None
-    if not upstream.content_type:
-        headers.append((b"content-type", b"text/event-stream"))
-    await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
-    try:
-        async for chunk in relay_stream(upstream.response, responses_api):
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-    finally:  # also after StreamBroken (its error event sent): the response is complete, not cut off
-        await send({"type": "http.response.body", "body": b""})
-
-
-def claim(replica: Replica, adapters: tuple[str, ...]) -> None:
-    replica.inflight += 1
-    for a in adapters:
-        replica.inflight_by_adapter[a] += 1
+def claim(gw: Gateway, replica: Replica, adapters: tuple[str, ...]) -> None:
+    gw.fleet.claim(replica, adapters)
 
 
 def release(gw: Gateway, replica: Replica, adapters: tuple[str, ...]) -> None:
-    replica.inflight = max(0, replica.inflight - 1)
-    for a in adapters:
-        replica.inflight_by_adapter[a] -= 1
-        if replica.inflight_by_adapter[a] <= 0:
-            del replica.inflight_by_adapter[a]
-            if a in replica.transient and a not in replica.loading:
-                replica.transient.discard(a)  # not admitted to the cache: give the slot back
-                asyncio.get_running_loop().create_task(gw.loader.unload(replica, a))
+    for a in gw.fleet.release(replica, adapters):
+        if a in replica.transient and a not in replica.loading:
+            replica.transient.discard(a)  # not admitted to the cache: give the slot back
+            asyncio.get_running_loop().create_task(gw.loader.unload(replica, a))
 
 
 async def prepare(gw: Gateway, replica: Replica, decision: Decision, adapters: tuple[str, ...]) -> None:
@@ -411,4 +409,4 @@ async def finish(
 ) -> None:
     release(gw, replica, adapters)
     await lease.release()
-    gw.metrics.requests.labels(gw.metrics.tenant(tenant), adapter_label, status).inc()
+    gw.metrics.count_request(tenant, adapter_label, status)

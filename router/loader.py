@@ -74,6 +74,7 @@ class AdapterLoader:
                     continue
                 future = asyncio.get_running_loop().create_future()
                 replica.loading[name] = future
+                replica.touch()  # a request joins a load under way: the replica counts as holding it
                 asyncio.get_running_loop().create_task(self._load(replica, name, future))
             waits.append(future)
         if not waits:
@@ -126,6 +127,7 @@ class AdapterLoader:
             future.exception()  # mark retrieved: waiters may have timed out already
         finally:
             replica.loading.pop(name, None)
+            replica.touch()
 
     async def _post_load(self, replica: Replica, name: str, path: str) -> None:
         """Ask the worker to load; `LoadFailed` unless it did (or already had the adapter)."""

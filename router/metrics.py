@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -29,12 +30,30 @@ class RouterMetrics:
     ratelimited: Counter
     breaker_open: Gauge
     breaker_transitions: Counter
+    index_checks: Counter
     # Tenant labels: names only where /metrics needs a token (--metrics-token-file), else the
     # tenant's opaque `label`, so an unauthenticated scrape learns no tenant names.
     tenant_names: bool = False
+    # The per-request counters' children by label values: prometheus_client's `labels()` validates
+    # and locks on every call; a child, once made, is the same object for the registry's life.
+    _children: dict[tuple[Any, ...], Any] = field(default_factory=dict)
 
     def tenant(self, tenant: Tenant) -> str:
         return tenant.name if self.tenant_names or not tenant.label else tenant.label
+
+    def count_request(self, tenant: Tenant, adapter: str, status: str) -> None:
+        label = self.tenant(tenant)
+        key = (label, adapter, status)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.requests.labels(label, adapter, status)
+        child.inc()
+
+    def count_route(self, reason: str) -> None:
+        child = self._children.get(reason)
+        if child is None:
+            child = self._children[reason] = self.routes.labels(reason)
+        child.inc()
 
     @classmethod
     def create(cls, tenant_names: bool = False) -> RouterMetrics:
@@ -102,6 +121,12 @@ class RouterMetrics:
                 p + "placement_store_breaker_transitions",
                 "Redis circuit breaker state changes, by the state entered",
                 ["state"],
+                registry=r,
+            ),
+            index_checks=Counter(
+                p + "index_checks",
+                "--verify-index: indexed decisions compared with the plain policy's, by result (agree/disagree)",
+                ["result"],
                 registry=r,
             ),
             tenant_names=tenant_names,

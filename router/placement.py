@@ -98,7 +98,7 @@ class PlacementSync:
                 return
         except httpx.HTTPError:
             pass
-        replica.ejected_until = self.fleet.clock() + self.fleet.cooldown_s
+        replica.eject_until(self.fleet.clock() + self.fleet.cooldown_s)
 
     async def _exchange(self) -> None:
         """Publish our polls and demand, read everyone's residency and the catalog."""

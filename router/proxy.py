@@ -223,26 +223,48 @@ async def send_once(
     return out
 
 
-async def relay_stream(response: Exchange, responses_api: bool = False) -> AsyncIterator[bytes]:
+class StreamTail:
+    """What ending a relayed stream on an error needs: the events relayed so far (the Responses
+    API numbers its error event after them) and whether the last one was cut short. Each event
+    ends in a blank line (JSON data holds no raw newline)."""
+
+    __slots__ = ("responses_api", "events", "tail")
+
+    def __init__(self, responses_api: bool = False) -> None:
+        self.responses_api = responses_api
+        self.events = 0
+        self.tail = b"\n\n"
+
+    def see(self, chunk: bytes) -> None:
+        if self.responses_api:
+            self.events += (self.tail[-1:] + chunk).count(b"\n\n")
+        self.tail = chunk[-2:] if len(chunk) > 1 else self.tail[-1:] + chunk
+
+    def error_end(self, exc: Exception) -> bytes:
+        """The stream's end after `exc`: an event cut short is ended first (and numbered) so the
+        error stands alone."""
+        message = f"upstream failed mid-stream: {exc}"
+        cut = self.tail != b"\n\n"
+        end = sse_error_event(message, self.events + cut) if self.responses_api else sse_error(message)
+        return (b"\n" if self.tail.endswith(b"\n") else b"\n\n") + end if cut else end
+
+
+async def relay_stream(
+    response: Exchange, responses_api: bool = False, tail: StreamTail | None = None
+) -> AsyncIterator[bytes]:
     """The body's bytes as they arrive; a failure after the first byte ends the stream as the
     route's streams end on an error (`sse_error`; `responses_api`: `sse_error_event`), then raises
-    StreamBroken. `Aborted` (the client left) passes through.
+    StreamBroken. `Aborted` (the client left) passes through. `tail`: what was relayed before.
 
     The caller closes `response` (also when the client goes away mid-stream).
     """
-    # Each event ends in a blank line (JSON data holds no raw newline): counted, they number the error event.
-    events, tail = 0, b"\n\n"
+    tail = tail if tail is not None else StreamTail(responses_api)
     try:
         while chunk := await response.read_some():
-            if responses_api:
-                events += (tail[-1:] + chunk).count(b"\n\n")
-            tail = chunk[-2:] if len(chunk) > 1 else tail[-1:] + chunk
+            tail.see(chunk)
             yield chunk
     except UpstreamError as exc:
-        message = f"upstream failed mid-stream: {exc}"
-        cut = tail != b"\n\n"  # an event cut short: ended first (and numbered) so the error stands alone
-        end = sse_error_event(message, events + cut) if responses_api else sse_error(message)
-        yield (b"\n" if tail.endswith(b"\n") else b"\n\n") + end if cut else end
+        yield tail.error_end(exc)
         raise StreamBroken from exc
 
 

@@ -49,6 +49,8 @@ class RouterSettings:
     # it, tenant labels are names; without it /metrics is open and tenants appear as opaque labels.
     metrics_token_file: Path | None = None
     policy: str = "lorafleet"
+    # Decide every request with the plain policy too and count disagreements with the indexed one.
+    verify_index: bool = False
     load_factor: float = 1.25
     # Placement polling: each worker's GET /v1/adapters, published to the store with this TTL.
     poll_interval_s: float = 1.0

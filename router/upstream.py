@@ -9,6 +9,9 @@ times per chunk and builds request, URL and header objects per request: most of 
 
 `Pool.post` returns once the worker's headers arrived (`Exchange`); `Exchange.read()` then gives
 the whole body, `Exchange.read_some()` the bytes that came since the last call (b"" at the end).
+`Exchange.stream_to(sink)` hands the body's bytes to `sink` from the protocol callback instead, once
+per read (no task switch per chunk: the relay's hot path); `sink` returning False (its side cannot
+take more now) hands the rest back to `read_some`.
 `Exchange.close()` returns a finished connection to the pool and closes an unfinished one, which
 is what makes the worker abort a generation. A `gone` future (the client left) closes the
 exchange too: the waiting call raises `Aborted`.
@@ -22,7 +25,7 @@ no byte of an answer came back (the worker never read the request).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import httptools
 
@@ -65,6 +68,9 @@ class Conn(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             ex.fail(UpstreamError("transport", f"bad response: {exc}"))
             self.close()
+            return
+        if ex.sink is not None and ex.chunks:
+            ex.flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
@@ -94,7 +100,7 @@ class Conn(asyncio.Protocol):
         ex = self.exchange
         assert ex is not None
         ex.chunks.append(body)
-        if ex.waiter is not None:
+        if ex.waiter is not None and ex.sink is None:
             ex.wake()
 
     def on_message_complete(self) -> None:
@@ -114,7 +120,7 @@ class Exchange:
     """One request's answer, read as it arrives."""
 
     __slots__ = ("conn", "status", "raw_headers", "keep_alive", "chunks", "complete", "received", "error",
-                 "waiter", "closed", "timer", "gone_cb", "gone")
+                 "waiter", "closed", "timer", "gone_cb", "gone", "sink")
 
     def __init__(self, conn: Conn, gone: asyncio.Future | None) -> None:
         self.conn = conn
@@ -130,6 +136,7 @@ class Exchange:
         self.timer: asyncio.TimerHandle | None = None
         self.gone = gone
         self.gone_cb = None
+        self.sink: Callable[[bytes], bool] | None = None
         if gone is not None:
             self.gone_cb = lambda _f: self.abort()
             gone.add_done_callback(self.gone_cb)
@@ -193,6 +200,31 @@ class Exchange:
         data = b"".join(chunks)
         chunks.clear()
         return data
+
+    def flush(self) -> None:
+        """The bytes that came to the sink; a sink that refuses gives the relay back to `read_some`."""
+        sink, chunks = self.sink, self.chunks
+        assert sink is not None
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        if not sink(data):
+            chunks.append(data)
+            self.sink = None
+            self.wake()
+
+    async def stream_to(self, sink: Callable[[bytes], bool]) -> bool:
+        """Hands the body to `sink` as it arrives, until the end (True) or until `sink` refuses
+        (False: the rest is `read_some`'s). Raises as `read_some` does."""
+        self.sink = sink
+        try:
+            if self.chunks:
+                self.flush()
+            while self.sink is not None and not self.complete:
+                await self._wait()
+        finally:
+            done = self.sink is not None
+            self.sink = None
+        return done
 
     def watch(self, read_timeout_s: float) -> None:
         """Fail with "timeout" once no byte came for `read_timeout_s`."""

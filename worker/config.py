@@ -353,6 +353,11 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     max_num_seqs: int = 64  # running requests
     max_num_batched_tokens: int = 2048  # token budget per step (prefill chunks + decodes)
+    # With CUDA graphs: the token budget of a step while sequences decode, so prompt chunks joining
+    # them run in the decode graphs (as rows of one query; buckets up to this many rows, vLLM's
+    # largest capture size by default) instead of an eager step. Prompts longer than what is left
+    # beside the decodes are chunked over several steps.
+    max_graph_tokens: int = 512
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     aging_steps: int = 32  # a deferred adapter's requests win a slot after waiting this many steps
@@ -390,6 +395,7 @@ class EngineConfig:
             (1 <= self.max_loras_per_request <= self.max_loras, "max_loras_per_request must be in 1..max_loras"),
             (self.block_size in (8, 16, 32, 64, 128), "block_size must be one of 8, 16, 32, 64, 128"),
             (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+            (self.max_graph_tokens >= 1, "max_graph_tokens must be >= 1"),
             (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
             (0 < self.kv_cache_memory_fraction <= 1, "kv_cache_memory_fraction must be in (0, 1]"),
             (self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,

@@ -116,9 +116,12 @@ class IndexedPolicy:
                 cands = self._first_k(req, index, eligible, bounded, slots=True)
                 if not cands:  # nobody passes the slot bound: the filter keeps everyone in the bound
                     cands = in_bound or self._first_k(req, index, eligible, bounded, slots=False)
-        if scored is None:
-            scored = self._scored(req, index, cands)
-        chosen = self._tie_break(scored, reps)
+        if scored is None and len(cands) == 1:
+            chosen = cands[0]  # what MaxScore picks from one, whatever its score (no turn taken)
+        else:
+            if scored is None:
+                scored = self._scored(req, index, cands)
+            chosen = self._tie_break(scored, reps)
         view = index.view(chosen)
         missing = tuple(a for a in adapters if a not in reps[chosen].resident)
         plan = AdmissionPlan()

@@ -36,13 +36,21 @@ def fuzz(tmp_path_factory, demo_model, demo_adapters):
     bases = base_cases(next(iter(demo_adapters.values())).parent)
     rng = random.Random(SEED)
     cases = corpus(bases) + [mutate(bases, rng) for _ in range(MUTATED)]
-    reader = AdapterReader(ModelConfig.from_folder(demo_model), EngineConfig(max_lora_rank=64), torch.float32, None)
-    return {"cases": cases, "judge": Judge(demo_model, Caps()), "reader": reader, "peft_key": peft_key}
+    judge = Judge(demo_model, Caps())
+    layers = judge.base.model.layers
+
+    def base_weight(layer: int, target: str) -> torch.Tensor:  # DoRA's norms: transformers' weights
+        block = layers[layer].self_attn if hasattr(layers[layer].self_attn, target) else layers[layer].mlp
+        return getattr(block, target).weight.detach()
+
+    reader = AdapterReader(ModelConfig.from_folder(demo_model), EngineConfig(max_lora_rank=64), torch.float32, None,
+                           base_weight)
+    return {"cases": cases, "judge": judge, "reader": reader, "peft_key": peft_key}
 
 
 def test_corpus_names_the_issues_variants(fuzz):
     names = {c.name for c in fuzz["cases"]}
-    for variant in ("alora", "bdlora", "arrow", "kasa", "monteclora", "weights_link_out", "regex_catastrophic",
+    for variant in ("alora", "bdlora", "arrow", "kasa", "monteclora", "dora_magnitudes", "weights_link_out", "regex_catastrophic",
                     "config_1gib_sparse"):
         assert variant in names
 

@@ -1,5 +1,5 @@
 """bench/engine_models.py end to end on CPU (`--tiny`): every family's engine is built under its own
-checkpoint names, timed, and written as the rows issue 50 asks for."""
+checkpoint names, timed, and written as the rows issue 50 asks for (Llama's also with DoRA adapters)."""
 
 from __future__ import annotations
 
@@ -21,3 +21,7 @@ def test_tiny_models_benchmark(tmp_path: Path) -> None:
         assert r["tokens_per_s"] > 0 and r["weight_bytes"] > 0
     llama = next(r for r in rows if r["arch"] == "llama" and r["adapters"] == 0)
     assert llama["vs_llama"] == 1.0
+    kinds = {(r["arch"], r["adapter_kind"]) for r in rows if r["adapters"] == 2}
+    assert kinds == {("llama", "lora"), ("llama", "dora"), ("qwen3", "lora"), ("gemma2", "lora")}
+    dora = next(r for r in rows if r["adapter_kind"] == "dora")
+    assert dora["vs_llama"] == 1.0 and dora["vs_lora"] > 0

@@ -2,6 +2,7 @@
 
 Usage: `python helm_emulator.py JOB_JSON` → prints one JSON result on stdout.
   job = {"op": "lint" | "install", "chart": DIR, "values": {...}, "namespace": NS, "release": NAME}
+  With "kubeconfig" (its text) in the job, "install" goes to that API server instead of an emulator.
 
 Why a subprocess: helm-sdkpy is a Go shared library, and Go reads the environment once, from the
 process's initial environ, so `HELM_DRIVER=memory` (release records kept in memory rather than as
@@ -101,6 +102,14 @@ async def main(job: dict[str, Any]) -> dict[str, Any]:
     from tests.operator.kmock_harness import PatchedEmulator, kubeconfig
 
     namespace = job.get("namespace", "default")
+    if job.get("kubeconfig"):  # a real API server (tests/operator/real_cluster.py): no emulator
+        config = helm.Configuration(namespace=namespace, kubeconfig=job["kubeconfig"])
+        try:
+            release = await helm.Install(config).run(job.get("release", "lf"), str(job["chart"]),
+                                                     values=job.get("values") or None, wait=False, timeout=120)
+        except helm.HelmError as exc:
+            return {"ok": False, "error": str(exc)}
+        return {"ok": True, "manifest": release.get("manifest", ""), "status": release.get("info", {}).get("status")}
     async with PatchedEmulator() as emulator, kmock.Server(emulator):
         for key, (kind, namespaced) in EXTRA_KINDS.items():
             emulator.declare(key, kind=kind, namespaced=namespaced)

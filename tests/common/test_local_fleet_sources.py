@@ -22,7 +22,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lorafleet.operator.spec import SpecError, parse_adapter
 from tests.common.test_local_fleet import Fleet, free_port, start_fleet, stop_fleet
 from tests.worker.fake_hub import FakeHub
 
@@ -34,19 +33,6 @@ BUCKET = "adapters"
 FILES = ("adapter_config.json", "adapter_model.safetensors")
 HF_TOKEN = "hf_localFleetToken0123456789"
 PROMPT = "SELECT name FROM"
-
-
-def remote_sources_accepted() -> bool:
-    """Whether the operator's spec rules (shared by the local fleet) take s3:// sources."""
-    try:
-        parse_adapter("local", "probe", {"pool": "local", "source": f"s3://{BUCKET}/x"})
-    except SpecError:
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(not remote_sources_accepted(),
-                                reason="the operator's LoraAdapter rules refuse s3:// sources (issue 52's operator side)")
 
 
 def digest_of(folder: Path) -> str:

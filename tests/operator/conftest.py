@@ -70,8 +70,10 @@ class OperatorRunner:
     """Starts/stops (cancels, as a SIGKILL would) the kopf operator in this event loop."""
 
     def __init__(self, api: PatchedEmulator, resync_s: float = 1.0, peering: str | None = None,
-                 priority: int = 0, liveness: str | None = None, namespaces: tuple[str, ...] = ("default",)) -> None:
+                 priority: int = 0, liveness: str | None = None, namespaces: tuple[str, ...] = ("default",),
+                 info: Any = None) -> None:
         self.api = api
+        self.info = info  # a kopf.ConnectionInfo; None: the emulator's
         self.namespaces = list(namespaces)  # each must exist in the emulator (`api.add_namespace`)
         self.resync_s = resync_s
         self.peering, self.priority = peering, priority  # None: standalone
@@ -85,7 +87,7 @@ class OperatorRunner:
         from lorafleet.operator.handlers import OperatorConfig, register
         from lorafleet.operator.pool_state import ReconcilerSettings
 
-        info = kopf.ConnectionInfo(server=str(self.api.url).rstrip("/"), insecure=True, token="kmock")
+        info = self.info or kopf.ConnectionInfo(server=str(self.api.url).rstrip("/"), insecure=True, token="kmock")
         config = OperatorConfig(
             redis_url=redis_url, kube_info=info, peering=self.peering,
             reconciler=ReconcilerSettings(resync_s=self.resync_s, retry_s=0.3),

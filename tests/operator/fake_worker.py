@@ -2,7 +2,8 @@
 
 Implements `GET /v1/adapters`, `POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter`,
 `/health`, `/ready`, bearer-token checked; `load_inplace` replaces other content unless requests
-are in flight (409 `in_use`, as the real worker). Adapters are directories under `adapter_root` with an
+are in flight (409 `in_use`, as the real worker); `sha256` refuses other content (400
+`DigestMismatch`, as the real worker). Adapters are directories under `adapter_root` with an
 `adapter_config.json` (`r`, `lora_alpha`); the digest is sha256 over that file. Knobs inject the
 failures the operator must survive: a worker that is down, restarts empty, or answers 200 to an
 unload and keeps the adapter (as vLLM has).
@@ -89,6 +90,10 @@ def create_app(state: FakeWorkerState) -> FastAPI:
         if rank > state.max_lora_rank:
             return _error(400, f"rank {rank} exceeds max_lora_rank {state.max_lora_rank}")
         digest = "sha256:" + hashlib.sha256(raw).hexdigest()
+        want = None if body.sha256 is None else "sha256:" + body.sha256.lower().removeprefix("sha256:")
+        if want is not None and digest != want:  # as the real worker: refused before it serves
+            return _error(400, f"digest mismatch for {body.lora_path}: expected {want}, got {digest}",
+                          reason="DigestMismatch")
         old = state.adapters.get(body.lora_name)
         if old is not None and old.digest == digest:
             return JSONResponse({"status": "ok", "already_loaded": True})

@@ -229,6 +229,9 @@ class PatchedEmulator(kmock.KubernetesEmulator):
                 key = (res, request.namespace, request.name)
                 if method == "PATCH":
                     patch = request.data if request.data is not None else json.loads(request.text or "{}")
+                    kind = request.headers.get("Content-Type", "") or request.headers.get("content-type", "")
+                    if "strategic-merge-patch" in kind:
+                        patch = strategic_conditions(self.objects[key].raw if key in self.objects else {}, patch)
                     return aiohttp.web.json_response(await self._patch(res, key, patch, sub=request.subresource))
                 if method == "PUT":
                     return aiohttp.web.json_response(
@@ -381,6 +384,18 @@ class PatchedEmulator(kmock.KubernetesEmulator):
             refs = dep.raw["metadata"].get("ownerReferences") or []
             if any(r.get("uid") == uid for r in refs):
                 await self._delete(dep_key[0], dep_key)
+
+
+def strategic_conditions(current: dict[str, Any], patch: Any) -> Any:
+    """A strategic merge patch as a merge patch: `status.conditions` merge by `type` (their patch
+    strategy on built-in kinds) instead of replacing the list. The only list it is used for here."""
+    conditions = ((patch or {}).get("status") or {}).get("conditions") if isinstance(patch, dict) else None
+    if conditions is None:
+        return patch
+    merged = {c.get("type"): c for c in (current.get("status") or {}).get("conditions") or []}
+    for c in conditions:
+        merged[c.get("type")] = {**merged.get(c.get("type"), {}), **c}
+    return {**patch, "status": {**patch["status"], "conditions": list(merged.values())}}
 
 
 def kubeconfig(url: str) -> str:

@@ -2,8 +2,15 @@
 
 Each pod gets its own loopback address 127.N.x.y (so every worker can use the pool's ports), a
 worker started with the pool's admin token (read from the Secret the pod mounts), and a Pod object
-with podIP and a Ready condition. Scale-down marks the pod terminating first (deletionTimestamp),
-then deletes it after `grace_s`, as a real kubelet would.
+with podIP, ContainersReady, and Ready once every readiness gate's condition is True (as the
+kubelet computes it). Removing a pod marks it terminating first (deletionTimestamp), then deletes
+it after `grace_s`, as a real kubelet would.
+
+It also plays the Deployment and ReplicaSet controllers: a changed pod template is rolled out with
+the Deployment's `maxSurge`/`maxUnavailable` (new pods first, an old one removed only while
+enough pods are Ready), pods carry `pod-template-hash`, and the pods a scale-down removes are
+ranked as the ReplicaSet controller does: not Ready first, then the lowest
+`controller.kubernetes.io/pod-deletion-cost`, then the newest.
 
 `worker_factory(pod_name, ip, http_port, admin_port, token, template) -> handle` starts a worker and
 returns once it is ready; the default starts the FastAPI fake worker in-process, `real_worker.py`
@@ -15,17 +22,23 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import itertools
+import json
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import kmock
+
 from tests.operator.fake_worker import FakeWorker, FakeWorkerState
 from tests.operator.kmock_harness import PatchedEmulator
 
 WorkerFactory = Callable[[str, str, int, int, str, dict[str, Any]], Awaitable[Any]]
+
+COST = "controller.kubernetes.io/pod-deletion-cost"
 
 _ips = itertools.count(2)
 # Per test process, so concurrent test runs on one machine do not bind the same pod addresses.
@@ -57,12 +70,22 @@ async def fake_worker_factory(pod: str, ip: str, http_port: int, admin_port: int
     return worker
 
 
+def template_hash(template: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def _count(value: Any, default: int) -> int:
+    return value if isinstance(value, int) else default
+
+
 @dataclass(slots=True)
 class RunningPod:
     name: str
     ip: str
     worker: Any
     deployment: str
+    revision: str = ""
+    order: int = 0  # creation order: the newest goes first among equals
 
 
 @dataclass
@@ -110,23 +133,71 @@ class Kubelet:
         for name, pod in list(self.pods.items()):
             if pod.deployment not in deployments:
                 await self.kill(name)
-        for dname, deployment in deployments.items():
-            want = int(deployment["spec"].get("replicas", 1))
-            mine = sorted(n for n, p in self.pods.items() if p.deployment == dname
-                          and not self._terminating(n))
-            for name in mine[want:]:
-                asyncio.create_task(self._terminate(name))
-            started = await asyncio.gather(*(self._start(deployment) for _ in range(want - len(mine))),
-                                           return_exceptions=True)
-            for failure in (r for r in started if isinstance(r, Exception)):
-                self.errors.append(f"{type(failure).__name__}: {failure}")
-                print(f"kubelet: {self.errors[-1]}")
+        for deployment in deployments.values():
+            await self._roll(deployment)
+        await self._readiness()
+
+    async def _roll(self, deployment: dict[str, Any]) -> None:
+        """One step of the Deployment controller: surge new pods, remove old ones while enough are Ready."""
+        dname, spec = deployment["metadata"]["name"], deployment["spec"]
+        want = int(spec.get("replicas", 1))
+        revision = template_hash(spec["template"])
+        rolling = (spec.get("strategy") or {}).get("rollingUpdate") or {}
+        surge, unavailable = _count(rolling.get("maxSurge"), 1), _count(rolling.get("maxUnavailable"), 0)
+        mine = [n for n, p in self.pods.items() if p.deployment == dname and not self._terminating(n)]
+        new = [n for n in mine if self.pods[n].revision == revision]
+        old = [n for n in mine if n not in new]
+        if old:
+            create = max(0, min(want - len(new), want + surge - len(mine)))
+            new_unavailable = sum(not self._ready(n) for n in new)
+            removable = len(mine) - (want - unavailable) - new_unavailable
+            leaving = self._rank(old)[:max(0, min(removable, len(old)))]
+        else:
+            create = max(0, want - len(new))
+            leaving = self._rank(new)[:max(0, len(new) - want)]
+        for name in leaving:
+            await self._mark_terminating(name)
+            asyncio.create_task(self._terminate(name))
+        started = await asyncio.gather(*(self._start(deployment, revision) for _ in range(create)),
+                                       return_exceptions=True)
+        for failure in (r for r in started if isinstance(r, Exception)):
+            self.errors.append(f"{type(failure).__name__}: {failure}")
+            print(f"kubelet: {self.errors[-1]}")
+
+    def _ready(self, name: str) -> bool:
+        obj = self.api.get("v1/pods", self.namespace, name) or {}
+        return any(c.get("type") == "Ready" and c.get("status") == "True"
+                   for c in (obj.get("status") or {}).get("conditions") or [])
+
+    def _rank(self, names: list[str]) -> list[str]:
+        """The ReplicaSet controller's order for removal (the part that differs between these pods)."""
+        def key(name: str) -> tuple[bool, int, int]:
+            obj = self.api.get("v1/pods", self.namespace, name) or {}
+            cost = (obj.get("metadata", {}).get("annotations") or {}).get(COST, "0")
+            return (self._ready(name), int(cost), -self.pods[name].order)
+        return sorted(names, key=key)
+
+    async def _readiness(self) -> None:
+        """Ready = containers ready and every readiness gate's condition True."""
+        for name in list(self.pods):
+            async with self.api._write_lock:
+                obj = self.api.get("v1/pods", self.namespace, name)
+                if obj is None:
+                    continue
+                conditions = (obj.get("status") or {}).get("conditions") or []
+                status = {c.get("type"): c.get("status") for c in conditions}
+                gates = [g["conditionType"] for g in obj["spec"].get("readinessGates") or []]
+                ready = "True" if all(status.get(g) == "True" for g in gates) else "False"
+                if status.get("Ready") != ready:
+                    new = [c for c in conditions if c.get("type") != "Ready"] + [{"type": "Ready", "status": ready}]
+                    key = (kmock.resource("v1/pods"), self.namespace, name)
+                    await self.api._patch(key[0], key, {"status": {"conditions": new}})
 
     def _terminating(self, name: str) -> bool:
         obj = self.api.get("v1/pods", self.namespace, name)
         return obj is None or bool(obj["metadata"].get("deletionTimestamp"))
 
-    async def _start(self, deployment: dict[str, Any]) -> None:
+    async def _start(self, deployment: dict[str, Any], revision: str = "") -> None:
         template = deployment["spec"]["template"]
         container = template["spec"]["containers"][0]
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
@@ -136,25 +207,38 @@ class Kubelet:
             return  # mount would fail: the pod stays ContainerCreating until the Secret exists
         token = base64.b64decode(secret["data"]["token"]).decode()
         dname = deployment["metadata"]["name"]
-        name = f"{dname}-{next(self._counter)}"
+        order = next(self._counter)
+        name = f"{dname}-{order}"
         ip = next_ip()
         worker = await self.worker_factory(name, ip, ports["http"], ports["admin"], token, template)
-        self.pods[name] = RunningPod(name, ip, worker, dname)
-        owner = {"apiVersion": "apps/v1", "kind": "Deployment", "name": dname,
+        self.pods[name] = RunningPod(name, ip, worker, dname, revision, order)
+        await self.put_pod(deployment, name, ip, revision)
+
+    async def put_pod(self, deployment: dict[str, Any], name: str, ip: str, revision: str) -> None:
+        """The Pod object of a started worker: running, containers ready, Ready unless it has readiness gates."""
+        template = deployment["spec"]["template"]
+        owner = {"apiVersion": "apps/v1", "kind": "Deployment", "name": deployment["metadata"]["name"],
                  "uid": deployment["metadata"]["uid"], "controller": True}
+        gated = bool(template["spec"].get("readinessGates"))
         await self.api.put_object("v1/pods", {
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": self.namespace,
-                         "labels": dict(template["metadata"]["labels"]), "ownerReferences": [owner]},
+                         "labels": {**template["metadata"]["labels"], "pod-template-hash": revision},
+                         "annotations": dict(template["metadata"].get("annotations") or {}),
+                         "ownerReferences": [owner]},
             "spec": template["spec"],
             "status": {"phase": "Running", "podIP": ip,
-                       "conditions": [{"type": "Ready", "status": "True"}]},
+                       "conditions": [{"type": "ContainersReady", "status": "True"},
+                                      {"type": "Ready", "status": "False" if gated else "True"}]},
         })
 
-    async def _terminate(self, name: str) -> None:
+    async def _mark_terminating(self, name: str) -> None:
         if self.api.get("v1/pods", self.namespace, name) is not None:
             await self.api.patch_object("v1/pods", self.namespace, name,
                                         {"metadata": {"deletionTimestamp": "2000-01-01T00:00:00Z"}})
+
+    async def _terminate(self, name: str) -> None:
+        await self._mark_terminating(name)
         await asyncio.sleep(self.grace_s)
         await self.kill(name)
 

@@ -4,8 +4,11 @@ The container the operator built (operator/builders.py) is run as it is, with wh
 change on a node: the image's `lorafleet` entry point is this interpreter's, the pod's network is
 its own loopback address (`--host 0.0.0.0` becomes the pod IP, so every pod keeps the pool's ports),
 and the admin-token Secret volume is materialised as a file whose path replaces the mount path in
-the arguments. Other volumes are host paths: the test points the pool's model path and adapter
-mount at the demo assets on this machine.
+the arguments. An emptyDir mounted where this machine has no such folder (the fetch cache) is a
+fresh folder of the pod's. Environment variables are resolved as a
+kubelet does: `value`, or `valueFrom.secretKeyRef` read from the API's Secret (`secrets`; a missing
+optional key is left unset, a missing required one fails the start). Other volumes are host paths:
+the test points the pool's model path and adapter mount at the demo assets on this machine.
 
 Each worker runs in its own session (process group) and dies with this process (PDEATHSIG); stop()
 terminates the whole group, then kills what is left.
@@ -14,9 +17,11 @@ terminates the whole group, then kills what is left.
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,13 +86,15 @@ class RealWorkerFactory:
     root: Path
     ready_timeout_s: float = 60.0
     started: list[RealWorker] = field(default_factory=list)
+    # A Secret of the pod's namespace by name (the API's object, or None), for secretKeyRef env.
+    secrets: Callable[[str], dict[str, Any] | None] | None = None
 
     async def __call__(self, pod: str, ip: str, http_port: int, admin_port: int, token: str,
                        template: dict[str, Any]) -> RealWorker:
         pod_dir = self.root / pod
-        mounts = self._mount_secrets(template, pod_dir, token)
+        mounts = self._mount_secrets(template, pod_dir, token) | self._mount_empty_dirs(template, pod_dir)
         container = template["spec"]["containers"][0]
-        env = {**os.environ, **NODE_ENV, **{e["name"]: e.get("value", "") for e in container.get("env", [])}}
+        env = {**os.environ, **NODE_ENV, **self._env(container, mounts)}
         argv = container_argv(template, ip, mounts)
         # Spawned from the event loop's thread on purpose: PDEATHSIG follows the thread that forked.
         child = process_group.spawn(pod, argv, pod_dir / "worker.log", env=env)
@@ -113,6 +120,38 @@ class RealWorkerFactory:
                 (local / TOKEN_KEY).chmod(0o400)
                 mounts[mount["mountPath"]] = local
         return mounts
+
+    @staticmethod
+    def _mount_empty_dirs(template: dict[str, Any], pod_dir: Path) -> dict[str, Path]:
+        empty = {v["name"] for v in template["spec"].get("volumes", []) if "emptyDir" in v}
+        mounts: dict[str, Path] = {}
+        for mount in template["spec"]["containers"][0].get("volumeMounts", []):
+            if mount["name"] in empty and not Path(mount["mountPath"]).exists():
+                local = pod_dir / "volumes" / mount["name"]
+                local.mkdir(parents=True, exist_ok=True)
+                mounts[mount["mountPath"]] = local
+        return mounts
+
+    def _env(self, container: dict[str, Any], mounts: dict[str, Path]) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for var in container.get("env", []):
+            if "valueFrom" not in var:
+                value = var.get("value", "")
+                for mount_path, local in mounts.items():  # a path in a volume, as the container sees it
+                    if value == mount_path or value.startswith(mount_path.rstrip("/") + "/"):
+                        value = str(local) + value[len(mount_path.rstrip("/")):]
+                out[var["name"]] = value
+                continue
+            ref = var["valueFrom"].get("secretKeyRef")
+            if ref is None:
+                raise WorkerStartError(f"env {var['name']}: only value and secretKeyRef are emulated")
+            secret = self.secrets(ref["name"]) if self.secrets is not None else None
+            data = (secret or {}).get("data") or {}
+            if ref["key"] in data:
+                out[var["name"]] = base64.b64decode(data[ref["key"]]).decode()
+            elif not ref.get("optional", False):
+                raise WorkerStartError(f"CreateContainerConfigError: Secret {ref['name']} has no key {ref['key']}")
+        return out
 
     async def _wait_ready(self, worker: RealWorker) -> None:
         """What the readiness probe (`GET /ready` on the http port) decides before the pod is Ready."""

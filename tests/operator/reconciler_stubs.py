@@ -28,6 +28,7 @@ class StubWorkers:
     held: dict[str, dict[str, AdapterInfo]] = field(default_factory=lambda: {p: {} for p in PODS})
     refuse: set[str] = field(default_factory=set)  # adapter names, or source paths, whose loads are refused
     broken: int = 0  # inventory calls left that raise what no worker client should (a bug)
+    changed: dict[str, str] = field(default_factory=dict)  # source path -> the digest it gives now (an object replaced)
 
     async def inventory(self, url: str, token: str) -> AdapterInventory:
         if self.broken > 0:
@@ -42,12 +43,18 @@ class StubWorkers:
             adapters=list(self.held[url].values()),
         )
 
-    async def load(self, url: str, token: str, name: str, path: str, inplace: bool = False) -> AdapterInventory:
+    async def load(self, url: str, token: str, name: str, path: str, inplace: bool = False,
+                   sha256: str | None = None) -> AdapterInventory:
         old = self.held[url].get(name)
         self.events.append(("reload" if inplace and old is not None else "load", url, name))
         if name in self.refuse or path in self.refuse:
             raise LoadRefused(400, "not an adapter")
         new = info(name, path=path)
+        if path in self.changed:
+            new = new.model_copy(update={"digest": self.changed[path]})
+        want = None if sha256 is None else "sha256:" + sha256.lower().removeprefix("sha256:")
+        if want is not None and new.digest != want:  # as the real worker: refused before it serves
+            raise LoadRefused(400, f"digest mismatch for {path}: expected {want}, got {new.digest}", "DigestMismatch")
         if old is not None and old.digest != new.digest:
             if not inplace:
                 raise LoadRefused(409, f"{name} is loaded with different content")

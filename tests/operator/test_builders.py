@@ -53,7 +53,8 @@ def test_builders_are_deterministic() -> None:
     [
         ({"source": "a"}, "MissingPool"),
         ({"pool": "p"}, "MissingSource"),
-        ({"pool": "p", "source": "s3://bucket/a"}, "SourceNotAllowed"),
+        ({"pool": "p", "source": "ftp://host/a"}, "InvalidSource"),
+        ({"pool": "p", "source": "s3://B/a"}, "InvalidSource"),
         ({"pool": "p", "source": "/etc/passwd"}, "SourceOutsideVolume"),
         ({"pool": "p", "source": "a/../../b"}, "SourceOutsideVolume"),
         ({"pool": "p", "source": "a", "replicas": {"min": 3, "max": 2}}, "InvalidReplicas"),

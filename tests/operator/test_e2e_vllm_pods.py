@@ -29,7 +29,7 @@ class VllmKubelet(Kubelet):
     the env var's Secret reference, runtime updates from the env, the model name and max_loras from
     vLLM's flags."""
 
-    async def _start(self, deployment: dict[str, Any]) -> None:
+    async def _start(self, deployment: dict[str, Any], revision: str = "") -> None:
         template = deployment["spec"]["template"]
         container = template["spec"]["containers"][0]
         env = {e["name"]: e for e in container.get("env", [])}
@@ -45,19 +45,12 @@ class VllmKubelet(Kubelet):
             runtime_updates=env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", {}).get("value") == "True",
         )
         port = {p["name"]: p["containerPort"] for p in container["ports"]}["http"]
-        name, ip = f"{deployment['metadata']['name']}-{next(self._counter)}", next_ip()
+        order = next(self._counter)
+        name, ip = f"{deployment['metadata']['name']}-{order}", next_ip()
         server = FakeVllm(state, ip, port)
         await server.start()
-        self.pods[name] = RunningPod(name, ip, server, deployment["metadata"]["name"])
-        owner = {"apiVersion": "apps/v1", "kind": "Deployment", "name": deployment["metadata"]["name"],
-                 "uid": deployment["metadata"]["uid"], "controller": True}
-        await self.api.put_object("v1/pods", {
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": self.namespace, "labels": dict(template["metadata"]["labels"]),
-                         "ownerReferences": [owner]},
-            "spec": template["spec"],
-            "status": {"phase": "Running", "podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]},
-        })
+        self.pods[name] = RunningPod(name, ip, server, deployment["metadata"]["name"], revision, order)
+        await self.put_pod(deployment, name, ip, revision)
 
 
 @pytest.fixture

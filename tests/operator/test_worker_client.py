@@ -90,7 +90,7 @@ async def test_unload_is_verified_and_unloading_an_absent_adapter_is_fine(
 @pytest.mark.parametrize(("name", "source", "status", "reason", "words"), [
     ("code", "code", 400, "LoadRefused", "rank 32 exceeds"),
     ("dora", "dora", 400, "LoadRefused", "DoRA"),
-    ("missing", "no-such-folder", 400, "LoadRefused", "does not exist"),  # no server path in the message
+    ("missing", "no-such-folder", 400, "SourceNotFound", "does not exist"),  # no server path in the message
     ("outside", "../token", 400, "LoadRefused", "outside the adapter root"),
     ("sql", "chat", 409, "ContentConflict", "sql"),  # the name is taken by different weights
 ])

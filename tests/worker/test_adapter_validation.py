@@ -103,7 +103,7 @@ def _ints_first(tensors):
 
 CASES = {
     # name: (how to break a copy of the "sql" adapter, expected reason)
-    "dora": (lambda f: edit_config(f, use_dora=True), "unsupported"),
+    "dora_without_magnitudes": (lambda f: edit_config(f, use_dora=True), "bad_weights"),
     "pickle_only": (to_pickle, "pickle"),
     "not_lora": (lambda f: edit_config(f, peft_type="IA3"), "not_lora"),
     "bias": (lambda f: edit_config(f, bias="all"), "unsupported"),

@@ -38,7 +38,7 @@ IRRELEVANT_SAMPLES = {
 NEVER_IN_A_FILE = {"runtime_config": [None, {"ephemeral_gpu_offload": False}]}
 # A value that turns each REFUSED key on: PEFT's logits move (or PEFT refuses it on this model).
 REFUSED_SAMPLES = {
-    "init_lora_weights": "pissa", "bias": "all", "use_dora": True, "lora_bias": True, "fan_in_fan_out": True,
+    "init_lora_weights": "pissa", "bias": "all", "lora_bias": True, "fan_in_fan_out": True,
     "use_qalora": True, "layer_replication": [[0, 1], [0, 2]], "target_parameters": ["mlp.down_proj.weight"],
     "trainable_token_indices": [3, 17], "modules_to_save": ["lm_head"], "exclude_modules": ["down_proj"],
     "layers_to_transform": [1], "layers_pattern": "layers", "megatron_config": {"tensor_model_parallel_size": 1},
@@ -161,6 +161,8 @@ IMPLEMENTED_CASES = {
     "target_modules_suffix": {"target_modules": ["self_attn.q_proj", "v_proj", "mlp.down_proj"]},
     "target_modules_regex": {"target_modules": r"model\.layers\.\d+\.(self_attn\.(q|v)_proj|mlp\.down_proj)"},
     "target_modules_all_linear": {"target_modules": "all-linear"},
+    "use_dora": {"use_dora": True},
+    "use_dora_rank_pattern": {"use_dora": True, "rank_pattern": {"v_proj": 2}, "alpha_pattern": {"q_proj": 1.0}},
 }
 
 

@@ -318,7 +318,11 @@ def test_graph_replay_matches_eager_bf16_first_decode_step(demo_model, modules):
     want, got = _run(eager, REQUESTS), _run(graph, REQUESTS)
     for rid_e, rid_g in zip(want["ids"], got["ids"]):
         first_decode_g, first_decode_e = got["steps"][rid_g][1], want["steps"][rid_e][1]
-        assert rel_norm_err(first_decode_g, first_decode_e) <= 1e-2
+        # With graphs the prompts themselves run through the decode graphs (one query row a token,
+        # worker/engine/graph_inputs.py), so their bf16 KV entries come from other kernels than the
+        # eager prefill's: the first decode step differs by rounding (1.1e-2 measured on an H100;
+        # the same comparison in fp32 agrees to 1e-4: tests/worker/test_graph_inputs.py).
+        assert rel_norm_err(first_decode_g, first_decode_e) <= 2e-2
         assert torch.isfinite(first_decode_g).all()
     assert graph.runner.graphs.stats.captures >= 1
 

@@ -50,6 +50,11 @@ class StepObserver(Protocol):
 
     def on_finished(self, reason: str, prompt_tokens: int, generated: int, seconds: float) -> None: ...
 
+    def on_step(self, running: int, waiting: int, tokens: int, seconds: float, path: str) -> None:
+        """After an engine step that ran a forward: the requests running and waiting then, the
+        tokens it computed, its wall time (async scheduling: launching one step and reading the
+        one before) and its path ("graph" or "eager", `ModelRunner.last_forward`)."""
+
 
 @dataclass(slots=True)
 class _Stream:
@@ -167,12 +172,17 @@ class AsyncEngine:
             if not engine.has_unfinished():
                 continue
             self._start_reads()
+            forwards, t0 = engine.runner.forwards, time.perf_counter()
             try:
                 outputs = engine.step()
             except Exception as exc:  # noqa: BLE001 - a bug must not kill the worker silently
                 log.exception("engine step failed; failing the requests in flight")
                 self._fail_all(EngineFailure(f"engine step failed: {type(exc).__name__}: {exc}"))
                 continue
+            if self.observer is not None and engine.runner.forwards != forwards:
+                path, tokens = engine.runner.last_forward
+                sched = engine.scheduler
+                self.observer.on_step(len(sched.running), len(sched.waiting), tokens, time.perf_counter() - t0, path)
             self._dispatch(outputs)
         self.alive = False
         self._fail_all(EngineFailure("the engine is shutting down"))

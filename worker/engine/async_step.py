@@ -32,7 +32,7 @@ need the host's tokens"). A row whose
 request ended on reading step n is then sampled greedy and unedited, and discarded as below.
 `defer_sampling` off restores the synchronous fallback (benchmarks compare the two).
 
-Only steady-state decode steps from the graph path (`DecodeGraphs.can_run`) run this way. A step
+Only steady-state decode steps from the graph path (`is_graphable` and `DecodeGraphs.can_run`) run this way. A step
 is *entered* when the scheduler hands out a batch the graphs can run (async on, graphs enabled,
 no logits hook); a step in flight is *continued* only while nothing else needs the scheduler:
 
@@ -65,7 +65,7 @@ from typing import Protocol
 import torch
 
 from lorafleet.worker.engine.block_manager import BlockManager
-from lorafleet.worker.engine.cuda_graphs import DecodeOutput
+from lorafleet.worker.engine.cuda_graphs import DecodeOutput, is_graphable
 from lorafleet.worker.engine.model_runner import LogitsHook, ModelRunner
 from lorafleet.worker.engine.outputs import RequestOutput
 from lorafleet.worker.engine.scheduler import ScheduledBatch, Scheduler
@@ -137,7 +137,7 @@ class AsyncStepper:
     def eligible(self, batch: ScheduledBatch) -> bool:
         """Whether a scheduled batch starts (or restarts) the async path."""
         graphs = self.engine.runner.graphs
-        return (self._enabled() and graphs is not None and graphs.can_run(batch)
+        return (self._enabled() and graphs is not None and is_graphable(batch) and graphs.can_run(batch)
                 and (self.defer_sampling or not any(seq.needs_host_tokens for seq in batch.seqs)))
 
     def enter(self, batch: ScheduledBatch, slot_of: dict[str, int]) -> list[RequestOutput]:

@@ -15,6 +15,15 @@ finite, one read of the lm_head's logits, left in the model's dtype), so a batch
 requests without logprobs reads its tokens straight from the graph; any other batch samples
 outside it, from the logits (sampling.sample_on_device converts them to float32 there).
 
+Steps where prompt chunks join the decodes (or run alone) replay the same graphs: every token is
+a row of one query (`rows_graphable`), a chunk's token at position p attending to its sequence's
+first p + 1 keys; the chunk's keys are written before the attention reads them, so that is the
+causal mask. Buckets past `max_batch` (up to `max_rows`, the scheduler's token budget beside
+decodes) hold such steps; their graphs compute the logits of at most `max_batch` rows, those of the
+sequences that sample (`logits_rows`, filled each step). Without this a step in which one prompt
+joined 63 decodes ran eagerly, op by op from Python: ~30-50 ms on an H200 against ~6.6 ms for the
+decode step (docs/benchmarks.md, "The served path").
+
 Padding rows have token 0, position 0, context 0 (the paged kernel reads nothing for them), no
 adapter (slot -1), and write their K/V into the *sink*: one KV block past the block manager's
 blocks, never handed out and never read, so padding cannot touch a real sequence's cache.
@@ -44,27 +53,36 @@ import logging
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from lorafleet.kernels.lora.meta import LoraMeta, build_lora_meta
 from lorafleet.kernels.sampling.greedy import greedy_pick
+from lorafleet.worker.engine.graph_inputs import DecodeInputs, decode_inputs, is_graphable, rows_graphable
 from lorafleet.worker.engine.scheduler import ScheduledBatch
 from lorafleet.worker.layers.attention import AttentionMetadata
 from lorafleet.worker.models.llama import LlamaModel
 from lorafleet.worker.sampling.sampler import GreedyPick
 
+__all__ = ["DecodeGraphs", "DecodeInputs", "DecodeOutput", "decode_inputs", "is_graphable", "rows_graphable"]
+
 log = logging.getLogger("lorafleet.cuda_graphs")
 
 SMALL_BUCKETS = (1, 2, 4, 8)
 BUCKET_STEP = 16
+# Buckets past max_batch hold prompt chunks beside the decodes; coarser, since a padding row costs
+# little in a step of that many rows and every bucket is one more capture at start-up.
+MIXED_BUCKET_STEP = 64
 
 
-def graph_buckets(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, then every multiple of 16 below `max_batch`, then `max_batch` itself."""
+def graph_buckets(max_batch: int, max_rows: int | None = None) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 below `max_batch`, then `max_batch` itself; with
+    `max_rows` above it (steps whose prompt chunks join the decodes), every `max_batch` + a multiple
+    of MIXED_BUCKET_STEP below `max_rows`, then `max_rows`."""
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
     sizes = {b for b in SMALL_BUCKETS if b < max_batch} | set(range(BUCKET_STEP, max_batch, BUCKET_STEP))
+    if max_rows is not None and max_rows > max_batch:
+        sizes |= set(range(max_batch + MIXED_BUCKET_STEP, max_rows, MIXED_BUCKET_STEP)) | {max_rows}
     return sorted(sizes | {max_batch})
 
 
@@ -97,80 +115,6 @@ def rank_class(bound: int, r_max: int, one_pair: bool = True) -> int:
     while cls < bound:
         cls *= 2
     return min(cls, r_max)
-
-
-def is_graphable(batch: ScheduledBatch) -> bool:
-    """Every sequence decodes one token and samples it (a 1-token prefill chunk samples nothing)."""
-    return bool(batch.seqs) and all(
-        n == 1 and seq.num_computed + 1 == len(seq) for seq, n in zip(batch.seqs, batch.num_new_tokens)
-    )
-
-
-@dataclass(slots=True)
-class DecodeInputs:
-    """One decode step's inputs on the host, padded to a bucket (rows past `num_seqs` are padding)."""
-
-    num_seqs: int
-    input_ids: torch.Tensor  # [bucket] int64
-    positions: torch.Tensor  # [bucket] int64
-    slot_mapping: torch.Tensor  # [bucket] int64; padding rows -> the sink slot
-    block_tables: torch.Tensor  # [bucket, width] int32, padded with 0
-    context_lens: torch.Tensor  # [bucket] int32; padding rows 0
-    token_slots: torch.Tensor  # [bucket, k] int32; -1 = no adapter
-    token_scales: torch.Tensor  # [bucket, k] float32
-
-    @property
-    def has_adapters(self) -> bool:
-        return bool((self.token_slots >= 0).any())
-
-
-def decode_inputs(
-    batch: ScheduledBatch,
-    slot_of: dict[str, int],
-    bucket: int,
-    width: int,
-    block_size: int,
-    k: int,
-    sink_slot: int,
-) -> DecodeInputs:
-    """The padded host inputs of an all-decode batch; rows match `ModelRunner.prepare`'s.
-
-    Each row decodes at position `seq.num_computed`. That is `len(seq) - 1` (the newest token), or,
-    for async scheduling's next step, `len(seq)`: the token there is still on the device and the
-    row's host id is replaced (`DecodeGraphs.run(input_ids=...)`); the block table must hold it.
-    """
-    n = len(batch.seqs)
-    if n > bucket:
-        raise ValueError(f"{n} sequences do not fit bucket {bucket}")
-    ids = np.zeros(bucket, dtype=np.int64)
-    positions = np.zeros(bucket, dtype=np.int64)
-    slots = np.full(bucket, sink_slot, dtype=np.int64)
-    tables = np.zeros((bucket, width), dtype=np.int32)
-    ctx = np.zeros(bucket, dtype=np.int32)
-    token_slots = np.full((bucket, k), -1, dtype=np.int32)
-    token_scales = np.zeros((bucket, k), dtype=np.float32)
-    for i, seq in enumerate(batch.seqs):
-        pos = seq.num_computed  # the newest token (not `seq.tokens`, which copies); see above
-        ids[i] = seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1]
-        positions[i] = pos
-        slots[i] = seq.block_table[pos // block_size] * block_size + pos % block_size
-        if len(seq.block_table) > width:
-            raise ValueError(f"sequence {seq.seq_id} has {len(seq.block_table)} blocks, the graph's tables {width}")
-        tables[i, : len(seq.block_table)] = seq.block_table
-        ctx[i] = pos + 1
-        for j, (name, scale) in enumerate(seq.adapters):
-            token_slots[i, j] = slot_of[name]
-            token_scales[i, j] = scale
-    return DecodeInputs(
-        num_seqs=n,
-        input_ids=torch.from_numpy(ids),
-        positions=torch.from_numpy(positions),
-        slot_mapping=torch.from_numpy(slots),
-        block_tables=torch.from_numpy(tables),
-        context_lens=torch.from_numpy(ctx),
-        token_slots=torch.from_numpy(token_slots),
-        token_scales=torch.from_numpy(token_scales),
-    )
 
 
 @dataclass(slots=True)
@@ -218,12 +162,16 @@ class DecodeGraphs:
         max_loras_per_request: int,
         sink_slot: int,
         capture: bool,
+        max_rows: int | None = None,
     ) -> None:
+        """`max_rows` (default `max_batch`): the most tokens a graph step takes, prompt chunks and
+        decodes together; at most `max_batch` sequences sample in one."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.width = -(-max_model_len // block_size)  # table width: the longest context the model takes
-        self.buckets = graph_buckets(max_batch)
+        self.max_batch = max_batch
+        self.buckets = graph_buckets(max_batch, max_rows)
         self.max_loras = max_loras
         self.k = max_loras_per_request
         self.sink_slot = sink_slot
@@ -241,25 +189,32 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((top,), sink_slot, dtype=torch.int64, device=dev)
         self.block_tables = torch.zeros(top, self.width, dtype=torch.int32, device=dev)  # [top, width]
         self.context_lens = torch.zeros(top, dtype=torch.int32, device=dev)
-        self.logits_rows = torch.arange(top, dtype=torch.int64, device=dev)
+        self.logits_rows = torch.arange(top, dtype=torch.int64, device=dev)  # filled every step
         # (bucket, chunk class, rank class, one-pair chunks) -> graph
         self._graphs: dict[tuple[int, int, int, bool], _Captured] = {}
         self.last: _Captured | None = None  # the last step's graph (benchmarks time its replay alone)
         self._pool = None  # one memory pool shared by every bucket's graph (made at the first capture)
 
     def can_run(self, batch: ScheduledBatch) -> bool:
-        return self.enabled and len(batch.seqs) <= self.buckets[-1] and is_graphable(batch)
+        """Decode steps, and steps where prompt chunks join them (or run alone), up to the largest bucket."""
+        return self.enabled and rows_graphable(batch, self.buckets[-1], self.max_batch)
+
+    def logits_len(self, bucket: int) -> int:
+        """The rows whose logits a bucket's graph computes: at most one per sequence that samples."""
+        return min(bucket, self.max_batch)
 
     def run(self, batch: ScheduledBatch, slot_of: dict[str, int], input_ids: torch.Tensor | None = None) -> DecodeOutput:
-        """Forward an all-decode batch from its bucket's graph -> its logits and greedy picks.
+        """Forward a batch from its bucket's graph -> the logits and greedy picks of its sequences
+        that sample, in batch order (in a decode step, every sequence).
 
         `input_ids` (`[num_seqs]` on the device), when given, replaces the rows' host input tokens:
         async scheduling feeds the previous step's sampled tokens before the host has read them.
         The outputs are views of the graph's output buffers: valid until the next `run`.
         """
-        bucket = bucket_for(len(batch.seqs), self.buckets)  # the caller checked `can_run`
+        bucket = bucket_for(batch.num_tokens, self.buckets)  # the caller checked `can_run`
         assert bucket is not None
-        inputs = decode_inputs(batch, slot_of, bucket, self.width, self.block_size, self.k, self.sink_slot)
+        inputs = decode_inputs(batch, slot_of, bucket, self.width, self.block_size, self.k, self.sink_slot,
+                               self.logits_len(bucket))
         step_meta = None
         if self.model.lora is not None and inputs.has_adapters:
             step_meta = build_lora_meta(inputs.token_slots, inputs.token_scales, self.max_loras, "cpu")
@@ -273,7 +228,7 @@ class DecodeGraphs:
             captured = self._graphs[key] = self._capture(*key)
         self._fill(captured, inputs, step_meta)
         if input_ids is not None:
-            self.input_ids[: inputs.num_seqs].copy_(input_ids, non_blocking=True)  # queued after the fill
+            self.input_ids[: inputs.num_rows].copy_(input_ids, non_blocking=True)  # queued after the fill
         self.last = captured
         if captured.graph is not None:
             captured.graph.replay()
@@ -282,7 +237,7 @@ class DecodeGraphs:
             out = self._forward(captured)
         self.stats.replays += 1
         assert out is not None
-        return out.rows(inputs.num_seqs)
+        return out.rows(inputs.num_sampled)
 
     def capture_base(self) -> int:
         """Capture the no-adapter graph of every bucket not captured yet (start-up warm-up; graphs with
@@ -305,6 +260,8 @@ class DecodeGraphs:
             (self.context_lens, inputs.context_lens),
         ):
             dst[:b].copy_(src, non_blocking=True)
+        assert inputs.logits_rows is not None
+        self.logits_rows[: self.logits_len(b)].copy_(inputs.logits_rows, non_blocking=True)
         if captured.lora_meta is not None:
             assert step_meta is not None
             captured.lora_meta.copy_(step_meta)
@@ -316,12 +273,13 @@ class DecodeGraphs:
         self.slot_mapping[:bucket].fill_(self.sink_slot)
         self.block_tables[:bucket].zero_()
         self.context_lens[:bucket].zero_()
+        self.logits_rows[:bucket].copy_(torch.arange(bucket, device=self.logits_rows.device))
 
     def _forward(self, captured: _Captured) -> DecodeOutput:
         b = captured.bucket
         logits = self.model.forward(
             self.input_ids[:b], self.positions[:b], captured.attn, self.kv_caches, captured.lora_meta,
-            self.logits_rows[:b], graph=True, float_logits=not self.pick_in_graph,
+            self.logits_rows[: self.logits_len(b)], graph=True, float_logits=not self.pick_in_graph,
         )
         return DecodeOutput(logits, greedy_pick(logits, self.model.attention_backend) if self.pick_in_graph else None)
 

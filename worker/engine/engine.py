@@ -42,6 +42,7 @@ from lorafleet.worker.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from lorafleet.worker.engine.warm_up import warm_up
 from lorafleet.worker.layers.attention import resolve_attention_backend
 from lorafleet.worker.lora.adapter import AdapterError
+from lorafleet.worker.lora.dora import dora_refusal
 from lorafleet.worker.lora.registry import AdapterRegistry
 from lorafleet.worker.lora.slots import LoraSlots
 from lorafleet.worker.models.llama import iter_checkpoint
@@ -116,7 +117,8 @@ class LLMEngine:
         else:
             self.slots = LoraSlots(self.model_config, config.max_loras, config.max_lora_rank, self.device, self.dtype)
         self.model.lora = self.slots
-        self.registry = AdapterRegistry(self.model_config, config, self.slots, self.dtype)
+        self.registry = AdapterRegistry(self.model_config, config, self.slots, self.dtype,
+                                        base_weight=self.model.base_weight)
 
         num_blocks = plan_kv_blocks(config, self.model_config, self.device,
                                     ModelRunner.kv_bytes_per_block(self.model, config.block_size), baseline_free)
@@ -127,8 +129,10 @@ class LLMEngine:
                                   config.max_num_seqs)
         if self.use_graphs:
             self.runner.graphs = self._decode_graphs()
+        graph_rows = None if self.runner.graphs is None else self.runner.graphs.buckets[-1]
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_loras, config.aging_steps),
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_loras, config.aging_steps,
+                            graph_rows),
             self.blocks,
             adapter_ready=self.registry.on_cpu,
         )
@@ -161,7 +165,8 @@ class LLMEngine:
             self.model, self.runner.kv_caches, block_size=self.config.block_size, max_model_len=self.max_model_len,
             max_batch=self.config.max_num_seqs, max_loras=self.config.max_loras,
             max_loras_per_request=self.config.max_loras_per_request, sink_slot=self.runner.sink_slot,
-            capture=capture,
+            capture=capture, max_rows=max(self.config.max_num_seqs,
+                                          min(self.config.max_graph_tokens, self.config.max_num_batched_tokens)),
         )
 
     def _log_memory_plan(self, num_blocks: int) -> None:
@@ -248,6 +253,9 @@ class LLMEngine:
                 f"{len(adapters)} adapters requested; this worker allows max_loras_per_request="
                 f"{self.config.max_loras_per_request}", "lora_adapters"
             )
+        why = dora_refusal(adapters, self.registry.is_dora)
+        if why is not None:
+            raise RequestError(why, "lora_adapters")
         stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self._eos_ids)
         if sampling.min_tokens and sampling.allowed_token_ids is not None and stop_ids >= set(sampling.allowed_token_ids):
             raise RequestError("min_tokens: every token in allowed_token_ids is a stop token, so none can be sampled first",

@@ -45,6 +45,10 @@ class ModelRunner:
         self._generators: dict[int, torch.Generator] = {}
         self.logits_processors = LogitsProcessors(c.vocab_size, self.device, max_rows=max_num_seqs)
         self.graphs: DecodeGraphs | None = None  # set by the engine when EngineConfig.cuda_graphs is on
+        # Forwards run so far, and the last one's (path, tokens): "graph" (replayed from the decode
+        # graphs' buffers) or "eager" (op by op). The server's per-step metrics read them.
+        self.forwards = 0
+        self.last_forward: tuple[str, int] = ("eager", 0)
 
     @staticmethod
     def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
@@ -131,8 +135,11 @@ class ModelRunner:
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Forward the batch; sample one token for each sequence in `sampled` (prefill done or decode)."""
         greedy = None
-        if self.graphs is not None and self.graphs.can_run(batch):
-            out = self.graphs.run(batch, slot_of)  # every sequence is sampled: rows match `sampled`
+        graphed = self.graphs is not None and self.graphs.can_run(batch)
+        self.forwards += 1
+        self.last_forward = ("graph" if graphed else "eager", batch.num_tokens)
+        if graphed:
+            out = self.graphs.run(batch, slot_of)  # the sampling sequences' rows: they match `sampled`
             logits, greedy = out.logits, out.greedy
         else:
             input_ids, positions, attn, lora_meta, logits_rows, prompt_rows = self.prepare(batch, slot_of)
@@ -164,6 +171,8 @@ class ModelRunner:
         """`launch`'s forward alone: inputs copied, graph replayed, nothing sampled. Its outputs are
         the graph's buffers, valid until the next replay: `sample_replayed` them before it."""
         assert self.graphs is not None
+        self.forwards += 1
+        self.last_forward = ("graph", batch.num_tokens)
         return self.graphs.run(batch, slot_of, input_ids)
 
     @torch.inference_mode()

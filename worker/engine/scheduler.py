@@ -7,6 +7,8 @@ requests for adapters already in the batch or base-only requests. A request defe
 `aging_steps` steps is *starving*: admission then stops for everything that would keep other
 adapters in the batch, so they drain and the starving adapter gets a slot (base-only requests
 still flow). When KV blocks run out, the newest running request is preempted by recompute.
+While any running request decodes, the step's budget is `mixed_step_tokens` when set (the decode
+graphs' rows, worker/engine/cuda_graphs.py), so prompts joining decodes are chunked to fit a graph.
 """
 
 from __future__ import annotations
@@ -25,6 +27,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_loras: int
     aging_steps: int = 32
+    # The token budget of a step with decodes in it (None: max_num_batched_tokens): the engine sets
+    # its graphs' row capacity, so such steps, prompt chunks included, replay a graph.
+    mixed_step_tokens: int | None = None
+
+    def budget(self, decoding: bool) -> int:
+        """A step's token budget; `decoding`: some running sequence decodes in it."""
+        if decoding and self.mixed_step_tokens is not None:
+            return min(self.max_num_batched_tokens, self.mixed_step_tokens)
+        return self.max_num_batched_tokens
 
 
 @dataclass(slots=True)
@@ -100,7 +111,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         cfg = self.config
         batch = ScheduledBatch()
-        budget = cfg.max_num_batched_tokens
+        budget = cfg.budget(any(seq.num_uncomputed == 1 for seq in self.running))
         scoring = PROMPT_SCORING_CHUNK  # prompt tokens this step may score, over all its requests
 
         # 1. Running requests, oldest first; preempt the newest when blocks run out.
@@ -184,7 +195,7 @@ class Scheduler:
         as `schedule()` counts them, so aging advances while steps skip the scheduler.
         """
         cfg = self.config
-        budget = cfg.max_num_batched_tokens - len(decoding)
+        budget = cfg.budget(bool(decoding)) - len(decoding)
         in_batch: Counter[str] = Counter(name for seq in decoding for name in seq.adapter_names)
         starving = self._starving_adapters()
         deferred = []

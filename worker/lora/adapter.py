@@ -58,9 +58,11 @@ PLAN_WHILE_READING = True
 # PEFT's saved names ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"), also without
 # the wrapper prefixes or with the adapter name (as vLLM reads them). Layer numbers in ASCII, no
 # leading zeros: PEFT would not map "layers.07" or a non-ASCII digit onto a layer.
+# A DoRA adapter's magnitude vector is taken under the one name PEFT saves and reads it by,
+# "...q_proj.lora_magnitude_vector" (its parameter's ".default.weight" dropped).
 _TENSOR_NAME = re.compile(
     r"(?:(?:base_model\.model\.)?model\.)?layers\.(0|[1-9][0-9]{0,8})\.(self_attn|mlp)\.([a-z_]+)"
-    r"\.lora_([AB])(?:\.default)?\.weight"
+    r"\.(?:lora_([AB])(?:\.default)?\.weight|lora_(magnitude)_vector(?:\.default)?(?:\.weight)?)"
 )  # fullmatch
 
 
@@ -93,7 +95,7 @@ def all_finite(t: torch.Tensor) -> bool:
 def non_finite_module(weights: LoraWeights) -> str | None:
     """The first module (sorted) whose A or B holds NaN or Inf, as "layer L target", else None."""
     for (layer, target), m in sorted(weights.modules.items()):
-        if not (all_finite(m.a) and all_finite(m.b)):
+        if not (all_finite(m.a) and all_finite(m.b) and (m.magnitude is None or all_finite(m.magnitude))):
             return f"layer {layer} {target}"
     return None
 
@@ -155,8 +157,9 @@ def load_adapter(
     gpu = device is not None and device.type == "cuda"
     with FileRead(weights_path, max_bytes=max_bytes, pin=gpu,
                   chunk_bytes=UPLOAD_CHUNK_BYTES if gpu else 0, bound=bound) as reading:
-        # waits for the header's bytes only; an adapter holds at most an A and a B per module
-        infos = parse_safetensors(reading, WEIGHTS_FILE, max_tensors=2 * len(cfg.modules))
+        # waits for the header's bytes only; an adapter holds at most an A, a B and (DoRA) a magnitude
+        # vector per module (a magnitude without use_dora is refused by name below)
+        infos = parse_safetensors(reading, WEIGHTS_FILE, max_tensors=3 * len(cfg.modules))
         upload = _Upload(device, len(reading)) if gpu else None
         # Views of bytes still on their way are only safe on the GPU (the work on them is queued
         # after the copies), and only without a misaligned tensor (tensor_view copies those).
@@ -230,7 +233,10 @@ def _read_weights(
         m = _TENSOR_NAME.fullmatch(name)
         if not m or m.group(3) not in model.adapter_targets or m.group(2) != _block(m.group(3)):
             raise AdapterError("bad_tensor", f"tensor {name!r} is not a LoRA A/B weight of a supported module")
-        layer, target, half = int(m.group(1)), m.group(3), m.group(4)
+        layer, target, half = int(m.group(1)), m.group(3), m.group(4) or "M"
+        if half == "M" and not cfg.use_dora:
+            raise AdapterError("bad_tensor", f"tensor {name!r} is a DoRA magnitude vector, but the config's "
+                               "use_dora is not true")
         if layer >= model.num_layers:
             raise AdapterError("shape_mismatch", f"tensor {name!r}: the base model has {model.num_layers} layers")
         if (layer, target) not in cfg.modules:
@@ -239,16 +245,21 @@ def _read_weights(
             raise AdapterError("bad_weights", f"tensor {name!r}: weights must be floating point")
         pair = halves.setdefault((layer, target), {})
         if half in pair:
-            raise AdapterError("bad_tensor", f"tensor {name!r}: layer {layer} {target} has two lora_{half} tensors")
+            raise AdapterError("bad_tensor", f"tensor {name!r}: layer {layer} {target} has two "
+                               f"{_HALF_NAMES[half]} tensors")
         pair[half] = tensor_view(base, info, typed)
     if not halves:
         raise AdapterError("bad_weights", f"{WEIGHTS_FILE} holds no LoRA tensors")
 
-    out = LoraWeights(path=str(folder), rank=cfg.r, alpha=cfg.alpha, use_rslora=cfg.use_rslora, digest=Digest(""))
+    out = LoraWeights(path=str(folder), rank=cfg.r, alpha=cfg.alpha, use_rslora=cfg.use_rslora, digest=Digest(""),
+                      dora=cfg.use_dora)
+    want = {"A", "B", "M"} if cfg.use_dora else {"A", "B"}
     for (layer, target), pair in sorted(halves.items()):
-        if set(pair) != {"A", "B"}:
-            raise AdapterError("bad_weights", f"layer {layer} {target} has lora_{''.join(pair)} but not both A and B")
-        a, b = pair["A"], pair["B"]
+        if set(pair) != want:
+            missing = ", ".join(_HALF_NAMES[h] for h in sorted(want - set(pair)))
+            raise AdapterError("bad_weights", f"layer {layer} {target} lacks {missing}"
+                               + (" (a DoRA adapter has a magnitude vector per module)" if "M" in want else ""))
+        a, b, mag = pair["A"], pair["B"], pair.get("M")
         r, alpha = cfg.modules[(layer, target)]
         out_dim, in_dim = model.linear_shape(target)
         if a.shape != (r, in_dim) or b.shape != (out_dim, r):
@@ -257,14 +268,22 @@ def _read_weights(
                 f"layer {layer} {target}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit the base model "
                 f"(expected A ({r}, {in_dim}), B ({out_dim}, {r}))",
             )
+        if mag is not None and mag.shape != (out_dim,):
+            raise AdapterError("shape_mismatch", f"layer {layer} {target}: lora_magnitude_vector {tuple(mag.shape)} "
+                               f"does not fit the base model (expected ({out_dim},))")
         scaling = cfg.scaling(r, alpha)
-        # A fused module (Phi-3's qkv_proj, gate_up_proj): each slice takes the shared A and its rows of B.
+        # A fused module (Phi-3's qkv_proj, gate_up_proj): each slice takes the shared A and its rows of B
+        # (and of the magnitude: DoRA's norm is per output row, so a slice's rows are its own).
         row = 0
         for part in model.adapter_targets[target]:
             rows = model.linear_shape(part)[0]
-            out.modules[(layer, part)] = ModuleWeights(a=a, b=b[row : row + rows], scaling=scaling)
+            out.modules[(layer, part)] = ModuleWeights(
+                a=a, b=b[row : row + rows], scaling=scaling, magnitude=None if mag is None else mag[row : row + rows])
             row += rows
     return out, _runs(base, infos)
+
+
+_HALF_NAMES = {"A": "lora_A", "B": "lora_B", "M": "lora_magnitude_vector"}
 
 
 def _block(target: str) -> str:

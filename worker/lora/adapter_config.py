@@ -34,6 +34,7 @@ class AdapterConfig:
     alpha: float
     use_rslora: bool
     modules: dict[tuple[int, str], tuple[int, float]]  # (layer, target) -> (rank, alpha), the adapted ones
+    use_dora: bool = False  # DoRA: each module also has a magnitude vector (worker/lora/dora.py)
 
     def scaling(self, rank: int, alpha: float) -> float:
         return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
@@ -86,6 +87,9 @@ def parse_adapter_config(raw: bytes, model: ModelConfig, max_lora_rank: int,
     rslora = cfg.get("use_rslora", False)
     if not isinstance(rslora, bool):
         raise AdapterError("bad_config", f"use_rslora must be true or false, got {_short(rslora)}")
+    dora = cfg.get("use_dora", False)
+    if not isinstance(dora, bool):
+        raise AdapterError("bad_config", f"use_dora must be true or false, got {_short(dora)}")
     rank_pattern = _pattern_dict(cfg, "rank_pattern", _positive_int, "bad_rank", "positive integers")
     alpha_pattern = _pattern_dict(cfg, "alpha_pattern", _finite_number, "bad_alpha", "finite numbers")
 
@@ -103,7 +107,7 @@ def parse_adapter_config(raw: bytes, model: ModelConfig, max_lora_rank: int,
     top = max(rank for rank, _ in modules.values())
     if top > max_lora_rank:
         raise AdapterError("rank_too_high", f"adapter rank {top} exceeds max_lora_rank {max_lora_rank}")
-    return AdapterConfig(r=r, alpha=float(alpha), use_rslora=rslora, modules=modules)
+    return AdapterConfig(r=r, alpha=float(alpha), use_rslora=rslora, modules=modules, use_dora=dora)
 
 
 def _positive_int(v: object) -> bool:

@@ -12,7 +12,7 @@ cannot change the outputs of inference. Each rule is one of:
 
 A key that is not a `LoraConfig` field is served only while its value is null or false: a newer
 PEFT's variant read as plain LoRA would serve wrong outputs.
-Serving a new variant (DoRA, say) is one changed entry here plus its implementation.
+Serving a new variant is one changed entry here plus its implementation (DoRA: worker/lora/dora.py).
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ RULES: dict[str, KeyRule] = {
     "use_rslora": _implemented("rank-stabilised scaling (alpha / sqrt(r))"),
     "rank_pattern": _implemented("per-module ranks (regex keys)"),
     "alpha_pattern": _implemented("per-module alphas (regex keys)"),
+    "use_dora": _implemented("DoRA (weight-decomposed LoRA): a magnitude per output feature of each module"),
     # Cannot change what inference computes.
     "task_type": _irrelevant("the task head PEFT wraps the model in (a causal LM's is none)",
                              _one_of(None, "CAUSAL_LM")),
@@ -108,7 +109,6 @@ RULES: dict[str, KeyRule] = {
                                   "EVA, CorDA, LoRA-GA, orthogonal)", True, False, "gaussian"),
     # Change the maths, not implemented.
     "bias": _refused("trained bias terms", "none"),
-    "use_dora": _refused("DoRA (weight-decomposed LoRA)", False),
     "lora_bias": _refused("a bias on lora_B", False),
     "fan_in_fan_out": _refused("transposed (Conv1D-style) weights", False),
     "use_qalora": _refused("QA-LoRA (pooled inputs)", False),

@@ -24,6 +24,7 @@ from lorafleet.worker.lora.adapter import (
     load_adapter,
     non_finite_module,
 )
+from lorafleet.worker.lora.dora import BaseWeight, prepare_dora
 from lorafleet.worker.lora.packing import SLICE_ORDER, PackedLora, PackPlan, plan_pack
 from lorafleet.worker.lora.regex_sandbox import RegexSandbox
 
@@ -37,10 +38,12 @@ class AdapterReader:
     """Reads adapter folders for one registry's slots: its model, limits, slot dtype and device."""
 
     def __init__(self, model: ModelConfig, engine: EngineConfig, dtype: torch.dtype,
-                 device: torch.device | None) -> None:
+                 device: torch.device | None, base_weight: BaseWeight | None = None) -> None:
         """`device`: the CUDA device of the slots (the file is laid out and checked there, and the
-        CPU-cache copy pinned), or None (all on the host)."""
+        CPU-cache copy pinned), or None (all on the host). `base_weight`: the model's weights,
+        for DoRA's norms (None: DoRA adapters are refused)."""
         self.model = model
+        self.base_weight = base_weight
         self.engine = engine
         self.dtype = dtype
         self.device = device
@@ -105,6 +108,8 @@ class AdapterReader:
             raise AdapterError("bad_weights", f"{_non_finite_block(packed)}: weights overflow {self.dtype} once "
                                "alpha/r is folded in")
         weights.packed = packed
+        if weights.dora:  # from the adapter's own tensors, before they give way to the slot layout's
+            weights.dora_scale = prepare_dora(weights, self.model, self.base_weight, self.pin)
         if staged is not None or plan.device_sources is not None:
             weights.modules = packed.views  # let the file's GPU copy go now, not at insert_cpu
 

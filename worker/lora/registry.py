@@ -26,6 +26,7 @@ from lorafleet.protocol import REASON_DRAINING
 from lorafleet.worker.config import EngineConfig, ModelConfig
 from lorafleet.worker.lora.adapter import AdapterError, LoraWeights
 from lorafleet.worker.lora.digest import Digest
+from lorafleet.worker.lora.dora import BaseWeight, prepare_dora
 from lorafleet.worker.lora.packing import pack_weights
 from lorafleet.worker.lora.reader import AdapterReader
 from lorafleet.worker.lora.slots import LoraSlots
@@ -57,6 +58,7 @@ class AdapterEntry:
     slot: int | None = None
     removed: bool = False  # unloaded while requests were in flight: freed when the last one ends
     generation: int = 0  # unique per registration: what the prefix cache keys this content by
+    dora: bool = False  # a DoRA adapter: served only as a request's one adapter, at scale 1
 
 
 @dataclass(slots=True)
@@ -85,7 +87,10 @@ class AdapterRegistry:
         slots: LoraSlots | None,
         dtype: torch.dtype,
         clock: Callable[[], float] = time.time,
+        base_weight: BaseWeight | None = None,
     ) -> None:
+        """`base_weight`: the model's weight of a (layer, target), for DoRA's norms (None: DoRA
+        adapters are refused)."""
         self.model = model
         self.engine = engine
         self.slots = slots
@@ -98,7 +103,8 @@ class AdapterRegistry:
         self._gpu_lru: OrderedDict[str, None] = OrderedDict()
         self.stats = TierStats()
         self._pin = slots is not None and slots.device.type == "cuda"
-        self.reader = AdapterReader(model, engine, dtype, slots.device if self._pin else None)
+        self.base_weight = base_weight
+        self.reader = AdapterReader(model, engine, dtype, slots.device if self._pin else None, base_weight)
 
     # -- catalogue -----------------------------------------------------------------------------
     def read(self, path: str) -> LoraWeights:
@@ -132,7 +138,8 @@ class AdapterRegistry:
                 "weights; retry when they finish, or load the new version under a new name",
             )
         entry = AdapterEntry(name=name, path=weights.path, digest=weights.digest, rank=weights.max_rank,
-                             alpha=weights.alpha, pinned=pinned, generation=next(self._generations))
+                             alpha=weights.alpha, pinned=pinned, generation=next(self._generations),
+                             dora=weights.dora)
         self.entries[name] = entry
         self.insert_cpu(name, weights)
         return entry, True
@@ -157,6 +164,10 @@ class AdapterRegistry:
         if entry is None:
             raise AdapterNotFound("not_found", f"adapter {name!r} is not loaded on this worker")
         return entry
+
+    def is_dora(self, name: str) -> bool:
+        entry = self.entries.get(name)
+        return entry is not None and entry.dora
 
     def names(self) -> list[str]:
         return [n for n, e in self.entries.items() if not e.removed]
@@ -339,5 +350,7 @@ class AdapterRegistry:
         if (packed is None or packed.dtype != self.dtype or packed.pinned != self._pin
                 or packed.ranks.shape[0] != self.model.num_layers):
             packed = weights.packed = pack_weights(weights, self.model.num_layers, self.dtype, self._pin)
+        if weights.dora and weights.dora_scale is None:  # before the adapter's own tensors go
+            weights.dora_scale = prepare_dora(weights, self.model, self.base_weight, self._pin)
         weights.modules = packed.views  # the originals (file mapping, unpinned tensors) go
 

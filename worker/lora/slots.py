@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lorafleet.kernels.lora.dora import dora_epilogue
+from lorafleet.kernels.lora.meta import LoraMeta
 from lorafleet.kernels.lora.operands import lora_b_layout
 from lorafleet.worker.config import FUSED_SLICES, ModelConfig
 from lorafleet.worker.lora.adapter import LoraWeights
@@ -45,6 +47,7 @@ class FusedSlots:
     lora_b: list[torch.Tensor]  # per slice: [S, out, r_max] view of rank-major [S, r_max, out] memory
     ranks: list[list[int]]  # per slice: [S] true ranks on the host (0 = untargeted)
     ranks_device: torch.Tensor  # [n_slices, S] int32 (a view of LoraSlots.ranks_device)
+    dora_scale: torch.Tensor  # [S, Σ out] float32: DoRA's g per slot (read only where is_dora is set)
 
 
 class LoraSlots:
@@ -66,6 +69,14 @@ class LoraSlots:
             tuple(torch.zeros(config.num_layers, num_slots, max_rank, d, device=device, dtype=dtype) for d in io)
             for io in dims
         ]
+        # DoRA (worker/lora/dora.py): per fused projection g `[L, S, Σ out]` float32, and per slot
+        # whether it holds a DoRA adapter (host and device; the epilogue reads the device one, so a
+        # captured graph sees fills without re-capture).
+        self.dora_scale = {fused: torch.ones(config.num_layers, num_slots, sum(o for _, o in config.slice_sizes(fused)),
+                                             dtype=torch.float32, device=device) for fused in FUSED_SLICES}
+        self.is_dora = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        self.slot_dora = [False] * num_slots
+        self._dora_step: tuple[LoraMeta | None, bool] = (None, False)  # the last step's meta, and its answer
         self.layers: list[dict[str, FusedSlots]] = []
         self._host_ranks: list[list[int]] = []  # per layer, in SLICE_ORDER (index k): the slice's host ranks
         for layer_idx in range(config.num_layers):
@@ -77,6 +88,7 @@ class LoraSlots:
                     lora_b=[self._storage[c][1][layer_idx].transpose(1, 2) for c in cols],
                     ranks=[[0] * num_slots for _ in names],
                     ranks_device=self.ranks_device[layer_idx, cols[0] : cols[0] + len(names)],
+                    dora_scale=self.dora_scale[fused][layer_idx],
                 )
                 for a, b in zip(s.lora_a, s.lora_b):  # what new_lora_b / torch.zeros would have given
                     if lora_b_layout(b) != "rank_major" or not a.is_contiguous():
@@ -89,7 +101,8 @@ class LoraSlots:
         self._ready: dict[int, torch.cuda.Event] = {}
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pair in self._storage for t in pair)
+        return (sum(t.numel() * t.element_size() for pair in self._storage for t in pair)
+                + sum(t.numel() * t.element_size() for t in self.dora_scale.values()))
 
     def pack(self, weights: LoraWeights, pin: bool | None = None) -> PackedLora:
         """`weights` in this pool's layout (pinned on CUDA unless `pin` says otherwise)."""
@@ -140,6 +153,13 @@ class LoraSlots:
             except torch.cuda.OutOfMemoryError:  # no room to stage a strided piece: layer by layer, in place
                 _copy_all([t for d in dst for t in d.unbind(0)], [t for s in src for t in s.unbind(0)])
             self.ranks_device[:, :, slot].copy_(packed.ranks, non_blocking=True)
+            if weights.dora:
+                for fused, g in weights.dora_scale.items():
+                    self.dora_scale[fused][:, slot].copy_(g, non_blocking=True)
+            if weights.dora or self.slot_dora[slot]:
+                self.is_dora[slot : slot + 1].fill_(int(weights.dora))
+        self.slot_dora[slot] = weights.dora
+        self._dora_step = (None, False)
         if stream is not None:
             event = torch.cuda.Event()
             event.record(stream)
@@ -151,12 +171,34 @@ class LoraSlots:
             lst[slot] = 0
         self.slot_max_rank[slot] = 0
         self.ranks_device[:, :, slot] = 0
+        if self.slot_dora[slot]:
+            self.is_dora[slot] = 0
+            self.slot_dora[slot] = False
+            self._dora_step = (None, False)
         self._ready.pop(slot, None)
 
     def rank_bound(self, token_slots: torch.Tensor) -> int:
         """The largest true rank among the slots `token_slots` names (-1 = none), 0 if it names none."""
         used = {s for s in token_slots.reshape(-1).tolist() if s >= 0}
         return max((self.slot_max_rank[s] for s in used), default=0)
+
+    def apply_dora(self, layer: int, fused: str, y: torch.Tensor, delta: torch.Tensor | None, meta: LoraMeta,
+                   bias: torch.Tensor | None, backend: str, graph: bool) -> None:
+        """Rescale the DoRA tokens' rows of a fused projection's output in place (`kernels/lora/dora.py`):
+        y = b + g ⊙ (y + delta - b), their delta rows zeroed. Outside a graph, only when a slot of the
+        step holds a DoRA adapter; in a graph always (which tokens are DoRA ones is data there)."""
+        if not graph and not self._step_has_dora(meta):
+            return
+        dora_epilogue(y, delta, self.layers[layer][fused].dora_scale, self.is_dora, meta.token_slots, bias, backend)
+
+    def _step_has_dora(self, meta: LoraMeta) -> bool:
+        """Whether a slot of the step holds a DoRA adapter (asked once per step: every layer's
+        projections share the step's meta)."""
+        if not any(self.slot_dora):
+            return False
+        if self._dora_step[0] is not meta:
+            self._dora_step = (meta, any(self.slot_dora[slot] for slot, _, _ in meta.segments))
+        return self._dora_step[1]
 
     def wait(self, slots: list[int]) -> None:
         """Make the compute stream wait for pending copies into these slots (no host sync)."""

@@ -16,6 +16,7 @@ class ModuleWeights:
     a: torch.Tensor  # [r, in]
     b: torch.Tensor  # [out, r]
     scaling: float  # alpha / r, or alpha / sqrt(r) with rsLoRA
+    magnitude: torch.Tensor | None = None  # [out] DoRA's magnitude vector (None: plain LoRA)
 
     @property
     def rank(self) -> int:
@@ -72,6 +73,10 @@ class LoraWeights:
     # "sha256:<hex>" over config, NUL, weights, NUL; may still be hashing (`Digest.value` waits).
     digest: Digest
     modules: dict[tuple[int, str], ModuleWeights] = field(default_factory=dict)  # (layer, target) ->
+    dora: bool = False  # a DoRA adapter: `dora_scale` holds its per-output-feature scales
+    # DoRA: per fused projection (config.FUSED_SLICES), g = magnitude / ||W + s·B·A|| per output row,
+    # `[num_layers, out]` float32, 1 where the adapter does not target a slice (worker/lora/dora.py).
+    dora_scale: dict[str, torch.Tensor] | None = None
     # The slot layout (`packing.pack_weights`): set by `AdapterRegistry.read`/`insert_cpu`. Once the
     # adapter is in the CPU cache, `modules` are views into it (B scaled, in the slot dtype).
     packed: PackedLora | None = None

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from lorafleet.kernels.lora.linear import linear_lora_deferred
 from lorafleet.kernels.lora.meta import LoraMeta
-from lorafleet.worker.config import ModelConfig, rope_inv_freq
+from lorafleet.worker.config import LORA_TARGETS, ModelConfig, rope_inv_freq
 from lorafleet.worker.layers.attention import AttentionMetadata, paged_attention, write_kv
 from lorafleet.worker.lora.slots import LoraSlots
 
@@ -171,9 +171,18 @@ class LlamaModel:
         if meta is not None and (graph or not meta.empty) and self.lora is not None:
             s = self.lora.layers[layer].get(fused)
             if s is not None:
-                return linear_lora_deferred(base, x, s.lora_a, s.lora_b, s.ranks, s.ranks_device, meta,
+                y, d = linear_lora_deferred(base, x, s.lora_a, s.lora_b, s.ranks, s.ranks_device, meta,
                                             self.lora_backend, self.lora_stream if beside else None)
+                self.lora.apply_dora(layer, fused, y, d, meta, w.get(key + "_bias"), self.lora_backend, graph)
+                return y, d
         return base(), None
+
+    def base_weight(self, layer: int, target: str) -> torch.Tensor:
+        """A LoRA target's base weight `[out, in]`: its rows of the fused projection (DoRA's norms)."""
+        fused, index = LORA_TARGETS[target]
+        start = sum(out for _, out in self.config.slice_sizes(fused)[:index])
+        rows = self.config.slice_sizes(fused)[index][1]
+        return self.weights[f"layers.{layer}.{fused.removesuffix('_proj')}"][start : start + rows]
 
     def forward(
         self,

@@ -19,6 +19,10 @@ from lorafleet.worker.lora.fetch import FetchStats
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
+# Running requests and tokens per engine step (powers of two and the usual batch limits).
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 60, 64, 96, 128, 192, 256, 384, 512)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 LOAD_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 FETCH_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
@@ -132,6 +136,9 @@ class WorkerMetrics:
             "vllm:e2e_request_latency_seconds", "Request latency, arrival to last token.", m,
             buckets=E2E_BUCKETS, registry=r,
         )
+        self.iteration_tokens = Histogram(
+            "vllm:iteration_tokens_total", "Tokens computed per engine step.", m, buckets=TOKEN_BUCKETS, registry=r
+        )
         self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up.", m, registry=r)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens served from cache.", m, registry=r)
         # -- beyond vLLM -----------------------------------------------------------------------------
@@ -159,6 +166,20 @@ class WorkerMetrics:
         self.deferred = Counter(
             "lorafleet:requests_deferred", "Scheduling passes that deferred a request for lack of an adapter slot.",
             registry=r,
+        )
+        # Whether the batch is kept full under load (issue 55): running requests at each step, and
+        # each step's wall time by path (a prompt joining decodes outside the graphs runs eagerly).
+        self.step_running = Histogram(
+            "lorafleet:step_running_requests", "Requests in the running batch at each engine step.", m,
+            buckets=BATCH_BUCKETS, registry=r,
+        )
+        self.step_waiting = Histogram(
+            "lorafleet:step_waiting_requests", "Requests waiting at each engine step.", m, buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.step_seconds = Histogram(
+            "lorafleet:step_duration_seconds", "Wall time of each engine step, by path: graph (replayed from "
+            "the decode graphs' buffers) or eager (op by op).", (*m, "path"), buckets=STEP_BUCKETS, registry=r,
         )
         self.admin_loads = Counter(
             "lorafleet:lora_admin_loads", "Admin load calls by result.", ("result",), registry=r
@@ -197,6 +218,13 @@ class WorkerMetrics:
         if reason != "abort":
             self.prompt_tokens.labels(self.model_name).inc(prompt_tokens)
             self.e2e.labels(self.model_name).observe(seconds)
+
+    def on_step(self, running: int, waiting: int, tokens: int, seconds: float, path: str) -> None:
+        name = self.model_name
+        self.step_running.labels(name).observe(running)
+        self.step_waiting.labels(name).observe(waiting)
+        self.iteration_tokens.labels(name).observe(tokens)
+        self.step_seconds.labels(name, path).observe(seconds)
 
     # -- scrape ------------------------------------------------------------------------------------
     def update(self, snap: EngineSnapshot) -> None:

@@ -1,0 +1,153 @@
+"""A graph step's host inputs: which batches the graphs run, and their rows padded to a bucket.
+
+Decode steps are a row per sequence; steps where prompt chunks join them are a row per token, each
+of one query over its sequence's context up to it (worker/engine/cuda_graphs.py says why that is
+the causal mask). Pure: numpy and torch tensors on the host, no device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lorafleet.worker.engine.scheduler import ScheduledBatch
+from lorafleet.worker.engine.sequence import Sequence
+
+
+def is_graphable(batch: ScheduledBatch) -> bool:
+    """Every sequence decodes one token and samples it (a 1-token prefill chunk samples nothing):
+    the steps async scheduling runs."""
+    return bool(batch.seqs) and all(
+        n == 1 and seq.num_computed + 1 == len(seq) for seq, n in zip(batch.seqs, batch.num_new_tokens)
+    )
+
+
+def rows_graphable(batch: ScheduledBatch, max_rows: int, max_sampled: int) -> bool:
+    """A step whose tokens a graph can run as rows of one query each: decodes and prompt chunks
+    (a chunk's token at position p attends to the sequence's first p + 1 keys, the chunk's own
+    written before the attention reads them), at most `max_rows` tokens and `max_sampled`
+    sequences sampling. Steps scoring prompt tokens (prompt_logprobs) need every row's logits: eager."""
+    if not batch.seqs or batch.num_tokens > max_rows:
+        return False
+    sampled = 0
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        if n < 1 or seq.scores_prompt or seq.num_computed + n > len(seq):
+            return False
+        sampled += seq.num_computed + n == len(seq)
+    return sampled <= max_sampled
+
+
+def _token_ids(seq: Sequence, start: int, n: int) -> list[int]:
+    """`seq.tokens[start:start + n]` without copying the whole sequence."""
+    p = len(seq.prompt_ids)
+    if start + n <= p:
+        return seq.prompt_ids[start : start + n]
+    if start >= p:
+        return seq.output_ids[start - p : start - p + n]
+    return seq.prompt_ids[start:] + seq.output_ids[: start + n - p]
+
+
+@dataclass(slots=True)
+class DecodeInputs:
+    """One step's inputs on the host, a row per token, padded to a bucket (rows past `num_rows` are
+    padding); in a decode step rows and sequences are the same."""
+
+    num_seqs: int
+    input_ids: torch.Tensor  # [bucket] int64
+    positions: torch.Tensor  # [bucket] int64
+    slot_mapping: torch.Tensor  # [bucket] int64; padding rows -> the sink slot
+    block_tables: torch.Tensor  # [bucket, width] int32, padded with 0
+    context_lens: torch.Tensor  # [bucket] int32; padding rows 0
+    token_slots: torch.Tensor  # [bucket, k] int32; -1 = no adapter
+    token_scales: torch.Tensor  # [bucket, k] float32
+    num_rows: int = 0  # tokens of the step (0: num_seqs)
+    # [logits_len] int64: the row of each sampling sequence's last token, in batch order, padded
+    # with row 0 (whose logits are computed and dropped)
+    logits_rows: torch.Tensor | None = None
+    num_sampled: int = 0
+
+    @property
+    def has_adapters(self) -> bool:
+        return bool((self.token_slots >= 0).any())
+
+
+def decode_inputs(
+    batch: ScheduledBatch,
+    slot_of: dict[str, int],
+    bucket: int,
+    width: int,
+    block_size: int,
+    k: int,
+    sink_slot: int,
+    logits_len: int | None = None,
+) -> DecodeInputs:
+    """The padded host inputs of a batch, a row per token; rows match `ModelRunner.prepare`'s.
+
+    A sequence's rows start at position `seq.num_computed`. In a decode step that is `len(seq) - 1`
+    (the newest token), or, for async scheduling's next step, `len(seq)`: the token there is still
+    on the device and the row's host id is replaced (`DecodeGraphs.run(input_ids=...)`); the block
+    table must hold it. A prompt chunk's rows are its tokens, each at its own position with the
+    context up to it. `logits_len` (default `bucket`): the rows whose logits the step computes.
+    """
+    n_rows = batch.num_tokens
+    if n_rows > bucket:
+        raise ValueError(f"{n_rows} rows do not fit bucket {bucket}")
+    logits_len = bucket if logits_len is None else logits_len
+    ids = np.zeros(bucket, dtype=np.int64)
+    positions = np.zeros(bucket, dtype=np.int64)
+    slots = np.full(bucket, sink_slot, dtype=np.int64)
+    tables = np.zeros((bucket, width), dtype=np.int32)
+    ctx = np.zeros(bucket, dtype=np.int32)
+    token_slots = np.full((bucket, k), -1, dtype=np.int32)
+    token_scales = np.zeros((bucket, k), dtype=np.float32)
+    logits_rows = np.zeros(logits_len, dtype=np.int64)
+    row = sampled = 0
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        start, total = seq.num_computed, len(seq)  # not `seq.tokens`, which copies; see above
+        if len(seq.block_table) > width:
+            raise ValueError(f"sequence {seq.seq_id} has {len(seq.block_table)} blocks, the graph's tables {width}")
+        end = row + n
+        if n == 1:  # a decode (or async scheduling's next step, whose token is replaced on the device)
+            if start + 1 >= total:
+                ids[row] = seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1]
+            else:  # a one-token prompt chunk
+                ids[row] = _token_ids(seq, start, 1)[0]
+            positions[row] = start
+            slots[row] = seq.block_table[start // block_size] * block_size + start % block_size
+            ctx[row] = start + 1
+            tables[row, : len(seq.block_table)] = seq.block_table
+            for j, (name, scale) in enumerate(seq.adapters):
+                token_slots[row, j] = slot_of[name]
+                token_scales[row, j] = scale
+        else:
+            ids[row:end] = _token_ids(seq, start, n)
+            pos = np.arange(start, start + n)
+            positions[row:end] = pos
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            slots[row:end] = table[pos // block_size] * block_size + pos % block_size
+            ctx[row:end] = pos + 1
+            tables[row:end, : len(seq.block_table)] = seq.block_table
+            for j, (name, scale) in enumerate(seq.adapters):
+                token_slots[row:end, j] = slot_of[name]
+                token_scales[row:end, j] = scale
+        if start + n >= total:  # it samples: its last row's logits
+            if sampled >= logits_len:
+                raise ValueError(f"more than {logits_len} sequences sample in this step")
+            logits_rows[sampled] = end - 1
+            sampled += 1
+        row = end
+    return DecodeInputs(
+        num_seqs=len(batch.seqs),
+        input_ids=torch.from_numpy(ids),
+        positions=torch.from_numpy(positions),
+        slot_mapping=torch.from_numpy(slots),
+        block_tables=torch.from_numpy(tables),
+        context_lens=torch.from_numpy(ctx),
+        token_slots=torch.from_numpy(token_slots),
+        token_scales=torch.from_numpy(token_scales),
+        num_rows=n_rows,
+        logits_rows=torch.from_numpy(logits_rows),
+        num_sampled=sampled,
+    )

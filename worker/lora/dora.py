@@ -1,0 +1,80 @@
+"""DoRA (weight-decomposed LoRA, PEFT `use_dora: true`) as a per-output-feature scale.
+
+PEFT's DoRA forward of a linear layer W (bias b) with magnitude m, in eval mode:
+
+    y = W x + b + (g - 1) ⊙ (W x) + g ⊙ s·B A x,   g = m / ||W + s·B A||_row   (norm detached)
+      = g ⊙ (W x + s·B A x) + b
+
+The norm is one number per output feature (a row of W, `torch.linalg.norm(W + s·BA, dim=1)`) and
+does not depend on the input, so it is computed once, when the adapter is read (`dora_scales`), and
+the slots keep g per output feature per slot (1 for plain LoRA slots). A step then runs the usual
+base GEMM and LoRA side path for every token and rescales the rows of DoRA tokens:
+y = b + g ⊙ (y + delta - b) (`kernels/lora/dora.py`). A fused module (Phi-3's qkv_proj,
+gate_up_proj) has its rows' norms computed from its rows alone, so each slice's g is its rows' part
+of the fused module's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from lorafleet.worker.config import FUSED_SLICES, LORA_TARGETS, ModelConfig
+from lorafleet.worker.lora.errors import AdapterError
+from lorafleet.worker.lora.weights import LoraWeights
+
+# (layer, slice target) -> the base weight of that slice, `[out, in]` (a view of the fused weight).
+BaseWeight = Callable[[int, str], torch.Tensor]
+
+
+def dora_scales(weights: LoraWeights, model: ModelConfig, base_weight: BaseWeight) -> dict[str, torch.Tensor]:
+    """g per fused projection, `[num_layers, out]` float32 on the host (1 where not targeted).
+
+    Computed in float32 on the base weights' device from the adapter's own tensors (before they are
+    rounded to the slot dtype); AdapterError if a norm is zero or a scale not finite."""
+    out: dict[str, torch.Tensor] = {}
+    for fused in FUSED_SLICES:
+        width = sum(size for _, size in model.slice_sizes(fused))
+        out[fused] = torch.ones(model.num_layers, width, dtype=torch.float32)
+    offsets = {t: sum(s for _, s in model.slice_sizes(LORA_TARGETS[t][0])[: LORA_TARGETS[t][1]]) for t in LORA_TARGETS}
+    for (layer, target), m in sorted(weights.modules.items()):
+        if m.magnitude is None:
+            raise AdapterError("bad_weights", f"layer {layer} {target}: a DoRA adapter needs a lora_magnitude_vector")
+        w = base_weight(layer, target)
+        dev = w.device
+        delta = m.b.to(dev, torch.float32) @ m.a.to(dev, torch.float32)  # [out, in]
+        norm = torch.linalg.norm(w.float() + m.scaling * delta, dim=1)
+        g = (m.magnitude.to(dev, torch.float32) / norm).cpu()
+        if not bool(torch.isfinite(g).all()):
+            raise AdapterError("bad_weights", f"layer {layer} {target}: DoRA's scale is not finite "
+                               "(a zero weight norm, or a magnitude that overflows)")
+        fused, _ = LORA_TARGETS[target]
+        start = offsets[target]
+        out[fused][layer, start : start + g.numel()] = g
+    return out
+
+
+def prepare_dora(weights: LoraWeights, model: ModelConfig, base_weight: BaseWeight | None,
+                 pin: bool) -> dict[str, torch.Tensor]:
+    """`dora_scales` for the CPU cache (pinned for the slots' copies on CUDA); refused without
+    the base weights."""
+    if base_weight is None:
+        raise AdapterError("unsupported", "DoRA adapters need the base model's weights for their norms, "
+                           "which this adapter reader was not given")
+    scales = dora_scales(weights, model, base_weight)
+    return {k: v.pin_memory() for k, v in scales.items()} if pin else scales
+
+
+def dora_refusal(adapters: tuple[tuple[str, float], ...], is_dora: Callable[[str], bool]) -> str | None:
+    """Why a request's adapters cannot be served with a DoRA adapter among them, or None. DoRA's
+    norm is computed once, for the adapter alone at its own scale: beside other adapters or at
+    another scale the norm of W + Σ s·B·A would differ."""
+    dora = [name for name, _ in adapters if is_dora(name)]
+    if not dora:
+        return None
+    if len(adapters) > 1:
+        return f"adapter {dora[0]!r} is a DoRA adapter, which is served only as a request's one adapter"
+    if adapters[0][1] != 1.0:
+        return f"adapter {dora[0]!r} is a DoRA adapter, which is served only at scale 1.0"
+    return None
