@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from lorafleet.worker.config import ConfigError, EngineConfig, ModelConfig
 from lorafleet.worker.engine.engine import LLMEngine
-from lorafleet.worker.engine.parallel import free_port, init_group, start_followers, stop
+from lorafleet.worker.engine.parallel import Ranks, free_port, init_group, start_followers, stop
 from lorafleet.worker.engine.sequence import SamplingParams
 from lorafleet.worker.models.sharding import check_shardable, shard_config
 from tests.router.fake_worker import free_port as http_port
@@ -117,6 +117,14 @@ def _wait_or_kill(p: subprocess.Popen) -> int | None:
         p.kill()
         p.wait()
         return None
+
+
+def test_a_rank_that_dies_before_joining_fails_the_start_at_once(tmp_path):
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match="rank 1 exited with code 1 before joining"):
+        Ranks.start(tmp_path / "no-model", _engine_config(2))
+    assert time.monotonic() - started < 60  # not the group's timeout (600 s)
+    assert not dist.is_initialized()
 
 
 def test_shard_config_and_refusals(assets):

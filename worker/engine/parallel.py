@@ -229,15 +229,30 @@ class Ranks:
         if device.type == "cuda" and torch.cuda.device_count() < world:
             raise ConfigError(f"--tensor-parallel-size {world} needs {world} CUDA devices; "
                               f"{torch.cuda.device_count()} visible")
+        import threading
+
         init = f"tcp://127.0.0.1:{free_port()}"
         followers = start_followers(model_dir, config, init)
-        try:
-            group = init_group(0, world, init, device)
-        except BaseException:
+        joined: list = []
+        # Joining blocks until every rank has joined: watch the others meanwhile, so a rank that
+        # dies before joining fails the start at once instead of after the group's timeout.
+        joiner = threading.Thread(target=lambda: joined.append(_try(init_group, 0, world, init, device)), daemon=True)
+        joiner.start()
+        while joiner.is_alive():
+            joiner.join(0.2)
+            dead = [(r, p.poll()) for r, p in enumerate(followers, start=1) if p.poll() is not None]
+            if dead and joiner.is_alive():
+                for p in followers:
+                    p.kill()
+                rank, code = dead[0]
+                raise ConfigError(f"--tensor-parallel-size {world}: rank {rank} exited with code {code} before "
+                                  "joining the group (its log says why)")
+        result = joined[0]
+        if isinstance(result, BaseException):
             for p in followers:
                 p.kill()
-            raise
-        return cls(group, followers)
+            raise result
+        return cls(result, followers)
 
     def failure(self) -> str | None:
         """Why the group is broken (a rank has exited), or None while every rank runs."""
@@ -271,6 +286,14 @@ class Ranks:
             dist.destroy_process_group()
 
 
+def _try(fn, *args):
+    """fn(*args), or the exception it raised (for a thread's caller to raise)."""
+    try:
+        return fn(*args)
+    except BaseException as e:  # noqa: BLE001 - handed to the caller
+        return e
+
+
 def main(argv: list[str] | None = None) -> int:
     """One of ranks 1..N-1, as `lorafleet worker --tensor-parallel-size N` starts it:
     `python -m lorafleet.worker.engine.parallel --rank R --world N --init-method tcp://HOST:PORT
@@ -291,6 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig(**fields)
     if config.device.startswith("cuda"):
         config = dataclasses.replace(config, device=f"cuda:{args.rank}")
+    try:
+        ModelConfig.from_folder(args.model)  # before joining: a bad folder fails the start at once
+    except (ConfigError, OSError) as e:
+        print(f"tensor-parallel rank {args.rank} of {args.world} failed: {e}", file=sys.stderr)
+        return 1
     group = init_group(args.rank, args.world, args.init_method, torch.device(config.device))
     try:
         follow(args.model, config, group)
