@@ -382,6 +382,8 @@ class EngineConfig:
     warmup: bool | None = None
     pinned_adapters: tuple[str, ...] = field(default_factory=tuple)
     seed: int = 0
+    # vLLM's --tensor-parallel-size: ranks the model is sharded over (docs/tensor_parallel.md).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.max_loras_per_request is None:
@@ -394,6 +396,7 @@ class EngineConfig:
             (self.block_size in (8, 16, 32, 64, 128), "block_size must be one of 8, 16, 32, 64, 128"),
             (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
             (self.max_graph_tokens >= 1, "max_graph_tokens must be >= 1"),
+            (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
             (0 < self.kv_cache_memory_fraction <= 1, "kv_cache_memory_fraction must be in (0, 1]"),
             (self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
              "gpu_memory_utilization must be in (0, 1]"),

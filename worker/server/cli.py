@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-enforce-eager", dest="cuda_graphs", action="store_const", const=None,
                    help="vLLM's: CUDA graphs where they apply (the default)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="vLLM's; one GPU per worker here, so only 1 (run more workers behind the router)")
+                   help="vLLM's: shard the model (and every adapter) over N devices, one process each; rank 0 "
+                        "serves and starts the others (docs/tensor_parallel.md)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                    help="launch each decode step before reading the previous one's tokens, overlapping the "
                         "host's work with the GPU (default: on where decode steps replay CUDA graphs)")
@@ -149,7 +150,8 @@ def engine_config(args: argparse.Namespace, max_cpu_loras: int) -> EngineConfig:
         device=args.device, dtype=DTYPE_ALIASES.get(args.dtype, args.dtype), lora_backend=args.lora_backend,
         attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs, async_scheduling=args.async_scheduling,
         warmup=args.warmup,
-        pinned_adapters=tuple(args.pinned_lora_modules), seed=args.seed, **fraction,
+        pinned_adapters=tuple(args.pinned_lora_modules), seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+        **fraction,
     )
 
 
@@ -157,9 +159,6 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
     if args.enable_lora is False:
         raise ConfigError("--no-enable-lora: LoRA is always on in lorafleet worker (serve the base model by "
                           "naming it; leave the flag out)")
-    if args.tensor_parallel_size != 1:
-        raise ConfigError(f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not "
-                          "implemented (one GPU per worker; run several workers behind the router)")
     names = args.served_model_name or [None]
     if len(names) > 1:
         raise ConfigError(f"--served-model-name {' '.join(names)}: one name; vLLM's further names (aliases) "
