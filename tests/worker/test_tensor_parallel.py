@@ -22,9 +22,11 @@ from lorafleet.worker.config import ConfigError, EngineConfig, ModelConfig
 from lorafleet.worker.engine.engine import LLMEngine
 from lorafleet.worker.engine.parallel import Ranks, free_port, init_group, start_followers, stop
 from lorafleet.worker.engine.sequence import SamplingParams
+from lorafleet.worker.lora.errors import AdapterError
 from lorafleet.worker.models.sharding import check_shardable, shard_config
 from tests.router.fake_worker import free_port as http_port
 from tests.router.fake_worker import wait_http
+from tests.worker.dora_checkpoints import build_dora
 from tests.worker.lora_harness import write_adapter
 
 ADAPTERS = {"r4": dict(r=4, seed=1), "r16": dict(r=16, seed=2, targets=("q_proj", "v_proj", "o_proj", "down_proj")),
@@ -92,6 +94,11 @@ def test_sharded_engine_matches_tp1(assets, reference, tp):
     try:
         engine = LLMEngine(model_dir, config, lora_modules=adapters, group=group)
         got = _run(engine, prompts)
+        if tp == 2:  # DoRA's norms need whole base weights: refused with the reason, the ranks unharmed
+            build_dora("llama3_rope", model_dir, targets=("q_proj", "o_proj"))
+            with pytest.raises(AdapterError, match="tensor-parallel") as refused:
+                engine.load_adapter("dora", str(model_dir / "dora"))
+            assert refused.value.reason == "unsupported"
         stop(group)
     finally:
         dist.destroy_process_group()
