@@ -40,6 +40,7 @@ from lorafleet.worker.engine.sequence import SamplingParams, Sequence
 from lorafleet.worker.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from lorafleet.worker.engine.warm_up import warm_up
 from lorafleet.worker.layers.attention import resolve_attention_backend
+from lorafleet.worker.layers.quant import load_weights, read_quantization_config
 from lorafleet.worker.lora.adapter import AdapterError
 from lorafleet.worker.lora.registry import AdapterRegistry
 from lorafleet.worker.lora.slots import LoraSlots
@@ -90,7 +91,8 @@ class LLMEngine:
         if self.device.type == "cuda":
             prefer_blas(envs.BLAS)
         self.model = model_class(self.model_config)(self.model_config, self.device, self.dtype, self.max_model_len)
-        self.model.load_weights(weights if weights is not None else iter_checkpoint(str(model_dir)))
+        self.quantization = load_weights(self.model, weights if weights is not None else iter_checkpoint(str(model_dir)),
+                                         config.quantization, read_quantization_config(model_dir))
         self.model.lora_backend = resolve_lora_backend(config.lora_backend, self.device)
         # The LoRA side path beside the base GEMMs on a second stream (linear_lora_deferred);
         # LORAFLEET_LORA_OVERLAP=0 runs it after each GEMM on the main stream (benchmarks compare).

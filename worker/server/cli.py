@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=d.device, help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights' and activations' dtype (auto: the checkpoint's, float32 on CPU)")
+    p.add_argument("--quantization", "-q", default=d.quantization, choices=["fp8"],
+                   help="fp8: the decoder's projections in FP8 (e4m3, a scale per output channel; embeddings, "
+                        "lm_head, KV cache and adapters stay in --dtype). FP8 checkpoints are served as FP8 without it")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len,
                    help="longest prompt + answer in tokens (none: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences running at once")
@@ -95,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_connection_flags(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     return finish(p, {
-        "Model": ["--model", "--served-model-name", "--tokenizer", "--dtype", "--device", "--max-model-len", "--seed"],
+        "Model": ["--model", "--served-model-name", "--tokenizer", "--dtype", "--quantization", "--device", "--max-model-len", "--seed"],
         "Server": ["--host", "--port", "--admin-port", "--admin-host", "--admin-token-file", "--log-level"],
         "Adapters (LoRA)": ["--lora-modules", "--enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras",
                             "--max-loras-per-request", "--pinned-lora-modules", "--adapter-root"],
@@ -123,7 +126,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-        device=args.device, dtype=args.dtype, lora_backend=args.lora_backend,
+        device=args.device, dtype=args.dtype, quantization=args.quantization, lora_backend=args.lora_backend,
         attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs, async_scheduling=args.async_scheduling,
         warmup=args.warmup,
         pinned_adapters=tuple(args.pinned_lora_modules), seed=args.seed, **fraction,
