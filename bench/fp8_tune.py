@@ -38,6 +38,7 @@ from lorafleet.kernels.quant.fp8_linear import (
 from lorafleet.kernels.quant.tuning import TUNINGS_DIR, LaunchConfig
 
 PREFILL_TILE = LaunchConfig(max_m=1 << 20, block_m=128, block_n=128, block_k=64, warps=8, stages=3)
+FIELDS = ("max_m", "block_m", "block_n", "block_k", "split_k", "warps", "stages")
 SEED_GEMMS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 
@@ -114,8 +115,7 @@ def tune_projection(proj: str, n: int, k: int, rows: list[int], prefill_rows: li
         row = {"proj": proj, "n": n, "k": k, "m": m, "fp8_us": round(best[0], 2), "bf16_cublas_us": round(bf16, 2),
                "fp8_floor_us": round(floor, 2), "of_floor": round(floor / best[0], 3), "config": repr(best[1])}
         report.append(row)
-        table.append({f: getattr(best[1], f) for f in ("max_m", "block_m", "block_n", "block_k", "split_k",
-                                                      "warps", "stages")})
+        table.append({f: getattr(best[1], f) for f in FIELDS})
         print(f"{proj:<8} m={m:>4}: fp8 {best[0]:8.1f} us (floor {floor:6.1f}, bf16 {bf16:7.1f}) {best[1]}", flush=True)
     # prefill paths
     for m in prefill_rows:
@@ -152,32 +152,40 @@ def main() -> None:
     report, shapes = [], {}
     total: dict[tuple[int, LaunchConfig], float] = {}  # (rows, config) -> µs summed over the projections
     seen: dict[tuple[int, LaunchConfig], int] = {}  # ... and over how many it ran
-    for proj, (n, k) in SEED_GEMMS.items():
+    out = args.out or TUNINGS_DIR / f"{short.lower()}.json"
+    paths = ["triton", "dequant"] + (["scaled_mm"] if args.allow_w8a8 else [])
+    for done, (proj, (n, k)) in enumerate(SEED_GEMMS.items(), 1):
         rows, table = tune_projection(proj, n, k, rows_list, [int(x) for x in args.prefill_rows.split(",") if x],
                                       args.full, bw, total, seen)
         report += rows
         shapes[f"{n}x{k}"] = table
         torch.cuda.empty_cache()
+        # Written after each projection, so a run cut short still leaves the projections it finished.
+        tuning = tuning_dict(short, name, rows_list, shapes, total, seen, done, report, paths)
+        out.write_text(json.dumps(tuning, indent=2) + "\n")
+        print(f"wrote {out} ({done} of {len(SEED_GEMMS)} projections, {time.perf_counter() - t_start:.0f}s); "
+              f"prefill path: {tuning['prefill']}", flush=True)
+        if args.report:
+            args.report.parent.mkdir(parents=True, exist_ok=True)
+            args.report.write_text(json.dumps({"machine": name, "copy_bandwidth_tb_s": round(bw / 1e12, 3),
+                                               "rows": report}, indent=2) + "\n")
+
+
+def tuning_dict(short: str, name: str, rows_list: list[int], shapes: dict, total: dict, seen: dict, done: int,
+                report: list[dict], paths: list[str]) -> dict:
+    """The tuning file's content from the projections swept so far: per shape tables, the general
+    decode table (per row count, the least total time among configs that ran on every projection so
+    far) and the prefill path with the least total time."""
     decode = []
     for m in rows_list:
-        everywhere = [(us, c) for (mm, c), us in total.items() if mm == m and seen[(mm, c)] == len(SEED_GEMMS)]
+        everywhere = [(us, c) for (mm, c), us in total.items() if mm == m and seen[(mm, c)] == done]
         best = min(everywhere, key=lambda t: t[0])[1]
-        decode.append({f: getattr(best, f) for f in ("max_m", "block_m", "block_n", "block_k", "split_k", "warps", "stages")})
-    paths = ["triton", "dequant"] + (["scaled_mm"] if args.allow_w8a8 else [])
+        decode.append({f: getattr(best, f) for f in FIELDS})
     prefill_rows = [r for r in report if "dequant_us" in r]
     prefill = min(paths, key=lambda p: sum(r.get(f"{p}_us", float("inf")) for r in prefill_rows))
-    tuning = {"device": short, "comment": f"bench/fp8_tune.py on one {name}, {time.strftime('%Y-%m-%d')}",
-              "decode": decode, "shapes": shapes, "prefill": prefill, "prefill_min_m": max(rows_list),
-              "prefill_config": {f: getattr(PREFILL_TILE, f) for f in ("max_m", "block_m", "block_n", "block_k",
-                                                                       "split_k", "warps", "stages")}}
-    out = args.out or TUNINGS_DIR / f"{short.lower()}.json"
-    out.write_text(json.dumps(tuning, indent=2) + "\n")
-    print(f"wrote {out} in {time.perf_counter() - t_start:.0f}s; prefill path: {prefill}")
-    if args.report:
-        args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(json.dumps({"machine": name, "copy_bandwidth_tb_s": round(bw / 1e12, 3),
-                                           "rows": report}, indent=2) + "\n")
-
+    return {"device": short, "comment": f"bench/fp8_tune.py on one {name}, {time.strftime('%Y-%m-%d')}",
+            "decode": decode, "shapes": shapes, "prefill": prefill, "prefill_min_m": max(rows_list),
+            "prefill_config": {f: getattr(PREFILL_TILE, f) for f in FIELDS}}
 
 if __name__ == "__main__":
     main()

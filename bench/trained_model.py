@@ -1,6 +1,6 @@
 """A small Llama trained on the CPU on the project's own text: the FP8 quality check's model.
 
-    python -m bench trained_model [--out bench/.cache/trained-llama] [--seconds 900] [--threads 2]
+    python -m bench trained_model [--out bench/.cache/trained-llama] [--seconds 900] [--threads 2] [--resume]
 
 No public checkpoint can be downloaded here and the demo model's weights are random, so quantization
 error would be measured against noise. This trains a ~0.6M-parameter Llama (3 layers, hidden 128, 4
@@ -60,8 +60,10 @@ def train_tokenizer(text: str, out: Path) -> None:
     tok.save(str(out / "tokenizer.json"))
 
 
-def train(out: Path, seconds: float, threads: int, seq: int = 64, batch: int = 8, seed: int = 0) -> dict:
-    """Train and save the model under `out` -> {steps, train_loss, heldout_loss, uniform_loss}."""
+def train(out: Path, seconds: float, threads: int, seq: int = 64, batch: int = 8, seed: int = 0,
+          resume: bool = False) -> dict:
+    """Train and save the model under `out` -> {steps, train_loss, heldout_loss, uniform_loss}.
+    resume: go on training the model saved there (its tokenizer kept)."""
     from tokenizers import Tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -69,12 +71,15 @@ def train(out: Path, seconds: float, threads: int, seq: int = 64, batch: int = 8
     torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
     text = corpus()
-    train_tokenizer(text, out)
+    resume = resume and (out / "config.json").is_file()
+    if not resume:
+        train_tokenizer(text, out)
     ids = torch.tensor(Tokenizer.from_file(str(out / "tokenizer.json")).encode(text).ids, dtype=torch.long)
     split = int(len(ids) * 0.95)
     train_ids, held = ids[:split], ids[split:]
     config = LlamaConfig(vocab_size=VOCAB, bos_token_id=0, eos_token_id=1, pad_token_id=2, **SHAPE)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32) if resume else LlamaForCausalLM(config)
+    before = json.loads((out / "training.json").read_text()) if resume and (out / "training.json").is_file() else {}
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01, betas=(0.9, 0.95))
     g = torch.Generator().manual_seed(seed)
 
@@ -102,9 +107,9 @@ def train(out: Path, seconds: float, threads: int, seq: int = 64, batch: int = 8
         x = batch_at(held, starts)
         heldout = float(model(input_ids=x, labels=x).loss)
     model.to(torch.bfloat16).save_pretrained(str(out), safe_serialization=True)
-    stats = {"steps": step, "train_loss": round(loss, 4), "heldout_loss": round(heldout, 4),
+    stats = {"steps": step + before.get("steps", 0), "train_loss": round(loss, 4), "heldout_loss": round(heldout, 4),
              "uniform_loss": round(math.log(VOCAB), 4), "params": sum(p.numel() for p in model.parameters()),
-             "seconds": round(time.perf_counter() - t0, 1)}
+             "seconds": round(time.perf_counter() - t0 + before.get("seconds", 0.0), 1)}
     (out / "training.json").write_text(json.dumps(stats, indent=2) + "\n")
     return stats
 
@@ -114,8 +119,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--seconds", type=float, default=900.0, help="training time on this CPU")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--resume", action="store_true", help="go on training the model already in --out")
     args = ap.parse_args()
-    print(json.dumps(train(args.out, args.seconds, args.threads)))
+    print(json.dumps(train(args.out, args.seconds, args.threads, resume=args.resume)))
 
 
 if __name__ == "__main__":
