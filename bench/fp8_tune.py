@@ -71,9 +71,10 @@ def candidates(m: int, full: bool) -> list[LaunchConfig]:
     """The sweep at m rows: the smallest M tile holding them (and 64 above 64 rows), N and K tiles,
     K splits for small m (few programs over N otherwise), warps and stages; `full` widens it."""
     bm = [max(16, min(128, 1 << (m - 1).bit_length()))] + ([64] if m > 64 else [])
-    bn = [32, 64, 128]
+    # Wider N tiles at more rows: each program reads the x tile (from L2) once per K step for its N tile.
+    bn = [32, 64, 128] + ([256] if m >= 32 else [])
     bk = ([64] if full or m > 64 else []) + [128, 256]
-    split = [1, 2, 4] if m <= 32 else [1, 2] if m <= 64 else [1]
+    split = [1, 2, 4] if m <= 64 else [1]
     warps = [4, 8] if full or m > 64 else [4]
     stages = [3, 4, 5] if full else [4]
     return [LaunchConfig(max_m=m, block_m=a, block_n=b, block_k=c, split_k=sp, warps=w, stages=st)
