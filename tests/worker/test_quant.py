@@ -146,6 +146,16 @@ def test_block_wise_scales_are_refused_at_start_up(demo_model: Path, tmp_path: P
         LLMEngine(fp8, EngineConfig(num_kv_blocks=16))
 
 
+def test_a_fused_projection_half_in_fp8_is_refused(demo_model: Path, tmp_path: Path) -> None:
+    fp8, _ = fp8_checkpoint(demo_model, tmp_path, "channel", "weight_scale", ct("channel"))
+    tensors = load_file(str(fp8 / "model.safetensors"))
+    p = "model.layers.0.self_attn.k_proj."
+    tensors[p + "weight"] = tensors[p + "weight"].float() * tensors.pop(p + "weight_scale")  # k left unquantized
+    save_file(tensors, str(fp8 / "model.safetensors"))
+    with pytest.raises(ConfigError, match="mixes FP8 and unquantized parts"):
+        LLMEngine(fp8, EngineConfig(num_kv_blocks=16))
+
+
 def test_quantization_flag_quantizes_each_output_channel(demo_model: Path) -> None:
     engine = LLMEngine(demo_model, EngineConfig(dtype="float32", num_kv_blocks=16, quantization="fp8"))
     plain = LLMEngine(demo_model, EngineConfig(dtype="float32", num_kv_blocks=16))

@@ -145,7 +145,13 @@ def load_weights(model: Any, named: Iterable[tuple[str, torch.Tensor]], flag: st
         return None
     raw: dict[str, torch.Tensor] = {}
     rows: dict[str, int] = {}
-    model.load_weights(split_checkpoint(named, raw, rows) if stored else named)
+    try:
+        model.load_weights(split_checkpoint(named, raw, rows) if stored else named)
+    except RuntimeError as exc:
+        if "Float8" not in str(exc):
+            raise
+        raise QuantizationError("a fused projection mixes FP8 and unquantized parts (a quantization `ignore` list "
+                                "that covers some of q/k/v or gate/up): not supported") from exc
     w = model.weights
     if stored:
         missing = sorted(set(rows) - set(raw))
