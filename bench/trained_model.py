@@ -3,7 +3,7 @@
     python -m bench trained_model [--out bench/.cache/trained-llama] [--seconds 900] [--threads 2] [--resume]
 
 No public checkpoint can be downloaded here and the demo model's weights are random, so quantization
-error would be measured against noise. This trains a ~0.6M-parameter Llama (3 layers, hidden 128, 4
+error would be measured against noise. This trains a ~0.7M-parameter Llama (3 layers, hidden 128, 4
 heads of 32 over 2 KV heads, MLP 384, a 512-entry byte-level BPE trained on the same text) on the repo's
 docs and Python sources for a fixed time on the CPU, and saves it as a Hugging Face folder in bf16
 (~1 MiB: small enough to carry to a GPU machine), with the demo's tokenizer config and chat template.

@@ -126,11 +126,12 @@ from lorafleet.kernels.quant import fp8_linear as ops
 
 sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
        "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32"}
-for bm, bn, bk, split, warps, stages in ((16, 64, 256, 1, 4, 4), (64, 64, 128, 1, 4, 4), (128, 128, 64, 1, 8, 3),
-                                         (16, 32, 128, 4, 4, 4)):
+for bm, bn, bk, split, warps, stages, even, bias in (
+        (16, 64, 256, 1, 4, 4, True, False), (64, 64, 128, 1, 4, 4, True, False), (128, 128, 64, 1, 8, 3, True, False),
+        (16, 32, 128, 4, 4, 4, True, False), (32, 256, 64, 2, 4, 3, False, True), (128, 64, 128, 1, 8, 4, False, True)):
     s = dict(sig, out_ptr="*fp32") if split > 1 else sig
-    k = compile_(ops._w8a16_kernel, s, dict(HAS_BIAS=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
-                 GROUP_M=8, EVEN_K=True, DOT_F32=False), warps=warps, stages=stages, divisible=("K",))
+    k = compile_(ops._w8a16_kernel, s, dict(HAS_BIAS=bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+                 GROUP_M=8, EVEN_K=even, DOT_F32=False), warps=warps, stages=stages, divisible=("K",))
     ptx = k.asm["ptx"]
     assert "cvt.rn.bf16x2.e4m3x2" in ptx or "cvt.rn.f16x2.e4m3x2" in ptx, "no hardware e4m3 conversion"
     assert bool(re.search(r"\s(red|atom)\.global", ptx)) == (split > 1), "atomics only for a split K"
