@@ -363,6 +363,9 @@ class EngineConfig:
     aging_steps: int = 32  # a deferred adapter's requests win a slot after waiting this many steps
     device: str = "cpu"
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # vLLM's --quantization: "fp8" quantizes an unquantized checkpoint's projections to FP8 (e4m3, a
+    # scale per output channel) at load; an FP8 checkpoint is served as FP8 either way (worker/layers/quant.py).
+    quantization: str | None = None
     lora_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
     # Decode attention: auto (the Triton paged kernel on CUDA, torch on CPU) | torch | triton.
     attention_backend: str = "auto"
@@ -405,6 +408,7 @@ class EngineConfig:
             (self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype must be auto|float32|bfloat16|float16"),
             (self.lora_backend in ("auto", "torch", "triton"), "lora_backend must be auto|torch|triton"),
             (self.attention_backend in ("auto", "torch", "triton"), "attention_backend must be auto|torch|triton"),
+            (self.quantization in (None, "fp8"), "quantization must be fp8 or unset"),
         ]
         for ok, message in checks:
             if not ok:
