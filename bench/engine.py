@@ -22,6 +22,8 @@ the graph replay alone and the whole step (bench/engine_breakdown.py).
 --peers: transformers `generate` and PEFT's mixed-adapter batch on the same shape and batch
 (bench/engine_peers.py), run first, before the engine takes the GPU's memory.
 --adapter-load N: cold adapter loads (bench/adapter_load.py) on this engine, N repeats.
+--weights bf16,fp8: instead, FP8 base weights against bf16, each row at its byte bound, with the FP8
+quality check (bench/engine_fp8.py), into bench/results/engine-fp8-<gpu>.json.
 A step holds at most `--batch` distinct adapters, so counts above the batch are not run.
 """
 
@@ -45,6 +47,7 @@ if __package__ in (None, ""):  # run as a script: make `bench.*` importable
 
 from bench.engine_breakdown import host_profile, profiled, step_breakdown
 from bench.engine_build import SEED_SHAPE, TINY_SHAPE, build_engine, register_random_adapters
+from bench.engine_fp8 import add_arguments as add_fp8_arguments
 from bench.engine_workload import adapter_sets, decode_run, sync, ttft
 
 
@@ -93,8 +96,17 @@ def main() -> None:
     ap.add_argument("--peft-adapters", default="1,8")
     ap.add_argument("--adapter-load", type=int, default=0, metavar="N", help="cold adapter load timings, N repeats")
     ap.add_argument("--tiny", action="store_true", help="tiny shape on CPU: checks the script, measures nothing")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "engine-h200.json")
+    ap.add_argument("--out", type=Path, default=None, help="default: bench/results/engine-h200.json "
+                                                          "(with --weights: engine-fp8-<gpu>.json)")
+    add_fp8_arguments(ap)
     args = ap.parse_args()
+    args.out_given = args.out is not None
+    args.out = args.out or Path(__file__).parent / "results" / "engine-h200.json"
+    if args.weights:
+        from bench.engine_fp8 import run
+
+        run(args, copy_bandwidth)
+        return
     device = "cpu" if args.tiny else "cuda"
     modes = [m for m in args.modes.split(",") if m]
     adapter_counts = [d for d in (int(x) for x in args.adapters.split(",") if x) if d <= args.batch]

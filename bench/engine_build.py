@@ -116,7 +116,8 @@ def build_engine(args, device: str, n_slots: int) -> tuple[LLMEngine, ModelConfi
     config = EngineConfig(max_loras=max(n_slots, 1), max_cpu_loras=n_slots + 8, max_lora_rank=args.rank,
                           max_num_seqs=args.batch, max_num_batched_tokens=8192, device=device, dtype="bfloat16",
                           max_loras_per_request=1, num_kv_blocks=512 if args.tiny else None,
-                          cuda_graphs=None if device == "cuda" else "eager" not in args.modes.split(","))
+                          cuda_graphs=None if device == "cuda" else "eager" not in args.modes.split(","),
+                          quantization=getattr(args, "quantization", None))
     t0 = time.perf_counter()
     engine = LLMEngine(folder, config, weights=random_weights(model_config, device))
     freeze_startup_objects()  # as the worker does once its engine is built (worker/server/gc_freeze.py)

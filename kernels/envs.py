@@ -11,6 +11,7 @@
 | `LORAFLEET_DELTA_STORE` | `1,1` | with one adapter per token the expand stores the delta (nothing zeroes it), with few, many chunks |
 | `LORAFLEET_ZERO_IN_SHRINK` | `1` | `0`: a memset zeroes the delta above the few-chunks bound instead of the shrink's programs |
 | `LORAFLEET_LORA_TUNING` | the device's file | the LoRA kernels' tuning (`kernels/lora/tunings/*.json`) overridden: a path to a JSON file or inline JSON of the fields to change |
+| `LORAFLEET_FP8_TUNING` | the device's file | the FP8 GEMM's tuning (`kernels/quant/tunings/*.json`) overridden: a path to a JSON file or inline JSON of the fields to change |
 """
 
 from __future__ import annotations
@@ -31,3 +32,4 @@ GEMM_FIRST = os.environ.get("LORAFLEET_GEMM_FIRST", "1,1")
 DELTA_STORE = os.environ.get("LORAFLEET_DELTA_STORE", "1,1")
 ZERO_IN_SHRINK = os.environ.get("LORAFLEET_ZERO_IN_SHRINK", "1") != "0"
 LORA_TUNING = os.environ.get("LORAFLEET_LORA_TUNING", "")
+FP8_TUNING = os.environ.get("LORAFLEET_FP8_TUNING", "")

@@ -11,7 +11,15 @@ from typing import Any
 
 from lorafleet.operator.retire import GATE
 from lorafleet.operator.sources import CACHE_MOUNT, cache_volume, worker_env
-from lorafleet.operator.spec import MODEL_MOUNT, POOL_LABEL, TOKEN_MOUNT, PoolSpec, model_dir
+from lorafleet.operator.spec import (
+    GPU_RESOURCE,
+    MODEL_MOUNT,
+    POOL_LABEL,
+    SHM_MOUNT,
+    TOKEN_MOUNT,
+    PoolSpec,
+    model_dir,
+)
 from lorafleet.operator.vllm_pods import vllm_pod_template, vllm_service_ports
 
 TOKEN_KEY = "token"
@@ -54,12 +62,13 @@ def worker_args(pool: PoolSpec) -> list[str]:
         "--device", engine.device,
         "--dtype", engine.dtype,
     ] + (["--enable-auto-tool-choice", "--tool-call-parser", engine.tool_call_parser] if engine.tool_call_parser else []) + (
-        ["--reasoning-parser", engine.reasoning_parser] if engine.reasoning_parser else [])
+        ["--reasoning-parser", engine.reasoning_parser] if engine.reasoning_parser else []) + (
+        ["--tensor-parallel-size", str(pool.tensor_parallel_size)] if pool.tensor_parallel_size > 1 else [])
 
 
 def pod_template(pool: PoolSpec) -> dict[str, Any]:
     if pool.server.kind == "vllm":
-        return with_pod_fields(vllm_pod_template(pool, labels(pool)), pool)
+        return with_pod_fields(with_tensor_parallel(vllm_pod_template(pool, labels(pool)), pool), pool)
     volumes: list[dict[str, Any]] = [
         {"name": "admin-token", "secret": {"secretName": pool.token_secret, "defaultMode": TOKEN_MODE}},
         {
@@ -113,7 +122,22 @@ def pod_template(pool: PoolSpec) -> dict[str, Any]:
         "terminationGracePeriodSeconds": 60,
         "automountServiceAccountToken": False,
     }
-    return with_pod_fields({"metadata": {"labels": labels(pool)}, "spec": spec}, pool)
+    return with_pod_fields(with_tensor_parallel({"metadata": {"labels": labels(pool)}, "spec": spec}, pool), pool)
+
+
+def with_tensor_parallel(template: dict[str, Any], pool: PoolSpec) -> dict[str, Any]:
+    """spec.tensorParallelSize > 1: one GPU per rank (on CUDA) and a memory-backed /dev/shm, which
+    NCCL's shared-memory transport needs beyond the container runtime's 64 MiB default."""
+    if pool.tensor_parallel_size == 1:
+        return template
+    spec = template["spec"]
+    c = spec["containers"][0]
+    if pool.engine.device == "cuda" or pool.server.kind == "vllm":
+        resources = c.setdefault("resources", {})
+        resources["limits"] = {**resources.get("limits", {}), GPU_RESOURCE: pool.tensor_parallel_size}
+    spec["volumes"] = spec.get("volumes", []) + [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    c["volumeMounts"] = c.get("volumeMounts", []) + [{"name": "dshm", "mountPath": SHM_MOUNT}]
+    return template
 
 
 def with_pod_fields(template: dict[str, Any], pool: PoolSpec) -> dict[str, Any]:

@@ -74,6 +74,8 @@ class PodFields:
 # Volume names and mount paths the operator's own pod template uses (builders.py).
 RESERVED_VOLUMES = ("admin-token", "adapters", "model", "adapter-cache")
 TOKEN_MOUNT = "/var/run/lorafleet/admin"
+GPU_RESOURCE = "nvidia.com/gpu"
+SHM_MOUNT = "/dev/shm"  # tensorParallelSize > 1: NCCL's shared-memory transport (a memory-backed emptyDir)
 MODEL_MOUNT = "/models"
 
 
@@ -86,6 +88,7 @@ class PoolSpec:
     served_name: str
     model_claim: str | None = None
     replicas: int = 2
+    tensor_parallel_size: int = 1  # spec.tensorParallelSize: GPUs per worker pod, the model sharded over them
     workload_kind: str = "Deployment"
     image_pull_policy: str = "IfNotPresent"
     resources: Mapping[str, Mapping[str, Any]] | None = None
@@ -242,6 +245,7 @@ def parse_pool(namespace: str, name: str, spec: Mapping[str, Any]) -> PoolSpec:
         served_name=str(model["servedName"]),
         model_claim=_str(model, "claimName", None, "spec.model.") or None,
         replicas=_int(spec, "replicas", 2, 0, 1000, "spec."),
+        tensor_parallel_size=_int(spec, "tensorParallelSize", 1, 1, 16, "spec."),
         workload_kind=str(_str(spec, "workloadKind", "Deployment", "spec.", ("Deployment", "StatefulSet"))),
         image_pull_policy=str(_str(spec, "imagePullPolicy", "IfNotPresent", "spec.", ("Always", "IfNotPresent", "Never"))),
         resources=resources or None,
@@ -259,8 +263,15 @@ def parse_pool(namespace: str, name: str, spec: Mapping[str, Any]) -> PoolSpec:
     )
     if pool.http_port == pool.admin_port and server.kind != "vllm":
         raise SpecError("InvalidPorts", "ports.http and ports.admin must differ")
+    gpus = ((pool.resources or {}).get("limits") or {}).get(GPU_RESOURCE)
+    if pool.tensor_parallel_size > 1 and gpus is not None and str(gpus) != str(pool.tensor_parallel_size):
+        raise SpecError("InvalidSpec", f"spec.resources.limits {GPU_RESOURCE}={gpus} but spec.tensorParallelSize="
+                        f"{pool.tensor_parallel_size}: each worker needs one GPU per rank (leave the limit out: "
+                        "the operator sets it)")
     own = {TOKEN_MOUNT, pool.adapter_mount} | ({MODEL_MOUNT} if pool.model_claim else set()) | (
         {CACHE_MOUNT} if sources.enabled else set())
+    if pool.tensor_parallel_size > 1:
+        own.add(SHM_MOUNT)
     clash = sorted({str(m["mountPath"]).rstrip("/") for m in pool.pod.volume_mounts} & own)
     if clash:
         raise SpecError("InvalidSpec", f"spec.volumeMounts: {', '.join(clash)} is where the operator mounts its own volumes")

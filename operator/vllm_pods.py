@@ -37,6 +37,8 @@ def vllm_args(pool: PoolSpec) -> list[str]:
     ]
     if engine.dtype != "auto":
         args += ["--dtype", engine.dtype]
+    if pool.tensor_parallel_size > 1:
+        args += ["--tensor-parallel-size", str(pool.tensor_parallel_size)]
     return args + list(pool.server.args)
 
 

@@ -363,6 +363,9 @@ class EngineConfig:
     aging_steps: int = 32  # a deferred adapter's requests win a slot after waiting this many steps
     device: str = "cpu"
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # vLLM's --quantization: "fp8" quantizes an unquantized checkpoint's projections to FP8 (e4m3, a
+    # scale per output channel) at load; an FP8 checkpoint is served as FP8 either way (worker/layers/quant.py).
+    quantization: str | None = None
     lora_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
     # Decode attention: auto (the Triton paged kernel on CUDA, torch on CPU) | torch | triton.
     attention_backend: str = "auto"
@@ -382,6 +385,8 @@ class EngineConfig:
     warmup: bool | None = None
     pinned_adapters: tuple[str, ...] = field(default_factory=tuple)
     seed: int = 0
+    # vLLM's --tensor-parallel-size: ranks the model is sharded over (docs/tensor_parallel.md).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.max_loras_per_request is None:
@@ -394,6 +399,7 @@ class EngineConfig:
             (self.block_size in (8, 16, 32, 64, 128), "block_size must be one of 8, 16, 32, 64, 128"),
             (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
             (self.max_graph_tokens >= 1, "max_graph_tokens must be >= 1"),
+            (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
             (0 < self.kv_cache_memory_fraction <= 1, "kv_cache_memory_fraction must be in (0, 1]"),
             (self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
              "gpu_memory_utilization must be in (0, 1]"),
@@ -402,6 +408,7 @@ class EngineConfig:
             (self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype must be auto|float32|bfloat16|float16"),
             (self.lora_backend in ("auto", "torch", "triton"), "lora_backend must be auto|torch|triton"),
             (self.attention_backend in ("auto", "torch", "triton"), "attention_backend must be auto|torch|triton"),
+            (self.quantization in (None, "fp8"), "quantization must be fp8 or unset"),
         ]
         for ok, message in checks:
             if not ok:

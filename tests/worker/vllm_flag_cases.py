@@ -74,6 +74,7 @@ CASES: tuple[Case, ...] = (
     Case(("--host", "127.0.0.1", "--port", "9001"), {"host": "127.0.0.1", "port": 9001}),
     Case(("-tp", "1")),
     Case(("--tensor-parallel-size", "1")),
+    Case(("-tp", "2"), {"tensor_parallel_size": 2}),
     Case(("--api-key", "k1"), {"api_key": ["k1"]}),
     Case(("--api-key", "k1", "k2"), {"api_key": ["k1", "k2"]}),
     Case(("--enforce-eager",), {"enforce_eager": True}),
@@ -94,7 +95,6 @@ CASES: tuple[Case, ...] = (
     Case(("-pp", "2"), {}, "vllm-flag"),
     Case(("--compilation-config.mode", "3"), {}, "vllm-flag"),
     # vLLM's values the worker does not implement
-    Case(("-tp", "2"), {"tensor_parallel_size": 2}, "refused"),
     Case(("--no-enable-lora",), {"enable_lora": False}, "refused"),
     Case(("--served-model-name", "a", "b"), {"served_model_name": ["a", "b"]}, "refused"),
     Case(("--max-model-len", "auto"), {"max_model_len": -1}, "refused"),

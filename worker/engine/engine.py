@@ -35,11 +35,13 @@ from lorafleet.worker.engine.device_setup import (
 from lorafleet.worker.engine.memory_plan import free_at_start, log_memory_plan, memory_plan, plan_kv_blocks
 from lorafleet.worker.engine.model_runner import LogitsHook, ModelRunner
 from lorafleet.worker.engine.outputs import Completion, RequestOutput, TrackedRequest
+from lorafleet.worker.engine.parallel import Group, ShardedLoraSlots, start_kv, tp_leader_model
 from lorafleet.worker.engine.scheduler import Scheduler, SchedulerConfig
 from lorafleet.worker.engine.sequence import SamplingParams, Sequence
 from lorafleet.worker.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from lorafleet.worker.engine.warm_up import warm_up
 from lorafleet.worker.layers.attention import resolve_attention_backend
+from lorafleet.worker.layers.quant import load_weights, read_quantization_config
 from lorafleet.worker.lora.adapter import AdapterError
 from lorafleet.worker.lora.dora import dora_refusal
 from lorafleet.worker.lora.registry import AdapterRegistry
@@ -70,9 +72,11 @@ class LLMEngine:
         tokenizer_dir: str | Path | None = None,
         lora_modules: dict[str, str] | None = None,
         weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+        group: Group | None = None,
     ) -> None:
         """`weights` replaces the folder's safetensors (benchmarks build random weights on the GPU);
-        they go through the same loading path, by their Hugging Face names."""
+        they go through the same loading path, by their Hugging Face names. `group`: this process is
+        rank 0 of a tensor-parallel group (`config.tensor_parallel_size` > 1; worker/engine/parallel.py)."""
         self.config = config = config or EngineConfig()
         self.model_config = ModelConfig.from_folder(model_dir)
         self.device = torch.device(config.device)
@@ -90,8 +94,18 @@ class LLMEngine:
 
         if self.device.type == "cuda":
             prefer_blas(envs.BLAS)
-        self.model = model_class(self.model_config)(self.model_config, self.device, self.dtype, self.max_model_len)
-        self.model.load_weights(weights if weights is not None else iter_checkpoint(str(model_dir)))
+        self.group = group
+        if config.tensor_parallel_size > 1:
+            if config.quantization or read_quantization_config(model_dir):
+                raise ConfigError("FP8 weights are not served with --tensor-parallel-size above 1 (each rank "
+                                  "would need its slice of the scales)")
+            self.model = tp_leader_model(self.model_config, model_dir, config, group, self.device, self.dtype,
+                                         self.max_model_len, weights)
+            self.quantization = None
+        else:
+            self.model = model_class(self.model_config)(self.model_config, self.device, self.dtype, self.max_model_len)
+            self.quantization = load_weights(self.model, weights if weights is not None else iter_checkpoint(str(model_dir)),
+                                             config.quantization, read_quantization_config(model_dir))
         self.model.lora_backend = resolve_lora_backend(config.lora_backend, self.device)
         # The LoRA side path beside the base GEMMs on a second stream (linear_lora_deferred);
         # LORAFLEET_LORA_OVERLAP=0 runs it after each GEMM on the main stream (benchmarks compare).
@@ -102,13 +116,22 @@ class LLMEngine:
         # Before the KV cache takes the GPU's memory.
         self.use_graphs = want_cuda_graphs(config.cuda_graphs, self.device, self.model.attention_backend,
                                            self.model.lora_backend)
-        self.slots = LoraSlots(self.model_config, config.max_loras, config.max_lora_rank, self.device, self.dtype)
+        if group is not None:
+            self.use_graphs = False  # the collectives are not captured per rank yet
+            self.slots = ShardedLoraSlots(self.model_config, group, config.max_loras, config.max_lora_rank, self.device,
+                                          self.dtype)
+        else:
+            self.slots = LoraSlots(self.model_config, config.max_loras, config.max_lora_rank, self.device, self.dtype)
         self.model.lora = self.slots
+        # DoRA's column norms need whole base weights; a tensor-parallel rank holds a shard of them.
+        tp = config.tensor_parallel_size > 1
         self.registry = AdapterRegistry(self.model_config, config, self.slots, self.dtype,
-                                        base_weight=self.model.base_weight)
+                                        base_weight=None if tp else self.model.base_weight)
 
         num_blocks = plan_kv_blocks(config, self.model_config, self.device,
                                     ModelRunner.kv_bytes_per_block(self.model, config.block_size), baseline_free)
+        if group is not None:
+            start_kv(group, num_blocks, config.block_size)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.max_loras, config.max_loras_per_request,
                                   config.max_num_seqs)

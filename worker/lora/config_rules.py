@@ -61,8 +61,8 @@ class KeyRule:
     why: str  # what the key does (in the refusal message)
 
 
-def _implemented(why: str) -> KeyRule:
-    return KeyRule(IMPLEMENTED, _any, why)
+def _implemented(why: str, accepts: Callable[[object], bool] = _any) -> KeyRule:
+    return KeyRule(IMPLEMENTED, accepts, why)
 
 
 def _irrelevant(why: str, accepts: Callable[[object], bool] = _any) -> KeyRule:
@@ -85,7 +85,7 @@ RULES: dict[str, KeyRule] = {
     "use_rslora": _implemented("rank-stabilised scaling (alpha / sqrt(r))"),
     "rank_pattern": _implemented("per-module ranks (regex keys)"),
     "alpha_pattern": _implemented("per-module alphas (regex keys)"),
-    "use_dora": _implemented("DoRA (weight-decomposed LoRA): a magnitude per output feature of each module"),
+    "use_dora": _implemented("DoRA (weight-decomposed LoRA): a magnitude per output feature of each module", _is_bool),
     # Cannot change what inference computes.
     "task_type": _irrelevant("the task head PEFT wraps the model in (a causal LM's is none)",
                              _one_of(None, "CAUSAL_LM")),

@@ -60,8 +60,9 @@ def prepare_dora(weights: LoraWeights, model: ModelConfig, base_weight: BaseWeig
     """`dora_scales` for the CPU cache (pinned for the slots' copies on CUDA); refused without
     the base weights."""
     if base_weight is None:
-        raise AdapterError("unsupported", "DoRA adapters need the base model's weights for their norms, "
-                           "which this adapter reader was not given")
+        raise AdapterError("unsupported", "DoRA adapters are not served by this worker (with "
+                           "--tensor-parallel-size above 1 each rank holds only a shard of the base weights "
+                           "their norms need)")
     scales = dora_scales(weights, model, base_weight)
     return {k: v.pin_memory() for k, v in scales.items()} if pin else scales
 

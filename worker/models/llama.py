@@ -23,8 +23,10 @@ import torch.nn.functional as F
 
 from lorafleet.kernels.lora.linear import linear_lora_deferred
 from lorafleet.kernels.lora.meta import LoraMeta
+from lorafleet.kernels.quant.fp8_linear import dequantize
 from lorafleet.worker.config import LORA_TARGETS, ModelConfig, rope_inv_freq
 from lorafleet.worker.layers.attention import AttentionMetadata, paged_attention, write_kv
+from lorafleet.worker.layers.quant import linear
 from lorafleet.worker.lora.slots import LoraSlots
 
 
@@ -100,7 +102,8 @@ class LlamaModel:
             key = _short_name(name)
             if key is None:
                 continue
-            pending[key] = tensor.to(self.device, self.dtype)
+            # FP8 weights keep their e4m3 values (lorafleet.worker.layers.quant adds their scales).
+            pending[key] = tensor.to(self.device) if tensor.dtype == torch.float8_e4m3fn else tensor.to(self.device, self.dtype)
         c = self.config
         w: dict[str, torch.Tensor] = {}
         w["embed"] = _take(pending, "embed_tokens.weight")
@@ -165,7 +168,7 @@ class LlamaModel:
         key = f"layers.{layer}.{fused.removesuffix('_proj')}"
 
         def base() -> torch.Tensor:
-            return F.linear(x, w[key], w.get(key + "_bias"))
+            return linear(x, w[key], w.get(key + "_bias"), w.get(key + "_scale"))
 
         # In a graph, whether a token has an adapter is data: launch even for an empty meta.
         if meta is not None and (graph or not meta.empty) and self.lora is not None:
@@ -182,7 +185,10 @@ class LlamaModel:
         fused, index = LORA_TARGETS[target]
         start = sum(out for _, out in self.config.slice_sizes(fused)[:index])
         rows = self.config.slice_sizes(fused)[index][1]
-        return self.weights[f"layers.{layer}.{fused.removesuffix('_proj')}"][start : start + rows]
+        key = f"layers.{layer}.{fused.removesuffix('_proj')}"
+        weight = self.weights[key][start : start + rows]
+        scale = self.weights.get(key + "_scale")  # FP8 weights: the values the GEMM multiplies by
+        return weight if scale is None else dequantize(weight, scale[start : start + rows], self.dtype)
 
     def forward(
         self,

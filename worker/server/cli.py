@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=d.dtype, choices=DTYPES,
                    help="weights' and activations' dtype; half = float16, float = float32 (vLLM's names) "
                         "(auto: the checkpoint's half type on CUDA, bfloat16 for a float32 one; float32 on CPU)")
+    p.add_argument("--quantization", "-q", default=d.quantization, choices=["fp8"],
+                   help="fp8: the decoder's projections in FP8 (e4m3, a scale per output channel; embeddings, "
+                        "lm_head, KV cache and adapters stay in --dtype). FP8 checkpoints are served as FP8 without it")
     p.add_argument("--max-model-len", type=model_len, default=d.max_model_len,
                    help="longest prompt + answer in tokens, vLLM's forms (2048, 1k = 1000, 1K = 1024) "
                         "(default: the model's)")
@@ -94,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-enforce-eager", dest="cuda_graphs", action="store_const", const=None,
                    help="vLLM's: CUDA graphs where they apply (the default)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="vLLM's; one GPU per worker here, so only 1 (run more workers behind the router)")
+                   help="vLLM's: shard the model (and every adapter) over N devices, one process each; rank 0 "
+                        "serves and starts the others (docs/tensor_parallel.md)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                    help="launch each decode step before reading the previous one's tokens, overlapping the "
                         "host's work with the GPU (default: on where decode steps replay CUDA graphs)")
@@ -120,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", type=str.lower,
                    choices=["debug", "info", "warning", "error", "critical"], help="log level (any case, as vLLM's)")
     return finish(p, {
-        "Model": ["--model", "--served-model-name", "--tokenizer", "--dtype", "--device", "--max-model-len", "--seed"],
+        "Model": ["--model", "--served-model-name", "--tokenizer", "--dtype", "--quantization", "--device", "--max-model-len", "--seed"],
         "Server": ["--host", "--port", "--api-key", "--admin-port", "--admin-host", "--admin-token-file",
                    "--log-level"],
         "Adapters (LoRA)": ["--lora-modules", "--enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras",
@@ -146,10 +150,12 @@ def engine_config(args: argparse.Namespace, max_cpu_loras: int) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-        device=args.device, dtype=DTYPE_ALIASES.get(args.dtype, args.dtype), lora_backend=args.lora_backend,
+        device=args.device, dtype=DTYPE_ALIASES.get(args.dtype, args.dtype), quantization=args.quantization,
+        lora_backend=args.lora_backend,
         attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs, async_scheduling=args.async_scheduling,
         warmup=args.warmup,
-        pinned_adapters=tuple(args.pinned_lora_modules), seed=args.seed, **fraction,
+        pinned_adapters=tuple(args.pinned_lora_modules), seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+        **fraction,
     )
 
 
@@ -157,9 +163,6 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
     if args.enable_lora is False:
         raise ConfigError("--no-enable-lora: LoRA is always on in lorafleet worker (serve the base model by "
                           "naming it; leave the flag out)")
-    if args.tensor_parallel_size != 1:
-        raise ConfigError(f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not "
-                          "implemented (one GPU per worker; run several workers behind the router)")
     names = args.served_model_name or [None]
     if len(names) > 1:
         raise ConfigError(f"--served-model-name {' '.join(names)}: one name; vLLM's further names (aliases) "

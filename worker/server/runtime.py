@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass, field
 
 from lorafleet.worker.engine.async_engine import AsyncEngine
+from lorafleet.worker.engine.parallel import Ranks
 from lorafleet.worker.lora.fetch import AdapterFetcher
 from lorafleet.worker.openai.reasoning import marker_ids
 from lorafleet.worker.server.auth import AdminToken
@@ -32,6 +33,7 @@ class WorkerRuntime:
     loads: dict[tuple, asyncio.Task] = field(default_factory=dict)  # single flight per (name, path, ...)
     fetcher: AdapterFetcher = field(default_factory=AdapterFetcher.from_env)  # s3:// and hf:// sources, their cache
     _task: asyncio.Task | None = None
+    ranks: Ranks | None = None  # --tensor-parallel-size > 1: the other ranks, started and watched here
 
     @classmethod
     def create(cls, settings: WorkerSettings) -> WorkerRuntime:
@@ -58,8 +60,12 @@ class WorkerRuntime:
             if s.reasoning_parser is not None:  # before the weights: a vocabulary without the markers fails at once
                 tokenizer = await asyncio.to_thread(Tokenizer, s.tokenizer or s.model)
                 self.reasoning_markers = marker_ids(tokenizer, s.reasoning_parser)
+            if s.engine.tensor_parallel_size > 1:
+                self.ranks = await asyncio.to_thread(Ranks.start, s.model, s.engine)
+                asyncio.create_task(self._watch_ranks())
             engine = await asyncio.to_thread(
-                LLMEngine, s.model, s.engine, s.tokenizer, dict(s.lora_modules)
+                LLMEngine, s.model, s.engine, s.tokenizer, dict(s.lora_modules), None,
+                None if self.ranks is None else self.ranks.group,
             )
         except Exception as exc:  # noqa: BLE001 - reported on /health and /ready, and logged
             # Clients see the error's kind only: its text names files on this machine.
@@ -81,3 +87,15 @@ class WorkerRuntime:
                 await self._task
         if self.engine is not None:
             await self.engine.stop()
+        if self.ranks is not None:
+            await asyncio.to_thread(self.ranks.stop)
+
+    async def _watch_ranks(self) -> None:
+        """One rank's exit stops the worker: `error` set makes `serve` shut the servers down."""
+        while self.ranks is not None and self.error is None:
+            failure = self.ranks.failure()
+            if failure is not None:
+                log.error("%s", failure)
+                self.error = failure
+                return
+            await asyncio.sleep(0.5)

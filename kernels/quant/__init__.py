@@ -1,0 +1,1 @@
+"""Weight-only quantized GEMMs (FP8 e4m3 weights, bf16 activations) with their torch references."""

@@ -1,0 +1,192 @@
+"""Tensor parallelism on CPU over gloo: the engine as rank 0 of 2 and 4 processes against the same
+engine unsharded (TP = 1), on a tiny random Llama with grouped-query attention (fewer KV heads than 4
+ranks: replicated), a vocabulary no rank count divides (padded shards), adapters of several ranks and
+targets, mixed batches and two adapters per request. Greedy tokens must be equal and the first step's
+logprobs (and the prompt logprobs) within 1e-4."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+import torch.distributed as dist
+
+from lorafleet.worker.config import ConfigError, EngineConfig, ModelConfig
+from lorafleet.worker.engine.engine import LLMEngine
+from lorafleet.worker.engine.parallel import Ranks, free_port, init_group, start_followers, stop
+from lorafleet.worker.engine.sequence import SamplingParams
+from lorafleet.worker.lora.errors import AdapterError
+from lorafleet.worker.models.sharding import check_shardable, shard_config
+from tests.router.fake_worker import free_port as http_port
+from tests.router.fake_worker import wait_http
+from tests.worker.dora_checkpoints import build_dora
+from tests.worker.lora_harness import write_adapter
+
+ADAPTERS = {"r4": dict(r=4, seed=1), "r16": dict(r=16, seed=2, targets=("q_proj", "v_proj", "o_proj", "down_proj")),
+            "r8": dict(r=8, seed=3, rank_pattern={"model.layers.1.mlp.up_proj": 2})}
+REQUESTS = [(), (("r4", 1.0),), (("r16", 1.0),), (("r4", 0.5), ("r8", 0.7)), (("r8", 1.0),), (), (("r16", 0.3),)]
+
+
+def _model(folder, vocab: int) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.15)
+    model.save_pretrained(str(folder), safe_serialization=True)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    from lorafleet.worker.demo_assets import build_tokenizer
+
+    root = tmp_path_factory.mktemp("tp")
+    model_dir = root / "model"
+    model_dir.mkdir()
+    vocab = build_tokenizer(model_dir, 301)
+    assert vocab % 2 and vocab % 4, "a vocabulary the rank counts do not divide"
+    _model(model_dir, vocab)
+    config = ModelConfig.from_folder(model_dir)
+    adapters = {name: str(write_adapter(root / name, config, torch.float32, alpha=16.0, **kw))
+                for name, kw in ADAPTERS.items()}
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 9, 3, 12, 7, 4, 20)]
+    return model_dir, adapters, prompts
+
+
+def _engine_config(tp: int) -> EngineConfig:
+    # Two slots for three adapters: fills and evictions happen between steps.
+    return EngineConfig(max_loras=2, max_cpu_loras=4, max_lora_rank=16, max_loras_per_request=2, device="cpu",
+                        dtype="float32", num_kv_blocks=64, block_size=8, warmup=False, tensor_parallel_size=tp)
+
+
+def _run(engine: LLMEngine, prompts):
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, prompt_logprobs=2)
+    return engine.generate(prompts, params, REQUESTS)
+
+
+@pytest.fixture(scope="module")
+def reference(assets):
+    model_dir, adapters, prompts = assets
+    return _run(LLMEngine(model_dir, _engine_config(1), lora_modules=adapters), prompts)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sharded_engine_matches_tp1(assets, reference, tp):
+    model_dir, adapters, prompts = assets
+    config = _engine_config(tp)
+    init = f"tcp://127.0.0.1:{free_port()}"
+    followers = start_followers(model_dir, config, init)
+    group = init_group(0, tp, init, torch.device("cpu"), timeout_s=120)
+    try:
+        engine = LLMEngine(model_dir, config, lora_modules=adapters, group=group)
+        got = _run(engine, prompts)
+        if tp == 2:  # DoRA's norms need whole base weights: refused with the reason, the ranks unharmed
+            build_dora("llama3_rope", model_dir, targets=("q_proj", "o_proj"))
+            with pytest.raises(AdapterError, match="tensor-parallel") as refused:
+                engine.load_adapter("dora", str(model_dir / "dora"))
+            assert refused.value.reason == "unsupported"
+        stop(group)
+    finally:
+        dist.destroy_process_group()
+        codes = [_wait_or_kill(p) for p in followers]
+    assert codes == [0] * (tp - 1)
+    for want, have in zip(reference, got):
+        assert have.token_ids == want.token_ids
+        first_w, first_h = want.logprobs[0], have.logprobs[0]
+        assert abs(first_w.logprob - first_h.logprob) < 1e-4
+        assert [t for t, _ in first_w.top] == [t for t, _ in first_h.top]
+        assert max(abs(a - b) for (_, a), (_, b) in zip(first_w.top, first_h.top)) < 1e-4
+        pairs = [(a.logprob, b.logprob) for a, b in zip(want.prompt_logprobs, have.prompt_logprobs)
+                 if a is not None and a.logprob is not None]
+        assert pairs and max(abs(a - b) for a, b in pairs) < 1e-4
+    # The adapters change the output (so equality above says the sharded LoRA path is right).
+    assert len({tuple(c.token_ids) for c in reference}) > 3
+
+
+def _wait_or_kill(p: subprocess.Popen) -> int | None:
+    try:
+        return p.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        return None
+
+
+def test_a_rank_that_dies_before_joining_fails_the_start_at_once(tmp_path):
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match="rank 1 exited with code 1 before joining"):
+        Ranks.start(tmp_path / "no-model", _engine_config(2))
+    assert time.monotonic() - started < 60  # not the group's timeout (600 s)
+    assert not dist.is_initialized()
+
+
+def test_shard_config_and_refusals(assets):
+    config = ModelConfig.from_folder(assets[0])
+    shard = shard_config(config, 4)
+    assert (shard.num_heads, shard.num_kv_heads, shard.intermediate_size) == (1, 1, 24)
+    with pytest.raises(ConfigError, match="attention heads"):
+        check_shardable(config, 8)
+    with pytest.raises(ConfigError, match="intermediate size 90"):
+        check_shardable(dataclasses.replace(config, intermediate_size=90), 4)
+    with pytest.raises(ConfigError, match="gemma2 family"):
+        check_shardable(dataclasses.replace(config, model_type="gemma2"), 2)
+
+
+def _start_worker(model_dir, adapters, tp: int) -> tuple[subprocess.Popen, str]:
+    port = http_port()
+    argv = [sys.executable, "-m", "lorafleet", "worker", "--model", str(model_dir), "--served-model-name", "tiny",
+            "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "float32",
+            "--tensor-parallel-size", str(tp), "--max-loras", "2", "--max-lora-rank", "16",
+            "--lora-modules", *(f"{n}={p}" for n, p in adapters.items()), "--log-level", "warning"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            wait_http(url + "/ready", timeout_s=1)
+            return proc, url
+        except TimeoutError:
+            continue
+    proc.kill()
+    raise AssertionError(f"worker -tp {tp} did not start: {proc.communicate(timeout=30)[1].decode()[-2000:]}")
+
+
+def test_worker_http_tp2_serves_like_tp1_and_stops_when_a_rank_dies(assets, reference):
+    model_dir, adapters, prompts = assets
+    proc, url = _start_worker(model_dir, adapters, 2)
+    try:
+        for i in (0, 1, 3):  # no adapter, one, two with scales
+            body = {"model": "tiny", "prompt": prompts[i], "max_tokens": 6, "temperature": 0, "logprobs": 3}
+            if REQUESTS[i]:
+                body["lora_adapters"] = [{"name": n, "scale": s} for n, s in REQUESTS[i]]
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["text"] == reference[i].text
+            assert abs(choice["logprobs"]["token_logprobs"][0] - reference[i].logprobs[0].logprob) < 1e-4
+        children = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(proc.pid)], capture_output=True, text=True)
+        (rank1,) = [int(line.split()[0]) for line in children.stdout.splitlines()
+                    if "lorafleet.worker.engine.parallel" in line]
+        os.kill(rank1, signal.SIGKILL)
+        code = proc.wait(timeout=60)
+        err = proc.stderr.read().decode()
+        assert code != 0
+        assert "tensor-parallel rank 1 of 2 exited" in err, err[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,121 @@
+"""Megatron tensor-parallel sharding, as data: the shard config, and which slice of each checkpoint
+and adapter tensor a rank holds (docs/tensor_parallel.md).
+
+Pure functions over tensors: no communication here (that is `tensor_parallel.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from lorafleet.worker.config import ConfigError, ModelConfig
+from lorafleet.worker.lora.weights import LoraWeights, ModuleWeights
+
+# Families whose layers are the Llama maths around sharded matmuls; the others are refused under TP.
+TP_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+COLUMN_TARGETS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by output rows
+ROW_TARGETS = ("o_proj", "down_proj")  # split by input columns; their output is all-reduced
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    rank: int
+    world: int
+
+    def rows(self, n: int) -> slice:
+        """This rank's even share of `n` (n a multiple of world)."""
+        step = n // self.world
+        return slice(self.rank * step, (self.rank + 1) * step)
+
+
+def check_shardable(config: ModelConfig, world: int) -> None:
+    """Raise ConfigError with the reason when `config` cannot be split over `world` ranks."""
+    if config.model_type not in TP_FAMILIES:
+        raise ConfigError(f"--tensor-parallel-size {world}: the {config.model_type} family is not sharded yet "
+                          f"(supported: {', '.join(sorted(TP_FAMILIES))})")
+    problems = []
+    if config.num_heads % world:
+        problems.append(f"{config.num_heads} attention heads")
+    if config.intermediate_size % world:
+        problems.append(f"intermediate size {config.intermediate_size}")
+    kv = config.num_kv_heads
+    if kv % world and world % kv:
+        problems.append(f"{kv} key/value heads (N and the KV heads must divide one another)")
+    if problems:
+        raise ConfigError(f"--tensor-parallel-size {world} does not divide the model's {', '.join(problems)}")
+
+
+def shard_config(config: ModelConfig, world: int) -> ModelConfig:
+    """The config one rank's model is built on: its heads, KV heads and intermediate columns."""
+    check_shardable(config, world)
+    return dataclasses.replace(config, num_heads=config.num_heads // world,
+                               num_kv_heads=max(1, config.num_kv_heads // world),
+                               intermediate_size=config.intermediate_size // world)
+
+
+def vocab_shard(vocab: int, world: int) -> int:
+    """Rows of the embedding / lm_head each rank holds (the last shard zero-padded)."""
+    return -(-vocab // world)
+
+
+def kv_head_rows(config: ModelConfig, shard: Shard) -> slice:
+    """Rows of k_proj / v_proj rank `shard` holds: its KV heads, or the one it shares when KV < N."""
+    kv, d = config.num_kv_heads, config.head_dim
+    if kv >= shard.world:
+        per = kv // shard.world
+        return slice(shard.rank * per * d, (shard.rank + 1) * per * d)
+    head = shard.rank * kv // shard.world
+    return slice(head * d, (head + 1) * d)
+
+
+def _vocab_rows(t: torch.Tensor, vocab: int, shard: Shard) -> torch.Tensor:
+    n = vocab_shard(vocab, shard.world)
+    part = t[shard.rank * n : min((shard.rank + 1) * n, t.shape[0])]
+    if part.shape[0] < n:
+        part = torch.cat([part, part.new_zeros(n - part.shape[0], *part.shape[1:])])
+    return part
+
+
+def shard_tensor(name: str, t: torch.Tensor, config: ModelConfig, shard: Shard) -> torch.Tensor:
+    """Rank `shard`'s slice of checkpoint tensor `name` (Hugging Face naming), `config` the full one."""
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        return _vocab_rows(t, config.vocab_size, shard)
+    for target in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+        if f".{target}." in name:
+            rows = shard.rows(t.shape[0]) if target in ("q_proj", "gate_proj", "up_proj") else kv_head_rows(config, shard)
+            return t[rows]
+    for target in ROW_TARGETS:
+        if name.endswith(f".{target}.weight"):
+            return t[:, shard.rows(t.shape[1])]
+    if name.endswith((".o_proj.bias", ".down_proj.bias")):
+        raise ConfigError(f"{name}: a bias on a row-parallel layer is not sharded yet")
+    return t
+
+
+def shard_checkpoint(named: Iterable[tuple[str, torch.Tensor]], config: ModelConfig,
+                     shard: Shard) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint as rank `shard` loads it: each tensor cut as it is read (a rank never holds
+    the whole model). Slices are copied so the full tensor can be freed."""
+    for name, t in named:
+        yield name, shard_tensor(name, t, config, shard).contiguous()
+
+
+def shard_lora(weights: LoraWeights, config: ModelConfig, shard: Shard) -> LoraWeights:
+    """Rank `shard`'s slice of an adapter (S-LoRA): column-parallel targets keep A and cut B's output
+    rows; row-parallel targets cut A's input columns and keep B. `config` is the full model's."""
+    modules: dict[tuple[int, str], ModuleWeights] = {}
+    for (layer, target), m in weights.modules.items():
+        a, b = m.a, m.b
+        if target in ("q_proj", "gate_proj", "up_proj"):
+            b = b[shard.rows(b.shape[0])]
+        elif target in ("k_proj", "v_proj"):
+            b = b[kv_head_rows(config, shard)]
+        elif target in ROW_TARGETS:
+            a = a[:, shard.rows(a.shape[1])]
+        modules[(layer, target)] = ModuleWeights(a=a.contiguous(), b=b.contiguous(), scaling=m.scaling)
+    return LoraWeights(path=weights.path, rank=weights.rank, alpha=weights.alpha, use_rslora=weights.use_rslora,
+                       digest=weights.digest, modules=modules)
