@@ -110,6 +110,9 @@ class AdapterRecord:
     # (reason, message) of the last load refused on a new replica while copies of the target serve
     # elsewhere (a remote object changed since its digest was recorded); cleared by a load that takes.
     replica_refused: tuple[str, str] | None = None
+    # (worker reason, safe message) of the last load whose remote fetch failed transiently (the
+    # store unreachable, a wrong endpoint): retried each round, shown until a load takes.
+    fetch_retrying: tuple[str, str] | None = None
 
     @property
     def expected_digest(self) -> str | None:
@@ -151,7 +154,8 @@ class AdapterRecord:
             self.status = old.status
         if (old.spec.source, old.spec.sha256) == (self.spec.source, self.spec.sha256):
             for name in ("verified", "outdated", "current_digest", "busy_since", "update_refused", "serving_path",
-                         "serving_digest", "next_probe", "probe_delay", "previous_digest", "replica_refused"):
+                         "serving_digest", "next_probe", "probe_delay", "previous_digest", "replica_refused",
+                         "fetch_retrying"):
                 setattr(self, name, getattr(old, name))
         else:  # a new sha256 alone leaves copies of the right content alone (check_loaded decides)
             self.outdated = old.outdated or old.spec.source != self.spec.source
@@ -333,6 +337,7 @@ def status_writes(
             failure=record.problem,
             update_refused=record.update_refused,
             replica_refused=record.replica_refused,
+            fetch_retrying=record.fetch_retrying,
             placed_reason=why,
             placed_message=detail,
             digest=digest_of(loaded, digests, name, inventories, record.target_digest),

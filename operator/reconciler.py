@@ -40,6 +40,7 @@ from lorafleet.operator.worker_client import (
     LoadRefused,
     WorkerClient,
     WorkerError,
+    fetch_retry,
     resident,
 )
 from lorafleet.protocol import AdapterInventory
@@ -327,6 +328,9 @@ class PoolReconciler(Rollout, PodRoll, StoreSync):
                     return
                 except WorkerError as exc:
                     errors += 1
+                    retry = fetch_retry(exc) if action.kind == "load" and record is not None else None
+                    if retry is not None:  # a remote source that keeps failing: said in its status
+                        record.fetch_retrying = retry
                     log.info("%s %s on %s: %s", action.kind, action.adapter, action.pod, exc)
                     return
             if action.kind == "load":  # published only once the inventory shows it loaded

@@ -17,7 +17,7 @@ from lorafleet.operator import pool_state
 from lorafleet.operator.pool_state import AdapterRecord
 from lorafleet.operator.sources import load_pin
 from lorafleet.operator.spec import digest_matches, same_digest
-from lorafleet.operator.worker_client import LoadRefused, WorkerBusy, WorkerError, resident
+from lorafleet.operator.worker_client import LoadRefused, WorkerBusy, WorkerError, fetch_retry, resident
 from lorafleet.protocol import AdapterInfo, AdapterInventory
 
 if TYPE_CHECKING:
@@ -137,6 +137,7 @@ class Rollout:
                     return False
                 except WorkerError as exc:
                     errors += 1
+                    record.fetch_retrying = fetch_retry(exc) or record.fetch_retrying
                     log.info("reload of %s on %s: %s", name, pod_name, exc)
                     return False
                 record.busy_since.pop(pod_name, None)
@@ -299,7 +300,7 @@ class Rollout:
     def _took(self, record: AdapterRecord, pod: str, inventory: AdapterInventory, before: AdapterInfo | None) -> None:
         """The bookkeeping after a load of the record's target on `pod` answered with `inventory`."""
         self.loaded.setdefault(pod, set()).add(record.spec.name)
-        record.replica_refused = None
+        record.replica_refused = record.fetch_retrying = None
         self._note_copy(pod, inventory, record.spec.name)
         self._adopt(record, pod, inventory, before)
         pool_state.note_digests(self.digests, inventory)

@@ -17,6 +17,15 @@ The pool's `spec.sources`:
       allowedBuckets: [team-adapters]               # s3:// buckets ("*": any)
       allowedHubOwners: [my-org]                    # hf:// owners ("*": any)
       cacheBytes: 21474836480                       # the workers' fetch cache (an emptyDir)
+      nodeCache: {hostPath: /var/cache/lorafleet-adapters}   # optional: one cache per node instead
+
+Without `nodeCache` each worker has its own cache, an emptyDir (Pod Security `restricted` admits
+it). With it, the cache is that folder of the node (a hostPath volume, DirectoryOrCreate), shared by
+every worker scheduled there: one download per node and content (the workers lock it between
+them, worker/lora/cache_locks.py), kept across pod restarts. Pod Security `restricted` and
+`baseline` both refuse hostPath volumes: the pool's namespace must be `privileged`, and the folder
+must be writable by the workers' user (uid WORKER_UID in builders.py), which a DirectoryOrCreate
+folder made by the kubelet (root, 0755) is not.
 
 Without `spec.sources` a pool serves volume adapters only: a remote source is refused
 (SourceNotAllowed) before any load, and its pods are as they were. The operator never reads a
@@ -67,6 +76,7 @@ class SourcesSpec:
     allowed_buckets: tuple[str, ...] = ()
     allowed_hub_owners: tuple[str, ...] = ()
     cache_bytes: int = DEFAULT_CACHE_BYTES
+    node_cache: str | None = None  # a node folder (hostPath) shared by the node's workers; None: an emptyDir
 
 
 def scheme_of(source: str) -> str | None:
@@ -121,11 +131,23 @@ def parse_sources(spec: Mapping[str, Any]) -> SourcesSpec:
         raise InvalidSource("InvalidSpec", f"spec.sources.cacheBytes must be an integer >= 1048576, not {cache!r}")
     return SourcesSpec(
         enabled=True,
+        node_cache=node_cache_path(raw.get("nodeCache")),
         credentials_secret=secret_name(raw.get("credentialsSecretRef"), "spec.sources."),
         allowed_buckets=_names(raw, "allowedBuckets"),
         allowed_hub_owners=_names(raw, "allowedHubOwners"),
         cache_bytes=cache,
     )
+
+
+def node_cache_path(raw: Any) -> str | None:
+    """`spec.sources.nodeCache` ({hostPath: /absolute/folder}) as the folder, None when absent."""
+    if raw is None:
+        return None
+    path = raw.get("hostPath") if isinstance(raw, Mapping) else None
+    if not isinstance(path, str) or not path.startswith("/") or path.rstrip("/") == "" or ".." in path.split("/"):
+        raise InvalidSource("InvalidSpec", "spec.sources.nodeCache must be {hostPath: <absolute folder of the node, "
+                            f"not '/', without '..'>}}, not {raw!r}")
+    return path.rstrip("/")
 
 
 def _allowed(value: str, allowed: tuple[str, ...]) -> bool:
@@ -174,9 +196,12 @@ def worker_env(sources: SourcesSpec, cache_dir: str = CACHE_MOUNT) -> list[dict[
 
 
 def cache_volume(sources: SourcesSpec) -> dict[str, Any] | None:
-    """The fetch cache's emptyDir, sized a little above its byte bound (the worker evicts at the bound)."""
+    """The fetch cache: the node's folder with `nodeCache` (a hostPath, created if missing; its
+    workers evict at the byte bound), else an emptyDir sized a little above the bound."""
     if not sources.enabled:
         return None
+    if sources.node_cache:
+        return {"name": CACHE_VOLUME, "hostPath": {"path": sources.node_cache, "type": "DirectoryOrCreate"}}
     limit = sources.cache_bytes + sources.cache_bytes // 10
     return {"name": CACHE_VOLUME, "emptyDir": {"sizeLimit": str(limit)}}
 

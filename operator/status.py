@@ -7,6 +7,8 @@ Phases of a LoraAdapter:
   Loading   loads are in flight and fewer replicas than desired are ready.
   Degraded  some replicas ready, fewer than desired, nothing in flight (e.g. short of capacity).
   Pending   nothing loaded and nothing in flight (no pool, no ready worker, no room).
+A Ready condition with reason FetchRetrying: a load's fetch of a remote source keeps failing
+transiently (the worker's reason and message; the phase stays Loading or Pending meanwhile).
 Status carries aggregates only (counts, conditions), never a list of pods.
 """
 
@@ -46,6 +48,9 @@ class AdapterObservation:
     # (reason, message): a new replica's worker refused the content the others serve (e.g. an
     # object changed since the digest was recorded): they keep serving, no replica is added.
     replica_refused: tuple[str, str] | None = None
+    # (worker reason, message): the last load's fetch of the remote source failed transiently and
+    # is retried (reason FetchRetrying on Ready while fewer replicas than desired are loaded).
+    fetch_retrying: tuple[str, str] | None = None
 
 
 def adapter_phase(obs: AdapterObservation) -> str:
@@ -78,6 +83,10 @@ def adapter_conditions(obs: AdapterObservation) -> list[Condition]:
     elif obs.replica_refused is not None:
         ready_reason = obs.replica_refused[0]
         ready_message = f"{ready_message}; a new replica refused the content the others serve: {obs.replica_refused[1]}"
+    elif obs.fetch_retrying is not None:
+        ready_reason = "FetchRetrying"
+        why, detail = obs.fetch_retrying
+        ready_message = f"{ready_message}; fetching the source failed ({why}), retrying: {detail}"
     elif obs.loading:
         ready_reason = "Loading"
     elif not placed_ok:  # why it is not loaded: the placement's reason (e.g. PoolNotFound), not "NotLoaded"

@@ -12,6 +12,8 @@ Errors:
 
 from __future__ import annotations
 
+import re
+
 import httpx
 
 from lorafleet.protocol import (
@@ -31,7 +33,13 @@ class WorkerError(Exception):
 
 
 class WorkerUnavailable(WorkerError):
-    """Transient: the worker cannot answer now."""
+    """Transient: the worker cannot answer now. `worker_reason` and `detail`: the reason and
+    message of the worker's answer, when it gave one."""
+
+    def __init__(self, message: str, worker_reason: str | None = None, detail: str = "") -> None:
+        super().__init__(message)
+        self.worker_reason = worker_reason
+        self.detail = detail
 
 
 class WorkerBusy(WorkerUnavailable):
@@ -52,6 +60,31 @@ SOURCE_REASONS = {
 }
 # Fetch errors that pass (a network or store hiccup, an object replaced mid-download): retried.
 TRANSIENT_REASONS = ("fetch_failed", "changed")
+# The worker's reasons for a fetch of a remote source that failed and is worth another try (its
+# 503 "unavailable": the store or the Hub kept failing through the worker's own retries): shown in
+# the adapter's Ready condition (FetchRetrying) until a load takes.
+FETCH_RETRY_REASONS = ("unavailable", *TRANSIENT_REASONS)
+FETCH_MESSAGE_MAX = 400
+# What a worker's message must not carry into a status: absolute paths of its machine (a path
+# after "://" is a source's, kept), credentials in a URL, key-shaped strings.
+_REDACT = (
+    (re.compile(r"(?<![\w:/.])/[^\s'\",;)]+"), "<path>"),
+    (re.compile(r"://[^/\s@]+@"), "://"),
+    (re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b|\bhf_[A-Za-z0-9]{16,}\b"), "<redacted>"),
+)
+
+
+def fetch_retry(exc: WorkerError) -> tuple[str, str] | None:
+    """(worker reason, safe message) when `exc` is a load whose remote fetch failed transiently."""
+    reason = getattr(exc, "worker_reason", None)
+    if not isinstance(exc, WorkerUnavailable) or reason not in FETCH_RETRY_REASONS:
+        return None
+    text = exc.detail
+    for pattern, replacement in _REDACT:
+        text = pattern.sub(replacement, text)
+    if len(text) > FETCH_MESSAGE_MAX:
+        text = text[:FETCH_MESSAGE_MAX] + "..."
+    return reason, text
 
 
 class LoadRefused(WorkerError):
@@ -125,7 +158,8 @@ class WorkerClient:
         except httpx.HTTPError as exc:
             raise WorkerUnavailable(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
         if response.status_code >= 500 or response.status_code in (401, 403, 408, 429):
-            raise WorkerUnavailable(f"{method} {url}: {response.status_code} {_error_text(response)}")
+            text = _error_text(response)
+            raise WorkerUnavailable(f"{method} {url}: {response.status_code} {text}", _error_reason(response), text)
         return response
 
     async def inventory(self, base_url: str, token: str) -> AdapterInventory:
@@ -168,7 +202,7 @@ class WorkerClient:
             if response.status_code == 409 and reason in BUSY_REASONS:
                 raise WorkerBusy(f"load {name} on {base_url}: {text}")
             if reason in TRANSIENT_REASONS:
-                raise WorkerUnavailable(f"load {name} on {base_url}: {text}")
+                raise WorkerUnavailable(f"load {name} on {base_url}: {text}", reason, text)
             # vLLM answers 400 "already loaded" for a name it holds: the inventory decides.
             if not (response.status_code == 400 and "already" in text.lower()):
                 raise LoadRefused(response.status_code, text, reason)

@@ -53,8 +53,8 @@ def worker_argv(options: UpOptions, run_dir: RunDir, model: Path, port: int, dev
 
 def worker_env(workers: int, adapter_cache: Path | None = None) -> dict[str, str]:
     """The workers' environment: the caller's (AWS_*, HF_ENDPOINT, HF_TOKEN reach the fetchers as
-    they are), and each worker its own adapter cache folder, as each pod has its own emptyDir (a
-    cache shared by workers could be trimmed by one under another's loaded adapters)."""
+    they are), and each worker its own adapter cache folder, as each pod has its own emptyDir by
+    default (one folder for all would work too: the workers lock it between them, as a node's do)."""
     env = dict(os.environ)
     if adapter_cache is not None:
         env["LORAFLEET_ADAPTER_CACHE_DIR"] = str(adapter_cache)

@@ -39,3 +39,28 @@ def test_default_pool_without_sources_serves_its_volume_only() -> None:
     raw = one(objs, "LoraPool")
     assert "sources" not in raw["spec"] and "serviceAccountName" not in raw["spec"]
     assert not any(o["kind"] == "ServiceAccount" and o["metadata"]["name"].endswith("-worker") for o in objs)
+
+
+def test_default_pool_node_cache_is_off_unless_a_folder_is_given() -> None:
+    from tests.operator.pod_security import restricted_violations
+
+    values = {"defaultPool": {"enabled": True, "sources": {"enabled": True, "allowedBuckets": ["b-1"]}}}
+    raw = one(manifests(run_helm("install", values)), "LoraPool")
+    assert "nodeCache" not in raw["spec"]["sources"]
+    spec = pod_template(parse_pool(raw["metadata"]["namespace"], raw["metadata"]["name"], raw["spec"]))["spec"]
+    assert restricted_violations(spec) == []
+
+    values["defaultPool"]["sources"]["nodeCache"] = {"hostPath": "/var/cache/lorafleet-adapters"}
+    raw = one(manifests(run_helm("install", values)), "LoraPool")
+    assert raw["spec"]["sources"]["nodeCache"] == {"hostPath": "/var/cache/lorafleet-adapters"}
+    spec = pod_template(parse_pool(raw["metadata"]["namespace"], raw["metadata"]["name"], raw["spec"]))["spec"]
+    cache = next(v for v in spec["volumes"] if v["name"] == "adapter-cache")
+    assert cache["hostPath"] == {"path": "/var/cache/lorafleet-adapters", "type": "DirectoryOrCreate"}
+    # The one thing Pod Security restricted refuses: the namespace must be privileged (docs/kubernetes.md).
+    assert restricted_violations(spec) == ["volume adapter-cache: type ['hostPath'] not allowed"]
+
+
+def test_values_schema_refuses_a_relative_node_cache_folder() -> None:
+    out = run_helm("install", {"defaultPool": {"enabled": True, "sources": {
+        "enabled": True, "nodeCache": {"hostPath": "var/cache"}}}})
+    assert not out["ok"] and "/defaultPool/sources/nodeCache/hostPath" in out["error"], out

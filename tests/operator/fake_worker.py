@@ -5,8 +5,8 @@ Implements `GET /v1/adapters`, `POST /v1/load_lora_adapter`, `POST /v1/unload_lo
 are in flight (409 `in_use`, as the real worker); `sha256` refuses other content (400
 `DigestMismatch`, as the real worker). Adapters are directories under `adapter_root` with an
 `adapter_config.json` (`r`, `lora_alpha`); the digest is sha256 over that file. Knobs inject the
-failures the operator must survive: a worker that is down, restarts empty, or answers 200 to an
-unload and keeps the adapter (as vLLM has).
+failures the operator must survive: a worker that is down, restarts empty, answers 200 to an
+unload and keeps the adapter (as vLLM has), or fails an adapter's loads (`load_faults`).
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ class FakeWorkerState:
     down: bool = False
     sticky_unload: bool = False  # unload answers 200 but keeps the adapter
     calls: list[tuple[str, str]] = field(default_factory=list)  # (op, adapter)
+    # adapter -> (status, message, reason) every load of it answers, as a worker whose fetch of a
+    # remote source fails (503 "unavailable" when the store keeps failing)
+    load_faults: dict[str, tuple[int, str, str]] = field(default_factory=dict)
 
     def restart(self) -> None:
         self.adapters.clear()
@@ -77,6 +80,9 @@ def create_app(state: FakeWorkerState) -> FastAPI:
     @app.post("/v1/load_lora_adapter", dependencies=guarded)
     async def load(body: LoadLoraAdapterRequest) -> JSONResponse:
         state.calls.append(("load", body.lora_name))
+        if body.lora_name in state.load_faults:
+            code, message, reason = state.load_faults[body.lora_name]
+            return _error(code, message, reason=reason)
         root = os.path.realpath(state.adapter_root)
         path = os.path.realpath(body.lora_path)
         if os.path.commonpath([root, path]) != root:

@@ -122,6 +122,13 @@ def test_examples_accepted_and_bad_manifests_refused_with_the_crd_message(cluste
         proc = kubectl(cluster.admin_kubeconfig, "apply", "--dry-run=server", "-f", "-", stdin=json.dumps(doc),
                        check=False)
         assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+    pool = {"apiVersion": f"{GROUP}/v1alpha1", "kind": "LoraPool", "metadata": {"name": "bad"},
+            "spec": {"model": {"path": "/m", "servedName": "m"}, "image": "w:1",
+                     "sources": {"nodeCache": {"hostPath": "/var/cache/../../etc"}}}}
+    proc = kubectl(cluster.admin_kubeconfig, "apply", "--dry-run=server", "-f", "-", stdin=json.dumps(pool), check=False)
+    assert proc.returncode != 0 and "nodeCache.hostPath may not hold '..'" in proc.stderr, proc.stderr
+    pool["spec"]["sources"]["nodeCache"]["hostPath"] = "/var/cache/lorafleet-adapters"
+    kubectl(cluster.admin_kubeconfig, "apply", "--dry-run=server", "-f", "-", stdin=json.dumps(pool))
 
 
 def pods_created(cluster: RealCluster, namespace: str) -> tuple[dict[str, int], list[str]]:
@@ -292,3 +299,29 @@ async def test_rollout_keeps_a_serving_copy_of_every_adapter(cluster: RealCluste
              and e.get("objectRef", {}).get("subresource") == "status" and e["verb"] == "patch"
              and e.get("user", {}).get("username", "").endswith(f":{account}")]
     assert costs, "the operator opened no readiness gate through pods/status"
+
+
+@pytest.mark.parametrize(("level", "admitted"), [("restricted", False), ("baseline", False), ("privileged", True)])
+def test_node_cache_pods_need_a_privileged_namespace(cluster: RealCluster, level: str, admitted: bool) -> None:
+    """The worker pod the operator builds with `spec.sources.nodeCache` (a hostPath), through the
+    real PodSecurity admission: refused under restricted and baseline, as docs/kubernetes.md says."""
+    from lorafleet.operator.builders import pod_template
+    from lorafleet.operator.spec import parse_pool
+
+    namespace = f"node-cache-{level}"
+    kubectl(cluster.admin_kubeconfig, "apply", "-f", "-", stdin=json.dumps({
+        "apiVersion": "v1", "kind": "Namespace",
+        "metadata": {"name": namespace, "labels": {"pod-security.kubernetes.io/enforce": level,
+                                                   "pod-security.kubernetes.io/enforce-version": "latest"}}}))
+    # The pod's ServiceAccount, so that only PodSecurity has a say (the token controller may lag).
+    kubectl(cluster.admin_kubeconfig, "apply", "-f", "-", stdin=json.dumps({
+        "apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default", "namespace": namespace}}))
+    spec = {"model": {"path": "/m", "servedName": "m"}, "image": "w:1",
+            "sources": {"allowedBuckets": ["b"], "nodeCache": {"hostPath": "/var/cache/lorafleet-adapters"}}}
+    template = pod_template(parse_pool(namespace, "p", spec))
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "worker", "namespace": namespace,
+                                                           **template["metadata"]}, "spec": template["spec"]}
+    proc = kubectl(cluster.admin_kubeconfig, "apply", "--dry-run=server", "-f", "-", stdin=json.dumps(pod), check=False)
+    assert (proc.returncode == 0) == admitted, proc.stderr
+    if not admitted:
+        assert "hostPath" in proc.stderr and "adapter-cache" in proc.stderr, proc.stderr

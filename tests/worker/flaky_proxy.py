@@ -1,12 +1,13 @@
 """A reverse proxy on loopback that passes requests to an upstream server (moto's S3) unchanged and
 injects faults into the first N requests whose method and path match: an error status instead of
 the upstream's answer, or the upstream's answer cut off halfway through its body (the connection
-closed). Every request is recorded as (method, path, status sent; 0 for a cut)."""
+closed); `slow` holds matching requests a while before passing them on. Every request is recorded as (method, path, status sent; 0 for a cut)."""
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
@@ -28,6 +29,7 @@ class FlakyProxy:
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream.rstrip("/")
         self.faults: list[Fault] = []
+        self.delays: list[tuple[str, str, float]] = []  # (method, path part, seconds held)
         self.requests: list[tuple[str, str, int]] = []
         self._lock = threading.Lock()
         self._http = httpx.Client(timeout=60)
@@ -44,6 +46,10 @@ class FlakyProxy:
     def fail(self, method: str, path_part: str, kind: str = "503", times: int = 1) -> None:
         with self._lock:
             self.faults.append(Fault(method, path_part, kind, times))
+
+    def slow(self, method: str, path_part: str, seconds: float) -> None:
+        with self._lock:
+            self.delays.append((method, path_part, seconds))
 
     def seen(self, method: str, path_part: str) -> list[int]:
         with self._lock:
@@ -70,6 +76,9 @@ def _handler(proxy: FlakyProxy) -> type[BaseHTTPRequestHandler]:
             length = int(self.headers.get("content-length") or 0)
             body = self.rfile.read(length) if length else b""
             fault = proxy._fault(method, path)
+            with proxy._lock:
+                held = sum(s for m, part, s in proxy.delays if m == method and part in path)
+            time.sleep(held)
             if fault is not None and fault != "cut":
                 with proxy._lock:
                     proxy.requests.append((method, path, int(fault)))

@@ -11,7 +11,10 @@ files' blob ids), and downloads one file. Everything else is here and shared:
 - size caps before any download (`pick_files`);
 - atomicity: a download lands in a `.partial-*` folder beside the cache and is renamed into place
   whole, so a partial download is never visible;
-- single flight: concurrent fetches of one source share one download;
+- single flight: concurrent fetches of one source share one download, in this process (a future
+  per source) and across the processes sharing the cache folder (a node-wide cache: a lock file per
+  content, cache_locks.py): one downloads, the others wait and count a cache hit;
+- eviction never removes a folder another process of the node holds (its shared lock);
 - bounded retries with exponential back-off on transient errors (5xx, 429, connection resets,
   timeouts; `LORAFLEET_ADAPTER_FETCH_ATTEMPTS`);
 - counters for the worker's `/metrics` (`FetchStats`).
@@ -35,9 +38,10 @@ from typing import TypeVar
 
 from lorafleet.worker import envs
 from lorafleet.worker.lora.adapter import WEIGHTS_FILE
+from lorafleet.worker.lora.cache_locks import PARTIAL, KeyLock, remove_folder, remove_leftovers
 from lorafleet.worker.lora.errors import AdapterError
 from lorafleet.worker.lora.hub_fetch import HubBackend
-from lorafleet.worker.lora.remote_files import Backend, RemoteSource, TransientError
+from lorafleet.worker.lora.remote_files import Backend, RemoteSource, Resolved, TransientError
 from lorafleet.worker.lora.s3_fetch import S3Backend
 from lorafleet.worker.lora.sources import S3Source
 
@@ -94,6 +98,9 @@ class AdapterFetcher:
         self._flights: dict[RemoteSource, Future] = {}
         self._used: dict[str, float] = {}  # cache folder name -> last use (monotonic), for LRU
         self._leases: dict[str, int] = {}  # folders handed out and not yet `release`d: never evicted
+        # cache key -> its lock, held shared while the folder is leased or protected (cache_locks.py)
+        self._held: dict[str, KeyLock] = {}
+        self._key_locks: dict[str, threading.Lock] = {}  # one fetch of a key at a time in this process
 
     @classmethod
     def from_env(cls) -> AdapterFetcher:
@@ -136,8 +143,7 @@ class AdapterFetcher:
             raise
         with self._lock:
             del self._flights[source]
-        self._lease(path)
-        flight.set_result(path)
+        flight.set_result(path)  # leased by `_fetch` already
         try:
             self._evict(keep={path} | set(protected()))
         except OSError as exc:  # a cache that cannot be trimmed must not fail the load
@@ -162,17 +168,64 @@ class AdapterFetcher:
         resolved = self.retrying(backend.scheme, lambda: backend.resolve(source, max_bytes))
         key = f"{backend.scheme}-{resolved.identity}"
         final = self.cache_dir / key
-        if (final / WEIGHTS_FILE).is_file():
+        with self._key_lock(key):
+            lock = self._held.get(key)
+            fresh = lock is None
+            if lock is None:
+                try:
+                    self.cache_dir.mkdir(parents=True, exist_ok=True)
+                    lock = KeyLock(self.cache_dir, key)
+                except PermissionError:
+                    raise AdapterError("cache_unwritable", "the adapter cache folder (LORAFLEET_ADAPTER_CACHE_DIR) "
+                                       f"is not writable by this worker's user (uid {os.getuid()})") from None
+            try:
+                seconds = self._fill(lock, key, final, source, resolved, backend)
+            except BaseException:
+                if fresh:
+                    lock.close()
+                else:  # still leased here: back to shared, never left exclusive
+                    lock.shared()
+                raise
             with self._lock:
-                self.stats.hits += 1
-                self.stats.count("hits", backend.scheme)
+                self._held[key] = lock  # shared: no process evicts the folder while this one uses it
                 self._used[key] = time.monotonic()
-            return str(final)
-        with self._lock:
-            self.stats.count("misses", backend.scheme)
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=self.cache_dir))
-        t0 = time.perf_counter()
+                # Leased before the key's guard is let go: `_let_go` never drops a lock handed out.
+                self._leases[str(final)] = self._leases.get(str(final), 0) + 1
+                if seconds is None:
+                    self.stats.hits += 1
+                    self.stats.count("hits", backend.scheme)
+                    return str(final)
+                size = resolved.config.size + resolved.weights.size
+                self.stats.downloads += 1
+                self.stats.bytes_downloaded += size
+                self.stats.count("bytes", backend.scheme, size)
+                self.stats.seconds.append((backend.scheme, seconds))
+        log.info("fetched adapter %s (%d bytes) in %.2f s", source, size, seconds)
+        return str(final)
+
+    def _fill(self, lock: KeyLock, key: str, final: Path, source: RemoteSource, resolved: Resolved,
+              backend: Backend) -> float | None:
+        """Make `final` hold the content, the key's lock held shared on return: None when it was
+        there (this process's or another's download), else the download's seconds. Another
+        process downloading the key holds it exclusive: this one waits, then finds its folder."""
+        seconds = None
+        while True:
+            lock.shared()
+            if (final / WEIGHTS_FILE).is_file():
+                return seconds
+            lock.exclusive()
+            if not (final / WEIGHTS_FILE).is_file():
+                remove_leftovers(self.cache_dir, key)  # what a process killed mid-download left
+                with self._lock:
+                    self.stats.count("misses", backend.scheme)
+                t0 = time.perf_counter()
+                self._download(key, final, source, resolved, backend)
+                seconds = time.perf_counter() - t0
+            # Back to shared, then looked at again: it may have been evicted between the two locks.
+
+    def _download(self, key: str, final: Path, source: RemoteSource, resolved: Resolved, backend: Backend) -> None:
+        """Both files into a `.partial-KEY-*` folder beside the cache, renamed into place whole."""
+        tmp = Path(tempfile.mkdtemp(prefix=f"{PARTIAL}{key}-", dir=self.cache_dir))
         try:
             for file in (resolved.config, resolved.weights):
                 dest = tmp / file.name
@@ -180,25 +233,14 @@ class AdapterFetcher:
                 if dest.stat().st_size != file.size:  # every backend checks; a last net before the rename
                     raise AdapterError("changed", f"adapter source {source}: {file.name} is {dest.stat().st_size} "
                                        f"bytes, listed {file.size}; retry")
-            try:
-                os.rename(tmp, final)
-            except OSError:  # another process put the same content there first
-                if not (final / WEIGHTS_FILE).is_file():
-                    raise
-                shutil.rmtree(tmp, ignore_errors=True)
+            os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        seconds = time.perf_counter() - t0
-        size = resolved.config.size + resolved.weights.size
+
+    def _key_lock(self, key: str) -> threading.Lock:
         with self._lock:
-            self.stats.downloads += 1
-            self.stats.bytes_downloaded += size
-            self.stats.count("bytes", backend.scheme, size)
-            self.stats.seconds.append((backend.scheme, seconds))
-            self._used[key] = time.monotonic()
-        log.info("fetched adapter %s (%d bytes) in %.2f s", source, size, seconds)
-        return str(final)
+            return self._key_locks.setdefault(key, threading.Lock())
 
     def retrying(self, scheme: str, call: Callable[[], T]) -> T:
         """`call()`, again after a back-off (0.5 s, 1 s, 2 s, ... at most 10 s, jittered) while it
@@ -218,29 +260,53 @@ class AdapterFetcher:
 
     # -- the cache -------------------------------------------------------------------------------
     def _evict(self, keep: set[str]) -> None:
-        """Remove least recently used cache folders until the cache fits (never those in `keep`)."""
+        """Remove least recently used cache folders until the cache fits: never those in `keep` or
+        leased, nor one another process holds (a worker sharing the cache folder). Folders this
+        process no longer uses are let go first (their shared locks released)."""
         if not self.cache_dir.is_dir():
             return
+        with self._lock:
+            keep = keep | set(self._leases)
+        kept = {os.path.realpath(p) for p in keep}
+        self._let_go(kept)
         folders = []
         for entry in self.cache_dir.iterdir():
             if entry.name.startswith(".") or not entry.is_dir():
                 continue
-            size = sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
-            # Folders this process has not used (left by an earlier run) go first, oldest first.
+            try:
+                size = sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
+                mtime = entry.stat().st_mtime
+            except FileNotFoundError:  # another process evicted it meanwhile
+                continue
+            # Folders this process has not used (another's, or left by an earlier run) go first, oldest first.
             used = self._used.get(entry.name)
-            folders.append(((0, entry.stat().st_mtime) if used is None else (1, used), entry, size))
+            folders.append(((0, mtime) if used is None else (1, used), entry, size))
         total = sum(size for _u, _e, size in folders)
-        with self._lock:
-            keep = keep | set(self._leases)
-        kept = {os.path.realpath(p) for p in keep}
         for _used, entry, size in sorted(folders, key=lambda f: f[0]):
             if total <= self.max_cache_bytes:
                 break
-            if os.path.realpath(entry) in kept:
+            if os.path.realpath(entry) in kept or entry.name in self._held:
                 continue
-            shutil.rmtree(entry, ignore_errors=True)
+            if not remove_folder(self.cache_dir, entry.name):  # another process holds it
+                continue
             total -= size
             with self._lock:
                 self._used.pop(entry.name, None)
                 self.stats.evictions += 1
             log.info("evicted cached adapter folder %s (%d bytes)", entry.name, size)
+
+    def _let_go(self, kept: set[str]) -> None:
+        """Release the shared locks of folders neither kept nor being fetched by another thread."""
+        for key in list(self._held):
+            if os.path.realpath(self.cache_dir / key) in kept:
+                continue
+            guard = self._key_lock(key)
+            if not guard.acquire(blocking=False):  # a fetch of it is under way in this process
+                continue
+            try:
+                with self._lock:
+                    lock = self._held.pop(key, None)
+                if lock is not None:
+                    lock.close()
+            finally:
+                guard.release()
