@@ -124,9 +124,8 @@ class LLMEngine:
             self.slots = LoraSlots(self.model_config, config.max_loras, config.max_lora_rank, self.device, self.dtype)
         self.model.lora = self.slots
         # DoRA's column norms need whole base weights; a tensor-parallel rank holds a shard of them.
-        tp = config.tensor_parallel_size > 1
         self.registry = AdapterRegistry(self.model_config, config, self.slots, self.dtype,
-                                        base_weight=None if tp else self.model.base_weight)
+                                        base_weight=None if group is not None else self.model.base_weight)
 
         num_blocks = plan_kv_blocks(config, self.model_config, self.device,
                                     ModelRunner.kv_bytes_per_block(self.model, config.block_size), baseline_free)
