@@ -33,6 +33,8 @@ ENVIRONMENT: dict[str, str] = {
                                    "$TMPDIR/lorafleet-adapters)",
     "LORAFLEET_ADAPTER_CACHE_BYTES": "the remote adapter cache's size bound in bytes (default 20 GiB)",
     "LORAFLEET_ADAPTER_FETCH_ATTEMPTS": "tries per S3/Hub call on transient errors, with back-off (default 5)",
+    "LORAFLEET_FP8_TUNING": "the FP8 GEMM's tuning overridden: a JSON file's path or inline JSON "
+                            "(default: kernels/quant/tunings/ by device)",
     "TRITON_INTERPRET": "1: run the Triton kernels in Triton's interpreter (CPU; tests)",
     "VLLM_API_KEY": "vLLM's: the key `lorafleet worker`'s /v1/* requires without --api-key (not passed on to "
                     "`lorafleet up`'s workers)",
@@ -44,7 +46,8 @@ ENVIRONMENT: dict[str, str] = {
 WORKER_ENV = ("LORAFLEET_SAMPLER", "LORAFLEET_LOGIT_EDITS", "LORAFLEET_BLAS", "LORAFLEET_LORA_OVERLAP",
               "LORAFLEET_PREFILL_BATCH_QUERY", "LORAFLEET_PDL", "LORAFLEET_OVERLAP_MAX_CHUNKS",
               "LORAFLEET_GEMM_SM_CARVEOUT", "LORAFLEET_LORA_FEW_CHUNKS", "LORAFLEET_GEMM_FIRST",
-              "LORAFLEET_DELTA_STORE", "LORAFLEET_ZERO_IN_SHRINK", "LORAFLEET_LORA_TUNING", "LORAFLEET_ADAPTER_CACHE_DIR",
+              "LORAFLEET_DELTA_STORE", "LORAFLEET_ZERO_IN_SHRINK", "LORAFLEET_LORA_TUNING", "LORAFLEET_FP8_TUNING",
+              "LORAFLEET_ADAPTER_CACHE_DIR",
               "LORAFLEET_ADAPTER_CACHE_BYTES", "LORAFLEET_ADAPTER_FETCH_ATTEMPTS", "TRITON_INTERPRET",
               "VLLM_API_KEY")
 

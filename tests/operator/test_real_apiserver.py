@@ -188,13 +188,18 @@ def adapter_doc(name: str, copies: int) -> dict[str, Any]:
             "spec": {"pool": "pool", "source": name, "replicas": {"min": copies, "max": copies}}}
 
 
-async def test_operator_as_the_charts_service_account(cluster: RealCluster, tmp_path: Path) -> None:
-    ns = "op"
+async def operator_namespace(cluster: RealCluster, ns: str) -> str:
+    """A restricted namespace with the chart installed in it -> the operator's ServiceAccount name."""
     restricted_namespace(cluster, ns)
     result = await asyncio.to_thread(helm_install, cluster, ns, {})
     assert result["ok"], result.get("error")
-    account = next(o["metadata"]["name"] for o in yaml.safe_load_all(result["manifest"])
-                   if o and o["kind"] == "ServiceAccount" and "operator" in o["metadata"]["name"])
+    return next(o["metadata"]["name"] for o in yaml.safe_load_all(result["manifest"])
+                if o and o["kind"] == "ServiceAccount" and "operator" in o["metadata"]["name"])
+
+
+async def test_operator_as_the_charts_service_account(cluster: RealCluster, tmp_path: Path) -> None:
+    ns = "op"
+    account = await operator_namespace(cluster, ns)
     user = f"system:serviceaccount:{ns}:{account}"
     for name in ("a1", "a2"):
         write_adapter(tmp_path, name)
@@ -248,11 +253,7 @@ async def test_rollout_keeps_a_serving_copy_of_every_adapter(cluster: RealCluste
     the pods (surge 1, readiness gates, pod-deletion-cost), and at every tick each adapter is held by
     a pod the API reports Ready (what the router routes to)."""
     ns = "roll"
-    restricted_namespace(cluster, ns)
-    result = await asyncio.to_thread(helm_install, cluster, ns, {})
-    assert result["ok"], result.get("error")
-    account = next(o["metadata"]["name"] for o in yaml.safe_load_all(result["manifest"])
-                   if o and o["kind"] == "ServiceAccount" and "operator" in o["metadata"]["name"])
+    account = await operator_namespace(cluster, ns)
     names = [f"r{i}" for i in range(4)]
     for name in names:
         write_adapter(tmp_path, name)

@@ -154,7 +154,7 @@ def test_token_is_not_logged(worker, caplog):
     ("symlink-escape", "escape", 400, "path_outside_root"),
     ("root-itself", ".", 400, "path_outside_root"),
     ("missing", "does-not-exist", 400, "not_found"),
-    ("dora", "dora", 400, "unsupported"),
+    ("dora-without-magnitudes", "dora", 400, "bad_weights"),  # use_dora: true, no lora_magnitude_vector
     ("pickle-only", "pickled", 400, "pickle"),
     ("rank-too-high", "rank_high", 400, "rank_too_high"),
 ])

@@ -178,7 +178,7 @@ def test_worker_http_tp2_serves_like_tp1_and_stops_when_a_rank_dies(assets, refe
             choice = r.json()["choices"][0]
             assert choice["text"] == reference[i].text
             assert abs(choice["logprobs"]["token_logprobs"][0] - reference[i].logprobs[0].logprob) < 1e-4
-        children = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(proc.pid)], capture_output=True, text=True)
+        children = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(proc.pid)], capture_output=True, text=True)
         (rank1,) = [int(line.split()[0]) for line in children.stdout.splitlines()
                     if "lorafleet.worker.engine.parallel" in line]
         os.kill(rank1, signal.SIGKILL)
