@@ -14,8 +14,9 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from lorafleet.kernels import tuning_files
+
 TUNINGS_DIR = Path(__file__).with_name("tunings")
-DEFAULT_FILE = "default.json"
 SPLIT_SUMS = ("loop", "unroll")
 
 
@@ -74,40 +75,17 @@ def tuning_to_dict(tuning: LoraTuning) -> dict[str, Any]:
     return {f.name: list(v) if isinstance(v := getattr(tuning, f.name), tuple) else v for f in fields(tuning)}
 
 
-def _read(path: Path) -> dict[str, Any]:
-    data = json.loads(path.read_text())
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: a LoRA tuning file holds one JSON object")
-    return data
-
-
 def device_file(device_name: str, tunings_dir: Path = TUNINGS_DIR) -> Path:
-    """The tuning file for a device: the first (by name) whose "device" is a substring of the device's
-    name, case-insensitive; else default.json."""
-    lowered = device_name.lower()
-    for path in sorted(tunings_dir.glob("*.json")):
-        if path.name == DEFAULT_FILE:
-            continue
-        device = _read(path).get("device")
-        if isinstance(device, str) and device.lower() in lowered:
-            return path
-    return tunings_dir / DEFAULT_FILE
+    """The tuning file for a device (`kernels/tuning_files.device_file`)."""
+    return tuning_files.device_file(device_name, tunings_dir)
 
 
 def load_tuning(device_name: str = "", override: str = "", tunings_dir: Path = TUNINGS_DIR) -> LoraTuning:
     """The device's tuning (`device_file`), with `override` applied over it: a path to a JSON file or
     inline JSON (an object of the fields to change), as LORAFLEET_LORA_TUNING takes."""
-    tuning = tuning_from_dict(_read(device_file(device_name, tunings_dir)))
-    if not override.strip():
-        return tuning
-    text = override.strip()
-    try:
-        data = json.loads(text) if text.startswith("{") else _read(Path(text))
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"LORAFLEET_LORA_TUNING must be a JSON object or a path to one: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError("LORAFLEET_LORA_TUNING must be a JSON object or a path to one")
-    return tuning_from_dict(data, tuning)
+    tuning = tuning_from_dict(tuning_files.read_object(device_file(device_name, tunings_dir)))
+    data = tuning_files.read_override(override, "LORAFLEET_LORA_TUNING")
+    return tuning if data is None else tuning_from_dict(data, tuning)
 
 
 def tuning_env(tuning: LoraTuning) -> dict[str, str]:
@@ -121,14 +99,4 @@ def active_tuning() -> LoraTuning:
     the CPU and under the interpreter), with LORAFLEET_LORA_TUNING over it."""
     from lorafleet.kernels import envs
 
-    return load_tuning(_device_name(envs.interpreting()), envs.LORA_TUNING)
-
-
-def _device_name(interpreting: bool) -> str:
-    try:
-        import torch
-    except ImportError:
-        return ""
-    if interpreting or not torch.cuda.is_available():
-        return ""
-    return str(torch.cuda.get_device_name())
+    return load_tuning(tuning_files.current_device_name(envs.interpreting()), envs.LORA_TUNING)

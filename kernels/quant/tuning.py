@@ -13,13 +13,13 @@ FP8 too). No torch here: the file is pure data.
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lorafleet.kernels import tuning_files
+
 TUNINGS_DIR = Path(__file__).with_name("tunings")
-DEFAULT_FILE = "default.json"
 PREFILL_PATHS = ("triton", "dequant", "scaled_mm")
 
 
@@ -85,30 +85,9 @@ def tuning_from_dict(data: dict[str, Any]) -> Fp8Tuning:
                      prefill_config=LaunchConfig(**data["prefill_config"]))
 
 
-def device_file(device_name: str, tunings_dir: Path = TUNINGS_DIR) -> Path:
-    """The first file (by name) whose "device" is a substring of the device's name; else default.json."""
-    lowered = device_name.lower()
-    for path in sorted(tunings_dir.glob("*.json")):
-        if path.name == DEFAULT_FILE:
-            continue
-        device = json.loads(path.read_text()).get("device")
-        if isinstance(device, str) and device.lower() in lowered:
-            return path
-    return tunings_dir / DEFAULT_FILE
-
-
 def load_tuning(device_name: str = "", override: str = "", tunings_dir: Path = TUNINGS_DIR) -> Fp8Tuning:
-    data = json.loads(device_file(device_name, tunings_dir).read_text())
-    text = override.strip()
-    if text:
-        try:
-            extra = json.loads(text) if text.startswith("{") else json.loads(Path(text).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"LORAFLEET_FP8_TUNING must be a JSON object or a path to one: {e}") from e
-        if not isinstance(extra, dict):
-            raise ValueError("LORAFLEET_FP8_TUNING must be a JSON object or a path to one")
-        data = {**data, **extra}
-    return tuning_from_dict(data)
+    data = tuning_files.read_object(tuning_files.device_file(device_name, tunings_dir))
+    return tuning_from_dict({**data, **(tuning_files.read_override(override, "LORAFLEET_FP8_TUNING") or {})})
 
 
 @functools.cache
@@ -116,12 +95,4 @@ def active_tuning() -> Fp8Tuning:
     """The process's tuning, loaded once for the current CUDA device (default.json on the CPU)."""
     from lorafleet.kernels import envs
 
-    name = ""
-    if not envs.interpreting():
-        try:
-            import torch
-
-            name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
-        except ImportError:
-            pass
-    return load_tuning(name, envs.FP8_TUNING)
+    return load_tuning(tuning_files.current_device_name(envs.interpreting()), envs.FP8_TUNING)
