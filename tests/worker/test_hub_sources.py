@@ -24,7 +24,14 @@ from lorafleet.worker.lora.adapter import AdapterError
 from lorafleet.worker.lora.fetch import AdapterFetcher
 from lorafleet.worker.lora.sources import HubSource
 from tests.worker.fake_hub import FakeHub
-from tests.worker.worker_harness import TOKEN, RunningWorker, auth, worker_settings
+from tests.worker.worker_harness import (
+    TOKEN,
+    RunningWorker,
+    adapter_inventory,
+    greedy_ids,
+    load_adapter,
+    worker_settings,
+)
 
 pytest.importorskip("huggingface_hub")
 
@@ -76,25 +83,11 @@ def worker(hub, demo_model, demo_adapters, tmp_path_factory):
     w.stop()
 
 
-def load(worker, name: str, path: str, **extra) -> httpx.Response:
-    return httpx.post(f"{worker.admin_url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path, **extra},
-                      headers=auth(), timeout=60)
-
-
-def inventory(worker) -> dict[str, dict]:
-    r = httpx.get(f"{worker.admin_url}/v1/adapters", headers=auth())
-    assert r.status_code == 200, r.text
-    return {a["name"]: a for a in r.json()["adapters"]}
+load, inventory = load_adapter, adapter_inventory
 
 
 def greedy(worker, model: str) -> tuple[int, list[str], list[float]]:
-    r = httpx.post(f"{worker.url}/v1/completions", timeout=60, json={
-        "model": model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
-        "logprobs": 0, "return_tokens_as_token_ids": True})
-    if r.status_code != 200:
-        return r.status_code, [], []
-    lp = r.json()["choices"][0]["logprobs"]
-    return 200, lp["tokens"], lp["token_logprobs"]
+    return greedy_ids(worker, model, PROMPT)
 
 
 def metric(worker, name: str, **labels) -> float:

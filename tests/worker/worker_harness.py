@@ -96,6 +96,30 @@ def auth(token: str = TOKEN) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
+def load_adapter(worker: RunningWorker, name: str, path: str, **extra: object) -> httpx.Response:
+    """POST /v1/load_lora_adapter on the admin port, authenticated."""
+    return httpx.post(f"{worker.admin_url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path, **extra},
+                      headers=auth(), timeout=60)
+
+
+def adapter_inventory(worker: RunningWorker) -> dict[str, dict]:
+    """The admin port's /v1/adapters by adapter name."""
+    r = httpx.get(f"{worker.admin_url}/v1/adapters", headers=auth())
+    assert r.status_code == 200, r.text
+    return {a["name"]: a for a in r.json()["adapters"]}
+
+
+def greedy_ids(worker: RunningWorker, model: str, prompt: str) -> tuple[int, list[str], list[float]]:
+    """12 greedy tokens of `model` -> (status, tokens as `token_id:N`, their logprobs)."""
+    r = httpx.post(f"{worker.url}/v1/completions", timeout=60, json={
+        "model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+        "logprobs": 0, "return_tokens_as_token_ids": True})
+    if r.status_code != 200:
+        return r.status_code, [], []
+    lp = r.json()["choices"][0]["logprobs"]
+    return 200, lp["tokens"], lp["token_logprobs"]
+
+
 def serve(demo_model: Path, adapters: dict[str, Path], **settings: object) -> Iterator[RunningWorker]:
     """A module fixture's body: a worker on the demo model (`worker_settings`), stopped after."""
     w = RunningWorker(worker_settings(demo_model, adapters, **settings)).start()
