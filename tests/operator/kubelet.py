@@ -88,8 +88,44 @@ class RunningPod:
     order: int = 0  # creation order: the newest goes first among equals
 
 
+class SyncLoop:
+    """`sync()` every `period_s` as a task of the running loop, its failures kept in `errors` (the
+    kubelet stays alive; tests see the effect, not a crash). For dataclasses with the fields
+    `period_s`, `errors` and `_task`."""
+
+    period_s: float
+    errors: list[str]
+    _task: asyncio.Task | None
+
+    async def sync(self) -> None:
+        raise NotImplementedError
+
+    def _start_loop(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def _stop_loop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.sync()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.errors.append(f"{type(exc).__name__}: {exc}")
+                print(f"kubelet: {self.errors[-1]}")
+            await asyncio.sleep(self.period_s)
+
+
 @dataclass
-class Kubelet:
+class Kubelet(SyncLoop):
     api: PatchedEmulator
     namespace: str = "default"
     worker_factory: WorkerFactory = fake_worker_factory
@@ -101,32 +137,16 @@ class Kubelet:
     _task: asyncio.Task | None = None
 
     async def __aenter__(self) -> Kubelet:
-        self._task = asyncio.create_task(self._loop())
+        self._start_loop()
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await self._stop_loop()
         await asyncio.gather(*(p.worker.stop() for p in self.pods.values()), return_exceptions=True)
         self.pods.clear()
 
     def workers_of(self, deployment: str) -> list[Any]:
         return [p.worker for p in self.pods.values() if p.deployment == deployment]
-
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self.sync()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # keep the kubelet alive; tests see the effect, not a crash
-                self.errors.append(f"{type(exc).__name__}: {exc}")
-                print(f"kubelet: {self.errors[-1]}")
-            await asyncio.sleep(self.period_s)
 
     async def sync(self) -> None:
         deployments = {d["metadata"]["name"]: d for d in self.api.items("apps/v1/deployments", self.namespace)}

@@ -33,6 +33,8 @@ from typing import Any
 import httpx
 import yaml
 
+from tests.operator.kubelet import SyncLoop, next_ip
+
 ASSETS_ENV = "KUBEBUILDER_ASSETS"
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager")
 ADMIN_TOKEN = "lorafleet-test-admin-token"
@@ -242,7 +244,7 @@ WorkerFactory = Callable[[str, str, int, int, str, dict[str, Any]], Awaitable[An
 
 
 @dataclass
-class RealKubelet:
+class RealKubelet(SyncLoop):
     """The node for worker pods: starts a test worker per pod of `selector`, reports its IP and
     readiness on `pods/status` (Ready once every readiness gate's condition is True), and stops the
     worker when the pod is deleted or marked for deletion (then finishes the deletion, as a kubelet
@@ -260,32 +262,16 @@ class RealKubelet:
     async def __aenter__(self) -> RealKubelet:
         self._http = httpx.AsyncClient(base_url=self.cluster.url, verify=str(self.cluster.ca), timeout=30,
                                        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
-        self._task = asyncio.create_task(self._loop())
+        self._start_loop()
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await self._stop_loop()
         await asyncio.gather(*(w.stop() for _, w in self.workers.values()), return_exceptions=True)
         self.workers.clear()
         await self._http.aclose()
 
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self.sync()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the tests see the effect; the loop keeps going
-                self.errors.append(f"{type(exc).__name__}: {exc}")
-            await asyncio.sleep(self.period_s)
-
     async def sync(self) -> None:
-        from tests.operator.kubelet import next_ip
 
         ns = self.namespace
         r = await self._http.get(f"/api/v1/namespaces/{ns}/pods", params={"labelSelector": self.selector})
