@@ -192,6 +192,7 @@ class DecodeGraphs:
         self.logits_rows = torch.arange(top, dtype=torch.int64, device=dev)  # filled every step
         # (bucket, chunk class, rank class, one-pair chunks) -> graph
         self._graphs: dict[tuple[int, int, int, bool], _Captured] = {}
+        self._dora_graphs: dict[tuple[int, int, int, bool], _Captured] = {}  # the same, with DoRA's epilogue
         self.last: _Captured | None = None  # the last step's graph (benchmarks time its replay alone)
         self._pool = None  # one memory pool shared by every bucket's graph (made at the first capture)
 
@@ -223,9 +224,12 @@ class DecodeGraphs:
             bound = self.model.lora.rank_bound(inputs.token_slots)
             key = (bucket, chunk_class(step_meta.num_chunks, step_meta.max_chunks),
                    rank_class(bound, self.model.lora.max_rank, step_meta.one_pair_chunks), step_meta.one_pair_chunks)
-        captured = self._graphs.get(key)
+        # DoRA's epilogue is captured only while a DoRA adapter is resident (`LoraSlots.apply_dora`):
+        # those graphs are kept apart, and a graph without it is never replayed while one is.
+        graphs = self._dora_graphs if step_meta is not None and self.model.lora.any_dora() else self._graphs
+        captured = graphs.get(key)
         if captured is None:
-            captured = self._graphs[key] = self._capture(*key)
+            captured = graphs[key] = self._capture(*key)
         self._fill(captured, inputs, step_meta)
         if input_ids is not None:
             self.input_ids[: inputs.num_rows].copy_(input_ids, non_blocking=True)  # queued after the fill

@@ -186,15 +186,21 @@ class LoraSlots:
                    bias: torch.Tensor | None, backend: str, graph: bool) -> None:
         """Rescale the DoRA tokens' rows of a fused projection's output in place (`kernels/lora/dora.py`):
         y = b + g ⊙ (y + delta - b), their delta rows zeroed. Outside a graph, only when a slot of the
-        step holds a DoRA adapter; in a graph always (which tokens are DoRA ones is data there)."""
-        if not graph and not self._step_has_dora(meta):
+        step holds a DoRA adapter; in a graph whenever any slot holds one (which tokens are DoRA ones
+        is data there; the decode graphs are keyed by `any_dora`, so one captured without the
+        epilogue is never replayed while a DoRA adapter is resident)."""
+        if not (self.any_dora() if graph else self._step_has_dora(meta)):
             return
         dora_epilogue(y, delta, self.layers[layer][fused].dora_scale, self.is_dora, meta.token_slots, bias, backend)
+
+    def any_dora(self) -> bool:
+        """Whether any slot holds a DoRA adapter."""
+        return any(self.slot_dora)
 
     def _step_has_dora(self, meta: LoraMeta) -> bool:
         """Whether a slot of the step holds a DoRA adapter (asked once per step: every layer's
         projections share the step's meta)."""
-        if not any(self.slot_dora):
+        if not self.any_dora():
             return False
         if self._dora_step[0] is not meta:
             self._dora_step = (meta, any(self.slot_dora[slot] for slot, _, _ in meta.segments))
