@@ -72,6 +72,7 @@ def kind_rows(args: argparse.Namespace, weights: str, device: str, bw: float) ->
             print(f"{weights:<5} adapters {d:>3} prompt {plen:>4}: {res['tokens_per_s']:>9,.0f} tok/s, step "
                   f"{res['decode_step_ms']} ms, {rows[-1]['of_byte_bound']:.1%} of its byte bound", flush=True)
     del engine
+    gc.unfreeze()  # build_engine froze the engine's objects as the worker does: let the collector free them
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()

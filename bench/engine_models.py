@@ -106,14 +106,14 @@ def random_dora_adapter(config: ModelConfig, rank: int, seed: int) -> LoraWeight
     return w
 
 
-def build(shape: dict, device: str, batch: int, rank: int, n_slots: int) -> LLMEngine:
+def build(shape: dict, device: str, batch: int, rank: int, n_slots: int, n_registered: int) -> LLMEngine:
     folder = Path(tempfile.mkdtemp())
     (folder / "config.json").write_text(json.dumps(shape))
     from lorafleet.worker.demo_assets import build_tokenizer
 
     build_tokenizer(folder)  # the folder layout only: the benchmark feeds token ids
     model_config = ModelConfig.from_folder(folder)
-    config = EngineConfig(max_loras=max(n_slots, 1), max_cpu_loras=n_slots + 8, max_lora_rank=rank,
+    config = EngineConfig(max_loras=max(n_slots, 1), max_cpu_loras=n_registered + 8, max_lora_rank=rank,
                           max_num_seqs=batch, max_num_batched_tokens=8192, device=device, dtype="bfloat16",
                           max_loras_per_request=1, num_kv_blocks=512 if device == "cpu" else None)
     return LLMEngine(folder, config, weights=random_weights(model_config, device))
@@ -122,12 +122,14 @@ def build(shape: dict, device: str, batch: int, rank: int, n_slots: int) -> LLME
 def family_rows(arch: str, shape: dict, device: str, args) -> list[dict]:
     counts = [int(x) for x in args.adapters.split(",") if x]
     t0 = time.perf_counter()
-    engine = build(shape, device, args.batch, args.rank, max(counts + [1]))
-    names = register_random_adapters(engine, engine.model_config, max(counts + [1]), args.rank)
+    n = max(counts + [1])
+    # Every registered adapter stays in the CPU tier: the random ones have no folder to be read again from.
+    engine = build(shape, device, args.batch, args.rank, n, 2 * n if arch in args.dora_archs.split(",") else n)
+    names = register_random_adapters(engine, engine.model_config, n, args.rank)
     kinds = [("lora", names)]
     if arch in args.dora_archs.split(","):
         t1 = time.perf_counter()
-        dora = [f"d{k}" for k in range(max(counts + [1]))]
+        dora = [f"d{k}" for k in range(n)]
         for k, name in enumerate(dora):
             engine.registry.register(name, random_dora_adapter(engine.model_config, args.rank, seed=k))
         kinds.append(("dora", dora))

@@ -316,7 +316,18 @@ def test_graph_replay_matches_eager_bf16_first_decode_step(demo_model, modules):
     eager = _engine(demo_model, modules, "cuda", graphs=False, dtype="bfloat16")
     graph = _engine(demo_model, modules, "cuda", graphs=True, dtype="bfloat16")
     want, got = _run(eager, REQUESTS), _run(graph, REQUESTS)
+    followed = 0
     for rid_e, rid_g in zip(want["ids"], got["ids"]):
+        prompt_e, prompt_g = want["steps"][rid_e][0], got["steps"][rid_g][0]
+        assert rel_norm_err(prompt_g, prompt_e) <= 2e-2
+        first_e, first_g = want["seqs"][rid_e].output_ids[0], got["seqs"][rid_g].output_ids[0]
+        if first_e != first_g:
+            # bf16 rounding may flip a near-tie of the random demo model's prompt logits (a top-2 gap of
+            # 0.016 measured on an H100): then the decode steps follow another token and are not compared.
+            top2 = torch.topk(prompt_e, 2).values
+            assert float(top2[0] - top2[1]) <= 0.05, f"request {rid_e}: first token differs past a near-tie"
+            continue
+        followed += 1
         first_decode_g, first_decode_e = got["steps"][rid_g][1], want["steps"][rid_e][1]
         # With graphs the prompts themselves run through the decode graphs (one query row a token,
         # worker/engine/graph_inputs.py), so their bf16 KV entries come from other kernels than the
@@ -324,6 +335,7 @@ def test_graph_replay_matches_eager_bf16_first_decode_step(demo_model, modules):
         # the same comparison in fp32 agrees to 1e-4: tests/worker/test_graph_inputs.py).
         assert rel_norm_err(first_decode_g, first_decode_e) <= 2e-2
         assert torch.isfinite(first_decode_g).all()
+    assert followed >= len(REQUESTS) - 2
     assert graph.runner.graphs.stats.captures >= 1
 
 
