@@ -52,7 +52,7 @@ import httpx
 
 from bench.loadgen import Workload, run_load
 from bench.serve_assets import WEIGHTS
-from bench.serve_pieces import gpu_commands, merged, row_key
+from bench.serve_pieces import gpu_commands, merged, row_key, weights_of
 from bench.serve_window import windowed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -228,8 +228,9 @@ def plot(rows: list[dict], out: Path) -> str:
     except ImportError:
         return "matplotlib is not installed: no plot"
     fig, ax = plt.subplots(figsize=(7, 4.5))
+
     def key(r: dict) -> tuple:
-        return r["path"], r.get("weights", "bf16"), r["adapters"], r["prompt"]
+        return r["path"], weights_of(r), r["adapters"], r["prompt"]
 
     for k in sorted({key(r) for r in rows}):
         pts = sorted((r["tokens_per_s"], r["ttft_p50_ms"]) for r in rows if key(r) == k)
@@ -335,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     adapters = {k: Path(v) for k, v in json.loads(written.stdout.strip().splitlines()[-1]).items()}
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     print(f"model and {len(adapters)} adapters ready in {time.monotonic() - t_start:.0f}s", flush=True)
-    engine, old_rows, peaks = merged(out, args)
+    engine, old_rows, peaks, commands = merged(out, args)
     if not args.no_engine:
         for weights in args.weights:
             engine.update(engine_figures(args.device, sorted(args.concurrency), args.prompts, args.new_tokens,
@@ -346,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
               "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "engine": [{"weights": w, "batch": b, "prompt": p, "adapters": d, "tokens_per_s": v}
                          for (w, b, p, d), v in engine.items()],
-              "rows": list(old_rows)}
+              "rows": list(old_rows), "worker_commands": commands}
     write(result, out, 0)  # the engine's figures kept should a time limit stop the served part
     if args.engine_only:
         return 0
@@ -378,7 +379,7 @@ def serve_rows(args: argparse.Namespace, weights: str, model: Path, adapters: di
     try:
         port = free_port()
         cmd = worker_cmd(args, model, adapters, port, weights)
-        result.setdefault("worker_commands", {})[weights] = " ".join(cmd[2:])  # what each kind's rows measured
+        result["worker_commands"][weights] = " ".join(cmd[2:])  # what each kind's rows measured
         worker = start(cmd, logs / f"worker{suffix}.log")
         wait_ready(f"http://127.0.0.1:{port}/ready", worker, 900, logs / f"worker{suffix}.log")
         direct = f"http://127.0.0.1:{port}"

@@ -55,17 +55,18 @@ def weights_of(r: dict) -> str:
     return r.get("weights", "bf16")
 
 
-def merged(out: Path, args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
-    """The existing JSON's engine figures, rows and closed-loop peaks (empty without --merge)."""
+def merged(out: Path, args: argparse.Namespace) -> tuple[dict, list[dict], dict, dict]:
+    """The existing JSON's engine figures, rows, closed-loop peaks and worker command lines (empty
+    without --merge)."""
     if not args.merge or not out.exists():
-        return {}, [], {}
+        return {}, [], {}, {}
     old = json.loads(out.read_text())
     engine = {(weights_of(e), e["batch"], e["prompt"], e["adapters"]): e["tokens_per_s"] for e in old.get("engine", [])}
     rows = old.get("rows", [])
     peaks: dict = {}
     for r in sorted((r for r in rows if r["path"] == "direct" and "concurrency" in r), key=lambda r: r["concurrency"]):
         peaks[(weights_of(r), r["prompt"], r["adapters"])] = r  # the largest concurrency last
-    return engine, rows, peaks
+    return engine, rows, peaks, dict(old.get("worker_commands", {}))
 
 
 def row_key(r: dict) -> tuple:

@@ -51,7 +51,8 @@ def old_json(path: Path) -> dict:
     """A serve JSON as bf16-only runs wrote it: rows and engine figures without `weights`."""
     row = {"path": "direct", "adapters": 0, "prompt": 16, "new_tokens": 16, "concurrency": 4, "tokens_per_s": 500.0,
            "mean_new_tokens": 16.0}
-    data = {"engine": [{"batch": 4, "prompt": 16, "adapters": 0, "tokens_per_s": 900.0}], "rows": [row]}
+    data = {"engine": [{"batch": 4, "prompt": 16, "adapters": 0, "tokens_per_s": 900.0}], "rows": [row],
+            "worker_commands": {"bf16": "lorafleet worker --model m"}}
     path.write_text(json.dumps(data))
     return data
 
@@ -65,11 +66,11 @@ def test_merge_keeps_each_weights_kind_apart(bench_importable, tmp_path: Path) -
     data["rows"].append(fp8)
     data["engine"].append({"weights": "fp8", "batch": 4, "prompt": 16, "adapters": 0, "tokens_per_s": 1300.0})
     out.write_text(json.dumps(data))
-    engine, rows, peaks = merged(out, parse("--merge"))
+    engine, rows, peaks, _ = merged(out, parse("--merge"))
     assert engine == {("bf16", 4, 16, 0): 900.0, ("fp8", 4, 16, 0): 1300.0}
     assert peaks[("bf16", 16, 0)]["tokens_per_s"] == 500.0 and peaks[("fp8", 16, 0)]["tokens_per_s"] == 700.0
     assert len({row_key(r) for r in rows}) == 2  # the same load, two kinds: neither replaces the other
-    assert merged(out, parse()) == ({}, [], {})  # without --merge nothing is kept
+    assert merged(out, parse()) == ({}, [], {}, {})  # without --merge nothing is kept
 
 
 def test_the_gpu_pieces_parse_and_the_fp8_one_fits_a_device_call(bench_importable) -> None:
@@ -110,7 +111,7 @@ def test_the_fp8_piece_on_a_cpu_adds_its_rows_beside_the_old_ones(bench_importab
     got = json.loads(out.read_text())
     assert got["rows"][0] == old["rows"][0]
     assert {(e.get("weights", "bf16"), e["adapters"]) for e in got["engine"]} == {("bf16", 0), ("fp8", 0), ("fp8", 2)}
-    assert "--quantization fp8" in got["worker_commands"]["fp8"] and "bf16" not in got["worker_commands"]
+    assert "--quantization fp8" in got["worker_commands"]["fp8"] and "--quantization" not in got["worker_commands"]["bf16"]
     fp8 = [r for r in got["rows"] if r.get("weights") == "fp8"]
     assert [(r["adapters"], "concurrency" in r) for r in fp8] == [(0, True), (0, False), (2, True), (2, False)]
     engine = {e["adapters"]: e["tokens_per_s"] for e in got["engine"] if e.get("weights") == "fp8"}
