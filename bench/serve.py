@@ -4,7 +4,9 @@
     python -m bench.serve --device cuda --quick            # one GPU at once (~11 minutes: past a device call)
     python -m bench.serve --device cpu --concurrency 4 ... # the tiny model on a CPU: checks the suite
 
-Steps, all in one run so every figure comes from one card:
+Steps, all in one run so every figure comes from one card (`--weights`: `bf16`, the model as
+written, and/or `fp8`, the engine and the worker with `--quantization fp8`; step 3 for each kind,
+then steps 4-5 for each kind in turn, one worker each; rows carry `weights`):
 1. the load generator's self-check: `bench/fake_stream.py` streaming at `--selfcheck-rate` tokens/s
    (default 2x the engine's figure at the largest batch, at least 2,000) with a known TTFT; the
    generator must measure both (tokens/s within 5%, TTFT p50 within the TTFT plus one interval),
@@ -19,15 +21,17 @@ Steps, all in one run so every figure comes from one card:
    drawn from [n/4, 7n/4], staggered starts) and Poisson arrivals at each `--poisson` fraction of
    the peak that path's closed loop measured at the largest concurrency (bench/loadgen.py).
 
-Writes bench/results/serve-<gpu>.json (`rows` as issue 55 names them, plus the self-check, the
-engine rows and the settings) and, with matplotlib, serve-<gpu>.png (throughput against TTFT p50).
+Writes bench/results/serve-<gpu>.json (`rows` as issue 55 names them plus `weights`, the self-check,
+the engine rows, each weights kind's worker command line and the settings) and, with matplotlib,
+serve-<gpu>.png (throughput against TTFT p50).
 Each row also carries the worker's own view of its window (`worker`, from /metrics scraped at the
 window's edges): mean running requests per engine step, steps by path (graph / eager) and their mean times.
 
-In pieces, each well inside a 10-minute device call (`--print-gpu-commands` prints them):
+In pieces, each well inside a 10-minute device call (`--print-gpu-commands` prints them;
+bench/serve_pieces.py):
 `--engine-only` writes the model (kept under `--workdir` for the next pieces) and the engine's
 figures; later pieces pass `--no-engine --merge`, which keeps the JSON's engine figures and rows
-and takes the Poisson rates from its closed-loop peaks.
+and takes the Poisson rates from its closed-loop peaks (each weights kind from its own).
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ if __package__ in (None, ""):  # run as a script: make `bench.*` importable
 import httpx
 
 from bench.loadgen import Workload, run_load
+from bench.serve_assets import WEIGHTS
+from bench.serve_pieces import gpu_commands, merged, row_key, weights_of
 from bench.serve_window import windowed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,34 +118,37 @@ def selfcheck(rate: float, processes: int, seconds: float) -> dict:
 
 
 def engine_figures(device: str, batches: list[int], prompts: list[int], new_tokens: int, adapters: list[int],
-                   log: Path) -> dict[tuple[int, int, int], float]:
-    """(batch, prompt, adapters) -> the engine's tokens/s, each batch in its own process."""
-    out: dict[tuple[int, int, int], float] = {}
+                   log: Path, weights: str) -> dict[tuple[str, int, int, int], float]:
+    """(weights, batch, prompt, adapters) -> the engine's tokens/s, each batch in its own process."""
+    out: dict[tuple[str, int, int, int], float] = {}
     for batch in batches:
         for prompt in prompts:
             cmd = [sys.executable, str(ROOT / "bench" / "serve_assets.py"), "engine", "--device", device, "--batch", str(batch),
                    "--prompt", str(prompt), "--new-tokens", str(new_tokens),
-                   "--adapters", ",".join(str(a) for a in adapters if a <= batch)]
+                   "--adapters", ",".join(str(a) for a in adapters if a <= batch), "--weights", weights]
             with log.open("a") as err:
                 res = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True, timeout=900)
             if res.returncode != 0:
-                print(f"engine figures for batch {batch} failed (see {log})", flush=True)
+                print(f"engine figures for {weights} batch {batch} failed (see {log})", flush=True)
                 continue
             for r in json.loads(res.stdout.strip().splitlines()[-1])["rows"]:
-                out[(batch, prompt, r["adapters"])] = r["tokens_per_s"]
+                out[(weights, batch, prompt, r["adapters"])] = r["tokens_per_s"]
     return out
 
 
-def worker_cmd(args: argparse.Namespace, model: Path, adapters: dict[str, Path], port: int) -> list[str]:
+def worker_cmd(args: argparse.Namespace, model: Path, adapters: dict[str, Path], port: int, weights: str) -> list[str]:
+    slots = args.max_loras or max(max(args.adapters), 1)
     cmd = [sys.executable, "-m", "lorafleet", "worker", "--model", str(model), "--served-model-name", "base",
            "--host", "127.0.0.1", "--port", str(port), "--device", args.device,
-           "--max-num-seqs", str(max(args.concurrency)), "--max-loras", str(max(max(args.adapters), 1)),
-           "--max-cpu-loras", str(max(max(args.adapters), 1) + 8), "--max-lora-rank", "16", "--max-loras-per-request", "1",
+           "--max-num-seqs", str(max(args.concurrency)), "--max-loras", str(slots),
+           "--max-cpu-loras", str(slots + 8), "--max-lora-rank", "16", "--max-loras-per-request", "1",
            "--log-level", "warning", "--admin-token-file", str(token_file(args))]
     if adapters:
         cmd += ["--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
     if not args.device.startswith("cuda"):
         cmd += ["--dtype", "float32"]
+    if WEIGHTS[weights]:
+        cmd += ["--quantization", WEIGHTS[weights]]
     return cmd + args.worker_arg
 
 
@@ -168,31 +177,31 @@ def warm_up(url: str, args: argparse.Namespace, vocab: int) -> None:
                 raise RuntimeError(f"warm-up with {d} adapters failed: {res['first_error']}")
 
 
-def measure(url: str, path: str, prompt: int, d: int, args: argparse.Namespace, vocab: int, engine: dict,
-            peaks: dict, worker_url: str) -> list[dict]:
-    """One path, prompt length and adapter count: the closed loops, then the Poisson rates.
+def measure(url: str, path: str, weights: str, prompt: int, d: int, args: argparse.Namespace, vocab: int,
+            engine: dict, peaks: dict, worker_url: str) -> list[dict]:
+    """One path, weights kind, prompt length and adapter count: the closed loops, then the Poisson rates.
 
-    `peaks`: (prompt, adapters) -> the closed loop's figures at the largest concurrency, from the
-    first path measured: the Poisson rates of every path are fractions of the same peak."""
+    `peaks`: (weights, prompt, adapters) -> the closed loop's figures at the largest concurrency, from
+    the first path measured: the Poisson rates of every path are fractions of the same peak."""
     rows = []
-    base = {"path": path, "adapters": d, "prompt": prompt, "new_tokens": args.new_tokens}
+    base = {"path": path, "weights": weights, "adapters": d, "prompt": prompt, "new_tokens": args.new_tokens}
     common = dict(duration_s=args.seconds, warmup_s=args.warmup, new_tokens=args.new_tokens,
                   prompt_tokens=prompt, vocab=vocab, adapters=names_for(d))
     peak = None
     for c in sorted(args.concurrency):
         res, view = windowed(url, Workload("closed", concurrency=c, **common), args.client_processes, worker_url)
-        rows.append(row(base, {"concurrency": c}, res, engine.get((c, prompt, d)), view))
+        rows.append(row(base, {"concurrency": c}, res, engine.get((weights, c, prompt, d)), view))
         peak = res
-    peak = peaks.setdefault((prompt, d), peak)
+    peak = peaks.setdefault((weights, prompt, d), peak)
     if peak is None:
         if args.poisson:
-            print(f"no closed-loop peak for prompt {prompt}, {d} adapters (run or merge one): no Poisson rows")
+            print(f"no {weights} closed-loop peak for prompt {prompt}, {d} adapters (run or merge one): no Poisson rows")
         return rows
     top = peak.get("concurrency") or max(args.concurrency, default=64)
     for frac in args.poisson:
         rate = frac * peak["tokens_per_s"] / max(1.0, peak["mean_new_tokens"] or args.new_tokens)
         res, view = windowed(url, Workload("poisson", rate=rate, **common), args.client_processes, worker_url)
-        rows.append(row(base, {"rate": round(rate, 2), "of_peak": frac}, res, engine.get((top, prompt, d)), view))
+        rows.append(row(base, {"rate": round(rate, 2), "of_peak": frac}, res, engine.get((weights, top, prompt, d)), view))
     return rows
 
 
@@ -203,7 +212,7 @@ def row(base: dict, load: dict, res: dict, engine_tps: float | None, worker: dic
     if res["errors"]:
         r["first_error"] = res["first_error"]
     label = f"c={load['concurrency']}" if "concurrency" in load else f"{load['of_peak']:.0%} ({load['rate']}/s)"
-    print(f"{r['path']:<7} {r['adapters']:>3} ad prompt {r['prompt']:>4} {label:<16} {r['tokens_per_s']:>9,.0f} tok/s "
+    print(f"{r['path']:<7} {r['weights']:<4} {r['adapters']:>3} ad prompt {r['prompt']:>4} {label:<16} {r['tokens_per_s']:>9,.0f} tok/s "
           f"(engine {engine_tps or float('nan'):>8,.0f})  TTFT {r['ttft_p50_ms']:>8} / {r['ttft_p99_ms']:>8} ms  "
           f"ITL {r['itl_p50_ms']:>6} / {r['itl_p99_ms']:>7} ms  stall {r['max_stall_ms']:>7} ms  "
           f"err {r['errors']}  client {r['client_cpu_share']}  worker {worker}", flush=True)
@@ -219,9 +228,13 @@ def plot(rows: list[dict], out: Path) -> str:
     except ImportError:
         return "matplotlib is not installed: no plot"
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for key in sorted({(r["path"], r["adapters"], r["prompt"]) for r in rows}):
-        pts = sorted((r["tokens_per_s"], r["ttft_p50_ms"]) for r in rows if (r["path"], r["adapters"], r["prompt"]) == key)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{key[0]}, {key[1]} adapters, prompt {key[2]}")
+
+    def key(r: dict) -> tuple:
+        return r["path"], weights_of(r), r["adapters"], r["prompt"]
+
+    for k in sorted({key(r) for r in rows}):
+        pts = sorted((r["tokens_per_s"], r["ttft_p50_ms"]) for r in rows if key(r) == k)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{k[0]}, {k[1]}, {k[2]} adapters, prompt {k[3]}")
     ax.set_xlabel("tokens/s")
     ax.set_ylabel("TTFT p50 (ms)")
     ax.set_yscale("log")
@@ -235,20 +248,29 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+FULL = {"concurrency": [1, 16, 64, 256], "adapters": [0, 8, 64], "prompts": [128, 512], "poisson": [0.5, 0.7, 0.9],
+        "seconds": 20.0, "warmup": 4.0}
+QUICK = dict(FULL, concurrency=[64], prompts=[128], poisson=[0.7], seconds=10.0, warmup=2.5)
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu", help="cpu or cuda (the worker's --device)")
     p.add_argument("--quick", action="store_true",
                    help="concurrency 64 closed loop and 70%% Poisson; base, 8 and 64 adapters; prompt 128; "
-                        "direct and router; short windows (fits ~8 minutes on one GPU)")
-    p.add_argument("--concurrency", type=ints, default=[1, 16, 64, 256])
-    p.add_argument("--adapters", type=ints, default=[0, 8, 64])
-    p.add_argument("--prompts", type=ints, default=[128, 512])
-    p.add_argument("--poisson", type=lambda s: [float(x) for x in s.split(",") if x], default=[0.5, 0.7, 0.9])
+                        "short windows (fits ~8 minutes on one GPU); the loads and windows given beside it are kept")
+    p.add_argument("--concurrency", type=ints, default=None, help="closed loops (default 1,16,64,256)")
+    p.add_argument("--adapters", type=ints, default=None, help="distinct adapters in rotation (default 0,8,64)")
+    p.add_argument("--prompts", type=ints, default=None, help="prompt lengths (default 128,512)")
+    p.add_argument("--poisson", type=lambda s: [float(x) for x in s.split(",") if x], default=None,
+                   help="Poisson rates as fractions of the closed loop's peak (default 0.5,0.7,0.9)")
+    p.add_argument("--weights", type=lambda s: [w for w in s.split(",") if w], default=["bf16"],
+                   help="bf16 (the model as written) and/or fp8 (worker and engine with --quantization fp8), "
+                        "each measured in turn with its own worker; rows carry `weights`")
     p.add_argument("--paths", default="direct,router")
     p.add_argument("--new-tokens", type=int, default=128, help="mean output length")
-    p.add_argument("--seconds", type=float, default=20.0, help="each row's arrivals")
-    p.add_argument("--warmup", type=float, default=4.0, help="seconds of each row before its window")
+    p.add_argument("--seconds", type=float, default=None, help="each row's arrivals (default 20, --quick 10)")
+    p.add_argument("--warmup", type=float, default=None, help="seconds of each row before its window (default 4, --quick 2.5)")
     p.add_argument("--client-processes", type=int, default=None, help="default: 1 on a CPU, 4 on a GPU (its host's 16 cores)")
     p.add_argument("--selfcheck-rate", type=float, default=None, help="tokens/s (default: 2x the engine's peak)")
     p.add_argument("--no-engine", action="store_true", help="skip the engine's figures (with --merge: keep the JSON's)")
@@ -264,13 +286,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "lorafleet-serve",
                    help="model and adapter folders, kept between runs (a device call keeps the repository's "
                         "ignored .lorafleet/ folder: pass .lorafleet/serve-work there)")
+    p.add_argument("--max-loras", type=int, default=None,
+                   help="the worker's adapter slots (default: the largest --adapters; the same as another run's "
+                        "workers where rows are compared with its rows)")
     p.add_argument("--worker-arg", action="append", default=[], help="extra `lorafleet worker` argument (repeat)")
     p.add_argument("--out", type=Path, default=None,
                    help="the JSON file, or a folder for serve-<gpu>.json (default bench/results/); logs beside it")
     args = p.parse_args(argv)
-    if args.quick:
-        args.concurrency, args.adapters, args.prompts, args.poisson = [64], [0, 8, 64], [128], [0.7]
-        args.seconds, args.warmup = 10.0, 2.5
+    unknown = [w for w in args.weights if w not in WEIGHTS]
+    if unknown or not args.weights:
+        p.error(f"--weights {','.join(args.weights)}: bf16 and/or fp8")
+    defaults = QUICK if args.quick else FULL
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.client_processes is None:
         args.client_processes = 4 if args.device.startswith("cuda") else 1
     return args
@@ -286,47 +315,6 @@ def gpu_name() -> str:
     return next((g for g in ("h200", "h100", "a100", "l40s", "l4") if g in name), name.replace(" ", "-") or "cuda")
 
 
-GPU_PIECES = (
-    # (what it measures, serve.py arguments, expected minutes on an H100; +2 where the model is written
-    # again: a machine released between calls keeps nothing)
-    ("the model and 8 adapters written (~2 min), the engine's figures at batch 64 for 0 and 8 adapters",
-     "--engine-only --concurrency 64 --adapters 0,8 --prompts 128", 5.5),
-    ("56 more adapters written (~1 min), the engine's figures at batch 64 for 64 adapters",
-     "--engine-only --concurrency 64 --adapters 64 --prompts 128", 4.5),
-    ("direct, closed loop c=64 and Poisson at 70% of its peak, base / 8 / 64 adapters", "--no-engine --quick --paths direct", 5),
-    ("through the router, the same loads (Poisson rates from the direct peaks)", "--no-engine --quick --paths router", 5),
-)
-
-
-def gpu_commands() -> str:
-    env = "source bench/gpu_env.sh && "
-    lines = ["# one device call each, in this order, from the repository root after `bash bench/gpu_wheels.sh`;",
-             "# the model and the JSON stay in the ignored .lorafleet/ folder between calls (--merge adds to it);",
-             "# copy $OUT/serve-results/serve-<gpu>.json into bench/results/ at the end"]
-    for what, extra, minutes in GPU_PIECES:
-        lines += [f"# {what} (~{minutes:g} min)",
-                  f"{env}timeout 540 python3 -m bench.serve --device cuda --workdir .lorafleet/serve-work "
-                  f"--out .lorafleet/serve-results --merge {extra}; cp -r .lorafleet/serve-results \"$OUT\"/"]
-    return "\n".join(lines)
-
-
-def merged(out: Path, args: argparse.Namespace) -> tuple[dict, list[dict], dict]:
-    """The existing JSON's engine figures, rows and closed-loop peaks (empty without --merge)."""
-    if not args.merge or not out.exists():
-        return {}, [], {}
-    old = json.loads(out.read_text())
-    engine = {(e["batch"], e["prompt"], e["adapters"]): e["tokens_per_s"] for e in old.get("engine", [])}
-    rows = old.get("rows", [])
-    peaks: dict = {}
-    for r in sorted((r for r in rows if r["path"] == "direct" and "concurrency" in r), key=lambda r: r["concurrency"]):
-        peaks[(r["prompt"], r["adapters"])] = r  # the largest concurrency last
-    return engine, rows, peaks
-
-
-def row_key(r: dict) -> tuple:
-    return (r["path"], r["adapters"], r["prompt"], r.get("concurrency"), r.get("of_peak"))
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.print_gpu_commands:
@@ -339,7 +327,6 @@ def main(argv: list[str] | None = None) -> int:
     logs = out.parent / f"{out.stem}-logs"  # the worker's, router's and engine's output
     logs.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
-    paths = [p for p in args.paths.split(",") if p]
     # Model and adapters, in a process of their own (on a GPU: no CUDA context left in this one).
     model = args.workdir / ("model-seed" if cuda else "model-tiny")
     cmd = [sys.executable, str(ROOT / "bench" / "serve_assets.py"), "write", "--device", args.device, "--model", str(model),
@@ -349,18 +336,21 @@ def main(argv: list[str] | None = None) -> int:
     adapters = {k: Path(v) for k, v in json.loads(written.stdout.strip().splitlines()[-1]).items()}
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     print(f"model and {len(adapters)} adapters ready in {time.monotonic() - t_start:.0f}s", flush=True)
-    engine, old_rows, peaks = merged(out, args)
+    engine, old_rows, peaks, commands = merged(out, args)
     if not args.no_engine:
-        engine.update(engine_figures(args.device, sorted(args.concurrency), args.prompts, args.new_tokens,
-                                     args.adapters, logs / "engine.log"))
-        print(f"engine figures ({time.monotonic() - t_start:.0f}s): "
-              + ", ".join(f"batch {b} prompt {p} {d} adapters {v:,.0f}" for (b, p, d), v in engine.items()), flush=True)
+        for weights in args.weights:
+            engine.update(engine_figures(args.device, sorted(args.concurrency), args.prompts, args.new_tokens,
+                                         args.adapters, logs / "engine.log", weights))
+        print(f"engine figures ({time.monotonic() - t_start:.0f}s): " + ", ".join(
+            f"{w} batch {b} prompt {p} {d} adapters {v:,.0f}" for (w, b, p, d), v in engine.items()), flush=True)
     result = {"machine": gpu, "device": args.device, "date": time.strftime("%Y-%m-%d"),
               "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "engine": [{"batch": b, "prompt": p, "adapters": d, "tokens_per_s": v} for (b, p, d), v in engine.items()],
-              "rows": list(old_rows)}
+              "engine": [{"weights": w, "batch": b, "prompt": p, "adapters": d, "tokens_per_s": v}
+                         for (w, b, p, d), v in engine.items()],
+              "rows": list(old_rows), "worker_commands": commands}
+    write(result, out, 0)  # the engine's figures kept should a time limit stop the served part
     if args.engine_only:
-        return write(result, out, 0)
+        return 0
     rate = args.selfcheck_rate or max(2000.0, 2 * max(engine.values(), default=1000.0))
     check = selfcheck(rate, args.client_processes, min(8.0, args.seconds))
     print(f"load generator self-check at {check['expected_tokens_per_s']:,.0f} tok/s: measured "
@@ -371,36 +361,48 @@ def main(argv: list[str] | None = None) -> int:
     if not check["ok"] and not args.ignore_selfcheck:
         print("the load generator cannot measure this rate here: stopping (see selfcheck in the JSON)")
         return write(result, out, 1)
+    for weights in args.weights:
+        serve_rows(args, weights, model, adapters, vocab, engine, peaks, result, out, logs, t_start)
+    result["seconds"] = round(time.monotonic() - t_start, 1)
+    print(plot(result["rows"], out.with_suffix(".png")))
+    print(f"wrote {out} ({result['seconds']:.0f}s)")
+    return write(result, out, 0)
+
+
+def serve_rows(args: argparse.Namespace, weights: str, model: Path, adapters: dict[str, Path], vocab: int,
+               engine: dict, peaks: dict, result: dict, out: Path, logs: Path, t_start: float) -> None:
+    """One worker with `weights` (and the router in front, when `--paths` has it): every row of
+    this kind, added to `result["rows"]` and written after each combination."""
+    paths = [p for p in args.paths.split(",") if p]
+    suffix = "" if weights == "bf16" else f"-{weights}"
     worker = router = None
     try:
         port = free_port()
-        worker = start(worker_cmd(args, model, adapters, port), logs / "worker.log")
-        wait_ready(f"http://127.0.0.1:{port}/ready", worker, 900, logs / "worker.log")
+        cmd = worker_cmd(args, model, adapters, port, weights)
+        result["worker_commands"][weights] = " ".join(cmd[2:])  # what each kind's rows measured
+        worker = start(cmd, logs / f"worker{suffix}.log")
+        wait_ready(f"http://127.0.0.1:{port}/ready", worker, 900, logs / f"worker{suffix}.log")
         direct = f"http://127.0.0.1:{port}"
         warm_up(direct, args, vocab)
-        print(f"worker ready and warm ({time.monotonic() - t_start:.0f}s)", flush=True)
+        print(f"{weights} worker ready and warm ({time.monotonic() - t_start:.0f}s)", flush=True)
         urls = {"direct": direct}
         if "router" in paths:
             rport = free_port()
             router = start([sys.executable, "-m", "lorafleet", "router", "--port", str(rport), "--worker", direct,
-                            "--log-level", "warning", "--admin-token-file", str(token_file(args)), "--lora-modules", *(f"{n}={p}" for n, p in adapters.items())],
-                           logs / "router.log")
-            wait_ready(f"http://127.0.0.1:{rport}/ready", router, 60, logs / "router.log")
+                            "--log-level", "warning", "--admin-token-file", str(token_file(args)),
+                            "--lora-modules", *(f"{n}={p}" for n, p in adapters.items())], logs / f"router{suffix}.log")
+            wait_ready(f"http://127.0.0.1:{rport}/ready", router, 60, logs / f"router{suffix}.log")
             urls["router"] = f"http://127.0.0.1:{rport}"
         for prompt in args.prompts:
             for d in args.adapters:
                 for path in paths:  # paired, so a run cut short still compares them
-                    new = measure(urls[path], path, prompt, d, args, vocab, engine, peaks, direct)
+                    new = measure(urls[path], path, weights, prompt, d, args, vocab, engine, peaks, direct)
                     keys = {row_key(r) for r in new}
                     result["rows"] = [r for r in result["rows"] if row_key(r) not in keys] + new
                     write(result, out, 0)
     finally:
         stop(router)
         stop(worker)
-    result["seconds"] = round(time.monotonic() - t_start, 1)
-    print(plot(result["rows"], out.with_suffix(".png")))
-    print(f"wrote {out} ({result['seconds']:.0f}s)")
-    return write(result, out, 0)
 
 
 def write(result: dict, out: Path, status: int) -> int:

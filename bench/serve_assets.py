@@ -8,7 +8,9 @@ Face folder (config.json, model.safetensors, a tokenizer of the model's vocabula
 
 `engine_rows` runs in its own process (`python -m bench.serve_assets engine ...`, JSON on stdout)
 before the worker starts, so the worker gets the whole GPU: bench/engine.py's engine and
-`decode_run` at the served run's batch, prompt length and adapter counts.
+`decode_run` at the served run's batch, prompt length and adapter counts, with the model's weights
+as written (`--weights bf16`) or quantized to FP8 at load as `lorafleet worker --quantization fp8`
+does (`--weights fp8`, the engine of bench/engine_fp8.py's rows).
 """
 
 from __future__ import annotations
@@ -71,14 +73,20 @@ def write_adapters(root: Path, model: Path, count: int, rank: int = 16) -> dict[
     return out
 
 
-def engine_rows(device: str, batch: int, prompt: int, new_tokens: int, adapter_counts: list[int]) -> list[dict]:
+WEIGHTS = {"bf16": None, "fp8": "fp8"}  # a row's `weights` -> the worker's and engine's --quantization
+
+
+def engine_rows(device: str, batch: int, prompt: int, new_tokens: int, adapter_counts: list[int],
+                weights: str = "bf16") -> list[dict]:
     """bench/engine.py's decode_run at this batch: tokens/s per adapter count (graphs + async
-    scheduling on a GPU, the worker's defaults there; eager on a CPU)."""
+    scheduling on a GPU, the worker's defaults there; eager on a CPU), with `weights` as a served
+    worker holds them."""
     from bench.engine_build import build_engine, register_random_adapters
     from bench.engine_workload import adapter_sets, decode_run
 
     cpu = not device.startswith("cuda")
-    args = argparse.Namespace(tiny=cpu, rank=16, batch=batch, modes="eager" if cpu else "async")
+    args = argparse.Namespace(tiny=cpu, rank=16, batch=batch, modes="eager" if cpu else "async",
+                              quantization=WEIGHTS[weights])
     n_slots = max(adapter_counts + [1])
     engine, model_config, load_s = build_engine(args, "cpu" if cpu else "cuda", n_slots)
     names = register_random_adapters(engine, model_config, n_slots, 16)
@@ -90,9 +98,9 @@ def engine_rows(device: str, batch: int, prompt: int, new_tokens: int, adapter_c
         sets = adapter_sets(names, d, batch)
         decode_run(engine, sets, prompt, min(new_tokens, 16))  # graph capture at this composition
         res = decode_run(engine, sets, prompt, new_tokens)
-        rows.append({"adapters": d, "batch": batch, "prompt": prompt, "new_tokens": new_tokens,
+        rows.append({"weights": weights, "adapters": d, "batch": batch, "prompt": prompt, "new_tokens": new_tokens,
                      "tokens_per_s": res["tokens_per_s"], "decode_step_ms": res["decode_step_ms"]})
-        print(f"engine {d} adapters batch {batch}: {res['tokens_per_s']:,.0f} tok/s", file=sys.stderr, flush=True)
+        print(f"engine {weights} {d} adapters batch {batch}: {res['tokens_per_s']:,.0f} tok/s", file=sys.stderr, flush=True)
     return rows
 
 
@@ -107,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--adapters", default="0,8,64")
+    p.add_argument("--weights", default="bf16", choices=sorted(WEIGHTS), help="engine: bf16 as written, or fp8 at load")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     if args.what == "write":
@@ -116,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: str(v) for k, v in adapters.items()}))
         return 0
     rows = engine_rows(args.device, args.batch, args.prompt, args.new_tokens,
-                       [int(x) for x in args.adapters.split(",") if x])
+                       [int(x) for x in args.adapters.split(",") if x], args.weights)
     print(json.dumps({"rows": rows, "seconds": round(time.perf_counter() - t0, 1)}))
     return 0
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from lorafleet.cli_help import WORKER_ENV, finish
 from lorafleet.local.preflight import FleetError
 from lorafleet.local.run_dir import DEFAULT_RUN_DIR
+from lorafleet.worker.server.vllm_flags import DTYPE_ALIASES, DTYPES
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 SERVED_NAME = "tiny-llama"
@@ -29,6 +30,10 @@ class UpOptions:
     max_loras: int = 8
     max_cpu_loras: int = 32
     max_lora_rank: int = 64
+    # The workers' model flags, passed as given (None / 1: the worker's own default).
+    dtype: str | None = None
+    quantization: str | None = None
+    tensor_parallel_size: int = 1
     ready_timeout_s: float = 180.0
     log_level: str = "warning"
 
@@ -60,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"adapters each worker holds (default {d.max_cpu_loras})")
     p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
                    help=f"largest adapter rank the workers load (default {d.max_lora_rank})")
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="the workers' --dtype (default: theirs; vLLM's names: half = float16, float = float32)")
+    p.add_argument("--quantization", "-q", default=None, choices=["fp8"],
+                   help="the workers' --quantization: fp8 serves the model's projections in FP8 (e4m3), "
+                        "adapters in --dtype (default: the checkpoint's weights as stored)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                   help="the workers' --tensor-parallel-size: each worker's model over N processes (on CUDA "
+                        "its ranks take cuda:0..N-1, so one worker)")
     p.add_argument("--ready-timeout", type=float, default=d.ready_timeout_s,
                    help=f"seconds to wait for the fleet (default {d.ready_timeout_s:g})")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"],
@@ -68,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Fleet": ["--workers", "--device", "--assets", "--run-dir", "--ready-timeout", "--log-level"],
         "Network": ["--port", "--host", "--worker-port"],
         "Placement store": ["--redis-url", "--no-redis"],
+        "Workers' model": ["--dtype", "--quantization", "--tensor-parallel-size"],
         "Workers' adapters": ["--max-loras", "--max-cpu-loras", "--max-lora-rank"],
     }, ("XDG_CACHE_HOME", *WORKER_ENV))
 
@@ -86,15 +100,26 @@ def options_from_args(args: argparse.Namespace) -> UpOptions:
                          f"{args.worker_port + args.workers - 1}, past 65535")
     if not args.ready_timeout > 0:
         raise FleetError(f"--ready-timeout {args.ready_timeout:g}: must be more than 0 seconds")
+    if args.tensor_parallel_size > 1 and args.quantization:  # the engine's rule, said before anything starts
+        raise FleetError(f"--quantization {args.quantization} with --tensor-parallel-size {args.tensor_parallel_size}: "
+                         "FP8 weights are served on one device only")
+    if args.tensor_parallel_size > 1 and args.device.startswith("cuda") and args.workers > 1:
+        raise FleetError(f"--tensor-parallel-size {args.tensor_parallel_size} on CUDA: each worker's ranks take "
+                         f"cuda:0..{args.tensor_parallel_size - 1}, so --workers 1 (got {args.workers})")
     try:
-        EngineConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
+        EngineConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+                     dtype=DTYPE_ALIASES.get(args.dtype, args.dtype or "auto"), quantization=args.quantization,
+                     tensor_parallel_size=args.tensor_parallel_size)
     except ConfigError as exc:  # the workers' own rules, said with the flags (and their values)
         values = f"--max-loras {args.max_loras}, --max-cpu-loras {args.max_cpu_loras}, --max-lora-rank {args.max_lora_rank}"
+        if "tensor_parallel" in str(exc):
+            values = f"--tensor-parallel-size {args.tensor_parallel_size}"
         raise FleetError(f"{str(exc).replace('_', '-')} ({values})") from None
     return UpOptions(
         host=args.host, port=args.port, workers=args.workers, device=args.device,
         assets=args.assets or default_assets_dir(), run_dir=args.run_dir,
         redis_url=None if args.no_redis else args.redis_url, worker_port=args.worker_port,
         max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank,
+        dtype=args.dtype, quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
         ready_timeout_s=args.ready_timeout, log_level=args.log_level,
     )

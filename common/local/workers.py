@@ -48,7 +48,18 @@ def worker_argv(options: UpOptions, run_dir: RunDir, model: Path, port: int, dev
         "--max-loras", str(options.max_loras), "--max-cpu-loras", str(options.max_cpu_loras),
         "--max-lora-rank", str(options.max_lora_rank), "--device", device,
         "--log-level", "info" if options.log_level == "debug" else "warning",
-    ]
+    ] + model_flags(options)
+
+
+def model_flags(options: UpOptions) -> list[str]:
+    """The model flags `lorafleet up` was given, for every worker as given; those left out are not
+    passed, so each worker takes its own default."""
+    flags = [] if options.dtype is None else ["--dtype", options.dtype]
+    if options.quantization is not None:
+        flags += ["--quantization", options.quantization]
+    if options.tensor_parallel_size != 1:
+        flags += ["--tensor-parallel-size", str(options.tensor_parallel_size)]
+    return flags
 
 
 def worker_env(workers: int, adapter_cache: Path | None = None) -> dict[str, str]:

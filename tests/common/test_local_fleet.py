@@ -230,3 +230,37 @@ def test_port_taken_is_a_clear_error(tmp_path: Path) -> None:
 def test_adapters_without_a_fleet_says_so(tmp_path: Path) -> None:
     result = subprocess.run([*lorafleet_cmd(), "adapters", "get"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "lorafleet up" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_local_fleet_serves_fp8_weights(tmp_path: Path, demo_assets: Path) -> None:
+    """`lorafleet up --quantization fp8`: the worker runs with the flag and the router's greedy answer is
+    the offline FP8 engine's, which differs from the unquantized engine's on this prompt."""
+    import httpx
+
+    from lorafleet.worker.config import EngineConfig
+    from lorafleet.worker.engine.engine import LLMEngine
+    from lorafleet.worker.engine.sequence import SamplingParams
+
+    fleet = start_fleet(tmp_path, free_port(), demo_assets, "--quantization", "fp8", "--workers", "1", "--no-redis")
+    try:
+        state = json.loads((fleet.run_dir / "state.json").read_text())
+        cmdline = Path(f"/proc/{state['workers'][0]['pid']}/cmdline").read_bytes().split(b"\0")
+        assert cmdline[cmdline.index(b"--quantization") + 1] == b"fp8"
+        body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+        served = httpx.post(f"{fleet.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        assert stop_fleet(fleet) == 0
+    finally:
+        if fleet.process.poll() is None:
+            stop_fleet(fleet)
+
+    def offline(quantization: str | None) -> str:
+        engine = LLMEngine(demo_assets / "model", EngineConfig(dtype="float32", num_kv_blocks=64, quantization=quantization))
+        rid = engine.add_request(PROMPT, SamplingParams(max_tokens=12, temperature=0.0))
+        text = ""
+        while engine.has_unfinished():
+            text += "".join(o.text_delta for o in engine.step() if o.request_id == rid)
+        return text
+
+    assert served == offline("fp8") != offline(None)
