@@ -43,18 +43,27 @@ SEED_GEMMS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), 
 
 
 def timed(fn, reps: int = 50) -> float:
-    """Median µs of fn() over reps CUDA-event timings, after warm-up."""
+    """µs per fn() as decode steps run it: `reps` calls captured in one CUDA graph, the median of 5
+    replays. Timing one eager launch between two events would add the Python launch (tens of µs for a
+    Triton kernel, a few for cuBLAS) to kernels that take tens of µs, and rank configs by it."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
     times = []
-    for _ in range(reps):
+    for _ in range(5):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        graph.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1000)
+        times.append(a.elapsed_time(b) * 1000 / reps)
+    del graph
     times.sort()
     return times[len(times) // 2]
 
