@@ -344,25 +344,33 @@ class EngineConfig:
     max_cpu_loras: int = 32
     max_loras_per_request: int | None = None  # None: min(4, max_loras)
     max_adapter_bytes: int = 2 << 30  # reject adapter folders larger than this
-    block_size: int = 16  # tokens per KV block
+    # None (`lorafleet worker`'s default) in block_size, max_num_seqs and max_num_batched_tokens: vLLM's
+    # default for the device, resolved when the engine starts (worker/engine/device_setup.py,
+    # `resolve_device_defaults`); the Python API's defaults are fixed, the same on every device.
+    block_size: int | None = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # None: size from memory (CUDA) or a default (CPU)
     kv_cache_memory_fraction: float = 0.9  # of the GPU memory left after weights and slots
     # vLLM's --gpu-memory-utilization: this worker's share of the GPU's memory (weights, slots, KV
     # cache, activations), measured from what was free when it started, so two workers at 0.45 can
     # share a GPU. None: the KV cache takes kv_cache_memory_fraction of what is free.
     gpu_memory_utilization: float | None = None
-    max_num_seqs: int = 64  # running requests
-    max_num_batched_tokens: int = 2048  # token budget per step (prefill chunks + decodes)
-    # With CUDA graphs: the token budget of a step while sequences decode, so prompt chunks joining
-    # them run in the decode graphs (as rows of one query; buckets up to this many rows, vLLM's
-    # largest capture size by default) instead of an eager step. Prompts longer than what is left
-    # beside the decodes are chunked over several steps.
+    max_num_seqs: int | None = 64  # running requests
+    max_num_batched_tokens: int | None = 2048  # token budget per step (prefill chunks + decodes)
+    # With CUDA graphs: the most rows a captured graph takes (vLLM's largest capture size by default,
+    # max_cudagraph_capture_size = min(2 x max_num_seqs, 512)): decode steps of up to this many
+    # sequences replay a graph, larger ones run eagerly, as in vLLM. While the decoding sequences fit,
+    # it is also a step's token budget, so prompt chunks joining them run in the graphs (as rows of
+    # one query) instead of an eager step; prompts longer than what is left beside the decodes are
+    # chunked over several steps.
     max_graph_tokens: int = 512
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     aging_steps: int = 32  # a deferred adapter's requests win a slot after waiting this many steps
     device: str = "cpu"
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # auto: vLLM's (`lorafleet worker --dtype auto`): the checkpoint's half type on every device,
+    # bfloat16 for a float32 one; None (the Python API's default): float32 on CPU, where tests
+    # compare with transformers exactly, and auto's choice on CUDA. Or float32 | bfloat16 | float16.
+    dtype: str | None = None
     # vLLM's --quantization: "fp8" quantizes an unquantized checkpoint's projections to FP8 (e4m3, a
     # scale per output channel) at load; an FP8 checkpoint is served as FP8 either way (worker/layers/quant.py).
     quantization: str | None = None
@@ -396,16 +404,17 @@ class EngineConfig:
             (1 <= self.max_lora_rank <= 512, "max_lora_rank must be in 1..512"),
             (self.max_cpu_loras >= self.max_loras, "max_cpu_loras must be >= max_loras"),
             (1 <= self.max_loras_per_request <= self.max_loras, "max_loras_per_request must be in 1..max_loras"),
-            (self.block_size in (8, 16, 32, 64, 128), "block_size must be one of 8, 16, 32, 64, 128"),
-            (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+            (self.block_size in (None, 8, 16, 32, 64, 128), "block_size must be one of 8, 16, 32, 64, 128"),
+            (self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
             (self.max_graph_tokens >= 1, "max_graph_tokens must be >= 1"),
             (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
             (0 < self.kv_cache_memory_fraction <= 1, "kv_cache_memory_fraction must be in (0, 1]"),
             (self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
              "gpu_memory_utilization must be in (0, 1]"),
-            (self.max_num_batched_tokens >= self.block_size, "max_num_batched_tokens must be >= block_size"),
+            (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= (self.block_size or 1),
+             "max_num_batched_tokens must be >= block_size"),
             (self.device in ("cpu", "cuda") or self.device.startswith("cuda:"), "device must be cpu or cuda[:N]"),
-            (self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype must be auto|float32|bfloat16|float16"),
+            (self.dtype in (None, "auto", "float32", "bfloat16", "float16"), "dtype must be auto|float32|bfloat16|float16"),
             (self.lora_backend in ("auto", "torch", "triton"), "lora_backend must be auto|torch|triton"),
             (self.attention_backend in ("auto", "torch", "triton"), "attention_backend must be auto|torch|triton"),
             (self.quantization in (None, "fp8"), "quantization must be fp8 or unset"),

@@ -47,6 +47,7 @@ def worker_argv(options: UpOptions, run_dir: RunDir, model: Path, port: int, dev
         "--adapter-root", str(run_dir.adapters), "--admin-token-file", str(run_dir.token_file),
         "--max-loras", str(options.max_loras), "--max-cpu-loras", str(options.max_cpu_loras),
         "--max-lora-rank", str(options.max_lora_rank), "--device", device,
+        *(["--dtype", "float32"] if device == "cpu" else []),  # exact answers on CPU (vLLM's auto: bfloat16)
         "--log-level", "info" if options.log_level == "debug" else "warning",
     ] + model_flags(options)
 

@@ -118,7 +118,8 @@ def test_router_slow_clients_are_closed_and_fast_ones_served(router) -> None:
 def test_worker_slow_clients_are_closed_and_fast_ones_served(demo_model: Path) -> None:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "lorafleet", "worker", "--model", str(demo_model), "--host",
-                             "127.0.0.1", "--port", str(port), "--log-level", "warning", *FLAGS],
+                             "127.0.0.1", "--port", str(port), "--dtype", "float32", "--log-level", "warning",
+                             *FLAGS],
                             stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"

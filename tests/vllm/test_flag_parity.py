@@ -1,8 +1,10 @@
 """vLLM's own parser on the flag-parity table: every pinned parse in tests/worker/vllm_flag_cases.py
 (which tests/worker/test_vllm_flag_parity.py holds our parser to) is what vLLM 0.32's
 `make_arg_parser(FlexibleArgumentParser())` gives, run as a subprocess in vLLM's virtualenv; the
-pinned list of vLLM's flags is its parser's; and `--api-key` guards and leaves open the same paths on
-both servers."""
+pinned list of vLLM's flags is its parser's; the defaults vLLM resolves per device
+(tests/worker/vllm_device_cases.py, which the worker's resolution is held to) are what vLLM's own code
+resolves with its platform given each device's figures; and `--api-key` guards and leaves open the
+same paths on both servers."""
 
 from __future__ import annotations
 
@@ -16,12 +18,14 @@ import pytest
 
 from lorafleet.worker.server.vllm_flag_names import VLLM_FLAGS
 from tests.vllm.vllm_server import API_KEY, skip_reason, vllm_python
+from tests.worker.vllm_device_cases import DEVICE_CASES
 from tests.worker.vllm_flag_cases import CASES, MODEL, SETTINGS, vllm_parse
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.vllm,
               pytest.mark.skipif(vllm_python() is None, reason=skip_reason())]
 
 SCRIPT = Path(__file__).with_name("vllm_parse.py")
+DEFAULTS_SCRIPT = Path(__file__).with_name("vllm_defaults.py")
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +54,23 @@ def test_the_pinned_parse_is_vllms(vllm_parsed, index):
         assert "error" in got and want["error"] in got["error"], got
     else:
         assert got == want
+
+
+@pytest.fixture(scope="module")
+def vllm_device_defaults(tmp_path_factory) -> dict:
+    proc = subprocess.run([vllm_python(), str(DEFAULTS_SCRIPT)], input=json.dumps([c.for_vllm() for c in DEVICE_CASES]),
+                          capture_output=True, text=True, timeout=400, cwd=tmp_path_factory.mktemp("vllm-defaults"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("index", range(len(DEVICE_CASES)), ids=[c.id for c in DEVICE_CASES])
+def test_the_pinned_device_defaults_are_vllms(vllm_device_defaults, index):
+    case, got = DEVICE_CASES[index], vllm_device_defaults["devices"][index]
+    block = vllm_device_defaults["cpu_block_size" if case.kind == "cpu" else "cuda_block_size"]
+    assert (got["max_num_seqs"], got["max_num_batched_tokens"], block) == (
+        case.max_num_seqs, case.max_num_batched_tokens, case.block_size)
+    assert got["dtypes"] == case.dtypes
 
 
 PATHS = [("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/health"), ("GET", "/metrics"),

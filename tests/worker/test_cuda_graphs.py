@@ -24,6 +24,7 @@ from lorafleet.worker.engine.cuda_graphs import (
     chunk_class,
     decode_inputs,
     graph_buckets,
+    graph_sizes,
     is_graphable,
     rank_class,
 )
@@ -59,10 +60,29 @@ REQUESTS = [
         (20, [1, 2, 4, 8, 16, 20]),
         (64, [1, 2, 4, 8, 16, 32, 48, 64]),
         (100, [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 100]),
+        (200, [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128, 192, 200]),
+        (512, [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128, 192, 256, 320, 384, 448, 512]),
     ],
 )
 def test_graph_buckets(max_batch, want):
     assert graph_buckets(max_batch) == want
+
+
+@pytest.mark.parametrize(
+    "max_num_seqs, max_num_batched_tokens, want",
+    [
+        (64, 2048, (64, 512)),  # the Python API's defaults: decodes up to 64, prompt chunks beside them up to 512 rows
+        (1024, 8192, (512, 512)),  # vLLM's on an H100: capture bounded as vLLM's (512), larger batches eager
+        (1024, 16384, (512, 512)),  # from 160 GiB
+        (256, 2048, (256, 512)),  # other GPUs
+        (128, 2048, (128, 512)),  # CPU
+        (512, 300, (300, 300)),  # never more rows than a step's token budget
+    ],
+)
+def test_graph_sizes_are_capped_as_vllms_capture_sizes(max_num_seqs, max_num_batched_tokens, want):
+    max_batch, max_rows = graph_sizes(max_num_seqs, max_num_batched_tokens, EngineConfig().max_graph_tokens)
+    assert (max_batch, max_rows) == want
+    assert len(graph_buckets(max_batch, max_rows)) <= 18  # start-up captures this many base graphs at most
 
 
 @pytest.mark.parametrize("size, want", [(1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (16, 16), (17, 32), (64, 64), (65, None)])

@@ -104,6 +104,28 @@ def test_budget_beside_decodes_chunks_prompts():
     assert chunks == [15, 15, 10]
 
 
+@pytest.mark.parametrize("decoding, budget", [(0, 256), (1, 16), (8, 16), (9, 256), (200, 256)])
+def test_the_graph_budget_holds_while_decodes_leave_half_the_rows(decoding, budget):
+    """More decodes than half the graphs' rows: the whole budget (the step runs eagerly when prompt
+    chunks join), so waiting prompts are not starved of tokens beside a large decode batch."""
+    config = SchedulerConfig(max_num_seqs=1024, max_num_batched_tokens=256, max_loras=4, mixed_step_tokens=16)
+    assert config.budget(decoding) == budget
+
+
+def test_prompts_beside_many_decodes_get_the_whole_budget():
+    config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=256, max_loras=4, mixed_step_tokens=16)
+    sched = Scheduler(config, BlockManager(256, 8, False))
+    decoders = [Sequence(seq_id=i, prompt_ids=[10, 11], sampling=GREEDY) for i in range(12)]
+    for seq in decoders:
+        sched.add(seq)
+    sched.postprocess(sched.schedule())
+    for seq in decoders:
+        seq.output_ids.append(7)
+    sched.add(Sequence(seq_id=99, prompt_ids=list(range(10, 110)), sampling=GREEDY))
+    batch = sched.schedule()
+    assert batch.num_new_tokens == [1] * 12 + [100]  # 12 decodes > 16 / 2: not chunked to the graph's 16 rows
+
+
 def _engine(demo_model, modules, graphs: bool, device: str) -> LLMEngine:
     config = EngineConfig(max_loras=4, max_cpu_loras=8, device=device, cuda_graphs=graphs, num_kv_blocks=256,
                           warmup=False, enable_prefix_caching=False, max_num_seqs=8, max_graph_tokens=24,

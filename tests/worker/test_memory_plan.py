@@ -1,5 +1,6 @@
 """How the KV cache is sized on CUDA, with the device's memory figures made up (no GPU needed):
-`kv_cache_memory_fraction` of what is free, or vLLM's per-worker `gpu_memory_utilization` share."""
+`kv_cache_memory_fraction` of what is free, or vLLM's per-worker `gpu_memory_utilization` share
+(`lorafleet worker`'s default, vLLM's 0.92); on CPU a fixed number of tokens."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from lorafleet.worker.config import ConfigError, EngineConfig, ModelConfig, RopeScaling
-from lorafleet.worker.engine.memory_plan import plan_kv_blocks
+from lorafleet.worker.engine.memory_plan import activation_reserve, plan_kv_blocks
 from lorafleet.worker.server.cli import build_parser, settings_from_args
 
 GIB = 1 << 30
@@ -83,6 +84,20 @@ def test_a_share_too_small_for_the_weights_says_to_raise_it(gpu) -> None:
 def test_cpu_and_an_explicit_block_count_ignore_the_gpu(gpu) -> None:
     assert plan_kv_blocks(EngineConfig(num_kv_blocks=7, device="cuda"), MODEL, CUDA, PER_BLOCK) == 7
     assert plan_kv_blocks(EngineConfig(gpu_memory_utilization=0.1), MODEL, torch.device("cpu"), PER_BLOCK) == 2048
+    # vLLM's CPU block size keeps the same 32768 tokens
+    assert plan_kv_blocks(EngineConfig(block_size=128), MODEL, torch.device("cpu"), PER_BLOCK) == 256
+
+
+def test_the_decode_graphs_pool_is_kept_out_of_the_share(gpu) -> None:
+    """The graphs' pool (activations and logits of their largest bucket) stays allocated once captured:
+    inside the worker's share, so the KV cache is smaller by it."""
+    config = EngineConfig(device="cuda", gpu_memory_utilization=0.92)
+    pool = 512 * (4 * MODEL.intermediate_size * 4 + MODEL.vocab_size * 6)
+    assert activation_reserve(config, MODEL, 512) == reserve(config) + pool
+    without = plan_kv_blocks(config, MODEL, CUDA, PER_BLOCK, baseline_free=100 * GIB)
+    with_graphs = plan_kv_blocks(config, MODEL, CUDA, PER_BLOCK, baseline_free=100 * GIB, graph_rows=512)
+    assert without == (92 * GIB - 30 * GIB - reserve(config)) // PER_BLOCK
+    assert with_graphs == (92 * GIB - 30 * GIB - reserve(config) - pool) // PER_BLOCK
 
 
 @pytest.mark.parametrize("field, value", [("gpu_memory_utilization", 0.0), ("gpu_memory_utilization", 1.5),
@@ -94,7 +109,9 @@ def test_fractions_out_of_range_are_refused(field: str, value: float) -> None:
 
 def test_the_flags_size_the_kv_cache_one_way_only(tmp_path) -> None:
     argv = ["--model", str(tmp_path)]
-    assert settings_from_args(build_parser().parse_args(argv)).engine.kv_cache_memory_fraction == 0.9
+    assert settings_from_args(build_parser().parse_args(argv)).engine.gpu_memory_utilization == 0.92  # vLLM's
+    fraction = settings_from_args(build_parser().parse_args(argv + ["--kv-cache-memory-fraction", "0.5"])).engine
+    assert (fraction.gpu_memory_utilization, fraction.kv_cache_memory_fraction) == (None, 0.5)
     engine = settings_from_args(build_parser().parse_args(argv + ["--gpu-memory-utilization", "0.4"])).engine
     assert engine.gpu_memory_utilization == 0.4
     both = build_parser().parse_args(argv + ["--gpu-memory-utilization", "0.4", "--kv-cache-memory-fraction", "0.5"])

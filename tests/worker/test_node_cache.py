@@ -188,7 +188,7 @@ def _start_worker(demo_model: Path, tmp_path: Path, i: int, cache: Path, endpoin
                PYTHONUNBUFFERED="1")
     argv = [sys.executable, "-m", "lorafleet", "worker", "--model", str(demo_model), "--served-model-name", "demo",
             "--host", "127.0.0.1", "--port", str(port), "--adapter-root", str(root), "--admin-token-file", str(token),
-            "--device", "cpu", "--log-level", "warning"]
+            "--device", "cpu", "--dtype", "float32", "--log-level", "warning"]
     log = open(tmp_path / f"worker-{i}.log", "wb")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT), f"http://127.0.0.1:{port}"
 

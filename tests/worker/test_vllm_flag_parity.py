@@ -19,7 +19,11 @@ from lorafleet.worker.server.vllm_flags import DEFAULT_DIFFERENCES, DTYPE_ALIASE
 from tests.worker.vllm_flag_cases import CASES, MODEL, SETTINGS, VLLM_DEFAULTS, Case, vllm_parse
 
 REPO = Path(__file__).resolve().parents[2]
-DIFFERING = {d.flag for d in DEFAULT_DIFFERENCES}
+# The parsed defaults that differ (a row with a device differs in what the value means there, not in it).
+DIFFERING = {d.flag for d in DEFAULT_DIFFERENCES if d.device is None}
+# Left unset by both parsers, resolved per device after parsing: tests/worker/test_device_setup.py
+# holds the worker's resolution to vLLM's.
+PER_DEVICE = ("max_num_seqs", "max_num_batched_tokens", "block_size")
 
 
 def flag_of(setting: str) -> str:
@@ -107,6 +111,16 @@ def test_where_the_worker_takes_more_it_says_why(case: Case):
         assert got["lora_modules"] == [["a", "/x"], ["b", "/y"]] != case.vllm["lora_modules"]
 
 
+def test_only_the_products_point_differs_from_vllms_defaults():
+    """With no flags, every compared setting is vLLM's parse but the table's rows; those vLLM resolves
+    per device are unset on both sides, and vLLM's dtype auto and memory share are ours."""
+    want, got = vllm_effective(vllm_parse(Case(()))), ours(())
+    differing = {key for key in SETTINGS if got[key] != want[key]}
+    assert {flag_of(key) for key in differing} == DIFFERING - {"--model", "--enable-lora"}
+    assert all(got[key] is None is want[key] for key in PER_DEVICE)
+    assert (got["dtype"], got["gpu_memory_utilization"]) == ("auto", 0.92) == (want["dtype"], want["gpu_memory_utilization"])
+
+
 def test_the_default_table_quotes_vllms_defaults_and_docs_show_it():
     """Where vLLM's parser gives a default, the table's vLLM column is it; docs/worker.md shows every
     row."""
@@ -139,3 +153,17 @@ def test_start_up_logs_the_defaults_that_differ_from_vllms(demo_model, caplog, m
         assert main(["--model", str(demo_model), "--max-loras", "2"]) == 0
     line = next(r.getMessage() for r in caplog.records if "differ from vLLM" in r.getMessage())
     assert "--max-lora-rank 64 (vLLM: 16)" in line and "--max-loras " not in line  # given: not a default
+    assert "--gpu-memory-utilization 0.92; on CPU unused" in line  # --device cpu: the CPU row applies
+    assert "--max-num-seqs" not in line and "--dtype" not in line and "--block-size" not in line  # vLLM's now
+
+
+def test_the_cpu_rows_are_logged_on_cpu_only(caplog):
+    from lorafleet.worker.server.vllm_flags import log_default_differences
+
+    log = logging.getLogger("lorafleet.worker")
+    with caplog.at_level(logging.INFO, logger="lorafleet.worker"):
+        log_default_differences(log, ["--model", "/m"], "cuda:1")
+        log_default_differences(log, ["--model", "/m"], "cpu")
+    on_cuda, on_cpu = (r.getMessage() for r in caplog.records)
+    assert "--gpu-memory-utilization" not in on_cuda and "--gpu-memory-utilization" in on_cpu
+    assert "--max-loras 8 (vLLM: 1)" in on_cuda

@@ -4,7 +4,7 @@ A decode step at the seed shape launches ~1,550 kernels; replaying them from a c
 costs one launch. Shapes inside a graph are fixed, so every decode step is padded to the smallest
 bucket that holds it:
 
-    bucket  = bucket_for(len(batch), buckets)        # 1, 2, 4, 8, 16, 32, 48, 64, ... max_num_seqs
+    bucket  = bucket_for(len(batch), buckets)        # 1, 2, 4, 8, 16, 32, ... 128, 192, ... max_batch
     inputs  = decode_inputs(batch, ...)              # host tensors padded to the bucket (pure)
     static  <- inputs                                # copies into the graph's input buffers
     graph.replay()                                   # captured lazily on a bucket's first use
@@ -69,21 +69,36 @@ log = logging.getLogger("lorafleet.cuda_graphs")
 
 SMALL_BUCKETS = (1, 2, 4, 8)
 BUCKET_STEP = 16
-# Buckets past max_batch hold prompt chunks beside the decodes; coarser, since a padding row costs
-# little in a step of that many rows and every bucket is one more capture at start-up.
+DENSE_BUCKETS_UP_TO = 128
+# Decode buckets past DENSE_BUCKETS_UP_TO, and buckets past max_batch (prompt chunks beside the
+# decodes), are coarser: a padding row costs little in a step of that many rows (the GEMMs are still
+# memory-bound; padding rows read no KV), and every bucket is one more capture at start-up.
 MIXED_BUCKET_STEP = 64
 
 
 def graph_buckets(max_batch: int, max_rows: int | None = None) -> list[int]:
-    """1, 2, 4, 8, then every multiple of 16 below `max_batch`, then `max_batch` itself; with
-    `max_rows` above it (steps whose prompt chunks join the decodes), every `max_batch` + a multiple
-    of MIXED_BUCKET_STEP below `max_rows`, then `max_rows`."""
+    """1, 2, 4, 8, then every multiple of 16 up to 128 and of 64 above it below `max_batch`, then
+    `max_batch` itself; with `max_rows` above it (steps whose prompt chunks join the decodes), every
+    `max_batch` + a multiple of MIXED_BUCKET_STEP below `max_rows`, then `max_rows`. The engine keeps
+    both at most `EngineConfig.max_graph_tokens` (vLLM's largest capture size, 512): larger decode
+    steps run eagerly, as in vLLM, so start-up captures a bounded number of graphs."""
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-    sizes = {b for b in SMALL_BUCKETS if b < max_batch} | set(range(BUCKET_STEP, max_batch, BUCKET_STEP))
+    sizes = {b for b in SMALL_BUCKETS if b < max_batch}
+    sizes |= set(range(BUCKET_STEP, min(max_batch, DENSE_BUCKETS_UP_TO + 1), BUCKET_STEP))
+    sizes |= set(range(DENSE_BUCKETS_UP_TO + MIXED_BUCKET_STEP, max_batch, MIXED_BUCKET_STEP))
     if max_rows is not None and max_rows > max_batch:
         sizes |= set(range(max_batch + MIXED_BUCKET_STEP, max_rows, MIXED_BUCKET_STEP)) | {max_rows}
     return sorted(sizes | {max_batch})
+
+
+def graph_sizes(max_num_seqs: int, max_num_batched_tokens: int, max_graph_tokens: int) -> tuple[int, int]:
+    """(max_batch, max_rows) of the decode graphs: the most sequences and the most rows a graph takes,
+    both at most `max_graph_tokens` (vLLM's max_cudagraph_capture_size, min(2 x max_num_seqs, 512,
+    max_num_batched_tokens)): a step with more runs eagerly, so a max_num_seqs of 1024 (vLLM's on an
+    H100) captures no more graphs, and holds no larger static buffers, than one of 512."""
+    max_batch = min(max_num_seqs, max_graph_tokens, max_num_batched_tokens)
+    return max_batch, max(max_batch, min(max_graph_tokens, max_num_batched_tokens))
 
 
 def bucket_for(batch_size: int, buckets: list[int]) -> int | None:

@@ -24,11 +24,14 @@ from lorafleet.worker import envs
 from lorafleet.worker.config import ConfigError, EngineConfig, ModelConfig
 from lorafleet.worker.engine.async_step import AsyncStepper
 from lorafleet.worker.engine.block_manager import BlockManager
-from lorafleet.worker.engine.cuda_graphs import DecodeGraphs
+from lorafleet.worker.engine.cuda_graphs import DecodeGraphs, graph_sizes
 from lorafleet.worker.engine.device_setup import (
+    device_info,
     prefer_blas,
+    resolve_device_defaults,
     resolve_dtype,
     resolve_lora_backend,
+    resolved_defaults_line,
     want_async_scheduling,
     want_cuda_graphs,
 )
@@ -83,11 +86,18 @@ class LLMEngine:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device cuda was asked for, but no CUDA device is available")
         baseline_free = free_at_start(self.device)
-        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
+        info = device_info(self.device)
+        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device, info.bf16)
         self.tokenizer = Tokenizer(tokenizer_dir or model_dir)
         self.grammars = Grammars(tokenizer_dir or model_dir, self.model_config.vocab_size)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
+        # Unset (`lorafleet worker`'s defaults): vLLM's values for this device, logged.
+        self.config = resolve_device_defaults(config, info, self.max_model_len)
+        line = resolved_defaults_line(config, self.config, info)
+        if line is not None:
+            log.info(line)
+        config = self.config
         # Longer text cannot fit even if every token were the vocabulary's longest: it is refused
         # before tokenizing (20 MB took 20 s to tokenize, only to be refused for its length).
         self.max_prompt_chars = self.max_model_len * self.tokenizer.max_token_chars
@@ -127,8 +137,10 @@ class LLMEngine:
         self.registry = AdapterRegistry(self.model_config, config, self.slots, self.dtype,
                                         base_weight=None if group is not None else self.model.base_weight)
 
+        pool_rows = graph_sizes(config.max_num_seqs, config.max_num_batched_tokens, config.max_graph_tokens)[1]
         num_blocks = plan_kv_blocks(config, self.model_config, self.device,
-                                    ModelRunner.kv_bytes_per_block(self.model, config.block_size), baseline_free)
+                                    ModelRunner.kv_bytes_per_block(self.model, config.block_size), baseline_free,
+                                    pool_rows if self.use_graphs else 0)
         if group is not None:
             start_kv(group, num_blocks, config.block_size)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -168,12 +180,13 @@ class LLMEngine:
     def _decode_graphs(self) -> DecodeGraphs:
         """CUDA graphs on CUDA; on CPU the same padded static-buffer path runs without capture (tests)."""
         capture = self.device.type == "cuda"
+        c = self.config
+        max_batch, max_rows = graph_sizes(c.max_num_seqs, c.max_num_batched_tokens, c.max_graph_tokens)
         return DecodeGraphs(
             self.model, self.runner.kv_caches, block_size=self.config.block_size, max_model_len=self.max_model_len,
-            max_batch=self.config.max_num_seqs, max_loras=self.config.max_loras,
+            max_batch=max_batch, max_loras=self.config.max_loras,
             max_loras_per_request=self.config.max_loras_per_request, sink_slot=self.runner.sink_slot,
-            capture=capture, max_rows=max(self.config.max_num_seqs,
-                                          min(self.config.max_graph_tokens, self.config.max_num_batched_tokens)),
+            capture=capture, max_rows=max_rows,
         )
 
     def _log_memory_plan(self, num_blocks: int) -> None:

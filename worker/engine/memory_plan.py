@@ -1,10 +1,13 @@
 """The engine's memory plan: how many KV cache blocks it gets, and where its memory goes.
 
 The KV cache is sized last, after the weights and the adapter slots: `num_kv_blocks` if set;
-on CUDA a fraction (`kv_cache_memory_fraction`) of the GPU memory then free, less room for the
-largest step's activations, or, with vLLM's `gpu_memory_utilization`, what this worker's share of
-the GPU leaves after its weights, slots and that room; on CPU a fixed default. The plan is logged
-in the seed guide's terms (weights, adapter slots, KV blocks) under the engine's logger.
+on CUDA, with vLLM's `gpu_memory_utilization` (`lorafleet worker`'s default, vLLM's 0.92), what this
+worker's share of the GPU leaves after its weights, slots and room for the largest step's
+activations and the decode graphs; without it (the Python API's default), a fraction
+(`kv_cache_memory_fraction`) of the GPU memory then free, less that room; on CPU a fixed number of
+tokens (CPU_DEFAULT_KV_TOKENS, in blocks of the configured size: vLLM sizes its CPU cache from
+VLLM_CPU_KVCACHE_SPACE instead, which the worker does not read). The plan is logged in the seed
+guide's terms (weights, adapter slots, KV blocks) under the engine's logger.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from lorafleet.worker.sampling.logits_processors import BYTES_PER_ENTRY as LOGIT
 
 log = logging.getLogger("lorafleet.engine")
 
-CPU_DEFAULT_KV_BLOCKS = 2048
+CPU_DEFAULT_KV_TOKENS = 32768
 
 
 def free_at_start(device: torch.device) -> int | None:
@@ -30,9 +33,24 @@ def free_at_start(device: torch.device) -> int | None:
     return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
 
+def activation_reserve(config: EngineConfig, model: ModelConfig, graph_rows: int = 0) -> int:
+    """Bytes kept out of the KV cache on CUDA: activations of the largest step (a few hidden-sized
+    buffers per token) and 1 GiB, the logit-edit state of every sequence a step can run
+    (worker/sampling/logits_processors.py), a step's scored prompt rows (float32 logits,
+    scheduler.PROMPT_SCORING_CHUNK of them) with one log-softmax slice's temporaries
+    (model_runner.SCORE_SLICE rows, ~9 bytes an entry), and the decode graphs' memory pool, kept
+    for good once captured: activations of `graph_rows` rows and their logits (0: no graphs)."""
+    reserve = 4 * config.max_num_batched_tokens * model.intermediate_size * 4 + (1 << 30)
+    reserve += config.max_num_seqs * model.vocab_size * LOGIT_EDIT_BYTES
+    reserve += (PROMPT_SCORING_CHUNK * 4 + SCORE_SLICE * 9) * model.vocab_size
+    reserve += graph_rows * (4 * model.intermediate_size * 4 + model.vocab_size * (2 + 4))
+    return reserve
+
+
 def plan_kv_blocks(config: EngineConfig, model: ModelConfig, device: torch.device, per_block: int,
-                   baseline_free: int | None = None) -> int:
-    """KV cache blocks of `per_block` bytes (`ModelRunner.kv_bytes_per_block`).
+                   baseline_free: int | None = None, graph_rows: int = 0) -> int:
+    """KV cache blocks of `per_block` bytes (`ModelRunner.kv_bytes_per_block`); `graph_rows`: the
+    decode graphs' largest bucket (0 without graphs).
 
     `gpu_memory_utilization` U is a per-worker share (vLLM's meaning: two workers at 0.45 share a
     GPU): the KV cache gets U x total less what this worker took since `baseline_free` (weights,
@@ -41,16 +59,10 @@ def plan_kv_blocks(config: EngineConfig, model: ModelConfig, device: torch.devic
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     if device.type != "cuda":
-        return CPU_DEFAULT_KV_BLOCKS
+        return max(1, CPU_DEFAULT_KV_TOKENS // config.block_size)
     gib = 1 << 30
     free, total = torch.cuda.mem_get_info(device)
-    # Leave room for activations of the largest step (a few hidden-sized buffers per token), and for
-    # the logit-edit state of every sequence a step can run (worker/sampling/logits_processors.py).
-    reserve = 4 * config.max_num_batched_tokens * model.intermediate_size * 4 + (1 << 30)
-    reserve += config.max_num_seqs * model.vocab_size * LOGIT_EDIT_BYTES
-    # and for a step's scored prompt rows (float32 logits, scheduler.PROMPT_SCORING_CHUNK of them) with
-    # one log-softmax slice's temporaries (model_runner.SCORE_SLICE rows, ~9 bytes an entry)
-    reserve += (PROMPT_SCORING_CHUNK * 4 + SCORE_SLICE * 9) * model.vocab_size
+    reserve = activation_reserve(config, model, graph_rows)
     utilization = config.gpu_memory_utilization
     if utilization is None:
         blocks = int((free - reserve) * config.kv_cache_memory_fraction) // per_block

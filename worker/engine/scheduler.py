@@ -7,8 +7,10 @@ requests for adapters already in the batch or base-only requests. A request defe
 `aging_steps` steps is *starving*: admission then stops for everything that would keep other
 adapters in the batch, so they drain and the starving adapter gets a slot (base-only requests
 still flow). When KV blocks run out, the newest running request is preempted by recompute.
-While any running request decodes, the step's budget is `mixed_step_tokens` when set (the decode
-graphs' rows, worker/engine/cuda_graphs.py), so prompts joining decodes are chunked to fit a graph.
+While running requests decode, and they take at most half of `mixed_step_tokens` when it is set
+(the decode graphs' rows, worker/engine/cuda_graphs.py), the step's budget is those rows, so prompts
+joining the decodes are chunked to fit a graph; with more decodes the step takes the whole budget
+(it runs eagerly when prompt chunks join), so waiting prompts are not starved of tokens.
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_loras: int
     aging_steps: int = 32
-    # The token budget of a step with decodes in it (None: max_num_batched_tokens): the engine sets
-    # its graphs' row capacity, so such steps, prompt chunks included, replay a graph.
+    # The token budget of a step with a few decodes in it (None: max_num_batched_tokens): the engine
+    # sets its graphs' row capacity, so such steps, prompt chunks included, replay a graph.
     mixed_step_tokens: int | None = None
 
-    def budget(self, decoding: bool) -> int:
-        """A step's token budget; `decoding`: some running sequence decodes in it."""
-        if decoding and self.mixed_step_tokens is not None:
+    def budget(self, decoding: int) -> int:
+        """A step's token budget; `decoding`: the running sequences that decode in it. The graphs' rows
+        while the decodes leave at least half of them to prompt chunks, else the whole budget."""
+        if 0 < decoding and self.mixed_step_tokens is not None and 2 * decoding <= self.mixed_step_tokens:
             return min(self.max_num_batched_tokens, self.mixed_step_tokens)
         return self.max_num_batched_tokens
 
@@ -111,7 +114,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         cfg = self.config
         batch = ScheduledBatch()
-        budget = cfg.budget(any(seq.num_uncomputed == 1 for seq in self.running))
+        budget = cfg.budget(sum(seq.num_uncomputed == 1 for seq in self.running))
         scoring = PROMPT_SCORING_CHUNK  # prompt tokens this step may score, over all its requests
 
         # 1. Running requests, oldest first; preempt the newest when blocks run out.
@@ -195,7 +198,7 @@ class Scheduler:
         as `schedule()` counts them, so aging advances while steps skip the scheduler.
         """
         cfg = self.config
-        budget = cfg.budget(bool(decoding)) - len(decoding)
+        budget = cfg.budget(len(decoding)) - len(decoding)
         in_batch: Counter[str] = Counter(name for seq in decoding for name in seq.adapter_names)
         starving = self._starving_adapters()
         deferred = []

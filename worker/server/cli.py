@@ -23,6 +23,7 @@ from lorafleet.worker.server.settings import WorkerSettings
 from lorafleet.worker.server.vllm_flags import (
     DTYPE_ALIASES,
     DTYPES,
+    VLLM_GPU_MEMORY_UTILIZATION,
     VllmCompatibleParser,
     human_readable_int,
     log_default_differences,
@@ -63,26 +64,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter-root", help="runtime loads must resolve inside this folder (else refused)")
     p.add_argument("--admin-token-file", help="file holding the admin bearer token (else the admin API is off)")
     p.add_argument("--device", default=d.device, help="cpu or cuda[:N] (default cpu)")
-    p.add_argument("--dtype", default=d.dtype, choices=DTYPES,
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="weights' and activations' dtype; half = float16, float = float32 (vLLM's names) "
-                        "(auto: the checkpoint's half type on CUDA, bfloat16 for a float32 one; float32 on CPU)")
+                        "(auto, vLLM's: the checkpoint's half type, bfloat16 for a float32 one, on CPU too; "
+                        "give float32 for exact CPU runs)")
     p.add_argument("--quantization", "-q", default=d.quantization, choices=["fp8"],
                    help="fp8: the decoder's projections in FP8 (e4m3, a scale per output channel; embeddings, "
                         "lm_head, KV cache and adapters stay in --dtype). FP8 checkpoints are served as FP8 without it")
     p.add_argument("--max-model-len", type=model_len, default=d.max_model_len,
                    help="longest prompt + answer in tokens, vLLM's forms (2048, 1k = 1000, 1K = 1024) "
                         "(default: the model's)")
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences running at once")
-    p.add_argument("--max-num-batched-tokens", type=human_readable_int, default=d.max_num_batched_tokens,
-                   help="tokens one engine step processes (2048, 2k, 2K as in vLLM)")
-    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV-cache block")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="sequences running at once (default, vLLM's for the device: 128 on CPU, 1024 on GPUs from "
+                        "70 GiB but A100s, 256 on others; at most --max-num-batched-tokens)")
+    p.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None,
+                   help="tokens one engine step processes (2048, 2k, 2K as in vLLM) (default, vLLM's for the "
+                        "device: 2048 on CPU and most GPUs, 8192 from 70 GiB but A100s, 16384 from 160 GiB)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV-cache block (default, vLLM's: 16 on CUDA, 128 on CPU)")
     p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks, help="KV blocks (default: from memory)")
     p.add_argument("--kv-cache-memory-fraction", type=float, default=None,
-                   help="the KV cache's share of the GPU memory free after weights and adapter slots "
-                        f"(default {d.kv_cache_memory_fraction:g})")
+                   help="instead of --gpu-memory-utilization: the KV cache's share of the GPU memory free after "
+                        "weights and adapter slots (e.g. 0.9)")
     p.add_argument("--gpu-memory-utilization", "--device-memory-utilization", type=float, default=None,
-                   help="vLLM's: this worker's share of the GPU's memory (weights, slots, KV cache, activations), "
-                        "so several workers can share a GPU; instead of --kv-cache-memory-fraction")
+                   help="vLLM's: this worker's share of the GPU's total memory (weights, slots, KV cache, "
+                        f"activations, CUDA graphs), so several workers can share a GPU (default {VLLM_GPU_MEMORY_UTILIZATION:g}, "
+                        "vLLM's; unused on CPU)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
                    help="share the KV blocks of common prompt prefixes (per adapter)")
     p.add_argument("--lora-backend", default=d.lora_backend, choices=["auto", "torch", "triton"],
@@ -143,11 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def engine_config(args: argparse.Namespace, max_cpu_loras: int) -> EngineConfig:
     fraction = {} if args.kv_cache_memory_fraction is None else {"kv_cache_memory_fraction": args.kv_cache_memory_fraction}
+    utilization = args.gpu_memory_utilization
+    if utilization is None and args.kv_cache_memory_fraction is None:
+        utilization = VLLM_GPU_MEMORY_UTILIZATION
     return EngineConfig(
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=max_cpu_loras,
         max_loras_per_request=args.max_loras_per_request, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
-        gpu_memory_utilization=args.gpu_memory_utilization,
+        gpu_memory_utilization=utilization,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         device=args.device, dtype=DTYPE_ALIASES.get(args.dtype, args.dtype), quantization=args.quantization,
@@ -227,7 +237,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"lorafleet worker: {exc}", file=sys.stderr)
         return 2
-    log_default_differences(log, argv)
+    log_default_differences(log, argv, args.device)
     if settings.admin_token_file is None:
         log.warning("no --admin-token-file: the admin API (load/unload, /v1/adapters) refuses every call")
     if settings.adapter_root is None:

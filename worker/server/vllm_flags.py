@@ -22,17 +22,24 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 DTYPES = ("auto", "bfloat16", "float", "float16", "float32", "half")
 
 
+# vLLM's default --gpu-memory-utilization (CacheConfig's), the worker's too.
+VLLM_GPU_MEMORY_UTILIZATION = 0.92
+
+
 @dataclass(frozen=True, slots=True)
 class DefaultDifference:
     flag: str
     ours: str
     vllm: str
     why: str
+    device: str | None = None  # the row applies on this device kind only ("cpu"); None: on every device
 
 
-# Where a default is not vLLM's, and why. docs/worker.md shows this table; the worker logs the rows
-# that apply at start-up; tests/worker/test_vllm_flag_parity.py checks the vLLM column against the
-# pinned parse of vLLM's parser (and tests/vllm/ against vLLM itself).
+# Where a default is not vLLM's, and why; every other default is vLLM 0.32's, resolved per device
+# where vLLM's is (worker/engine/device_setup.py: --max-num-seqs, --max-num-batched-tokens,
+# --block-size, --dtype auto). docs/worker.md shows this table; the worker logs the rows that apply at
+# start-up; tests/worker/test_vllm_flag_parity.py checks the vLLM column against the pinned parse of
+# vLLM's parser (and tests/vllm/ against vLLM itself).
 DEFAULT_DIFFERENCES: tuple[DefaultDifference, ...] = (
     DefaultDifference("--enable-lora", "on (always)", "off", "the product's point: a LoRA server"),
     DefaultDifference("--max-loras", "8", "1",
@@ -44,18 +51,11 @@ DEFAULT_DIFFERENCES: tuple[DefaultDifference, ...] = (
                       "the product's point: one pool serves tenants' adapters of mixed ranks (the kernels "
                       "read each at its own rank; the ceiling sizes the slots' memory); vLLM's 16 refuses "
                       "rank-32 and rank-64 fine-tunes"),
-    DefaultDifference("--max-num-seqs", "64", "128 on CPU, 256 on most GPUs, 1024 on H100/H200",
-                      "one value on every device: the decode CUDA graphs are captured per batch bucket up "
-                      "to it at start-up"),
-    DefaultDifference("--max-num-batched-tokens", "2048", "2048 on CPU and most GPUs, 8192 on H100/H200, "
-                      "16384 from 160 GB", "one value on every device"),
-    DefaultDifference("--gpu-memory-utilization", "unset: the KV cache takes 0.9 of the memory free after "
-                      "weights and adapter slots", "0.92 of the GPU's memory",
-                      "the adapter slots are sized before the KV cache; give the flag to share a GPU"),
-    DefaultDifference("--block-size", "16", "16 on CUDA, 128 on CPU", "one value on every device"),
-    DefaultDifference("--dtype", "auto: float32 on CPU", "auto: the CPU's half type",
-                      "CPU is the test device: exact float32 (on CUDA both take the checkpoint's half type, "
-                      "bfloat16 for a float32 checkpoint)"),
+    DefaultDifference("--gpu-memory-utilization", "0.92; on CPU unused: the KV cache holds 32768 tokens",
+                      "0.92; on CPU of the NUMA node's memory (less what the process holds) for the KV cache, "
+                      "unless VLLM_CPU_KVCACHE_SPACE",
+                      "the CPU is the test and local-fleet device, where several workers share one host; "
+                      "--num-kv-blocks sizes the CPU cache", device="cpu"),
     DefaultDifference("--model", "required", "Qwen/Qwen3-0.6B, downloaded",
                       "the worker serves a local folder and downloads nothing"),
 )
@@ -135,10 +135,13 @@ def _is_number(text: str) -> bool:
         return False
 
 
-def log_default_differences(log: logging.Logger, argv: Sequence[str]) -> None:
-    """At start-up: each default that differs from vLLM's and applies (its flag not given)."""
+def log_default_differences(log: logging.Logger, argv: Sequence[str], device: str = "cpu") -> None:
+    """At start-up: each default that differs from vLLM's and applies (its flag not given, on this
+    `--device`). The defaults taken from vLLM per device are logged by the engine once resolved."""
     given = {a.partition("=")[0] for a in normalize(argv) if a.startswith("--")}
-    rows = [d for d in DEFAULT_DIFFERENCES if d.flag not in given and d.flag not in ("--model", "--enable-lora")]
+    kind = device.partition(":")[0]
+    rows = [d for d in DEFAULT_DIFFERENCES if d.flag not in given and d.flag not in ("--model", "--enable-lora")
+            and d.device in (None, kind)]
     if rows:
         log.info("defaults that differ from vLLM %s's (docs/worker.md): %s", VLLM_VERSION,
                  "; ".join(f"{d.flag} {d.ours} (vLLM: {d.vllm})" for d in rows))
