@@ -309,6 +309,25 @@ def test_cuda_graphs_flag_reaches_the_engine_config():
     assert graphs("--no-cuda-graphs") is False and graphs("--enforce-eager") is False
 
 
+def test_more_sequences_than_the_largest_graph_run_eagerly(demo_model, modules):
+    """vLLM's H100 default of 1024 sequences: graphs up to 512 rows (vLLM's capture bound), steps of
+    600 sequences eager, those of 40 from a graph; the answers are the eager engine's."""
+    kw = {"max_num_seqs": 1024, "max_num_batched_tokens": 8192, "num_kv_blocks": 1400, "dtype": "float32"}
+    graph = _engine(demo_model, modules, "cpu", graphs=True, **kw)
+    eager = _engine(demo_model, modules, "cpu", graphs=False, **kw)
+    assert graph.runner.graphs.buckets[-1] == graph.runner.graphs.max_batch == 512
+    assert len(graph.runner.graphs.buckets) == 18
+    prompts = [f"request {i} says" for i in range(600)]
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    many = graph.generate(prompts, sp)
+    assert graph.runner.graphs.stats.replays == 0  # a prefill of 600, then decodes of 600: eager
+    assert [c.token_ids for c in many] == [c.token_ids for c in eager.generate(prompts, sp)]
+    few = graph.generate(prompts[:40], sp)
+    assert graph.runner.graphs.stats.replays == 3  # the 40 prompts' tokens as rows, then 2 decodes of 40
+    assert 48 in {b for b, *_ in graph.runner.graphs._graphs}
+    assert [c.token_ids for c in few] == [c.token_ids for c in many[:40]]
+
+
 def test_graphs_default_off_on_cpu(demo_model):
     assert LLMEngine(demo_model, EngineConfig(num_kv_blocks=64)).runner.graphs is None
 

@@ -118,7 +118,9 @@ def log_memory_plan(plan: dict[str, object], config: EngineConfig, device: torch
         config.max_lora_rank, plan["lora_slot_bytes"] / gib, plan["lora_slot_bytes"] / config.max_loras / mib,
         num_blocks, config.block_size, num_blocks * config.block_size, plan["kv_bytes"] / gib,
         lora_backend, attention_backend,
-        "off" if graph_buckets is None else f"buckets {graph_buckets}",
+        "off" if graph_buckets is None else f"buckets {list(graph_buckets)}" + (
+            f" (decode steps of more sequences run eagerly, up to --max-num-seqs {config.max_num_seqs})"
+            if config.max_num_seqs > graph_buckets[-1] else ""),
     )
     for name, nbytes in plan["lora_adapter_bytes"].items():
         log.info("adapter %s: rank %d, %.2f MiB at its rank", name, adapter_ranks[name], nbytes / mib)
