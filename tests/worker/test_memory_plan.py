@@ -35,10 +35,10 @@ def gpu(monkeypatch):
 
 
 def reserve(config: EngineConfig) -> int:
-    """Activations' room, a logit-edit row per sequence (float32 bias, int32 counts, bool prompt mask),
-    and 512 scored prompt rows of float32 logits with a 256-row log-softmax slice (float32 copy,
-    float32 result, bool mask)."""
-    edits = config.max_num_seqs * MODEL.vocab_size * 9
+    """Activations' room, a logit-edit row per sequence (float32 bias, int32 counts, bool prompt mask)
+    and its sampled logits (half, float32 and probabilities), and 512 scored prompt rows of float32
+    logits with a 256-row log-softmax slice (float32 copy, float32 result, bool mask)."""
+    edits = config.max_num_seqs * MODEL.vocab_size * (9 + 10)
     scoring = (512 * 4 + 256 * 9) * MODEL.vocab_size
     return 4 * config.max_num_batched_tokens * MODEL.intermediate_size * 4 + GIB + edits + scoring
 

@@ -25,6 +25,7 @@ from lorafleet.worker.sampling.logits_processors import BYTES_PER_ENTRY as LOGIT
 log = logging.getLogger("lorafleet.engine")
 
 CPU_DEFAULT_KV_TOKENS = 32768
+SAMPLED_LOGIT_BYTES = 2 + 4 + 4  # a sampled row's logits in a half type, float32, and probabilities
 
 
 def free_at_start(device: torch.device) -> int | None:
@@ -36,12 +37,13 @@ def free_at_start(device: torch.device) -> int | None:
 def activation_reserve(config: EngineConfig, model: ModelConfig, graph_rows: int = 0) -> int:
     """Bytes kept out of the KV cache on CUDA: activations of the largest step (a few hidden-sized
     buffers per token) and 1 GiB, the logit-edit state of every sequence a step can run
-    (worker/sampling/logits_processors.py), a step's scored prompt rows (float32 logits,
+    (worker/sampling/logits_processors.py) and its sampled logits (in the model's dtype, then a float32
+    copy and probabilities: ~10 bytes an entry), a step's scored prompt rows (float32 logits,
     scheduler.PROMPT_SCORING_CHUNK of them) with one log-softmax slice's temporaries
     (model_runner.SCORE_SLICE rows, ~9 bytes an entry), and the decode graphs' memory pool, kept
     for good once captured: activations of `graph_rows` rows and their logits (0: no graphs)."""
     reserve = 4 * config.max_num_batched_tokens * model.intermediate_size * 4 + (1 << 30)
-    reserve += config.max_num_seqs * model.vocab_size * LOGIT_EDIT_BYTES
+    reserve += config.max_num_seqs * model.vocab_size * (LOGIT_EDIT_BYTES + SAMPLED_LOGIT_BYTES)
     reserve += (PROMPT_SCORING_CHUNK * 4 + SCORE_SLICE * 9) * model.vocab_size
     reserve += graph_rows * (4 * model.intermediate_size * 4 + model.vocab_size * (2 + 4))
     return reserve
