@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-loras", type=int, default=8, help="distinct adapters per batch")
     p.add_argument("--max-lora-rank", type=int, default=64, help="highest adapter rank accepted")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, the checkpoint's half type on CUDA), "
+                   "float32, bfloat16 or float16")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap decode steps' host work (default: on with CUDA graphs)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
@@ -68,7 +69,8 @@ def main(argv: list[str]) -> int:
         if len(adapter_sets) != len(args.prompt):
             p.error("more --adapter than --prompt")
         config = EngineConfig(max_loras=args.max_loras, max_cpu_loras=max(args.max_loras, len(modules)),
-                              max_lora_rank=args.max_lora_rank, device=args.device, dtype=args.dtype,
+                              max_lora_rank=args.max_lora_rank, device=args.device,
+                              dtype=None if args.dtype == "auto" else args.dtype,  # the engine's: exact on CPU
                               async_scheduling=args.async_scheduling)
         engine = LLMEngine(args.model, config, lora_modules=modules)
         sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
