@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
                    help=f"largest adapter rank the workers load (default {d.max_lora_rank})")
     p.add_argument("--dtype", default=None, choices=DTYPES,
-                   help="the workers' --dtype (default: theirs; vLLM's names: half = float16, float = float32)")
+                   help="the workers' --dtype (default: float32 on CPU, for exact answers; theirs, vLLM's auto, "
+                        "on CUDA; vLLM's names: half = float16, float = float32)")
     p.add_argument("--quantization", "-q", default=None, choices=["fp8"],
                    help="the workers' --quantization: fp8 serves the model's projections in FP8 (e4m3), "
                         "adapters in --dtype (default: the checkpoint's weights as stored)")

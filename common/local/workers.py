@@ -47,15 +47,16 @@ def worker_argv(options: UpOptions, run_dir: RunDir, model: Path, port: int, dev
         "--adapter-root", str(run_dir.adapters), "--admin-token-file", str(run_dir.token_file),
         "--max-loras", str(options.max_loras), "--max-cpu-loras", str(options.max_cpu_loras),
         "--max-lora-rank", str(options.max_lora_rank), "--device", device,
-        *(["--dtype", "float32"] if device == "cpu" else []),  # exact answers on CPU (vLLM's auto: bfloat16)
         "--log-level", "info" if options.log_level == "debug" else "warning",
     ] + model_flags(options)
 
 
 def model_flags(options: UpOptions) -> list[str]:
     """The model flags `lorafleet up` was given, for every worker as given; those left out are not
-    passed, so each worker takes its own default."""
-    flags = [] if options.dtype is None else ["--dtype", options.dtype]
+    passed, so each worker takes its own default, but `--dtype` on CPU: float32, for exact answers
+    (the worker's auto is vLLM's, bfloat16 there)."""
+    dtype = options.dtype or ("float32" if options.device == "cpu" else None)
+    flags = [] if dtype is None else ["--dtype", dtype]
     if options.quantization is not None:
         flags += ["--quantization", options.quantization]
     if options.tensor_parallel_size != 1:

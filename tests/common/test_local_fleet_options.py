@@ -87,3 +87,4 @@ def test_model_flags_left_out_are_the_workers_defaults(tmp_path: Path) -> None:
     argv, settings = worker_settings(options(), tmp_path)
     assert not {"--quantization", "--tensor-parallel-size"} & set(argv)
     assert (settings.engine.quantization, settings.engine.tensor_parallel_size) == (None, 1)
+    assert settings.engine.dtype == "float32"  # on CPU: exact, not the worker's auto (vLLM's, bfloat16)
