@@ -212,7 +212,8 @@ def test_worker_serves_fp8_from_its_flag(demo_model: Path) -> None:
     from lorafleet.worker.server.cli import build_parser, settings_from_args
     from tests.worker.worker_harness import RunningWorker
 
-    argv = ["--model", str(demo_model), "--quantization", "fp8", "--num-kv-blocks", "64", "--served-model-name", "demo"]
+    argv = ["--model", str(demo_model), "--quantization", "fp8", "--num-kv-blocks", "64", "--served-model-name", "demo",
+            "--dtype", "float32"]  # the offline engine's (the flag's auto is vLLM's: bfloat16 on CPU)
     settings = settings_from_args(build_parser().parse_args(argv))
     assert settings.engine.quantization == "fp8"
     worker = RunningWorker(settings).start()
