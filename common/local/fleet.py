@@ -92,7 +92,7 @@ async def _run(options: UpOptions, run_dir: RunDir, stopped: asyncio.Event) -> i
 
     workers = [
         WorkerProc(f"{options.host}:{port}", f"http://{options.host}:{port}",
-                   worker_argv(options, run_dir, assets / "model", port, devices[i]),
+                   worker_argv(options, run_dir, assets / "model", port, devices[i], devices.count(devices[i])),
                    worker_env(options.workers * options.tensor_parallel_size, run_dir.adapter_cache / str(i)),
                    run_dir.logs / f"worker-{i}.log")
         for i, port in enumerate(worker_ports)

@@ -39,7 +39,16 @@ class WorkerProc:
         self.ready = False
 
 
-def worker_argv(options: UpOptions, run_dir: RunDir, model: Path, port: int, device: str) -> list[str]:
+# vLLM's default share of a GPU's memory (`--gpu-memory-utilization`), which each worker takes alone.
+GPU_MEMORY_UTILIZATION = 0.92
+
+
+def worker_argv(options: UpOptions, run_dir: RunDir, model: Path, port: int, device: str,
+                gpu_sharers: int = 1) -> list[str]:
+    """One worker's command line; `gpu_sharers` workers on the same GPU split vLLM's 0.92 of its
+    memory between them (each would otherwise ask for 0.92 of the card and the second refuse to start)."""
+    share = ["--gpu-memory-utilization", f"{GPU_MEMORY_UTILIZATION / gpu_sharers:.4g}"] \
+        if device.startswith("cuda") and gpu_sharers > 1 else []
     return [
         sys.executable, "-m", "lorafleet", "worker",
         "--model", str(model), "--served-model-name", SERVED_NAME,
@@ -48,7 +57,7 @@ def worker_argv(options: UpOptions, run_dir: RunDir, model: Path, port: int, dev
         "--max-loras", str(options.max_loras), "--max-cpu-loras", str(options.max_cpu_loras),
         "--max-lora-rank", str(options.max_lora_rank), "--device", device,
         "--log-level", "info" if options.log_level == "debug" else "warning",
-    ] + model_flags(options)
+    ] + share + model_flags(options)
 
 
 def model_flags(options: UpOptions) -> list[str]:

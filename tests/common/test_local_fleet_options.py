@@ -88,3 +88,17 @@ def test_model_flags_left_out_are_the_workers_defaults(tmp_path: Path) -> None:
     assert not {"--quantization", "--tensor-parallel-size"} & set(argv)
     assert (settings.engine.quantization, settings.engine.tensor_parallel_size) == (None, 1)
     assert settings.engine.dtype == "float32"  # on CPU: exact, not the worker's auto (vLLM's, bfloat16)
+
+
+def test_workers_sharing_a_gpu_split_vllms_memory_share(tmp_path: Path) -> None:
+    from lorafleet.worker.server.cli import build_parser as worker_parser
+    from lorafleet.worker.server.cli import settings_from_args
+
+    def share(device: str, sharers: int) -> float | None:
+        argv = worker_argv(options("--device", "cuda"), RunDir(tmp_path), tmp_path / "model", 9001, device, sharers)
+        return settings_from_args(worker_parser().parse_args(argv[4:])).engine.gpu_memory_utilization
+
+    assert share("cuda:0", 2) == 0.46 and share("cuda:1", 3) == 0.3067
+    default = settings_from_args(worker_parser().parse_args(["--model", "m"])).engine.gpu_memory_utilization
+    assert share("cuda:0", 1) == default  # alone on its GPU: the worker's own default (vLLM's)
+    assert "--gpu-memory-utilization" not in worker_argv(options(), RunDir(tmp_path), tmp_path / "model", 9001, "cpu", 2)
