@@ -35,6 +35,7 @@ from lorafleet.worker.engine.device_setup import (
     want_async_scheduling,
     want_cuda_graphs,
 )
+from lorafleet.worker.engine.generate import run_to_completion
 from lorafleet.worker.engine.memory_plan import free_at_start, log_memory_plan, memory_plan, plan_kv_blocks
 from lorafleet.worker.engine.model_runner import LogitsHook, ModelRunner
 from lorafleet.worker.engine.outputs import Completion, RequestOutput, TrackedRequest
@@ -418,33 +419,13 @@ class LLMEngine:
         sampling: SamplingParams | Seq[SamplingParams] | None = None,
         adapters: Seq[Seq[tuple[str, float]]] | None = None,
     ) -> list[Completion]:
-        """Run prompts to completion in shared batches; results in prompt order."""
+        """Run prompts to completion in shared batches; results in prompt order (worker/engine/generate.py)."""
         n = len(prompts)
         params = sampling if isinstance(sampling, (list, tuple)) else [sampling or SamplingParams()] * n
         adapter_sets = adapters if adapters is not None else [()] * n
         if len(params) != n or len(adapter_sets) != n:
             raise RequestError("prompts, sampling and adapters must have the same length")
-        ids = [self.add_request(p, s, a) for p, s, a in zip(prompts, params, adapter_sets)]
-        results: dict[int, Completion] = {}
-        prompt_ids = {rid: self._tracked[rid].seq.prompt_ids for rid in ids}
-        texts: dict[int, list[str]] = {rid: [] for rid in ids}
-        tokens: dict[int, list[int]] = {rid: [] for rid in ids}
-        lps: dict[int, list[TokenLogprobs]] = {rid: [] for rid in ids}
-        prompt_lps: dict[int, list[TokenLogprobs] | None] = {}
-        while len(results) < n:
-            for out in self.step():
-                rid = out.request_id
-                texts[rid].append(out.text_delta)
-                tokens[rid].extend(out.new_token_ids)
-                lps[rid].extend(out.logprobs)
-                if out.prompt_logprobs is not None:
-                    prompt_lps[rid] = out.prompt_logprobs
-                if out.finished:
-                    results[rid] = Completion(prompt_ids[rid], tokens[rid], "".join(texts[rid]), out.finish_reason or "stop",
-                                              lps[rid], prompt_lps.get(rid))
-        if not self.scheduler.has_work:
-            self.drain()  # a step in flight holding only finished requests: free their blocks now
-        return [results[rid] for rid in ids]
+        return run_to_completion(self, prompts, params, adapter_sets)
 
 
 def _first_prompt_logprobs(seq: Sequence) -> list[TokenLogprobs] | None:
