@@ -22,7 +22,6 @@ from lorafleet.worker.config import ConfigError, EngineConfig, ModelConfig
 from lorafleet.worker.engine.engine import LLMEngine
 from lorafleet.worker.engine.parallel import Ranks, free_port, init_group, start_followers, stop
 from lorafleet.worker.engine.sequence import SamplingParams
-from lorafleet.worker.lora.errors import AdapterError
 from lorafleet.worker.models.sharding import check_shardable, shard_config
 from tests.router.fake_worker import free_port as http_port
 from tests.router.fake_worker import wait_http
@@ -31,7 +30,10 @@ from tests.worker.lora_harness import write_adapter
 
 ADAPTERS = {"r4": dict(r=4, seed=1), "r16": dict(r=16, seed=2, targets=("q_proj", "v_proj", "o_proj", "down_proj")),
             "r8": dict(r=8, seed=3, rank_pattern={"model.layers.1.mlp.up_proj": 2})}
-REQUESTS = [(), (("r4", 1.0),), (("r16", 1.0),), (("r4", 0.5), ("r8", 0.7)), (("r8", 1.0),), (), (("r16", 0.3),)]
+# "dora": a DoRA adapter on all seven targets (its scales need the row-parallel norms all-reduced and
+# its epilogue runs after o/down's all-reduce); the last request is the first one's prompt with it.
+REQUESTS = [(), (("r4", 1.0),), (("r16", 1.0),), (("r4", 0.5), ("r8", 0.7)), (("r8", 1.0),), (("dora", 1.0),),
+            (("r16", 0.3),), (("dora", 1.0),)]
 
 
 def _model(folder, vocab: int) -> None:
@@ -62,14 +64,17 @@ def assets(tmp_path_factory):
     config = ModelConfig.from_folder(model_dir)
     adapters = {name: str(write_adapter(root / name, config, torch.float32, alpha=16.0, **kw))
                 for name, kw in ADAPTERS.items()}
+    build_dora("llama3_rope", model_dir)
+    adapters["dora"] = str(model_dir / "dora")
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 9, 3, 12, 7, 4, 20)]
+    prompts.append(prompts[0])
     return model_dir, adapters, prompts
 
 
 def _engine_config(tp: int) -> EngineConfig:
     # Two slots for three adapters: fills and evictions happen between steps.
-    return EngineConfig(max_loras=2, max_cpu_loras=4, max_lora_rank=16, max_loras_per_request=2, device="cpu",
+    return EngineConfig(max_loras=2, max_cpu_loras=3, max_lora_rank=16, max_loras_per_request=2, device="cpu",
                         dtype="float32", num_kv_blocks=64, block_size=8, warmup=False, tensor_parallel_size=tp)
 
 
@@ -94,11 +99,6 @@ def test_sharded_engine_matches_tp1(assets, reference, tp):
     try:
         engine = LLMEngine(model_dir, config, lora_modules=adapters, group=group)
         got = _run(engine, prompts)
-        if tp == 2:  # DoRA's norms need whole base weights: refused with the reason, the ranks unharmed
-            build_dora("llama3_rope", model_dir, targets=("q_proj", "o_proj"))
-            with pytest.raises(AdapterError, match="tensor-parallel") as refused:
-                engine.load_adapter("dora", str(model_dir / "dora"))
-            assert refused.value.reason == "unsupported"
         stop(group)
     finally:
         dist.destroy_process_group()
@@ -113,8 +113,9 @@ def test_sharded_engine_matches_tp1(assets, reference, tp):
         pairs = [(a.logprob, b.logprob) for a, b in zip(want.prompt_logprobs, have.prompt_logprobs)
                  if a is not None and a.logprob is not None]
         assert pairs and max(abs(a - b) for a, b in pairs) < 1e-4
-    # The adapters change the output (so equality above says the sharded LoRA path is right).
+    # The adapters change the output (so equality above says the sharded LoRA path is right), DoRA too.
     assert len({tuple(c.token_ids) for c in reference}) > 3
+    assert abs(reference[7].logprobs[0].logprob - reference[0].logprobs[0].logprob) > 1e-2
 
 
 def _wait_or_kill(p: subprocess.Popen) -> int | None:

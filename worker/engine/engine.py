@@ -35,7 +35,7 @@ from lorafleet.worker.engine.device_setup import (
 from lorafleet.worker.engine.memory_plan import free_at_start, log_memory_plan, memory_plan, plan_kv_blocks
 from lorafleet.worker.engine.model_runner import LogitsHook, ModelRunner
 from lorafleet.worker.engine.outputs import Completion, RequestOutput, TrackedRequest
-from lorafleet.worker.engine.parallel import Group, ShardedLoraSlots, start_kv, tp_leader_model
+from lorafleet.worker.engine.parallel import Group, ShardedLoraSlots, leader_dora, start_kv, tp_leader_model
 from lorafleet.worker.engine.scheduler import Scheduler, SchedulerConfig
 from lorafleet.worker.engine.sequence import SamplingParams, Sequence
 from lorafleet.worker.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -123,9 +123,11 @@ class LLMEngine:
         else:
             self.slots = LoraSlots(self.model_config, config.max_loras, config.max_lora_rank, self.device, self.dtype)
         self.model.lora = self.slots
-        # DoRA's column norms need whole base weights; a tensor-parallel rank holds a shard of them.
+        # DoRA's norms need whole base weights: under tensor parallelism every rank takes its part (a collective).
         self.registry = AdapterRegistry(self.model_config, config, self.slots, self.dtype,
-                                        base_weight=None if group is not None else self.model.base_weight)
+                                        base_weight=None if group is not None else self.model.base_weight,
+                                        loop_dora=None if group is None else leader_dora(self.model, group,
+                                                                                         self.model_config))
 
         num_blocks = plan_kv_blocks(config, self.model_config, self.device,
                                     ModelRunner.kv_bytes_per_block(self.model, config.block_size), baseline_free)

@@ -18,13 +18,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from lorafleet.kernels.lora.meta import LoraMeta
 from lorafleet.worker.config import ConfigError, EngineConfig, ModelConfig
+from lorafleet.worker.lora.dora import LoopDoraScales
 from lorafleet.worker.lora.slots import LoraSlots
 from lorafleet.worker.lora.weights import LoraWeights, ModuleWeights
 from lorafleet.worker.models.llama import LlamaModel, iter_checkpoint
 from lorafleet.worker.models.registry import model_class
-from lorafleet.worker.models.sharding import Shard, shard_checkpoint, shard_config, shard_lora
-from lorafleet.worker.models.tensor_parallel import build_sharded
+from lorafleet.worker.models.sharding import ROW_TARGETS, Shard, shard_checkpoint, shard_config, shard_lora
+from lorafleet.worker.models.tensor_parallel import build_sharded, sharded_dora_scales
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +89,22 @@ class ShardedLoraSlots(LoraSlots):
         self.group = group
 
     def fill(self, slot: int, weights: LoraWeights) -> None:
+        """`weights.dora_scale`, for a DoRA adapter, holds every rank's scales (`sharded_dora_scales`)."""
         if self.group.leader:
             self.group.send(("fill", slot, _bare(weights)))
-        super().fill(slot, shard_lora(weights, self.full, self.group.shard))
+        local = shard_lora(weights, self.full, self.group.shard)
+        if weights.dora:
+            assert weights.dora_scale is not None  # the registry computed it when it read the adapter
+            local.dora_scale = {f: g[self.group.shard.rank] for f, g in weights.dora_scale.items()}
+        super().fill(slot, local)
+
+    def apply_dora(self, layer: int, fused: str, y: torch.Tensor, delta: torch.Tensor | None, meta: LoraMeta,
+                   bias: torch.Tensor | None, backend: str, graph: bool, reduced: bool = False) -> None:
+        """As `LoraSlots.apply_dora`, except on a row-parallel projection's partial sum: there it
+        runs once the sum is whole (`reduced`, after the all-reduce)."""
+        if fused in ROW_TARGETS and not reduced:
+            return
+        super().apply_dora(layer, fused, y, delta, meta, bias, backend, graph)
 
     def clear(self, slot: int) -> None:
         if self.group.leader:
@@ -99,14 +114,29 @@ class ShardedLoraSlots(LoraSlots):
 
 def _bare(weights: LoraWeights) -> tuple:
     """The adapter as plain data (each rank packs its own slice; the digest is rank 0's to report)."""
-    return (weights.path, weights.rank, weights.alpha, weights.use_rslora,
-            {key: (m.a, m.b, m.scaling) for key, m in weights.modules.items()})
+    return (weights.path, weights.rank, weights.alpha, weights.use_rslora, weights.dora, weights.dora_scale,
+            {key: (m.a, m.b, m.scaling, m.magnitude) for key, m in weights.modules.items()})
 
 
 def _dressed(bare: tuple) -> LoraWeights:
-    path, rank, alpha, use_rslora, modules = bare
-    return LoraWeights(path=path, rank=rank, alpha=alpha, use_rslora=use_rslora, digest="",
-                       modules={key: ModuleWeights(a=a, b=b, scaling=s) for key, (a, b, s) in modules.items()})
+    path, rank, alpha, use_rslora, dora, dora_scale, modules = bare
+    return LoraWeights(path=path, rank=rank, alpha=alpha, use_rslora=use_rslora, digest="", dora=dora,
+                       dora_scale=dora_scale,
+                       modules={key: ModuleWeights(a=a, b=b, scaling=s, magnitude=mag)
+                                for key, (a, b, s, mag) in modules.items()})
+
+
+def leader_dora(model: LlamaModel, group: Group, full: ModelConfig) -> LoopDoraScales:
+    """Rank 0's DoRA scales for the registry: the adapter broadcast, then every rank computes its
+    rows' scales together (`sharded_dora_scales`: a collective, so on the engine loop only)."""
+
+    def scales(weights: LoraWeights) -> dict[str, torch.Tensor]:
+        group.send(("dora", _bare(weights)))
+        out = sharded_dora_scales(model, full, weights)
+        assert out is not None  # rank 0
+        return out
+
+    return scales
 
 
 def build_rank_model(full: ModelConfig, model_dir: str | Path, group: Group, device: torch.device, dtype: torch.dtype,
@@ -171,6 +201,8 @@ def follow(model_dir: str | Path, config: EngineConfig, group: Group,
                 model.lora.fill(command[1], _dressed(command[2]))
             elif kind == "clear":
                 model.lora.clear(command[1])
+            elif kind == "dora":
+                sharded_dora_scales(model, full, _dressed(command[1]))
             elif kind == "kv":
                 shape = (command[1] + 1, command[2], c.num_kv_heads, c.head_dim)  # + the graph sink block
                 kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))

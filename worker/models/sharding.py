@@ -106,16 +106,18 @@ def shard_checkpoint(named: Iterable[tuple[str, torch.Tensor]], config: ModelCon
 
 def shard_lora(weights: LoraWeights, config: ModelConfig, shard: Shard) -> LoraWeights:
     """Rank `shard`'s slice of an adapter (S-LoRA): column-parallel targets keep A and cut B's output
-    rows; row-parallel targets cut A's input columns and keep B. `config` is the full model's."""
+    rows (and DoRA's magnitudes with them); row-parallel targets cut A's input columns and keep B
+    (and the magnitudes: their rows are whole). `config` is the full model's."""
     modules: dict[tuple[int, str], ModuleWeights] = {}
     for (layer, target), m in weights.modules.items():
-        a, b = m.a, m.b
-        if target in ("q_proj", "gate_proj", "up_proj"):
-            b = b[shard.rows(b.shape[0])]
-        elif target in ("k_proj", "v_proj"):
-            b = b[kv_head_rows(config, shard)]
-        elif target in ROW_TARGETS:
+        a, b, mag = m.a, m.b, m.magnitude
+        if target in ROW_TARGETS:
             a = a[:, shard.rows(a.shape[1])]
-        modules[(layer, target)] = ModuleWeights(a=a.contiguous(), b=b.contiguous(), scaling=m.scaling)
+        else:
+            rows = kv_head_rows(config, shard) if target in ("k_proj", "v_proj") else shard.rows(b.shape[0])
+            b = b[rows]
+            mag = None if mag is None else mag[rows]
+        modules[(layer, target)] = ModuleWeights(a=a.contiguous(), b=b.contiguous(), scaling=m.scaling,
+                                                 magnitude=None if mag is None else mag.contiguous())
     return LoraWeights(path=weights.path, rank=weights.rank, alpha=weights.alpha, use_rslora=weights.use_rslora,
-                       digest=weights.digest, modules=modules)
+                       digest=weights.digest, modules=modules, dora=weights.dora)
