@@ -41,7 +41,7 @@ from lorafleet.worker.engine.sequence import SamplingParams, Sequence
 from lorafleet.worker.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from lorafleet.worker.engine.warm_up import warm_up
 from lorafleet.worker.layers.attention import resolve_attention_backend
-from lorafleet.worker.layers.quant import load_weights, read_quantization_config
+from lorafleet.worker.layers.quant import load_weights, read_quantization_config, resolve_scheme
 from lorafleet.worker.lora.adapter import AdapterError
 from lorafleet.worker.lora.dora import dora_refusal
 from lorafleet.worker.lora.registry import AdapterRegistry
@@ -96,12 +96,9 @@ class LLMEngine:
             prefer_blas(envs.BLAS)
         self.group = group
         if config.tensor_parallel_size > 1:
-            if config.quantization or read_quantization_config(model_dir):
-                raise ConfigError("FP8 weights are not served with --tensor-parallel-size above 1 (each rank "
-                                  "would need its slice of the scales)")
             self.model = tp_leader_model(self.model_config, model_dir, config, group, self.device, self.dtype,
                                          self.max_model_len, weights)
-            self.quantization = None
+            self.quantization = resolve_scheme(config.quantization, read_quantization_config(model_dir))[0]
         else:
             self.model = model_class(self.model_config)(self.model_config, self.device, self.dtype, self.max_model_len)
             self.quantization = load_weights(self.model, weights if weights is not None else iter_checkpoint(str(model_dir)),

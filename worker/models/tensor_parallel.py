@@ -6,6 +6,8 @@ a tensor-parallel forward communicates (docs/tensor_parallel.md).
 - the vocab-parallel embedding: ids outside this rank's rows look up zeros, then one all-reduce;
 - the vocab-parallel lm_head: each rank's logit columns gathered to rank 0 (the others get no rows
   back from `forward`: only rank 0 samples), soft-capped there when the family caps its logits;
+- `--quantization fp8`: the row-parallel rows' largest magnitudes all-reduced (max) once, at load,
+  so a row's scale is the whole row's (`quantize_sharded`);
 - DoRA: once per adapter read, the row-parallel modules' squared column norms all-reduced and every
   rank's scales gathered to rank 0 (`sharded_dora_scales`); per step, a row-parallel projection's
   DoRA epilogue runs after its all-reduce, on the whole sum.
@@ -22,7 +24,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lorafleet.kernels.lora.meta import LoraMeta
+from lorafleet.kernels.quant.fp8_linear import quantize_rows
 from lorafleet.worker.config import FUSED_SLICES, ModelConfig
+from lorafleet.worker.layers.quant import LINEAR_KEYS
 from lorafleet.worker.lora.dora import row_norms_sq, scales_from_norms
 from lorafleet.worker.lora.errors import AdapterError
 from lorafleet.worker.lora.weights import LoraWeights
@@ -118,6 +122,22 @@ def sharded_dora_scales(model: LlamaModel, full: ModelConfig, weights: LoraWeigh
             raise AdapterError("bad_weights", f"layer {int(bad[0])} {f}: DoRA's scale is not finite "
                                "(a zero weight norm, or a magnitude that overflows)")
     return out
+
+
+def quantize_sharded(model: LlamaModel) -> None:
+    """`--quantization fp8` on a rank's shard, per output row as on one device: a column-parallel
+    rank holds whole rows; a row-parallel one only some columns of each, so each row's largest
+    magnitude is the max over the ranks (one all-reduce for every layer's o and down), and every
+    rank's part of a row shares the whole row's scale."""
+    w, layers = model.weights, range(model.config.num_layers)
+    row_keys = [f"layers.{i}.{key}" for i in layers for key in ("o", "down")]
+    amax = torch.cat([w[k].float().abs().amax(dim=1) for k in row_keys])
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+    whole = dict(zip(row_keys, amax.split([w[k].shape[0] for k in row_keys])))
+    for i in layers:
+        for key in LINEAR_KEYS:
+            k = f"layers.{i}.{key}"
+            w[k], w[k + "_scale"] = quantize_rows(w[k], whole.get(k))
 
 
 @cache
