@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from lorafleet.worker.config import ConfigError, EngineConfig, ModelConfig
 from lorafleet.worker.engine.engine import LLMEngine
-from lorafleet.worker.engine.parallel import Ranks, free_port, init_group, start_followers, stop
+from lorafleet.worker.engine.parallel import free_port, init_group, start_followers, stop
 from lorafleet.worker.engine.sequence import SamplingParams
 from lorafleet.worker.models.sharding import check_shardable, shard_config
 from tests.router.fake_worker import free_port as http_port
@@ -138,12 +138,29 @@ def _wait_or_kill(p: subprocess.Popen) -> int | None:
         return None
 
 
+_START_A_DYING_GROUP = """
+import sys, torch.distributed as dist
+from lorafleet.worker.config import ConfigError
+from lorafleet.worker.config import EngineConfig
+from lorafleet.worker.engine.parallel import Ranks
+try:
+    Ranks.start(sys.argv[1], EngineConfig(device="cpu", dtype="float32", tensor_parallel_size=2))
+except ConfigError as e:
+    print(e)
+    sys.exit(3 if dist.is_initialized() else 0)
+sys.exit(4)
+"""
+
+
 def test_a_rank_that_dies_before_joining_fails_the_start_at_once(tmp_path):
+    # In a process of its own: rank 0's join stays blocked in its thread until the group's timeout,
+    # which would hold up every process group this test process makes after it.
     started = time.monotonic()
-    with pytest.raises(ConfigError, match="rank 1 exited with code 1 before joining"):
-        Ranks.start(tmp_path / "no-model", _engine_config(2))
+    done = subprocess.run([sys.executable, "-c", _START_A_DYING_GROUP, str(tmp_path / "no-model")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "rank 1 exited with code 1 before joining" in done.stdout
     assert time.monotonic() - started < 60  # not the group's timeout (600 s)
-    assert not dist.is_initialized()
 
 
 def test_shard_config_and_refusals(assets):

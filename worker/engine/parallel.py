@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lorafleet.kernels.lora.meta import LoraMeta
 from lorafleet.worker.config import ConfigError, EngineConfig, ModelConfig
 from lorafleet.worker.layers.quant import load_weights, read_quantization_config, resolve_scheme
 from lorafleet.worker.lora.dora import LoopDoraScales
@@ -26,7 +25,7 @@ from lorafleet.worker.lora.slots import LoraSlots
 from lorafleet.worker.lora.weights import LoraWeights, ModuleWeights
 from lorafleet.worker.models.llama import LlamaModel, iter_checkpoint
 from lorafleet.worker.models.registry import model_class
-from lorafleet.worker.models.sharding import ROW_TARGETS, Shard, shard_checkpoint, shard_config, shard_lora
+from lorafleet.worker.models.sharding import Shard, shard_checkpoint, shard_config, shard_lora
 from lorafleet.worker.models.tensor_parallel import build_sharded, quantize_sharded, sharded_dora_scales
 
 log = logging.getLogger(__name__)
@@ -98,14 +97,6 @@ class ShardedLoraSlots(LoraSlots):
             assert weights.dora_scale is not None  # the registry computed it when it read the adapter
             local.dora_scale = {f: g[self.group.shard.rank] for f, g in weights.dora_scale.items()}
         super().fill(slot, local)
-
-    def apply_dora(self, layer: int, fused: str, y: torch.Tensor, delta: torch.Tensor | None, meta: LoraMeta,
-                   bias: torch.Tensor | None, backend: str, graph: bool, reduced: bool = False) -> None:
-        """As `LoraSlots.apply_dora`, except on a row-parallel projection's partial sum: there it
-        runs once the sum is whole (`reduced`, after the all-reduce)."""
-        if fused in ROW_TARGETS and not reduced:
-            return
-        super().apply_dora(layer, fused, y, delta, meta, bias, backend, graph)
 
     def clear(self, slot: int) -> None:
         if self.group.leader:

@@ -34,11 +34,30 @@ from lorafleet.worker.models.llama import LlamaModel
 from lorafleet.worker.models.sharding import ROW_TARGETS, Shard, shard_config, shard_lora
 
 
+class Collectives:
+    """A rank's communication: torch.distributed's default group (NCCL on CUDA, gloo on CPU). A
+    benchmark of one rank's shard on one device puts a stand-in with the same methods in its place."""
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
+        """`t` summed (or maxed) over the ranks, in place."""
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+
+    def gather(self, t: torch.Tensor, shard: Shard) -> list[torch.Tensor] | None:
+        """Every rank's `t` (same shape) on rank 0, in rank order; None on the others."""
+        if shard.rank != 0:
+            dist.gather(t, None, dst=0)
+            return None
+        parts = [torch.empty_like(t) for _ in range(shard.world)]
+        dist.gather(t, parts, dst=0)
+        return parts
+
+
 class TensorParallel:
-    """Mixin in front of a LlamaModel family class; `shard` and `full_vocab` are set by `sharded_class`'s caller."""
+    """Mixin in front of a LlamaModel family class; `shard`, `full_vocab` and `comm` are set by `build_sharded`."""
 
     shard: Shard
     full_vocab: int
+    comm: Collectives
     on_step = None  # rank 0: called with a forward's inputs before it runs (the step broadcast)
 
     def _linear_deferred(self, x: torch.Tensor, layer: int, fused: str, meta: LoraMeta | None, graph: bool = False,
@@ -46,14 +65,19 @@ class TensorParallel:
         if fused not in ROW_TARGETS:
             return super()._linear_deferred(x, layer, fused, meta, graph, beside)  # type: ignore[misc]
         # The delta is added before the sum, never deferred: the all-reduce carries base and LoRA together.
-        # DoRA's rescaling b + g ⊙ (y - b) is of the whole sum: the slots skip it on the partial one.
+        # DoRA's rescaling b + g ⊙ (y - b) is of the whole sum: `_dora` skips it on the partial one.
         y, _ = super()._linear_deferred(x, layer, fused, meta, graph, beside=False)  # type: ignore[misc]
-        dist.all_reduce(y)
+        self.comm.all_reduce(y)
         lora = self.lora  # type: ignore[attr-defined]
         if meta is not None and (graph or not meta.empty) and lora is not None and fused in lora.layers[layer]:
-            lora.apply_dora(layer, fused, y, None, meta, None, self.lora_backend, graph,  # type: ignore[attr-defined]
-                            reduced=True)
+            super()._dora(layer, fused, y, None, meta, None, graph)  # type: ignore[misc]
         return y, None
+
+    def _dora(self, layer: int, fused: str, y: torch.Tensor, delta: torch.Tensor | None, meta: LoraMeta,
+              bias: torch.Tensor | None, graph: bool) -> None:
+        """Skipped on a row-parallel projection's partial sum: `_linear_deferred` runs it on the whole one."""
+        if fused not in ROW_TARGETS:
+            super()._dora(layer, fused, y, delta, meta, bias, graph)  # type: ignore[misc]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The rows summed over the ranks (exactly: every other rank adds zeros), then the family's
@@ -63,18 +87,16 @@ class TensorParallel:
         local = input_ids - lo
         inside = (local >= 0) & (local < w.shape[0])
         h = F.embedding(local.clamp(0, w.shape[0] - 1), w) * inside.unsqueeze(1).to(w.dtype)
-        dist.all_reduce(h)
+        self.comm.all_reduce(h)
         scale = getattr(self, "embed_scale", None)
         return h if scale is None else h * scale
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """Rank 0: the full logits `[N, vocab]`; the other ranks send their columns and get `[0, V']` back."""
         part = F.linear(h, self.weights["lm_head"]).contiguous()  # type: ignore[attr-defined]  # [N, V']
-        if self.shard.rank != 0:
-            dist.gather(part, None, dst=0)
+        parts = self.comm.gather(part, self.shard)
+        if parts is None:
             return part[:0]
-        parts = [torch.empty_like(part) for _ in range(self.shard.world)]
-        dist.gather(part, parts, dst=0)
         logits = torch.cat(parts, dim=1)[:, : self.full_vocab]
         cap = self.config.final_logit_softcapping  # type: ignore[attr-defined]  # Gemma 2
         return logits if cap is None else torch.tanh(logits / cap) * cap
@@ -102,15 +124,13 @@ def sharded_dora_scales(model: LlamaModel, full: ModelConfig, weights: LoraWeigh
     row = [key for key in sorted(sq) if key[1] in ROW_TARGETS]
     if row:
         summed = torch.cat([sq[key] for key in row])
-        dist.all_reduce(summed)
+        model.comm.all_reduce(summed)  # type: ignore[attr-defined]
         sq.update(zip(row, summed.split([sq[key].numel() for key in row])))
     g = scales_from_norms(local, model.config, {key: v.sqrt() for key, v in sq.items()}, check=False)
     flat = torch.cat([g[f].reshape(-1) for f in FUSED_SLICES]).to(model.device)
-    if shard.rank != 0:
-        dist.gather(flat, None, dst=0)
+    parts = model.comm.gather(flat, shard)  # type: ignore[attr-defined]
+    if parts is None:
         return None
-    parts = [torch.empty_like(flat) for _ in range(shard.world)]
-    dist.gather(flat, parts, dst=0)
     stacked = torch.stack(parts).cpu()  # [world, Σ fused L·out]
     out, start = {}, 0
     for f in FUSED_SLICES:
@@ -132,7 +152,7 @@ def quantize_sharded(model: LlamaModel) -> None:
     w, layers = model.weights, range(model.config.num_layers)
     row_keys = [f"layers.{i}.{key}" for i in layers for key in ("o", "down")]
     amax = torch.cat([w[k].float().abs().amax(dim=1) for k in row_keys])
-    dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+    model.comm.all_reduce(amax, op="max")  # type: ignore[attr-defined]
     whole = dict(zip(row_keys, amax.split([w[k].shape[0] for k in row_keys])))
     for i in layers:
         for key in LINEAR_KEYS:
@@ -151,5 +171,6 @@ def build_sharded(cls: type[LlamaModel], full_config, shard: Shard, device: torc
     """A rank's model, on the shard config, weights not loaded yet (`sharding.shard_checkpoint` them)."""
     model = sharded_class(cls)(shard_config(full_config, shard.world), device, dtype, max_positions)
     model.shard = shard  # type: ignore[attr-defined]
+    model.comm = Collectives()  # type: ignore[attr-defined]
     model.full_vocab = full_config.vocab_size  # type: ignore[attr-defined]
     return model
