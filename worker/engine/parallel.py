@@ -1,6 +1,6 @@
 """Tensor parallelism's process model (docs/tensor_parallel.md): rank 0 is the engine and broadcasts
-each model call (forward, slot fill, slot clear) to ranks 1..N-1, which run `follow` and never decide
-anything.
+each model call (forward, slot fill, slot clear, a DoRA adapter's scales) to ranks 1..N-1, which run `follow`
+and never decide anything.
 
 Commands travel over a gloo group (CPU tensors, pickled) whatever the compute backend; the forward's
 collectives run on the default group (NCCL on CUDA, gloo on CPU). Every rank runs the commands in
