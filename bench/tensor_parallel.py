@@ -112,7 +112,7 @@ def _rank(rank: int, args: argparse.Namespace, init: str, out: str | None) -> No
 
 def _one_gpu_shard(args: argparse.Namespace) -> None:
     """Rank `--shard-rank`'s shard alone on one device, its collectives replaced by `LocalCopies`."""
-    device = torch.device("cuda" if args.device == "cuda" else "cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     full = _config(args.tiny, args.layers)
     model, slots, dtype = _build(full, Shard(args.shard_rank, args.tp), device, args)
     model.comm = LocalCopies()  # type: ignore[attr-defined]
@@ -248,7 +248,7 @@ def _report(results: list[dict], full: ModelConfig, device: torch.device, args: 
                                          "one_gpu_shard": args.one_gpu_shard, "rows": results}, indent=1) + "\n")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tp", type=int, default=4)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -266,7 +266,7 @@ def main() -> None:
                    help="one rank's shard alone on one device, collectives replaced by local copies (module docstring)")
     p.add_argument("--shard-rank", type=int, default=0, help="--one-gpu-shard: which rank's shard (0 gathers the logits)")
     p.add_argument("--graphs", action="store_true", help="also time each step replayed as one CUDA graph (CUDA only)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.one_gpu_shard:
         _one_gpu_shard(args)

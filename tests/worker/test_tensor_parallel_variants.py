@@ -102,3 +102,4 @@ def test_families_match_tp1(demo_model, tmp_path, kind, tp):
     want = _generate(LLMEngine(folder, _config(1), lora_modules=adapters), prompts)
     assert_same_outputs(want, run_sharded(folder, _config(tp), adapters, lambda engine: _generate(engine, prompts)))
     assert len({tuple(o.token_ids) for o in want}) > 2  # the adapters matter
+
