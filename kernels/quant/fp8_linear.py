@@ -26,11 +26,13 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 
 
-def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(w: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`[N, K]` weight -> (`[N, K]` e4m3fn, `[N]` fp32 scales): each row scaled so its largest
-    magnitude maps to FP8_MAX, rounded to nearest (an all-zero row gets scale 1)."""
+    magnitude maps to FP8_MAX, rounded to nearest (an all-zero row gets scale 1). `amax` `[N]`: the
+    rows' largest magnitudes when `w` holds only some of each row's columns (a tensor-parallel shard)."""
     wf = w.float()
-    amax = wf.abs().amax(dim=1)
+    if amax is None:
+        amax = wf.abs().amax(dim=1)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (wf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale

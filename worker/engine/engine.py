@@ -39,13 +39,13 @@ from lorafleet.worker.engine.generate import run_to_completion
 from lorafleet.worker.engine.memory_plan import free_at_start, log_memory_plan, memory_plan, plan_kv_blocks
 from lorafleet.worker.engine.model_runner import LogitsHook, ModelRunner
 from lorafleet.worker.engine.outputs import Completion, RequestOutput, TrackedRequest
-from lorafleet.worker.engine.parallel import Group, ShardedLoraSlots, start_kv, tp_leader_model
+from lorafleet.worker.engine.parallel import Group, ShardedLoraSlots, leader_dora, start_kv, tp_leader_model
 from lorafleet.worker.engine.scheduler import Scheduler, SchedulerConfig
 from lorafleet.worker.engine.sequence import SamplingParams, Sequence
 from lorafleet.worker.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from lorafleet.worker.engine.warm_up import warm_up
 from lorafleet.worker.layers.attention import resolve_attention_backend
-from lorafleet.worker.layers.quant import load_weights, read_quantization_config
+from lorafleet.worker.layers.quant import load_weights, read_quantization_config, resolve_scheme
 from lorafleet.worker.lora.adapter import AdapterError
 from lorafleet.worker.lora.dora import dora_refusal
 from lorafleet.worker.lora.registry import AdapterRegistry
@@ -107,12 +107,9 @@ class LLMEngine:
             prefer_blas(envs.BLAS)
         self.group = group
         if config.tensor_parallel_size > 1:
-            if config.quantization or read_quantization_config(model_dir):
-                raise ConfigError("FP8 weights are not served with --tensor-parallel-size above 1 (each rank "
-                                  "would need its slice of the scales)")
             self.model = tp_leader_model(self.model_config, model_dir, config, group, self.device, self.dtype,
                                          self.max_model_len, weights)
-            self.quantization = None
+            self.quantization = resolve_scheme(config.quantization, read_quantization_config(model_dir))[0]
         else:
             self.model = model_class(self.model_config)(self.model_config, self.device, self.dtype, self.max_model_len)
             self.quantization = load_weights(self.model, weights if weights is not None else iter_checkpoint(str(model_dir)),
@@ -134,9 +131,11 @@ class LLMEngine:
         else:
             self.slots = LoraSlots(self.model_config, config.max_loras, config.max_lora_rank, self.device, self.dtype)
         self.model.lora = self.slots
-        # DoRA's column norms need whole base weights; a tensor-parallel rank holds a shard of them.
+        # DoRA's norms need whole base weights: under tensor parallelism every rank takes its part (a collective).
         self.registry = AdapterRegistry(self.model_config, config, self.slots, self.dtype,
-                                        base_weight=None if group is not None else self.model.base_weight)
+                                        base_weight=None if group is not None else self.model.base_weight,
+                                        loop_dora=None if group is None else leader_dora(self.model, group,
+                                                                                         self.model_config))
 
         pool_rows = graph_sizes(config.max_num_seqs, config.max_num_batched_tokens, config.max_graph_tokens)[1]
         num_blocks = plan_kv_blocks(config, self.model_config, self.device,

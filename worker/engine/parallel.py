@@ -1,6 +1,6 @@
 """Tensor parallelism's process model (docs/tensor_parallel.md): rank 0 is the engine and broadcasts
-each model call (forward, slot fill, slot clear) to ranks 1..N-1, which run `follow` and never decide
-anything.
+each model call (forward, slot fill, slot clear, a DoRA adapter's scales) to ranks 1..N-1, which run `follow`
+and never decide anything.
 
 Commands travel over a gloo group (CPU tensors, pickled) whatever the compute backend; the forward's
 collectives run on the default group (NCCL on CUDA, gloo on CPU). Every rank runs the commands in
@@ -19,12 +19,14 @@ import torch
 import torch.distributed as dist
 
 from lorafleet.worker.config import ConfigError, EngineConfig, ModelConfig
+from lorafleet.worker.layers.quant import load_weights, read_quantization_config, resolve_scheme
+from lorafleet.worker.lora.dora import LoopDoraScales
 from lorafleet.worker.lora.slots import LoraSlots
 from lorafleet.worker.lora.weights import LoraWeights, ModuleWeights
 from lorafleet.worker.models.llama import LlamaModel, iter_checkpoint
 from lorafleet.worker.models.registry import model_class
 from lorafleet.worker.models.sharding import Shard, shard_checkpoint, shard_config, shard_lora
-from lorafleet.worker.models.tensor_parallel import build_sharded
+from lorafleet.worker.models.tensor_parallel import build_sharded, quantize_sharded, sharded_dora_scales
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +89,14 @@ class ShardedLoraSlots(LoraSlots):
         self.group = group
 
     def fill(self, slot: int, weights: LoraWeights) -> None:
+        """`weights.dora_scale`, for a DoRA adapter, holds every rank's scales (`sharded_dora_scales`)."""
         if self.group.leader:
             self.group.send(("fill", slot, _bare(weights)))
-        super().fill(slot, shard_lora(weights, self.full, self.group.shard))
+        local = shard_lora(weights, self.full, self.group.shard)
+        if weights.dora:
+            assert weights.dora_scale is not None  # the registry computed it when it read the adapter
+            local.dora_scale = {f: g[self.group.shard.rank] for f, g in weights.dora_scale.items()}
+        super().fill(slot, local)
 
     def clear(self, slot: int) -> None:
         if self.group.leader:
@@ -99,22 +106,45 @@ class ShardedLoraSlots(LoraSlots):
 
 def _bare(weights: LoraWeights) -> tuple:
     """The adapter as plain data (each rank packs its own slice; the digest is rank 0's to report)."""
-    return (weights.path, weights.rank, weights.alpha, weights.use_rslora,
-            {key: (m.a, m.b, m.scaling) for key, m in weights.modules.items()})
+    return (weights.path, weights.rank, weights.alpha, weights.use_rslora, weights.dora, weights.dora_scale,
+            {key: (m.a, m.b, m.scaling, m.magnitude) for key, m in weights.modules.items()})
 
 
 def _dressed(bare: tuple) -> LoraWeights:
-    path, rank, alpha, use_rslora, modules = bare
-    return LoraWeights(path=path, rank=rank, alpha=alpha, use_rslora=use_rslora, digest="",
-                       modules={key: ModuleWeights(a=a, b=b, scaling=s) for key, (a, b, s) in modules.items()})
+    path, rank, alpha, use_rslora, dora, dora_scale, modules = bare
+    return LoraWeights(path=path, rank=rank, alpha=alpha, use_rslora=use_rslora, digest="", dora=dora,
+                       dora_scale=dora_scale,
+                       modules={key: ModuleWeights(a=a, b=b, scaling=s, magnitude=mag)
+                                for key, (a, b, s, mag) in modules.items()})
+
+
+def leader_dora(model: LlamaModel, group: Group, full: ModelConfig) -> LoopDoraScales:
+    """Rank 0's DoRA scales for the registry: the adapter broadcast, then every rank computes its
+    rows' scales together (`sharded_dora_scales`: a collective, so on the engine loop only)."""
+
+    def scales(weights: LoraWeights) -> dict[str, torch.Tensor]:
+        group.send(("dora", _bare(weights)))
+        out = sharded_dora_scales(model, full, weights)
+        assert out is not None  # rank 0
+        return out
+
+    return scales
 
 
 def build_rank_model(full: ModelConfig, model_dir: str | Path, group: Group, device: torch.device, dtype: torch.dtype,
-                     max_positions: int, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> LlamaModel:
-    """This rank's shard of the model, its weights cut as they are read."""
+                     max_positions: int, weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+                     quantization: str | None = None) -> LlamaModel:
+    """This rank's shard of the model, its weights cut as they are read; FP8 as `--quantization` and
+    the checkpoint say (an FP8 checkpoint's scales cut with their rows; quantized at load per whole row)."""
     model = build_sharded(model_class(full), full, group.shard, device, dtype, max_positions)
-    model.load_weights(shard_checkpoint(weights if weights is not None else iter_checkpoint(str(model_dir)),
-                                        full, group.shard))
+    named = shard_checkpoint(weights if weights is not None else iter_checkpoint(str(model_dir)), full, group.shard)
+    qc = read_quantization_config(model_dir)
+    scheme, stored = resolve_scheme(quantization, qc)
+    if scheme is not None and not stored:
+        model.load_weights(named)
+        quantize_sharded(model)
+    else:
+        load_weights(model, named, quantization, qc)
     return model
 
 
@@ -152,7 +182,7 @@ def follow(model_dir: str | Path, config: EngineConfig, group: Group,
     device = torch.device(config.device)
     dtype = resolve_dtype(config.dtype, full, device)
     max_len = min(config.max_model_len or full.max_position_embeddings, full.max_position_embeddings)
-    model = build_rank_model(full, model_dir, group, device, dtype, max_len, weights)
+    model = build_rank_model(full, model_dir, group, device, dtype, max_len, weights, config.quantization)
     model.lora_backend = resolve_lora_backend(config.lora_backend, device)
     model.attention_backend = resolve_attention_backend(config.attention_backend, device)
     model.lora = ShardedLoraSlots(full, group, config.max_loras, config.max_lora_rank, device, dtype)
@@ -171,6 +201,8 @@ def follow(model_dir: str | Path, config: EngineConfig, group: Group,
                 model.lora.fill(command[1], _dressed(command[2]))
             elif kind == "clear":
                 model.lora.clear(command[1])
+            elif kind == "dora":
+                sharded_dora_scales(model, full, _dressed(command[1]))
             elif kind == "kv":
                 shape = (command[1] + 1, command[2], c.num_kv_heads, c.head_dim)  # + the graph sink block
                 kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
@@ -186,7 +218,7 @@ def tp_leader_model(full: ModelConfig, model_dir: str | Path, config: EngineConf
     if group is None or group.shard.world != config.tensor_parallel_size or not group.leader:
         raise ConfigError(f"--tensor-parallel-size {config.tensor_parallel_size}: the engine must run as rank 0 "
                           "of a group of that size (lorafleet worker starts the other ranks)")
-    model = build_rank_model(full, model_dir, group, device, dtype, max_positions, weights)
+    model = build_rank_model(full, model_dir, group, device, dtype, max_positions, weights, config.quantization)
     lead(model, group)
     return model
 

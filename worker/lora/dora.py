@@ -22,10 +22,13 @@ import torch
 
 from lorafleet.worker.config import FUSED_SLICES, LORA_TARGETS, ModelConfig
 from lorafleet.worker.lora.errors import AdapterError
-from lorafleet.worker.lora.weights import LoraWeights
+from lorafleet.worker.lora.weights import LoraWeights, ModuleWeights
 
 # (layer, slice target) -> the base weight of that slice, `[out, in]` (a view of the fused weight).
 BaseWeight = Callable[[int, str], torch.Tensor]
+# An adapter -> its g per fused projection, computed on the engine loop where the norms need the
+# other tensor-parallel ranks' shards of the base weights (worker/engine/parallel.py).
+LoopDoraScales = Callable[[LoraWeights], dict[str, torch.Tensor]]
 
 
 def dora_scales(weights: LoraWeights, model: ModelConfig, base_weight: BaseWeight) -> dict[str, torch.Tensor]:
@@ -33,20 +36,44 @@ def dora_scales(weights: LoraWeights, model: ModelConfig, base_weight: BaseWeigh
 
     Computed in float32 on the base weights' device from the adapter's own tensors (before they are
     rounded to the slot dtype); AdapterError if a norm is zero or a scale not finite."""
+    _need_magnitudes(weights)
+    norms = {key: torch.linalg.norm(_adapted(m, base_weight(*key)), dim=1) for key, m in sorted(weights.modules.items())}
+    return scales_from_norms(weights, model, norms)
+
+
+def _need_magnitudes(weights: LoraWeights) -> None:
+    for (layer, target), m in sorted(weights.modules.items()):
+        if m.magnitude is None:
+            raise AdapterError("bad_weights", f"layer {layer} {target}: a DoRA adapter needs a lora_magnitude_vector")
+
+
+def _adapted(m: ModuleWeights, w: torch.Tensor) -> torch.Tensor:
+    """W + s·B·A in float32 on W's device, `[out, in]`."""
+    dev = w.device
+    return w.float() + m.scaling * (m.b.to(dev, torch.float32) @ m.a.to(dev, torch.float32))
+
+
+def row_norms_sq(weights: LoraWeights, base_weight: BaseWeight) -> dict[tuple[int, str], torch.Tensor]:
+    """||W + s·B·A||² per output row of each module, `[out]` float32 on the base weights' device:
+    the form that sums over a split of the input columns (tensor parallelism's row-parallel layers)."""
+    _need_magnitudes(weights)
+    return {key: _adapted(m, base_weight(*key)).pow(2).sum(dim=1) for key, m in sorted(weights.modules.items())}
+
+
+def scales_from_norms(weights: LoraWeights, model: ModelConfig, norms: dict[tuple[int, str], torch.Tensor],
+                      check: bool = True) -> dict[str, torch.Tensor]:
+    """g = magnitude / norm laid out per fused projection of `model`, `[num_layers, out]` float32 on
+    the host (1 where not targeted); `check`: AdapterError if a scale is not finite."""
     out: dict[str, torch.Tensor] = {}
     for fused in FUSED_SLICES:
         width = sum(size for _, size in model.slice_sizes(fused))
         out[fused] = torch.ones(model.num_layers, width, dtype=torch.float32)
     offsets = {t: sum(s for _, s in model.slice_sizes(LORA_TARGETS[t][0])[: LORA_TARGETS[t][1]]) for t in LORA_TARGETS}
-    for (layer, target), m in sorted(weights.modules.items()):
-        if m.magnitude is None:
-            raise AdapterError("bad_weights", f"layer {layer} {target}: a DoRA adapter needs a lora_magnitude_vector")
-        w = base_weight(layer, target)
-        dev = w.device
-        delta = m.b.to(dev, torch.float32) @ m.a.to(dev, torch.float32)  # [out, in]
-        norm = torch.linalg.norm(w.float() + m.scaling * delta, dim=1)
-        g = (m.magnitude.to(dev, torch.float32) / norm).cpu()
-        if not bool(torch.isfinite(g).all()):
+    for (layer, target), norm in sorted(norms.items()):
+        m = weights.modules[(layer, target)]
+        assert m.magnitude is not None  # _need_magnitudes
+        g = (m.magnitude.to(norm.device, torch.float32) / norm).cpu()
+        if check and not bool(torch.isfinite(g).all()):
             raise AdapterError("bad_weights", f"layer {layer} {target}: DoRA's scale is not finite "
                                "(a zero weight norm, or a magnitude that overflows)")
         fused, _ = LORA_TARGETS[target]
@@ -60,9 +87,8 @@ def prepare_dora(weights: LoraWeights, model: ModelConfig, base_weight: BaseWeig
     """`dora_scales` for the CPU cache (pinned for the slots' copies on CUDA); refused without
     the base weights."""
     if base_weight is None:
-        raise AdapterError("unsupported", "DoRA adapters are not served by this worker (with "
-                           "--tensor-parallel-size above 1 each rank holds only a shard of the base weights "
-                           "their norms need)")
+        raise AdapterError("unsupported", "DoRA adapters are not served by this worker (it has no base "
+                           "weights to take their norms from)")
     scales = dora_scales(weights, model, base_weight)
     return {k: v.pin_memory() for k, v in scales.items()} if pin else scales
 

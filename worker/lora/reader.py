@@ -38,11 +38,14 @@ class AdapterReader:
     """Reads adapter folders for one registry's slots: its model, limits, slot dtype and device."""
 
     def __init__(self, model: ModelConfig, engine: EngineConfig, dtype: torch.dtype,
-                 device: torch.device | None, base_weight: BaseWeight | None = None) -> None:
+                 device: torch.device | None, base_weight: BaseWeight | None = None, defer_dora: bool = False) -> None:
         """`device`: the CUDA device of the slots (the file is laid out and checked there, and the
         CPU-cache copy pinned), or None (all on the host). `base_weight`: the model's weights,
-        for DoRA's norms (None: DoRA adapters are refused)."""
+        for DoRA's norms (None: DoRA adapters are refused). `defer_dora`: DoRA's scales are left to
+        the registry's `insert_cpu` on the engine loop (tensor parallelism: a collective), and the
+        adapter's own tensors kept for them until then."""
         self.model = model
+        self.defer_dora = defer_dora
         self.base_weight = base_weight
         self.engine = engine
         self.dtype = dtype
@@ -108,9 +111,10 @@ class AdapterReader:
             raise AdapterError("bad_weights", f"{_non_finite_block(packed)}: weights overflow {self.dtype} once "
                                "alpha/r is folded in")
         weights.packed = packed
-        if weights.dora:  # from the adapter's own tensors, before they give way to the slot layout's
+        deferred = weights.dora and self.defer_dora
+        if weights.dora and not deferred:  # from the adapter's own tensors, before they give way to the slot layout's
             weights.dora_scale = prepare_dora(weights, self.model, self.base_weight, self.pin)
-        if staged is not None or plan.device_sources is not None:
+        if (staged is not None or plan.device_sources is not None) and not deferred:
             weights.modules = packed.views  # let the file's GPU copy go now, not at insert_cpu
 
     def _all_finite(self, packed: PackedLora) -> bool:

@@ -26,7 +26,7 @@ from lorafleet.protocol import REASON_DRAINING
 from lorafleet.worker.config import EngineConfig, ModelConfig
 from lorafleet.worker.lora.adapter import AdapterError, LoraWeights
 from lorafleet.worker.lora.digest import Digest
-from lorafleet.worker.lora.dora import BaseWeight, prepare_dora
+from lorafleet.worker.lora.dora import BaseWeight, LoopDoraScales, prepare_dora
 from lorafleet.worker.lora.packing import pack_weights
 from lorafleet.worker.lora.reader import AdapterReader
 from lorafleet.worker.lora.slots import LoraSlots
@@ -88,9 +88,10 @@ class AdapterRegistry:
         dtype: torch.dtype,
         clock: Callable[[], float] = time.time,
         base_weight: BaseWeight | None = None,
+        loop_dora: LoopDoraScales | None = None,
     ) -> None:
         """`base_weight`: the model's weight of a (layer, target), for DoRA's norms (None: DoRA
-        adapters are refused)."""
+        adapters are refused, unless `loop_dora` computes them in `insert_cpu`, on the engine loop)."""
         self.model = model
         self.engine = engine
         self.slots = slots
@@ -104,7 +105,9 @@ class AdapterRegistry:
         self.stats = TierStats()
         self._pin = slots is not None and slots.device.type == "cuda"
         self.base_weight = base_weight
-        self.reader = AdapterReader(model, engine, dtype, slots.device if self._pin else None, base_weight)
+        self.loop_dora = loop_dora
+        self.reader = AdapterReader(model, engine, dtype, slots.device if self._pin else None, base_weight,
+                                    defer_dora=loop_dora is not None)
 
     # -- catalogue -----------------------------------------------------------------------------
     def read(self, path: str) -> LoraWeights:
@@ -137,6 +140,7 @@ class AdapterRegistry:
                 REASON_DRAINING, f"adapter {name!r} was unloaded and {old.in_flight} request(s) still run with its old "
                 "weights; retry when they finish, or load the new version under a new name",
             )
+        self._prepare(weights)  # may refuse it (DoRA's scales, when computed here): before it is filed
         entry = AdapterEntry(name=name, path=weights.path, digest=weights.digest, rank=weights.max_rank,
                              alpha=weights.alpha, pinned=pinned, generation=next(self._generations),
                              dora=weights.dora)
@@ -351,6 +355,7 @@ class AdapterRegistry:
                 or packed.ranks.shape[0] != self.model.num_layers):
             packed = weights.packed = pack_weights(weights, self.model.num_layers, self.dtype, self._pin)
         if weights.dora and weights.dora_scale is None:  # before the adapter's own tensors go
-            weights.dora_scale = prepare_dora(weights, self.model, self.base_weight, self._pin)
+            weights.dora_scale = (self.loop_dora(weights) if self.loop_dora is not None
+                                  else prepare_dora(weights, self.model, self.base_weight, self._pin))
         weights.modules = packed.views  # the originals (file mapping, unpinned tensors) go
 

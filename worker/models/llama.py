@@ -176,9 +176,16 @@ class LlamaModel:
             if s is not None:
                 y, d = linear_lora_deferred(base, x, s.lora_a, s.lora_b, s.ranks, s.ranks_device, meta,
                                             self.lora_backend, self.lora_stream if beside else None)
-                self.lora.apply_dora(layer, fused, y, d, meta, w.get(key + "_bias"), self.lora_backend, graph)
+                self._dora(layer, fused, y, d, meta, w.get(key + "_bias"), graph)
                 return y, d
         return base(), None
+
+    def _dora(self, layer: int, fused: str, y: torch.Tensor, delta: torch.Tensor | None, meta: LoraMeta,
+              bias: torch.Tensor | None, graph: bool) -> None:
+        """DoRA's epilogue on a projection's output (`LoraSlots.apply_dora`); tensor parallelism moves
+        a row-parallel one's after its all-reduce."""
+        assert self.lora is not None
+        self.lora.apply_dora(layer, fused, y, delta, meta, bias, self.lora_backend, graph)
 
     def base_weight(self, layer: int, target: str) -> torch.Tensor:
         """A LoRA target's base weight `[out, in]`: its rows of the fused projection (DoRA's norms)."""

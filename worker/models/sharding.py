@@ -15,10 +15,15 @@ import torch
 from lorafleet.worker.config import ConfigError, ModelConfig
 from lorafleet.worker.lora.weights import LoraWeights, ModuleWeights
 
-# Families whose layers are the Llama maths around sharded matmuls; the others are refused under TP.
-TP_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# Families whose layers shard as Megatron's: everything between the matmuls is per head (attention,
+# q/k norms, soft-capped scores, sliding windows) or per token over the whole hidden state (norms,
+# Gemma's scaled embedding and capped logits, applied after the embedding's all-reduce and the
+# logits' gather). A new family is refused under TP until it is checked against TP = 1.
+TP_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"})
 COLUMN_TARGETS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by output rows
 ROW_TARGETS = ("o_proj", "down_proj")  # split by input columns; their output is all-reduced
+# Modules a checkpoint stores fused (Phi-3), by their parts in row order: cut part by part.
+CHECKPOINT_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,19 +85,49 @@ def _vocab_rows(t: torch.Tensor, vocab: int, shard: Shard) -> torch.Tensor:
     return part
 
 
+def _rows(target: str, n: int, config: ModelConfig, shard: Shard) -> slice:
+    """The rows of a column-parallel target (`n` of them in the full tensor) rank `shard` holds."""
+    return kv_head_rows(config, shard) if target in ("k_proj", "v_proj") else shard.rows(n)
+
+
+def _cut_rows(t: torch.Tensor, module: str, config: ModelConfig, shard: Shard) -> torch.Tensor:
+    """A column-parallel tensor's rows (weight, bias or per-row scale); a checkpoint-fused module
+    (Phi-3's qkv_proj, gate_up_proj) is cut part by part: each rank takes its rows of q, of k and of v."""
+    parts = CHECKPOINT_FUSED.get(module)
+    if parts is None:
+        return t[_rows(module, t.shape[0], config, shard)]
+    sizes = [config.q_size, config.kv_size, config.kv_size] if module == "qkv_proj" else [config.intermediate_size] * 2
+    if sum(sizes) != t.shape[0]:
+        raise ConfigError(f"{module} has {t.shape[0]} rows, not the {sum(sizes)} its parts {parts} add up to")
+    return torch.cat([p[_rows(target, size, config, shard)] for target, size, p in zip(parts, sizes, t.split(sizes))])
+
+
+def _module_and_kind(name: str) -> tuple[str, str | None]:
+    """`...q_proj.weight` -> ("q_proj", "weight"); kinds: weight, bias, scale (a weight's FP8 scale), None (any
+    other tensor: activation scales, zero points, which are per tensor)."""
+    for suffix, kind in ((".weight", "weight"), (".bias", "bias"), (".weight_scale", "scale"),
+                         (".weight_scale_inv", "scale")):
+        if name.endswith(suffix):
+            return name[: -len(suffix)].rsplit(".", 1)[-1], kind
+    return "", None
+
+
 def shard_tensor(name: str, t: torch.Tensor, config: ModelConfig, shard: Shard) -> torch.Tensor:
-    """Rank `shard`'s slice of checkpoint tensor `name` (Hugging Face naming), `config` the full one."""
-    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+    """Rank `shard`'s slice of checkpoint tensor `name` (Hugging Face naming), `config` the full one.
+    An FP8 weight's per-row scale goes with its rows: cut like them on column- and vocab-parallel
+    tensors, whole on row-parallel ones (their rows are whole; only the input columns are split);
+    a per-tensor scale is the same on every rank."""
+    module, kind = _module_and_kind(name)
+    if kind is None or (kind == "scale" and t.numel() == 1):
+        return t
+    if module in ("embed_tokens", "lm_head"):
         return _vocab_rows(t, config.vocab_size, shard)
-    for target in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
-        if f".{target}." in name:
-            rows = shard.rows(t.shape[0]) if target in ("q_proj", "gate_proj", "up_proj") else kv_head_rows(config, shard)
-            return t[rows]
-    for target in ROW_TARGETS:
-        if name.endswith(f".{target}.weight"):
-            return t[:, shard.rows(t.shape[1])]
-    if name.endswith((".o_proj.bias", ".down_proj.bias")):
-        raise ConfigError(f"{name}: a bias on a row-parallel layer is not sharded yet")
+    if module in COLUMN_TARGETS or module in CHECKPOINT_FUSED:
+        return _cut_rows(t, module, config, shard)
+    if module in ROW_TARGETS:
+        if kind == "bias":
+            raise ConfigError(f"{name}: a bias on a row-parallel layer is not sharded yet")
+        return t[:, shard.rows(t.shape[1])] if kind == "weight" else t
     return t
 
 
@@ -106,16 +141,18 @@ def shard_checkpoint(named: Iterable[tuple[str, torch.Tensor]], config: ModelCon
 
 def shard_lora(weights: LoraWeights, config: ModelConfig, shard: Shard) -> LoraWeights:
     """Rank `shard`'s slice of an adapter (S-LoRA): column-parallel targets keep A and cut B's output
-    rows; row-parallel targets cut A's input columns and keep B. `config` is the full model's."""
+    rows (and DoRA's magnitudes with them); row-parallel targets cut A's input columns and keep B
+    (and the magnitudes: their rows are whole). `config` is the full model's."""
     modules: dict[tuple[int, str], ModuleWeights] = {}
     for (layer, target), m in weights.modules.items():
-        a, b = m.a, m.b
-        if target in ("q_proj", "gate_proj", "up_proj"):
-            b = b[shard.rows(b.shape[0])]
-        elif target in ("k_proj", "v_proj"):
-            b = b[kv_head_rows(config, shard)]
-        elif target in ROW_TARGETS:
+        a, b, mag = m.a, m.b, m.magnitude
+        if target in ROW_TARGETS:
             a = a[:, shard.rows(a.shape[1])]
-        modules[(layer, target)] = ModuleWeights(a=a.contiguous(), b=b.contiguous(), scaling=m.scaling)
+        else:
+            rows = kv_head_rows(config, shard) if target in ("k_proj", "v_proj") else shard.rows(b.shape[0])
+            b = b[rows]
+            mag = None if mag is None else mag[rows]
+        modules[(layer, target)] = ModuleWeights(a=a.contiguous(), b=b.contiguous(), scaling=m.scaling,
+                                                 magnitude=None if mag is None else mag.contiguous())
     return LoraWeights(path=weights.path, rank=weights.rank, alpha=weights.alpha, use_rslora=weights.use_rslora,
-                       digest=weights.digest, modules=modules)
+                       digest=weights.digest, modules=modules, dora=weights.dora)
