@@ -31,7 +31,6 @@ from lorafleet.router.upstream import UpstreamError
 _UVICORN_CYCLE = ("uvicorn.protocols.http.httptools_impl", "RequestResponseCycle")
 
 
-
 def uvicorn_cycle(send: Send) -> Any | None:
     """The uvicorn httptools `RequestResponseCycle` whose `send` this is, else None."""
     cycle = getattr(send, "__self__", None)
@@ -89,21 +88,22 @@ def write_response(send: Send, status: int, headers: list[tuple[bytes, bytes]], 
             return False
         for name, (_, value) in zip(names, headers):
             parts += (name, b": ", value, b"\r\n")
-        if not cycle.keep_alive:
+        keep_alive = cycle.keep_alive
+        if not keep_alive:
             parts.append(b"connection: close\r\n")
         parts += (b"\r\n", body)
-        transport = cycle.transport
-        cycle.response_started = True
-        cycle.waiting_for_100_continue = False
-        cycle.chunked_encoding = False
-        transport.write(b"".join(parts))
-        cycle.response_complete = True
-        cycle.message_event.set()
-        if not cycle.keep_alive:
-            transport.close()
-        cycle.on_response()
-    except (AttributeError, KeyError):
+        transport, event, on_response = cycle.transport, cycle.message_event, cycle.on_response
+    except (AttributeError, KeyError):  # a uvicorn that moved them (or a status it has no line for)
         return False
+    cycle.response_started = True
+    cycle.waiting_for_100_continue = False
+    cycle.chunked_encoding = False
+    transport.write(b"".join(parts))
+    cycle.response_complete = True
+    event.set()
+    if not keep_alive:
+        transport.close()
+    on_response()
     return True
 
 
