@@ -261,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             "platform": platform.platform(),
         },
         "note": "load generator, upstream and router share this machine's cores; the generator's own cost is in both paths",
+        "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
     }
     result["targets_met"] = {
         "added_p50_ms": result["added_p50_ms"] <= 1.0,
@@ -309,6 +310,7 @@ def stream_main(args: argparse.Namespace) -> int:
         "targets": {"us_per_token": 10.0, "ms_per_request": 0.1, "added_ttft_p99_ms": 5.0},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
         "note": "router CPU = its processes' user+system time over each phase (psutil); fake worker and client on core 1",
+        "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

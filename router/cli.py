@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import socket
 import sys
@@ -236,6 +237,12 @@ def serve(argv: list[str], sock: socket.socket | None) -> None:
 
     from lorafleet.router.api import create_app
 
+    # proxy_headers off: nothing in the router reads the client's address or scheme, and uvicorn's
+    # middleware for them would wrap every request.
     config = uvicorn_config(create_app(settings), settings.host, settings.port, settings.connection_limits,
-                            log_level=args.log_level, access_log=False)
+                            log_level=args.log_level, access_log=False, proxy_headers=False)
+    # Start-up's objects (modules, the app) out of the cycle collector: its full collections would
+    # otherwise walk them all, on the loop that relays every request.
+    gc.collect()
+    gc.freeze()
     uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)

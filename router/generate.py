@@ -43,7 +43,7 @@ from lorafleet.router.proxy import (
     upstream_headers,
 )
 from lorafleet.router.ratelimit import Lease, Limited
-from lorafleet.router.relay import relay
+from lorafleet.router.relay import on_disconnect, relay, write_response
 from lorafleet.router.request_fields import UnknownModel, check_fields, resolve
 from lorafleet.router.scheduling.types import Decision, NoEndpoint, RequestInfo
 from lorafleet.router.tenants import Tenant
@@ -106,6 +106,8 @@ def invalid_method(method: str, path: str) -> str:
 
 async def respond(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
     headers.append((b"content-length", str(len(body)).encode()))
+    if write_response(send, status, headers, body):  # uvicorn's cycle: one write, no ASGI messages
+        return
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -280,7 +282,9 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
     unloadable = [a for a in adapters if not gw.loader.can_load(a)]
     waited = 0.0  # load waits and upstream time are not the router's own latency
     why: list[str] = []  # each attempt's failure, then why no attempt followed: all of it in the 503
-    gone = asyncio.get_running_loop().create_task(disconnected(receive))
+    gone = on_disconnect(send)  # uvicorn's cycle: a future its connection_lost completes
+    if gone is None:
+        gone = asyncio.get_running_loop().create_task(disconnected(receive))
     try:
         for attempt in range(gw.settings.max_attempts):
             if attempt > 0 and not gw.budget.try_spend():

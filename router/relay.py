@@ -8,13 +8,22 @@ one write and no task switch. uvicorn's `send` still writes the response's head 
 bookkeeping (keep-alive, completion) is its own. When the client's side pauses writing (a slow
 reader) or is gone, the direct writer refuses and the generic relay, which waits for the drain,
 takes the rest.
+
+Two more shortcuts on the same cycle, for every proxied request: `write_response` writes a whole
+non-streamed answer (head and body) in one transport write with uvicorn's own completion
+bookkeeping, instead of two ASGI `send`s that validate each header by regex; `on_disconnect`
+gives a future that completes when the client's connection is lost (uvicorn's
+`connection_lost` sets the cycle's event), instead of a task per request waiting in `receive`.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
+from typing import Any
 
 from starlette.types import Send
+from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
 
 from lorafleet.router.proxy import StreamBroken, StreamTail, Upstream, relay_stream
 from lorafleet.router.upstream import UpstreamError
@@ -22,13 +31,88 @@ from lorafleet.router.upstream import UpstreamError
 _UVICORN_CYCLE = ("uvicorn.protocols.http.httptools_impl", "RequestResponseCycle")
 
 
+def uvicorn_cycle(send: Send) -> Any | None:
+    """The uvicorn httptools `RequestResponseCycle` whose `send` this is, else None."""
+    cycle = getattr(send, "__self__", None)
+    kind = type(cycle)
+    return cycle if (kind.__module__, kind.__name__) == _UVICORN_CYCLE else None
+
+
+def on_disconnect(send: Send) -> asyncio.Future[None] | None:
+    """A future completed when the client's connection is lost, or None when `send` is not
+    uvicorn's httptools cycle's (then `receive` says so). Call once the request's body is read:
+    until the response completes, the cycle's event is set only by `connection_lost`."""
+    cycle = uvicorn_cycle(send)
+    try:
+        event: asyncio.Event = cycle.message_event  # type: ignore[union-attr]
+        waiters = event._waiters  # type: ignore[attr-defined]  # asyncio's: futures set by `set()`
+        if cycle.disconnected or event.is_set():  # type: ignore[union-attr]
+            return None
+    except AttributeError:  # not uvicorn's, or a version that moved them: the caller's task
+        return None
+    cycle.flow.resume_reading()  # as `receive` does: a lost connection is noticed by reading
+    loop = asyncio.get_running_loop()
+    gone: asyncio.Future[None] = loop.create_future()
+    woken: asyncio.Future[None] = loop.create_future()  # set with the event: a disconnect or the end
+
+    def woke(_f: asyncio.Future[None]) -> None:
+        if cycle.disconnected and not gone.done():
+            gone.set_result(None)
+
+    woken.add_done_callback(woke)
+    waiters.append(woken)
+    gone.add_done_callback(lambda _f: woken.cancel())  # (cancelled by the caller when it is done)
+    return gone
+
+
+def write_response(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
+    """A whole non-streamed response (`headers` already holding its content-length) written to
+    uvicorn's transport at once, as uvicorn's `send` would write it; False (nothing written) when
+    `send` is not uvicorn's httptools cycle's or its response has started."""
+    cycle = uvicorn_cycle(send)
+    if cycle is None:
+        return False
+    try:
+        if (cycle.response_started or cycle.disconnected or cycle.flow.write_paused or cycle.access_log
+                or cycle.scope["method"] == "HEAD"):
+            return False
+        parts = [STATUS_LINE[status]]
+        for name, value in cycle.default_headers:
+            parts += (name, b": ", value, b"\r\n")
+        names = [name.lower() for name, _ in headers]
+        # What uvicorn's `send` checks header by header, in one search each ("-" and "\t" are
+        # allowed in names and values): one it would refuse, or a `connection` header it would
+        # act on, goes to its `send`.
+        if (b"connection" in names or HEADER_RE.search(b"-".join(names))
+                or HEADER_VALUE_RE.search(b"\t".join(value for _, value in headers))):
+            return False
+        for name, (_, value) in zip(names, headers):
+            parts += (name, b": ", value, b"\r\n")
+        keep_alive = cycle.keep_alive
+        if not keep_alive:
+            parts.append(b"connection: close\r\n")
+        parts += (b"\r\n", body)
+        transport, event, on_response = cycle.transport, cycle.message_event, cycle.on_response
+    except (AttributeError, KeyError):  # a uvicorn that moved them (or a status it has no line for)
+        return False
+    cycle.response_started = True
+    cycle.waiting_for_100_continue = False
+    cycle.chunked_encoding = False
+    transport.write(b"".join(parts))
+    cycle.response_complete = True
+    event.set()
+    if not keep_alive:
+        transport.close()
+    on_response()
+    return True
+
+
 def direct_writer(send: Send, tail: StreamTail) -> Callable[[bytes], bool] | None:
     """A function writing body bytes to the client as one HTTP/1.1 chunk each (False when the
     client's side cannot take them now), or None when `send` is not uvicorn's httptools cycle's
     with a started chunked response. Call after the response's head was sent."""
-    cycle = getattr(send, "__self__", None)
-    kind = type(cycle)
-    if (kind.__module__, kind.__name__) != _UVICORN_CYCLE or getattr(cycle, "chunked_encoding", None) is not True:
+    cycle = uvicorn_cycle(send)
+    if cycle is None or getattr(cycle, "chunked_encoding", None) is not True:
         return None
     try:  # uvicorn's internals: a version that moved them gets the generic relay
         if not cycle.response_started or cycle.response_complete or cycle.scope["method"] == "HEAD":

@@ -291,6 +291,8 @@ class Pool:
             await asyncio.wait_for(self.loop.create_connection(lambda: conn, key[0], key[1]), self.connect_timeout_s)
         except (OSError, asyncio.TimeoutError) as exc:
             raise UpstreamError("connect", f"{type(exc).__name__}: {exc}") from exc
+        if conn.transport is None:  # lost before this task resumed (a worker dying as it accepts)
+            raise UpstreamError("connect", "connection closed by the worker as it opened")
         self.open.add(conn)
         return conn
 

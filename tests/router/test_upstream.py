@@ -153,3 +153,34 @@ def test_a_client_that_leaves_closes_the_upstream_connection():
 
     assert asyncio.run(run()) == 8
     assert seen == ["started", "closed"]
+
+
+def test_a_connection_lost_before_its_first_write_is_a_connect_failure():
+    """A worker dying as it accepts: the connection is lost after it opened but before the request
+    was written. That is a connect failure (retried elsewhere), not a crash of the request."""
+
+    async def run() -> str:
+        pool = Pool(4, 1.0, 5.0)
+        loop = asyncio.get_running_loop()
+
+        class Lost:
+            def close(self) -> None:
+                pass
+
+        async def open_then_lose(factory, host, port):
+            protocol = factory()
+            protocol.connection_made(Lost())
+            protocol.connection_lost(ConnectionResetError())  # before the caller resumes
+            return Lost(), protocol
+
+        loop.create_connection = open_then_lose  # type: ignore[method-assign]
+        try:
+            await pool.post(("127.0.0.1", 9), _request(("127.0.0.1", 9)))
+        except UpstreamError as exc:
+            assert pool.slots._value == 4 and not pool.open  # the slot given back, nothing kept
+            return exc.kind
+        finally:
+            del loop.create_connection
+        return "answered"
+
+    assert asyncio.run(run()) == "connect"
