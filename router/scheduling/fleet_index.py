@@ -48,6 +48,9 @@ class ReplicaState:
     counted: bool = False  # included in its model's eligible set and load sum
     # residents as a heap of (count lower bound, name), see `least_popular_idle`; None: build
     idle: list[tuple[float, str]] | None = None
+    # residents taken off that heap while busy (active, waiting or pinned), with their count then:
+    # pushed back when they go idle, so a busy resident is not set aside at every look-up
+    parked: dict[str, float] = field(default_factory=dict)
     # (gpu, resident, active, waiting_adapters, pinned) frozen for `view`; None: changed since
     frozen: tuple[frozenset[str], ...] | None = None
 
@@ -141,6 +144,7 @@ class FleetIndex:
             r.resident.discard(adapter)
             r.gpu.discard(adapter)
             r.frozen = None
+            r.parked.pop(adapter, None)
             heap = r.idle
             while heap and heap[0][1] not in r.resident:  # an unloaded victim leaves the top at once
                 heapq.heappop(heap)
@@ -179,9 +183,10 @@ class FleetIndex:
         if (adapter in r.pinned) != on:
             (r.pinned.add if on else r.pinned.discard)(adapter)
             r.frozen = None
+            if not on:
+                self._unpark(r, adapter)
 
-    @staticmethod
-    def _flag(r: ReplicaState, flags: set[str], other: set[str], adapter: str, on: bool) -> None:
+    def _flag(self, r: ReplicaState, flags: set[str], other: set[str], adapter: str, on: bool) -> None:
         """Set or clear `adapter` in `flags` (active or waiting), keeping |active ∪ waiting| in step."""
         if (adapter in flags) == on:
             return
@@ -191,7 +196,17 @@ class FleetIndex:
             flags.discard(adapter)
         if adapter not in other:
             r.busy_n += 1 if on else -1
+            if not on:
+                self._unpark(r, adapter)
         r.frozen = None
+
+    @staticmethod
+    def _unpark(r: ReplicaState, adapter: str) -> None:
+        """A resident parked off the popularity heap while busy goes back on it once idle."""
+        if adapter in r.parked and not (adapter in r.active or adapter in r.waiting_adapters or adapter in r.pinned):
+            count = r.parked.pop(adapter)
+            if r.idle is not None and adapter in r.resident:
+                heapq.heappush(r.idle, (count, adapter))  # still a lower bound: counts only grow
 
     # ---- idle residents by popularity ---------------------------------------------------------
     def heaps_follow(self, sketch: FrequencySketch) -> bool:
@@ -209,7 +224,8 @@ class FleetIndex:
         unit, not the counts), so an entry is a lower bound, and a popped entry whose count moved is
         pushed back with the new one; the first current entry is the true minimum. A new resident
         enters at 0 (a lower bound too); entries of adapters no longer resident, and duplicates, are
-        dropped as they surface; busy ones are set aside and put back. A request for a popular
+        dropped as they surface; busy ones (active, waiting, pinned) are parked off the heap until they
+        go idle (`_unpark`), those in `exclude` set aside and put back. A request for a popular
         adapter, a replica's busy set changing or an aging costs no work here; a new sketch or
         generation (a rescale, a trim) rebuilds the heaps.
         """
@@ -225,8 +241,9 @@ class FleetIndex:
             heap = [(count(a, 0.0), a) for a in r.resident]
             heapq.heapify(heap)
             r.idle = heap
-        resident, active, waiting, pinned = r.resident, r.active, r.waiting_adapters, r.pinned
-        if m == 1:  # the common case (one slot to free): look at the top without popping it
+            r.parked.clear()
+        resident, active, waiting, pinned, parked = r.resident, r.active, r.waiting_adapters, r.pinned, r.parked
+        if m == 1:  # the common case (one slot to free): the top, once it is current and idle
             while heap:
                 c, a = heap[0]
                 if a not in resident:
@@ -235,7 +252,10 @@ class FleetIndex:
                 now = count(a, 0.0)
                 if now != c:
                     heapq.heapreplace(heap, (now, a))
-                elif a in active or a in waiting or a in pinned or a in exclude:
+                elif a in active or a in waiting or a in pinned:
+                    heapq.heappop(heap)
+                    parked[a] = c
+                elif a in exclude:
                     break  # the general path below sets it aside
                 else:
                     return [(c / unit, a)]
@@ -251,8 +271,11 @@ class FleetIndex:
                 heapq.heappush(heap, (now, a))
                 continue
             seen.add(a)
+            if a in active or a in waiting or a in pinned:
+                parked[a] = c
+                continue
             aside.append((c, a))
-            if not (a in active or a in waiting or a in pinned or a in exclude):
+            if a not in exclude:
                 out.append((c / unit, a))
         for entry in aside:
             heapq.heappush(heap, entry)
