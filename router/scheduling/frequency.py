@@ -7,8 +7,9 @@ follows shifts in popularity while remembering more than a recency list does. Me
 Counts are kept in units of `unit` (2 ** the halvings since the last rescale): a halving doubles
 the unit instead of touching every count, so it costs nothing and keeps the counts' order, and
 anything ordered by them (the router's per-replica popularity heaps) stays valid across it. Powers
-of two keep the arithmetic exact: `estimate` is the decayed count to the last bit. Past 2 ** 32 the
-counts are rescaled to unit 1 and those under half a request dropped (a `generation` change).
+of two keep the arithmetic exact: `estimate` is the decayed count to the last bit. Past 2 ** 32, or at an
+aging while more than half of `max_keys` are held, the counts are rescaled to unit 1 and those under half
+a request dropped (a `generation` change).
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ class FrequencySketch:
     def _halve(self) -> None:
         self._since_halving = 0
         self.unit *= 2.0
-        if self.unit >= _RESCALE_AT:
+        # Rescaling also drops the keys under half a request: done when more than half of `max_keys`
+        # are held, so a large catalog's one-off keys go at agings, not at a (sorting) trim.
+        if self.unit >= _RESCALE_AT or len(self.counts) > self.max_keys // 2:
             self._rescale()
 
     def _rescale(self) -> None:

@@ -47,6 +47,17 @@ def test_rescale_drops_what_decayed_and_bumps_the_generation(monkeypatch):
     assert len(s) == 1 and s.share("b") == 1.0
 
 
+def test_an_aging_with_many_keys_drops_the_one_offs():
+    s = FrequencySketch(halve_every=40, max_keys=60)
+    for i in range(39):
+        s.add(f"once-{i}")
+    s.add("once-39")  # the 40th add ages: 40 keys > 60 // 2, so the counts are rescaled
+    assert s.generation == 1 and s.unit == 1.0 and len(s) == 40  # 0.5 each: kept
+    for _ in range(40):
+        s.add("hot")
+    assert s.generation == 2 and len(s) == 1 and s.estimate("hot") == 20.0  # 0.25 each: dropped
+
+
 def test_share_needs_enough_history():
     s = FrequencySketch(min_total=10)
     s.add("a")
