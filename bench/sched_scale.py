@@ -12,11 +12,14 @@ one adapter and evicts another.
 Timed: `IndexedPolicy.schedule` on the `FleetIndex` (decision), the index updates after it
 (update), and, on fewer decisions, the plain path the gateway ran before the index (`EndpointView`s
 of every replica, then `Policy.schedule`): the ratio of the two in the same run is the figure that
-holds on a shared machine. Each size is repeated `--repeats` times; the table shows medians, the
-JSON every repetition and the machine's load average.
+holds on a shared machine. Each size is repeated `--repeats` times on one fleet and one policy (as a
+router that keeps serving); the table shows medians and the best run's p99, the JSON every run with
+its cost per path (cold: no replica holds the adapter; drawn: more than `--holder-sample` do;
+holders: the rest), the machine's load average and the CPUs the process may run on.
 
 Usage: python bench/sched_scale.py [--sizes 8x1000,64x10000,256x50000,1024x100000] [--decisions 10000]
-       [--repeats 3] [--out bench/results/sched_scale.json]
+       [--repeats 3] [--holder-sample 8] [--out bench/results/sched_scale.json]
+       (pin it to one core to keep it from migrating: taskset -c 1 python bench/sched_scale.py)
 """
 
 from __future__ import annotations
