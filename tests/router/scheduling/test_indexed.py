@@ -171,3 +171,36 @@ def test_skeleton_order_spreads_first_choices_evenly_and_moves_few_keys_on_churn
     assert all(group_of(first[k]) == group_of("r63") for k in moved)
     assert all(k in moved for k in keys if first[k] == "r63")
     assert len(moved) < 3 * len(keys) / len(names)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_least_popular_idle_is_the_sorted_idle_residents_through_churn(seed):
+    """The popularity heap (busy residents parked off it, lower-bound entries, dead tops popped)
+    answers as sorting the idle residents by estimate would, whatever happened since it was built."""
+    from lorafleet.router.scheduling.frequency import FrequencySketch
+
+    rng = random.Random(seed)
+    pool = [f"a{i}" for i in range(40)]
+    sketch = FrequencySketch(halve_every=rng.choice([7, 50, 1000]), max_keys=rng.choice([30, 1000]))
+    index = FleetIndex()
+    i = index.upsert("r0", max_cpu_loras=20)
+    for _ in range(600):
+        op = rng.random()
+        a = rng.choice(pool)
+        if op < 0.35:
+            sketch.add(a)
+        elif op < 0.55:
+            index.set_tier(i, a, rng.choice(["gpu", "cpu", None]))
+        elif op < 0.7:
+            index.set_active(i, a, rng.random() < 0.5)
+        elif op < 0.8:
+            index.set_waiting_adapter(i, a, rng.random() < 0.5)
+        elif op < 0.85:
+            index.set_pinned(i, a, rng.random() < 0.3)
+        else:
+            r = index.replicas[i]
+            m = rng.randint(1, 4)
+            exclude = frozenset(rng.sample(pool, rng.randint(0, 2)))
+            busy = r.active | r.waiting_adapters | r.pinned | exclude
+            want = sorted((sketch.estimate(x), x) for x in r.resident if x not in busy)[:m]
+            assert index.least_popular_idle(i, m, sketch, exclude) == want
