@@ -4,7 +4,8 @@
 same information kept up to date as it changes (a poll, a load or unload, a request sent or
 finished), indexed for the questions a decision asks:
 
-- adapter → replicas holding it, with the tier (`holders`);
+- adapter → replicas holding it, with the tier (`holders`), and their names in sorted order
+  (`holder_names`: a uniform sample of k holders in O(k), see `policies.Policy.holder_sample`);
 - base model → replicas that can serve it now, and their total load (`eligible`, `model_load`);
 - a key's rendezvous candidates, first k only (`ring`, a `SkeletonRing`);
 - per replica, its idle residents in a popularity heap (the cache-victim score and admission).
@@ -16,12 +17,11 @@ setters as things change.
 
 from __future__ import annotations
 
+import bisect
 import heapq
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-
+from lorafleet.router.scheduling.frequency import FrequencySketch
 from lorafleet.router.scheduling.skeleton import SkeletonRing
 from lorafleet.router.scheduling.types import EndpointView
 
@@ -46,42 +46,13 @@ class ReplicaState:
     busy_n: int = 0  # |active ∪ waiting_adapters|: GPU slots taken or asked for
     load: int = 0  # max(running + waiting, inflight), as EndpointView.load
     counted: bool = False  # included in its model's eligible set and load sum
-    # residents as a heap of (frequency lower bound, name), see `least_popular_idle`; None: build
+    # residents as a heap of (count lower bound, name), see `least_popular_idle`; None: build
     idle: list[tuple[float, str]] | None = None
-
-
-@dataclass(slots=True)
-class HolderArrays:
-    """One adapter's holders as arrays, for scoring many at once (a popular adapter's copies)."""
-
-    ids: np.ndarray  # replica ids
-    gpu: np.ndarray  # bool: in a GPU slot there
-    active: np.ndarray  # bool: has requests running there
-    waiting: np.ndarray  # bool: has requests queued there
-    pos: dict[int, int]  # replica id -> position
-
-
-# Columns of `ReplicaArrays.table`.
-LOAD, BUSY, N_ACTIVE, MAX_LORAS, CAPACITY, MODEL = range(6)
-
-
-@dataclass(slots=True)
-class ReplicaArrays:
-    """Per replica numbers as one table indexed by id: a candidate set is one gather, not a loop.
-
-    Columns: load, |active ∪ waiting adapters|, |active|, max_loras, capacity, the model's code
-    (-1 while the replica is not eligible: unhealthy, ejected or gone).
-    """
-
-    table: np.ndarray = field(default_factory=lambda: np.zeros((0, 6), dtype=np.int64))
-
-    def grow(self, n: int) -> None:
-        if n <= len(self.table):
-            return
-        new: np.ndarray = np.zeros((max(n, 2 * len(self.table), 16), 6), dtype=np.int64)
-        new[:, MODEL] = -1
-        new[: len(self.table)] = self.table
-        self.table = new
+    # residents taken off that heap while busy (active, waiting or pinned), with their count then:
+    # pushed back when they go idle, so a busy resident is not set aside at every look-up
+    parked: dict[str, float] = field(default_factory=dict)
+    # (gpu, resident, active, waiting_adapters, pinned) frozen for `view`; None: changed since
+    frozen: tuple[frozenset[str], ...] | None = None
 
 
 @dataclass(slots=True)
@@ -89,13 +60,13 @@ class FleetIndex:
     replicas: list[ReplicaState] = field(default_factory=list)
     ids: dict[str, int] = field(default_factory=dict)
     holders: dict[str, dict[int, str]] = field(default_factory=dict)  # adapter -> {replica id: tier}
+    holder_names: dict[str, list[str]] = field(default_factory=dict)  # adapter -> holders' names, sorted
     eligible: dict[str, set[int]] = field(default_factory=dict)  # model -> ids healthy, not ejected
     model_load: dict[str, int] = field(default_factory=dict)  # model -> sum of eligible loads
     ring: SkeletonRing = field(default_factory=SkeletonRing)
-    arrays: ReplicaArrays = field(default_factory=ReplicaArrays)
-    model_codes: dict[str, int] = field(default_factory=dict)
-    _holder_arrays: dict[str, HolderArrays] = field(default_factory=dict)
-    _freq_generation: int = -1
+    # the sketch (and its generation) the popularity heaps are ordered by
+    _sketch: FrequencySketch | None = None
+    _sketch_generation: int = -1
 
     # ---- replicas -------------------------------------------------------------------------
     def upsert(
@@ -114,12 +85,10 @@ class FleetIndex:
             self.replicas.append(ReplicaState(name))
             self.ids[name] = i
             self.ring.add(name, i)
-            self.arrays.grow(i + 1)
         r = self.replicas[i]
         self._uncount(i)
         r.model, r.healthy, r.ejected = model, healthy, ejected
         r.max_loras, r.max_cpu_loras, r.capacity = max_loras, max_cpu_loras, capacity
-        self.arrays.table[i, MAX_LORAS], self.arrays.table[i, CAPACITY] = max_loras, capacity
         self._count(i)
         return i
 
@@ -147,7 +116,6 @@ class FleetIndex:
         if r.healthy and not r.ejected and r.name in self.ids and not r.counted:
             self.eligible.setdefault(r.model, set()).add(i)
             self.model_load[r.model] = self.model_load.get(r.model, 0) + r.load
-            self.arrays.table[i, MODEL] = self.model_codes.setdefault(r.model, len(self.model_codes))
             r.counted = True
 
     def _uncount(self, i: int) -> None:
@@ -155,7 +123,6 @@ class FleetIndex:
         if r.counted:
             self.eligible[r.model].discard(i)
             self.model_load[r.model] -= r.load
-            self.arrays.table[i, MODEL] = -1
             r.counted = False
 
     # ---- load --------------------------------------------------------------------------------
@@ -166,7 +133,6 @@ class FleetIndex:
         if r.counted:
             self.model_load[r.model] += load - r.load
         r.load = load
-        self.arrays.table[i, LOAD] = load
 
     # ---- residency and activity -------------------------------------------------------------
     def set_tier(self, i: int, adapter: str, tier: str | None) -> None:
@@ -177,130 +143,140 @@ class FleetIndex:
                 return
             r.resident.discard(adapter)
             r.gpu.discard(adapter)
-            self._holder_arrays.pop(adapter, None)
-            held = self.holders.get(adapter)
-            if held is not None:
-                held.pop(i, None)
-                if not held:
-                    del self.holders[adapter]
-        else:
-            if adapter in r.resident and (adapter in r.gpu) == (tier == "gpu"):
+            r.frozen = None
+            r.parked.pop(adapter, None)
+            heap = r.idle
+            while heap and heap[0][1] not in r.resident:  # an unloaded victim leaves the top at once
+                heapq.heappop(heap)
+            held = self.holders[adapter]
+            del held[i]
+            names = self.holder_names[adapter]
+            del names[bisect.bisect_left(names, r.name)]
+            if not held:
+                del self.holders[adapter], self.holder_names[adapter]
+            return
+        if adapter in r.resident:
+            if (adapter in r.gpu) == (tier == "gpu"):
                 return
-            if adapter not in r.resident and r.idle is not None:
+        else:
+            if r.idle is not None:
                 heapq.heappush(r.idle, (0.0, adapter))  # a lower bound: fixed when it surfaces
             r.resident.add(adapter)
-            if tier == "gpu":
-                r.gpu.add(adapter)
-            else:
-                r.gpu.discard(adapter)
-            self.holders.setdefault(adapter, {})[i] = tier
-        self._holder_arrays.pop(adapter, None)
+            bisect.insort(self.holder_names.setdefault(adapter, []), r.name)
+        if tier == "gpu":
+            r.gpu.add(adapter)
+        else:
+            r.gpu.discard(adapter)
+        r.frozen = None
+        self.holders.setdefault(adapter, {})[i] = tier
 
     def set_active(self, i: int, adapter: str, on: bool) -> None:
-        if self._flag(i, self.replicas[i].active, adapter, on):
-            self.arrays.table[i, N_ACTIVE] = len(self.replicas[i].active)
-            h = self._holder_arrays.get(adapter)
-            if h is not None and i in h.pos:
-                h.active[h.pos[i]] = on
+        r = self.replicas[i]
+        self._flag(r, r.active, r.waiting_adapters, adapter, on)
 
     def set_waiting_adapter(self, i: int, adapter: str, on: bool) -> None:
-        if self._flag(i, self.replicas[i].waiting_adapters, adapter, on):
-            h = self._holder_arrays.get(adapter)
-            if h is not None and i in h.pos:
-                h.waiting[h.pos[i]] = on
-
-    def holder_arrays(self, adapter: str) -> HolderArrays | None:
-        """The adapter's holders as arrays (built on first use after its holders changed)."""
-        h = self._holder_arrays.get(adapter)
-        if h is None:
-            held = self.holders.get(adapter)
-            if not held:
-                return None
-            ids = np.fromiter(held, dtype=np.int64, count=len(held))
-            reps = self.replicas
-            h = HolderArrays(
-                ids,
-                np.fromiter((t == "gpu" for t in held.values()), dtype=bool, count=len(held)),
-                np.fromiter((adapter in reps[i].active for i in held), dtype=bool, count=len(held)),
-                np.fromiter((adapter in reps[i].waiting_adapters for i in held), dtype=bool, count=len(held)),
-                {i: j for j, i in enumerate(held)},
-            )
-            self._holder_arrays[adapter] = h
-        return h
+        r = self.replicas[i]
+        self._flag(r, r.waiting_adapters, r.active, adapter, on)
 
     def set_pinned(self, i: int, adapter: str, on: bool) -> None:
         r = self.replicas[i]
         if (adapter in r.pinned) != on:
             (r.pinned.add if on else r.pinned.discard)(adapter)
+            r.frozen = None
+            if not on:
+                self._unpark(r, adapter)
 
-    def _flag(self, i: int, flags: set[str], adapter: str, on: bool) -> bool:
+    def _flag(self, r: ReplicaState, flags: set[str], other: set[str], adapter: str, on: bool) -> None:
+        """Set or clear `adapter` in `flags` (active or waiting), keeping |active ∪ waiting| in step."""
         if (adapter in flags) == on:
-            return False
-        r = self.replicas[i]
-        (flags.add if on else flags.discard)(adapter)
-        r.busy_n = len(r.active | r.waiting_adapters)
-        self.arrays.table[i, BUSY] = r.busy_n
-        return True
+            return
+        if on:
+            flags.add(adapter)
+        else:
+            flags.discard(adapter)
+        if adapter not in other:
+            r.busy_n += 1 if on else -1
+            if not on:
+                self._unpark(r, adapter)
+        r.frozen = None
+
+    @staticmethod
+    def _unpark(r: ReplicaState, adapter: str) -> None:
+        """A resident parked off the popularity heap while busy goes back on it once idle."""
+        if adapter in r.parked and not (adapter in r.active or adapter in r.waiting_adapters or adapter in r.pinned):
+            count = r.parked.pop(adapter)
+            if r.idle is not None and adapter in r.resident:
+                heapq.heappush(r.idle, (count, adapter))  # still a lower bound: counts only grow
 
     # ---- idle residents by popularity ---------------------------------------------------------
+    def heaps_follow(self, sketch: FrequencySketch) -> bool:
+        """The popularity heaps are ordered by this sketch's counts, of its current generation."""
+        return sketch is self._sketch and sketch.generation == self._sketch_generation
+
     def least_popular_idle(
-        self,
-        i: int,
-        m: int,
-        frequency: Callable[[str], float],
-        generation: int,
-        exclude: frozenset[str] | set[str] = frozenset(),
+        self, i: int, m: int, sketch: FrequencySketch, exclude: frozenset[str] | set[str] = frozenset()
     ) -> list[tuple[float, str]]:
         """The `m` least popular idle residents of replica `i` (not active, waiting, pinned or in
-        `exclude`) as (frequency, name), in the order `sorted` gives.
+        `exclude`) as (estimate, name), in the order `sorted` gives.
 
-        A heap of (estimate, name) per replica over all its residents, kept across requests: between
-        two agings of the sketch (`generation`) estimates only grow, so an entry is a lower bound,
-        and a popped entry whose estimate moved is pushed back with the new one; the first current
-        entry is the true minimum. A new resident enters at 0 (a lower bound too); entries of
-        adapters no longer resident, and duplicates, are dropped as they surface; busy ones are set
-        aside and put back. A request for a popular adapter or a replica's busy set changing costs
-        no work here; only an aging of the sketch rebuilds the heaps.
+        A heap of (count, name) per replica over all its residents, kept across requests: within a
+        generation of the sketch counts only grow (`FrequencySketch.count`; an aging changes the
+        unit, not the counts), so an entry is a lower bound, and a popped entry whose count moved is
+        pushed back with the new one; the first current entry is the true minimum. A new resident
+        enters at 0 (a lower bound too); entries of adapters no longer resident, and duplicates, are
+        dropped as they surface; busy ones (active, waiting, pinned) are parked off the heap until they
+        go idle (`_unpark`), those in `exclude` set aside and put back. A request for a popular
+        adapter, a replica's busy set changing or an aging costs no work here; a new sketch or
+        generation (a rescale, a trim) rebuilds the heaps.
         """
-        if generation != self._freq_generation:
-            for r in self.replicas:
-                r.idle = None
-            self._freq_generation = generation
+        if not self.heaps_follow(sketch):
+            for rep in self.replicas:
+                rep.idle = None
+            self._sketch, self._sketch_generation = sketch, sketch.generation
+        count = sketch.counts.get
+        unit = sketch.unit
         r = self.replicas[i]
         heap = r.idle
         if heap is None or len(heap) > 2 * len(r.resident) + 16:  # built, or rebuilt past dead entries
-            heap = [(frequency(a), a) for a in r.resident]
+            heap = [(count(a, 0.0), a) for a in r.resident]
             heapq.heapify(heap)
             r.idle = heap
-        resident, active, waiting, pinned = r.resident, r.active, r.waiting_adapters, r.pinned
-        if m == 1:  # the common case (one slot to free): look at the top without popping it
+            r.parked.clear()
+        resident, active, waiting, pinned, parked = r.resident, r.active, r.waiting_adapters, r.pinned, r.parked
+        if m == 1:  # the common case (one slot to free): the top, once it is current and idle
             while heap:
-                f, a = heap[0]
+                c, a = heap[0]
                 if a not in resident:
                     heapq.heappop(heap)
                     continue
-                now = frequency(a)
-                if now != f:
+                now = count(a, 0.0)
+                if now != c:
                     heapq.heapreplace(heap, (now, a))
-                elif a in active or a in waiting or a in pinned or a in exclude:
+                elif a in active or a in waiting or a in pinned:
+                    heapq.heappop(heap)
+                    parked[a] = c
+                elif a in exclude:
                     break  # the general path below sets it aside
                 else:
-                    return [(f, a)]
+                    return [(c / unit, a)]
         out: list[tuple[float, str]] = []
         aside: list[tuple[float, str]] = []
         seen: set[str] = set()
         while heap and len(out) < m:
-            f, a = heapq.heappop(heap)
+            c, a = heapq.heappop(heap)
             if a not in resident or a in seen:
                 continue  # gone, or a duplicate from an unload and reload: drop it
-            now = frequency(a)
-            if now != f:
+            now = count(a, 0.0)
+            if now != c:
                 heapq.heappush(heap, (now, a))
                 continue
             seen.add(a)
-            aside.append((f, a))
-            if not (a in active or a in waiting or a in pinned or a in exclude):
-                out.append((f, a))
+            if a in active or a in waiting or a in pinned:
+                parked[a] = c
+                continue
+            aside.append((c, a))
+            if a not in exclude:
+                out.append((c / unit, a))
         for entry in aside:
             heapq.heappush(heap, entry)
         return out
@@ -308,22 +284,26 @@ class FleetIndex:
     # ---- views -------------------------------------------------------------------------------
     def view(self, i: int) -> EndpointView:
         r = self.replicas[i]
+        sets = r.frozen
+        if sets is None:
+            sets = r.frozen = tuple(map(frozenset, (r.gpu, r.resident, r.active, r.waiting_adapters, r.pinned)))
+        gpu, resident, active, waiting, pinned = sets
         return EndpointView(
             name=r.name,
             model=r.model,
             healthy=r.healthy,
             ejected=r.ejected,
-            gpu=frozenset(r.gpu),
-            cpu=frozenset(r.resident),
-            active=frozenset(r.active),
-            waiting_adapters=frozenset(r.waiting_adapters),
+            gpu=gpu,
+            cpu=resident,
+            active=active,
+            waiting_adapters=waiting,
             running=r.running,
             waiting=r.waiting,
             inflight=r.inflight,
             max_loras=r.max_loras,
             max_cpu_loras=r.max_cpu_loras,
             capacity=r.capacity,
-            pinned=frozenset(r.pinned),
+            pinned=pinned,
         )
 
     def views(self) -> list[EndpointView]:

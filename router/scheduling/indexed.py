@@ -5,95 +5,87 @@ and scorers, in the same order and floating-point operations, on the candidates 
 
 1. the replicas serving the model (`FleetIndex.eligible`; their load sum gives the load bound);
 2. the replicas holding the request's adapters (`FleetIndex.holders`) that pass the load bound and
-   the GPU-slot queue bound: if any, they are the candidates (residency outranks everything else);
+   the GPU-slot queue bound: if any, they are the candidates (residency outranks everything else).
+   Where more than `holder_sample` replicas hold them, the policy's draw of that many
+   (`FleetIndex.holder_names`, the same draw from the same generator) comes first;
 3. else the first `cold_candidates` replicas in the key's rendezvous order that pass both bounds,
    walked lazily on the `SkeletonRing`; only a fleet where no replica passes walks it all.
 
-Base-model requests (no adapter: nothing to load, any replica will do) are scored over every
-eligible replica, as `Policy.schedule` does. The tests hold this equal to `Policy.schedule` on
-random fleets (`tests/router/scheduling/test_indexed.py`).
+So a decision costs O(holder_sample + cold_candidates), whatever the fleet's size. Base-model
+requests (no adapter: nothing to load, any replica will do) are scored over every eligible replica,
+as `Policy.schedule` does. The tests hold this equal to `Policy.schedule` on random fleets
+(`tests/router/scheduling/test_indexed.py`).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
-from typing import cast
-
-import numpy as np
 
 from lorafleet.router.scheduling.admission import FrequencyAdmission
 from lorafleet.router.scheduling.filters import Available, BoundedLoad, ServesModel, SlotQueue
-from lorafleet.router.scheduling.fleet_index import BUSY, LOAD, MAX_LORAS, MODEL, FleetIndex, ReplicaState
+from lorafleet.router.scheduling.fleet_index import FleetIndex, ReplicaState
 from lorafleet.router.scheduling.frequency import FrequencySketch
-from lorafleet.router.scheduling.hashing import bounded_load_limit, weight
-from lorafleet.router.scheduling.holder_scoring import score_holders
+from lorafleet.router.scheduling.hashing import bounded_load_limit
+from lorafleet.router.scheduling.index_scoring import CANONICAL, IndexScoring
 from lorafleet.router.scheduling.pickers import MaxScore
-from lorafleet.router.scheduling.policies import Policy, reason_for
-from lorafleet.router.scheduling.scorers import (
-    CacheVictim,
-    HashAffinity,
-    Load,
-    Residency,
-    SlotFree,
-    SlotHeadroom,
-)
-from lorafleet.router.scheduling.types import AdmissionPlan, Decision, NoEndpoint, RequestInfo, Scorer
+from lorafleet.router.scheduling.policies import Policy, draw
+from lorafleet.router.scheduling.scorers import CacheVictim
+from lorafleet.router.scheduling.types import AdmissionPlan, Decision, NoEndpoint, Reason, RequestInfo
 
-_U64 = float(2**64)
-_TIE = 1e-9
-# A single adapter held on more replicas than this is scored with array operations.
-VECTOR_MIN = 12
-_SCORERS: tuple[type, ...] = (Residency, SlotFree, CacheVictim, SlotHeadroom, Load, HashAffinity)
+_NO_PLAN = AdmissionPlan()
+_ADMIT = AdmissionPlan(admit=True)
 
 
 @dataclass(slots=True)
 class IndexedPolicy:
     """A `lorafleet`-shaped `Policy` (its filters, scorers, picker and admission) run on a `FleetIndex`.
 
-    Build it with `IndexedPolicy.of(policy)`; it shares the policy's frequency sketch, so the two
-    must not both record the same requests.
+    Build it with `IndexedPolicy.of(policy)`; it shares the policy's frequency sketch and random
+    generator, so the two must not both decide the same requests.
     """
 
     policy: Policy
     bounded: BoundedLoad
     slot_queue: SlotQueue
     k: int
-    picker: MaxScore
+    scoring: IndexScoring
     frequency: FrequencySketch
     admission: FrequencyAdmission | None
     name: str = "lorafleet"
-    # The scorers are lorafleet_policy's, in its order: holders get the inlined `_holder_partial`.
-    _canonical: bool = False
 
     @classmethod
     def of(cls, policy: Policy) -> IndexedPolicy:
         kinds: list[type] = [type(f) for f in policy.filters]
-        if kinds != [Available, ServesModel, BoundedLoad, SlotQueue] or policy.cold_candidates is None:
+        if kinds != [Available, ServesModel, BoundedLoad, SlotQueue] or not policy.cold_candidates:
             raise ValueError(f"policy {policy.name!r} is not lorafleet-shaped: no index for it")
-        if any(type(s) not in _SCORERS for _, s in policy.scorers) or not isinstance(policy.picker, MaxScore):
+        if any(type(s) not in CANONICAL for _, s in policy.scorers) or not isinstance(policy.picker, MaxScore):
             raise ValueError(f"policy {policy.name!r} has a scorer or picker the index does not evaluate")
-        canonical = tuple(type(sc) for _, sc in policy.scorers) == _SCORERS
+        for _, s in policy.scorers:
+            # The index keeps residents ordered by the policy's own sketch.
+            if isinstance(s, CacheVictim) and s.frequency != policy.frequency.estimate:
+                raise ValueError(f"policy {policy.name!r}: its cache-victim scorer reads another sketch")
         return cls(
             policy,
             policy.filters[2],  # type: ignore[arg-type]
             policy.filters[3],  # type: ignore[arg-type]
             policy.cold_candidates,
-            policy.picker,
+            IndexScoring.of(policy),
             policy.frequency,
             policy.admission,
             policy.name,
-            canonical,
         )
 
     # ---- the decision ------------------------------------------------------------------------
     def schedule(self, req: RequestInfo, index: FleetIndex) -> Decision:
         adapters = req.adapters
         share = req.share
+        key = req.key
         if adapters:
-            self.frequency.add(req.key)
-            share = self.frequency.share(req.key)
+            self.frequency.add(key)
+            share = self.frequency.share(key)
         eligible = index.eligible.get(req.model)
         if not eligible:
             raise NoEndpoint("no replica serves the model")
@@ -103,61 +95,108 @@ class IndexedPolicy:
         def bounded(i: int) -> bool:
             return i == fallback if fallback is not None else reps[i].load + 1 <= limit
 
-        scored: list[tuple[int, float]] | None = None
+        holding = True
         if not adapters:
             cands = self._slot_filter(adapters, [i for i in eligible if bounded(i)], reps)
-        elif len(adapters) == 1 and len(index.holders.get(adapters[0], ())) > VECTOR_MIN:
-            scored, cands = self._many_holders(req, index, limit, fallback, eligible, bounded)
         else:
-            holders = self._holders(adapters, index, eligible)
-            in_bound = [i for i in holders if bounded(i)]
-            cands = [i for i in in_bound if self._slot_ok(adapters, reps[i])]
-            if not cands:
-                cands = self._first_k(req, index, eligible, bounded, slots=True)
-                if not cands:  # nobody passes the slot bound: the filter keeps everyone in the bound
-                    cands = in_bound or self._first_k(req, index, eligible, bounded, slots=False)
-        if scored is None and len(cands) == 1:
+            cands, holding = self._candidates(req, key, index, eligible, limit, fallback, bounded)
+        if len(cands) == 1:
             chosen = cands[0]  # what MaxScore picks from one, whatever its score (no turn taken)
         else:
-            if scored is None:
-                scored = self._scored(req, index, cands)
-            chosen = self._tie_break(scored, reps)
-        view = index.view(chosen)
-        missing = tuple(a for a in adapters if a not in reps[chosen].resident)
-        plan = AdmissionPlan()
+            chosen = self.scoring.tie_break(self.scoring.scored(req, key, index, cands, holding), reps)
+        r = reps[chosen]
+        resident = r.resident
+        if len(adapters) == 1:
+            missing: tuple[str, ...] = () if adapters[0] in resident else adapters
+        else:
+            missing = tuple(a for a in adapters if a not in resident)
+        plan = _NO_PLAN
         if missing and self.admission is not None:
             spill = self._is_spill(share, index, missing, chosen, eligible)
             plan = self._admission_plan(adapters, missing, index, chosen, spill)
-        return Decision(view, reason_for(req, view), missing, plan)
+        return Decision(index.view(chosen), _reason(adapters, r), missing, plan)
 
-    def _many_holders(
+    def _candidates(
         self,
         req: RequestInfo,
+        key: str,
         index: FleetIndex,
+        eligible: set[int],
         limit: int,
         fallback: int | None,
-        eligible: set[int],
         bounded: Callable[[int], bool],
-    ) -> tuple[list[tuple[int, float]] | None, list[int]]:
-        """The holders step for a popular adapter, on arrays: (scored holders, []) when some pass
-        both bounds, else (None, the candidates to score instead)."""
-        h = index.holder_arrays(req.adapters[0])
-        assert h is not None
-        rows = index.arrays.table[h.ids]
-        ok = rows[:, MODEL] == index.model_codes.get(req.model, -2)
-        in_bound = ok & ((rows[:, LOAD] + 1 <= limit) if fallback is None else (h.ids == fallback))
-        extra = ~(h.active | h.waiting)
-        over = np.maximum(0, rows[:, BUSY] + extra - rows[:, MAX_LORAS])
-        sel = in_bound & (h.active | (over <= self.slot_queue.max_over))
-        if sel.any():
-            scored = score_holders(
-                self.policy.scorers, req.key, index, h.ids[sel], rows[sel], h.gpu[sel], h.active[sel], extra[sel]
-            )
-            return scored, []
-        cands = self._first_k(req, index, eligible, bounded, slots=True)
+    ) -> tuple[list[int], bool]:
+        """(the replicas to score, whether they hold the request's adapters): what the filters and
+        `Policy._narrow` leave, evaluated on the holders (or a draw of them) and the ring."""
+        adapters = req.adapters
+        reps = index.replicas
+        k = self.policy.holder_sample
+        held: Collection[int]
+        if len(adapters) == 1:
+            held = index.holders.get(adapters[0], ())
+            names = index.holder_names.get(adapters[0], [])
+        else:
+            held = self._holders(adapters, index)
+            names = sorted(reps[i].name for i in held) if k is not None and len(held) > k else []
+        drawn: list[int] | None = None
+        if k is not None and len(held) > k:
+            ids = index.ids
+            drawn = [ids[names[j]] for j in draw(self.policy.rng, len(names), k)]
+            cands = self._passing(adapters, drawn, reps, eligible, limit, fallback)
+            if cands:
+                return cands, True
+        cands = self._passing(adapters, held, reps, eligible, limit, fallback)
         if cands:
-            return None, cands
-        return None, h.ids[in_bound].tolist() or self._first_k(req, index, eligible, bounded, slots=False)
+            return cands, True
+        cands = self._passing(adapters, index.ring.walk(key), reps, eligible, limit, fallback, self.k)
+        if cands:
+            return cands, False
+        # No replica in the bound has room in its GPU-slot queue: the slot filter keeps them all.
+        if drawn is not None:
+            cands = [i for i in drawn if i in eligible and bounded(i)]
+            if cands:
+                return cands, True
+        cands = [i for i in held if i in eligible and bounded(i)]
+        if cands:
+            return cands, True
+        return self._first_k(key, index, eligible, bounded), False
+
+    def _passing(
+        self,
+        adapters: tuple[str, ...],
+        ids: Iterable[int],
+        reps: list[ReplicaState],
+        eligible: set[int],
+        limit: int,
+        fallback: int | None,
+        k: int = 0,
+    ) -> list[int]:
+        """Those of `ids` that serve the model and pass the load bound and the GPU-slot queue bound;
+        the first `k` of them if `k`."""
+        if len(adapters) != 1:
+            kept = (
+                i for i in ids
+                if i in eligible and (i == fallback if fallback is not None else reps[i].load + 1 <= limit)
+                and self._slot_ok(adapters, reps[i])
+            )  # fmt: skip
+            return list(itertools.islice(kept, k)) if k else list(kept)
+        a = adapters[0]
+        max_over = self.slot_queue.max_over
+        out = []
+        for i in ids:
+            if i not in eligible:
+                continue
+            r = reps[i]
+            if (i != fallback) if fallback is not None else (r.load + 1 > limit):
+                continue
+            if a not in r.active:
+                over = r.busy_n + (a not in r.waiting_adapters) - r.max_loras
+                if (over if over > 0 else 0) > max_over:
+                    continue
+            out.append(i)
+            if len(out) == k:
+                break
+        return out
 
     def _load_bound(
         self, model: str, share: float, index: FleetIndex, eligible: set[int]
@@ -178,29 +217,34 @@ class IndexedPolicy:
         return limit, min(eligible, key=lambda i: (reps[i].load, reps[i].name))
 
     def _slot_ok(self, adapters: tuple[str, ...], r: ReplicaState) -> bool:
-        if not adapters or all(a in r.active for a in adapters):
-            return True
-        extra = sum(1 for a in set(adapters) if a not in r.active and a not in r.waiting_adapters)
+        if len(adapters) == 1:
+            a = adapters[0]
+            if a in r.active:
+                return True
+            extra = 0 if a in r.waiting_adapters else 1
+        else:
+            if not adapters or all(a in r.active for a in adapters):
+                return True
+            extra = sum(1 for a in set(adapters) if a not in r.active and a not in r.waiting_adapters)
         return max(0, r.busy_n + extra - r.max_loras) <= self.slot_queue.max_over
 
     def _slot_filter(self, adapters: tuple[str, ...], ids: list[int], reps: list[ReplicaState]) -> list[int]:
         kept = [i for i in ids if self._slot_ok(adapters, reps[i])]
         return kept or ids
 
-    def _holders(self, adapters: tuple[str, ...], index: FleetIndex, eligible: set[int]) -> list[int]:
+    def _holders(self, adapters: tuple[str, ...], index: FleetIndex) -> list[int]:
+        """Every replica present holding all of `adapters` (eligible or not)."""
         sets = [index.holders.get(a) for a in adapters]
         if any(not s for s in sets):
             return []
         smallest = min(sets, key=len)  # type: ignore[arg-type]
-        return [i for i in smallest if i in eligible and all(i in s for s in sets)]  # type: ignore[operator, union-attr]
+        return [i for i in smallest if all(i in s for s in sets)]  # type: ignore[operator, union-attr]
 
-    def _first_k(
-        self, req: RequestInfo, index: FleetIndex, eligible: set[int], bounded: Callable[[int], bool], slots: bool
-    ) -> list[int]:
+    def _first_k(self, key: str, index: FleetIndex, eligible: set[int], bounded: Callable[[int], bool]) -> list[int]:
+        """The key's first `k` replicas in rendezvous order that serve the model and pass the load bound."""
         out: list[int] = []
-        reps = index.replicas
-        for i in index.ring.walk(req.key):
-            if i in eligible and bounded(i) and (not slots or self._slot_ok(req.adapters, reps[i])):
+        for i in index.ring.walk(key):
+            if i in eligible and bounded(i):
                 out.append(i)
                 if len(out) >= self.k:
                     break
@@ -223,14 +267,12 @@ class IndexedPolicy:
         r = index.replicas[i]
         free = r.max_cpu_loras - len(r.resident)
         if free - len(missing) >= adm.scratch_slots and not transient:
-            return AdmissionPlan(admit=True)
-        freq = self.frequency.estimate
+            return _ADMIT
         need = adm.scratch_slots + len(missing) - free
         overflow = len(missing) - free
-        victims = index.least_popular_idle(
-            i, max(need, overflow, 0), freq, self.frequency.generation, frozenset(adapters)
-        )
+        victims = index.least_popular_idle(i, max(need, overflow, 0), self.frequency, frozenset(adapters))
         if not transient:
+            freq = self.frequency.estimate
             newcomer = min(freq(a) for a in missing)
             chosen: list[str] = []
             for f, name in victims[: max(0, need)]:
@@ -241,110 +283,11 @@ class IndexedPolicy:
                 return AdmissionPlan(unload_before=tuple(chosen), admit=True)
         return AdmissionPlan(unload_before=tuple(name for _, name in victims[: max(0, overflow)]), admit=False)
 
-    # ---- scoring, as the scorers compute it ------------------------------------------------------
-    def _scored(self, req: RequestInfo, index: FleetIndex, cands: list[int]) -> list[tuple[int, float]]:
-        if not cands:
-            raise NoEndpoint("no candidate replica")
-        scorers = self.policy.scorers
-        if len(cands) == 1 or not isinstance(scorers[-1][1], HashAffinity):
-            return [(i, self._score(req, index, i, scorers)) for i in cands]
-        # The rendezvous term (last, ≤ its weight) only decides near-ties: add it where it can matter.
-        w_hash = scorers[-1][0]
-        reps = index.replicas
-        one = req.adapters[0] if len(req.adapters) == 1 and self._canonical else None
-        partial = [
-            (i, self._holder_partial(one, reps[i]))
-            if one is not None and one in reps[i].resident
-            else (i, self._score(req, index, i, scorers[:-1]))
-            for i in cands
-        ]
-        cut = max(s for _, s in partial) - w_hash - 1e-6
-        return [
-            (i, s + w_hash * min(1.0, max(0.0, weight(req.key, reps[i].name) / _U64)))
-            for i, s in partial
-            if s >= cut
-        ]
 
-    def _holder_partial(self, one: str, r: ReplicaState) -> float:
-        """`_score` without the rendezvous term for a replica holding the request's one adapter, with
-        lorafleet_policy's scorers inlined in their order (same operations, so the same float)."""
-        (w_res, res), (w_free, _), (w_victim, _), (w_head, _), (w_load, _), _ = self.policy.scorers
-        active = one in r.active
-        total = 0.0
-        total += w_res * min(1.0, max(0.0, res.gpu if one in r.gpu else res.cpu))  # type: ignore[attr-defined]
-        total += w_free * (1.0 if len(r.active) + (not active) <= r.max_loras else 0.0)
-        total += w_victim * 1.0  # resident: nothing to evict
-        if active:
-            head = 1.0
-        else:
-            taken = r.busy_n + (one not in r.waiting_adapters)
-            head = max(0.0, (r.max_loras - taken) / max(1, r.max_loras))
-        total += w_head * min(1.0, head)
-        total += w_load * max(0.0, 1.0 - r.load / max(1, r.capacity))
-        return total
-
-    def _tie_break(self, scored: list[tuple[int, float]], reps: list[ReplicaState]) -> int:
-        """MaxScore's rule (and its turn counter): the best; exact ties rotate in name order."""
-        best = max(s for _, s in scored)
-        tied = sorted((i for i, s in scored if s >= best - _TIE), key=lambda i: reps[i].name)
-        if len(tied) == 1:
-            return tied[0]
-        self.picker._turn += 1
-        return tied[self.picker._turn % len(tied)]
-
-    def _score(
-        self, req: RequestInfo, index: FleetIndex, i: int, scorers: tuple[tuple[float, Scorer], ...]
-    ) -> float:
-        total = 0.0
-        r = index.replicas[i]
-        adapters = req.adapters
-        one = adapters[0] if len(adapters) == 1 else None  # the common case, without the loops
-        for w, scorer in scorers:
-            kind: type = type(scorer)
-            if kind is Residency:
-                res = cast(Residency, scorer)
-                if one is not None:
-                    s = res.gpu if one in r.gpu else res.cpu if one in r.resident else 0.0
-                else:
-                    s = 1.0
-                    for a in adapters:
-                        s = min(s, res.gpu if a in r.gpu else res.cpu if a in r.resident else 0.0)
-            elif kind is SlotFree:
-                new = (one not in r.active) if one is not None else sum(1 for a in adapters if a not in r.active)
-                s = 1.0 if len(r.active) + new <= r.max_loras else 0.0
-            elif kind is CacheVictim:
-                s = self._victim(scorer, adapters, index, r, i)  # type: ignore[arg-type]
-            elif kind is SlotHeadroom:
-                if all(a in r.active for a in adapters):
-                    s = 1.0
-                else:
-                    taken = r.busy_n + sum(
-                        1 for a in set(adapters) if a not in r.active and a not in r.waiting_adapters
-                    )
-                    s = max(0.0, (r.max_loras - taken) / max(1, r.max_loras))
-            elif kind is Load:
-                s = max(0.0, 1.0 - r.load / max(1, r.capacity))
-            elif kind is HashAffinity:
-                s = weight(req.key, r.name) / _U64
-            else:
-                raise TypeError(scorer)
-            total += w * min(1.0, max(0.0, s))
-        return total
-
-    def _victim(
-        self, scorer: CacheVictim, adapters: tuple[str, ...], index: FleetIndex, r: ReplicaState, i: int
-    ) -> float:
-        missing = [a for a in adapters if a not in r.resident]
-        if not missing:
-            return 1.0
-        need = scorer.scratch_slots + len(missing) - (r.max_cpu_loras - len(r.resident))
-        if need <= 0:
-            return 1.0
-        idle = index.least_popular_idle(i, need, scorer.frequency, self.frequency.generation, frozenset(adapters))
-        if len(idle) < need:
-            return 0.0
-        v = idle[need - 1][0]
-        f = min(scorer.frequency(a) for a in missing)
-        if f + v <= 0:
-            return 1.0
-        return f / (f + v)
+def _reason(adapters: tuple[str, ...], r: ReplicaState) -> Reason:
+    """`policies.reason_for` on the index's replica."""
+    if not adapters:
+        return "base"
+    if any(a not in r.resident for a in adapters):
+        return "cold"
+    return "hot" if all(a in r.gpu for a in adapters) else "warm"

@@ -8,6 +8,7 @@ request; `bench/fleet_sim.py` calls the same objects on simulated replicas. Poli
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -64,6 +65,12 @@ class Policy:
     # at every replica (`indexed.IndexedPolicy`). Where some hold them, only those are scored
     # (they outrank any cold load anyway). None: every replica left is scored.
     cold_candidates: int | None = None
+    # Where more than `holder_sample` replicas (of all given, in name order) hold the request's
+    # adapters, only `holder_sample` of them drawn uniformly from `rng` are scored, among those the
+    # filters left: the power of k choices, so a popular adapter's decision looks at k of its
+    # copies, not hundreds. If none of the drawn is left, every holder left is scored. None: all.
+    holder_sample: int | None = None
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
 
     def schedule(self, req: RequestInfo, endpoints: Sequence[EndpointView]) -> Decision:
         if req.adapters:
@@ -90,6 +97,12 @@ class Policy:
         self, req: RequestInfo, candidates: list[EndpointView], endpoints: Sequence[EndpointView]
     ) -> list[EndpointView]:
         holders = [e for e in candidates if all(a in e.resident for a in req.adapters)]
+        k = self.holder_sample
+        if k is not None:
+            everyone = sorted(e.name for e in endpoints if all(a in e.resident for a in req.adapters))
+            if len(everyone) > k:
+                drawn = {everyone[j] for j in draw(self.rng, len(everyone), k)}
+                holders = [e for e in holders if e.name in drawn] or holders
         if holders:
             return holders
         rank = {name: i for i, name in enumerate(skeleton_order(req.key, [e.name for e in endpoints]))}
@@ -116,6 +129,16 @@ class Policy:
         return sum(w * min(1.0, max(0.0, scorer(req, endpoint, stats))) for w, scorer in self.scorers)
 
 
+def draw(rng: random.Random, n: int, k: int) -> set[int]:
+    """`k` distinct positions of `n` (k < n), uniformly: draws until k are distinct (no list of n).
+    u × n < n for every u < 1 that `random()` returns, so a position is always in range."""
+    uniform = rng.random
+    picked: set[int] = set()
+    while len(picked) < k:
+        picked.add(int(uniform() * n))
+    return picked
+
+
 def reason_for(req: RequestInfo, endpoint: EndpointView) -> Reason:
     if not req.adapters:
         return "base"
@@ -134,6 +157,7 @@ def lorafleet_policy(
     victim_weight: float = 0.2,
     admission_margin: float = 1.5,
     cold_candidates: int | None = 8,
+    holder_sample: int | None = 8,
 ) -> Policy:
     """Ours: residency first, within a load bound and a GPU-slot queue bound.
 
@@ -155,7 +179,9 @@ def lorafleet_policy(
     (noisy counts of similar adapters otherwise swap places), and no scratch slot is reserved
     (`scratch_slots`=0): a load that is not admitted evicts the least popular idle resident.
     A cold adapter is placed on one of its first `cold_candidates` rendezvous replicas among those
-    the filters left (all of them on a fleet that small), so scoring looks at few replicas.
+    the filters left (all of them on a fleet that small), and an adapter held by more than
+    `holder_sample` replicas is scored on that many of its holders drawn at random (power of k
+    choices), so scoring looks at few replicas.
     """
     frequency = FrequencySketch()
     return Policy(
@@ -179,6 +205,7 @@ def lorafleet_policy(
         frequency=frequency,
         replicate_share=hot_share,
         cold_candidates=cold_candidates,
+        holder_sample=holder_sample,
     )
 
 

@@ -4,17 +4,21 @@ Plain rendezvous hashing ranks all n replicas per key. Here replicas fall into `
 (by a hash of their name); a key ranks the groups by weighted rendezvous (weight = the group's size,
 so each replica is any key's first choice with probability 1/n), then the members of a group by
 plain rendezvous. The order is: the best group's members best first, then the next group's, and so
-on. Finding the first k costs one ranking of ≤ `GROUPS` groups plus one of a group's members
-(~n / `GROUPS`), and churn moves few keys: a replica joining or leaving changes its own group's
-weight and members only.
+on. The groups are ranked for the key's slot (its hash modulo `SLOTS`), not the key itself: keys of
+a slot share a group ranking, cached per slot, so a key never seen before costs no group ranking
+once its slot has been used. Finding the first k costs a cached lookup plus one ranking of a group's
+members (~n / `GROUPS`), and churn moves few keys: a replica joining or leaving changes its own
+group's weight and members only.
 
 `skeleton_order` is the plain O(n) definition (the reference); `SkeletonRing` keeps the groups as
-replicas come and go and walks a key's order lazily. Both use the same 64-bit hash (blake2b of the
-key and of the name, combined by the splitmix64 finaliser), so every router process agrees.
+replicas come and go and walks a key's order lazily. Both use the same 64-bit hashes (blake2b of the
+key and of the name, spread by the splitmix64 finaliser and combined by a multiply; a slot's group
+weights come from one table, `log_uniforms`), so every router process agrees.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -22,11 +26,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 GROUPS = 32
+SLOTS = 1 << 14  # group rankings, one per slot: each group's share of first choices within ~1% of its size's
 _M = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _C1 = 0xBF58476D1CE4E5B9
 _C2 = 0x94D049BB133111EB
 _GROUP_SALT = 0x5EED5EED5EED5EED
+_SLOT_SALT = 0x5107510751075107
 
 
 def seed64(text: str) -> int:
@@ -53,14 +59,18 @@ def _mix64_np(x: np.ndarray) -> np.ndarray:
 
 
 def member_weight(key_mix: int, node_mix: int) -> int:
-    """Rendezvous weight of a node within its group: both sides already mixed, so one multiply and
-    one shift spread their combination (the vectorised form is `_member_weights`)."""
-    z = ((key_mix ^ node_mix) * _C2) & _M
-    return z ^ (z >> 29)
+    """Rendezvous weight of a node within its group: both sides already mixed, so one multiply
+    spreads their combination into the high bits, which decide the order (the vectorised form is
+    `_member_weights`)."""
+    return ((key_mix ^ node_mix) * _C2) & _M
 
 
 def _member_weights(key_mix: np.ndarray, node_mixes: np.ndarray) -> np.ndarray:
-    z = (node_mixes ^ key_mix) * _U_C2
+    return (node_mixes ^ key_mix) * _U_C2
+
+
+def _pair_hashes(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    z = (a ^ b) * _U_C2
     return z ^ (z >> _U29)
 
 
@@ -72,16 +82,32 @@ def _salts(groups: int) -> np.ndarray:
     return np.array([mix64(mix64(_GROUP_SALT + g)) for g in range(groups)], dtype=np.uint64)
 
 
-def group_weights(key_seed: int, salts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+def slot_of(key_seed: int) -> int:
+    return key_seed % SLOTS
+
+
+@functools.cache
+def log_uniforms(groups: int) -> np.ndarray:
+    """ln(u) for every (slot, group), u uniform in (0, 1) from their hash: [SLOTS, groups], 8 × groups
+    × SLOTS bytes, computed once per process (the part of a group ranking that churn never changes)."""
+    slots = _mix64_np(np.arange(SLOTS, dtype=np.uint64) + np.uint64(_SLOT_SALT))
+    z = _pair_hashes(slots[:, None], _salts(groups)[None, :]) >> _U11
+    return np.log(z.astype(np.float64) + 0.5) - _LN_2_53  # < 0: z + 0.5 < 2 ** 53
+
+
+def inverse_sizes(sizes: np.ndarray) -> np.ndarray:
+    """1 / size per group, inf for an empty one (its weight is then -inf)."""
+    return np.where(sizes > 0, 1.0 / np.maximum(sizes, 1.0), np.inf)
+
+
+def group_weights(slot: int, inverse: np.ndarray) -> np.ndarray:
     """Weighted rendezvous over all groups at once, as ln(u) / size (larger is better; the same order
-    as size / -ln(u)), u uniform in (0, 1) per (key, group); -inf for an empty group.
+    as size / -ln(u)), u uniform in (0, 1) per (slot, group); -inf for an empty group. `inverse`:
+    `inverse_sizes` of the group sizes.
 
     Always over the full fixed-length arrays, so the reference and the ring compute the same floats.
     """
-    z = _member_weights(np.uint64(mix64(key_seed)), salts) >> _U11  # type: ignore[arg-type]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        w = (np.log(z.astype(np.float64) + 0.5) - _LN_2_53) / sizes
-    return np.where(sizes > 0, w, -np.inf)
+    return log_uniforms(len(inverse))[slot] * inverse
 
 
 def skeleton_order(key: str, names: Iterable[str], groups: int = GROUPS) -> list[str]:
@@ -92,7 +118,7 @@ def skeleton_order(key: str, names: Iterable[str], groups: int = GROUPS) -> list
     sizes: np.ndarray = np.zeros(groups, dtype=np.float64)
     for n in names:
         sizes[group_of(n, groups)] += 1
-    gw = group_weights(k, _salts(groups), sizes).tolist()
+    gw = group_weights(slot_of(k), inverse_sizes(sizes)).tolist()
     return sorted(
         names,
         key=lambda n: (gw[group_of(n, groups)], group_of(n, groups), member_weight(km, mix64(seed64(n))), n),
@@ -114,15 +140,14 @@ class SkeletonRing:
     groups: int = GROUPS
     _groups: dict[int, _Group] = field(default_factory=dict)
     _group_of: dict[str, int] = field(default_factory=dict)
-    _salt_arr: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
     _sizes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float64))
-    # key -> groups in order; valid while the group sizes are unchanged (cleared on churn)
-    _order_cache: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    max_cached_keys: int = 200_000
+    _inverse: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float64))  # inverse_sizes
+    # slot -> groups in order; valid while the group sizes are unchanged (cleared on churn)
+    _order_cache: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._salt_arr = _salts(self.groups)
         self._sizes = np.zeros(self.groups, dtype=np.float64)
+        self._inverse = inverse_sizes(self._sizes)
 
     def __len__(self) -> int:
         return len(self._group_of)
@@ -138,6 +163,7 @@ class SkeletonRing:
         grp.ids = [p[1] for p in pairs]
         grp.seeds = np.array([mix64(seed64(m)) for m in grp.members], dtype=np.uint64)
         self._sizes[g] += 1
+        self._inverse = inverse_sizes(self._sizes)
         self._order_cache.clear()
 
     def remove(self, name: str) -> None:
@@ -149,29 +175,28 @@ class SkeletonRing:
         del grp.members[i], grp.ids[i]
         grp.seeds = np.delete(grp.seeds, i)
         self._sizes[g] -= 1
+        self._inverse = inverse_sizes(self._sizes)
         if not grp.members:
             del self._groups[g]
         self._order_cache.clear()
 
-    def _group_order(self, key: str, key_seed: int) -> tuple[int, ...]:
-        order = self._order_cache.get(key)
+    def _group_order(self, slot: int) -> tuple[int, ...]:
+        order = self._order_cache.get(slot)
         if order is None:
-            w = group_weights(key_seed, self._salt_arr, self._sizes)
-            order = tuple(np.argsort(w, kind="stable")[::-1][: len(self._groups)].tolist())
-            if len(self._order_cache) >= self.max_cached_keys:
-                self._order_cache.clear()
-            self._order_cache[key] = order
+            w = group_weights(slot, self._inverse)
+            order = tuple(w.argsort(kind="stable")[::-1][: len(self._groups)].tolist())
+            self._order_cache[slot] = order
         return order
 
     def walk(self, key: str) -> Iterator[int]:
         """Replica ids in the key's order, lazily: stop iterating once you have enough."""
         key_seed = seed64(key)
         km = np.uint64(mix64(key_seed))
-        for g in self._group_order(key, key_seed):
+        for g in self._group_order(slot_of(key_seed)):
             grp = self._groups[g]
             if len(grp.ids) == 1:
                 yield grp.ids[0]
                 continue
             ids = grp.ids
-            for j in np.argsort(_member_weights(km, grp.seeds), kind="stable")[::-1].tolist():  # type: ignore[arg-type]
+            for j in _member_weights(km, grp.seeds).argsort(kind="stable").tolist()[::-1]:  # type: ignore[arg-type]
                 yield ids[j]

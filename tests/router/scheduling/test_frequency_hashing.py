@@ -15,7 +15,7 @@ from lorafleet.router.scheduling.hashing import bounded_load_limit, rendezvous_o
     [
         (["a", "a", "b"], 100, {"a": 2.0, "b": 1.0}),
         (["a", "a", "a", "b"], 4, {"a": 1.5, "b": 0.5}),  # halved on the 4th add
-        (["a", "b", "b", "b", "b", "b"], 2, {"a": 0.0, "b": 1.625}),  # a: 1 → .5 → .25 → dropped
+        (["a", "b", "b", "b", "b", "b"], 2, {"a": 0.125, "b": 1.625}),  # a: 1 → .5 → .25 → .125
         (["a", "b", "b", "b", "c", "c"], 3, {"a": 0.25, "b": 1.0, "c": 1.0}),  # halved twice
     ],
 )
@@ -24,6 +24,38 @@ def test_sketch_ages(adds, halve_every, expected):
     for key in adds:
         s.add(key)
     assert {k: s.estimate(k) for k in expected} == expected
+
+
+def test_halving_keeps_the_counts_order_and_the_generation():
+    s = FrequencySketch(halve_every=3)
+    for key in ["a", "b", "b", "c", "c", "c", "a"]:
+        s.add(key)
+    assert s.generation == 0 and s.unit == 4.0  # two halvings: the unit doubled twice
+    assert [s.estimate(k) for k in "abc"] == [0.25 + 1.0, 0.5, 1.5]
+    assert sorted("abc", key=s.count) == sorted("abc", key=s.estimate)
+
+
+def test_rescale_drops_what_decayed_and_bumps_the_generation(monkeypatch):
+    from lorafleet.router.scheduling import frequency
+
+    monkeypatch.setattr(frequency, "_RESCALE_AT", 8.0)
+    s = FrequencySketch(halve_every=2, min_total=0)
+    for key in ["a", "b", "b", "b", "b", "b"]:  # halvings at adds 2, 4, 6: unit 8 → rescaled
+        s.add(key)
+    assert s.generation == 1 and s.unit == 1.0
+    assert s.estimate("a") == 0.0 and s.estimate("b") == 1.625  # a (0.125) is dropped
+    assert len(s) == 1 and s.share("b") == 1.0
+
+
+def test_an_aging_with_many_keys_drops_the_one_offs():
+    s = FrequencySketch(halve_every=40, max_keys=60)
+    for i in range(39):
+        s.add(f"once-{i}")
+    s.add("once-39")  # the 40th add ages: 40 keys > 60 // 2, so the counts are rescaled
+    assert s.generation == 1 and s.unit == 1.0 and len(s) == 40  # 0.5 each: kept
+    for _ in range(40):
+        s.add("hot")
+    assert s.generation == 2 and len(s) == 1 and s.estimate("hot") == 20.0  # 0.25 each: dropped
 
 
 def test_share_needs_enough_history():
