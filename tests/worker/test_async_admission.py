@@ -12,6 +12,7 @@ admission steps themselves overlap (no drain), counted by the stepper.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lorafleet.worker.engine.sequence import SamplingParams
 from tests.worker.async_harness import MIXED, _engine, greedy
@@ -191,3 +192,25 @@ def test_async_admission_flag_reaches_the_engine_config():
         return settings_from_args(build_parser().parse_args(["--model", "m", *flags])).engine.async_admission
 
     assert flag() is True and flag("--no-async-admission") is False
+
+
+# -- the same comparison on CUDA too: captured graphs, mixed-row buckets captured while a step is in flight --
+
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                       reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_async_admission_matches_sync_on_device(demo_model, modules, device):
+    """fp32: requests joining steps in flight, chunked prompts among them, seeded and greedy, give the
+    synchronous engine's tokens (texts: on CUDA rows of other batch compositions agree to ~1e-6)."""
+    first = [(p, greedy(20), a) for p, a in MIXED[:3]]
+    later = [(LONG, greedy(6), ()), (MIXED[3][0], SamplingParams(max_tokens=9, temperature=0.9, seed=3, ignore_eos=True),
+                                     MIXED[3][1]), (LONG + "again", greedy(5), (("chat", 1.0),)),
+             (MIXED[4][0], greedy(7, logprobs=2), MIXED[4][1])]
+    kw = dict(device=device, dtype="float32", max_graph_tokens=32, max_num_batched_tokens=64, block_size=16)
+    want, got, _, asyn = _both(demo_model, modules, first, arrivals={3: later[:2], 5: later[2:]}, **kw)
+    assert _texts(got) == _texts(want)
+    stats = asyn.async_steps.stats
+    assert stats.admitted == 4 and stats.joined >= 4 and stats.fallbacks["admission"] == 0
+    assert asyn.runner.graphs.stats.replays > 0
