@@ -194,6 +194,80 @@ def test_async_admission_flag_reaches_the_engine_config():
     assert flag() is True and flag("--no-async-admission") is False
 
 
+# -- Scheduler.admit_beside against schedule() (torch-free) --------------------------------------
+
+
+def test_admit_beside_admits_what_schedule_admits():
+    """Mid-decode states of every kind (tests/worker/test_admission_dry_run.py): beside the running
+    decodes, with every row allowed to join and the graphs' limits out of reach, the same requests
+    with the same chunks, blocks and deferral counts as `schedule()`; with no row allowed, nothing
+    changes (the engine then runs `schedule()`, which counts the deferrals)."""
+    import copy
+    import random
+
+    from tests.worker.test_admission_dry_run import _scheduler_state
+
+    rng = random.Random(1)
+    admitted = blocked = 0
+    for case in range(300):
+        sched = _scheduler_state(rng, prefix_caching=case % 3 != 0)
+        if sched.blocks.num_free < sum(sched.blocks.blocks_needed(q, len(q)) for q in sched.running):
+            continue  # the engine falls back before admission (preemption)
+        real, refused = copy.deepcopy(sched), copy.deepcopy(sched)
+        want = real.schedule()
+        decoding = list(sched.running)
+        for q in decoding:  # the step in flight's blocks for the decodes' tokens
+            assert sched.blocks.allocate(q, len(q))
+        ids = {q.seq_id for q in decoding}
+        got, stopped = sched.admit_beside(decoding, ids, 1 << 20, 1 << 20, lambda q: True)
+        assert not stopped
+        new = [(q.seq_id, n) for q, n in zip(want.seqs, want.num_new_tokens) if q.seq_id not in ids]
+        assert [(q.seq_id, n) for q, n in zip(got.seqs, got.num_new_tokens)] == new, f"case {case}"
+        assert [q.block_table for q in got.seqs] == [q.block_table for q in want.seqs if q.seq_id not in ids]
+        assert sched.blocks.num_free == real.blocks.num_free
+        assert [q.seq_id for q in sched.running] == [q.seq_id for q in real.running]
+        assert sched.deferred_total == real.deferred_total
+        admitted += bool(new)
+
+        free, waiting, aged = refused.blocks.num_free, [q.seq_id for q in refused.waiting], refused.deferred_total
+        none, stopped = refused.admit_beside(list(refused.running), ids, 1 << 20, 1 << 20, lambda q: False)
+        assert not none and stopped == bool(new)
+        assert refused.blocks.num_free == free and [q.seq_id for q in refused.waiting] == waiting
+        assert not any(q.block_table for q in refused.waiting)
+        if stopped:
+            assert refused.deferred_total == aged  # counted by the synchronous step that runs instead
+        blocked += stopped
+    assert admitted > 50 and blocked > 50
+
+
+def test_admit_beside_keeps_to_the_graphs_limits():
+    from lorafleet.worker.engine.block_manager import BlockManager
+    from lorafleet.worker.engine.scheduler import Scheduler, SchedulerConfig
+    from lorafleet.worker.engine.sequence import Sequence
+
+    sched = Scheduler(SchedulerConfig(8, 64, 2, mixed_step_tokens=16), BlockManager(64, 4, False))
+    decoding = [Sequence(i, [1, 2, 3], SamplingParams(max_tokens=9)) for i in range(3)]
+    for q in decoding:
+        sched.add(q)
+    sched.postprocess(sched.schedule())
+    for q in decoding:
+        q.output_ids.append(5)
+        assert sched.blocks.allocate(q, len(q) + 1)
+    long, short = Sequence(10, list(range(1, 30)), SamplingParams()), Sequence(11, [4, 4], SamplingParams())
+    sched.add(long)
+    sched.add(short)
+    ids = {q.seq_id for q in decoding}
+    got, stopped = sched.admit_beside(decoding, ids, 16, 8, lambda q: True)
+    assert [(q.seq_id, n) for q, n in zip(got.seqs, got.num_new_tokens)] == [(10, 13)] and not stopped
+    sched.postprocess(got)  # 13 of its 29 tokens computed; 16 left, beside 3 decodes again
+    got, stopped = sched.admit_beside(decoding, ids, 16, 8, lambda q: True)
+    assert [(q.seq_id, n) for q, n in zip(got.seqs, got.num_new_tokens)] == [(10, 13)] and not stopped
+    sched.postprocess(got)
+    got, stopped = sched.admit_beside(decoding, ids, 8, 4, lambda q: True)  # 5 rows left; 4 may sample
+    assert [(q.seq_id, n) for q, n in zip(got.seqs, got.num_new_tokens)] == [(10, 3)] and stopped
+    assert short in sched.waiting and not short.block_table
+
+
 # -- the same comparison on CUDA too: captured graphs, mixed-row buckets captured while a step is in flight --
 
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),

@@ -274,8 +274,11 @@ class Scheduler:
             if verdict is not None:
                 (batch.not_ready if verdict == "not_ready" else batch.deferred).append(seq)
                 continue
-            if chunk(seq, budget, PROMPT_SCORING_CHUNK) == 0:
+            n = chunk(seq, budget, PROMPT_SCORING_CHUNK)
+            if n == 0:
                 continue
+            if self.blocks.admission_cost(seq, n) > self.blocks.num_free:
+                break  # out of KV blocks: schedule() stops here too (FCFS)
             if not joins(seq) or rows <= 0:
                 blocked = True
                 break
