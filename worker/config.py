@@ -386,6 +386,10 @@ class EngineConfig:
     # graph path; everything else (prefill, admissions, preemption) runs synchronously. None: on
     # wherever decode steps replay captured CUDA graphs (docs/benchmarks.md, "Engine on the H200").
     async_scheduling: bool | None = None
+    # With async scheduling: a step where prompt chunks join the decodes (requests admitted, long
+    # prompts chunked) is launched before the one in flight is read, too (worker/engine/async_step.py);
+    # off, such a step drains the one in flight and runs synchronously.
+    async_admission: bool = True
     # Before serving, run a long and a short prompt (with a start-up adapter, if any) through
     # prefill and decode, and capture every batch bucket's base decode graph, so the first requests
     # do not pay Triton compiles, cuBLAS kernel selection and captures (H200: a 512-token prompt's

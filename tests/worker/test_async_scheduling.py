@@ -254,13 +254,18 @@ def test_preemption_falls_back_and_matches(demo_model, modules):
     assert stats.fallbacks["preemption"] > 0 and stats.overlapped > 0
 
 
-def test_requests_arriving_mid_decode_are_admitted_through_the_sync_step(demo_model, modules):
+@pytest.mark.parametrize("admission", [False, True])
+def test_requests_arriving_mid_decode(demo_model, modules, admission):
+    """Admitted through a synchronous step (`async_admission` off), or joining a step launched
+    before the one in flight is read (tests/worker/test_async_admission.py)."""
     first = [(p, greedy(14), a) for p, a in MIXED[:4]]
     later = [(p, greedy(6), a) for p, a in MIXED[4:]]
-    want, got, _, asyn = _both(demo_model, modules, first, arrivals={5: later[:2], 9: later[2:]})
+    want, got, _, asyn = _both(demo_model, modules, first, arrivals={5: later[:2], 9: later[2:]},
+                               async_admission=admission)
     assert got == want
     stats = asyn.async_steps.stats
-    assert stats.fallbacks["admission"] >= 2 and stats.overlapped > 0
+    assert stats.overlapped > 0
+    assert (stats.admitted, stats.fallbacks["admission"] >= 2) == ((4, False) if admission else (0, True))
 
 
 def test_deferred_requests_age_while_steps_skip_the_scheduler(demo_model, modules):

@@ -32,20 +32,36 @@ need the host's tokens"). A row whose
 request ended on reading step n is then sampled greedy and unedited, and discarded as below.
 `defer_sampling` off restores the synchronous fallback (benchmarks compare the two).
 
-Only steady-state decode steps from the graph path (`is_graphable` and `DecodeGraphs.can_run`) run this way. A step
-is *entered* when the scheduler hands out a batch the graphs can run (async on, graphs enabled,
-no logits hook); a step in flight is *continued* only while nothing else needs the scheduler:
+Prompt chunks join such a step too (`EngineConfig.async_admission`): step n+1 is the continuing
+decodes (their input tokens gathered on the device, the leading rows) followed by rows whose tokens
+the host knows: running prompts with tokens left, then waiting requests admitted in `schedule()`'s
+order under its budget (`Scheduler.admit_beside`; a prompt chunk is a row per token in the decode
+graphs). Their tokens are counted as computed at launch; a chunk that completes its prompt samples
+the request's first token in step n+1 like any row, and is continued from the device from step
+n+2. Admission is decided from what the host knows: a slot that frees up only by a stop token read
+at step n is taken one step later. A joining row's sampling is queued only after step n is read
+(as for grammars) when its edits count its outputs (min_tokens: it has no token in flight, the
+decodes one each).
 
-- every running request is in the step in flight (none left out by the token budget);
-- the next step's KV blocks fit without preemption;
-- no waiting request could be admitted (`Scheduler.hold_admission`, a dry run of `schedule()`'s
-  admission that also counts deferrals, so aging advances);
-- at least one sequence continues, at most the largest graph bucket.
+Only steps from the graph path run this way. A step is *entered* when the scheduler hands out an
+all-decode batch the graphs can run (async on, graphs enabled, no logits hook); a step in flight is
+*continued* only while nothing else needs a synchronous step:
+
+- the next step's KV blocks for the continuing decodes fit without preemption;
+- at least one sequence continues, at most the largest graph bucket;
+- every row that `schedule()` would add can join (`AsyncStepper._joins`): its adapters are in GPU
+  slots already (waiting requests' adapters are prefetched into free or unused slots first, never
+  one the step in flight uses), it scores no prompt tokens, its blocks fit without preemption, and
+  the graphs' rows and sampled sequences are not exceeded. A refused row stops the scan (FCFS);
+  once no row joins before it, the step in flight is drained and it runs synchronously.
+
+With `async_admission` off, a step in flight is continued only while every running request is in
+it and no waiting request could be admitted (`Scheduler.hold_admission`, a dry run of
+`schedule()`'s admission that also counts deferrals, so aging advances).
 
 Otherwise the step in flight is read (drained) and the synchronous step runs, in the same call:
-prefill and mixed steps, admissions, preemption, adapters changing (only a scheduled batch brings
-new adapters), non-graph devices. A request admitted while async runs joins one step later than
-in the synchronous engine if the slot it takes frees up by a stop token (known only on reading).
+prefill and mixed steps the graphs cannot run, preemption, adapters needing a slot load, non-graph
+devices.
 
 A sequence that ends at step n by a stop token, a stop string or an error token (-1) was computed
 in step n+1 as well: that row is discarded, and its KV blocks are freed only once step n+1 has
@@ -64,6 +80,7 @@ from typing import Protocol
 
 import torch
 
+from lorafleet.worker.config import EngineConfig
 from lorafleet.worker.engine.block_manager import BlockManager
 from lorafleet.worker.engine.cuda_graphs import DecodeOutput, is_graphable
 from lorafleet.worker.engine.model_runner import LogitsHook, ModelRunner
@@ -84,6 +101,7 @@ class SteppedEngine(Protocol):
     logits_hook: LogitsHook | None
     steps: int
     max_model_len: int
+    config: EngineConfig
 
     def _append(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> RequestOutput: ...
 
@@ -101,10 +119,12 @@ class InFlight:
     sampled: SampledTokens | None  # None until a deferred step is sampled (`replayed` then holds its forward)
     adapters: frozenset[str]
     replayed: DecodeOutput | None = None
-    ids: frozenset[int] = frozenset()  # seq_ids of its rows
+    fed: int = 0  # leading rows whose input token was the step before's: computed once that is read
+    silent: tuple[Sequence, ...] = ()  # its rows that sample nothing (prompt chunks short of the end)
+    ids: frozenset[int] = frozenset()  # seq_ids of all its rows
 
     def __post_init__(self) -> None:
-        self.ids = frozenset(seq.seq_id for seq in self.seqs)
+        self.ids = frozenset(seq.seq_id for seq in (*self.seqs, *self.silent))
 
 
 @dataclass(slots=True)
@@ -113,6 +133,8 @@ class AsyncStats:
     overlapped: int = 0  # of those, launched while the previous step's tokens were still unread
     deferred: int = 0  # of the overlapped, sampled only once the step before was read (rows needing its tokens)
     discarded: int = 0  # rows read for requests that had ended (or were aborted) meanwhile
+    joined: int = 0  # of the overlapped, steps with rows from the host (prompt chunks, admitted requests)
+    admitted: int = 0  # waiting requests admitted by those steps
     fallbacks: Counter[str] = field(default_factory=Counter)  # why a step in flight was drained
 
 
@@ -130,6 +152,10 @@ class AsyncStepper:
         # Steps with rows that need the host's tokens (grammars, multi-token bad words): sampled
         # after the step before is read (module docstring); off, such batches run synchronously.
         self.defer_sampling = True
+        # EngineConfig.async_admission: prompt chunks (admitted requests, or running prompts with
+        # tokens left) join the decodes of a step launched before the one in flight is read; off,
+        # a step where any would join drains the one in flight and runs synchronously.
+        self.admission = engine.config.async_admission
         # Tests: called with ("launch" | "read", step number) as steps are launched and read.
         self.on_event: Callable[[str, int], None] | None = None
 
@@ -161,7 +187,7 @@ class AsyncStepper:
             self._free_zombies()
             raise
         self._free_zombies()
-        self._prefetch()
+        self._prefetch(self.inflight.adapters if self.inflight is not None else frozenset())
         return outputs
 
     def drain(self) -> list[RequestOutput]:
@@ -193,15 +219,47 @@ class AsyncStepper:
         for seq in seqs:
             ok = engine.blocks.allocate(seq, len(seq) + 1)  # the in-flight token's position
             assert ok, "checked by _next_rows"
-        names = {name for seq in seqs for name in seq.adapter_names}
-        slot_of = engine.registry.activate(sorted(names), names)  # all resident: step n used them
+        joined = ScheduledBatch()
+        if self.admission:
+            graphs = engine.runner.graphs
+            assert graphs is not None
+            self._prefetch(step.adapters)  # waiting requests' adapters into free slots: they can join
+            running = len(engine.scheduler.running)
+            joined, blocked = engine.scheduler.admit_beside(
+                seqs, {seq.seq_id for seq in step.seqs}, graphs.buckets[-1], graphs.max_batch, self._joins)
+            if blocked and not joined:
+                self.stats.fallbacks["admission"] += 1
+                return None
+            self.stats.admitted += len(engine.scheduler.running) - running
+        batch = ScheduledBatch(seqs + joined.seqs, [1] * len(seqs) + joined.num_new_tokens)
+        names = batch.adapters
+        # All resident (step n used them; `_joins` checked the joining rows'): nothing is loaded.
+        slot_of = engine.registry.activate(sorted(names), names | step.adapters)
         assert step.sampled is not None
-        feed = _gather(step.sampled.token_ids, rows)
-        batch = ScheduledBatch(seqs, [1] * len(seqs))
+        feed = _gather(step.sampled.token_ids, rows)  # the leading rows' input tokens
+        sampled = seqs + [s for s, n in zip(joined.seqs, joined.num_new_tokens) if s.num_computed + n == len(s)]
+        silent = tuple(s for s, n in zip(joined.seqs, joined.num_new_tokens) if s.num_computed + n < len(s))
         self.stats.overlapped += 1
-        if any(seq.needs_host_tokens for seq in seqs):  # sampled once `step` is read: _sample_deferred
-            return self._launched(seqs, None, names, engine.runner.replay(batch, slot_of, feed))
-        return self._launched(seqs, engine.runner.launch(batch, slot_of, feed), names)
+        self.stats.joined += bool(joined)
+        runner = engine.runner
+        if any(seq.needs_host_tokens for seq in seqs) or any(map(_needs_deferral, sampled[len(seqs):])):
+            out = runner.replay(batch, slot_of, feed)  # sampled once `step` is read: _sample_deferred
+            tokens = None
+        elif joined:
+            out, tokens = None, runner.sample_replayed(runner.replay(batch, slot_of, feed), sampled, pending=1)
+        else:
+            out, tokens = None, runner.launch(batch, slot_of, feed)
+        engine.scheduler.postprocess(joined)  # prompt tokens, known on the host: computed (and hashable)
+        return self._launched(sampled, tokens, names, out, len(seqs), silent)
+
+    def _joins(self, seq: Sequence) -> bool:
+        """Whether `seq` may join a step launched before the one in flight is read: its adapters are in
+        GPU slots already (a slot load could evict one the step in flight reads), it scores no prompt
+        tokens (the graphs compute the sampled rows' logits alone), and its sampling can wait for the
+        step in flight to be read when its edits count its outputs (`_needs_deferral`)."""
+        entries = self.engine.registry.entries
+        resident = all(name in entries and entries[name].slot is not None for name in seq.adapter_names)
+        return resident and not seq.scores_prompt and (self.defer_sampling or not _needs_deferral(seq))
 
     def _sample_deferred(self, step: InFlight | None) -> None:
         """Queue the sampling of a step launched as a replay alone, now that the step before is read:
@@ -221,7 +279,7 @@ class AsyncStepper:
         reason = None
         if not self._enabled():
             reason = "disabled"
-        elif len(live) != len(engine.scheduler.running):
+        elif not self.admission and len(live) != len(engine.scheduler.running):
             reason = "batch_changed"  # a running request is not in this step
         elif not seqs:
             reason = "all_end"  # every sequence ends at this step (max_tokens / max_model_len)
@@ -231,7 +289,7 @@ class AsyncStepper:
             free = engine.blocks.num_free - sum(engine.blocks.blocks_needed(s, len(s) + 1) for s in seqs)
             if free < 0:
                 reason = "preemption"
-            elif not engine.scheduler.hold_admission(seqs, free):
+            elif not self.admission and not engine.scheduler.hold_admission(seqs, free):
                 reason = "admission"
         if reason is not None:
             self.stats.fallbacks[reason] += 1
@@ -243,9 +301,9 @@ class AsyncStepper:
         return len(seq.output_ids) + 1 >= seq.sampling.max_tokens or len(seq) + 1 >= self.engine.max_model_len
 
     def _launched(self, seqs: list[Sequence], sampled: SampledTokens | None, adapters,
-                  replayed: DecodeOutput | None = None) -> InFlight:
+                  replayed: DecodeOutput | None = None, fed: int = 0, silent: tuple[Sequence, ...] = ()) -> InFlight:
         engine = self.engine
-        step = InFlight(engine.steps, seqs, sampled, frozenset(adapters), replayed)
+        step = InFlight(engine.steps, seqs, sampled, frozenset(adapters), replayed, fed, silent)
         engine.steps += 1
         self.stats.launched += 1
         if self.on_event is not None:
@@ -272,7 +330,7 @@ class AsyncStepper:
         if step is None:
             return
         blocks = self.engine.blocks
-        for seq in step.seqs:
+        for seq in step.seqs[: step.fed]:
             if not seq.finished:
                 seq.num_computed += 1
                 blocks.register_full_blocks(seq)
@@ -288,14 +346,20 @@ class AsyncStepper:
                 self.engine.blocks.free(seq)
         self._zombies = keep
 
-    def _prefetch(self) -> None:
-        """Warm slots for waiting requests' adapters, never evicting one a step in flight uses."""
+    def _prefetch(self, in_flight: frozenset[str]) -> None:
+        """Warm slots for waiting requests' adapters, never evicting one the step in flight uses."""
         engine = self.engine
         if not engine.scheduler.waiting:
             return
         running = engine.scheduler.running_adapters()
-        protected = running | (self.inflight.adapters if self.inflight is not None else frozenset())
+        protected = running | in_flight
         engine.registry.prefetch(engine._next_adapters(running), set(protected))
+
+
+def _needs_deferral(seq: Sequence) -> bool:
+    """A joining row sampled only once the step in flight is read: its edits read the host's tokens,
+    or count its outputs for min_tokens (its step is sampled as if every row had a token in flight)."""
+    return seq.needs_host_tokens or len(seq.output_ids) < seq.sampling.min_tokens
 
 
 def _gather(tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:

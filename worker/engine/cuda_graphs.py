@@ -223,8 +223,9 @@ class DecodeGraphs:
         """Forward a batch from its bucket's graph -> the logits and greedy picks of its sequences
         that sample, in batch order (in a decode step, every sequence).
 
-        `input_ids` (`[num_seqs]` on the device), when given, replaces the rows' host input tokens:
-        async scheduling feeds the previous step's sampled tokens before the host has read them.
+        `input_ids` (on the device), when given, replaces the host input tokens of the leading rows,
+        one per sequence continuing from the step before: async scheduling feeds that step's sampled
+        tokens before the host has read them (prompt chunks joining after them keep their host tokens).
         The outputs are views of the graph's output buffers: valid until the next `run`.
         """
         bucket = bucket_for(batch.num_tokens, self.buckets)  # the caller checked `can_run`
@@ -247,7 +248,7 @@ class DecodeGraphs:
             captured = graphs[key] = self._capture(*key)
         self._fill(captured, inputs, step_meta)
         if input_ids is not None:
-            self.input_ids[: inputs.num_rows].copy_(input_ids, non_blocking=True)  # queued after the fill
+            self.input_ids[: input_ids.shape[0]].copy_(input_ids, non_blocking=True)  # queued after the fill
         self.last = captured
         if captured.graph is not None:
             captured.graph.replay()

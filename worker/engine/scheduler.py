@@ -218,6 +218,94 @@ class Scheduler:
         self.deferred_total += len(deferred)
         return True
 
+    def admit_beside(self, decoding: list[Sequence], in_flight: set[int], max_rows: int, max_sampled: int,
+                     joins: Callable[[Sequence], bool]) -> tuple[ScheduledBatch, bool]:
+        """`schedule()` for a step launched beside `decoding`: running sequences whose next input
+        token is still on the device (one row each, their blocks allocated; async scheduling).
+
+        Its other rows, in `schedule()`'s order under its token budget, max_num_seqs and max_loras:
+        running sequences not in `in_flight` (prompt chunks left, or a decode left out of the step
+        before), then waiting requests. At most `max_rows` rows in all and `max_sampled` sequences
+        sampling (the graphs' limits); nothing is preempted. Returns those rows (blocks allocated,
+        prompt tokens not yet counted as computed, admitted requests moved to running) and whether
+        the scan stopped at a sequence `schedule()` would take but this step cannot: `joins`
+        refused it, its blocks need a preemption, or the graphs' limits are reached first. The
+        caller runs that sequence in a synchronous step once no other row joins (no starvation).
+        max_num_seqs counts every running sequence, those ending in the step in flight included,
+        so a slot freed by that step is taken one step later.
+        """
+        cfg = self.config
+        batch = ScheduledBatch()
+        others = [seq for seq in self.running if seq.seq_id not in in_flight]
+        if not others and not self.waiting:  # steady-state decode: nothing joins
+            return batch, False
+        budget = cfg.budget(len(decoding) + sum(seq.num_uncomputed == 1 for seq in others)) - len(decoding)
+        rows, sampling = max_rows - len(decoding), len(decoding)
+        blocked = False
+
+        def take(seq: Sequence, n: int) -> None:
+            nonlocal budget, rows, sampling
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+            rows -= n
+            sampling += seq.num_computed + n == len(seq)
+
+        for seq in others:  # 1. running sequences (schedule()'s step 1, without preemption)
+            if budget <= 0:
+                break
+            n = chunk(seq, budget, PROMPT_SCORING_CHUNK)
+            if n == 0:
+                continue
+            samples = seq.num_computed + min(n, rows) == len(seq)
+            if not joins(seq) or rows <= 0 or (samples and sampling >= max_sampled) \
+                    or not self.blocks.allocate(seq, seq.num_computed + min(n, rows)):
+                blocked = True
+                break
+            take(seq, min(n, rows))
+
+        in_batch: Counter[str] = Counter(name for seq in decoding + others for name in seq.adapter_names)
+        starving = self._starving_adapters()
+        admitted: list[Sequence] = []
+        for seq in [] if blocked else list(self.waiting):  # 2. waiting requests (schedule()'s step 2)
+            if budget <= 0 or len(self.running) + len(admitted) >= cfg.max_num_seqs:
+                break
+            verdict = self._verdict(seq, in_batch, starving)
+            if verdict is not None:
+                (batch.not_ready if verdict == "not_ready" else batch.deferred).append(seq)
+                continue
+            n = chunk(seq, budget, PROMPT_SCORING_CHUNK)
+            if n == 0:
+                continue
+            if self.blocks.admission_cost(seq, n) > self.blocks.num_free:
+                break  # out of KV blocks: schedule() stops here too (FCFS)
+            if not joins(seq) or rows <= 0:
+                blocked = True
+                break
+            hit = None if seq.block_table else self.blocks.match_prefix(seq)
+            n = min(chunk(seq, budget, PROMPT_SCORING_CHUNK), rows)  # after a prefix hit, fewer are left
+            full = seq.num_computed + n == len(seq) and sampling >= max_sampled
+            if full or not self.blocks.allocate(seq, seq.num_computed + n):
+                self.blocks.free(seq)
+                seq.num_computed = 0
+                blocked = blocked or full  # out of KV blocks: FCFS, as in schedule()
+                break
+            if hit is not None:
+                self.blocks.record_lookup(len(seq), hit)
+            in_batch.update(seq.adapter_names)
+            admitted.append(seq)
+            take(seq, n)
+        for seq in admitted:
+            self.waiting.remove(seq)
+            seq.status = SeqStatus.RUNNING
+            seq.deferred_steps = 0
+            self.running.append(seq)
+        if batch or not blocked:  # the step runs: deferrals count (else schedule() counts them)
+            for seq in batch.deferred:
+                seq.deferred_steps += 1
+            self.deferred_total += len(batch.deferred)
+        return batch, blocked
+
     def _starving_adapters(self) -> set[str]:
         """Adapters of waiting requests deferred for too long (empty when none starve)."""
         limit = self.config.aging_steps

@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                    help="launch each decode step before reading the previous one's tokens, overlapping the "
                         "host's work with the GPU (default: on where decode steps replay CUDA graphs)")
+    p.add_argument("--async-admission", action=argparse.BooleanOptionalAction, default=d.async_admission,
+                   help="with async scheduling, launch steps where prompts join the decodes before reading "
+                        "the step in flight too (default: on)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=d.warmup,
                    help="before serving, run warm-up prompts and capture the decode graphs, so the first "
                         "requests do not pay compiles and captures (default: on for CUDA)")
@@ -141,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   "--enable-prefix-caching", "--tensor-parallel-size"],
         "Kernels and execution": ["--lora-backend", "--attention-backend", "--cuda-graphs", "--enforce-eager",
                                   "--no-enforce-eager",
-                                  "--async-scheduling", "--warmup"],
+                                  "--async-scheduling", "--async-admission", "--warmup"],
         "Tools and reasoning": ["--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser"],
         "Client connections": ["--header-timeout", "--body-timeout", "--keep-alive-timeout",
                                "--max-client-connections", "--max-server-connections"],
@@ -163,6 +166,7 @@ def engine_config(args: argparse.Namespace, max_cpu_loras: int) -> EngineConfig:
         device=args.device, dtype=DTYPE_ALIASES.get(args.dtype, args.dtype), quantization=args.quantization,
         lora_backend=args.lora_backend,
         attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs, async_scheduling=args.async_scheduling,
+        async_admission=args.async_admission,
         warmup=args.warmup,
         pinned_adapters=tuple(args.pinned_lora_modules), seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
         **fraction,
