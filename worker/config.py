@@ -388,8 +388,9 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # With async scheduling: a step where prompt chunks join the decodes (requests admitted, long
     # prompts chunked) is launched before the one in flight is read, too (worker/engine/async_step.py);
-    # off, such a step drains the one in flight and runs synchronously.
-    async_admission: bool = True
+    # off, such a step drains the one in flight and runs synchronously. Off by default until a GPU
+    # run has checked it under CUDA graphs and measured it (docs/engine.md).
+    async_admission: bool = False
     # Before serving, run a long and a short prompt (with a start-up adapter, if any) through
     # prefill and decode, and capture every batch bucket's base decode graph, so the first requests
     # do not pay Triton compiles, cuBLAS kernel selection and captures (H200: a 512-token prompt's

@@ -25,5 +25,6 @@ def greedy(n: int, **kw) -> SamplingParams:
 
 def _engine(demo_model, modules, asynchronous: bool, **kw) -> LLMEngine:
     config = EngineConfig(**{"max_loras": 6, "max_cpu_loras": 8, "num_kv_blocks": 256, "cuda_graphs": True,
-                             "async_scheduling": asynchronous, "warmup": False, **kw})  # stats are the test's own
+                             "async_scheduling": asynchronous, "warmup": False,
+                             "async_admission": True, **kw})  # stats are the test's own
     return LLMEngine(demo_model, config, lora_modules=modules)

@@ -191,7 +191,7 @@ def test_async_admission_flag_reaches_the_engine_config():
     def flag(*flags: str) -> bool:
         return settings_from_args(build_parser().parse_args(["--model", "m", *flags])).engine.async_admission
 
-    assert flag() is True and flag("--no-async-admission") is False
+    assert flag() is False and flag("--async-admission") is True
 
 
 # -- Scheduler.admit_beside against schedule() (torch-free) --------------------------------------

@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "host's work with the GPU (default: on where decode steps replay CUDA graphs)")
     p.add_argument("--async-admission", action=argparse.BooleanOptionalAction, default=d.async_admission,
                    help="with async scheduling, launch steps where prompts join the decodes before reading "
-                        "the step in flight too (default: on)")
+                        "the step in flight too (default: off until measured on a GPU; CPU tests show the same outputs)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=d.warmup,
                    help="before serving, run warm-up prompts and capture the decode graphs, so the first "
                         "requests do not pay compiles and captures (default: on for CUDA)")
