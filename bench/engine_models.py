@@ -175,6 +175,18 @@ def main() -> None:
     for arch in [a for a in args.archs.split(",") if a]:
         shape = tiny(SHAPES[arch]) if args.tiny else SHAPES[arch]
         rows += family_rows(arch, shape, device, args)
+        write(out, device, rows)  # after each family: a run cut short keeps the families it finished
+    print(f"\n{'arch':<8} {'kind':<5} {'adapters':>8} {'tok/s':>10} {'weights GiB':>12} {'tok/s x bytes vs llama':>24}"
+          f" {'vs lora':>8}")
+    for r in rows:
+        print(f"{r['arch']:<8} {r['adapter_kind']:<5} {r['adapters']:>8} {r['tokens_per_s']:>10,.0f} "
+              f"{r['weight_bytes'] / 2**30:>12.2f} {r['vs_llama'] if r['vs_llama'] is not None else '-':>24} "
+              f"{r.get('vs_lora', '-'):>8}")
+    print(f"wrote {out}")
+
+
+def write(out: Path, device: str, rows: list[dict]) -> None:
+    """The JSON of the rows so far, each with its ratios to Llama's (and DoRA's to LoRA's) where measured."""
     llama = {(r["adapter_kind"], r["adapters"]): r["bytes_rate"] for r in rows if r["arch"] == "llama"}
     lora = {(r["arch"], r["adapters"]): r["tokens_per_s"] for r in rows if r["adapter_kind"] == "lora"}
     for r in rows:
@@ -182,17 +194,10 @@ def main() -> None:
         r["vs_llama"] = round(r["bytes_rate"] / llama[key], 3) if key in llama else None
         if r["adapter_kind"] == "dora" and (r["arch"], r["adapters"]) in lora:
             r["vs_lora"] = round(r["tokens_per_s"] / lora[(r["arch"], r["adapters"])], 3)
-    print(f"\n{'arch':<8} {'kind':<5} {'adapters':>8} {'tok/s':>10} {'weights GiB':>12} {'tok/s x bytes vs llama':>24}"
-          f" {'vs lora':>8}")
-    for r in rows:
-        print(f"{r['arch']:<8} {r['adapter_kind']:<5} {r['adapters']:>8} {r['tokens_per_s']:>10,.0f} "
-              f"{r['weight_bytes'] / 2**30:>12.2f} {r['vs_llama'] if r['vs_llama'] is not None else '-':>24} "
-              f"{r.get('vs_lora', '-'):>8}")
     result = {"machine": torch.cuda.get_device_name() if device == "cuda" else "cpu (--tiny smoke run)",
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "rows": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
