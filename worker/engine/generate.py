@@ -3,17 +3,28 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from lorafleet.worker.engine.outputs import Completion
+from lorafleet.worker.engine.outputs import Completion, RequestOutput
 from lorafleet.worker.engine.sequence import SamplingParams
 from lorafleet.worker.sampling.sampler import TokenLogprobs
 
-if TYPE_CHECKING:
-    from lorafleet.worker.engine.engine import LLMEngine
+
+class SteppedEngine(Protocol):
+    """What offline generation uses of `LLMEngine` (engine.py), which calls it."""
+
+    scheduler: Any
+    _tracked: dict[int, Any]
+
+    def add_request(self, prompt: str | list[int], sampling: SamplingParams,
+                    adapters: Seq[tuple[str, float]]) -> int: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def drain(self) -> list[RequestOutput]: ...
 
 
-def run_to_completion(engine: LLMEngine, prompts: Seq[str | list[int]], params: Seq[SamplingParams],
+def run_to_completion(engine: SteppedEngine, prompts: Seq[str | list[int]], params: Seq[SamplingParams],
                       adapter_sets: Seq[Seq[tuple[str, float]]]) -> list[Completion]:
     """Add every prompt (with its sampling and adapters, one each), step the engine until each has
     finished; results in prompt order."""
