@@ -23,10 +23,9 @@ from lorafleet.worker.engine.engine import LLMEngine
 from lorafleet.worker.engine.parallel import free_port, init_group, start_followers, stop
 from lorafleet.worker.engine.sequence import SamplingParams
 from lorafleet.worker.models.sharding import check_shardable, shard_config
-from tests.router.fake_worker import free_port as http_port
-from tests.router.fake_worker import wait_http
 from tests.worker.dora_checkpoints import build_dora
 from tests.worker.lora_harness import write_adapter
+from tests.worker.worker_harness import start_cli_worker
 
 ADAPTERS = {"r4": dict(r=4, seed=1), "r16": dict(r=16, seed=2, targets=("q_proj", "v_proj", "o_proj", "down_proj")),
             "r8": dict(r=8, seed=3, rank_pattern={"model.layers.1.mlp.up_proj": 2})}
@@ -176,22 +175,10 @@ def test_shard_config_and_refusals(assets):
 
 
 def _start_worker(model_dir, adapters, tp: int) -> tuple[subprocess.Popen, str]:
-    port = http_port()
-    argv = [sys.executable, "-m", "lorafleet", "worker", "--model", str(model_dir), "--served-model-name", "tiny",
-            "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "float32",
-            "--tensor-parallel-size", str(tp), "--max-loras", "2", "--max-lora-rank", "16",
-            "--lora-modules", *(f"{n}={p}" for n, p in adapters.items()), "--log-level", "warning"]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            wait_http(url + "/ready", timeout_s=1)
-            return proc, url
-        except TimeoutError:
-            continue
-    proc.kill()
-    raise AssertionError(f"worker -tp {tp} did not start: {proc.communicate(timeout=30)[1].decode()[-2000:]}")
+    return start_cli_worker(["--model", str(model_dir), "--served-model-name", "tiny", "--device", "cpu",
+                             "--dtype", "float32", "--tensor-parallel-size", str(tp), "--max-loras", "2",
+                             "--max-lora-rank", "16", "--lora-modules", *(f"{n}={p}" for n, p in adapters.items()),
+                             "--log-level", "warning"], f"worker -tp {tp}")
 
 
 def test_worker_http_tp2_serves_like_tp1_and_stops_when_a_rank_dies(assets, reference):

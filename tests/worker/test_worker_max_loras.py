@@ -7,8 +7,6 @@ its answers equal transformers + PEFT: first-step top-5 logprobs to 2e-3, greedy
 from __future__ import annotations
 
 import subprocess
-import sys
-import time
 
 import httpx
 import pytest
@@ -16,12 +14,12 @@ import torch
 
 from lorafleet.worker.engine.tokenizer import Tokenizer
 from lorafleet.worker.server.cli import build_parser, settings_from_args
-from tests.router.fake_worker import free_port, wait_http
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from .family_checkpoints import build, oracle_logprobs  # noqa: E402
+from .worker_harness import start_cli_worker  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 PROMPT = [5 + (7 * i) % 400 for i in range(40)]
@@ -35,22 +33,9 @@ def test_per_request_default_follows_max_loras(max_loras):
 
 
 def start_worker(folder, max_loras: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    args = [sys.executable, "-m", "lorafleet", "worker", "--model", str(folder), "--served-model-name", "tiny",
-            "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "float32",
-            "--max-loras", str(max_loras), "--lora-modules", f"a={folder / 'adapter'}", "--log-level", "warning"]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            wait_http(url + "/ready", timeout_s=1)
-            return proc, url
-        except TimeoutError:
-            continue
-    proc.kill()
-    proc.wait(timeout=10)
-    raise AssertionError(f"worker --max-loras {max_loras} did not start: {proc.stderr.read().decode()[-2000:]}")
+    return start_cli_worker(["--model", str(folder), "--served-model-name", "tiny", "--device", "cpu", "--dtype",
+                             "float32", "--max-loras", str(max_loras), "--lora-modules", f"a={folder / 'adapter'}",
+                             "--log-level", "warning"], f"worker --max-loras {max_loras}")
 
 
 @pytest.fixture(scope="module")

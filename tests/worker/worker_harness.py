@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +17,7 @@ from fastapi import FastAPI
 from lorafleet.worker.config import EngineConfig
 from lorafleet.worker.server.app import create_apps
 from lorafleet.worker.server.settings import WorkerSettings
+from tests.router.fake_worker import free_port, wait_http
 
 TOKEN = "s3cret-admin-token"
 # The public API suites' prompt and chat.
@@ -138,3 +141,22 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         time.sleep(interval)
+
+
+def start_cli_worker(flags: list[str], what: str, timeout_s: float = 180) -> tuple[subprocess.Popen, str]:
+    """`lorafleet worker FLAGS --host 127.0.0.1 --port P` as a process, waited for until /ready (or
+    until it exits): (the process, its URL). AssertionError naming `what`, with the end of its
+    stderr, when it does not come up."""
+    port = free_port()
+    argv = [sys.executable, "-m", "lorafleet", "worker", *flags, "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            wait_http(url + "/ready", timeout_s=1)
+            return proc, url
+        except TimeoutError:
+            continue
+    proc.kill()
+    raise AssertionError(f"{what} did not start: {proc.communicate(timeout=30)[1].decode()[-2000:]}")
