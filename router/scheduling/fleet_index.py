@@ -63,6 +63,8 @@ class FleetIndex:
     holder_names: dict[str, list[str]] = field(default_factory=dict)  # adapter -> holders' names, sorted
     eligible: dict[str, set[int]] = field(default_factory=dict)  # model -> ids healthy, not ejected
     model_load: dict[str, int] = field(default_factory=dict)  # model -> sum of eligible loads
+    # model -> eligible replicas with every GPU slot taken or asked for (busy_n ≥ max_loras)
+    model_full: dict[str, int] = field(default_factory=dict)
     ring: SkeletonRing = field(default_factory=SkeletonRing)
     # the sketch (and its generation) the popularity heaps are ordered by
     _sketch: FrequencySketch | None = None
@@ -116,6 +118,7 @@ class FleetIndex:
         if r.healthy and not r.ejected and r.name in self.ids and not r.counted:
             self.eligible.setdefault(r.model, set()).add(i)
             self.model_load[r.model] = self.model_load.get(r.model, 0) + r.load
+            self.model_full[r.model] = self.model_full.get(r.model, 0) + (r.busy_n >= r.max_loras)
             r.counted = True
 
     def _uncount(self, i: int) -> None:
@@ -123,6 +126,7 @@ class FleetIndex:
         if r.counted:
             self.eligible[r.model].discard(i)
             self.model_load[r.model] -= r.load
+            self.model_full[r.model] -= r.busy_n >= r.max_loras
             r.counted = False
 
     # ---- load --------------------------------------------------------------------------------
@@ -195,7 +199,10 @@ class FleetIndex:
         else:
             flags.discard(adapter)
         if adapter not in other:
+            full = r.busy_n >= r.max_loras
             r.busy_n += 1 if on else -1
+            if r.counted and (r.busy_n >= r.max_loras) != full:
+                self.model_full[r.model] += -1 if full else 1
             if not on:
                 self._unpark(r, adapter)
         r.frozen = None

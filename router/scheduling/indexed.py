@@ -142,6 +142,17 @@ class IndexedPolicy:
         if k is not None and len(held) > k:
             ids = index.ids
             drawn = [ids[names[j]] for j in draw(self.policy.rng, len(names), k)]
+        if self._saturated(req.model, index, eligible):
+            # The fleet is slot-bound (`SlotQueue.full_share`): no spill, the holders in the load
+            # bound whatever their slot queue, as the slot filter keeps every replica then.
+            if drawn is not None:
+                cands = [i for i in drawn if i in eligible and bounded(i)]
+                if cands:
+                    return cands, True
+            cands = [i for i in held if i in eligible and bounded(i)]
+            if cands:
+                return cands, True
+        if drawn is not None:
             cands = self._passing(adapters, drawn, reps, eligible, limit, fallback)
             if cands:
                 return cands, True
@@ -215,6 +226,11 @@ class IndexedPolicy:
         if any(reps[i].load + 1 <= limit for i in eligible):
             return limit, None
         return limit, min(eligible, key=lambda i: (reps[i].load, reps[i].name))
+
+    def _saturated(self, model: str, index: FleetIndex, eligible: set[int]) -> bool:
+        """`SlotQueue.saturated` on the index's count of slot-full replicas serving the model."""
+        share = self.slot_queue.full_share
+        return share is not None and index.model_full.get(model, 0) >= share * len(eligible)
 
     def _slot_ok(self, adapters: tuple[str, ...], r: ReplicaState) -> bool:
         if len(adapters) == 1:

@@ -76,7 +76,7 @@ class Policy:
         if req.adapters:
             self.frequency.add(req.key)
             req = replace(req, share=self.frequency.share(req.key))
-        stats = FleetStats.of(endpoints)
+        stats = FleetStats.of(endpoints, req.model)
         candidates = list(endpoints)
         for f in self.filters:
             candidates = f(req, candidates, stats)
@@ -154,6 +154,7 @@ def lorafleet_policy(
     hot_share: float = 0.04,
     scratch_slots: int = 0,
     max_slots_over: int = 3,
+    spill_full_share: float | None = 0.5,
     victim_weight: float = 0.2,
     admission_margin: float = 1.5,
     cold_candidates: int | None = 8,
@@ -165,7 +166,9 @@ def lorafleet_policy(
     spill to more replicas; the rest may load a replica up to `cold_load_factor` × the mean so they
     stay where they are resident. A replica where the request would wait for a GPU slot behind
     more than `max_slots_over` adapters is dropped while another can take it (`SlotQueue`): past
-    that, a cold load elsewhere is the faster path, and such a spill copy is transient.
+    that, a cold load elsewhere is the faster path, and such a spill copy is transient. While at
+    least `spill_full_share` of the replicas have every GPU slot taken or asked for, the fleet is
+    slot-bound and nothing spills: a copy would take a free slot that first loads need.
 
     Weights make the order lexicographic in residency: CPU beats a cold load (0.7 > 0.6495), GPU
     beats CPU where the GPU copy can join the batch (0.3 > 0.1 + 0.049 + 0.0005; `CacheVictim`
@@ -190,7 +193,7 @@ def lorafleet_policy(
             Available(),
             ServesModel(),
             BoundedLoad(load_factor, cold_load_factor, hot_share),
-            SlotQueue(max_slots_over),
+            SlotQueue(max_slots_over, spill_full_share),
         ),
         (
             (1.0, Residency()),

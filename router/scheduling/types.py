@@ -98,10 +98,20 @@ class FleetStats:
 
     total_load: int
     n_endpoints: int
+    # Of the replicas that can take the request (healthy, not ejected, serving its model): how many,
+    # and how many have every GPU slot taken or asked for (|active ∪ waiting| ≥ max_loras).
+    serving: int = 0
+    slot_full: int = 0
 
     @classmethod
-    def of(cls, endpoints: Sequence[EndpointView]) -> FleetStats:
-        return cls(sum(e.load for e in endpoints), len(endpoints))
+    def of(cls, endpoints: Sequence[EndpointView], model: str | None = None) -> FleetStats:
+        serving = slot_full = 0
+        if model is not None:
+            for e in endpoints:
+                if e.healthy and not e.ejected and e.model == model:
+                    serving += 1
+                    slot_full += len(e.active | e.waiting_adapters) >= e.max_loras
+        return cls(sum(e.load for e in endpoints), len(endpoints), serving, slot_full)
 
 
 class Filter(Protocol):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from lorafleet.router.scheduling.filters import Available, BoundedLoad, ServesModel, SlotQueue
@@ -113,3 +115,29 @@ def test_slots_over(adapters, endpoint, expected):
 )
 def test_slot_queue(eps, max_over, expected):
     assert run(SlotQueue(max_over), REQ, eps) == expected
+
+
+def held(name: str, active: str, waiting: str = "", **kw) -> EndpointView:
+    """`slots` with x resident in the CPU cache (not running)."""
+    return dataclasses.replace(slots(name, active, waiting), cpu=frozenset({"x"}), **kw)
+
+
+@pytest.mark.parametrize(
+    ("eps", "full_share", "expected"),
+    [
+        # x's home a is 4 over its slots; b, c have free slots; 1 of 3 replicas slot-full
+        ([held("a", "pq", "rst"), slots("b", "p"), slots("c", "p")], 0.5, ["b", "c"]),  # spills
+        ([held("a", "pq", "rst"), slots("b", "p"), slots("c", "p")], 0.3, ["a", "b", "c"]),  # slot-bound
+        ([held("a", "pq", "rst"), slots("b", "p"), slots("c", "p")], None, ["b", "c"]),  # no gate
+        # 2 of 3 slot-full: no spill, whoever holds x is kept with the rest
+        ([held("a", "pq", "rst"), slots("b", "pq", "rs"), slots("c", "p")], 0.5, ["a", "b", "c"]),
+        # nobody holds x: a first load, the slot bound applies as without the gate
+        ([slots("a", "pq", "rst"), slots("b", "pq", "rs"), slots("c", "p")], 0.5, ["b", "c"]),
+        # a slot-full replica serving another model does not count: 1 of 2, not 2 of 3
+        ([held("a", "pq", "rst"), dataclasses.replace(slots("b", "pq", "rs"), model="m2"), slots("c", "p")], 0.6, ["c"]),
+    ],
+)
+def test_slot_queue_no_spill_while_the_fleet_is_slot_bound(eps, full_share, expected):
+    f = SlotQueue(3, full_share)
+    serving = [e for e in eps if e.model == "base"]
+    assert names(f(REQ, serving, FleetStats.of(eps, "base"))) == expected

@@ -94,8 +94,10 @@ def test_indexed_decisions_equal_the_reference(seed, holder_sample):
     views = [random_view(rng, f"r{i}", pool, busy) for i in range(n)]
     views[0] = dataclasses.replace(views[0], healthy=True, ejected=False, model="base")  # one always serves
     index = FleetIndex.of(views)
-    reference = lorafleet_policy(cold_candidates=k, holder_sample=holder_sample)
-    indexed = IndexedPolicy.of(lorafleet_policy(cold_candidates=k, holder_sample=holder_sample))
+    # the slot-bound gate on spills: off, and at shares the random fleets cross both ways
+    gate = {"spill_full_share": [None, 0.2, 0.5, 0.9][seed % 4]}
+    reference = lorafleet_policy(cold_candidates=k, holder_sample=holder_sample, **gate)
+    indexed = IndexedPolicy.of(lorafleet_policy(cold_candidates=k, holder_sample=holder_sample, **gate))
     for p in (reference, indexed.policy):
         p.frequency.halve_every = 40  # ages during the run: cached popularity orders go stale
         p.frequency.min_total = 5.0  # shares count early: hot and cold load bounds both in play
@@ -116,6 +118,9 @@ def test_indexed_decisions_equal_the_reference(seed, holder_sample):
         perturb(rng, index, index.ids[got.endpoint.name], req, pool)
         for r in index.replicas:  # kept incrementally: GPU slots taken or asked for
             assert r.busy_n == len(r.active | r.waiting_adapters)
+        for model, ids in index.eligible.items():  # and the slot-full replicas serving each model
+            full = sum(index.replicas[i].busy_n >= index.replicas[i].max_loras for i in ids)
+            assert index.model_full.get(model, 0) == full
     assert decided > 50
 
 
