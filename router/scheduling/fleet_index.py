@@ -234,21 +234,18 @@ class FleetIndex:
         dropped as they surface; busy ones (active, waiting, pinned) are parked off the heap until they
         go idle (`_unpark`), those in `exclude` set aside and put back. A request for a popular
         adapter, a replica's busy set changing or an aging costs no work here; a new sketch or
-        generation (a rescale, a trim) rebuilds the heaps.
+        generation (a rescale, a trim) rebuilds every replica's heap at once (`_rebuild`).
         """
         if not self.heaps_follow(sketch):
-            for rep in self.replicas:
-                rep.idle = None
             self._sketch, self._sketch_generation = sketch, sketch.generation
-        count = sketch.counts.get
+            for rep in self.replicas:
+                self._rebuild(rep, sketch)
         unit = sketch.unit
         r = self.replicas[i]
         heap = r.idle
-        if heap is None or len(heap) > 2 * len(r.resident) + 16:  # built, or rebuilt past dead entries
-            heap = [(count(a, 0.0), a) for a in r.resident]
-            heapq.heapify(heap)
-            r.idle = heap
-            r.parked.clear()
+        if heap is None or len(heap) > 2 * len(r.resident) + 16:  # a replica added since, or past dead entries
+            heap = self._rebuild(r, sketch)
+        count = sketch.counts.get
         resident, active, waiting, pinned, parked = r.resident, r.active, r.waiting_adapters, r.pinned, r.parked
         if m == 1:  # the common case (one slot to free): the top, once it is current and idle
             while heap:
@@ -287,6 +284,19 @@ class FleetIndex:
         for entry in aside:
             heapq.heappush(heap, entry)
         return out
+
+    @staticmethod
+    def _rebuild(r: ReplicaState, sketch: FrequencySketch) -> list[tuple[float, str]]:
+        """`r`'s popularity heap from its residents' current counts. Done for every replica when the
+        sketch changes generation, not at each replica's next cold decision: one O(fleet) pause at a
+        rescale (about every `halve_every` requests on a large catalog) instead of a build inside
+        each of the next ~fleet-size cold decisions, where it set the decision p99."""
+        count = sketch.counts.get
+        heap = [(count(a, 0.0), a) for a in r.resident]
+        heapq.heapify(heap)
+        r.idle = heap
+        r.parked.clear()
+        return heap
 
     # ---- views -------------------------------------------------------------------------------
     def view(self, i: int) -> EndpointView:
