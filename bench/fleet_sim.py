@@ -8,6 +8,9 @@ costs; the replica model is described there) → this file (runs every policy at
 `fleet_sim_report` (verdicts against the targets, table, plot).
 
 Usage: python bench/fleet_sim.py [--requests N] [--jobs N] [--out bench/results/fleet_sim.json] [--plot PNG]
+       [--fleet]  (store the runs under `fleets["<replicas>x<adapters>x<requests>"]` of the existing
+       --out file, replacing those of the same policy and load and keeping the rest: larger fleets'
+       runs, made policy by policy in separate processes, beside the default run)
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("bench/results/fleet_sim.json"))
     p.add_argument("--plot", type=Path, default=Path("docs/fleet_sim.png"))
     p.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="runs in parallel processes")
+    p.add_argument("--fleet", action="store_true", help="merge into --out's `fleets` (see the module docstring)")
     args = p.parse_args(argv)
     cfg = SimConfig(**{f: getattr(args, f) for f in defaults.__dataclass_fields__})
     loads = [float(x) for x in args.loads.split(",")]
@@ -100,10 +104,31 @@ def main(argv: list[str] | None = None) -> int:
             f"({'met' if v['ttft_target_met'] else 'MISSED'})"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.fleet:
+        results = merge_fleet(json.loads(args.out.read_text()) if args.out.exists() else {}, results, cfg)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+        return 0
+    previous = json.loads(args.out.read_text()) if args.out.exists() else {}
+    if "fleets" in previous:
+        results["fleets"] = previous["fleets"]
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     if args.plot:
         plot(results, args.plot)
     return 0
+
+
+def merge_fleet(existing: dict, results: dict, cfg: SimConfig) -> dict:
+    """`results`' runs into `existing["fleets"][key]` (same policy and load replaced), verdicts redone."""
+    key = f"{cfg.replicas}x{cfg.adapters}x{cfg.requests}"
+    fleets = existing.setdefault("fleets", {})
+    entry = fleets.setdefault(key, {"config": results["config"], "capacity_rps": results["capacity_rps"], "runs": []})
+    if entry["config"] != results["config"]:
+        raise SystemExit(f"fleet {key}: stored with another configuration; not merged")
+    new = {(r["policy"], r["load"]) for r in results["runs"]}
+    runs = [r for r in entry["runs"] if (r["policy"], r["load"]) not in new] + results["runs"]
+    entry["runs"] = sorted(runs, key=lambda r: (r["load"], r["policy"] != "lorafleet", r["policy"]))
+    entry["verdicts"] = verdicts(entry["runs"])
+    return existing
 
 
 if __name__ == "__main__":
