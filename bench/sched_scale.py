@@ -142,7 +142,8 @@ def run_size(size: Size, args: argparse.Namespace, seed: int) -> list[dict]:
     """`args.repeats` runs on one fleet (built once: the placement walk is the slow part) and one
     policy, each with a fresh request stream, fleet and policy carrying on from the previous run as
     in a router that keeps serving. The first run also pays for what a router builds once (a
-    replica's popularity heap on its first cold decision, a rendezvous slot's group ranking)."""
+    replica's popularity heap and every slot's group ranking, at the first cold decision, in the
+    warm-up)."""
     rng = np.random.default_rng(seed)
     index, names, probs = build_fleet(size, args.cpu, args.gpu, args.zipf, rng)
     policy = IndexedPolicy.of(lorafleet_policy(holder_sample=args.holder_sample))
