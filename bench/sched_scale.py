@@ -141,7 +141,7 @@ def percentiles(ns: list[int]) -> tuple[float, float]:
 def run_size(size: Size, args: argparse.Namespace, seed: int) -> list[dict]:
     """`args.repeats` runs on one fleet (built once: the placement walk is the slow part) and one
     policy, each with a fresh request stream, fleet and policy carrying on from the previous run as
-    in a router that keeps serving. The first run also pays for what a router builds once (a
+    in a router that keeps serving. The first run also pays for what a router builds once (every
     replica's popularity heap and every slot's group ranking, at the first cold decision, in the
     warm-up)."""
     rng = np.random.default_rng(seed)
