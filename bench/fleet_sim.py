@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     if "fleets" in previous:
         results["fleets"] = previous["fleets"]
     args.out.write_text(json.dumps(results, indent=2) + "\n")
-    if args.plot:
+    if str(args.plot) not in ("", "."):  # --plot '': none (Path('') is '.')
         plot(results, args.plot)
     return 0
 
