@@ -21,7 +21,7 @@ its tensor, the logits gather N - 1 copies of the rank's part), which are timed 
 the real all-reduce time over NVLink is not in them (add it to both the step and the bound). With
 `--graphs` each adapter count is also timed replaying one CUDA graph of the whole step: what the
 engine replays under TP, where every rank captures and replays its own decode graphs
-(`RankGraphs`, worker/engine/parallel.py). Without `--one-gpu-shard` every rank captures its step
+(`RankGraphs`, worker/engine/rank_graphs.py). Without `--one-gpu-shard` every rank captures its step
 at once, the NCCL collectives inside the graph; that has not been run yet (no multi-GPU machine).
 
     python -m bench tensor_parallel --one-gpu-shard --tp 4 --adapters 0,8,64 --graphs

@@ -23,16 +23,8 @@ from lorafleet.worker.engine.cuda_graphs import DecodeGraphs
 from lorafleet.worker.engine.engine import LLMEngine
 from lorafleet.worker.engine.graph_inputs import decode_inputs, pack_inputs, unpack_inputs
 from lorafleet.worker.engine.model_runner import ModelRunner
-from lorafleet.worker.engine.parallel import (
-    Ranks,
-    RankGraphs,
-    _bare_attn,
-    _to,
-    follower_args,
-    free_port,
-    graph_counts,
-    init_group,
-)
+from lorafleet.worker.engine.parallel import Ranks, _bare_attn, _to, follower_args, free_port, init_group
+from lorafleet.worker.engine.rank_graphs import RankGraphs, graph_counts
 from lorafleet.worker.engine.scheduler import ScheduledBatch
 from lorafleet.worker.engine.sequence import SamplingParams, Sequence
 from tests.worker.test_tensor_parallel import _engine_config, _wait_or_kill, assets, run_sharded  # noqa: F401
@@ -150,7 +142,14 @@ def test_packed_inputs_rebuild_rank_0s_inputs_and_lora_meta():
     assert metas[0].segments == metas[1].segments and metas[0].num_chunks == metas[1].num_chunks
     packed = pack_inputs(want)
     assert packed.runs.tolist() == [1, 1, 1, 16, 8]  # a chunk's rows are sent once
-    assert pack_inputs(decode_inputs(ScheduledBatch([batch.seqs[0]], [1]), slot_of, 1, 6, 8, 2, 999, 1)).tables.shape == (1, 1)
+    decodes = ScheduledBatch(batch.seqs[:3], [1, 1, 1])
+    want = decode_inputs(decodes, slot_of, 4, 6, 8, 2, 999, 4)
+    packed = pack_inputs(want)
+    assert packed.runs is None and packed.tables.shape == (3, 2)  # a row per sequence; columns past 2 unused
+    got = unpack_inputs(packed, 4, 6, 8, 2, 999, 4)
+    assert all(torch.equal(getattr(want, f), getattr(got, f)) for f in ("input_ids", "positions", "slot_mapping",
+                                                                         "block_tables", "context_lens", "token_slots",
+                                                                         "token_scales", "logits_rows"))
 
 
 def test_a_graph_step_sends_less_than_an_eager_forward():

@@ -39,14 +39,8 @@ from lorafleet.worker.engine.generate import run_to_completion
 from lorafleet.worker.engine.memory_plan import free_at_start, log_memory_plan, memory_plan, plan_kv_blocks
 from lorafleet.worker.engine.model_runner import LogitsHook, ModelRunner
 from lorafleet.worker.engine.outputs import Completion, RequestOutput, TrackedRequest
-from lorafleet.worker.engine.parallel import (
-    Group,
-    ShardedLoraSlots,
-    lead_graphs,
-    leader_dora,
-    start_kv,
-    tp_leader_model,
-)
+from lorafleet.worker.engine.parallel import Group, ShardedLoraSlots, leader_dora, start_kv, tp_leader_model
+from lorafleet.worker.engine.rank_graphs import lead_graphs
 from lorafleet.worker.engine.scheduler import Scheduler, SchedulerConfig
 from lorafleet.worker.engine.sequence import SamplingParams, Sequence
 from lorafleet.worker.engine.tokenizer import IncrementalDetokenizer, Tokenizer

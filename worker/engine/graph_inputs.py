@@ -156,7 +156,7 @@ def decode_inputs(
 @dataclass(slots=True)
 class PackedInputs:
     """A graph step's `DecodeInputs` without their padding, for tensor parallelism's step broadcast
-    (worker/engine/parallel.py): what rank 0 sends the other ranks each graph step, from which they
+    (worker/engine/rank_graphs.py): what rank 0 sends the other ranks each graph step, from which they
     rebuild the same padded inputs (`unpack_inputs`). Rows that repeat a block table and adapters
     (a prompt chunk's tokens) are sent once, with their count; a row's context is its position + 1
     and its KV slot follows from its table, as `decode_inputs` makes them. numpy arrays: they pickle
@@ -164,7 +164,7 @@ class PackedInputs:
 
     num_seqs: int
     tokens: np.ndarray  # [2, rows] int32: each row's token id and position
-    runs: np.ndarray  # [runs] int32: consecutive rows sharing a table and adapters
+    runs: np.ndarray | None  # [runs] int32: consecutive rows sharing a table and adapters; None: a run per row
     tables: np.ndarray  # [runs, used width] int32: each run's block table, past its last nonzero column cut
     adapters: np.ndarray  # [runs, k] int32: slots, -1 = none
     scales: np.ndarray  # [runs, k] float32
@@ -175,21 +175,25 @@ def pack_inputs(inputs: DecodeInputs) -> PackedInputs:
     """`inputs` without their padding (`unpack_inputs` restores them exactly)."""
     n = inputs.num_rows or inputs.num_seqs
     tables = inputs.block_tables[:n].numpy()
+    used = np.flatnonzero(tables.any(axis=0))
+    tables = tables[:, : int(used[-1]) + 1 if used.size else 0]
     slots = inputs.token_slots[:n].numpy()
     scales = inputs.token_scales[:n].numpy()
-    same = ((tables[1:] == tables[:-1]).all(axis=1) & (slots[1:] == slots[:-1]).all(axis=1)
-            & (scales[1:] == scales[:-1]).all(axis=1))
-    starts = np.flatnonzero(np.concatenate(([n > 0], ~same)))
-    used = np.flatnonzero(tables.any(axis=0))
-    width = int(used[-1]) + 1 if used.size else 0
+    runs = None
+    if n > inputs.num_seqs:  # a prompt chunk's rows repeat its table and adapters: once per run
+        same = ((tables[1:] == tables[:-1]).all(axis=1) & (slots[1:] == slots[:-1]).all(axis=1)
+                & (scales[1:] == scales[:-1]).all(axis=1))
+        starts = np.flatnonzero(np.concatenate(([True], ~same)))
+        runs = np.diff(np.append(starts, n)).astype(np.int32)
+        tables, slots, scales = tables[starts], slots[starts], scales[starts]
     assert inputs.logits_rows is not None
     return PackedInputs(
         num_seqs=inputs.num_seqs,
         tokens=np.stack([inputs.input_ids[:n].numpy(), inputs.positions[:n].numpy()]).astype(np.int32),
-        runs=np.diff(np.append(starts, n)).astype(np.int32),
-        tables=tables[starts, :width],
-        adapters=slots[starts],
-        scales=scales[starts],
+        runs=runs,
+        tables=tables,
+        adapters=slots,
+        scales=scales,
         logits_rows=inputs.logits_rows[: inputs.num_sampled].numpy().astype(np.int32),
     )
 
@@ -211,10 +215,11 @@ def unpack_inputs(packed: PackedInputs, bucket: int, width: int, block_size: int
     pos = packed.tokens[1].astype(np.int64)
     positions[:n] = pos
     ctx[:n] = pos + 1
-    tables[:n, : packed.tables.shape[1]] = np.repeat(packed.tables, packed.runs, axis=0)
+    runs = packed.runs
+    tables[:n, : packed.tables.shape[1]] = packed.tables if runs is None else np.repeat(packed.tables, runs, axis=0)
     slots[:n] = tables[np.arange(n), pos // block_size].astype(np.int64) * block_size + pos % block_size
-    token_slots[:n] = np.repeat(packed.adapters, packed.runs, axis=0)
-    token_scales[:n] = np.repeat(packed.scales, packed.runs, axis=0)
+    token_slots[:n] = packed.adapters if runs is None else np.repeat(packed.adapters, runs, axis=0)
+    token_scales[:n] = packed.scales if runs is None else np.repeat(packed.scales, runs, axis=0)
     sampled = packed.logits_rows.shape[0]
     logits_rows[:sampled] = packed.logits_rows
     return DecodeInputs(
