@@ -164,9 +164,8 @@ class LLMEngine:
         self.steps = 0
         # The server turns this off and reads adapters from disk in a thread (see async_engine.py).
         self.read_adapters_inline = True
-        # The step in flight under async scheduling.
-        # Not under tensor parallelism: its steps feed the tokens sampled on rank 0's device, which
-        # the other ranks do not have.
+        # The step in flight under async scheduling; not under tensor parallelism: its steps feed the
+        # tokens sampled on rank 0's device, which the other ranks do not have.
         self.async_steps = AsyncStepper(
             self, group is None and want_async_scheduling(config.async_scheduling, self.runner.graphs is not None,
                                                           self.device))
@@ -190,7 +189,7 @@ class LLMEngine:
         sizes = dict(block_size=self.config.block_size, max_model_len=self.max_model_len, max_batch=max_batch,
                      max_loras=self.config.max_loras, max_loras_per_request=self.config.max_loras_per_request,
                      sink_slot=self.runner.sink_slot, capture=capture, max_rows=max_rows)
-        if self.group is not None:  # every rank its own graphs, rank 0 leading (worker/engine/parallel.py)
+        if self.group is not None:  # every rank its own graphs, rank 0 leading (worker/engine/rank_graphs.py)
             return lead_graphs(self.model, self.runner.kv_caches, self.group, sizes)
         return DecodeGraphs(self.model, self.runner.kv_caches, **sizes)
 
