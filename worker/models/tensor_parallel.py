@@ -104,8 +104,10 @@ class TensorParallel:
     def forward(self, input_ids, positions, attn, kv_caches, lora_meta, logits_indices, graph=False,
                 float_logits=True) -> torch.Tensor:
         """LlamaModel.forward on this rank's shard (rank 0 gets the logits). On rank 0, `on_step`
-        (the engine's broadcast of the step to the other ranks) runs first."""
-        if self.on_step is not None:
+        (the engine's broadcast of the step to the other ranks) runs first, except in a decode graph
+        (`graph`): its capture and each replay are broadcast by the graphs (parallel.RankGraphs), and
+        nothing may reach the host inside a capture."""
+        if self.on_step is not None and not graph:
             self.on_step(input_ids, positions, attn, lora_meta, logits_indices)
         return super().forward(input_ids, positions, attn, kv_caches, lora_meta, logits_indices,  # type: ignore[misc]
                                graph, float_logits)
