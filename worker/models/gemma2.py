@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from lorafleet.kernels.layers.rms_norm import add_rms_norm_reference, rms_norm_reference
 from lorafleet.kernels.layers.silu_mul import silu_mul_reference
+from lorafleet.kernels.layers.soft_cap import soft_cap_reference
 from lorafleet.kernels.lora.meta import LoraMeta
 from lorafleet.worker.layers.attention import AttentionMetadata, paged_attention, write_kv
 from lorafleet.worker.models.llama import LlamaModel, Rotary, _take
@@ -48,9 +49,16 @@ def gemma_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor
     return rms_norm_reference(x, w, eps, offset=True)
 
 
-def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """cap · tanh(logits / cap), in the logits' dtype as transformers computes it (None: unchanged)."""
-    return logits if cap is None else torch.tanh(logits / cap) * cap
+def soft_cap(logits: torch.Tensor, cap: float | None, fused: bool = False) -> torch.Tensor:
+    """cap · tanh(logits / cap), in the logits' dtype as transformers computes it (None: unchanged);
+    fused: in place, one Triton launch (`kernels/layers/soft_cap.py`) where torch takes three."""
+    if cap is None:
+        return logits
+    if fused:
+        from lorafleet.kernels.layers.soft_cap import soft_cap_
+
+        return soft_cap_(logits, cap)
+    return soft_cap_reference(logits, cap)
 
 
 class Gemma2Model(LlamaModel):
@@ -58,7 +66,8 @@ class Gemma2Model(LlamaModel):
     as the torch references or as Llama's Triton row kernels with Gemma's flags, the same 4
     elementwise launches a layer as Llama's (RoPE/KV write, post-attention norm + residual add +
     pre-feedforward norm, GELU-tanh · up, post-feedforward norm + residual add + the next input
-    norm). The norm weights stay the checkpoint's offsets, in the model's dtype."""
+    norm); the final logits' soft-capping is one kernel too. The norm weights stay the
+    checkpoint's offsets, in the model's dtype."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -77,9 +86,13 @@ class Gemma2Model(LlamaModel):
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.weights["embed"]) * self.embed_scale
 
+    def _fused_rows(self) -> bool:
+        """Whether the row ops run as Triton kernels (the backend `forward` runs `_layers_fused` on)."""
+        return self.attention_backend == "triton" and self.FUSED_ELEMENTWISE
+
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """The lm_head's logits, soft-capped when the config says so."""
-        return soft_cap(F.linear(h, self.weights["lm_head"]), self.config.final_logit_softcapping)
+        return soft_cap(F.linear(h, self.weights["lm_head"]), self.config.final_logit_softcapping, self._fused_rows())
 
     def _layers_torch(self, h, positions, attn, kv_caches, lora_meta, logits_indices, graph) -> torch.Tensor:
         return self._layers(h, positions, attn, kv_caches, lora_meta, logits_indices, graph, fused=False)

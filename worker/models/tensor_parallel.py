@@ -99,7 +99,8 @@ class TensorParallel:
         if parts is None:
             return part[:0]
         logits = torch.cat(parts, dim=1)[:, : self.full_vocab]
-        return soft_cap(logits, self.config.final_logit_softcapping)  # type: ignore[attr-defined]  # Gemma 2
+        cap = self.config.final_logit_softcapping  # type: ignore[attr-defined]  # Gemma 2
+        return soft_cap(logits, cap, cap is not None and self._fused_rows())  # type: ignore[attr-defined]
 
     def forward(self, input_ids, positions, attn, kv_caches, lora_meta, logits_indices, graph=False,
                 float_logits=True) -> torch.Tensor:
