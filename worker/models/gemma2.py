@@ -23,9 +23,10 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from lorafleet.kernels.layers.rms_norm import add_rms_norm_reference, rms_norm_reference
-from lorafleet.kernels.layers.silu_mul import silu_mul_reference
-from lorafleet.kernels.layers.soft_cap import soft_cap_reference
+from lorafleet.kernels.layers.rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
+from lorafleet.kernels.layers.rope_kv import rope_write_kv
+from lorafleet.kernels.layers.silu_mul import silu_mul, silu_mul_reference
+from lorafleet.kernels.layers.soft_cap import soft_cap_, soft_cap_reference
 from lorafleet.kernels.lora.meta import LoraMeta
 from lorafleet.worker.layers.attention import AttentionMetadata, paged_attention, write_kv
 from lorafleet.worker.models.llama import LlamaModel, Rotary, _take
@@ -35,13 +36,7 @@ from lorafleet.worker.models.llama import LlamaModel, Rotary, _take
 # `x_weight` norm before the residual add; the GELU-tanh activation).
 TORCH_OPS = SimpleNamespace(rms_norm=rms_norm_reference, add_rms_norm=add_rms_norm_reference,
                             act_mul=silu_mul_reference)
-
-
-def triton_ops() -> SimpleNamespace:
-    from lorafleet.kernels.layers.rms_norm import add_rms_norm, rms_norm
-    from lorafleet.kernels.layers.silu_mul import silu_mul
-
-    return SimpleNamespace(rms_norm=rms_norm, add_rms_norm=add_rms_norm, act_mul=silu_mul)
+TRITON_OPS = SimpleNamespace(rms_norm=rms_norm, add_rms_norm=add_rms_norm, act_mul=silu_mul)
 
 
 def gemma_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,11 +49,7 @@ def soft_cap(logits: torch.Tensor, cap: float | None, fused: bool = False) -> to
     fused: in place, one Triton launch (`kernels/layers/soft_cap.py`) where torch takes three."""
     if cap is None:
         return logits
-    if fused:
-        from lorafleet.kernels.layers.soft_cap import soft_cap_
-
-        return soft_cap_(logits, cap)
-    return soft_cap_reference(logits, cap)
+    return soft_cap_(logits, cap) if fused else soft_cap_reference(logits, cap)
 
 
 class Gemma2Model(LlamaModel):
@@ -117,7 +108,7 @@ class Gemma2Model(LlamaModel):
         · up -> down linear -> add_rms_norm (post-feedforward norm, residual add, the next layer's
         input norm or the final norm, over all T rows before the logits rows are picked). A LoRA
         delta left beside a GEMM is added by the row op after it."""
-        ops = triton_ops() if fused else TORCH_OPS
+        ops = TRITON_OPS if fused else TORCH_OPS
         c, w = self.config, self.weights
         eps = c.rms_norm_eps
         x = ops.rms_norm(h, w["layers.0.in_norm"], eps, offset=True)
@@ -127,8 +118,6 @@ class Gemma2Model(LlamaModel):
             p = f"layers.{i}."
             k_cache, v_cache = kv_caches[i]
             if fused:
-                from lorafleet.kernels.layers.rope_kv import rope_write_kv
-
                 qkv, d = self._qkv_for_rope(x, i, lora_meta, graph)
                 cos_sin = self.rotaries[self._rotary_index(i)].cos_sin
                 q = rope_write_kv(qkv, positions, cos_sin, k_cache, v_cache, attn.slot_mapping, d, rows)
