@@ -30,6 +30,7 @@ from lorafleet.worker.layers.quant import LINEAR_KEYS
 from lorafleet.worker.lora.dora import row_norms_sq, scales_from_norms
 from lorafleet.worker.lora.errors import AdapterError
 from lorafleet.worker.lora.weights import LoraWeights
+from lorafleet.worker.models.gemma2 import soft_cap
 from lorafleet.worker.models.llama import LlamaModel
 from lorafleet.worker.models.sharding import ROW_TARGETS, Shard, shard_config, shard_lora
 
@@ -99,7 +100,7 @@ class TensorParallel:
             return part[:0]
         logits = torch.cat(parts, dim=1)[:, : self.full_vocab]
         cap = self.config.final_logit_softcapping  # type: ignore[attr-defined]  # Gemma 2
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        return soft_cap(logits, cap, cap is not None and self._fused_rows())  # type: ignore[attr-defined]
 
     def forward(self, input_ids, positions, attn, kv_caches, lora_meta, logits_indices, graph=False,
                 float_logits=True) -> torch.Tensor:
