@@ -17,6 +17,7 @@ would otherwise take the router's core).
 and per request, TTFT of a burst of simultaneous streams, several router processes; `--compare REF`
 measures git revision REF's router in the same run:
     taskset -c 1 python bench/router_overhead.py --stream --compare main --processes 1,2
+`--stream --floor`: also a bare TCP relay on uvloop (recv and send only), the floor under any relay in Python.
 `--stream --callgrind`: instructions per request and per token (valgrind), which a shared machine's
 load does not move:
     python bench/router_overhead.py --stream --callgrind --compare main
@@ -194,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--burst-tokens", type=int, default=16)
     s.add_argument("--processes", default="1", help="router process counts to measure, e.g. 1,2")
     s.add_argument("--compare", metavar="REF[,REF]", help="also measure these git revisions' routers (one process each)")
+    s.add_argument("--floor", action="store_true",
+                   help="also measure a bare TCP relay (bench/router_stream.py's tcp_relay): the kernel's and the "
+                   "event loop's share, under any relay in Python")
     s.add_argument("--callgrind", action="store_true",
                    help="instructions per request and per token under valgrind's callgrind instead of CPU time "
                    "(this tree and --compare's; printed, and added to --out's JSON under `callgrind` when given)")
@@ -275,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def stream_main(args: argparse.Namespace) -> int:
-    from bench.router_stream import Router, checkout, phases, start_upstream
+    from bench.router_stream import Router, TcpRelay, checkout, phases, start_upstream
 
     out = args.out or ROOT / "bench/results/router_stream.json"
     up_port = free_port()
@@ -286,17 +290,20 @@ def stream_main(args: argparse.Namespace) -> int:
         wait(f"http://127.0.0.1:{up_port}/health")
         variants = [(ref, checkout(ref), 1) for ref in (args.compare or "").split(",") if ref]
         variants += [("this tree", None, int(n)) for n in args.processes.split(",") if n]
+        if args.floor:
+            variants.append(("tcp relay (floor)", None, 0))
         for label, path, processes in variants:
-            cores = ("0" if processes == 1 else f"0-{processes - 1}") if pinned else None
-            router = Router(free_port(), up_port, cores, path, processes)
+            cores = ("0" if processes <= 1 else f"0-{processes - 1}") if pinned else None
+            router = (Router(free_port(), up_port, cores, path, processes) if processes
+                      else TcpRelay(free_port(), up_port, cores))
             try:
                 wait(f"http://127.0.0.1:{router.port}/ready")
                 res = phases(router, up_port, args, closed_loop)
             finally:
                 router.close()
-            runs.append({"router": label, "processes": processes, "cores": cores, **res})
+            runs.append({"router": label, "processes": processes or 1, "cores": cores, **res})
             st, rq, bu = res["stream"], res["requests"], res["burst"]
-            print(f"{label:<22} x{processes}: {st['us_per_token']:6.2f} µs/token ({st['us_per_token_net']:.2f} net) "
+            print(f"{label:<22} x{processes or 1}: {st['us_per_token']:6.2f} µs/token ({st['us_per_token_net']:.2f} net) "
                   f"at {st['tokens_per_s']:,.0f} tok/s, router {st['router_cpu_share']:.0%} CPU; "
                   f"{rq['ms_per_request']:.4f} ms/request ({rq['req_per_s']:,.0f} req/s); burst of {bu['requests']}: "
                   f"TTFT p99 +{bu['added_ttft_p99_ms']} ms (p50 +{bu['added_ttft_p50_ms']}), "

@@ -164,7 +164,9 @@ class FastRequest:
         proto.on_response_complete()
 
     async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-        if not await self._writable():
+        if self.proto.flow.write_paused and not await self._writable():  # (no coroutine when not paused)
+            return
+        if self.disconnected:
             return
         parts = self._head(status, headers, b"content-length: %d\r\n" % len(body))
         parts.append(body)
