@@ -65,7 +65,8 @@ def checkout(ref: str) -> Path:
 class Router:
     """`lorafleet router` in front of `upstream`, pinned to `cores`, from `pythonpath` (None: this tree)."""
 
-    def __init__(self, port: int, upstream: int, cores: str | None, pythonpath: Path | None, processes: int) -> None:
+    def __init__(self, port: int, upstream: int, cores: str | None, pythonpath: Path | None, processes: int,
+                 flags: tuple[str, ...] = ()) -> None:
         pin = ["taskset", "-c", cores] if cores and shutil.which("taskset") else []
         env = dict(os.environ)
         if pythonpath is not None:
@@ -74,7 +75,7 @@ class Router:
         extra = ["--processes", str(processes)] if processes > 1 else []
         self.proc = subprocess.Popen(
             [*pin, sys.executable, "-m", "lorafleet", "router", "--port", str(port), "--log-level", "warning",
-             "--worker", f"http://127.0.0.1:{upstream}", "--lora-modules", "a=/a", *extra],
+             "--worker", f"http://127.0.0.1:{upstream}", "--lora-modules", "a=/a", *extra, *flags],
             env=env, stderr=subprocess.DEVNULL, cwd=tempfile.gettempdir() if pythonpath else None)
         self.port = port
 
