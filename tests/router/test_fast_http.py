@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from lorafleet.router import fast_http, proxy, relay
+from lorafleet.router import fast_http, generate, proxy, relay
 from tests.router.conftest import CATALOG, RouterThread, router_settings, start_workers
 
 LIMIT = 4096
@@ -202,5 +202,22 @@ def test_a_slow_reader_gets_the_whole_stream_in_order(router, monkeypatch):
         assert took_over == [1]
         c.send(post("/v1/completions", {"model": "a", "prompt": "x", "max_tokens": 1}))
         assert c.response()[0] == 200
+    finally:
+        c.close()
+
+
+def test_a_bug_answers_500_in_the_envelope_and_closes(router, monkeypatch):
+    async def broken(*args, **kwargs):
+        raise KeyError("bug")
+
+    monkeypatch.setattr(generate, "proxy", broken)
+    c = Client(router.port)
+    try:
+        c.send(post("/v1/completions", {"model": "a", "prompt": "x"}))
+        status, _, body = c.response()
+        assert status == 500
+        assert json.loads(body)["error"] == {"message": "internal error: KeyError", "type": "server_error",
+                                             "param": None, "code": None}
+        assert c.closed()
     finally:
         c.close()
