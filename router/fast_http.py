@@ -34,7 +34,7 @@ from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, ST
 
 from lorafleet.router.generate import PROXIED, answer, error_body
 from lorafleet.router.proxy import StreamBroken, StreamTail, Upstream, relay_stream
-from lorafleet.router.upstream import UpstreamError
+from lorafleet.router.upstream import Aborted, UpstreamError
 
 if TYPE_CHECKING:
     import uvicorn
@@ -183,7 +183,7 @@ class FastRequest:
         if not upstream.content_type:
             headers.append(_EVENT_STREAM)
         if not await self._writable():
-            return
+            raise Aborted  # the client left before the head: counted as gone, as the ASGI relay's exchange is
         head = self._head(upstream.status, headers, _CHUNKED)
         self.response_started = True
         transport = self.proto.transport

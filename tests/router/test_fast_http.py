@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from lorafleet.router import fast_http, generate, proxy, relay
 from tests.router.conftest import CATALOG, RouterThread, router_settings, start_workers
@@ -29,7 +30,7 @@ def worker() -> Iterator:
 @pytest.fixture(params=[True, False], ids=["fast_http", "uvicorn"])
 def router(request, worker) -> Iterator[RouterThread]:
     with RouterThread(router_settings([worker], fast_http=request.param, max_body_bytes=LIMIT,
-                                         max_tokens_cap=50_000)) as r:
+                                         max_tokens_cap=5_000)) as r:
         yield r
 
 
@@ -178,9 +179,9 @@ def test_the_connection_closes_after_the_answer_when_asked(router, how):
 
 
 def test_a_slow_reader_gets_the_whole_stream_in_order(router, monkeypatch):
-    # A small receive buffer and no reading for a while: the router's side of the connection
-    # fills, its writes pause, and the relay waits for each drain instead of writing on (the
-    # generic relay takes over from the direct writer: counted here).
+    # Small socket buffers on both sides and no reading until the router's side has paused: its
+    # writes pause, and the generic relay takes over from the direct writer (counted here),
+    # waiting for each drain instead of writing on.
     module = fast_http if router.settings.fast_http else relay
     took_over = []
 
@@ -188,17 +189,27 @@ def test_a_slow_reader_gets_the_whole_stream_in_order(router, monkeypatch):
         took_over.append(1)
         return proxy.relay_stream(*args, **kwargs)
 
+    made = HttpToolsProtocol.connection_made
+
+    def small_send_buffer(self, transport):
+        transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        made(self, transport)
+
     monkeypatch.setattr(module, "relay_stream", counted)
+    monkeypatch.setattr(HttpToolsProtocol, "connection_made", small_send_buffer)
     c = Client(router.port, rcvbuf=4096)
     try:
-        c.send(post("/v1/completions", {"model": "a", "prompt": "x", "max_tokens": 30000, "stream": True}))
-        time.sleep(2.0)
+        c.send(post("/v1/completions", {"model": "a", "prompt": "x", "max_tokens": 3000, "stream": True}))
+        deadline = time.monotonic() + 20
+        while not took_over:
+            assert time.monotonic() < deadline, "the router never paused writing"
+            time.sleep(0.05)
         status, _, body = c.response()
         assert status == 200
         got = events(body)
         assert got[-1] == "[DONE]"
         texts = [json.loads(e)["choices"][0]["text"] for e in got[:-1] if json.loads(e).get("choices")]
-        assert len(texts) >= 30000
+        assert len(texts) >= 3000
         assert took_over == [1]
         c.send(post("/v1/completions", {"model": "a", "prompt": "x", "max_tokens": 1}))
         assert c.response()[0] == 200
