@@ -6,12 +6,18 @@
 Each family's engine is built in turn with random bf16 weights under its own checkpoint names
 (made on the GPU, loaded through the engine's loading path; nothing is downloaded), with the
 engine's defaults on CUDA (Triton LoRA and attention, CUDA graphs, warm-up), then freed. Rows:
-{arch, adapter_kind, adapters, batch, rank, tokens_per_s, weight_bytes, bytes_rate, vs_llama}, where
-bytes_rate = tokens_per_s × weight_bytes (the same fraction of the memory bound reads as the same
-rate whatever the shape) and vs_llama is that over Llama's at the seed shape with the same
-adapters. adapter_kind is "base" (no adapters), "lora", or "dora" (for the families of
---dora-archs: the same batch with as many DoRA adapters, random magnitudes, whose g = m / ||W + s·BA||
-the registry computes at registration; the LoRA side path plus DoRA's per-token epilogue).
+{arch, adapter_kind, adapters, batch, rank, tokens_per_s, weight_bytes, bytes_rate, vs_llama,
+kv_bytes, step_bytes, vs_llama_step_bytes}, where bytes_rate = tokens_per_s × weight_bytes (the
+same fraction of the memory bound reads as the same rate whatever the shape; issue 50's metric) and
+vs_llama is that over Llama's at the seed shape with the same adapters. The step columns count what
+a decode step reads besides the weights: kv_bytes is the K and V of the batch at the decode phase's
+mean context, prompt + new_tokens / 2 (bench/engine_fp8.py's `kv_bytes`; Gemma 2's heads of 256
+make it twice Llama's), step_bytes = the weights a step reads (all but the embedding table, of which
+it reads B rows, unless the table is the tied lm_head) + kv_bytes, and vs_llama_step_bytes is
+tokens_per_s × step_bytes over Llama's. adapter_kind is "base" (no adapters), "lora", or "dora"
+(for the families of --dora-archs: the same batch with as many DoRA adapters, random magnitudes,
+whose g = m / ||W + s·BA|| the registry computes at registration; the LoRA side path plus DoRA's
+per-token epilogue).
 Writes bench/results/engine-models-<gpu>.json.
 
 Shapes: Llama is the seed guide's 7.8B; Qwen3 is Qwen3-8B's (hidden 4096, 32 heads over 8 KV heads
@@ -36,6 +42,7 @@ if __package__ in (None, ""):  # run as a script: make `bench.*` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.engine_build import SEED_SHAPE, random_adapter, register_random_adapters
+from bench.engine_fp8 import kv_bytes
 from bench.engine_workload import adapter_sets, decode_run
 from lorafleet.worker.config import EngineConfig, ModelConfig
 from lorafleet.worker.engine.engine import LLMEngine
@@ -106,6 +113,14 @@ def random_dora_adapter(config: ModelConfig, rank: int, seed: int) -> LoraWeight
     return w
 
 
+def weights_read(model) -> int:
+    """The weight bytes a decode step reads: all but the embedding table (B rows of it are read),
+    unless the table is also the lm_head (tied embeddings: read whole by the logits)."""
+    w = model.weights
+    tied = w["lm_head"].data_ptr() == w["embed"].data_ptr()
+    return model.weight_bytes() - (0 if tied else w["embed"].numel() * w["embed"].element_size())
+
+
 def build(shape: dict, device: str, batch: int, rank: int, n_slots: int, n_registered: int) -> LLMEngine:
     folder = Path(tempfile.mkdtemp())
     (folder / "config.json").write_text(json.dumps(shape))
@@ -135,6 +150,8 @@ def family_rows(arch: str, shape: dict, device: str, args) -> list[dict]:
         kinds.append(("dora", dora))
         print(f"{arch}: {len(dora)} DoRA adapters' norms in {time.perf_counter() - t1:.1f}s", flush=True)
     weight_bytes = engine.model.weight_bytes()
+    kv = kv_bytes(engine.model_config, args.batch, args.prompt_len + args.new_tokens / 2)
+    step_bytes = weights_read(engine.model) + kv
     print(f"{arch}: built in {time.perf_counter() - t0:.1f}s, weights {weight_bytes / 2**30:.2f} GiB", flush=True)
     rows = []
     for d in counts:
@@ -145,7 +162,8 @@ def family_rows(arch: str, shape: dict, device: str, args) -> list[dict]:
             rows.append({"arch": arch, "adapter_kind": kind, "adapters": d, "batch": args.batch,
                          "rank": args.rank, "tokens_per_s": res["tokens_per_s"], "weight_bytes": weight_bytes,
                          "decode_step_ms": res["decode_step_ms"], "prompt_len": args.prompt_len,
-                         "bytes_rate": res["tokens_per_s"] * weight_bytes})
+                         "bytes_rate": res["tokens_per_s"] * weight_bytes, "kv_bytes": kv,
+                         "step_bytes": step_bytes, "step_bytes_rate": res["tokens_per_s"] * step_bytes})
             print(f"{arch:<8} {kind:<4} adapters {d:>3}: {res['tokens_per_s']:>9,.0f} tok/s, "
                   f"step {res['decode_step_ms']} ms", flush=True)
     del engine
@@ -176,22 +194,27 @@ def main() -> None:
         shape = tiny(SHAPES[arch]) if args.tiny else SHAPES[arch]
         rows += family_rows(arch, shape, device, args)
         write(out, device, rows)  # after each family: a run cut short keeps the families it finished
-    print(f"\n{'arch':<8} {'kind':<5} {'adapters':>8} {'tok/s':>10} {'weights GiB':>12} {'tok/s x bytes vs llama':>24}"
-          f" {'vs lora':>8}")
+    print(f"\n{'arch':<8} {'kind':<5} {'adapters':>8} {'tok/s':>10} {'weights GiB':>12} {'KV GiB':>7} {'step GiB':>9}"
+          f" {'tok/s x weights vs llama':>25} {'tok/s x step vs llama':>22} {'vs lora':>8}")
     for r in rows:
         print(f"{r['arch']:<8} {r['adapter_kind']:<5} {r['adapters']:>8} {r['tokens_per_s']:>10,.0f} "
-              f"{r['weight_bytes'] / 2**30:>12.2f} {r['vs_llama'] if r['vs_llama'] is not None else '-':>24} "
-              f"{r.get('vs_lora', '-'):>8}")
+              f"{r['weight_bytes'] / 2**30:>12.2f} {r['kv_bytes'] / 2**30:>7.2f} {r['step_bytes'] / 2**30:>9.2f} "
+              f"{_or_dash(r['vs_llama']):>25} {_or_dash(r['vs_llama_step_bytes']):>22} {r.get('vs_lora', '-'):>8}")
     print(f"wrote {out}")
+
+
+def _or_dash(value) -> str:
+    return "-" if value is None else str(value)
 
 
 def write(out: Path, device: str, rows: list[dict]) -> None:
     """The JSON of the rows so far, each with its ratios to Llama's (and DoRA's to LoRA's) where measured."""
-    llama = {(r["adapter_kind"], r["adapters"]): r["bytes_rate"] for r in rows if r["arch"] == "llama"}
+    llama = {(r["adapter_kind"], r["adapters"]): r for r in rows if r["arch"] == "llama"}
     lora = {(r["arch"], r["adapters"]): r["tokens_per_s"] for r in rows if r["adapter_kind"] == "lora"}
     for r in rows:
-        key = (r["adapter_kind"], r["adapters"])
-        r["vs_llama"] = round(r["bytes_rate"] / llama[key], 3) if key in llama else None
+        ref = llama.get((r["adapter_kind"], r["adapters"]))
+        r["vs_llama"] = round(r["bytes_rate"] / ref["bytes_rate"], 3) if ref else None
+        r["vs_llama_step_bytes"] = round(r["step_bytes_rate"] / ref["step_bytes_rate"], 3) if ref else None
         if r["adapter_kind"] == "dora" and (r["arch"], r["adapters"]) in lora:
             r["vs_lora"] = round(r["tokens_per_s"] / lora[(r["arch"], r["adapters"])], 3)
     result = {"machine": torch.cuda.get_device_name() if device == "cuda" else "cpu (--tiny smoke run)",

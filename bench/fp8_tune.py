@@ -38,7 +38,7 @@ from lorafleet.kernels.quant.fp8_linear import (
 from lorafleet.kernels.quant.tuning import TUNINGS_DIR, LaunchConfig
 
 PREFILL_TILE = LaunchConfig(max_m=1 << 20, block_m=128, block_n=128, block_k=64, warps=8, stages=3)
-FIELDS = ("max_m", "block_m", "block_n", "block_k", "split_k", "warps", "stages")
+FIELDS = ("max_m", "block_m", "block_n", "block_k", "split_k", "warps", "stages", "swap_ab")
 SEED_GEMMS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 
@@ -86,8 +86,11 @@ def candidates(m: int, full: bool) -> list[LaunchConfig]:
     split = [1, 2, 4] if m <= 64 else [1]
     warps = [4, 8] if full or m > 64 else [4]
     stages = [3, 4, 5] if full else [4]
-    return [LaunchConfig(max_m=m, block_m=a, block_n=b, block_k=c, split_k=sp, warps=w, stages=st)
-            for a, b, c, sp, w, st in itertools.product(bm, bn, bk, split, warps, stages)
+    # Swapped (W x^T)^T at up to 128 rows: the weight tile is the MMA's M side (64 or 128 rows).
+    swapped = [(a, b, c, sp, w, st, True) for a, b, c, sp, w, st in
+               itertools.product(bm[:1], [64, 128], [128, 256], split, [4], stages)] if m <= 128 else []
+    return [LaunchConfig(max_m=m, block_m=a, block_n=b, block_k=c, split_k=sp, warps=w, stages=st, swap_ab=sw)
+            for a, b, c, sp, w, st, sw in [(*p, False) for p in itertools.product(bm, bn, bk, split, warps, stages)] + swapped
             if (a * c * 2 + b * c) * st + b * c * 2 <= 227 * 1024]  # x and FP8 w tiles a stage, w in bf16 once
 
 

@@ -17,6 +17,8 @@ would otherwise take the router's core).
 and per request, TTFT of a burst of simultaneous streams, several router processes; `--compare REF`
 measures git revision REF's router in the same run:
     taskset -c 1 python bench/router_overhead.py --stream --compare main --processes 1,2
+`--stream --uvicorn`: also this tree's router with `--http-server uvicorn` (the fallback).
+`--stream --floor`: also a bare TCP relay on uvloop (recv and send only), the floor under any relay in Python.
 `--stream --callgrind`: instructions per request and per token (valgrind), which a shared machine's
 load does not move:
     python bench/router_overhead.py --stream --callgrind --compare main
@@ -194,6 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--burst-tokens", type=int, default=16)
     s.add_argument("--processes", default="1", help="router process counts to measure, e.g. 1,2")
     s.add_argument("--compare", metavar="REF[,REF]", help="also measure these git revisions' routers (one process each)")
+    s.add_argument("--uvicorn", action="store_true",
+                   help="also measure this tree's router with --http-server uvicorn (every request through uvicorn's "
+                   "ASGI cycle: the fallback)")
+    s.add_argument("--floor", action="store_true",
+                   help="also measure a bare TCP relay (bench/router_stream.py's tcp_relay): the kernel's and the "
+                   "event loop's share, under any relay in Python")
     s.add_argument("--callgrind", action="store_true",
                    help="instructions per request and per token under valgrind's callgrind instead of CPU time "
                    "(this tree and --compare's; printed, and added to --out's JSON under `callgrind` when given)")
@@ -205,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out = args.out or ROOT / "bench/results/router_overhead.json"
 
     up_port, router_port = free_port(), free_port()
+    load_before = [round(x, 2) for x in os.getloadavg()]
     pin = (
         ["taskset", "-c", "0"]
         if shutil.which("taskset") and (os.cpu_count() or 1) > 1 and not args.no_pin
@@ -261,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             "platform": platform.platform(),
         },
         "note": "load generator, upstream and router share this machine's cores; the generator's own cost is in both paths",
+        "loadavg_at_start": load_before,
         "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
     }
     result["targets_met"] = {
@@ -275,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def stream_main(args: argparse.Namespace) -> int:
-    from bench.router_stream import Router, checkout, phases, start_upstream
+    from bench.router_stream import Router, TcpRelay, checkout, phases, start_upstream
 
     out = args.out or ROOT / "bench/results/router_stream.json"
     up_port = free_port()
@@ -284,19 +294,26 @@ def stream_main(args: argparse.Namespace) -> int:
     runs = []
     try:
         wait(f"http://127.0.0.1:{up_port}/health")
-        variants = [(ref, checkout(ref), 1) for ref in (args.compare or "").split(",") if ref]
-        variants += [("this tree", None, int(n)) for n in args.processes.split(",") if n]
-        for label, path, processes in variants:
-            cores = ("0" if processes == 1 else f"0-{processes - 1}") if pinned else None
-            router = Router(free_port(), up_port, cores, path, processes)
+        variants = [(ref, checkout(ref), 1, ()) for ref in (args.compare or "").split(",") if ref]
+        if args.uvicorn:
+            variants.append(("this tree, uvicorn", None, 1, ("--http-server", "uvicorn")))
+        variants += [("this tree", None, int(n), ()) for n in args.processes.split(",") if n]
+        if args.floor:
+            variants.append(("tcp relay (floor)", None, 0, ()))
+        for label, path, processes, flags in variants:
+            load_before = [round(x, 2) for x in os.getloadavg()]
+            cores = ("0" if processes <= 1 else f"0-{processes - 1}") if pinned else None
+            router = (Router(free_port(), up_port, cores, path, processes, flags) if processes
+                      else TcpRelay(free_port(), up_port, cores))
             try:
                 wait(f"http://127.0.0.1:{router.port}/ready")
                 res = phases(router, up_port, args, closed_loop)
             finally:
                 router.close()
-            runs.append({"router": label, "processes": processes, "cores": cores, **res})
+            runs.append({"router": label, "processes": processes or 1, "cores": cores, "flags": list(flags),
+                         "loadavg_before": load_before, **res})
             st, rq, bu = res["stream"], res["requests"], res["burst"]
-            print(f"{label:<22} x{processes}: {st['us_per_token']:6.2f} µs/token ({st['us_per_token_net']:.2f} net) "
+            print(f"{label:<22} x{processes or 1}: {st['us_per_token']:6.2f} µs/token ({st['us_per_token_net']:.2f} net) "
                   f"at {st['tokens_per_s']:,.0f} tok/s, router {st['router_cpu_share']:.0%} CPU; "
                   f"{rq['ms_per_request']:.4f} ms/request ({rq['req_per_s']:,.0f} req/s); burst of {bu['requests']}: "
                   f"TTFT p99 +{bu['added_ttft_p99_ms']} ms (p50 +{bu['added_ttft_p50_ms']}), "

@@ -65,7 +65,8 @@ def checkout(ref: str) -> Path:
 class Router:
     """`lorafleet router` in front of `upstream`, pinned to `cores`, from `pythonpath` (None: this tree)."""
 
-    def __init__(self, port: int, upstream: int, cores: str | None, pythonpath: Path | None, processes: int) -> None:
+    def __init__(self, port: int, upstream: int, cores: str | None, pythonpath: Path | None, processes: int,
+                 flags: tuple[str, ...] = ()) -> None:
         pin = ["taskset", "-c", cores] if cores and shutil.which("taskset") else []
         env = dict(os.environ)
         if pythonpath is not None:
@@ -74,7 +75,7 @@ class Router:
         extra = ["--processes", str(processes)] if processes > 1 else []
         self.proc = subprocess.Popen(
             [*pin, sys.executable, "-m", "lorafleet", "router", "--port", str(port), "--log-level", "warning",
-             "--worker", f"http://127.0.0.1:{upstream}", "--lora-modules", "a=/a", *extra],
+             "--worker", f"http://127.0.0.1:{upstream}", "--lora-modules", "a=/a", *extra, *flags],
             env=env, stderr=subprocess.DEVNULL, cwd=tempfile.gettempdir() if pythonpath else None)
         self.port = port
 
@@ -84,6 +85,72 @@ class Router:
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=10)
+
+
+class TcpRelay(Router):
+    """The floor under any relay in Python: `tcp_relay` (below) in its own process, pinned like the
+    router, in front of the same fake worker; measured by the same phases."""
+
+    def __init__(self, port: int, upstream: int, cores: str | None) -> None:
+        pin = ["taskset", "-c", cores] if cores and shutil.which("taskset") else []
+        self.proc = subprocess.Popen([*pin, sys.executable, "-m", "bench.router_stream", "--tcp-relay", str(port),
+                                      str(upstream)], cwd=ROOT, stderr=subprocess.DEVNULL)
+        self.port = port
+
+
+def tcp_relay(port: int, upstream: int) -> None:
+    """A TCP relay on uvloop (asyncio without it): each client connection gets an upstream
+    connection, and every read on either side is written to the other as it came (no parsing, no
+    framing, no per-request work). Per streamed read: one `recv` and one `send` and two Python
+    callbacks, the least any relay in Python does; per request the same, both ways."""
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+
+    class Side(asyncio.Protocol):
+        peer: Side | None = None
+        transport: asyncio.Transport | None = None
+        pending: list[bytes]
+
+        def __init__(self) -> None:
+            self.pending = []
+
+        def connection_made(self, transport) -> None:
+            self.transport = transport
+
+        def data_received(self, data: bytes) -> None:
+            peer = self.peer
+            if peer is not None and peer.transport is not None:
+                peer.transport.write(data)
+            else:
+                self.pending.append(data)
+
+        def connection_lost(self, exc) -> None:
+            if self.peer is not None and self.peer.transport is not None:
+                self.peer.transport.close()
+
+    class Client(Side):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            asyncio.get_running_loop().create_task(self.connect())
+
+        async def connect(self) -> None:
+            loop = asyncio.get_running_loop()
+            up = Side()
+            await loop.create_connection(lambda: up, "127.0.0.1", upstream)
+            up.peer, self.peer = self, up
+            for data in self.pending:
+                up.transport.write(data)  # type: ignore[union-attr]
+            self.pending.clear()
+
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_server(Client, "127.0.0.1", port)
+        await server.serve_forever()
+
+    asyncio.run(main())
 
 
 def phases(router: Router, direct_port: int, args, closed_loop) -> dict:
@@ -216,3 +283,10 @@ def _ready(url: str) -> bool:
         return httpx.get(f"{url}/ready", timeout=2.0).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--tcp-relay":
+        tcp_relay(int(sys.argv[2]), int(sys.argv[3]))
+    else:
+        sys.exit("usage: python -m bench.router_stream --tcp-relay PORT UPSTREAM_PORT")

@@ -19,8 +19,10 @@ its collectives replaced by local copies of the same sizes (`LocalCopies`: each 
 its tensor, the logits gather N - 1 copies of the rank's part), which are timed alone as the
 `allreduce_ms_per_step` column. So the figures are one rank's compute and HBM traffic, without NCCL:
 the real all-reduce time over NVLink is not in them (add it to both the step and the bound). With
-`--graphs` each adapter count is also timed replaying one CUDA graph of the whole step (what CUDA
-graphs per rank would give; the engine does not capture them under TP yet).
+`--graphs` each adapter count is also timed replaying one CUDA graph of the whole step: what the
+engine replays under TP, where every rank captures and replays its own decode graphs
+(`RankGraphs`, worker/engine/rank_graphs.py). Without `--one-gpu-shard` every rank captures its step
+at once, the NCCL collectives inside the graph; that has not been run yet (no multi-GPU machine).
 
     python -m bench tensor_parallel --one-gpu-shard --tp 4 --adapters 0,8,64 --graphs
 """

@@ -12,7 +12,7 @@ from types import MappingProxyType
 
 from lorafleet.cli import lora_module_arg
 from lorafleet.cli_help import finish
-from lorafleet.connection_guard import add_connection_flags, limits_from_args, uvicorn_config
+from lorafleet.connection_guard import add_connection_flags, limits_from_args
 from lorafleet.protocol import MAX_N
 from lorafleet.router.discovery import parse_worker
 from lorafleet.router.scheduling.policies import POLICIES
@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-n", type=int, default=d.max_n,
                    help=f"most choices (`n`) per prompt a request may ask for (default {d.max_n}, the worker's limit)")
     add_connection_flags(p, d.connection_limits)
+    p.add_argument("--http-server", choices=["router", "uvicorn"], default="router" if d.fast_http else "uvicorn",
+                   help="router: the proxied routes served by the router's own protocol on httptools (least CPU per "
+                   "request and token); uvicorn: every request through uvicorn's ASGI cycle (router/fast_http.py)")
     p.add_argument("--log-level", default="info", help="debug, info, warning or error")
     p.add_argument(
         "--processes",
@@ -127,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="read an API key on stdin, print its sha256 for a tenants file",
     )
     return finish(p, {
-        "Server": ["--host", "--port", "--processes", "--log-level"],
+        "Server": ["--host", "--port", "--processes", "--http-server", "--log-level"],
         "Workers and discovery": ["--worker", "--discovery", "--k8s-namespace", "--k8s-selector", "--k8s-port",
                                   "--k8s-admin-port", "--lora-modules", "--admin-token-file", "--admin-token-dir",
                                   "--poll-interval", "--load-timeout"],
@@ -179,6 +182,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         max_tokens_cap=args.max_tokens_cap,
         max_n=args.max_n,
         connection_limits=limits_from_args(args),
+        fast_http=args.http_server == "router",
     )
 
 
@@ -236,11 +240,12 @@ def serve(argv: list[str], sock: socket.socket | None) -> None:
     import uvicorn
 
     from lorafleet.router.api import create_app
+    from lorafleet.router.fast_http import server_config
 
     # proxy_headers off: nothing in the router reads the client's address or scheme, and uvicorn's
     # middleware for them would wrap every request.
-    config = uvicorn_config(create_app(settings), settings.host, settings.port, settings.connection_limits,
-                            log_level=args.log_level, access_log=False, proxy_headers=False)
+    config = server_config(create_app(settings), settings, log_level=args.log_level, access_log=False,
+                           proxy_headers=False)
     # Start-up's objects (modules, the app) out of the cycle collector: its full collections would
     # otherwise walk them all, on the loop that relays every request.
     gc.collect()

@@ -43,7 +43,7 @@ from lorafleet.router.proxy import (
     upstream_headers,
 )
 from lorafleet.router.ratelimit import Lease, Limited
-from lorafleet.router.relay import on_disconnect, relay, write_response
+from lorafleet.router.relay import AsgiReply, ClientGone, Reply
 from lorafleet.router.request_fields import UnknownModel, check_fields, resolve
 from lorafleet.router.scheduling.types import Decision, NoEndpoint, RequestInfo
 from lorafleet.router.tenants import Tenant
@@ -89,10 +89,12 @@ class ProxyRoutes:
                 await generate(self.app.state.gateway, scope, receive, send)
             else:
                 message = invalid_method(scope["method"], scope["path"])
-                await respond_error(send, 405, message, "invalid_request_error", headers={"Allow": "POST"})
+                await respond_error(AsgiReply(scope, receive, send), 405, message, "invalid_request_error",
+                                    headers={"Allow": "POST"})
         except Exception as exc:
             with contextlib.suppress(Exception):  # the response had started: only the server can end it
-                await respond_error(send, 500, f"internal error: {type(exc).__name__}", "server_error")
+                await respond_error(AsgiReply(scope, receive, send), 500, f"internal error: {type(exc).__name__}",
+                                    "server_error")
             raise
 
 
@@ -102,18 +104,14 @@ def invalid_method(method: str, path: str) -> str:
 
 
 # ---- responses ---------------------------------------------------------------------------------
-
-
-async def respond(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
-    headers.append((b"content-length", str(len(body)).encode()))
-    if write_response(send, status, headers, body):  # uvicorn's cycle: one write, no ASGI messages
-        return
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+# A reply is where a request's answer goes: `router/relay.py`'s `AsgiReply` (any ASGI server) or
+# `router/fast_http.py`'s request (the router's own protocol). Each has `respond(status, headers,
+# body)` (a whole answer; `headers` without its content-length), `relay(upstream, headers,
+# responses_api)` (a stream) and `gone_future()` (done when the client's connection is lost).
 
 
 async def respond_error(
-    send: Send,
+    reply: Reply,
     status: int,
     message: str,
     type_: str,
@@ -121,21 +119,26 @@ async def respond_error(
     param: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> None:
-    body = json.dumps(ErrorResponse.of(message, type_, code, param).model_dump()).encode()
+    body = error_body(message, type_, code, param)
     extra = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
-    await respond(send, status, body, [_JSON, *extra])
+    await reply.respond(status, [_JSON, *extra], body)
 
 
-async def refuse_as_worker(send: Send, message: str, param: str | None) -> None:
+def error_body(message: str, type_: str, code: str | int | None = None, param: str | None = None) -> bytes:
+    """The API's error envelope."""
+    return json.dumps(ErrorResponse.of(message, type_, code, param).model_dump()).encode()
+
+
+async def refuse_as_worker(reply: Reply, message: str, param: str | None) -> None:
     """A 400 the router makes in the worker's place (a field the worker would refuse): the worker's
     envelope word for word, `type` and `code` too, whichever of the two refuses."""
     body = json.dumps(ErrorResponse.as_worker(400, message, param).model_dump()).encode()
-    await respond(send, 400, body, [_JSON])
+    await reply.respond(400, [_JSON], body)
 
 
-async def model_not_found(send: Send, model: str, param: str | None = None) -> None:
+async def model_not_found(reply: Reply, model: str, param: str | None = None) -> None:
     await respond_error(
-        send,
+        reply,
         404,
         f"The model `{model}` does not exist or you do not have access to it.",
         "invalid_request_error",
@@ -147,8 +150,8 @@ async def model_not_found(send: Send, model: str, param: str | None = None) -> N
 # ---- parsing -----------------------------------------------------------------------------------
 
 
-def header(scope: Scope, name: bytes) -> str | None:
-    for k, v in scope["headers"]:
+def header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+    for k, v in headers:
         if k == name:  # ASGI servers lower-case header names
             return v.decode("latin-1")
     return None
@@ -156,7 +159,7 @@ def header(scope: Scope, name: bytes) -> str | None:
 
 async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes | None:
     """The request body, or None when it is larger than `limit` (declared or actual)."""
-    declared = header(scope, b"content-length")
+    declared = header(scope["headers"], b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         return None
     chunks, size = [], 0
@@ -171,16 +174,6 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes | None:
         chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-class ClientGone(Exception):
-    """The client disconnected (before its request was read, or while it was being served)."""
-
-
-async def disconnected(receive: Receive) -> None:
-    """Returns when the client disconnects; call only once the body is read (the rest is that)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 async def unless_gone(work: Coroutine[Any, Any, T], gone: asyncio.Future[None]) -> T:
@@ -202,52 +195,76 @@ async def unless_gone(work: Coroutine[Any, Any, T], gone: asyncio.Future[None]) 
 
 
 async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> None:
-    started = time.perf_counter()
-    tenant = gw.tenants.authenticate(header(scope, b"authorization"))
+    """A proxied request under an ASGI server: authenticate, read the body, then `proxy`."""
+    reply = AsgiReply(scope, receive, send)
+    tenant = gw.tenants.authenticate(header(scope["headers"], b"authorization"))
     if tenant is None:
-        return await respond_error(send, 401, "Invalid API key.", "invalid_request_error", "invalid_api_key")
+        return await unauthorized(reply)
     limit = gw.settings.max_body_bytes
     try:
         body = await read_body(scope, receive, limit)
     except ClientGone:
         return
     if body is None:
-        return await respond_error(
-            send, 413, f"Request body larger than {limit} bytes.", "invalid_request_error"
-        )
+        return await too_large(reply, limit)
+    await proxy(gw, scope["path"], scope["headers"], tenant, body, reply)
+
+
+async def answer(gw: Gateway, path: str, headers: list[tuple[bytes, bytes]], body: bytes | None, reply: Reply) -> None:
+    """A proxied request whose body was read by the server (None: larger than the limit)."""
+    tenant = gw.tenants.authenticate(header(headers, b"authorization"))
+    if tenant is None:
+        return await unauthorized(reply)
+    if body is None:
+        return await too_large(reply, gw.settings.max_body_bytes)
+    await proxy(gw, path, headers, tenant, body, reply)
+
+
+async def unauthorized(reply: Reply) -> None:
+    await respond_error(reply, 401, "Invalid API key.", "invalid_request_error", "invalid_api_key")
+
+
+async def too_large(reply: Reply, limit: int) -> None:
+    await respond_error(reply, 413, f"Request body larger than {limit} bytes.", "invalid_request_error")
+
+
+async def proxy(gw: Gateway, path: str, client_headers: list[tuple[bytes, bytes]], tenant: Tenant, body: bytes,
+                reply: Reply) -> None:
+    """The request from its parse on: checks, limits, schedule, forward (with retries), answer."""
+    started = time.perf_counter()
     try:
         payload = json.loads(body)
     except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser's stack
         payload = None
     if not isinstance(payload, dict):
-        return await respond_error(send, 400, "Request body must be a JSON object.", "invalid_request_error")
-    tokenizing = scope["path"] in TOKENIZER_PATHS
+        return await respond_error(reply, 400, "Request body must be a JSON object.", "invalid_request_error")
+    tokenizing = path in TOKENIZER_PATHS
     model = payload.get("model")
     if model is None and tokenizing and len(bases := gw.fleet.base_models()) == 1:
         model = payload["model"] = next(iter(bases))  # optional there, as in vLLM, when one base is served
     if model is None:
-        return await respond_error(send, 400, "`model` is required.", "invalid_request_error", param="model")
+        return await respond_error(reply, 400, "`model` is required.", "invalid_request_error", param="model")
     if not isinstance(model, str):
         message = "model: Input should be a valid string"
-        return await refuse_as_worker(send, message, "model")
-    problem = check_fields(payload, gw.settings, scope["path"])
+        return await refuse_as_worker(reply, message, "model")
+    problem = check_fields(payload, gw.settings, path)
     if problem:
-        return await refuse_as_worker(send, problem[1], problem[0])
+        return await refuse_as_worker(reply, problem[1], problem[0])
     try:
         base, adapters = resolve(payload, gw)
     except ValidationError as exc:  # named as the worker names it: lora_adapters.0.scale
         first = exc.errors()[0]
         param = field_path(first["loc"], "lora_adapters")
         message = f"{param}: {first['msg']}" if first["loc"] else f"invalid `lora_adapters`: {first['msg']}"
-        return await refuse_as_worker(send, message, param)
+        return await refuse_as_worker(reply, message, param)
     except UnknownModel as exc:
-        return await model_not_found(send, exc.name, exc.param)
+        return await model_not_found(reply, exc.name, exc.param)
     # Another tenant's adapter answers exactly like an unknown one: no existence oracle.
     if not tenant.may_use_model(base):
-        return await model_not_found(send, model)
+        return await model_not_found(reply, model)
     denied = next((a for a in adapters if not tenant.may_use_adapter(a)), None)
     if denied is not None:
-        return await model_not_found(send, denied, None if denied == model else "lora_adapters")
+        return await model_not_found(reply, denied, None if denied == model else "lora_adapters")
     if tokenizing:
         adapters = ()
         body = json.dumps({**payload, "model": base}).encode()
@@ -255,14 +272,14 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
     if allowed is not None and len(adapters) > allowed:  # refused before any load is spent on it
         message = (f"{len(adapters)} adapters requested; the workers serving {base!r} allow "
                    f"max_loras_per_request={allowed}")
-        return await refuse_as_worker(send, message, "lora_adapters")
+        return await refuse_as_worker(reply, message, "lora_adapters")
     adapter_label = "+".join(adapters) or "(base)"
     try:
         lease = await gw.limiter.acquire(tenant)
     except Limited as exc:
         gw.metrics.count_request(tenant, adapter_label, "429")
         return await respond_error(
-            send,
+            reply,
             429,
             f"Tenant limit reached: {exc.limit}.",
             "rate_limit_error",
@@ -273,7 +290,6 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
     gw.budget.deposit()
     req = RequestInfo(base, adapters)
     stream = bool(payload.get("stream"))
-    path = scope["path"]
     # In a fleet of mixed workers, those taking fewer adapters per request than this one names.
     excluded: set[str] = gw.fleet.too_narrow(len(adapters)) if len(adapters) > 1 else set()
     if not vllm_can_serve(payload):  # a composition vLLM has no field for
@@ -282,9 +298,7 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
     unloadable = [a for a in adapters if not gw.loader.can_load(a)]
     waited = 0.0  # load waits and upstream time are not the router's own latency
     why: list[str] = []  # each attempt's failure, then why no attempt followed: all of it in the 503
-    gone = on_disconnect(send)  # uvicorn's cycle: a future its connection_lost completes
-    if gone is None:
-        gone = asyncio.get_running_loop().create_task(disconnected(receive))
+    gone = reply.gone_future()
     try:
         for attempt in range(gw.settings.max_attempts):
             if attempt > 0 and not gw.budget.try_spend():
@@ -305,7 +319,7 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
             try:
                 if decision.needs_load or replica.loading:
                     await unless_gone(prepare(gw, replica, decision, adapters), gone)
-                headers = upstream_headers(scope["headers"], {HEADER_TENANT: tenant.name})
+                headers = upstream_headers(client_headers, {HEADER_TENANT: tenant.name})
                 if replica.kind == "vllm":  # the pool's token (a file's stat per lookup): only vLLM takes it here
                     headers.update(request_headers(replica.kind, gw.sync.tokens.headers(replica.pool)))
                 url = replica.url + path
@@ -348,9 +362,9 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
             gw.metrics.added_latency.observe(max(0.0, time.perf_counter() - started - waited))
             if upstream.response is None:
                 await finish(gw, replica, adapters, lease, tenant, adapter_label, status)
-                return await respond(send, upstream.status, upstream.body, out_headers)
+                return await reply.respond(upstream.status, out_headers, upstream.body)
             try:  # a client that leaves closes the exchange (send_once's `gone`): Aborted
-                await relay(send, upstream, out_headers, path == "/v1/responses")
+                await reply.relay(upstream, out_headers, path == "/v1/responses")
             except (StreamBroken, OSError):  # upstream broke (the client got an SSE error) or send failed
                 status = "stream_error"
             except Aborted:
@@ -364,7 +378,7 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
     await lease.release()
     gw.metrics.count_request(tenant, adapter_label, "503")
     await respond_error(
-        send,
+        reply,
         503,
         f"No replica could serve the request ({'; then '.join(why) or 'no replica available'}).",
         "service_unavailable",

@@ -32,10 +32,12 @@ from lorafleet.protocol import INTERNAL_HEADER_PREFIX, ErrorResponse
 from lorafleet.router.upstream import Exchange, Pool, UpstreamError, request_bytes
 
 # Hop-by-hop (RFC 9110 §7.6.1) plus what the router owns: the client's key never reaches a worker.
-# accept-encoding too: the body is relayed as it comes and read in part (errors), so uncompressed.
+# accept-encoding too: the body is relayed as it comes and read in part (errors), so uncompressed;
+# expect too: the router has the whole body before it forwards it (a worker's `100 Continue` would
+# be taken for its answer).
 _DROP_REQUEST = {
     "host", "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-    "transfer-encoding", "upgrade", "content-length", "authorization", "cookie", "accept-encoding",
+    "transfer-encoding", "upgrade", "content-length", "authorization", "cookie", "accept-encoding", "expect",
 }  # fmt: skip
 # A worker asked for no encoding sends none; a content-encoding would not describe what is relayed.
 _DROP_RESPONSE = {

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
-from starlette.types import Send
+from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
 
 from lorafleet.router.proxy import StreamBroken, StreamTail, Upstream, relay_stream
@@ -157,3 +157,51 @@ async def relay(send: Send, upstream: Upstream, headers: list[tuple[bytes, bytes
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
     finally:  # also after StreamBroken (its error event sent): the response is complete, not cut off
         await send({"type": "http.response.body", "body": b""})
+
+
+class ClientGone(Exception):
+    """The client disconnected (before its request was read, or while it was being served)."""
+
+
+class Reply(Protocol):
+    """Where a proxied request's answer goes (`router/generate.py`)."""
+
+    async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """A whole answer; `headers` without a content-length (added here)."""
+
+    async def relay(self, upstream: Upstream, headers: list[tuple[bytes, bytes]], responses_api: bool) -> None:
+        """A streamed answer, as `relay` below."""
+
+    def gone_future(self) -> asyncio.Future[None]:
+        """Done when the client's connection is lost; call once the body is read, cancel when done."""
+
+
+class AsgiReply:
+    """A reply through the ASGI `send`, with the uvicorn shortcuts above where they apply."""
+
+    __slots__ = ("scope", "receive", "send")
+
+    def __init__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.scope, self.receive, self.send = scope, receive, send
+
+    async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        headers.append((b"content-length", str(len(body)).encode()))
+        if write_response(self.send, status, headers, body):  # uvicorn's cycle: one write, no ASGI messages
+            return
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+        await self.send({"type": "http.response.body", "body": body})
+
+    async def relay(self, upstream: Upstream, headers: list[tuple[bytes, bytes]], responses_api: bool) -> None:
+        await relay(self.send, upstream, headers, responses_api)
+
+    def gone_future(self) -> asyncio.Future[None]:
+        gone = on_disconnect(self.send)  # uvicorn's cycle: a future its connection_lost completes
+        if gone is None:
+            gone = asyncio.get_running_loop().create_task(disconnected(self.receive))
+        return gone
+
+
+async def disconnected(receive: Receive) -> None:
+    """Returns when the client disconnects; call only once the body is read (the rest is that)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -71,5 +71,9 @@ class RouterSettings:
     eject_after_failures: int = 3
     eject_cooldown_s: float = 5.0
     replica_capacity: int = 64  # concurrent sequences a worker runs; normalises load scores
+    # The proxied routes served by the router's own protocol on uvicorn's httptools parser
+    # (`router/fast_http.py`: no ASGI scope, cycle or messages per request); False: every request
+    # through plain uvicorn and the ASGI app (`--http-server uvicorn`), the same answers at more CPU.
+    fast_http: bool = True
     # Client connections: head/body deadlines, keep-alive, per-client and total caps.
     connection_limits: ConnectionLimits = ConnectionLimits()

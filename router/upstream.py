@@ -120,7 +120,7 @@ class Exchange:
     """One request's answer, read as it arrives."""
 
     __slots__ = ("conn", "status", "raw_headers", "keep_alive", "chunks", "complete", "received", "error",
-                 "waiter", "closed", "timer", "gone_cb", "gone", "sink")
+                 "waiter", "closed", "gone_cb", "gone", "sink")
 
     def __init__(self, conn: Conn, gone: asyncio.Future | None) -> None:
         self.conn = conn
@@ -133,7 +133,6 @@ class Exchange:
         self.error: BaseException | None = None
         self.waiter: asyncio.Future | None = None
         self.closed = False
-        self.timer: asyncio.TimerHandle | None = None
         self.gone = gone
         self.gone_cb = None
         self.sink: Callable[[bytes], bool] | None = None
@@ -226,22 +225,11 @@ class Exchange:
             self.sink = None
         return done
 
-    def watch(self, read_timeout_s: float) -> None:
-        """Fail with "timeout" once no byte came for `read_timeout_s`."""
+    def watch(self) -> None:
+        """Fail with "timeout" once no byte came for the pool's `read_timeout_s` (`Pool.sweep`)."""
         conn = self.conn
         conn.last_read = conn.loop.time()
-
-        def check() -> None:
-            idle = conn.loop.time() - conn.last_read
-            if self.closed or self.complete:
-                return
-            if idle >= read_timeout_s:
-                self.fail(UpstreamError("timeout", f"no answer for {read_timeout_s:g}s"))
-                conn.close()
-            else:
-                self.timer = conn.loop.call_later(read_timeout_s - idle, check)
-
-        self.timer = conn.loop.call_later(read_timeout_s, check)
+        conn.pool.watch(self)
 
     def close(self) -> None:
         """A complete exchange's connection goes back to the pool; an unfinished one is closed."""
@@ -252,8 +240,7 @@ class Exchange:
         self.conn.pool.slots.release()
 
     def detach(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
+        self.conn.pool.watched.discard(self)
         if self.gone is not None and self.gone_cb is not None:
             self.gone.remove_done_callback(self.gone_cb)
         conn = self.conn
@@ -274,6 +261,29 @@ class Pool:
         self.idle: dict[tuple[str, int], list[Conn]] = {}
         self.slots = asyncio.Semaphore(max_connections)
         self.open: set[Conn] = set()
+        # Exchanges waiting on the worker, checked for the read timeout by one timer for them all
+        # (a timer per exchange cost a schedule and a cancel per request): an exchange fails
+        # between `read_timeout_s` and `read_timeout_s` + `sweep_s` after its last byte.
+        self.watched: set[Exchange] = set()
+        self.sweep_s = min(1.0, read_timeout_s / 4)
+        self.sweeper: asyncio.TimerHandle | None = None
+
+    def watch(self, ex: Exchange) -> None:
+        self.watched.add(ex)
+        if self.sweeper is None:
+            self.sweeper = self.loop.call_later(self.sweep_s, self.sweep)
+
+    def sweep(self) -> None:
+        """Fails the watched exchanges that had no byte for `read_timeout_s`; runs while any is watched."""
+        self.sweeper = None
+        now = self.loop.time()
+        for ex in [ex for ex in self.watched if now - ex.conn.last_read >= self.read_timeout_s]:
+            self.watched.discard(ex)
+            if not (ex.closed or ex.complete):
+                ex.fail(UpstreamError("timeout", f"no answer for {self.read_timeout_s:g}s"))
+                ex.conn.close()
+        if self.watched:
+            self.sweeper = self.loop.call_later(self.sweep_s, self.sweep)
 
     def forget(self, conn: Conn) -> None:
         self.open.discard(conn)
@@ -327,7 +337,7 @@ class Pool:
             conn.parser = httptools.HttpResponseParser(conn)
             assert conn.transport is not None
             conn.transport.write(request)
-            ex.watch(self.read_timeout_s)
+            ex.watch()
             try:
                 await ex.headers()
                 return ex
@@ -340,6 +350,9 @@ class Pool:
                 raise
 
     async def close(self) -> None:
+        if self.sweeper is not None:
+            self.sweeper.cancel()
+            self.sweeper = None
         for conn in list(self.open):
             conn.close()
         self.idle.clear()

@@ -1,14 +1,18 @@
-"""Fused SiLU and multiply of the decoder's MLP in Triton: one launch where torch takes two.
+"""Fused gated activation of the decoder's MLP in Triton: one launch where torch takes two.
 
-`silu_mul` reads the gate_up projection's output once and writes silu(gate) · up. Why fuse, the
-LoRA `delta` and CUDA graphs: `kernels/layers/fused_delta.py`.
+`silu_mul` reads the gate_up projection's output once and writes act(gate) · up, act being the
+config's `hidden_act`: SiLU (Llama, Qwen, Mistral, Phi-3) or GELU with the tanh approximation
+(`gelu_pytorch_tanh`: Gemma 2 and 3), a flag of the same kernel. Why fuse, the LoRA `delta` and
+CUDA graphs: `kernels/layers/fused_delta.py`.
 
 Semantics (same as `silu_mul_reference`, the oracle; math in fp32, one rounding to the activation
-dtype wherever the torch path of `worker/models/llama.py` rounds):
+dtype wherever the torch paths of `worker/models/llama.py` and `gemma2.py` round):
 
-    silu_mul(gate_up, delta=None):                  # [T, 2I] -> [T, I]
+    silu_mul(gate_up, delta=None, activation="silu"):  # [T, 2I] -> [T, I]
         gate, up = (gate_up + delta).chunk(2, -1)       # delta if given, the sum rounded
-        return silu(gate).to(dtype) * up
+        return act(gate).to(dtype) * up
+    act: silu(g) = g · sigmoid(g);
+         gelu_pytorch_tanh(g) = g/2 · (1 + tanh(u)) = g · sigmoid(2u), u = sqrt(2/π) · (g + 0.044715 g³)
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from lorafleet.kernels.layers.fused_delta import (
     load_plus,
     masked_delta,
 )
+
+
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # config.json's hidden_act values the kernel computes
 
 
 @triton.jit
@@ -44,10 +51,12 @@ def _silu_mul_kernel(
     BLOCK: tl.constexpr,
     HAS_DELTA: tl.constexpr,
     HAS_ROWS: tl.constexpr,
+    GELU_TANH: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid (T, cdiv(I, BLOCK)). gate_up, delta `[T, 2I]`, out `[T, I]` (unit stride in features);
-    rows `[T]`: with HAS_ROWS, delta counts only where rows is not 0."""
+    rows `[T]`: with HAS_ROWS, delta counts only where rows is not 0. GELU_TANH: the activation is
+    GELU's tanh approximation, else SiLU."""
     pdl.start(PDL)  # first: nothing is read or written before the kernel ahead has completed
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -57,16 +66,25 @@ def _silu_mul_kernel(
     use = delta_defined(rows_ptr, t, HAS_ROWS)
     gate = load_plus(row + offs, drow + offs, mask, use, HAS_DELTA)
     up = load_plus(row + inter + offs, drow + inter + offs, mask, use, HAS_DELTA)
-    act = (gate * tl.sigmoid(gate)).to(gate_up_ptr.dtype.element_ty)  # torch rounds silu(gate) first
+    if GELU_TANH:
+        # g/2 · (1 + tanh(u)) = g · sigmoid(2u): no cancellation where tanh(u) nears -1 (torch's form
+        # loses there up to an fp32 ulp of 1 times |g|/2); 2 sqrt(2/π) = 1.59577...
+        s = gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate))
+    else:
+        s = gate * tl.sigmoid(gate)
+    act = s.to(gate_up_ptr.dtype.element_ty)  # torch rounds act(gate) first
     out = act.to(tl.float32) * up
     tl.store(out_ptr + t * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_mul(
-    gate_up: torch.Tensor, delta: torch.Tensor | None = None, delta_rows: torch.Tensor | None = None
+    gate_up: torch.Tensor, delta: torch.Tensor | None = None, delta_rows: torch.Tensor | None = None,
+    activation: str = "silu",
 ) -> torch.Tensor:
-    """silu(gate) · up of gate_up `[T, 2I]` (gate columns first; plus delta, laid out alike, if
-    given, on the rows delta_rows `[T]` names, or all) -> a new `[T, I]` tensor."""
+    """act(gate) · up of gate_up `[T, 2I]` (gate columns first; plus delta, laid out alike, if
+    given, on the rows delta_rows `[T]` names, or all) -> a new `[T, I]` tensor; act is one of
+    ACTIVATIONS."""
+    _check_activation(activation)
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must be [T, 2·I], got {tuple(gate_up.shape)}")
     if gate_up.dtype not in FLOAT_DTYPES or gate_up.stride(1) != 1:
@@ -88,15 +106,25 @@ def silu_mul(
         BLOCK=block,
         HAS_DELTA=delta is not None,
         HAS_ROWS=rows is not None,
+        GELU_TANH=activation == "gelu_pytorch_tanh",
         num_warps=4,
         **pdl.launch_kwargs(pdl.row_kernel_pdl("silu_mul", gate_up, delta is not None)),
     )
     return out
 
 
+def _check_activation(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
 def silu_mul_reference(
-    gate_up: torch.Tensor, delta: torch.Tensor | None = None, delta_rows: torch.Tensor | None = None
+    gate_up: torch.Tensor, delta: torch.Tensor | None = None, delta_rows: torch.Tensor | None = None,
+    activation: str = "silu",
 ) -> torch.Tensor:
+    _check_activation(activation)
     delta = masked_delta(delta, delta_rows)
     gate, up = (gate_up if delta is None else gate_up + delta).chunk(2, dim=-1)
+    if activation == "gelu_pytorch_tanh":
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
     return torch.nn.functional.silu(gate) * up

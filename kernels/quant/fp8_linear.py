@@ -62,6 +62,7 @@ def _w8a16_kernel(
     # meta-parameters
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
     """x `[M, K]` bf16/fp16, w `[N, K]` e4m3fn, scale `[N]` fp32, bias `[N]`, out `[M, N]` (fp32 when
     SPLIT_K > 1: partial sums are added into it). Grid: (tiles of M x tiles of N, SPLIT_K).
@@ -70,6 +71,8 @@ def _w8a16_kernel(
         for each (m-tile, n-tile, split s): acc = sum over k-tiles s, s + SPLIT_K, ... of
             x[m-tile, k-tile] @ bf16(w[n-tile, k-tile])^T   (fp32)
         acc *= scale[n-tile]; acc += bias (split 0 only); out = acc (or out += acc when split)
+    SWAP_AB takes the same sum as bf16(w[n-tile, k-tile]) @ x[m-tile, k-tile]^T into a `[BLOCK_N,
+    BLOCK_M]` accumulator stored transposed: at a few rows the weight tile fills the MMA's M side.
     """
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -88,33 +91,64 @@ def _w8a16_kernel(
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]: w^T's tile
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
+    if SWAP_AB:
+        # (W x^T)^T: the weight tile [BLOCK_N, BLOCK_K] (K contiguous, as stored) is the left operand,
+        # the activations' [BLOCK_K, BLOCK_M] the right; the accumulator is the output tile transposed.
+        w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # [BLOCK_K, BLOCK_M]: x^T's tile
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
+                x = tl.load(x_ptrs, mask=mask_m[None, :], other=0.0)
+            else:
+                in_k = (k - pid_k * BLOCK_K + offs_k) < K
+                w = tl.load(w_ptrs, mask=mask_n[:, None] & in_k[None, :], other=0.0)
+                x = tl.load(x_ptrs, mask=mask_m[None, :] & in_k[:, None], other=0.0)
+            if DOT_F32:
+                acc_t += tl.dot(w.to(tl.float32), x.to(tl.float32))
+            else:
+                acc_t = tl.dot(w.to(x.dtype), x, acc_t)
+            x_ptrs += BLOCK_K * SPLIT_K
+            w_ptrs += BLOCK_K * SPLIT_K
+        acc_t *= tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
+        if HAS_BIAS:
+            if pid_k == 0:
+                acc_t += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        out_ptrs_t = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        mask_t = mask_n[:, None] & mask_m[None, :]
+        if SPLIT_K == 1:
+            tl.store(out_ptrs_t, acc_t.to(out_ptr.dtype.element_ty), mask=mask_t)
         else:
-            in_k = (k - pid_k * BLOCK_K + offs_k) < K
-            x = tl.load(x_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=mask_n[None, :] & in_k[:, None], other=0.0)
-        if DOT_F32:  # the interpreter's dot is wrong in bf16: fp32 there (exact for FP8 values)
-            acc += tl.dot(x.to(tl.float32), w.to(tl.float32))
-        else:
-            acc = tl.dot(x, w.to(x.dtype), acc)  # e4m3 -> bf16 is exact: the dequantization is a cast
-        x_ptrs += BLOCK_K * SPLIT_K
-        w_ptrs += BLOCK_K * SPLIT_K
-    acc *= tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
-    if HAS_BIAS:
-        if pid_k == 0:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_add(out_ptrs_t, acc_t, mask=mask_t)
     else:
-        tl.atomic_add(out_ptrs, acc, mask=mask)
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+        w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]: w^T's tile
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+            if EVEN_K:
+                x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+                w = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
+            else:
+                in_k = (k - pid_k * BLOCK_K + offs_k) < K
+                x = tl.load(x_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=mask_n[None, :] & in_k[:, None], other=0.0)
+            if DOT_F32:  # the interpreter's dot is wrong in bf16: fp32 there (exact for FP8 values)
+                acc += tl.dot(x.to(tl.float32), w.to(tl.float32))
+            else:
+                acc = tl.dot(x, w.to(x.dtype), acc)  # e4m3 -> bf16 is exact: the dequantization is a cast
+            x_ptrs += BLOCK_K * SPLIT_K
+            w_ptrs += BLOCK_K * SPLIT_K
+        acc *= tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+        if HAS_BIAS:
+            if pid_k == 0:
+                acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        mask = mask_m[:, None] & mask_n[None, :]
+        if SPLIT_K == 1:
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.atomic_add(out_ptrs, acc, mask=mask)
 
 
 def fp8_linear_triton(
@@ -143,7 +177,7 @@ def fp8_linear_triton(
         m, n, k,
         x.stride(0), w.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-        SPLIT_K=split, GROUP_M=8, EVEN_K=k % c.block_k == 0, DOT_F32=interpreting(),
+        SPLIT_K=split, GROUP_M=8, EVEN_K=k % c.block_k == 0, DOT_F32=interpreting(), SWAP_AB=c.swap_ab,
         num_warps=c.warps, num_stages=c.stages,
     )
     return out.to(x.dtype) if split > 1 else out

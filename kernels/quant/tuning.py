@@ -25,7 +25,9 @@ PREFILL_PATHS = ("triton", "dequant", "scaled_mm")
 
 @dataclass(frozen=True, slots=True)
 class LaunchConfig:
-    """One launch of the W8A16 kernel: tiles, K split (partial sums added atomically in fp32), warps, stages."""
+    """One launch of the W8A16 kernel: tiles, K split (partial sums added atomically in fp32), warps,
+    stages, and `swap_ab`: the product taken as (W x^T)^T, the weight tile the MMA's left operand (its
+    rows the MMA's M, converted in registers) and the few activation rows its N."""
 
     max_m: int
     block_m: int
@@ -34,6 +36,7 @@ class LaunchConfig:
     split_k: int = 1
     warps: int = 4
     stages: int = 3
+    swap_ab: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):

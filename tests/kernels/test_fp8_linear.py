@@ -65,11 +65,12 @@ def test_reference_is_the_dequantized_product() -> None:
 
 
 CONFIGS = [LaunchConfig(256, 16, 16, 32), LaunchConfig(256, 32, 32, 16, split_k=3),
-           LaunchConfig(256, 16, 64, 64, split_k=2, warps=2, stages=2)]
+           LaunchConfig(256, 16, 64, 64, split_k=2, warps=2, stages=2),
+           LaunchConfig(256, 16, 32, 32, swap_ab=True), LaunchConfig(256, 32, 16, 16, split_k=3, swap_ab=True)]
 
 
 @pytest.mark.parametrize("m, n, k", [(1, 48, 80), (5, 33, 96), (19, 100, 64), (40, 17, 50)])
-@pytest.mark.parametrize("config", CONFIGS, ids=["plain", "split3", "split2-wide"])
+@pytest.mark.parametrize("config", CONFIGS, ids=["plain", "split3", "split2-wide", "swap", "swap-split3"])
 @pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 def test_triton_matches_reference(m: int, n: int, k: int, config: LaunchConfig, bias: bool) -> None:
     x, _, q, s = case(m * 1000 + n, m, n, k)
@@ -126,12 +127,14 @@ from lorafleet.kernels.quant import fp8_linear as ops
 
 sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
        "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32"}
-for bm, bn, bk, split, warps, stages, even, bias in (
-        (16, 64, 256, 1, 4, 4, True, False), (64, 64, 128, 1, 4, 4, True, False), (128, 128, 64, 1, 8, 3, True, False),
-        (16, 32, 128, 4, 4, 4, True, False), (32, 256, 64, 2, 4, 3, False, True), (128, 64, 128, 1, 8, 4, False, True)):
+for bm, bn, bk, split, warps, stages, even, bias, swap in (
+        (16, 64, 256, 1, 4, 4, True, False, False), (64, 64, 128, 1, 4, 4, True, False, False),
+        (128, 128, 64, 1, 8, 3, True, False, False), (16, 32, 128, 4, 4, 4, True, False, False),
+        (32, 256, 64, 2, 4, 3, False, True, False), (128, 64, 128, 1, 8, 4, False, True, False),
+        (64, 128, 128, 1, 4, 4, True, False, True), (16, 64, 256, 2, 4, 4, False, True, True)):
     s = dict(sig, out_ptr="*fp32") if split > 1 else sig
     k = compile_(ops._w8a16_kernel, s, dict(HAS_BIAS=bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
-                 GROUP_M=8, EVEN_K=even, DOT_F32=False), warps=warps, stages=stages, divisible=("K",))
+                 GROUP_M=8, EVEN_K=even, DOT_F32=False, SWAP_AB=swap), warps=warps, stages=stages, divisible=("K",))
     ptx = k.asm["ptx"]
     assert "cvt.rn.bf16x2.e4m3x2" in ptx or "cvt.rn.f16x2.e4m3x2" in ptx, "no hardware e4m3 conversion"
     assert bool(re.search(r"\s(red|atom)\.global", ptx)) == (split > 1), "atomics only for a split K"

@@ -61,6 +61,52 @@ def test_norms_read_strided_rows() -> None:
     torch.testing.assert_close(out, add_rms_norm_reference(x, before[:, :37], weight, 1e-5), **TOLERANCE[torch.float32])
 
 
+@DTYPES
+@pytest.mark.parametrize("tokens, hidden", NORM_SHAPES)
+def test_gemma_offset_weights(dtype, tokens: int, hidden: int) -> None:
+    """offset: Gemma's `1 + w` weights (offsets near 0), scaled in fp32 before the one rounding."""
+    x, _, weight = norm_case(2, tokens, hidden, dtype)
+    offsets = weight - 1.0
+    out = rms_norm(x, offsets, 1e-6, offset=True)
+    torch.testing.assert_close(out, rms_norm_reference(x, offsets, 1e-6, offset=True), **TOLERANCE[dtype])
+
+
+@DTYPES
+@pytest.mark.parametrize("tokens, hidden", NORM_SHAPES)
+@pytest.mark.parametrize("with_delta", [False, True], ids=["", "delta"])
+@pytest.mark.parametrize("offset", [False, True], ids=["llama", "gemma"])
+def test_add_rms_norm_norms_x_before_the_add(dtype, tokens: int, hidden: int, with_delta: bool, offset: bool) -> None:
+    """x_weight: x (+ delta, only on the rows delta_rows names) is normed before the residual add (Gemma 2's
+    post-sublayer norms): the residual gets the normed x, rounded, and the output is the residual's norm."""
+    x, residual, weight = norm_case(3, tokens, hidden, dtype)
+    x_weight = torch.randn(hidden, generator=torch.Generator().manual_seed(4)).to(DEVICE, dtype) * 0.2
+    if not offset:
+        x_weight = x_weight + 1.0
+    delta = torch.randn_like(x) if with_delta else None
+    rows = (torch.arange(tokens, device=DEVICE) % 2).int() if with_delta else None  # odd rows have a delta
+    if delta is not None:
+        delta[rows == 0] = float("nan")  # undefined there: must not be read as a number
+    ref_residual = residual.clone()
+    ref = add_rms_norm_reference(x, ref_residual, weight, 1e-6, delta, rows, x_weight=x_weight, offset=offset)
+    out = add_rms_norm(x, residual, weight, 1e-6, delta, rows, x_weight=x_weight, offset=offset)
+    torch.testing.assert_close(residual, ref_residual, **TOLERANCE[dtype])
+    torch.testing.assert_close(out, ref, **TOLERANCE[dtype])
+    assert not out.isnan().any()
+
+
+def test_gemma_references_are_transformers_norm() -> None:
+    """The offset reference is transformers' Gemma2RMSNorm, bit for bit, in fp16 (its own rounding order)."""
+    transformers = pytest.importorskip("transformers.models.gemma2.modeling_gemma2")
+    x, residual, weight = norm_case(6, 3, 37, torch.float16, "cpu")
+    hf = transformers.Gemma2RMSNorm(37, eps=1e-6).half()
+    with torch.no_grad():
+        hf.weight.copy_(weight - 1.0)
+        assert torch.equal(rms_norm_reference(x, hf.weight, 1e-6, offset=True), hf(x))
+        h = residual.clone()
+        out = add_rms_norm_reference(x, h, hf.weight, 1e-6, x_weight=hf.weight, offset=True)
+        assert torch.equal(h, residual + hf(x)) and torch.equal(out, hf(residual + hf(x)))
+
+
 def test_rms_norm_reference_is_the_model_torch_path() -> None:
     x, residual, weight = norm_case(5, 3, 37, torch.float16, "cpu")
     assert torch.equal(rms_norm_reference(x, weight, 1e-5), llama.rms_norm(x, weight, 1e-5))
@@ -86,12 +132,13 @@ SIZES = ("hidden",)  # 4096 at the seed shape
 
 for dt in ("bf16", "fp16", "fp32"):
     p = "*" + dt
-    norm = {"x_ptr": p, "residual_ptr": p, "weight_ptr": p, "out_ptr": p, "delta_ptr": p, "rows_ptr": "*i32",
-            "hidden": "i32",
+    norm = {"x_ptr": p, "residual_ptr": p, "weight_ptr": p, "x_weight_ptr": p, "out_ptr": p, "delta_ptr": p,
+            "rows_ptr": "*i32", "hidden": "i32",
             "eps": "fp32", "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_d": "i32"}
-    for add in (False, True):
-        compile_row_variants(ops._rms_norm_kernel, norm, dict(BLOCK=4096, ADD_RESIDUAL=add), vectorised="rms_norm",
-                             divisible=SIZES)
+    # Llama's (no offset) alone and after the add; Gemma's (offset) alone and with x normed first.
+    for add, norm_x, offset in ((False, False, False), (True, False, False), (False, False, True), (True, True, True)):
+        compile_row_variants(ops._rms_norm_kernel, norm, dict(BLOCK=4096, ADD_RESIDUAL=add, NORM_X=norm_x, OFFSET=offset),
+                             vectorised="rms_norm", divisible=SIZES)
 print("ok")
 """
 

@@ -29,6 +29,34 @@ def test_silu_mul_matches_reference(dtype, tokens: int, inter: int, with_delta: 
     torch.testing.assert_close(out, silu_mul_reference(gate_up, delta), **TOLERANCE[dtype])
 
 
+@DTYPES
+@pytest.mark.parametrize("tokens, inter", [(1, 1), (3, 45), (2, 1500)])
+@pytest.mark.parametrize("with_delta", [False, True], ids=["", "delta"])
+def test_gelu_tanh_mul_matches_reference(dtype, tokens: int, inter: int, with_delta: bool) -> None:
+    """activation="gelu_pytorch_tanh" (Gemma): GELU's tanh approximation of the gate, both tails."""
+    g = torch.Generator().manual_seed(8)
+    gate_up = (torch.randn(tokens, 2 * inter, generator=g) * 6.0).to(DEVICE, dtype)
+    delta = (torch.randn(tokens, 2 * inter, generator=g) * 2.0).to(DEVICE, dtype) if with_delta else None
+    out = silu_mul(gate_up, delta, activation="gelu_pytorch_tanh")
+    ref = silu_mul_reference(gate_up, delta, activation="gelu_pytorch_tanh")
+    # fp32: torch's 1 + tanh(u) cancels in the far negative tail (up to an ulp of 1, times |g · up| / 2,
+    # both here up to ~20), where the kernel's g · sigmoid(2u) does not: an absolute slack of that size.
+    tol = dict(TOLERANCE[dtype], atol=6e-8 * 200) if dtype == torch.float32 else TOLERANCE[dtype]
+    torch.testing.assert_close(out, ref, **tol)
+    assert not torch.allclose(ref, silu_mul_reference(gate_up, delta), **TOLERANCE[dtype])  # the flag changes it
+
+
+def test_gelu_reference_is_gemmas_mlp() -> None:
+    gate_up = torch.randn(3, 2 * 45, dtype=torch.float16)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(silu_mul_reference(gate_up, activation="gelu_pytorch_tanh"), F.gelu(gate, approximate="tanh") * up)
+
+
+def test_silu_mul_refuses_an_unknown_activation() -> None:
+    with pytest.raises(ValueError, match="activation"):
+        silu_mul(torch.zeros(2, 4, device=DEVICE), activation="relu")
+
+
 def test_silu_mul_reference_is_the_model_torch_path() -> None:
     gate_up = torch.randn(3, 2 * 45, dtype=torch.float16)
     gate, up = gate_up.chunk(2, dim=-1)
@@ -52,7 +80,9 @@ for dt in ("bf16", "fp16", "fp32"):
     p = "*" + dt
     silu = {"gate_up_ptr": p, "out_ptr": p, "delta_ptr": p, "rows_ptr": "*i32", "inter": "i32", "stride_in": "i32",
             "stride_out": "i32", "stride_d": "i32"}
-    compile_row_variants(ops._silu_mul_kernel, silu, dict(BLOCK=1024), vectorised="silu_mul", divisible=SIZES)
+    for gelu in (False, True):
+        compile_row_variants(ops._silu_mul_kernel, silu, dict(BLOCK=1024, GELU_TANH=gelu), vectorised="silu_mul",
+                             divisible=SIZES)
 print("ok")
 """
 

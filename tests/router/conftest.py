@@ -15,6 +15,7 @@ import uvicorn
 
 from lorafleet.placement_store import PlacementStore
 from lorafleet.router.api import create_app
+from lorafleet.router.fast_http import server_config
 from lorafleet.router.settings import RouterSettings
 from tests.router.fake_worker import FakeWorkerConfig, FakeWorkerProcess, free_port, wait_http
 
@@ -30,7 +31,8 @@ class RouterThread:
         self.settings = replace(settings, host="127.0.0.1", port=self.port)
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = create_app(self.settings, store=store)
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        # As `lorafleet router` serves it (router/fast_http.py; `fast_http=False`: plain uvicorn).
+        config = server_config(self.app, self.settings, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -136,12 +136,13 @@ def wait_for(predicate, timeout_s: float) -> float:
     return time.monotonic() - started
 
 
+@pytest.mark.parametrize("fast_http", [True, False], ids=["fast_http", "uvicorn"])
 @pytest.mark.parametrize("stream", [False, True])
-def test_client_disconnect_aborts_the_worker_request(two_workers, stream):
+def test_client_disconnect_aborts_the_worker_request(two_workers, stream, fast_http):
     w0, _ = two_workers
     # 400 tokens at 5 ms: about 2 s of generation (more with the event loop's timer granularity).
     body = {"model": "a", "prompt": "x", "max_tokens": 400, "stream": stream}
-    with RouterThread(router_settings(two_workers)) as router, httpx.Client(timeout=0.5) as client:
+    with RouterThread(router_settings(two_workers, fast_http=fast_http)) as router, httpx.Client(timeout=0.5) as client:
         if stream:
             with client.stream("POST", router.url + "/v1/completions", json=body) as resp:
                 assert resp.status_code == 200

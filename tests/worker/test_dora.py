@@ -132,3 +132,57 @@ def test_one_slot_turns_dora_and_back(tmp_path, demo_model):
         check_mixed_batch(engine, {"": lora, name: model}, PROMPT)
         # the host flag picks eager steps' launches, the device one the rows a graph's launch rewrites
         assert engine.slots.slot_dora == [name == "d"] and engine.slots.is_dora.tolist() == [int(name == "d")]
+
+
+# -- the norms, without W + s·BA ----------------------------------------------------------------
+
+
+def _module(out: int, in_: int, rank: int, seed: int, w_dtype: torch.dtype):
+    from lorafleet.worker.lora.weights import ModuleWeights
+
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(out, in_, generator=g) * 0.02).to(w_dtype)
+    m = ModuleWeights(a=torch.randn(rank, in_, generator=g) * 0.05, b=torch.randn(out, rank, generator=g) * 0.05,
+                      scaling=2.0, magnitude=torch.ones(out))
+    return m, w
+
+
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_row_norms_without_forming_the_adapted_weight(w_dtype):
+    """The expanded ||W_o||² + 2s B_o·(W Aᵀ)_o + s² B_o (A Aᵀ) B_oᵀ equals ||W + s·BA||² per row (in
+    float64) to float32 accuracy, with a cached or a fresh ||W_o||², and sums over a split of the input
+    columns (a row-parallel shard's part)."""
+    from lorafleet.worker.lora.dora import adapted_row_norms_sq
+    from lorafleet.worker.lora.weights import ModuleWeights
+
+    m, w = _module(96, 200, 8, 3, w_dtype)
+    want = (w.double() + m.scaling * (m.b.double() @ m.a.double())).pow(2).sum(dim=1)
+    got = adapted_row_norms_sq(m, w)
+    assert got.dtype == torch.float32 and got.shape == (96,)
+    torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=0)
+    torch.testing.assert_close(adapted_row_norms_sq(m, w, w.float().pow(2).sum(dim=1)), got, rtol=1e-6, atol=0)
+    parts = [adapted_row_norms_sq(ModuleWeights(a=m.a[:, cols], b=m.b, scaling=m.scaling), w[:, cols])
+             for cols in (slice(0, 77), slice(77, 200))]
+    torch.testing.assert_close((parts[0] + parts[1]).double(), want, rtol=2e-6, atol=0)
+
+
+def test_base_norms_are_kept_per_base_weight_view():
+    """||W_o||² is computed once per view of a kept weight (its place in it: another slice is
+    another entry), goes when that weight is freed, and is never kept for a weight that is no view."""
+    import gc
+
+    from lorafleet.worker.lora.dora import BaseNormCache
+
+    cache = BaseNormCache()
+    fused = torch.randn(10, 6)
+    first = cache.row_norms_sq(fused[0:4])
+    assert cache.row_norms_sq(fused[0:4]) is first  # a fresh view of the same rows: kept
+    second = cache.row_norms_sq(fused[4:10])
+    torch.testing.assert_close(second, fused[4:10].pow(2).sum(dim=1))
+    torch.testing.assert_close(first, fused[0:4].pow(2).sum(dim=1))
+    alone = torch.randn(4, 6)
+    assert cache.row_norms_sq(alone) is not cache.row_norms_sq(alone)
+    assert len(cache._by_base) == 1
+    del fused
+    gc.collect()
+    assert not cache._by_base

@@ -132,6 +132,11 @@ def rank_class(bound: int, r_max: int, one_pair: bool = True) -> int:
     return min(cls, r_max)
 
 
+# (batch bucket, LoRA chunk class, rank class, one-pair chunks): what a graph is captured for;
+# (bucket, 0, 0, False) is a step without adapters.
+GraphKey = tuple[int, int, int, bool]
+
+
 @dataclass(slots=True)
 class DecodeOutput:
     """A decode step's outputs, `[num_seqs]` rows; views of a graph's static buffers, valid until
@@ -206,8 +211,8 @@ class DecodeGraphs:
         self.context_lens = torch.zeros(top, dtype=torch.int32, device=dev)
         self.logits_rows = torch.arange(top, dtype=torch.int64, device=dev)  # filled every step
         # (bucket, chunk class, rank class, one-pair chunks) -> graph
-        self._graphs: dict[tuple[int, int, int, bool], _Captured] = {}
-        self._dora_graphs: dict[tuple[int, int, int, bool], _Captured] = {}  # the same, with DoRA's epilogue
+        self._graphs: dict[GraphKey, _Captured] = {}
+        self._dora_graphs: dict[GraphKey, _Captured] = {}  # the same, with DoRA's epilogue
         self.last: _Captured | None = None  # the last step's graph (benchmarks time its replay alone)
         self._pool = None  # one memory pool shared by every bucket's graph (made at the first capture)
 
@@ -242,10 +247,17 @@ class DecodeGraphs:
                    rank_class(bound, self.model.lora.max_rank, step_meta.one_pair_chunks), step_meta.one_pair_chunks)
         # DoRA's epilogue is captured only while a DoRA adapter is resident (`LoraSlots.apply_dora`):
         # those graphs are kept apart, and a graph without it is never replayed while one is.
-        graphs = self._dora_graphs if step_meta is not None and self.model.lora.any_dora() else self._graphs
-        captured = graphs.get(key)
+        dora = step_meta is not None and self.model.lora.any_dora()
+        return self.replay(key, dora, inputs, step_meta, input_ids)
+
+    def replay(self, key: GraphKey, dora: bool, inputs: DecodeInputs, step_meta: LoraMeta | None,
+               input_ids: torch.Tensor | None = None) -> DecodeOutput:
+        """`run` once its graph is chosen: `key`'s graph (with DoRA's epilogue if `dora`), captured
+        now if it is new, its buffers filled with `inputs` and `step_meta`, replayed. Tensor
+        parallelism's ranks 1..N-1 call it with rank 0's choice (worker/engine/parallel.py)."""
+        captured = (self._dora_graphs if dora else self._graphs).get(key)
         if captured is None:
-            captured = graphs[key] = self._capture(*key)
+            captured = self.capture_graph(key, dora)
         self._fill(captured, inputs, step_meta)
         if input_ids is not None:
             self.input_ids[: input_ids.shape[0]].copy_(input_ids, non_blocking=True)  # queued after the fill
@@ -265,8 +277,13 @@ class DecodeGraphs:
         graphs captured."""
         missing = [b for b in self.buckets if (b, 0, 0, False) not in self._graphs]
         for bucket in missing:
-            self._graphs[(bucket, 0, 0, False)] = self._capture(bucket, 0, 0, False)
+            self.capture_graph((bucket, 0, 0, False), False)
         return len(missing)
+
+    def capture_graph(self, key: GraphKey, dora: bool) -> _Captured:
+        """Capture `key`'s graph (among those with DoRA's epilogue if `dora`) and keep it."""
+        captured = (self._dora_graphs if dora else self._graphs)[key] = self._capture(*key)
+        return captured
 
     # -- internals -----------------------------------------------------------------------------
     def _fill(self, captured: _Captured, inputs: DecodeInputs, step_meta: LoraMeta | None) -> None:

@@ -40,6 +40,7 @@ from lorafleet.worker.engine.memory_plan import free_at_start, log_memory_plan, 
 from lorafleet.worker.engine.model_runner import LogitsHook, ModelRunner
 from lorafleet.worker.engine.outputs import Completion, RequestOutput, TrackedRequest
 from lorafleet.worker.engine.parallel import Group, ShardedLoraSlots, leader_dora, start_kv, tp_leader_model
+from lorafleet.worker.engine.rank_graphs import lead_graphs
 from lorafleet.worker.engine.scheduler import Scheduler, SchedulerConfig
 from lorafleet.worker.engine.sequence import SamplingParams, Sequence
 from lorafleet.worker.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -125,7 +126,6 @@ class LLMEngine:
         self.use_graphs = want_cuda_graphs(config.cuda_graphs, self.device, self.model.attention_backend,
                                            self.model.lora_backend)
         if group is not None:
-            self.use_graphs = False  # the collectives are not captured per rank yet
             self.slots = ShardedLoraSlots(self.model_config, group, config.max_loras, config.max_lora_rank, self.device,
                                           self.dtype)
         else:
@@ -164,11 +164,15 @@ class LLMEngine:
         self.steps = 0
         # The server turns this off and reads adapters from disk in a thread (see async_engine.py).
         self.read_adapters_inline = True
-        # The step in flight under async scheduling.
+        # The step in flight under async scheduling; not under tensor parallelism: its steps feed the
+        # tokens sampled on rank 0's device, which the other ranks do not have.
         self.async_steps = AsyncStepper(
-            self, want_async_scheduling(config.async_scheduling, self.runner.graphs is not None, self.device))
+            self, group is None and want_async_scheduling(config.async_scheduling, self.runner.graphs is not None,
+                                                          self.device))
         if config.async_scheduling and self.runner.graphs is None:
             log.warning("--async-scheduling needs the decode graph path (--cuda-graphs): every step runs synchronously")
+        elif config.async_scheduling and group is not None:
+            log.warning("--async-scheduling is not run under --tensor-parallel-size > 1: every step runs synchronously")
         for name, path in (lora_modules or {}).items():
             self.load_adapter(name, path, pinned=name in config.pinned_adapters)
         self._log_memory_plan(num_blocks)
@@ -182,12 +186,12 @@ class LLMEngine:
         capture = self.device.type == "cuda"
         c = self.config
         max_batch, max_rows = graph_sizes(c.max_num_seqs, c.max_num_batched_tokens, c.max_graph_tokens)
-        return DecodeGraphs(
-            self.model, self.runner.kv_caches, block_size=self.config.block_size, max_model_len=self.max_model_len,
-            max_batch=max_batch, max_loras=self.config.max_loras,
-            max_loras_per_request=self.config.max_loras_per_request, sink_slot=self.runner.sink_slot,
-            capture=capture, max_rows=max_rows,
-        )
+        sizes = dict(block_size=self.config.block_size, max_model_len=self.max_model_len, max_batch=max_batch,
+                     max_loras=self.config.max_loras, max_loras_per_request=self.config.max_loras_per_request,
+                     sink_slot=self.runner.sink_slot, capture=capture, max_rows=max_rows)
+        if self.group is not None:  # every rank its own graphs, rank 0 leading (worker/engine/rank_graphs.py)
+            return lead_graphs(self.model, self.runner.kv_caches, self.group, sizes)
+        return DecodeGraphs(self.model, self.runner.kv_caches, **sizes)
 
     def _log_memory_plan(self, num_blocks: int) -> None:
         """Log where memory goes, in the seed guide's terms: weights, adapter slots, KV blocks."""

@@ -151,3 +151,87 @@ def decode_inputs(
         logits_rows=torch.from_numpy(logits_rows),
         num_sampled=sampled,
     )
+
+
+@dataclass(slots=True)
+class PackedInputs:
+    """A graph step's `DecodeInputs` without their padding, for tensor parallelism's step broadcast
+    (worker/engine/rank_graphs.py): what rank 0 sends the other ranks each graph step, from which they
+    rebuild the same padded inputs (`unpack_inputs`). Rows that repeat a block table and adapters
+    (a prompt chunk's tokens) are sent once, with their count; a row's context is its position + 1
+    and its KV slot follows from its table, as `decode_inputs` makes them. numpy arrays: they pickle
+    smaller than tensors."""
+
+    num_seqs: int
+    tokens: np.ndarray  # [2, rows] int32: each row's token id and position
+    runs: np.ndarray | None  # [runs] int32: consecutive rows sharing a table and adapters; None: a run per row
+    tables: np.ndarray  # [runs, used width] int32: each run's block table, past its last nonzero column cut
+    adapters: np.ndarray  # [runs, k] int32: slots, -1 = none
+    scales: np.ndarray  # [runs, k] float32
+    logits_rows: np.ndarray  # [sampled] int32
+
+
+def pack_inputs(inputs: DecodeInputs) -> PackedInputs:
+    """`inputs` without their padding (`unpack_inputs` restores them exactly)."""
+    n = inputs.num_rows or inputs.num_seqs
+    tables = inputs.block_tables[:n].numpy()
+    used = np.flatnonzero(tables.any(axis=0))
+    tables = tables[:, : int(used[-1]) + 1 if used.size else 0]
+    slots = inputs.token_slots[:n].numpy()
+    scales = inputs.token_scales[:n].numpy()
+    runs = None
+    if n > inputs.num_seqs:  # a prompt chunk's rows repeat its table and adapters: once per run
+        same = ((tables[1:] == tables[:-1]).all(axis=1) & (slots[1:] == slots[:-1]).all(axis=1)
+                & (scales[1:] == scales[:-1]).all(axis=1))
+        starts = np.flatnonzero(np.concatenate(([True], ~same)))
+        runs = np.diff(np.append(starts, n)).astype(np.int32)
+        tables, slots, scales = tables[starts], slots[starts], scales[starts]
+    assert inputs.logits_rows is not None
+    return PackedInputs(
+        num_seqs=inputs.num_seqs,
+        tokens=np.stack([inputs.input_ids[:n].numpy(), inputs.positions[:n].numpy()]).astype(np.int32),
+        runs=runs,
+        tables=tables,
+        adapters=slots,
+        scales=scales,
+        logits_rows=inputs.logits_rows[: inputs.num_sampled].numpy().astype(np.int32),
+    )
+
+
+def unpack_inputs(packed: PackedInputs, bucket: int, width: int, block_size: int, k: int, sink_slot: int,
+                  logits_len: int) -> DecodeInputs:
+    """The padded inputs `decode_inputs` made for the packed step (the same bucket, width, k, sink
+    and logits rows as rank 0's graphs)."""
+    n = packed.tokens.shape[1]
+    ids = np.zeros(bucket, dtype=np.int64)
+    positions = np.zeros(bucket, dtype=np.int64)
+    slots = np.full(bucket, sink_slot, dtype=np.int64)
+    tables = np.zeros((bucket, width), dtype=np.int32)
+    ctx = np.zeros(bucket, dtype=np.int32)
+    token_slots = np.full((bucket, k), -1, dtype=np.int32)
+    token_scales = np.zeros((bucket, k), dtype=np.float32)
+    logits_rows = np.zeros(logits_len, dtype=np.int64)
+    ids[:n] = packed.tokens[0]
+    pos = packed.tokens[1].astype(np.int64)
+    positions[:n] = pos
+    ctx[:n] = pos + 1
+    runs = packed.runs
+    tables[:n, : packed.tables.shape[1]] = packed.tables if runs is None else np.repeat(packed.tables, runs, axis=0)
+    slots[:n] = tables[np.arange(n), pos // block_size].astype(np.int64) * block_size + pos % block_size
+    token_slots[:n] = packed.adapters if runs is None else np.repeat(packed.adapters, runs, axis=0)
+    token_scales[:n] = packed.scales if runs is None else np.repeat(packed.scales, runs, axis=0)
+    sampled = packed.logits_rows.shape[0]
+    logits_rows[:sampled] = packed.logits_rows
+    return DecodeInputs(
+        num_seqs=packed.num_seqs,
+        input_ids=torch.from_numpy(ids),
+        positions=torch.from_numpy(positions),
+        slot_mapping=torch.from_numpy(slots),
+        block_tables=torch.from_numpy(tables),
+        context_lens=torch.from_numpy(ctx),
+        token_slots=torch.from_numpy(token_slots),
+        token_scales=torch.from_numpy(token_scales),
+        num_rows=n,
+        logits_rows=torch.from_numpy(logits_rows),
+        num_sampled=sampled,
+    )

@@ -1,10 +1,12 @@
 """Tensor parallelism's process model (docs/tensor_parallel.md): rank 0 is the engine and broadcasts
-each model call (forward, slot fill, slot clear, a DoRA adapter's scales) to ranks 1..N-1, which run `follow`
-and never decide anything.
+each model call (forward, slot fill, slot clear, a DoRA adapter's scales, a decode graph's capture
+and replay) to ranks 1..N-1, which run `follow` and never decide anything.
 
 Commands travel over a gloo group (CPU tensors, pickled) whatever the compute backend; the forward's
 collectives run on the default group (NCCL on CUDA, gloo on CPU). Every rank runs the commands in
 rank 0's order, so the collectives inside them line up.
+
+Decode graphs: every rank holds its own, rank 0 leading (worker/engine/rank_graphs.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from lorafleet.worker.config import ConfigError, EngineConfig, ModelConfig
+from lorafleet.worker.engine.rank_graphs import RankGraphs, gather_counts
 from lorafleet.worker.layers.quant import load_weights, read_quantization_config, resolve_scheme
 from lorafleet.worker.lora.dora import LoopDoraScales
 from lorafleet.worker.lora.slots import LoraSlots
@@ -188,6 +191,8 @@ def follow(model_dir: str | Path, config: EngineConfig, group: Group,
     model.lora = ShardedLoraSlots(full, group, config.max_loras, config.max_lora_rank, device, dtype)
     c = model.config
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+    graphs: RankGraphs | None = None
+    eager = 0  # forwards run op by op (the graph steps are counted by `graphs`)
     with torch.inference_mode():
         while True:
             command = group.receive()
@@ -197,6 +202,17 @@ def follow(model_dir: str | Path, config: EngineConfig, group: Group,
             if kind == "forward":
                 input_ids, positions, attn, lora_meta, rows = _to(command[1:], device)
                 model.forward(input_ids, positions, attn, kv_caches, lora_meta, rows)
+                eager += 1
+            elif kind == "graph":
+                assert graphs is not None
+                graphs.follow_step(*command[1:])
+            elif kind == "capture":
+                assert graphs is not None
+                graphs.capture_graph(*command[1:])
+            elif kind == "graphs":
+                graphs = RankGraphs(model, kv_caches, group, **command[1])
+            elif kind == "counts":
+                gather_counts(group, graphs, eager)
             elif kind == "fill":
                 model.lora.fill(command[1], _dressed(command[2]))
             elif kind == "clear":
@@ -233,16 +249,22 @@ def free_port() -> int:
 
 def start_followers(model_dir: str | Path, config: EngineConfig, init_method: str) -> list:
     """Start ranks 1..N-1 as child processes (`main`); rank 0 is the caller. Returns their Popens."""
-    import json
     import subprocess
     import sys
 
+    return [subprocess.Popen([sys.executable, "-m", "lorafleet.worker.engine.parallel",
+                              *follower_args(model_dir, config, init_method, rank)])
+            for rank in range(1, config.tensor_parallel_size)]
+
+
+def follower_args(model_dir: str | Path, config: EngineConfig, init_method: str, rank: int) -> list[str]:
+    """`main`'s arguments for `rank`."""
+    import json
+
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     fields["pinned_adapters"] = list(config.pinned_adapters)
-    return [subprocess.Popen([sys.executable, "-m", "lorafleet.worker.engine.parallel", "--rank", str(rank),
-                              "--world", str(config.tensor_parallel_size), "--init-method", init_method,
-                              "--model", str(model_dir), "--engine-config", json.dumps(fields)])
-            for rank in range(1, config.tensor_parallel_size)]
+    return ["--rank", str(rank), "--world", str(config.tensor_parallel_size), "--init-method", init_method,
+            "--model", str(model_dir), "--engine-config", json.dumps(fields)]
 
 
 @dataclasses.dataclass(slots=True)

@@ -12,10 +12,19 @@ base GEMM and LoRA side path for every token and rescales the rows of DoRA token
 y = b + g ⊙ (y + delta - b) (`kernels/lora/dora.py`). A fused module (Phi-3's qkv_proj,
 gate_up_proj) has its rows' norms computed from its rows alone, so each slice's g is its rows' part
 of the fused module's.
+
+The squared row norm is expanded so that W + s·BA, `[out, in]`, is never formed (`row_norms_sq`):
+
+    ||W_o + s·B_o A||² = ||W_o||² + 2s · Σ_k B[o,k] (W Aᵀ)[o,k] + s² · B_o (A Aᵀ) B_oᵀ
+
+in float32: ||W_o||² is the base's alone and kept per base weight (`BaseNormCache`), the cross term
+is one rank-r product of W, the last term rank-r only. Every term is a sum over the input columns,
+so the form still sums over a split of them (tensor parallelism's row-parallel shards).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -36,8 +45,7 @@ def dora_scales(weights: LoraWeights, model: ModelConfig, base_weight: BaseWeigh
 
     Computed in float32 on the base weights' device from the adapter's own tensors (before they are
     rounded to the slot dtype); AdapterError if a norm is zero or a scale not finite."""
-    _need_magnitudes(weights)
-    norms = {key: torch.linalg.norm(_adapted(m, base_weight(*key)), dim=1) for key, m in sorted(weights.modules.items())}
+    norms = {key: sq.clamp_min(0).sqrt() for key, sq in row_norms_sq(weights, base_weight).items()}
     return scales_from_norms(weights, model, norms)
 
 
@@ -47,17 +55,61 @@ def _need_magnitudes(weights: LoraWeights) -> None:
             raise AdapterError("bad_weights", f"layer {layer} {target}: a DoRA adapter needs a lora_magnitude_vector")
 
 
-def _adapted(m: ModuleWeights, w: torch.Tensor) -> torch.Tensor:
-    """W + s·B·A in float32 on W's device, `[out, in]`."""
+class BaseNormCache:
+    """||W_o||² per row of base weights, float32, computed once per weight. A base weight is a view
+    of a fused projection the model keeps while it serves (`LlamaModel.base_weight`): entries are
+    keyed by that projection, weakly (they go when it is freed), and the view's place in it. A
+    weight that is no view (FP8 weights dequantized per call) is not kept."""
+
+    def __init__(self) -> None:
+        self._by_base: dict[int, tuple[weakref.ref, dict[tuple, torch.Tensor]]] = {}
+
+    def row_norms_sq(self, w: torch.Tensor) -> torch.Tensor:
+        base = w._base
+        if base is None:
+            return w.float().pow(2).sum(dim=1)
+        entry = self._by_base.get(id(base))
+        if entry is None or entry[0]() is not base:
+            entry = (weakref.ref(base, self._forget(id(base))), {})
+            self._by_base[id(base)] = entry
+        where = (w.storage_offset(), tuple(w.shape), tuple(w.stride()))
+        if where not in entry[1]:
+            entry[1][where] = w.float().pow(2).sum(dim=1)
+        return entry[1][where]
+
+    def _forget(self, key: int) -> Callable[[weakref.ref], None]:
+        def drop(ref: weakref.ref) -> None:
+            if key in self._by_base and self._by_base[key][0] is ref:
+                del self._by_base[key]
+        return drop
+
+
+BASE_NORMS = BaseNormCache()
+
+
+def adapted_row_norms_sq(m: ModuleWeights, w: torch.Tensor, base_sq: torch.Tensor | None = None) -> torch.Tensor:
+    """||W + s·B·A||² per row of W `[out, in]`, float32 `[out]` on W's device, without forming
+    W + s·B·A (see the module's docstring); base_sq: ||W_o||² if known."""
     dev = w.device
-    return w.float() + m.scaling * (m.b.to(dev, torch.float32) @ m.a.to(dev, torch.float32))
+    a = m.a.to(dev, torch.float32)  # [r, in]
+    b = m.b.to(dev, torch.float32)  # [out, r]
+    wf = w.float()
+    wa = wf @ a.T  # [out, r]
+    base = wf.pow(2).sum(dim=1) if base_sq is None else base_sq
+    cross = (b * wa).sum(dim=1)
+    quad = ((b @ (a @ a.T)) * b).sum(dim=1)
+    return base + 2 * m.scaling * cross + m.scaling**2 * quad
 
 
 def row_norms_sq(weights: LoraWeights, base_weight: BaseWeight) -> dict[tuple[int, str], torch.Tensor]:
     """||W + s·B·A||² per output row of each module, `[out]` float32 on the base weights' device:
     the form that sums over a split of the input columns (tensor parallelism's row-parallel layers)."""
     _need_magnitudes(weights)
-    return {key: _adapted(m, base_weight(*key)).pow(2).sum(dim=1) for key, m in sorted(weights.modules.items())}
+    out = {}
+    for key, m in sorted(weights.modules.items()):
+        w = base_weight(*key)
+        out[key] = adapted_row_norms_sq(m, w, BASE_NORMS.row_norms_sq(w))
+    return out
 
 
 def scales_from_norms(weights: LoraWeights, model: ModelConfig, norms: dict[tuple[int, str], torch.Tensor],

@@ -18,30 +18,47 @@ Checkpoint names per layer: `self_attn.{q,k,v,o}_proj`, `mlp.{gate,up,down}_proj
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 
+from lorafleet.kernels.layers.rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
+from lorafleet.kernels.layers.rope_kv import rope_write_kv
+from lorafleet.kernels.layers.silu_mul import silu_mul, silu_mul_reference
+from lorafleet.kernels.layers.soft_cap import soft_cap_, soft_cap_reference
 from lorafleet.kernels.lora.meta import LoraMeta
 from lorafleet.worker.layers.attention import AttentionMetadata, paged_attention, write_kv
 from lorafleet.worker.models.llama import LlamaModel, Rotary, _take
 
-NORMS = ("in_norm", "post_norm", "pre_ff_norm", "post_ff_norm")
+# The row ops of the layer, per backend: the torch references (the CPU path, and the oracle) or the
+# Triton kernels Llama's fused path uses, with Gemma's flags (`offset`: the `1 + w` weights; an
+# `x_weight` norm before the residual add; the GELU-tanh activation).
+TORCH_OPS = SimpleNamespace(rms_norm=rms_norm_reference, add_rms_norm=add_rms_norm_reference,
+                            act_mul=silu_mul_reference)
+TRITON_OPS = SimpleNamespace(rms_norm=rms_norm, add_rms_norm=add_rms_norm, act_mul=silu_mul)
 
 
-def gemma_rms_norm(x: torch.Tensor, one_plus_w: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Gemma RMSNorm: (x̂ · (1 + w)) in fp32, then x's dtype; `one_plus_w` is fp32."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * one_plus_w).to(x.dtype)
+def gemma_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Gemma RMSNorm: (x̂ · (1 + w)) in fp32, then x's dtype; `w` is the checkpoint's offset."""
+    return rms_norm_reference(x, w, eps, offset=True)
 
 
-def activation(name: str, x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh") if name == "gelu_pytorch_tanh" else F.silu(x)
+def soft_cap(logits: torch.Tensor, cap: float | None, fused: bool = False) -> torch.Tensor:
+    """cap · tanh(logits / cap), in the logits' dtype as transformers computes it (None: unchanged);
+    fused: in place, one Triton launch (`kernels/layers/soft_cap.py`) where torch takes three."""
+    if cap is None:
+        return logits
+    return soft_cap_(logits, cap) if fused else soft_cap_reference(logits, cap)
 
 
 class Gemma2Model(LlamaModel):
-    """On the Triton backend the layer runs `_layers_fused`: Llama's fused RoPE/KV-write and
-    RMSNorm kernels with the `1 + w` factors in the model's dtype (in fp32 the same numbers as
-    transformers' fp32 norm; in bf16 the factor multiplies after the cast, within its rounding)."""
+    """One layer for both backends (`_layers`): the norms, residual adds and gated activation run
+    as the torch references or as Llama's Triton row kernels with Gemma's flags, the same 4
+    elementwise launches a layer as Llama's (RoPE/KV write, post-attention norm + residual add +
+    pre-feedforward norm, GELU-tanh · up, post-feedforward norm + residual add + the next input
+    norm); the final logits' soft-capping is one kernel too. The norm weights stay the
+    checkpoint's offsets, in the model's dtype."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -52,59 +69,29 @@ class Gemma2Model(LlamaModel):
     def _rotary_index(self, layer: int) -> int:
         return 0
 
-    def load_weights(self, named) -> None:
-        super().load_weights(named)
-        self.weights["norm"] = 1.0 + self.weights["norm"].float()
-        self.weights["norm_fused"] = self.weights["norm"].to(self.dtype)
-
     def _take_layer(self, pending: dict[str, torch.Tensor], w: dict[str, torch.Tensor], p: str) -> None:
         super()._take_layer(pending, w, p)
         w[p + "pre_ff_norm"] = _take(pending, p + "pre_feedforward_layernorm.weight")
         w[p + "post_ff_norm"] = _take(pending, p + "post_feedforward_layernorm.weight")
-        for n in NORMS:  # offsets -> the factors they stand for, in fp32 (and the model's dtype for the kernels)
-            w[p + n] = 1.0 + w[p + n].float()
-            w[p + n + "_fused"] = w[p + n].to(self.dtype)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.weights["embed"]) * self.embed_scale
 
+    def _fused_rows(self) -> bool:
+        """Whether the row ops run as Triton kernels (the backend `forward` runs `_layers_fused` on)."""
+        return self.attention_backend == "triton" and self.FUSED_ELEMENTWISE
+
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """The lm_head's logits, soft-capped when the config says so."""
-        logits = F.linear(h, self.weights["lm_head"])
-        cap = self.config.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        return soft_cap(F.linear(h, self.weights["lm_head"]), self.config.final_logit_softcapping, self._fused_rows())
 
-    def _layers_torch(
-        self,
-        h: torch.Tensor,  # [T, hidden]
-        positions: torch.Tensor,
-        attn: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        lora_meta: LoraMeta | None,
-        logits_indices: torch.Tensor,
-        graph: bool,
-    ) -> torch.Tensor:
-        c, w = self.config, self.weights
-        eps = c.rms_norm_eps
-        tables = [r.at(positions, h.dtype) for r in self.rotaries]  # (cos, sin) per RoPE base
-        for i in range(c.num_layers):
-            p = f"layers.{i}."
-            x = gemma_rms_norm(h, w[p + "in_norm"], eps)
-            q, k, v = self._linear(x, i, "qkv_proj", lora_meta, graph).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-            q, k = self._rope_qk(q, k, i, *tables[self._rotary_index(i)])
-            v = v.reshape(-1, c.num_kv_heads, c.head_dim)
-            k_cache, v_cache = kv_caches[i]
-            write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
-            o = paged_attention(q, k_cache, v_cache, attn, c.attention_scale, self.attention_backend,
-                                window=c.window(i), softcap=c.attn_logit_softcapping).reshape(-1, c.q_size)
-            h = h + gemma_rms_norm(self._linear(o, i, "o_proj", lora_meta, graph), w[p + "post_norm"], eps)
-            x = gemma_rms_norm(h, w[p + "pre_ff_norm"], eps)
-            gate, up = self._linear(x, i, "gate_up_proj", lora_meta, graph).chunk(2, dim=-1)
-            down = self._linear(activation(c.hidden_act, gate) * up, i, "down_proj", lora_meta, graph)
-            h = h + gemma_rms_norm(down, w[p + "post_ff_norm"], eps)
-        return gemma_rms_norm(h.index_select(0, logits_indices), w["norm"], eps)
+    def _layers_torch(self, h, positions, attn, kv_caches, lora_meta, logits_indices, graph) -> torch.Tensor:
+        return self._layers(h, positions, attn, kv_caches, lora_meta, logits_indices, graph, fused=False)
 
-    def _layers_fused(
+    def _layers_fused(self, h, positions, attn, kv_caches, lora_meta, logits_indices, graph) -> torch.Tensor:
+        return self._layers(h, positions, attn, kv_caches, lora_meta, logits_indices, graph, fused=True)
+
+    def _layers(
         self,
         h: torch.Tensor,  # [T, hidden], the residual stream: updated in place
         positions: torch.Tensor,
@@ -113,32 +100,38 @@ class Gemma2Model(LlamaModel):
         lora_meta: LoraMeta | None,
         logits_indices: torch.Tensor,
         graph: bool,
+        fused: bool,
     ) -> torch.Tensor:
-        """The same layer with the Triton row kernels: qkv linear -> rope_write_kv -> attention ->
-        o linear -> rms_norm (post-attention) -> add_rms_norm (residual, pre-feedforward) -> gate_up
-        linear -> GELU-tanh · up -> down linear -> rms_norm (post-feedforward) -> add_rms_norm
-        (residual, the next layer's input norm or the final norm)."""
-        from lorafleet.kernels.layers.rms_norm import add_rms_norm
-        from lorafleet.kernels.layers.rms_norm import rms_norm as fused_rms_norm
-        from lorafleet.kernels.layers.rope_kv import rope_write_kv
-
+        """The decoder layers and the final norm -> `[N, hidden]` at logits_indices. Per layer: qkv
+        linear -> RoPE, K/V write -> attention (windowed, soft-capped) -> o linear -> add_rms_norm
+        (post-attention norm of o, residual add, pre-feedforward norm) -> gate_up linear -> GELU-tanh
+        · up -> down linear -> add_rms_norm (post-feedforward norm, residual add, the next layer's
+        input norm or the final norm, over all T rows before the logits rows are picked). A LoRA
+        delta left beside a GEMM is added by the row op after it."""
+        ops = TRITON_OPS if fused else TORCH_OPS
         c, w = self.config, self.weights
         eps = c.rms_norm_eps
-        x = fused_rms_norm(h, w["layers.0.in_norm_fused"], eps)
-        rows = None if lora_meta is None else lora_meta.has_lora
+        x = ops.rms_norm(h, w["layers.0.in_norm"], eps, offset=True)
+        rows = None if lora_meta is None else lora_meta.has_lora  # where a LoRA delta is defined
+        tables = None if fused else [r.at(positions, h.dtype) for r in self.rotaries]  # (cos, sin) per RoPE base
         for i in range(c.num_layers):
             p = f"layers.{i}."
-            qkv, d = self._qkv_for_rope(x, i, lora_meta, graph)
             k_cache, v_cache = kv_caches[i]
-            cos_sin = self.rotaries[self._rotary_index(i)].cos_sin
-            q = rope_write_kv(qkv, positions, cos_sin, k_cache, v_cache, attn.slot_mapping, d, rows)
+            if fused:
+                qkv, d = self._qkv_for_rope(x, i, lora_meta, graph)
+                cos_sin = self.rotaries[self._rotary_index(i)].cos_sin
+                q = rope_write_kv(qkv, positions, cos_sin, k_cache, v_cache, attn.slot_mapping, d, rows)
+            else:
+                q, k, v = self._linear(x, i, "qkv_proj", lora_meta, graph).split([c.q_size, c.kv_size, c.kv_size], -1)
+                q, k = self._rope_qk(q, k, i, *tables[self._rotary_index(i)])
+                write_kv(k_cache, v_cache, k, v.reshape(-1, c.num_kv_heads, c.head_dim), attn.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, attn, c.attention_scale, self.attention_backend,
                                 window=c.window(i), softcap=c.attn_logit_softcapping).reshape(-1, c.q_size)
-            o = fused_rms_norm(self._linear(o, i, "o_proj", lora_meta, graph), w[p + "post_norm_fused"], eps)
-            x = add_rms_norm(o, h, w[p + "pre_ff_norm_fused"], eps)
-            gate, up = self._linear(x, i, "gate_up_proj", lora_meta, graph).chunk(2, dim=-1)
-            down = self._linear(activation(c.hidden_act, gate) * up, i, "down_proj", lora_meta, graph)
-            down = fused_rms_norm(down, w[p + "post_ff_norm_fused"], eps)
-            next_norm = w[f"layers.{i + 1}.in_norm_fused"] if i + 1 < c.num_layers else w["norm_fused"]
-            x = add_rms_norm(down, h, next_norm, eps)
+            o, d = self._linear_deferred(o, i, "o_proj", lora_meta, graph)
+            x = ops.add_rms_norm(o, h, w[p + "pre_ff_norm"], eps, d, rows, x_weight=w[p + "post_norm"], offset=True)
+            gate_up, d = self._linear_deferred(x, i, "gate_up_proj", lora_meta, graph)
+            act = ops.act_mul(gate_up, d, rows, activation=c.hidden_act)  # [T, intermediate]
+            down, d = self._linear_deferred(act, i, "down_proj", lora_meta, graph)
+            next_norm = w[f"layers.{i + 1}.in_norm"] if i + 1 < c.num_layers else w["norm"]
+            x = ops.add_rms_norm(down, h, next_norm, eps, d, rows, x_weight=w[p + "post_ff_norm"], offset=True)
         return x.index_select(0, logits_indices)

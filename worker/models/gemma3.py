@@ -22,7 +22,7 @@ from lorafleet.worker.models.llama import Rotary, _take
 
 
 class Gemma3Model(HeadNormAttention, Gemma2Model):
-    FUSED_NORM_SUFFIX = "_fused"
+    NORM_OFFSET = True
     head_norm = staticmethod(gemma_rms_norm)
 
     def __init__(self, config, device, dtype, max_positions: int) -> None:
@@ -35,6 +35,5 @@ class Gemma3Model(HeadNormAttention, Gemma2Model):
 
     def _take_layer(self, pending: dict[str, torch.Tensor], w: dict[str, torch.Tensor], p: str) -> None:
         super()._take_layer(pending, w, p)
-        w[p + "q_norm"] = 1.0 + _take(pending, p + "self_attn.q_norm.weight").float()
-        w[p + "k_norm"] = 1.0 + _take(pending, p + "self_attn.k_norm.weight").float()
-        w[p + "q_norm_fused"], w[p + "k_norm_fused"] = w[p + "q_norm"].to(self.dtype), w[p + "k_norm"].to(self.dtype)
+        w[p + "q_norm"] = _take(pending, p + "self_attn.q_norm.weight")  # Gemma's offsets from 1
+        w[p + "k_norm"] = _take(pending, p + "self_attn.k_norm.weight")

@@ -13,10 +13,9 @@ class HeadNormAttention:
     """Mixed in before a `LlamaModel` subclass whose layers hold `q_norm`/`k_norm` weights.
 
     `head_norm` is the family's RMSNorm (Llama's `w · x̂`, or Gemma's `(1 + w) · x̂` in fp32);
-    `FUSED_NORM_SUFFIX` names the copy of the weights the Triton RMSNorm takes (Gemma keeps fp32
-    factors for the torch path and model-dtype ones for the kernel)."""
+    `NORM_OFFSET` tells the Triton RMSNorm which (`offset`: Gemma's)."""
 
-    FUSED_NORM_SUFFIX = ""
+    NORM_OFFSET = False
 
     @staticmethod
     def head_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -29,11 +28,11 @@ class HeadNormAttention:
         rows) between the projection, its LoRA added, and the fused RoPE/KV write."""
         from lorafleet.kernels.layers.rms_norm import rms_norm as fused_rms_norm
 
-        c, w, p, s = self.config, self.weights, f"layers.{layer}.", self.FUSED_NORM_SUFFIX  # type: ignore[attr-defined]
+        c, w, p, off = self.config, self.weights, f"layers.{layer}.", self.NORM_OFFSET  # type: ignore[attr-defined]
         qkv = self._linear(x, layer, "qkv_proj", lora_meta, graph)  # type: ignore[attr-defined]  # [T, q_size + 2 kv_size]
         t, qs, ks = qkv.shape[0], c.q_size, c.kv_size
-        q = fused_rms_norm(qkv[:, :qs].reshape(-1, c.head_dim), w[p + "q_norm" + s], c.rms_norm_eps)
-        k = fused_rms_norm(qkv[:, qs : qs + ks].reshape(-1, c.head_dim), w[p + "k_norm" + s], c.rms_norm_eps)
+        q = fused_rms_norm(qkv[:, :qs].reshape(-1, c.head_dim), w[p + "q_norm"], c.rms_norm_eps, offset=off)
+        k = fused_rms_norm(qkv[:, qs : qs + ks].reshape(-1, c.head_dim), w[p + "k_norm"], c.rms_norm_eps, offset=off)
         return torch.cat([q.view(t, qs), k.view(t, ks), qkv[:, qs + ks :]], dim=-1), None
 
     def _rope_qk(

@@ -30,6 +30,7 @@ from lorafleet.worker.layers.quant import LINEAR_KEYS
 from lorafleet.worker.lora.dora import row_norms_sq, scales_from_norms
 from lorafleet.worker.lora.errors import AdapterError
 from lorafleet.worker.lora.weights import LoraWeights
+from lorafleet.worker.models.gemma2 import soft_cap
 from lorafleet.worker.models.llama import LlamaModel
 from lorafleet.worker.models.sharding import ROW_TARGETS, Shard, shard_config, shard_lora
 
@@ -99,13 +100,15 @@ class TensorParallel:
             return part[:0]
         logits = torch.cat(parts, dim=1)[:, : self.full_vocab]
         cap = self.config.final_logit_softcapping  # type: ignore[attr-defined]  # Gemma 2
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        return soft_cap(logits, cap, cap is not None and self._fused_rows())  # type: ignore[attr-defined]
 
     def forward(self, input_ids, positions, attn, kv_caches, lora_meta, logits_indices, graph=False,
                 float_logits=True) -> torch.Tensor:
         """LlamaModel.forward on this rank's shard (rank 0 gets the logits). On rank 0, `on_step`
-        (the engine's broadcast of the step to the other ranks) runs first."""
-        if self.on_step is not None:
+        (the engine's broadcast of the step to the other ranks) runs first, except in a decode graph
+        (`graph`): its capture and each replay are broadcast by the graphs (parallel.RankGraphs), and
+        nothing may reach the host inside a capture."""
+        if self.on_step is not None and not graph:
             self.on_step(input_ids, positions, attn, lora_meta, logits_indices)
         return super().forward(input_ids, positions, attn, kv_caches, lora_meta, logits_indices,  # type: ignore[misc]
                                graph, float_logits)
