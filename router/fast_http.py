@@ -34,6 +34,7 @@ from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, ST
 
 from lorafleet.router.generate import PROXIED, answer, error_body
 from lorafleet.router.proxy import StreamBroken, StreamTail, Upstream, relay_stream
+from lorafleet.router.relay import chunk_writer
 from lorafleet.router.upstream import Aborted, UpstreamError
 
 if TYPE_CHECKING:
@@ -206,16 +207,7 @@ class FastRequest:
     def _writer(self, tail: StreamTail) -> Any:
         """Body bytes to the client as one chunk each, from the upstream protocol's callback;
         False (nothing written) while the client's side is paused or gone."""
-        flow, transport, see = self.proto.flow, self.proto.transport, tail.see
-
-        def write(data: bytes) -> bool:
-            if flow.write_paused or self.disconnected:
-                return False
-            see(data)
-            transport.write(b"%x\r\n%s\r\n" % (len(data), data))
-            return True
-
-        return write
+        return chunk_writer(self.proto.transport, self.proto.flow, lambda: self.disconnected, tail)
 
     async def _chunk(self, data: bytes) -> None:
         if await self._writable():

@@ -73,6 +73,23 @@ class DecodeInputs:
         return bool((self.token_slots >= 0).any())
 
 
+def _blank(bucket: int, width: int, k: int, sink_slot: int, logits_len: int) -> tuple[np.ndarray, ...]:
+    """A step's host arrays, all padding: ids, positions, slots (the sink), tables, context lengths,
+    token slots (-1), token scales, logits rows."""
+    return (np.zeros(bucket, dtype=np.int64), np.zeros(bucket, dtype=np.int64),
+            np.full(bucket, sink_slot, dtype=np.int64), np.zeros((bucket, width), dtype=np.int32),
+            np.zeros(bucket, dtype=np.int32), np.full((bucket, k), -1, dtype=np.int32),
+            np.zeros((bucket, k), dtype=np.float32), np.zeros(logits_len, dtype=np.int64))
+
+
+def _inputs(num_seqs: int, num_rows: int, num_sampled: int, *arrays: np.ndarray) -> DecodeInputs:
+    """`_blank`'s arrays, filled, as the step's DecodeInputs (tensors sharing their memory)."""
+    ids, positions, slots, tables, ctx, token_slots, token_scales, logits_rows = map(torch.from_numpy, arrays)
+    return DecodeInputs(num_seqs=num_seqs, input_ids=ids, positions=positions, slot_mapping=slots,
+                        block_tables=tables, context_lens=ctx, token_slots=token_slots, token_scales=token_scales,
+                        num_rows=num_rows, logits_rows=logits_rows, num_sampled=num_sampled)
+
+
 def decode_inputs(
     batch: ScheduledBatch,
     slot_of: dict[str, int],
@@ -95,14 +112,8 @@ def decode_inputs(
     if n_rows > bucket:
         raise ValueError(f"{n_rows} rows do not fit bucket {bucket}")
     logits_len = bucket if logits_len is None else logits_len
-    ids = np.zeros(bucket, dtype=np.int64)
-    positions = np.zeros(bucket, dtype=np.int64)
-    slots = np.full(bucket, sink_slot, dtype=np.int64)
-    tables = np.zeros((bucket, width), dtype=np.int32)
-    ctx = np.zeros(bucket, dtype=np.int32)
-    token_slots = np.full((bucket, k), -1, dtype=np.int32)
-    token_scales = np.zeros((bucket, k), dtype=np.float32)
-    logits_rows = np.zeros(logits_len, dtype=np.int64)
+    ids, positions, slots, tables, ctx, token_slots, token_scales, logits_rows = _blank(bucket, width, k, sink_slot,
+                                                                                       logits_len)
     row = sampled = 0
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
         start, total = seq.num_computed, len(seq)  # not `seq.tokens`, which copies; see above
@@ -138,19 +149,8 @@ def decode_inputs(
             logits_rows[sampled] = end - 1
             sampled += 1
         row = end
-    return DecodeInputs(
-        num_seqs=len(batch.seqs),
-        input_ids=torch.from_numpy(ids),
-        positions=torch.from_numpy(positions),
-        slot_mapping=torch.from_numpy(slots),
-        block_tables=torch.from_numpy(tables),
-        context_lens=torch.from_numpy(ctx),
-        token_slots=torch.from_numpy(token_slots),
-        token_scales=torch.from_numpy(token_scales),
-        num_rows=n_rows,
-        logits_rows=torch.from_numpy(logits_rows),
-        num_sampled=sampled,
-    )
+    return _inputs(len(batch.seqs), n_rows, sampled, ids, positions, slots, tables, ctx, token_slots, token_scales,
+                   logits_rows)
 
 
 @dataclass(slots=True)
@@ -203,14 +203,8 @@ def unpack_inputs(packed: PackedInputs, bucket: int, width: int, block_size: int
     """The padded inputs `decode_inputs` made for the packed step (the same bucket, width, k, sink
     and logits rows as rank 0's graphs)."""
     n = packed.tokens.shape[1]
-    ids = np.zeros(bucket, dtype=np.int64)
-    positions = np.zeros(bucket, dtype=np.int64)
-    slots = np.full(bucket, sink_slot, dtype=np.int64)
-    tables = np.zeros((bucket, width), dtype=np.int32)
-    ctx = np.zeros(bucket, dtype=np.int32)
-    token_slots = np.full((bucket, k), -1, dtype=np.int32)
-    token_scales = np.zeros((bucket, k), dtype=np.float32)
-    logits_rows = np.zeros(logits_len, dtype=np.int64)
+    ids, positions, slots, tables, ctx, token_slots, token_scales, logits_rows = _blank(bucket, width, k, sink_slot,
+                                                                                       logits_len)
     ids[:n] = packed.tokens[0]
     pos = packed.tokens[1].astype(np.int64)
     positions[:n] = pos
@@ -222,16 +216,5 @@ def unpack_inputs(packed: PackedInputs, bucket: int, width: int, block_size: int
     token_scales[:n] = packed.scales if runs is None else np.repeat(packed.scales, runs, axis=0)
     sampled = packed.logits_rows.shape[0]
     logits_rows[:sampled] = packed.logits_rows
-    return DecodeInputs(
-        num_seqs=packed.num_seqs,
-        input_ids=torch.from_numpy(ids),
-        positions=torch.from_numpy(positions),
-        slot_mapping=torch.from_numpy(slots),
-        block_tables=torch.from_numpy(tables),
-        context_lens=torch.from_numpy(ctx),
-        token_slots=torch.from_numpy(token_slots),
-        token_scales=torch.from_numpy(token_scales),
-        num_rows=n,
-        logits_rows=torch.from_numpy(logits_rows),
-        num_sampled=sampled,
-    )
+    return _inputs(packed.num_seqs, n, sampled, ids, positions, slots, tables, ctx, token_slots, token_scales,
+                   logits_rows)
