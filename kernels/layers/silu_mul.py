@@ -30,7 +30,6 @@ from lorafleet.kernels.layers.fused_delta import (
     masked_delta,
 )
 
-
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # config.json's hidden_act values the kernel computes
 
 

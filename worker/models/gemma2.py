@@ -23,7 +23,12 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from lorafleet.kernels.layers.rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
+from lorafleet.kernels.layers.rms_norm import (
+    add_rms_norm,
+    add_rms_norm_reference,
+    rms_norm,
+    rms_norm_reference,
+)
 from lorafleet.kernels.layers.rope_kv import rope_write_kv
 from lorafleet.kernels.layers.silu_mul import silu_mul, silu_mul_reference
 from lorafleet.kernels.layers.soft_cap import soft_cap_, soft_cap_reference
