@@ -145,11 +145,7 @@ class IndexedPolicy:
         if self._saturated(req.model, index, eligible):
             # The fleet is slot-bound (`SlotQueue.full_share`): no spill, the holders in the load
             # bound whatever their slot queue, as the slot filter keeps every replica then.
-            if drawn is not None:
-                cands = [i for i in drawn if i in eligible and bounded(i)]
-                if cands:
-                    return cands, True
-            cands = [i for i in held if i in eligible and bounded(i)]
+            cands = _bounded_holders(drawn, held, eligible, bounded)
             if cands:
                 return cands, True
         if drawn is not None:
@@ -163,11 +159,7 @@ class IndexedPolicy:
         if cands:
             return cands, False
         # No replica in the bound has room in its GPU-slot queue: the slot filter keeps them all.
-        if drawn is not None:
-            cands = [i for i in drawn if i in eligible and bounded(i)]
-            if cands:
-                return cands, True
-        cands = [i for i in held if i in eligible and bounded(i)]
+        cands = _bounded_holders(drawn, held, eligible, bounded)
         if cands:
             return cands, True
         return self._first_k(key, index, eligible, bounded), False
@@ -307,3 +299,13 @@ def _reason(adapters: tuple[str, ...], r: ReplicaState) -> Reason:
     if any(a not in r.resident for a in adapters):
         return "cold"
     return "hot" if all(a in r.gpu for a in adapters) else "warm"
+
+
+def _bounded_holders(drawn: list[int] | None, held: Iterable[int], eligible: set[int],
+                     bounded: Callable[[int], bool]) -> list[int]:
+    """The drawn holders that are eligible and in the load bound, else all such holders."""
+    if drawn is not None:
+        cands = [i for i in drawn if i in eligible and bounded(i)]
+        if cands:
+            return cands
+    return [i for i in held if i in eligible and bounded(i)]
