@@ -44,13 +44,13 @@ REFUSED_SAMPLES = {
     "layers_to_transform": [1], "layers_pattern": "layers", "megatron_config": {"tensor_model_parallel_size": 1},
     "alora_invocation_tokens": [17, 40], "use_bdlora": {"nblocks": 2}, "arrow_config": {"top_k": 1},
     "kasa_config": {}, "monteclora_config": {}, "velora_config": {}, "eva_config": {}, "corda_config": {},
-    "lora_ga_config": {},
+    "lora_ga_config": {}, "astra_config": {},
 }
 # Shown by what PEFT does with them, not by a logit comparison here: qalora needs a quantized base,
 # arrow several adapters, megatron a Megatron model, the init-only configs the data they are fitted to.
 # `bias` saves trained base biases: the demo Llama has none (qwen2's qkv biases would move).
 NOT_COMPARED = {"bias", "use_qalora", "arrow_config", "megatron_config", "eva_config", "corda_config", "lora_ga_config",
-                "velora_config", "monteclora_config", "layers_pattern", "fan_in_fan_out"}
+                "velora_config", "monteclora_config", "layers_pattern", "fan_in_fan_out", "astra_config"}
 
 
 def peft_fields() -> set[str]:

@@ -129,6 +129,7 @@ RULES: dict[str, KeyRule] = {
     "eva_config": _refused("EVA initialisation"),
     "corda_config": _refused("CorDA initialisation"),
     "lora_ga_config": _refused("LoRA-GA initialisation"),
+    "astra_config": _refused("Astra (PEFT builds its own adapter layers from it)"),
 }
 
 
