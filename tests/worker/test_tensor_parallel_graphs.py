@@ -26,7 +26,8 @@ from lorafleet.worker.engine.model_runner import ModelRunner
 from lorafleet.worker.engine.parallel import Ranks, _bare_attn, _to, follower_args, free_port, init_group
 from lorafleet.worker.engine.rank_graphs import RankGraphs, graph_counts
 from lorafleet.worker.engine.scheduler import ScheduledBatch
-from lorafleet.worker.engine.sequence import SamplingParams, Sequence
+from lorafleet.worker.engine.sequence import SamplingParams
+from tests.worker.test_graph_inputs import _seq
 from tests.worker.test_tensor_parallel import _engine_config, _wait_or_kill, assets, run_sharded  # noqa: F401
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True)
@@ -104,14 +105,6 @@ def test_every_rank_replays_its_graphs_like_tp1(assets, reference, tp):  # noqa:
     assert counts == [{"replays": len(forwards), "graphs": counts[0]["graphs"], "eager": 0}] * tp
     assert graphs._dora_graphs and any(key[1] for key in graphs._graphs)  # DoRA's graphs, LoRA's, base ones
     assert any(key[1] == 0 for key in graphs._graphs)
-
-
-def _seq(seq_id: int, prompt: list[int], outputs: list[int], table: list[int], computed: int, adapters=()) -> Sequence:
-    seq = Sequence(seq_id=seq_id, prompt_ids=prompt, sampling=GREEDY, adapters=adapters)
-    seq.output_ids = list(outputs)
-    seq.num_computed = computed
-    seq.block_table = list(table)
-    return seq
 
 
 def _mixed_batch() -> tuple[ScheduledBatch, dict[str, int]]:
