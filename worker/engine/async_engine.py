@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from lorafleet.worker import envs
 from lorafleet.worker.engine.engine import LLMEngine
 from lorafleet.worker.engine.outputs import RequestOutput
 from lorafleet.worker.engine.sequence import SamplingParams
@@ -113,6 +115,7 @@ class AsyncEngine:
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
         self.alive = True
+        set_switch_interval(envs.SWITCH_INTERVAL_US)
         self._thread.start()
 
     async def stop(self) -> None:
@@ -283,6 +286,20 @@ class AsyncEngine:
         registry.insert_cpu(name, weights)
         registry.stats.cpu_misses += 1
         registry.stats.record_load("disk", time.perf_counter() - t0)
+
+
+def set_switch_interval(microseconds: float | None) -> None:
+    """The engine thread and the HTTP loop share the GIL: a thread that wants it waits until the
+    holder blocks or the switch interval passes (Python's default 5 ms). After a decode step's
+    outputs are delivered, the HTTP loop writes every stream's chunk in one run of Python; the
+    engine thread, ready to launch the next step, can wait that long with the GPU idle.
+    None: the interpreter's setting is left alone."""
+    if microseconds is None:
+        return
+    if microseconds <= 0:
+        raise ValueError(f"LORAFLEET_SWITCH_INTERVAL_US must be > 0, got {microseconds}")
+    sys.setswitchinterval(microseconds / 1e6)
+    log.info("thread switch interval %.0f µs", microseconds)
 
 
 def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
