@@ -23,6 +23,7 @@ from lorafleet.worker.server.api import probes
 from lorafleet.worker.server.api import router as public_router
 from lorafleet.worker.server.auth import ApiKeyGuard
 from lorafleet.worker.server.errors import ApiError, error_response
+from lorafleet.worker.server.event_stream import WorkerApp
 from lorafleet.worker.server.responses_route import router as responses_router
 from lorafleet.worker.server.runtime import WorkerRuntime
 from lorafleet.worker.server.settings import WorkerSettings
@@ -57,7 +58,7 @@ def _build(runtime: WorkerRuntime, public: bool, admin: bool, owns_runtime: bool
             if owns_runtime:
                 await runtime.stop()
 
-    app = FastAPI(title="lorafleet worker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = WorkerApp(title="lorafleet worker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.runtime = runtime
     if public:
         app.include_router(public_router)

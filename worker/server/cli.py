@@ -15,6 +15,7 @@ import sys
 from lorafleet.cli import lora_module_arg
 from lorafleet.cli_help import WORKER_ENV, finish
 from lorafleet.connection_guard import add_connection_flags, limits_from_args, uvicorn_config
+from lorafleet.event_loop import loop_factory
 from lorafleet.worker import envs
 from lorafleet.worker.config import ConfigError, EngineConfig, ModelConfig
 from lorafleet.worker.openai.reasoning import PARSERS as REASONING_PARSERS
@@ -247,7 +248,8 @@ def main(argv: list[str]) -> int:
     if settings.adapter_root is None:
         log.warning("no --adapter-root: runtime adapter loads are refused")
     try:
-        return asyncio.run(serve(settings, args.log_level, args.admin_host))
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
+            return runner.run(serve(settings, args.log_level, args.admin_host))
     except (OSError, ValueError) as exc:  # port taken, unreadable token file, ...
         print(f"lorafleet worker: {exc}", file=sys.stderr)
         return 1

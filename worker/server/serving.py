@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from lorafleet.protocol import LoraAdapterRef
 from lorafleet.worker.engine.async_engine import AsyncEngine, RequestStream
@@ -22,6 +21,7 @@ from lorafleet.worker.engine.sequence import SamplingParams
 from lorafleet.worker.openai.response_shapes import usage
 from lorafleet.worker.sampling.sampler import TokenLogprobs
 from lorafleet.worker.server.errors import ApiError, error_response, from_engine
+from lorafleet.worker.server.event_stream import EventStreamResponse
 from lorafleet.worker.server.settings import WorkerSettings
 
 log = logging.getLogger("lorafleet.worker.server.serving")
@@ -166,9 +166,8 @@ def sse(payload: dict) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def streaming_response(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+def streaming_response(events: AsyncIterator[str]) -> EventStreamResponse:
+    return EventStreamResponse(events)
 
 
 async def stream_events(
