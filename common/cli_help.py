@@ -36,6 +36,9 @@ ENVIRONMENT: dict[str, str] = {
     "LORAFLEET_FP8_TUNING": "the FP8 GEMM's tuning overridden: a JSON file's path or inline JSON "
                             "(default: kernels/quant/tunings/ by device)",
     "TRITON_INTERPRET": "1: run the Triton kernels in Triton's interpreter (CPU; tests)",
+    "LORAFLEET_SWITCH_INTERVAL_US": "the GIL switch interval while the engine thread runs, in µs (default: "
+                                    "Python's 5,000)",
+    "LORAFLEET_WORKER_LOOP": "the worker's event loop: asyncio (default) or uvloop",
     "VLLM_API_KEY": "vLLM's: the key `lorafleet worker`'s /v1/* requires without --api-key (not passed on to "
                     "`lorafleet up`'s workers)",
     "LORAFLEET_REDIS_URL": "the default of --redis-url",
@@ -48,7 +51,8 @@ WORKER_ENV = ("LORAFLEET_SAMPLER", "LORAFLEET_LOGIT_EDITS", "LORAFLEET_BLAS", "L
               "LORAFLEET_GEMM_SM_CARVEOUT", "LORAFLEET_LORA_FEW_CHUNKS", "LORAFLEET_GEMM_FIRST",
               "LORAFLEET_DELTA_STORE", "LORAFLEET_ZERO_IN_SHRINK", "LORAFLEET_LORA_TUNING", "LORAFLEET_FP8_TUNING",
               "LORAFLEET_ADAPTER_CACHE_DIR",
-              "LORAFLEET_ADAPTER_CACHE_BYTES", "LORAFLEET_ADAPTER_FETCH_ATTEMPTS", "TRITON_INTERPRET",
+              "LORAFLEET_ADAPTER_CACHE_BYTES", "LORAFLEET_ADAPTER_FETCH_ATTEMPTS", "LORAFLEET_SWITCH_INTERVAL_US",
+              "LORAFLEET_WORKER_LOOP", "TRITON_INTERPRET",
               "VLLM_API_KEY")
 
 

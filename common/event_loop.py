@@ -1,10 +1,13 @@
-"""The event loop a server process runs on: uvloop where it is installed, asyncio's own otherwise.
+"""The event loop a server process runs on: asyncio's own, or uvloop.
 
-uvicorn's `loop="auto"` makes that choice only when uvicorn creates the loop (`uvicorn.run`,
-`Server.run`); a process that starts its servers inside `asyncio.run` (the worker: several
-servers and the engine's watcher in one loop) gets asyncio's loop unless it asks. On the worker's
-streaming path uvloop does the transports' writes and the polling in C, with the GIL released
-while it waits, which the engine thread shares.
+uvicorn's `loop="auto"` picks uvloop when uvicorn creates the loop (`uvicorn.run`, `Server.run`:
+the router). The worker starts its servers inside its own loop and keeps asyncio's by default:
+its HTTP loop shares the GIL with the engine thread, and asyncio's socket writes release the GIL
+for each `send` (a chance for the engine thread to launch the next step), where uvloop writes
+from C holding it. On a 2-core machine (`bench/worker_stream.py`, a GPU step's wait in place of
+the forward), the worker on uvloop streamed fewer tokens than on asyncio in every one of six
+interleaved rounds (docs/benchmarks.md, the served path); `LORAFLEET_WORKER_LOOP=uvloop` is there
+for the same comparison on a GPU.
 """
 
 from __future__ import annotations
@@ -12,11 +15,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+LOOPS = ("asyncio", "uvloop")
 
-def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's `new_event_loop` if it imports, else None (asyncio's default loop)."""
+
+def loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The factory `asyncio.Runner` takes for `kind` ("asyncio": None, its default)."""
+    if kind not in LOOPS:
+        raise ValueError(f"event loop {kind!r} is not one of {', '.join(LOOPS)}")
+    if kind == "asyncio":
+        return None
     try:
         import uvloop
     except ImportError:
-        return None
+        raise ValueError("event loop 'uvloop' asked for, but uvloop is not installed") from None
     return uvloop.new_event_loop

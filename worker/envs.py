@@ -13,6 +13,7 @@ A/B switches for benchmarks and operators. The kernels' own are in `lorafleet.ke
 | `LORAFLEET_ADAPTER_CACHE_BYTES` | 20 GiB | that cache's bound in bytes (least recently used folders removed first) |
 | `LORAFLEET_ADAPTER_FETCH_ATTEMPTS` | `5` | tries per remote call on transient errors (5xx, 429, resets, timeouts), with back-off |
 | `LORAFLEET_SWITCH_INTERVAL_US` | unset (Python's 5,000) | the interpreter's thread switch interval while the engine thread runs (`sys.setswitchinterval`): how long the engine thread, ready to launch a step, may wait for the GIL while the HTTP loop runs Python |
+| `LORAFLEET_WORKER_LOOP` | `asyncio` | the HTTP servers' event loop: `asyncio` or `uvloop` (common/event_loop.py says why asyncio's) |
 | `VLLM_API_KEY` | unset | vLLM's: the API key `/v1/*` requires when `--api-key` is not given |
 """
 
@@ -29,4 +30,5 @@ ADAPTER_CACHE_DIR = os.environ.get("LORAFLEET_ADAPTER_CACHE_DIR") or None
 ADAPTER_CACHE_BYTES = int(os.environ.get("LORAFLEET_ADAPTER_CACHE_BYTES") or 20 << 30)
 ADAPTER_FETCH_ATTEMPTS = int(os.environ.get("LORAFLEET_ADAPTER_FETCH_ATTEMPTS") or 5)
 SWITCH_INTERVAL_US = float(os.environ.get("LORAFLEET_SWITCH_INTERVAL_US") or 0) or None
+WORKER_LOOP = os.environ.get("LORAFLEET_WORKER_LOOP") or "asyncio"
 VLLM_API_KEY = os.environ.get("VLLM_API_KEY") or None

@@ -248,7 +248,12 @@ def main(argv: list[str]) -> int:
     if settings.adapter_root is None:
         log.warning("no --adapter-root: runtime adapter loads are refused")
     try:
-        with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        factory = loop_factory(envs.WORKER_LOOP)
+    except ValueError as exc:
+        print(f"lorafleet worker: LORAFLEET_WORKER_LOOP: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with asyncio.Runner(loop_factory=factory) as runner:
             return runner.run(serve(settings, args.log_level, args.admin_host))
     except (OSError, ValueError) as exc:  # port taken, unreadable token file, ...
         print(f"lorafleet worker: {exc}", file=sys.stderr)
