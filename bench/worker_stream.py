@@ -41,31 +41,55 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def child(port: int, step_ms: float, model: str, concurrency: int) -> int:
-    """`lorafleet worker` with the model's forward replaced by a wait (imports only `lorafleet`:
-    a `--compare` revision's package comes through PYTHONPATH)."""
+    """`lorafleet worker`'s app under uvicorn as its CLI serves it, with the engine's model forward
+    replaced by a wait once the engine is up (imports only `lorafleet`: a `--compare` revision's
+    package comes through PYTHONPATH)."""
+    import asyncio
+
     import torch
+    import uvicorn
 
-    from lorafleet.worker.engine.engine import LLMEngine
-    from lorafleet.worker.server.cli import main
+    from lorafleet.connection_guard import uvicorn_config
+    from lorafleet.worker import envs
+    from lorafleet.worker.server.app import create_apps
+    from lorafleet.worker.server.cli import build_parser, settings_from_args
 
+    kind = getattr(envs, "WORKER_LOOP", None)  # a revision before the worker chose its loop ran on asyncio's
+    if kind is None:
+        factory = None
+    else:
+        from lorafleet.event_loop import loop_factory
+
+        factory = loop_factory(kind)
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-    init = LLMEngine.__init__
     gen = torch.Generator().manual_seed(0)
 
-    def patched(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
-        init(self, *args, **kwargs)
+    def forward(*args, **kwargs):  # noqa: ANN002, ANN003
+        rows = kwargs.get("logits_indices", args[5] if len(args) > 5 else None)
+        time.sleep(step_ms / 1000)
+        return torch.randn(len(rows), vocab, generator=gen)  # tokens that print: every step streams an event
 
-        def forward(*f_args, **f_kwargs):  # noqa: ANN002, ANN003
-            rows = f_kwargs.get("logits_indices", f_args[5] if len(f_args) > 5 else None)
-            time.sleep(step_ms / 1000)
-            return torch.randn(len(rows), vocab, generator=gen)  # tokens that print: every step streams an event
+    settings = settings_from_args(build_parser().parse_args([
+        "--model", model, "--served-model-name", "base", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
+        "--dtype", "float32", "--max-num-seqs", str(concurrency), "--max-num-batched-tokens",
+        str(max(2048, concurrency * 160))]))
+    public, _admin = create_apps(settings)
+    runtime = public.state.runtime
 
-        self.model.forward = forward
+    async def serve() -> None:
+        async def swap_forward() -> None:
+            while runtime.engine is None:
+                await asyncio.sleep(0.05)
+            runtime.engine.engine.model.forward = forward
 
-    LLMEngine.__init__ = patched
-    return main(["--model", model, "--served-model-name", "base", "--host", "127.0.0.1", "--port", str(port),
-                 "--device", "cpu", "--dtype", "float32", "--max-num-seqs", str(concurrency),
-                 "--max-num-batched-tokens", str(max(2048, concurrency * 160)), "--log-level", "warning"])
+        task = asyncio.create_task(swap_forward())
+        server = uvicorn.Server(uvicorn_config(public, "127.0.0.1", port, settings.connection_limits, log_level="warning"))
+        await server.serve()
+        task.cancel()
+
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(serve())
+    return 0
 
 
 def thread_cpu(pid: int) -> tuple[float, float]:

@@ -5,9 +5,9 @@ the router). The worker starts its servers inside its own loop and keeps asyncio
 its HTTP loop shares the GIL with the engine thread, and asyncio's socket writes release the GIL
 for each `send` (a chance for the engine thread to launch the next step), where uvloop writes
 from C holding it. On a 2-core machine (`bench/worker_stream.py`, a GPU step's wait in place of
-the forward), the worker on uvloop streamed fewer tokens than on asyncio in every one of six
-interleaved rounds (docs/benchmarks.md, the served path); `LORAFLEET_WORKER_LOOP=uvloop` is there
-for the same comparison on a GPU.
+the forward), the worker on uvloop streamed fewer tokens than a worker on asyncio in the same
+round in 13 of 15 interleaved pairs (docs/benchmarks.md, the served path);
+`LORAFLEET_WORKER_LOOP=uvloop` is there for the same comparison on a GPU.
 """
 
 from __future__ import annotations
