@@ -44,7 +44,8 @@ from lorafleet.worker.server.runtime import WorkerRuntime
 log = logging.getLogger("lorafleet.worker.server.admin")
 
 
-def get_runtime(request: Request) -> WorkerRuntime:
+async def get_runtime(request: Request) -> WorkerRuntime:
+    """(async: FastAPI runs a plain `def` dependency in its thread pool, a thread hop per request)"""
     return request.app.state.runtime
 
 

@@ -34,7 +34,8 @@ from lorafleet.worker.server.serving import (
 )
 
 
-def get_runtime(request: Request) -> WorkerRuntime:
+async def get_runtime(request: Request) -> WorkerRuntime:
+    """(async: FastAPI runs a plain `def` dependency in its thread pool, a thread hop per request)"""
     return request.app.state.runtime
 
 
