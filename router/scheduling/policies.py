@@ -72,8 +72,8 @@ class Policy:
     holder_sample: int | None = None
     rng: random.Random = field(default_factory=lambda: random.Random(0))
     # The sketch ages every `aging_per_slot` requests per CPU adapter slot of the replicas given
-    # (healthy, not ejected), at least every `aging_floor` (`FrequencySketch.age_with`). None: the
-    # sketch's own fixed period.
+    # (healthy, not ejected; a decision given fewer, as a retry is, counts those), at least every
+    # `aging_floor` (`FrequencySketch.age_with`). None: the sketch's own fixed period.
     aging_per_slot: float | None = None
     aging_floor: int = 50_000
 

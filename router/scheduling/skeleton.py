@@ -5,8 +5,8 @@ Plain rendezvous hashing ranks all n replicas per key. Here replicas fall into `
 so each replica is any key's first choice with probability 1/n), then the members of a group by
 plain rendezvous. The order is: the best group's members best first, then the next group's, and so
 on. The groups are ranked for the key's slot (its hash modulo `SLOTS`), not the key itself: keys of
-a slot share a group ranking, cached per slot, so a key never seen before costs no group ranking
-once its slot has been used. Finding the first k costs a cached lookup plus one ranking of a group's
+a slot share a group ranking, and every slot's is ranked at once after churn, so a key never seen
+before costs no group ranking. Finding the first k costs a table lookup plus one ranking of a group's
 members (~n / `GROUPS`), and churn moves few keys: a replica joining or leaving changes its own
 group's weight and members only.
 

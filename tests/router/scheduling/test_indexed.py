@@ -100,8 +100,8 @@ def test_indexed_decisions_equal_the_reference(seed, holder_sample):
     indexed = IndexedPolicy.of(lorafleet_policy(cold_candidates=k, holder_sample=holder_sample, **gate))
     for p in (reference, indexed.policy):
         # ages during the run: cached popularity orders go stale. Every 40 requests, or (two seeds
-        # in three) every ~40 requests per the CPU slots of the healthy replicas, which health
-        # changes move between decisions.
+        # in three) every 40 / (the start's healthy CPU slots) requests per healthy CPU slot: ~40,
+        # moved by the health changes between decisions.
         p.frequency.halve_every = 40
         p.aging_per_slot = None if seed % 3 == 0 else 40 / index.cpu_slots
         p.aging_floor = 5
