@@ -65,6 +65,7 @@ class FleetIndex:
     model_load: dict[str, int] = field(default_factory=dict)  # model -> sum of eligible loads
     # model -> eligible replicas with every GPU slot taken or asked for (busy_n ≥ max_loras)
     model_full: dict[str, int] = field(default_factory=dict)
+    cpu_slots: int = 0  # sum of max_cpu_loras over the replicas counted (healthy, not ejected, present)
     ring: SkeletonRing = field(default_factory=SkeletonRing)
     # the sketch (and its generation) the popularity heaps are ordered by
     _sketch: FrequencySketch | None = None
@@ -119,6 +120,7 @@ class FleetIndex:
             self.eligible.setdefault(r.model, set()).add(i)
             self.model_load[r.model] = self.model_load.get(r.model, 0) + r.load
             self.model_full[r.model] = self.model_full.get(r.model, 0) + (r.busy_n >= r.max_loras)
+            self.cpu_slots += r.max_cpu_loras
             r.counted = True
 
     def _uncount(self, i: int) -> None:
@@ -127,6 +129,7 @@ class FleetIndex:
             self.eligible[r.model].discard(i)
             self.model_load[r.model] -= r.load
             self.model_full[r.model] -= r.busy_n >= r.max_loras
+            self.cpu_slots -= r.max_cpu_loras
             r.counted = False
 
     # ---- load --------------------------------------------------------------------------------

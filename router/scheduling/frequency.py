@@ -56,6 +56,17 @@ class FrequencySketch:
             return 0.0
         return self.counts.get(key, 0.0) / self._total
 
+    def age_with(self, cache_slots: int, per_slot: float, floor: int) -> None:
+        """Set the aging period from the fleet's adapter cache: `per_slot` requests per CPU slot, at
+        least `floor`. What the cache must tell apart is the adapters around its capacity's rank;
+        with Zipf popularity their share of requests falls about as fast as the capacity grows, so
+        a memory in proportion to the capacity keeps their expected counts (what admission compares)
+        about the same from 8 replicas to 1,000. A fixed period dilutes them: at 256 replicas ×
+        64 slots, with counts halved every 50,000 requests, the adapter ranked 16,000 of 50,000 has
+        about one request in the sketch's memory, and admission cannot tell it from one ranked
+        30,000."""
+        self.halve_every = max(floor, int(per_slot * cache_slots))
+
     def __len__(self) -> int:
         return len(self.counts)
 

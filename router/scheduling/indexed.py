@@ -84,6 +84,9 @@ class IndexedPolicy:
         share = req.share
         key = req.key
         if adapters:
+            p = self.policy
+            if p.aging_per_slot is not None:
+                self.frequency.age_with(index.cpu_slots, p.aging_per_slot, p.aging_floor)
             self.frequency.add(key)
             share = self.frequency.share(key)
         eligible = index.eligible.get(req.model)

@@ -71,9 +71,17 @@ class Policy:
     # copies, not hundreds. If none of the drawn is left, every holder left is scored. None: all.
     holder_sample: int | None = None
     rng: random.Random = field(default_factory=lambda: random.Random(0))
+    # The sketch ages every `aging_per_slot` requests per CPU adapter slot of the replicas given
+    # (healthy, not ejected; a decision given fewer, as a retry is, counts those), at least every
+    # `aging_floor` (`FrequencySketch.age_with`). None: the sketch's own fixed period.
+    aging_per_slot: float | None = None
+    aging_floor: int = 50_000
 
     def schedule(self, req: RequestInfo, endpoints: Sequence[EndpointView]) -> Decision:
         if req.adapters:
+            if self.aging_per_slot is not None:
+                slots = sum(e.max_cpu_loras for e in endpoints if e.healthy and not e.ejected)
+                self.frequency.age_with(slots, self.aging_per_slot, self.aging_floor)
             self.frequency.add(req.key)
             req = replace(req, share=self.frequency.share(req.key))
         stats = FleetStats.of(endpoints, req.model)
@@ -159,6 +167,7 @@ def lorafleet_policy(
     admission_margin: float = 1.5,
     cold_candidates: int | None = 8,
     holder_sample: int | None = 8,
+    aging_per_slot: float | None = 100.0,
 ) -> Policy:
     """Ours: residency first, within a load bound and a GPU-slot queue bound.
 
@@ -184,7 +193,10 @@ def lorafleet_policy(
     A cold adapter is placed on one of its first `cold_candidates` rendezvous replicas among those
     the filters left (all of them on a fleet that small), and an adapter held by more than
     `holder_sample` replicas is scored on that many of its holders drawn at random (power of k
-    choices), so scoring looks at few replicas.
+    choices), so scoring looks at few replicas. The popularity sketch ages every `aging_per_slot`
+    requests per CPU adapter slot of the fleet, at least every 50,000 (`FrequencySketch.age_with`):
+    the same memory in time at any fleet size (50,000 was set at 8 replicas × 64 slots), so the
+    counts admission compares near the cache's capacity do not thin out as the fleet grows.
     """
     frequency = FrequencySketch()
     return Policy(
@@ -209,6 +221,8 @@ def lorafleet_policy(
         replicate_share=hot_share,
         cold_candidates=cold_candidates,
         holder_sample=holder_sample,
+        aging_per_slot=aging_per_slot,
+        aging_floor=frequency.halve_every,
     )
 
 

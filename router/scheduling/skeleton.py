@@ -5,8 +5,8 @@ Plain rendezvous hashing ranks all n replicas per key. Here replicas fall into `
 so each replica is any key's first choice with probability 1/n), then the members of a group by
 plain rendezvous. The order is: the best group's members best first, then the next group's, and so
 on. The groups are ranked for the key's slot (its hash modulo `SLOTS`), not the key itself: keys of
-a slot share a group ranking, cached per slot, so a key never seen before costs no group ranking
-once its slot has been used. Finding the first k costs a cached lookup plus one ranking of a group's
+a slot share a group ranking, and every slot's is ranked at once after churn, so a key never seen
+before costs no group ranking. Finding the first k costs a table lookup plus one ranking of a group's
 members (~n / `GROUPS`), and churn moves few keys: a replica joining or leaving changes its own
 group's weight and members only.
 
@@ -60,13 +60,9 @@ def _mix64_np(x: np.ndarray) -> np.ndarray:
 
 def member_weight(key_mix: int, node_mix: int) -> int:
     """Rendezvous weight of a node within its group: both sides already mixed, so one multiply
-    spreads their combination into the high bits, which decide the order (the vectorised form is
-    `_member_weights`)."""
+    spreads their combination into the high bits, which decide the order (`SkeletonRing.walk`
+    inlines it)."""
     return ((key_mix ^ node_mix) * _C2) & _M
-
-
-def _member_weights(key_mix: np.ndarray, node_mixes: np.ndarray) -> np.ndarray:
-    return (node_mixes ^ key_mix) * _U_C2
 
 
 def _pair_hashes(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -130,7 +126,7 @@ def skeleton_order(key: str, names: Iterable[str], groups: int = GROUPS) -> list
 class _Group:
     members: list[str] = field(default_factory=list)  # sorted by name
     ids: list[int] = field(default_factory=list)  # caller's replica ids, aligned with members
-    seeds: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))  # mix64(seed64(name))
+    seeds: list[int] = field(default_factory=list)  # mix64(seed64(name)), aligned with members
 
 
 @dataclass(slots=True)
@@ -142,12 +138,14 @@ class SkeletonRing:
     _group_of: dict[str, int] = field(default_factory=dict)
     _sizes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float64))
     _inverse: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float64))  # inverse_sizes
-    # slot -> groups in order; valid while the group sizes are unchanged (cleared on churn)
-    _order_cache: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    # every slot's group order, [SLOTS, groups present], ranked at once at the first walk after churn
-    _order_table: np.ndarray | None = None
+    # every slot's group order, best first: `groups present` bytes per slot, all slots ranked at
+    # once at the first walk after churn; None: churn since
+    _order_table: bytes | None = None
+    _order_width: int = 0
 
     def __post_init__(self) -> None:
+        if not 0 < self.groups <= 256:
+            raise ValueError("groups: 1 to 256 (a slot's group order is kept as bytes)")
         self._sizes = np.zeros(self.groups, dtype=np.float64)
         self._inverse = inverse_sizes(self._sizes)
 
@@ -163,10 +161,9 @@ class SkeletonRing:
         pairs = sorted([*zip(grp.members, grp.ids, strict=True), (name, ident)])
         grp.members = [p[0] for p in pairs]
         grp.ids = [p[1] for p in pairs]
-        grp.seeds = np.array([mix64(seed64(m)) for m in grp.members], dtype=np.uint64)
+        grp.seeds = [mix64(seed64(m)) for m in grp.members]
         self._sizes[g] += 1
         self._inverse = inverse_sizes(self._sizes)
-        self._order_cache.clear()
         self._order_table = None
 
     def remove(self, name: str) -> None:
@@ -175,38 +172,41 @@ class SkeletonRing:
             return
         grp = self._groups[g]
         i = grp.members.index(name)
-        del grp.members[i], grp.ids[i]
-        grp.seeds = np.delete(grp.seeds, i)
+        del grp.members[i], grp.ids[i], grp.seeds[i]
         self._sizes[g] -= 1
         self._inverse = inverse_sizes(self._sizes)
         if not grp.members:
             del self._groups[g]
-        self._order_cache.clear()
         self._order_table = None
 
-    def _group_order(self, slot: int) -> tuple[int, ...]:
-        order = self._order_cache.get(slot)
-        if order is None:
-            table = self._order_table
-            if table is None:
-                # All slots at once (~12 ms for 16,384 × 32): a key in a slot not seen since the
-                # last churn, as most cold keys are on a large catalog, then costs a row look-up. Row
-                # by row the same floats and the same stable sort as `group_weights(slot, ...)`.
-                w = log_uniforms(self.groups) * self._inverse
-                table = self._order_table = w.argsort(axis=1, kind="stable")[:, ::-1][:, : len(self._groups)]
-            order = tuple(table[slot].tolist())
-            self._order_cache[slot] = order
-        return order
+    def _group_order(self, slot: int) -> bytes:
+        table = self._order_table
+        if table is None:
+            # All slots at once (~12 ms for 16,384 × 32): a key in a slot not seen since the last
+            # churn, as most cold keys are on a large catalog, then costs a slice. Row by row the
+            # same floats and the same stable sort as `group_weights(slot, ...)`; kept as bytes (a
+            # group is < 256), one object for the collector, none of numpy's calls in a walk.
+            w = log_uniforms(self.groups) * self._inverse
+            width = self._order_width = len(self._groups)
+            order = w.argsort(axis=1, kind="stable")[:, ::-1][:, :width]
+            table = self._order_table = order.astype(np.uint8).tobytes()
+        width = self._order_width
+        return table[slot * width : (slot + 1) * width]
 
     def walk(self, key: str) -> Iterator[int]:
         """Replica ids in the key's order, lazily: stop iterating once you have enough."""
         key_seed = seed64(key)
-        km = np.uint64(mix64(key_seed))
+        km = mix64(key_seed)
         for g in self._group_order(slot_of(key_seed)):
             grp = self._groups[g]
-            if len(grp.ids) == 1:
-                yield grp.ids[0]
-                continue
             ids = grp.ids
-            for j in _member_weights(km, grp.seeds).argsort(kind="stable").tolist()[::-1]:  # type: ignore[arg-type]
+            if len(ids) == 1:
+                yield ids[0]
+                continue
+            # `member_weight` of each member, best first: in plain Python, as a walk is rare on a
+            # large catalog (a cold adapter) and numpy's calls, out of the CPU's caches by then,
+            # cost more than the arithmetic. Distinct seeds give distinct weights (xor with the
+            # key, then a multiply by an odd constant, are bijections mod 2 ** 64): no ties.
+            w = [(km ^ s) * _C2 & _M for s in grp.seeds]
+            for j in sorted(range(len(ids)), key=w.__getitem__, reverse=True):
                 yield ids[j]

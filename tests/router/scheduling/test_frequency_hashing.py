@@ -26,6 +26,29 @@ def test_sketch_ages(adds, halve_every, expected):
     assert {k: s.estimate(k) for k in expected} == expected
 
 
+@pytest.mark.parametrize(("slots", "expected"), [(0, 50_000), (512, 51_200), (4_096, 409_600), (16_384, 1_638_400)])
+def test_aging_period_follows_the_fleets_cache(slots, expected):
+    s = FrequencySketch()
+    s.age_with(slots, 100.0, 50_000)
+    assert s.halve_every == expected
+
+
+def test_policy_ages_with_the_healthy_replicas_cache():
+    from lorafleet.router.scheduling.policies import lorafleet_policy
+    from lorafleet.router.scheduling.types import EndpointView, RequestInfo
+
+    p = lorafleet_policy(aging_per_slot=100.0)
+    views = [EndpointView(f"r{i}", max_cpu_loras=1_000, healthy=i != 3) for i in range(8)]
+    p.schedule(RequestInfo("base", ("a",)), views)
+    assert p.frequency.halve_every == 700_000  # 7 healthy × 1,000 slots × 100
+    p.schedule(RequestInfo("base", ("a",)), views[:2])
+    assert p.frequency.halve_every == 200_000
+    p.schedule(RequestInfo("base", ("a",)), views[:1])
+    assert p.frequency.halve_every == 100_000
+    p.schedule(RequestInfo("base", ("a",)), [EndpointView("x", max_cpu_loras=64)])
+    assert p.frequency.halve_every == 50_000  # the floor: the sketch's own period
+
+
 def test_halving_keeps_the_counts_order_and_the_generation():
     s = FrequencySketch(halve_every=3)
     for key in ["a", "b", "b", "c", "c", "c", "a"]:

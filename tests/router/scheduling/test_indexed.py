@@ -99,7 +99,12 @@ def test_indexed_decisions_equal_the_reference(seed, holder_sample):
     reference = lorafleet_policy(cold_candidates=k, holder_sample=holder_sample, **gate)
     indexed = IndexedPolicy.of(lorafleet_policy(cold_candidates=k, holder_sample=holder_sample, **gate))
     for p in (reference, indexed.policy):
-        p.frequency.halve_every = 40  # ages during the run: cached popularity orders go stale
+        # ages during the run: cached popularity orders go stale. Every 40 requests, or (two seeds
+        # in three) every 40 / (the start's healthy CPU slots) requests per healthy CPU slot: ~40,
+        # moved by the health changes between decisions.
+        p.frequency.halve_every = 40
+        p.aging_per_slot = None if seed % 3 == 0 else 40 / index.cpu_slots
+        p.aging_floor = 5
         p.frequency.min_total = 5.0  # shares count early: hot and cold load bounds both in play
     decided = 0
     for _ in range(150):
@@ -118,6 +123,7 @@ def test_indexed_decisions_equal_the_reference(seed, holder_sample):
         perturb(rng, index, index.ids[got.endpoint.name], req, pool)
         for r in index.replicas:  # kept incrementally: GPU slots taken or asked for
             assert r.busy_n == len(r.active | r.waiting_adapters)
+        assert index.cpu_slots == sum(v.max_cpu_loras for v in index.views() if v.healthy and not v.ejected)
         for model, ids in index.eligible.items():  # and the slot-full replicas serving each model
             full = sum(index.replicas[i].busy_n >= index.replicas[i].max_loras for i in ids)
             assert index.model_full.get(model, 0) == full
