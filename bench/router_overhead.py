@@ -18,7 +18,11 @@ and per request, TTFT of a burst of simultaneous streams, several router process
 measures git revision REF's router in the same run:
     taskset -c 1 python bench/router_overhead.py --stream --compare main --processes 1,2
 `--stream --uvicorn`: also this tree's router with `--http-server uvicorn` (the fallback).
-`--stream --floor`: also a bare TCP relay on uvloop (recv and send only), the floor under any relay in Python.
+`--stream --floor`: also a bare TCP relay on uvloop (recv and send only), the floor under any relay in Python;
+`--stream --relay-cmd "PROGRAM {port} {upstream}"`: also any relay program (one in C: the floor outside Python).
+`--stream --pacing staggered,step` (the default: both, each variant in both before the next): the
+fake worker's streams each on their own schedule, or all at one tick per interval as a batched
+engine's steps emit them (bench/fake_stream.py).
 `--stream --callgrind`: instructions per request and per token (valgrind), which a shared machine's
 load does not move:
     python bench/router_overhead.py --stream --callgrind --compare main
@@ -202,6 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--floor", action="store_true",
                    help="also measure a bare TCP relay (bench/router_stream.py's tcp_relay): the kernel's and the "
                    "event loop's share, under any relay in Python")
+    s.add_argument("--pacing", default="staggered,step",
+                   help="the fake worker's pacing, one or both: staggered (each stream on its own schedule) and "
+                   "step (every stream's token at one tick per --interval-ms, as a batched engine's step)")
+    s.add_argument("--relay-cmd", metavar="CMD",
+                   help="also measure this relay program ({port} and {upstream} filled in), e.g. a relay in C")
     s.add_argument("--callgrind", action="store_true",
                    help="instructions per request and per token under valgrind's callgrind instead of CPU time "
                    "(this tree and --compare's; printed, and added to --out's JSON under `callgrind` when given)")
@@ -285,44 +294,58 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def stream_main(args: argparse.Namespace) -> int:
-    from bench.router_stream import Router, TcpRelay, checkout, phases, start_upstream
+    from bench.router_stream import Command, Router, TcpRelay, checkout, phases, start_upstream
 
     out = args.out or ROOT / "bench/results/router_stream.json"
-    up_port = free_port()
     pinned = shutil.which("taskset") and (os.cpu_count() or 1) > 1 and not args.no_pin
-    upstream = start_upstream(up_port, args.interval_ms, "1" if pinned else None)
+    pacings = [p for p in args.pacing.split(",") if p]
+    if not pacings or set(pacings) - {"staggered", "step"}:
+        raise SystemExit("--pacing: staggered, step or both")
+    ports = {pacing: free_port() for pacing in pacings}
+    upstreams = [start_upstream(port, args.interval_ms, "1" if pinned else None, pacing == "step")
+                 for pacing, port in ports.items()]
     runs = []
     try:
-        wait(f"http://127.0.0.1:{up_port}/health")
+        for port in ports.values():
+            wait(f"http://127.0.0.1:{port}/health")
         variants = [(ref, checkout(ref), 1, ()) for ref in (args.compare or "").split(",") if ref]
         if args.uvicorn:
             variants.append(("this tree, uvicorn", None, 1, ("--http-server", "uvicorn")))
         variants += [("this tree", None, int(n), ()) for n in args.processes.split(",") if n]
         if args.floor:
             variants.append(("tcp relay (floor)", None, 0, ()))
+        if args.relay_cmd:
+            variants.append((f"command: {args.relay_cmd}", None, -1, ()))
         for label, path, processes, flags in variants:
-            load_before = [round(x, 2) for x in os.getloadavg()]
-            cores = ("0" if processes <= 1 else f"0-{processes - 1}") if pinned else None
-            router = (Router(free_port(), up_port, cores, path, processes, flags) if processes
-                      else TcpRelay(free_port(), up_port, cores))
-            try:
-                wait(f"http://127.0.0.1:{router.port}/ready")
-                res = phases(router, up_port, args, closed_loop)
-            finally:
-                router.close()
-            runs.append({"router": label, "processes": processes or 1, "cores": cores, "flags": list(flags),
-                         "loadavg_before": load_before, **res})
-            st, rq, bu = res["stream"], res["requests"], res["burst"]
-            print(f"{label:<22} x{processes or 1}: {st['us_per_token']:6.2f} µs/token ({st['us_per_token_net']:.2f} net) "
-                  f"at {st['tokens_per_s']:,.0f} tok/s, router {st['router_cpu_share']:.0%} CPU; "
-                  f"{rq['ms_per_request']:.4f} ms/request ({rq['req_per_s']:,.0f} req/s); burst of {bu['requests']}: "
-                  f"TTFT p99 +{bu['added_ttft_p99_ms']} ms (p50 +{bu['added_ttft_p50_ms']}), "
-                  f"client CPU {st['client_cpu_share']}, errors {st['errors'] + bu['errors']}", flush=True)
+            for pacing, up_port in ports.items():  # each variant in both pacings before the next variant
+                load_before = [round(x, 2) for x in os.getloadavg()]
+                cores = ("0" if processes <= 1 else f"0-{processes - 1}") if pinned else None
+                router = (Router(free_port(), up_port, cores, path, processes, flags) if processes > 0
+                          else TcpRelay(free_port(), up_port, cores) if processes == 0
+                          else Command(free_port(), up_port, cores, args.relay_cmd))
+                try:
+                    wait(f"http://127.0.0.1:{router.port}/ready")
+                    res = phases(router, up_port, args, closed_loop)
+                finally:
+                    router.close()
+                runs.append({"router": label, "pacing": pacing, "processes": max(1, processes), "cores": cores,
+                             "flags": list(flags), "loadavg_before": load_before, **res})
+                st, rq, bu = res["stream"], res["requests"], res["burst"]
+                print(f"{label[:22]:<22} x{max(1, processes)} {pacing:<9}: {st['us_per_token']:6.2f} µs/token "
+                      f"({st['us_per_token_net']:.2f} net) at {st['tokens_per_s']:,.0f} tok/s, ITL p50 "
+                      f"{st['itl_p50_ms']} ms, router {st['router_cpu_share']:.0%} CPU; "
+                      f"{rq['ms_per_request']:.4f} ms/request ({rq['req_per_s']:,.0f} req/s); burst of "
+                      f"{bu['requests']}: TTFT p99 +{bu['added_ttft_p99_ms']} ms (p50 +{bu['added_ttft_p50_ms']}), "
+                      f"client CPU {st['client_cpu_share']}, errors {st['errors'] + bu['errors']}, load "
+                      f"{load_before[0]}", flush=True)
     finally:
-        upstream.terminate()
-        upstream.wait(timeout=10)
+        for upstream in upstreams:
+            upstream.terminate()
+            upstream.wait(timeout=10)
     result = {
         "streams": args.streams, "tokens": args.tokens, "interval_ms": args.interval_ms, "seconds": args.seconds,
+        "pacing": {"staggered": "each stream's tokens on its own schedule from its arrival (spread over the interval)",
+                   "step": "every running stream's next token at one tick per interval, as a batched engine's step"},
         "router_pinned": bool(pinned), "runs": runs, "router_stack": server_stack(),
         "targets": {"us_per_token": 10.0, "ms_per_request": 0.1, "added_ttft_p99_ms": 5.0},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},

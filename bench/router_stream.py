@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -93,8 +94,20 @@ class TcpRelay(Router):
 
     def __init__(self, port: int, upstream: int, cores: str | None) -> None:
         pin = ["taskset", "-c", cores] if cores and shutil.which("taskset") else []
-        self.proc = subprocess.Popen([*pin, sys.executable, "-m", "bench.router_stream", "--tcp-relay", str(port),
-                                      str(upstream)], cwd=ROOT, stderr=subprocess.DEVNULL)
+        code = (f"import sys; sys.path.append({str(ROOT)!r}); from bench.router_stream import tcp_relay; "
+                f"tcp_relay({port}, {upstream})")  # appended: the repository's folders shadow no module
+        self.proc = subprocess.Popen([*pin, sys.executable, "-c", code], stderr=subprocess.DEVNULL)
+        self.port = port
+
+
+class Command(Router):
+    """Any relay program in its own process, pinned like the router: `command` with `{port}` and
+    `{upstream}` filled in (a relay written in C, say, for the floor outside Python)."""
+
+    def __init__(self, port: int, upstream: int, cores: str | None, command: str) -> None:
+        pin = ["taskset", "-c", cores] if cores and shutil.which("taskset") else []
+        argv = shlex.split(command.format(port=port, upstream=upstream))
+        self.proc = subprocess.Popen([*pin, *argv], cwd=ROOT, stderr=subprocess.DEVNULL)
         self.port = port
 
 
@@ -193,10 +206,13 @@ def phases(router: Router, direct_port: int, args, closed_loop) -> dict:
     return out
 
 
-def start_upstream(port: int, interval_ms: float, cores: str | None) -> subprocess.Popen:
+def start_upstream(port: int, interval_ms: float, cores: str | None, step_sync: bool = False) -> subprocess.Popen:
+    """The fake worker; `step_sync`: every stream's token at one tick per interval (a batched
+    engine's step), else each stream on its own schedule (`bench/fake_stream.py`)."""
     pin = ["taskset", "-c", cores] if cores and shutil.which("taskset") else []
     return subprocess.Popen([*pin, sys.executable, str(ROOT / "bench" / "fake_stream.py"), "--port", str(port),
-                             "--interval-ms", str(interval_ms)], cwd=ROOT, stderr=subprocess.DEVNULL)
+                             "--interval-ms", str(interval_ms), *(["--step-sync"] if step_sync else [])],
+                            cwd=ROOT, stderr=subprocess.DEVNULL)
 
 
 def callgrind_counts(pythonpath: Path | None, fixed_requests, requests: int = 400, streams: int = 8,
