@@ -333,8 +333,9 @@ def stream_main(args: argparse.Namespace) -> int:
                 st, rq, bu = res["stream"], res["requests"], res["burst"]
                 print(f"{label[:22]:<22} x{max(1, processes)} {pacing:<9}: {st['us_per_token']:6.2f} µs/token "
                       f"({st['us_per_token_net']:.2f} net) at {st['tokens_per_s']:,.0f} tok/s, ITL p50 "
-                      f"{st['itl_p50_ms']} ms, router {st['router_cpu_share']:.0%} CPU; "
-                      f"{rq['ms_per_request']:.4f} ms/request ({rq['req_per_s']:,.0f} req/s); burst of "
+                      f"{st['itl_p50_ms']} ms, router {st['router_cpu_share']:.0%} CPU (kernel {st['system_share']:.0%}); "
+                      f"{rq['ms_per_request']:.4f} ms/request (kernel {rq['system_share']:.0%}, "
+                      f"{rq['req_per_s']:,.0f} req/s); burst of "
                       f"{bu['requests']}: TTFT p99 +{bu['added_ttft_p99_ms']} ms (p50 +{bu['added_ttft_p50_ms']}), "
                       f"client CPU {st['client_cpu_share']}, errors {st['errors'] + bu['errors']}, load "
                       f"{load_before[0]}", flush=True)
