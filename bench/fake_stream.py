@@ -9,7 +9,18 @@ worker's chunks are), `max_tokens` in all, a usage chunk when `stream_options.in
 `data: [DONE]`; chunked transfer encoding, keep-alive. A non-streamed request is answered at once.
 A client that disconnects stops its stream (as the worker aborts).
 
-    python -m bench.fake_stream --port 8100 --interval-ms 8 --ttft-ms 5
+Two ways to pace the streams:
+- staggered (the default): each stream on its own schedule from its request's arrival, so the
+  streams' tokens are spread over the interval (one write, and one read at the other end, per token);
+- `--step-sync`: as a batched engine emits them. One clock ticks every `interval_ms` (a decode
+  step) and each tick writes the next token of every running stream, all in one callback; a
+  request's first token comes at the first tick at least `ttft_ms` after it arrived (it joins the
+  batch at a step boundary). The worker does this: its engine thread hands all of a step's outputs
+  to the HTTP loop in one call (`worker/engine/async_engine.py`, `_dispatch`), where every
+  stream's response writes its chunk in the same loop iteration. A relay in front then finds all
+  the streams' sockets readable at once, once per step.
+
+    python -m bench.fake_stream --port 8100 --interval-ms 8 --ttft-ms 5 [--step-sync]
 """
 
 from __future__ import annotations
@@ -42,13 +53,47 @@ def usage_event(tokens: int) -> bytes:
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
 
+class StepClock:
+    """A batched engine's decode steps: every `interval_s`, one token for every running stream.
+
+    Runs while any stream does; a tick that comes late delays the next (an engine's steps do not
+    catch up), and a stream that has sent its last token leaves the batch."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self.loop = asyncio.get_running_loop()
+        self.running: dict[FakeStream, float] = {}  # stream -> when it may join (arrival + ttft)
+        self.timer: asyncio.TimerHandle | None = None
+
+    def join(self, stream: FakeStream, at: float) -> None:
+        self.running[stream] = at
+        if self.timer is None:  # idle: the first step starts when this request can join
+            self.timer = self.loop.call_at(at, self.tick, at)
+
+    def leave(self, stream: FakeStream) -> None:
+        self.running.pop(stream, None)
+
+    def tick(self, due: float) -> None:
+        now = self.loop.time()
+        for stream, joins in list(self.running.items()):
+            if joins <= now + 1e-4 and not stream.step():
+                self.running.pop(stream, None)
+        if not self.running:
+            self.timer = None
+            return
+        nxt = max(due + self.interval_s, now)
+        self.timer = self.loop.call_at(nxt, self.tick, nxt)
+
+
 class FakeStream(asyncio.Protocol):
-    def __init__(self, interval_s: float, ttft_s: float) -> None:
+    def __init__(self, interval_s: float, ttft_s: float, clock: StepClock | None = None) -> None:
         self.interval_s, self.ttft_s = interval_s, ttft_s
+        self.clock = clock
         self.buf = b""
         self.transport: asyncio.Transport | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.loop = asyncio.get_running_loop()
+        self.sent, self.tokens, self.usage = 0, 0, False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # a TCP transport (uvloop's is no asyncio.Transport)
@@ -56,11 +101,13 @@ class FakeStream(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self.timer is not None:
             self.timer.cancel()
+        if self.clock is not None:
+            self.clock.leave(self)
         self.transport = None
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
-        while self.timer is None:  # one request at a time per connection (HTTP/1.1, no pipelining)
+        while not self.streaming:  # one request at a time per connection (HTTP/1.1, no pipelining)
             end = self.buf.find(b"\r\n\r\n")
             if end < 0:
                 return
@@ -95,29 +142,47 @@ class FakeStream(asyncio.Protocol):
         assert self.transport is not None
         self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                              b"transfer-encoding: chunked\r\n\r\n")
-        tokens = int(req.get("max_tokens") or 16)
-        usage = bool((req.get("stream_options") or {}).get("include_usage"))
-        start = self.loop.time()
-        self.timer = self.loop.call_at(start + self.ttft_s, self.tick, start + self.ttft_s, 0, tokens, usage)
+        self.sent, self.tokens = 0, int(req.get("max_tokens") or 16)
+        self.usage = bool((req.get("stream_options") or {}).get("include_usage"))
+        first = self.loop.time() + self.ttft_s
+        if self.clock is not None:
+            self.clock.join(self, first)
+        else:
+            self.timer = self.loop.call_at(first, self.tick, first)
 
-    def tick(self, due: float, sent: int, tokens: int, usage: bool) -> None:
-        """Sends token `sent + 1`; each one is due on a fixed schedule (a late tick does not delay the next)."""
+    @property
+    def streaming(self) -> bool:
+        return self.tokens > 0
+
+    def step(self) -> bool:
+        """Writes the stream's next token (the last with its usage and [DONE]); False once it ended."""
         if self.transport is None:
-            return
-        sent += 1
-        if sent < tokens:
+            self.tokens = 0
+            return False
+        self.sent += 1
+        if self.sent < self.tokens:
             self.transport.write(chunk(TOKEN_EVENT))
-            self.timer = self.loop.call_at(due + self.interval_s, self.tick, due + self.interval_s, sent, tokens, usage)
-            return
-        self.transport.write(chunk(TOKEN_EVENT + (usage_event(tokens) if usage else b"") + DONE) + b"0\r\n\r\n")
+            return True
+        self.transport.write(chunk(TOKEN_EVENT + (usage_event(self.tokens) if self.usage else b"") + DONE)
+                             + b"0\r\n\r\n")
+        self.tokens = 0
+        if self.buf:  # a request that came meanwhile (the next one on this connection)
+            self.loop.call_soon(self.data_received, b"")
+        return False
+
+    def tick(self, due: float) -> None:
+        """The staggered mode: each token due on the stream's own fixed schedule (a late tick does
+        not delay the next)."""
         self.timer = None
-        if self.buf:
-            self.data_received(b"")
+        if self.step():
+            self.timer = self.loop.call_at(due + self.interval_s, self.tick, due + self.interval_s)
 
 
-async def serve(port: int, interval_ms: float, ttft_ms: float, host: str = "127.0.0.1") -> None:
+async def serve(port: int, interval_ms: float, ttft_ms: float, host: str = "127.0.0.1",
+                step_sync: bool = False) -> None:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: FakeStream(interval_ms / 1e3, ttft_ms / 1e3), host, port,
+    clock = StepClock(interval_ms / 1e3) if step_sync else None
+    server = await loop.create_server(lambda: FakeStream(interval_ms / 1e3, ttft_ms / 1e3, clock), host, port,
                                       reuse_address=True, backlog=1024)
     async with server:
         await server.serve_forever()
@@ -128,12 +193,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--interval-ms", type=float, default=8.0, help="time between a stream's tokens")
     p.add_argument("--ttft-ms", type=float, default=0.0, help="time from a request to its first token")
+    p.add_argument("--step-sync", action="store_true",
+                   help="every running stream's next token at one step tick every --interval-ms (a batched engine)")
     args = p.parse_args(argv)
     try:
         from uvloop import run
     except ImportError:
         run = asyncio.run
-    run(serve(args.port, args.interval_ms, args.ttft_ms))
+    run(serve(args.port, args.interval_ms, args.ttft_ms, step_sync=args.step_sync))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,11 @@ and per request, TTFT of a burst of simultaneous streams, several router process
 measures git revision REF's router in the same run:
     taskset -c 1 python bench/router_overhead.py --stream --compare main --processes 1,2
 `--stream --uvicorn`: also this tree's router with `--http-server uvicorn` (the fallback).
-`--stream --floor`: also a bare TCP relay on uvloop (recv and send only), the floor under any relay in Python.
+`--stream --floor`: also a bare TCP relay on uvloop (recv and send only), the floor under any relay in Python;
+`--stream --relay-cmd "PROGRAM {port} {upstream}"`: also any relay program (one in C: the floor outside Python).
+`--stream --pacing staggered,step` (the default: both, each variant in both before the next): the
+fake worker's streams each on their own schedule, or all at one tick per interval as a batched
+engine's steps emit them (bench/fake_stream.py).
 `--stream --callgrind`: instructions per request and per token (valgrind), which a shared machine's
 load does not move:
     python bench/router_overhead.py --stream --callgrind --compare main
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
@@ -202,6 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--floor", action="store_true",
                    help="also measure a bare TCP relay (bench/router_stream.py's tcp_relay): the kernel's and the "
                    "event loop's share, under any relay in Python")
+    s.add_argument("--pacing", default="staggered,step",
+                   help="the fake worker's pacing, one or both: staggered (each stream on its own schedule) and "
+                   "step (every stream's token at one tick per --interval-ms, as a batched engine's step)")
+    s.add_argument("--repeat", type=int, default=1, help="measure every variant this many times, interleaved")
+    s.add_argument("--relay-cmd", metavar="CMD",
+                   help="also measure this relay program ({port} and {upstream} filled in), e.g. a relay in C")
     s.add_argument("--callgrind", action="store_true",
                    help="instructions per request and per token under valgrind's callgrind instead of CPU time "
                    "(this tree and --compare's; printed, and added to --out's JSON under `callgrind` when given)")
@@ -285,45 +296,64 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def stream_main(args: argparse.Namespace) -> int:
-    from bench.router_stream import Router, TcpRelay, checkout, phases, start_upstream
+    from bench.router_stream import Command, Router, TcpRelay, checkout, phases, start_upstream
 
     out = args.out or ROOT / "bench/results/router_stream.json"
-    up_port = free_port()
     pinned = shutil.which("taskset") and (os.cpu_count() or 1) > 1 and not args.no_pin
-    upstream = start_upstream(up_port, args.interval_ms, "1" if pinned else None)
+    pacings = [p for p in args.pacing.split(",") if p]
+    if not pacings or set(pacings) - {"staggered", "step"}:
+        raise SystemExit("--pacing: staggered, step or both")
+    ports = {pacing: free_port() for pacing in pacings}
+    upstreams = [start_upstream(port, args.interval_ms, "1" if pinned else None, pacing == "step")
+                 for pacing, port in ports.items()]
     runs = []
     try:
-        wait(f"http://127.0.0.1:{up_port}/health")
+        for port in ports.values():
+            wait(f"http://127.0.0.1:{port}/health")
         variants = [(ref, checkout(ref), 1, ()) for ref in (args.compare or "").split(",") if ref]
         if args.uvicorn:
             variants.append(("this tree, uvicorn", None, 1, ("--http-server", "uvicorn")))
         variants += [("this tree", None, int(n), ()) for n in args.processes.split(",") if n]
         if args.floor:
             variants.append(("tcp relay (floor)", None, 0, ()))
-        for label, path, processes, flags in variants:
+        if args.relay_cmd:
+            variants.append((f"command: {args.relay_cmd}", None, -1, ()))
+        # Interleaved: every variant in each pacing, then the next repeat (a shared machine's load
+        # moves between runs; medians over repeats, below).
+        for repeat, (label, path, processes, flags), (pacing, up_port) in itertools.product(
+                range(args.repeat), variants, ports.items()):
             load_before = [round(x, 2) for x in os.getloadavg()]
             cores = ("0" if processes <= 1 else f"0-{processes - 1}") if pinned else None
-            router = (Router(free_port(), up_port, cores, path, processes, flags) if processes
-                      else TcpRelay(free_port(), up_port, cores))
+            router = (Router(free_port(), up_port, cores, path, processes, flags) if processes > 0
+                      else TcpRelay(free_port(), up_port, cores) if processes == 0
+                      else Command(free_port(), up_port, cores, args.relay_cmd))
             try:
                 wait(f"http://127.0.0.1:{router.port}/ready")
                 res = phases(router, up_port, args, closed_loop)
             finally:
                 router.close()
-            runs.append({"router": label, "processes": processes or 1, "cores": cores, "flags": list(flags),
-                         "loadavg_before": load_before, **res})
+            runs.append({"router": label, "pacing": pacing, "repeat": repeat, "processes": max(1, processes),
+                         "cores": cores,
+                         "flags": list(flags), "loadavg_before": load_before, **res})
             st, rq, bu = res["stream"], res["requests"], res["burst"]
-            print(f"{label:<22} x{processes or 1}: {st['us_per_token']:6.2f} µs/token ({st['us_per_token_net']:.2f} net) "
-                  f"at {st['tokens_per_s']:,.0f} tok/s, router {st['router_cpu_share']:.0%} CPU; "
-                  f"{rq['ms_per_request']:.4f} ms/request ({rq['req_per_s']:,.0f} req/s); burst of {bu['requests']}: "
-                  f"TTFT p99 +{bu['added_ttft_p99_ms']} ms (p50 +{bu['added_ttft_p50_ms']}), "
-                  f"client CPU {st['client_cpu_share']}, errors {st['errors'] + bu['errors']}", flush=True)
+            print(f"{label[:22]:<22} x{max(1, processes)} {pacing:<9}: {st['us_per_token']:6.2f} µs/token "
+                  f"({st['us_per_token_net']:.2f} net) at {st['tokens_per_s']:,.0f} tok/s, ITL p50 "
+                  f"{st['itl_p50_ms']} ms, router {st['router_cpu_share']:.0%} CPU (kernel {st['system_share']:.0%}); "
+                  f"{rq['ms_per_request']:.4f} ms/request (kernel {rq['system_share']:.0%}, "
+                  f"{rq['req_per_s']:,.0f} req/s); burst of "
+                  f"{bu['requests']}: TTFT p99 +{bu['added_ttft_p99_ms']} ms (p50 +{bu['added_ttft_p50_ms']}), "
+                  f"client CPU {st['client_cpu_share']}, errors {st['errors'] + bu['errors']}, load "
+                  f"{load_before[0]}", flush=True)
     finally:
-        upstream.terminate()
-        upstream.wait(timeout=10)
+        for upstream in upstreams:
+            upstream.terminate()
+            upstream.wait(timeout=10)
     result = {
         "streams": args.streams, "tokens": args.tokens, "interval_ms": args.interval_ms, "seconds": args.seconds,
-        "router_pinned": bool(pinned), "runs": runs, "router_stack": server_stack(),
+        "pacing": {"staggered": "each stream's tokens on its own schedule from its arrival (spread over the interval)",
+                   "step": "every running stream's next token at one tick per interval, as a batched engine's step"},
+        "router_pinned": bool(pinned), "runs": runs, "summary": summarize(runs, args.streams * 1e3 / args.interval_ms, args.interval_ms),
+        "router_stack": server_stack(),
         "targets": {"us_per_token": 10.0, "ms_per_request": 0.1, "added_ttft_p99_ms": 5.0},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
         "note": "router CPU = its processes' user+system time over each phase (psutil); fake worker and client on core 1",
@@ -331,8 +361,42 @@ def stream_main(args: argparse.Namespace) -> int:
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
+    for row in result["summary"]:
+        print(f"median {row['router'][:22]:<22} x{row['processes']} {row['pacing']:<9}: {row['us_per_token']} µs/token "
+              f"over {row['kept']} of {row['repeats']} runs, {row['ms_per_request']} ms/request, burst TTFT p99 "
+              f"+{row['added_ttft_p99_ms']} ms")
     print(f"wrote {out}")
     return 0
+
+
+def summarize(runs: list[dict], rate: float, interval_ms: float) -> list[dict]:
+    """Per variant and pacing, the medians over its repeats; the per-token figure only over runs
+    where the client kept up (at least 95% of the tokens/s sent, inter-token p50 at least 90% of the
+    interval: each upstream read then held one token; a starved client reads several at once and
+    makes the relay look cheaper)."""
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+        groups.setdefault((run["router"], run["processes"], run["pacing"]), []).append(run)
+    rows = []
+    for (router, processes, pacing), group in groups.items():
+        kept = [r for r in group if r["stream"]["tokens_per_s"] >= 0.95 * rate
+                and r["stream"]["itl_p50_ms"] >= 0.9 * interval_ms]
+        rows.append({
+            "router": router, "processes": processes, "pacing": pacing, "repeats": len(group), "kept": len(kept),
+            "us_per_token": _median([r["stream"]["us_per_token"] for r in kept]),
+            "us_per_token_net": _median([r["stream"]["us_per_token_net"] for r in kept]),
+            "token_system_share": _median([r["stream"]["system_share"] for r in kept]),
+            "ms_per_request": _median([r["requests"]["ms_per_request"] for r in group]),
+            "request_system_share": _median([r["requests"]["system_share"] for r in group]),
+            "added_ttft_p50_ms": _median([r["burst"]["added_ttft_p50_ms"] for r in group]),
+            "added_ttft_p99_ms": _median([r["burst"]["added_ttft_p99_ms"] for r in group]),
+            "loadavg_before": [r["loadavg_before"][0] for r in group],
+        })
+    return rows
+
+
+def _median(xs: list[float]) -> float | None:
+    return round(float(np.median(xs)), 4) if xs else None
 
 
 async def fixed_requests(port: int, n: int, concurrency: int) -> None:

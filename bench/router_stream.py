@@ -3,7 +3,8 @@
 Setup, all on loopback: `bench/fake_stream.py` (a raw-asyncio fake worker streaming one token every
 `--interval-ms` per stream, in its own process) — `lorafleet router` pinned to core 0 (`taskset`) —
 `bench/loadgen.py`'s aiohttp client in a separate process. The router's CPU is its processes' user +
-system time (psutil) over each phase, so the figures hold on a machine shared with other work:
+system time (psutil) over each phase (`system_share`: the kernel's part), so the figures hold on a
+machine shared with other work:
 
 - `us_per_token`: router CPU over a closed loop of `--streams` streams of `--tokens` tokens each,
   divided by the tokens relayed (each request's own cost spread over its tokens included);
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -37,17 +39,17 @@ from bench.loadgen import Workload, run_load
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process and its children (a multi-process router's workers)."""
+def cpu_times(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process and its children (a multi-process router's workers)."""
     proc = psutil.Process(pid)
-    total = 0.0
+    user = system = 0.0
     for p in [proc, *proc.children(recursive=True)]:
         try:
             t = p.cpu_times()
-            total += t.user + t.system
+            user, system = user + t.user, system + t.system
         except psutil.NoSuchProcess:
             pass
-    return total
+    return user, system
 
 
 def checkout(ref: str) -> Path:
@@ -79,8 +81,9 @@ class Router:
             env=env, stderr=subprocess.DEVNULL, cwd=tempfile.gettempdir() if pythonpath else None)
         self.port = port
 
-    def cpu(self) -> float:
-        return cpu_seconds(self.proc.pid)
+    def cpu(self) -> tuple[float, float]:
+        """(user, system) CPU seconds so far."""
+        return cpu_times(self.proc.pid)
 
     def close(self) -> None:
         self.proc.terminate()
@@ -93,8 +96,20 @@ class TcpRelay(Router):
 
     def __init__(self, port: int, upstream: int, cores: str | None) -> None:
         pin = ["taskset", "-c", cores] if cores and shutil.which("taskset") else []
-        self.proc = subprocess.Popen([*pin, sys.executable, "-m", "bench.router_stream", "--tcp-relay", str(port),
-                                      str(upstream)], cwd=ROOT, stderr=subprocess.DEVNULL)
+        code = (f"import sys; sys.path.append({str(ROOT)!r}); from bench.router_stream import tcp_relay; "
+                f"tcp_relay({port}, {upstream})")  # appended: the repository's folders shadow no module
+        self.proc = subprocess.Popen([*pin, sys.executable, "-c", code], stderr=subprocess.DEVNULL)
+        self.port = port
+
+
+class Command(Router):
+    """Any relay program in its own process, pinned like the router: `command` with `{port}` and
+    `{upstream}` filled in (a relay written in C, say, for the floor outside Python)."""
+
+    def __init__(self, port: int, upstream: int, cores: str | None, command: str) -> None:
+        pin = ["taskset", "-c", cores] if cores and shutil.which("taskset") else []
+        argv = shlex.split(command.format(port=port, upstream=upstream))
+        self.proc = subprocess.Popen([*pin, *argv], cwd=ROOT, stderr=subprocess.DEVNULL)
         self.port = port
 
 
@@ -162,19 +177,23 @@ def phases(router: Router, direct_port: int, args, closed_loop) -> dict:
     w = Workload("closed", concurrency=args.streams, duration_s=args.seconds, warmup_s=0.0,
                  new_tokens=args.tokens, fixed_length=True, prompt_tokens=8, model="a")
     run_load(url, Workload("burst", concurrency=8, rounds=1, new_tokens=4, prompt_tokens=8, model="a"))  # warm
-    c0, t0 = router.cpu(), time.monotonic()
+    (u0, s0), t0 = router.cpu(), time.monotonic()
     stream = run_load(url, w)
-    cpu, wall = router.cpu() - c0, time.monotonic() - t0
+    (u1, s1), wall = router.cpu(), time.monotonic() - t0
+    cpu = (u1 - u0) + (s1 - s0)
     relayed = stream["tokens_per_s"] * args.seconds
     out["stream"] = {**stream, "router_cpu_s": round(cpu, 3), "router_cpu_share": round(cpu / wall, 3),
-                     "us_per_token": round(1e6 * cpu / max(1.0, relayed), 2)}
+                     "us_per_token": round(1e6 * cpu / max(1.0, relayed), 2),
+                     "system_share": round((s1 - s0) / max(cpu, 1e-9), 3)}  # the kernel's part (syscalls)
     # Non-streamed requests: CPU per request.
     asyncio.run(closed_loop(router.port, args.concurrency, 1.0))  # warm
-    c0 = router.cpu()
+    u0, s0 = router.cpu()
     rps = asyncio.run(closed_loop(router.port, args.concurrency, args.seconds))
-    cpu = router.cpu() - c0
+    u1, s1 = router.cpu()
+    cpu = (u1 - u0) + (s1 - s0)
     out["requests"] = {"req_per_s": round(rps, 1), "router_cpu_s": round(cpu, 3),
-                       "ms_per_request": round(1e3 * cpu / max(1.0, rps * args.seconds), 4)}
+                       "ms_per_request": round(1e3 * cpu / max(1.0, rps * args.seconds), 4),
+                       "system_share": round((s1 - s0) / max(cpu, 1e-9), 3)}
     requests = stream["requests"] or 1
     per_request_s = out["requests"]["ms_per_request"] / 1e3
     net = (out["stream"]["router_cpu_s"] - requests * per_request_s) / max(1.0, relayed)
@@ -193,10 +212,13 @@ def phases(router: Router, direct_port: int, args, closed_loop) -> dict:
     return out
 
 
-def start_upstream(port: int, interval_ms: float, cores: str | None) -> subprocess.Popen:
+def start_upstream(port: int, interval_ms: float, cores: str | None, step_sync: bool = False) -> subprocess.Popen:
+    """The fake worker; `step_sync`: every stream's token at one tick per interval (a batched
+    engine's step), else each stream on its own schedule (`bench/fake_stream.py`)."""
     pin = ["taskset", "-c", cores] if cores and shutil.which("taskset") else []
     return subprocess.Popen([*pin, sys.executable, str(ROOT / "bench" / "fake_stream.py"), "--port", str(port),
-                             "--interval-ms", str(interval_ms)], cwd=ROOT, stderr=subprocess.DEVNULL)
+                             "--interval-ms", str(interval_ms), *(["--step-sync"] if step_sync else [])],
+                            cwd=ROOT, stderr=subprocess.DEVNULL)
 
 
 def callgrind_counts(pythonpath: Path | None, fixed_requests, requests: int = 400, streams: int = 8,

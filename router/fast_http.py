@@ -207,7 +207,7 @@ class FastRequest:
     def _writer(self, tail: StreamTail) -> Any:
         """Body bytes to the client as one chunk each, from the upstream protocol's callback;
         False (nothing written) while the client's side is paused or gone."""
-        return chunk_writer(self.proto.transport, self.proto.flow, lambda: self.disconnected, tail)
+        return chunk_writer(self.proto.transport, self.proto.flow, self, tail)
 
     async def _chunk(self, data: bytes) -> None:
         if await self._writable():

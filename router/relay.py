@@ -121,16 +121,17 @@ def direct_writer(send: Send, tail: StreamTail) -> Callable[[bytes], bool] | Non
         flow.write_paused, cycle.disconnected  # noqa: B018  (read per write below)
     except (AttributeError, KeyError):
         return None
-    return chunk_writer(transport, flow, lambda: cycle.disconnected, tail)
+    return chunk_writer(transport, flow, cycle, tail)
 
 
-def chunk_writer(transport: Any, flow: Any, gone: Callable[[], bool], tail: StreamTail) -> Callable[[bytes], bool]:
+def chunk_writer(transport: Any, flow: Any, request: Any, tail: StreamTail) -> Callable[[bytes], bool]:
     """Body bytes to the client's transport as one HTTP/1.1 chunk each, seen by `tail`; False
-    (nothing written) while uvicorn's flow control has paused writing or the client is `gone`."""
+    (nothing written) while uvicorn's flow control has paused writing or the client is gone
+    (`request.disconnected`: uvicorn's cycle or the router's own request)."""
     see = tail.see
 
     def write(data: bytes) -> bool:
-        if flow.write_paused or gone():
+        if flow.write_paused or request.disconnected:
             return False
         see(data)
         transport.write(b"%x\r\n%s\r\n" % (len(data), data))

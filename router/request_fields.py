@@ -4,6 +4,7 @@ request's `model` / `lora_adapters` name."""
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter
@@ -27,9 +28,7 @@ def check_fields(payload: dict[str, Any], s: RouterSettings, path: str) -> tuple
     with `echo` true (the prompt scored, nothing generated); `stream` a JSON boolean. The messages
     use the worker's (pydantic's) wording. The caps (`max_tokens_cap`, `max_n`) are the router's own.
     """
-    ranges = {name: (1, s.max_n if name == "n" else s.max_tokens_cap)
-              for name in _CAPPED.get(path, ("max_tokens", "n"))}
-    for name, (low, high) in ranges.items():
+    for name, low, high in _ranges(path, s.max_n, s.max_tokens_cap):
         value = payload.get(name)
         if value is None:
             continue
@@ -48,6 +47,12 @@ def check_fields(payload: dict[str, Any], s: RouterSettings, path: str) -> tuple
     if stream is not None and not isinstance(stream, bool):
         return "stream", "stream: Input should be a valid boolean"
     return None
+
+
+@lru_cache(maxsize=64)
+def _ranges(path: str, max_n: int, max_tokens_cap: int) -> tuple[tuple[str, int, int], ...]:
+    """`path`'s capped fields with their (low, high) bounds."""
+    return tuple((name, 1, max_n if name == "n" else max_tokens_cap) for name in _CAPPED.get(path, ("max_tokens", "n")))
 
 
 class UnknownModel(Exception):

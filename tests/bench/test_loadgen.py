@@ -23,11 +23,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def fake():
+def _start_fake(*flags: str):
     port = _free_port()
     proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "fake_stream.py"), "--port", str(port), "--interval-ms",
-                             str(INTERVAL_MS), "--ttft-ms", str(TTFT_MS)], cwd=ROOT)
+                             str(INTERVAL_MS), "--ttft-ms", str(TTFT_MS), *flags], cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     for _ in range(200):
         try:
@@ -35,9 +34,83 @@ def fake():
                 break
         except httpx.HTTPError:
             time.sleep(0.05)
+    return proc, url
+
+
+@pytest.fixture(scope="module")
+def fake():
+    proc, url = _start_fake()
     yield url
     proc.terminate()
     proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def fake_steps():
+    proc, url = _start_fake("--step-sync")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+async def _token_times(url: str, start_offsets_s: list[float], tokens: int) -> list[list[float]]:
+    """Each stream's SSE token arrival times (monotonic), streams started at the given offsets."""
+    import asyncio
+
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"model": "a", "prompt": "x", "max_tokens": tokens, "stream": True}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: "
+               + str(len(body)).encode() + b"\r\n\r\n" + body)
+    t0 = time.monotonic()
+
+    async def one(offset: float) -> list[float]:
+        await asyncio.sleep(max(0.0, t0 + offset - time.monotonic()))
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(request)
+        times: list[float] = []
+        while True:
+            line = await reader.readline()
+            if line.startswith(b"data: [DONE]"):
+                break
+            if line.startswith(b"data: {"):
+                times.append(time.monotonic())
+        writer.close()
+        return times
+
+    return list(await asyncio.gather(*(one(o) for o in start_offsets_s)))
+
+
+@pytest.mark.parametrize("step_sync", [False, True])
+def test_streams_are_staggered_or_step_synchronized(fake, fake_steps, step_sync):
+    """Two streams started half an interval apart: on their own schedules their tokens stay half an
+    interval apart; with --step-sync both get each token at the same step tick."""
+    import asyncio
+
+    half = INTERVAL_MS / 2e3
+    a, b = asyncio.run(_token_times(fake_steps if step_sync else fake, [0.0, half], 12))
+    assert len(a) == len(b) == 12
+    # Pair each of b's later tokens with a's nearest one (b joins a tick after a did, or half an interval after).
+    gaps = [min(abs(tb - ta) for ta in a) * 1e3 for tb in b[2:10]]
+    gap = sorted(gaps)[len(gaps) // 2]
+    if step_sync:
+        assert gap <= 2.5
+    else:
+        assert INTERVAL_MS / 2 - 4.0 <= gap <= INTERVAL_MS / 2 + 4.0
+
+
+def test_step_synchronized_rate_and_ttft(fake_steps, bench_importable):
+    """Every running stream gets a token per tick: the rate is the streams' count per interval, and
+    a first token comes at the first tick at least TTFT_MS after the request (at most one interval more)."""
+    from bench.loadgen import Workload, run_load
+
+    streams = 16
+    w = Workload("closed", concurrency=streams, duration_s=4.0, warmup_s=1.0, new_tokens=50, fixed_length=True)
+    got = run_load(fake_steps, w)
+    assert got["errors"] == 0
+    assert got["tokens_per_s"] == pytest.approx(streams * 1e3 / INTERVAL_MS, rel=0.1)
+    assert TTFT_MS <= got["ttft_p50_ms"] <= TTFT_MS + 2 * INTERVAL_MS
+    assert got["itl_p50_ms"] == pytest.approx(INTERVAL_MS, abs=3.0)
+    assert got["mean_new_tokens"] == 50
 
 
 def test_closed_loop_measures_the_rate_and_ttft_sent(fake, bench_importable):
