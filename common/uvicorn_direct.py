@@ -53,24 +53,14 @@ def on_disconnect(send: Any) -> asyncio.Future[None] | None:
     return gone
 
 
-def chunk_writer(send: Any, see: Callable[[bytes], None] | None = None) -> Callable[[bytes], bool] | None:
-    """A function writing body bytes to the client as one HTTP/1.1 chunk each (False, nothing
-    written, while uvicorn's flow control has paused writing or the client is gone: the caller
-    then waits in `send`), or None when `send` is not uvicorn's httptools cycle's with a started
-    chunked response. Call after the response's head was sent. `see`: shown each chunk written."""
-    cycle = uvicorn_cycle(send)
-    if cycle is None or getattr(cycle, "chunked_encoding", None) is not True:
-        return None
-    try:  # uvicorn's internals: a version that moved them gets `send`
-        if not cycle.response_started or cycle.response_complete or cycle.scope["method"] == "HEAD":
-            return None
-        transport, flow = cycle.transport, cycle.flow
-        flow.write_paused, cycle.disconnected  # noqa: B018  (read per write below)
-    except (AttributeError, KeyError):
-        return None
+def transport_writer(transport: Any, flow: Any, conn: Any,
+                     see: Callable[[bytes], None] | None = None) -> Callable[[bytes], bool]:
+    """Body bytes to `transport` as one HTTP/1.1 chunk each, shown to `see`; False (nothing
+    written) while `flow` (uvicorn's flow control) has paused writing or `conn.disconnected`
+    (uvicorn's cycle, or a server's own request object)."""
 
     def write(data: bytes) -> bool:
-        if flow.write_paused or cycle.disconnected:
+        if flow.write_paused or conn.disconnected:
             return False
         if see is not None:
             see(data)
@@ -78,3 +68,20 @@ def chunk_writer(send: Any, see: Callable[[bytes], None] | None = None) -> Calla
         return True
 
     return write
+
+
+def chunk_writer(send: Any, see: Callable[[bytes], None] | None = None) -> Callable[[bytes], bool] | None:
+    """`transport_writer` on the connection of uvicorn's httptools cycle whose `send` this is,
+    or None when it is not one with a started chunked response (then the caller waits in
+    `send`). Call after the response's head was sent."""
+    cycle = uvicorn_cycle(send)
+    if cycle is None or getattr(cycle, "chunked_encoding", None) is not True:
+        return None
+    try:  # uvicorn's internals: a version that moved them gets `send`
+        if not cycle.response_started or cycle.response_complete or cycle.scope["method"] == "HEAD":
+            return None
+        transport, flow = cycle.transport, cycle.flow
+        flow.write_paused, cycle.disconnected  # noqa: B018  (read per write)
+    except (AttributeError, KeyError):
+        return None
+    return transport_writer(transport, flow, cycle, see)

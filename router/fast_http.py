@@ -34,8 +34,8 @@ from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, ST
 
 from lorafleet.router.generate import PROXIED, answer, error_body
 from lorafleet.router.proxy import StreamBroken, StreamTail, Upstream, relay_stream
-from lorafleet.router.relay import chunk_writer
 from lorafleet.router.upstream import Aborted, UpstreamError
+from lorafleet.uvicorn_direct import transport_writer
 
 if TYPE_CHECKING:
     import uvicorn
@@ -207,7 +207,7 @@ class FastRequest:
     def _writer(self, tail: StreamTail) -> Any:
         """Body bytes to the client as one chunk each, from the upstream protocol's callback;
         False (nothing written) while the client's side is paused or gone."""
-        return chunk_writer(self.proto.transport, self.proto.flow, self, tail)
+        return transport_writer(self.proto.transport, self.proto.flow, self, tail.see)
 
     async def _chunk(self, data: bytes) -> None:
         if await self._writable():

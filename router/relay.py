@@ -3,7 +3,7 @@
 The generic relay is a task that wakes per upstream read and passes the bytes through the ASGI
 `send` (`proxy.relay_stream`). Under uvicorn's httptools server (what `lorafleet router` runs), once
 the response has started the body is written straight from the upstream protocol's callback to the
-client's transport in uvicorn's own chunked framing (`direct_writer`): per relayed read one parse,
+client's transport in uvicorn's own chunked framing (`lorafleet.uvicorn_direct.chunk_writer`): per relayed read one parse,
 one write and no task switch. uvicorn's `send` still writes the response's head and its end, so its
 bookkeeping (keep-alive, completion) is its own. When the client's side pauses writing (a slow
 reader) or is gone, the direct writer refuses and the generic relay, which waits for the drain,
@@ -12,57 +12,21 @@ takes the rest.
 Two more shortcuts on the same cycle, for every proxied request: `write_response` writes a whole
 non-streamed answer (head and body) in one transport write with uvicorn's own completion
 bookkeeping, instead of two ASGI `send`s that validate each header by regex; `on_disconnect`
-gives a future that completes when the client's connection is lost (uvicorn's
+gives a future (from `lorafleet.uvicorn_direct`) that completes when the client's connection is lost (uvicorn's
 `connection_lost` sets the cycle's event), instead of a task per request waiting in `receive`.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
 
 from lorafleet.router.proxy import StreamBroken, StreamTail, Upstream, relay_stream
 from lorafleet.router.upstream import UpstreamError
-
-_UVICORN_CYCLE = ("uvicorn.protocols.http.httptools_impl", "RequestResponseCycle")
-
-
-def uvicorn_cycle(send: Send) -> Any | None:
-    """The uvicorn httptools `RequestResponseCycle` whose `send` this is, else None."""
-    cycle = getattr(send, "__self__", None)
-    kind = type(cycle)
-    return cycle if (kind.__module__, kind.__name__) == _UVICORN_CYCLE else None
-
-
-def on_disconnect(send: Send) -> asyncio.Future[None] | None:
-    """A future completed when the client's connection is lost, or None when `send` is not
-    uvicorn's httptools cycle's (then `receive` says so). Call once the request's body is read:
-    until the response completes, the cycle's event is set only by `connection_lost`."""
-    cycle = uvicorn_cycle(send)
-    try:
-        event: asyncio.Event = cycle.message_event  # type: ignore[union-attr]
-        waiters = event._waiters  # type: ignore[attr-defined]  # asyncio's: futures set by `set()`
-        if cycle.disconnected or event.is_set():  # type: ignore[union-attr]
-            return None
-    except AttributeError:  # not uvicorn's, or a version that moved them: the caller's task
-        return None
-    cycle.flow.resume_reading()  # as `receive` does: a lost connection is noticed by reading
-    loop = asyncio.get_running_loop()
-    gone: asyncio.Future[None] = loop.create_future()
-    woken: asyncio.Future[None] = loop.create_future()  # set with the event: a disconnect or the end
-
-    def woke(_f: asyncio.Future[None]) -> None:
-        if cycle.disconnected and not gone.done():
-            gone.set_result(None)
-
-    woken.add_done_callback(woke)
-    waiters.append(woken)
-    gone.add_done_callback(lambda _f: woken.cancel())  # (cancelled by the caller when it is done)
-    return gone
+from lorafleet.uvicorn_direct import chunk_writer, on_disconnect, uvicorn_cycle
 
 
 def write_response(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
@@ -107,39 +71,6 @@ def write_response(send: Send, status: int, headers: list[tuple[bytes, bytes]], 
     return True
 
 
-def direct_writer(send: Send, tail: StreamTail) -> Callable[[bytes], bool] | None:
-    """A function writing body bytes to the client as one HTTP/1.1 chunk each (False when the
-    client's side cannot take them now), or None when `send` is not uvicorn's httptools cycle's
-    with a started chunked response. Call after the response's head was sent."""
-    cycle = uvicorn_cycle(send)
-    if cycle is None or getattr(cycle, "chunked_encoding", None) is not True:
-        return None
-    try:  # uvicorn's internals: a version that moved them gets the generic relay
-        if not cycle.response_started or cycle.response_complete or cycle.scope["method"] == "HEAD":
-            return None
-        transport, flow = cycle.transport, cycle.flow
-        flow.write_paused, cycle.disconnected  # noqa: B018  (read per write below)
-    except (AttributeError, KeyError):
-        return None
-    return chunk_writer(transport, flow, cycle, tail)
-
-
-def chunk_writer(transport: Any, flow: Any, request: Any, tail: StreamTail) -> Callable[[bytes], bool]:
-    """Body bytes to the client's transport as one HTTP/1.1 chunk each, seen by `tail`; False
-    (nothing written) while uvicorn's flow control has paused writing or the client is gone
-    (`request.disconnected`: uvicorn's cycle or the router's own request)."""
-    see = tail.see
-
-    def write(data: bytes) -> bool:
-        if flow.write_paused or request.disconnected:
-            return False
-        see(data)
-        transport.write(b"%x\r\n%s\r\n" % (len(data), data))
-        return True
-
-    return write
-
-
 async def relay(send: Send, upstream: Upstream, headers: list[tuple[bytes, bytes]], responses_api: bool) -> None:
     """A streamed answer to the client, as the worker sends it (no parsing, no re-encoding).
 
@@ -152,7 +83,7 @@ async def relay(send: Send, upstream: Upstream, headers: list[tuple[bytes, bytes
     await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
     tail = StreamTail(responses_api)
     try:
-        write = direct_writer(send, tail)
+        write = chunk_writer(send, tail.see)  # uvicorn's cycle: straight to its transport
         if write is not None:
             try:
                 if await ex.stream_to(write):
