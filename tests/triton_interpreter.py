@@ -14,6 +14,7 @@ what every kernel computes, is unchanged: only the redundant re-patching is left
 from __future__ import annotations
 
 import inspect
+import threading
 
 
 def install() -> None:
@@ -27,7 +28,7 @@ def install() -> None:
     original_patch = interpreter._patch_lang
     original_launch = interpreter.GridExecutor.__call__
     languages: dict[object, frozenset[int]] = {}  # jit function -> ids of the language modules it names
-    launches: list[frozenset[int] | None] = []  # running launches: what each patched (None: not yet)
+    local = threading.local()  # .launches: this thread's running launches, what each patched (None: not yet)
 
     def langs_of(fn) -> frozenset[int]:
         if fn not in languages:
@@ -36,6 +37,7 @@ def install() -> None:
         return languages[fn]
 
     def patch_lang(fn):
+        launches = getattr(local, "launches", None)
         if launches and launches[-1] is None:  # the launch's own patch
             launches[-1] = langs_of(fn)
             return original_patch(fn)
@@ -44,6 +46,7 @@ def install() -> None:
         return original_patch(fn)
 
     def launch(self, *args, **kwargs):
+        launches = local.__dict__.setdefault("launches", [])
         launches.append(None)
         try:
             return original_launch(self, *args, **kwargs)
