@@ -33,6 +33,11 @@ TESTS_PATH = str(tests_link_dir())
 if TESTS_PATH not in sys.path:
     sys.path.insert(0, TESTS_PATH)
 
+if os.environ.get("TRITON_INTERPRET") == "1":  # the CPU suite: the interpreter's redundant patching skipped
+    from tests.triton_interpreter import install
+
+    install()
+
 
 @pytest.fixture(scope="session")
 def demo_assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
