@@ -148,7 +148,10 @@ def test_the_api_key_comes_from_vllms_env_unless_the_flag_gives_one(monkeypatch)
 def test_start_up_logs_the_defaults_that_differ_from_vllms(demo_model, caplog, monkeypatch):
     from lorafleet.worker.server import cli
 
-    monkeypatch.setattr(cli.asyncio, "run", lambda coro: coro.close() or 0)  # parse and log, serve nothing
+    async def serve_nothing(*_args, **_kwargs) -> int:
+        return 0
+
+    monkeypatch.setattr(cli, "serve", serve_nothing)  # parse and log, serve nothing
     with caplog.at_level(logging.INFO, logger="lorafleet.worker"):
         assert main(["--model", str(demo_model), "--max-loras", "2"]) == 0
     line = next(r.getMessage() for r in caplog.records if "differ from vLLM" in r.getMessage())
