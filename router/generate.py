@@ -210,16 +210,14 @@ async def generate(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> N
     await proxy(gw, scope["path"], scope["headers"], tenant, body, reply)
 
 
-def answer(gw: Gateway, path: str, headers: list[tuple[bytes, bytes]], body: bytes | None,
-           reply: Reply) -> Coroutine[Any, Any, None]:
-    """A proxied request whose body was read by the server (None: larger than the limit), to be
-    awaited (the coroutine that answers it: no layer of its own on every resume)."""
+async def answer(gw: Gateway, path: str, headers: list[tuple[bytes, bytes]], body: bytes | None, reply: Reply) -> None:
+    """A proxied request whose body was read by the server (None: larger than the limit)."""
     tenant = gw.tenants.authenticate(header(headers, b"authorization"))
     if tenant is None:
-        return unauthorized(reply)
+        return await unauthorized(reply)
     if body is None:
-        return too_large(reply, gw.settings.max_body_bytes)
-    return proxy(gw, path, headers, tenant, body, reply)
+        return await too_large(reply, gw.settings.max_body_bytes)
+    await proxy(gw, path, headers, tenant, body, reply)
 
 
 async def unauthorized(reply: Reply) -> None:

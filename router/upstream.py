@@ -175,6 +175,10 @@ class Exchange:
         if self.error is not None:
             raise self.error
 
+    async def headers(self) -> None:
+        while self.status == 0:
+            await self._wait()
+
     async def read(self) -> bytes:
         """The rest of the body."""
         while not self.complete:
@@ -314,35 +318,36 @@ class Pool:
 
     async def post(self, key: tuple[str, int], request: bytes, gone: asyncio.Future | None = None) -> Exchange:
         """Sends `request` (the whole HTTP/1.1 request's bytes) and returns once the headers came;
-        the exchange holds one of the `max_connections` slots until it is closed. (One coroutine:
-        each await layer costs on every resume, and every request resumes here.)"""
+        the exchange holds one of the `max_connections` slots until it is closed."""
         await self.slots.acquire()
         try:
-            conn = self._reuse(key)
-            while True:
-                reused = conn is not None
-                if conn is None:
-                    conn = await self._connect(key)
-                ex = Exchange(conn, gone)
-                conn.exchange = ex
-                conn.parser = httptools.HttpResponseParser(conn)
-                assert conn.transport is not None
-                conn.transport.write(request)
-                ex.watch()
-                try:
-                    while ex.status == 0:  # the headers
-                        await ex._wait()
-                    return ex
-                except BaseException as exc:
-                    ex.closed = True
-                    ex.detach()  # closes the connection: the answer is unfinished
-                    if reused and isinstance(exc, UpstreamError) and exc.kind == "transport" and not ex.received:
-                        conn = None  # a kept-alive connection the worker had closed: once more, on a new one
-                        continue
-                    raise
+            return await self._exchange(key, request, gone)
         except BaseException:
             self.slots.release()
             raise
+
+    async def _exchange(self, key: tuple[str, int], request: bytes, gone: asyncio.Future | None) -> Exchange:
+        conn = self._reuse(key)
+        while True:
+            reused = conn is not None
+            if conn is None:
+                conn = await self._connect(key)
+            ex = Exchange(conn, gone)
+            conn.exchange = ex
+            conn.parser = httptools.HttpResponseParser(conn)
+            assert conn.transport is not None
+            conn.transport.write(request)
+            ex.watch()
+            try:
+                await ex.headers()
+                return ex
+            except BaseException as exc:
+                ex.closed = True
+                ex.detach()  # closes the connection: the answer is unfinished
+                if reused and isinstance(exc, UpstreamError) and exc.kind == "transport" and not ex.received:
+                    conn = None  # a kept-alive connection the worker had closed: once more, on a new one
+                    continue
+                raise
 
     async def close(self) -> None:
         if self.sweeper is not None:
