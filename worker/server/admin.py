@@ -44,11 +44,6 @@ from lorafleet.worker.server.runtime import WorkerRuntime
 log = logging.getLogger("lorafleet.worker.server.admin")
 
 
-async def get_runtime(request: Request) -> WorkerRuntime:
-    """(async: FastAPI runs a plain `def` dependency in its thread pool, a thread hop per request)"""
-    return request.app.state.runtime
-
-
 def require_admin(request: Request, authorization: Annotated[str | None, Header()] = None) -> WorkerRuntime:
     runtime: WorkerRuntime = request.app.state.runtime
     if not runtime.admin_token.check(authorization):

@@ -56,14 +56,15 @@ class EventStreamResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw = scope.get(RAW_SEND)
-        if raw is None or uvicorn_cycle(raw) is None or scope.get("method") == "HEAD":
-            plain = StreamingResponse(self.events, media_type="text/event-stream",
-                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        cycle = uvicorn_cycle(raw) if raw is not None else None
+        if cycle is None or scope.get("method") == "HEAD":
+            plain = StreamingResponse(self.events)
+            plain.raw_headers = self.raw_headers
             await plain(scope, receive, send)
             return
-        await self._direct(raw, send)
+        await self._direct(raw, cycle, send)
 
-    async def _direct(self, raw: Any, send: Send) -> None:
+    async def _direct(self, raw: Any, cycle: Any, send: Send) -> None:
         task = asyncio.current_task()
         gone = on_disconnect(raw)
         streaming = True
@@ -78,7 +79,6 @@ class EventStreamResponse(Response):
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             write = chunk_writer(raw)
-            cycle = uvicorn_cycle(raw)
             async for event in events:
                 data = event.encode()
                 if write is None or not write(data):
