@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from lorafleet.router.scheduling.frequency import FrequencySketch
 from lorafleet.router.scheduling.skeleton import SkeletonRing
-from lorafleet.router.scheduling.types import EndpointView
+from lorafleet.router.scheduling.types import EndpointView, make_view
 
 
 @dataclass(slots=True)
@@ -223,6 +223,22 @@ class FleetIndex:
         """The popularity heaps are ordered by this sketch's counts, of its current generation."""
         return sketch is self._sketch and sketch.generation == self._sketch_generation
 
+    def idle_top(self, i: int, sketch: FrequencySketch) -> tuple[float, str] | None:
+        """Replica `i`'s least popular idle resident as (estimate, name) where its heap's top is
+        that already (current, idle), with no heap work; else None (`least_popular_idle` answers).
+        The top is the heap's minimum and a lower bound of every count below it: if current and
+        idle, it is the first entry `least_popular_idle` returns."""
+        heap = self.replicas[i].idle
+        if not heap or not self.heaps_follow(sketch):
+            return None
+        r = self.replicas[i]
+        c, a = heap[0]
+        if a in r.resident and sketch.counts.get(a, 0.0) == c and not (
+            a in r.active or a in r.waiting_adapters or a in r.pinned
+        ):
+            return c / sketch.unit, a
+        return None
+
     def least_popular_idle(
         self, i: int, m: int, sketch: FrequencySketch, exclude: frozenset[str] | set[str] = frozenset()
     ) -> list[tuple[float, str]]:
@@ -308,23 +324,10 @@ class FleetIndex:
         if sets is None:
             sets = r.frozen = tuple(map(frozenset, (r.gpu, r.resident, r.active, r.waiting_adapters, r.pinned)))
         gpu, resident, active, waiting, pinned = sets
-        return EndpointView(
-            name=r.name,
-            model=r.model,
-            healthy=r.healthy,
-            ejected=r.ejected,
-            gpu=gpu,
-            cpu=resident,
-            active=active,
-            waiting_adapters=waiting,
-            running=r.running,
-            waiting=r.waiting,
-            inflight=r.inflight,
-            max_loras=r.max_loras,
-            max_cpu_loras=r.max_cpu_loras,
-            capacity=r.capacity,
-            pinned=pinned,
-        )
+        return make_view(
+            r.name, r.model, r.healthy, r.ejected, gpu, resident, active, waiting,
+            r.running, r.waiting, r.inflight, r.max_loras, r.max_cpu_loras, r.capacity, pinned,
+        )  # fmt: skip
 
     def views(self) -> list[EndpointView]:
         """Every replica present, in id order (O(replicas): the reference path and tests)."""

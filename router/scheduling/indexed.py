@@ -33,7 +33,15 @@ from lorafleet.router.scheduling.index_scoring import CANONICAL, IndexScoring
 from lorafleet.router.scheduling.pickers import MaxScore
 from lorafleet.router.scheduling.policies import Policy, draw
 from lorafleet.router.scheduling.scorers import CacheVictim
-from lorafleet.router.scheduling.types import AdmissionPlan, Decision, NoEndpoint, Reason, RequestInfo
+from lorafleet.router.scheduling.types import (
+    AdmissionPlan,
+    Decision,
+    NoEndpoint,
+    Reason,
+    RequestInfo,
+    make_decision,
+    make_plan,
+)
 
 _NO_PLAN = AdmissionPlan()
 _ADMIT = AdmissionPlan(admit=True)
@@ -81,6 +89,8 @@ class IndexedPolicy:
     # ---- the decision ------------------------------------------------------------------------
     def schedule(self, req: RequestInfo, index: FleetIndex) -> Decision:
         adapters = req.adapters
+        if len(adapters) == 1:
+            return self._schedule_one(req, adapters[0], index)
         share = req.share
         key = req.key
         if adapters:
@@ -98,26 +108,97 @@ class IndexedPolicy:
         def bounded(i: int) -> bool:
             return i == fallback if fallback is not None else reps[i].load + 1 <= limit
 
-        holding = True
         if not adapters:
             cands = self._slot_filter(adapters, [i for i in eligible if bounded(i)], reps)
         else:
-            cands, holding = self._candidates(req, key, index, eligible, limit, fallback, bounded)
+            cands, _ = self._candidates(req, key, index, eligible, limit, fallback, bounded)
         if len(cands) == 1:
             chosen = cands[0]  # what MaxScore picks from one, whatever its score (no turn taken)
         else:
-            chosen = self.scoring.tie_break(self.scoring.scored(req, key, index, cands, holding), reps)
+            chosen = self.scoring.tie_break(self.scoring.scored(req, key, index, cands), reps)
         r = reps[chosen]
         resident = r.resident
-        if len(adapters) == 1:
-            missing: tuple[str, ...] = () if adapters[0] in resident else adapters
-        else:
-            missing = tuple(a for a in adapters if a not in resident)
+        missing = tuple(a for a in adapters if a not in resident)
         plan = _NO_PLAN
         if missing and self.admission is not None:
             spill = self._is_spill(share, index, missing, chosen, eligible)
             plan = self._admission_plan(adapters, missing, index, chosen, spill)
         return Decision(index.view(chosen), _reason(adapters, r), missing, plan)
+
+    def _schedule_one(self, req: RequestInfo, a: str, index: FleetIndex) -> Decision:
+        """`schedule` for a one-adapter request (nearly all of them): the same steps, with the key
+        (the adapter itself), the reason and the spill test written out, and a cold adapter's
+        candidates (no replica holds it) taken straight off the ring."""
+        p = self.policy
+        freq = self.frequency
+        if p.aging_per_slot is not None:
+            freq.age_with(index.cpu_slots, p.aging_per_slot, p.aging_floor)
+        freq.add(a)
+        share = freq.share(a)
+        model = req.model
+        eligible = index.eligible.get(model)
+        if not eligible:
+            raise NoEndpoint("no replica serves the model")
+        limit, fallback = self._load_bound(model, share, index, eligible)
+        reps = index.replicas
+        held = index.holders.get(a)
+        if held:
+            def bounded(i: int) -> bool:
+                return i == fallback if fallback is not None else reps[i].load + 1 <= limit
+
+            cands, holding = self._candidates(req, a, index, eligible, limit, fallback, bounded)
+        else:  # `_candidates` with no holders: the ring's first k in both bounds, else in the load bound
+            holding = False
+            cands = self._ring_passing(a, index, eligible, limit, fallback)
+            if not cands:
+                cands = self._first_k(
+                    a, index, eligible, lambda i: i == fallback if fallback is not None else reps[i].load + 1 <= limit
+                )
+        if len(cands) == 1:
+            chosen = cands[0]  # what MaxScore picks from one, whatever its score (no turn taken)
+        elif self.scoring.canonical:
+            chosen = self.scoring.pick_one(a, index, cands, holding)
+        else:
+            chosen = self.scoring.tie_break(self.scoring.scored(req, a, index, cands), reps)
+        r = reps[chosen]
+        if a in r.resident:
+            return make_decision(index.view(chosen), "hot" if a in r.gpu else "warm", (), _NO_PLAN)
+        missing = (a,)
+        plan = _NO_PLAN
+        if self.admission is not None:
+            rs = p.replicate_share
+            spill = (
+                rs is not None and share < rs and held is not None
+                and any(i != chosen and i in eligible for i in held)
+            )  # fmt: skip
+            plan = self._admission_plan(missing, missing, index, chosen, spill)
+        return make_decision(index.view(chosen), "cold", missing, plan)
+
+    def _ring_passing(
+        self, a: str, index: FleetIndex, eligible: set[int], limit: int, fallback: int | None
+    ) -> list[int]:
+        """`_passing(a, index.ring.walk(a), ..., self.k)`, walking the ring's groups in place."""
+        ring = index.ring
+        km, order = ring.key_order(a)
+        reps = index.replicas
+        max_over = self.slot_queue.max_over
+        k = self.k
+        out: list[int] = []
+        for g in order:
+            for i in ring.ranked(km, g):
+                if i not in eligible:
+                    continue
+                r = reps[i]
+                if (i != fallback) if fallback is not None else (r.load + 1 > limit):
+                    continue
+                if a not in r.active:
+                    over = r.busy_n + (a not in r.waiting_adapters) - r.max_loras
+                    if (over if over > 0 else 0) > max_over:
+                        continue
+                out.append(i)
+                if len(out) == k:
+                    return out
+        return out
 
     def _candidates(
         self,
@@ -158,7 +239,10 @@ class IndexedPolicy:
         cands = self._passing(adapters, held, reps, eligible, limit, fallback)
         if cands:
             return cands, True
-        cands = self._passing(adapters, index.ring.walk(key), reps, eligible, limit, fallback, self.k)
+        if len(adapters) == 1:
+            cands = self._ring_passing(adapters[0], index, eligible, limit, fallback)
+        else:
+            cands = self._passing(adapters, index.ring.walk(key), reps, eligible, limit, fallback, self.k)
         if cands:
             return cands, False
         # No replica in the bound has room in its GPU-slot queue: the slot filter keeps them all.
@@ -281,7 +365,10 @@ class IndexedPolicy:
             return _ADMIT
         need = adm.scratch_slots + len(missing) - free
         overflow = len(missing) - free
-        victims = index.least_popular_idle(i, max(need, overflow, 0), self.frequency, frozenset(adapters))
+        m = max(need, overflow, 0)
+        top = index.idle_top(i, self.frequency) if m == 1 and len(adapters) == 1 else None
+        # (one adapter: it is not resident here, so excluding it changes nothing)
+        victims = [top] if top is not None else index.least_popular_idle(i, m, self.frequency, frozenset(adapters))
         if not transient:
             freq = self.frequency.estimate
             newcomer = min(freq(a) for a in missing)
@@ -291,8 +378,8 @@ class IndexedPolicy:
                     break
                 chosen.append(name)
             if len(chosen) >= need:
-                return AdmissionPlan(unload_before=tuple(chosen), admit=True)
-        return AdmissionPlan(unload_before=tuple(name for _, name in victims[: max(0, overflow)]), admit=False)
+                return make_plan(tuple(chosen), True)
+        return make_plan(tuple(name for _, name in victims[: max(0, overflow)]), False)
 
 
 def _reason(adapters: tuple[str, ...], r: ReplicaState) -> Reason:

@@ -193,20 +193,27 @@ class SkeletonRing:
         width = self._order_width
         return table[slot * width : (slot + 1) * width]
 
+    def key_order(self, key: str) -> tuple[int, bytes]:
+        """(the key's mixed seed, its slot's group order best first): what `walk` and `ranked` need."""
+        key_seed = seed64(key)
+        return mix64(key_seed), self._group_order(slot_of(key_seed))
+
+    def ranked(self, key_mix: int, g: int) -> list[int]:
+        """Group `g`'s replica ids, best first for the key whose mixed seed is `key_mix`.
+
+        `member_weight` of each member, in plain Python: a walk is rare on a large catalog (a cold
+        adapter) and numpy's calls, out of the CPU's caches by then, cost more than the arithmetic.
+        Distinct seeds give distinct weights (xor with the key, then a multiply by an odd constant,
+        are bijections mod 2 ** 64): no ties."""
+        grp = self._groups[g]
+        ids = grp.ids
+        if len(ids) == 1:
+            return ids
+        w = [(key_mix ^ s) * _C2 & _M for s in grp.seeds]
+        return [ids[j] for j in sorted(range(len(ids)), key=w.__getitem__, reverse=True)]
+
     def walk(self, key: str) -> Iterator[int]:
         """Replica ids in the key's order, lazily: stop iterating once you have enough."""
-        key_seed = seed64(key)
-        km = mix64(key_seed)
-        for g in self._group_order(slot_of(key_seed)):
-            grp = self._groups[g]
-            ids = grp.ids
-            if len(ids) == 1:
-                yield ids[0]
-                continue
-            # `member_weight` of each member, best first: in plain Python, as a walk is rare on a
-            # large catalog (a cold adapter) and numpy's calls, out of the CPU's caches by then,
-            # cost more than the arithmetic. Distinct seeds give distinct weights (xor with the
-            # key, then a multiply by an odd constant, are bijections mod 2 ** 64): no ties.
-            w = [(km ^ s) * _C2 & _M for s in grp.seeds]
-            for j in sorted(range(len(ids)), key=w.__getitem__, reverse=True):
-                yield ids[j]
+        km, order = self.key_order(key)
+        for g in order:
+            yield from self.ranked(km, g)
