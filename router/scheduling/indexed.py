@@ -7,7 +7,7 @@ and scorers, in the same order and floating-point operations, on the candidates 
 2. the replicas holding the request's adapters (`FleetIndex.holders`) that pass the load bound and
    the GPU-slot queue bound: if any, they are the candidates (residency outranks everything else).
    Where more than `holder_sample` replicas hold them, the policy's draw of that many
-   (`FleetIndex.holder_names`, the same draw from the same generator) comes first;
+   (`Holders.names`, the same draw from the same generator) comes first;
 3. else the first `cold_candidates` replicas in the key's rendezvous order that pass both bounds,
    walked lazily on the `SkeletonRing`; only a fleet where no replica passes walks it all.
 
@@ -217,8 +217,9 @@ class IndexedPolicy:
         k = self.policy.holder_sample
         held: Collection[int]
         if len(adapters) == 1:
-            held = index.holders.get(adapters[0], ())
-            names = index.holder_names.get(adapters[0], [])
+            one = index.holders.get(adapters[0])
+            held = one if one is not None else ()
+            names = one.names if one is not None else []
         else:
             held = self._holders(adapters, index)
             names = sorted(reps[i].name for i in held) if k is not None and len(held) > k else []
