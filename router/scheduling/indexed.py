@@ -171,13 +171,13 @@ class IndexedPolicy:
                 rs is not None and share < rs and held is not None
                 and any(i != chosen and i in eligible for i in held)
             )  # fmt: skip
-            plan = self._admission_plan(missing, missing, index, chosen, spill)
+            plan = self._admit_one(a, index, chosen, spill)
         return make_decision(index.view(chosen), "cold", missing, plan)
 
     def _ring_passing(
         self, a: str, index: FleetIndex, eligible: set[int], limit: int, fallback: int | None
     ) -> list[int]:
-        """`_passing(a, index.ring.walk(a), ..., self.k)`, walking the ring's groups in place."""
+        """`_passing((a,), index.ring.walk(a), ..., self.k)`, walking the ring's groups in place."""
         ring = index.ring
         km, order = ring.key_order(a)
         reps = index.replicas
@@ -354,6 +354,33 @@ class IndexedPolicy:
             return False
         return any(i != chosen and i in eligible for a in missing for i in index.holders.get(a, ()))
 
+    def _admit_one(self, a: str, index: FleetIndex, i: int, transient: bool) -> AdmissionPlan:
+        """`_admission_plan((a,), (a,), index, i, transient)`, written out for one adapter (not
+        resident on replica `i`, so excluding it from the victims changes nothing)."""
+        adm = self.admission
+        assert adm is not None
+        r = index.replicas[i]
+        free = r.max_cpu_loras - len(r.resident)
+        scratch = adm.scratch_slots
+        if free - 1 >= scratch and not transient:
+            return _ADMIT
+        need = scratch + 1 - free
+        overflow = 1 - free
+        sketch = self.frequency
+        m = max(need, overflow, 0)
+        top = index.idle_top(i, sketch) if m == 1 else None
+        victims = [top] if top is not None else index.least_popular_idle(i, m, sketch)
+        if not transient:
+            newcomer = sketch.estimate(a)
+            chosen: list[str] = []
+            for f, name in victims[: max(0, need)]:
+                if newcomer <= f * adm.margin:
+                    break
+                chosen.append(name)
+            if len(chosen) >= need:
+                return make_plan(tuple(chosen), True)
+        return make_plan(tuple(name for _, name in victims[: max(0, overflow)]), False)
+
     def _admission_plan(
         self, adapters: tuple[str, ...], missing: tuple[str, ...], index: FleetIndex, i: int, transient: bool
     ) -> AdmissionPlan:
@@ -366,10 +393,7 @@ class IndexedPolicy:
             return _ADMIT
         need = adm.scratch_slots + len(missing) - free
         overflow = len(missing) - free
-        m = max(need, overflow, 0)
-        top = index.idle_top(i, self.frequency) if m == 1 and len(adapters) == 1 else None
-        # (one adapter: it is not resident here, so excluding it changes nothing)
-        victims = [top] if top is not None else index.least_popular_idle(i, m, self.frequency, frozenset(adapters))
+        victims = index.least_popular_idle(i, max(need, overflow, 0), self.frequency, frozenset(adapters))
         if not transient:
             freq = self.frequency.estimate
             newcomer = min(freq(a) for a in missing)
