@@ -77,11 +77,12 @@ class IndexScoring:
         if not cands:
             raise NoEndpoint("no candidate replica")
         if not holding:
-            partial = self._cold_partials(one, index, cands, self.scorers[-1][0])
+            partial, best = self._cold_partials(one, index, cands, self.scorers[-1][0])
         else:
             c_gpu, c_cpu, _, c_free, c_full, _, c_victim, w_head, c_head, w_load = self.terms
             reps = index.replicas
             partial = []
+            best = -math.inf
             for i in cands:  # resident: the cache-victim term is 1
                 r = reps[i]
                 active = r.active
@@ -97,26 +98,34 @@ class IndexScoring:
                     total += w_head * (head if head > 0.0 else 0.0)
                 cap = r.capacity
                 spare = 1.0 - r.load / (cap if cap > 1 else 1)
-                partial.append((i, total + w_load * (spare if spare > 0.0 else 0.0)))
+                total += w_load * (spare if spare > 0.0 else 0.0)
+                partial.append((i, total))
+                if total > best:
+                    best = total
         if len(partial) == 1:
             return partial[0][0]
-        return self.tie_break(self._near(one, index, partial), index.replicas)
+        return self.tie_break(self._near(one, index, partial, best), index.replicas)
 
-    def _near(self, key: str, index: FleetIndex, partial: list[tuple[int, float]]) -> list[tuple[int, float]]:
-        """`scored`'s end: the rendezvous term added to the partial scores it can decide between."""
+    def _near(
+        self, key: str, index: FleetIndex, partial: list[tuple[int, float]], best: float | None = None
+    ) -> list[tuple[int, float]]:
+        """`scored`'s end: the rendezvous term added to the partial scores it can decide between.
+        `best`: the largest partial score, if known. The term's score, weight / 2 ** 64, is in
+        [0, 1] as a float (2 ** 64 - 1 rounds to 2 ** 64): its clamp is left out."""
         w_hash = self.scorers[-1][0]
         reps = index.replicas
-        cut = max(s for _, s in partial) - w_hash - 1e-6
+        cut = (max(s for _, s in partial) if best is None else best) - w_hash - 1e-6
         near = [(i, s) for i, s in partial if s >= cut]
         if len(near) == 1:
             return near  # the pick whatever the rendezvous term adds: no hash needed
-        return [(i, s + w_hash * min(1.0, max(0.0, weight(key, reps[i].name) / _U64))) for i, s in near]
+        return [(i, s + w_hash * (weight(key, reps[i].name) / _U64)) for i, s in near]
 
     def _cold_partials(
         self, one: str, index: FleetIndex, cands: list[int], w_hash: float
-    ) -> list[tuple[int, float]]:
-        """`pick_one`'s partial scores for replicas not holding `one`, leaving out those that cannot come within
-        `w_hash` of the best: the cache-victim term (a heap look-up) is computed best bound first.
+    ) -> tuple[list[tuple[int, float]], float]:
+        """`pick_one`'s partial scores (and the best) for replicas not holding `one`, leaving out those
+        that cannot come within `w_hash` of the best: the cache-victim term (a heap look-up) is
+        computed best bound first.
 
         Each total is ((residency + slot-free) + victim) + headroom + load, added in that order; with
         the victim term at its largest (its weight) the same sum bounds the total from above, since
@@ -150,15 +159,17 @@ class IndexScoring:
                 break  # and so are the rest (sorted)
             total = ((a + w_victim * self._victim_one(one, index, reps[i], i)) + b) + c
             out.append((i, total))
-            best = max(best, total)
-        return out
+            if total > best:
+                best = total
+        return out, best
 
     def tie_break(self, scored: list[tuple[int, float]], reps: list[ReplicaState]) -> int:
         """MaxScore's rule (and its turn counter): the best; exact ties rotate in name order."""
         best = max(s for _, s in scored)
-        tied = sorted((i for i, s in scored if s >= best - _TIE), key=lambda i: reps[i].name)
+        tied = [i for i, s in scored if s >= best - _TIE]
         if len(tied) == 1:
             return tied[0]
+        tied.sort(key=lambda i: reps[i].name)
         self.picker._turn += 1
         return tied[self.picker._turn % len(tied)]
 
