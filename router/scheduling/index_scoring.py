@@ -104,7 +104,8 @@ class IndexScoring:
                     best = total
         if len(partial) == 1:
             return partial[0][0]
-        return self.tie_break(self._near(one, index, partial, best), index.replicas)
+        near = self._near(one, index, partial, best)
+        return near[0][0] if len(near) == 1 else self.tie_break(near, index.replicas)
 
     def _near(
         self, key: str, index: FleetIndex, partial: list[tuple[int, float]], best: float | None = None
