@@ -149,11 +149,9 @@ class IndexedPolicy:
             cands, holding = self._candidates(req, a, index, eligible, limit, fallback, bounded)
         else:  # `_candidates` with no holders: the ring's first k in both bounds, else in the load bound
             holding = False
-            cands = self._ring_passing(a, index, eligible, limit, fallback)
+            cands, loaded = self._ring_passing(a, index, eligible, limit, fallback)
             if not cands:
-                cands = self._first_k(
-                    a, index, eligible, lambda i: i == fallback if fallback is not None else reps[i].load + 1 <= limit
-                )
+                cands = loaded
         if len(cands) == 1:
             chosen = cands[0]  # what MaxScore picks from one, whatever its score (no turn taken)
         elif self.scoring.canonical:
@@ -176,14 +174,18 @@ class IndexedPolicy:
 
     def _ring_passing(
         self, a: str, index: FleetIndex, eligible: set[int], limit: int, fallback: int | None
-    ) -> list[int]:
-        """`_passing((a,), index.ring.walk(a), ..., self.k)`, walking the ring's groups in place."""
+    ) -> tuple[list[int], list[int]]:
+        """(`_passing((a,), index.ring.walk(a), ..., self.k)`, and where that is empty
+        `_first_k(a, ...)`), walking the ring's groups in place, once: where no replica passes the
+        slot bound (a slot-bound fleet) the walk has gone through every replica, and the first k
+        in the load bound were seen on the way."""
         ring = index.ring
         km, order = ring.key_order(a)
         reps = index.replicas
         max_over = self.slot_queue.max_over
         k = self.k
         out: list[int] = []
+        loaded: list[int] = []  # the first k in the load bound, while `out` is empty
         for g in order:
             for i in ring.ranked(km, g):
                 if i not in eligible:
@@ -191,14 +193,16 @@ class IndexedPolicy:
                 r = reps[i]
                 if (i != fallback) if fallback is not None else (r.load + 1 > limit):
                     continue
+                if not out and len(loaded) < k:
+                    loaded.append(i)
                 if a not in r.active:
                     over = r.busy_n + (a not in r.waiting_adapters) - r.max_loras
                     if (over if over > 0 else 0) > max_over:
                         continue
                 out.append(i)
                 if len(out) == k:
-                    return out
-        return out
+                    return out, loaded
+        return out, loaded
 
     def _candidates(
         self,
@@ -241,8 +245,9 @@ class IndexedPolicy:
         cands = self._passing(adapters, held, reps, eligible, limit, fallback)
         if cands:
             return cands, True
+        loaded: list[int] | None = None
         if len(adapters) == 1:
-            cands = self._ring_passing(adapters[0], index, eligible, limit, fallback)
+            cands, loaded = self._ring_passing(adapters[0], index, eligible, limit, fallback)
         else:
             cands = self._passing(adapters, index.ring.walk(key), reps, eligible, limit, fallback, self.k)
         if cands:
@@ -251,7 +256,7 @@ class IndexedPolicy:
         cands = _bounded_holders(drawn, held, eligible, bounded)
         if cands:
             return cands, True
-        return self._first_k(key, index, eligible, bounded), False
+        return (loaded if loaded is not None else self._first_k(key, index, eligible, bounded)), False
 
     def _passing(
         self,
