@@ -11,7 +11,10 @@ and scorers, in the same order and floating-point operations, on the candidates 
 3. else the first `cold_candidates` replicas in the key's rendezvous order that pass both bounds,
    walked lazily on the `SkeletonRing`; only a fleet where no replica passes walks it all.
 
-So a decision costs O(holder_sample + cold_candidates), whatever the fleet's size. Base-model
+So a decision costs O(holder_sample + cold_candidates), whatever the fleet's size. A one-adapter
+request (nearly all of them) takes `_schedule_one`: the same steps with the general ones' loops and
+calls written out, since at 1,024 replicas a cold decision's cost is mostly Python steps touching
+data no other decision touched lately (see docs/benchmarks.md, "Routing at fleet scale"). Base-model
 requests (no adapter: nothing to load, any replica will do) are scored over every eligible replica,
 as `Policy.schedule` does. The tests hold this equal to `Policy.schedule` on random fleets
 (`tests/router/scheduling/test_indexed.py`).
