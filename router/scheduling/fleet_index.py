@@ -58,14 +58,12 @@ class ReplicaState:
 
 
 class Holders(dict[int, str]):
-    """The replicas holding one adapter: replica id → tier, their names in sorted order (`names`)
-    and their ids in that order (`by_name`): a uniform sample of k holders in O(k), see
-    `policies.Policy.holder_sample`. One object per adapter, so an update or a decision looks the
-    adapter up once."""
+    """The replicas holding one adapter: replica id → tier, and their names in sorted order
+    (`names`: a uniform sample of k holders in O(k), see `policies.Policy.holder_sample`). One
+    object per adapter, so an update or a decision looks the adapter up once."""
 
-    __slots__ = ("names", "by_name")
+    __slots__ = ("names",)
     names: list[str]
-    by_name: list[int]
 
 
 @dataclass(slots=True)
@@ -172,8 +170,8 @@ class FleetIndex:
                 del self.holders[adapter]
                 return
             del held[i]
-            at = bisect.bisect_left(held.names, r.name)
-            del held.names[at], held.by_name[at]
+            names = held.names
+            del names[bisect.bisect_left(names, r.name)]
             return
         if adapter in r.resident:
             if (adapter in r.gpu) == (tier == "gpu"):
@@ -188,12 +186,9 @@ class FleetIndex:
                 entry = self.holders[adapter] = Holders()
                 entry[i] = tier
                 entry.names = [r.name]
-                entry.by_name = [i]
             else:
                 entry[i] = tier
-                at = bisect.bisect_left(entry.names, r.name)
-                entry.names.insert(at, r.name)
-                entry.by_name.insert(at, i)
+                bisect.insort(entry.names, r.name)
         if tier == "gpu":
             r.gpu.add(adapter)
         else:

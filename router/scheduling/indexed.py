@@ -7,7 +7,7 @@ and scorers, in the same order and floating-point operations, on the candidates 
 2. the replicas holding the request's adapters (`FleetIndex.holders`) that pass the load bound and
    the GPU-slot queue bound: if any, they are the candidates (residency outranks everything else).
    Where more than `holder_sample` replicas hold them, the policy's draw of that many
-   (`Holders.by_name`, the same draw from the same generator) comes first;
+   (`Holders.names`, the same draw from the same generator) comes first;
 3. else the first `cold_candidates` replicas in the key's rendezvous order that pass both bounds,
    walked lazily on the `SkeletonRing`; only a fleet where no replica passes walks it all.
 
@@ -223,18 +223,17 @@ class IndexedPolicy:
         reps = index.replicas
         k = self.policy.holder_sample
         held: Collection[int]
-        drawn: list[int] | None = None
         if len(adapters) == 1:
             one = index.holders.get(adapters[0])
             held = one if one is not None else ()
-            if one is not None and k is not None and len(one) > k:
-                by_name = one.by_name
-                drawn = [by_name[j] for j in draw(self.policy.rng, len(by_name), k)]
+            names = one.names if one is not None else []
         else:
             held = self._holders(adapters, index)
-            if k is not None and len(held) > k:
-                by_name = sorted(held, key=lambda i: reps[i].name)
-                drawn = [by_name[j] for j in draw(self.policy.rng, len(by_name), k)]
+            names = sorted(reps[i].name for i in held) if k is not None and len(held) > k else []
+        drawn: list[int] | None = None
+        if k is not None and len(held) > k:
+            ids = index.ids
+            drawn = [ids[names[j]] for j in draw(self.policy.rng, len(names), k)]
         if self._saturated(req.model, index, eligible):
             # The fleet is slot-bound (`SlotQueue.full_share`): no spill, the holders in the load
             # bound whatever their slot queue, as the slot filter keeps every replica then.
