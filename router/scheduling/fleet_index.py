@@ -4,8 +4,8 @@
 same information kept up to date as it changes (a poll, a load or unload, a request sent or
 finished), indexed for the questions a decision asks:
 
-- adapter → replicas holding it, with the tier (`holders`), and their names in sorted order
-  (`holder_names`: a uniform sample of k holders in O(k), see `policies.Policy.holder_sample`);
+- adapter → replicas holding it, with the tier, and their names in sorted order (`holders`, a
+  `Holders` each: a uniform sample of k holders in O(k), see `policies.Policy.holder_sample`);
 - base model → replicas that can serve it now, and their total load (`eligible`, `model_load`);
 - a key's rendezvous candidates, first k only (`ring`, a `SkeletonRing`);
 - per replica, its idle residents in a popularity heap (the cache-victim score and admission).
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from lorafleet.router.scheduling.frequency import FrequencySketch
 from lorafleet.router.scheduling.skeleton import SkeletonRing
-from lorafleet.router.scheduling.types import EndpointView
+from lorafleet.router.scheduling.types import EndpointView, make_view
 
 
 @dataclass(slots=True)
@@ -51,16 +51,26 @@ class ReplicaState:
     # residents taken off that heap while busy (active, waiting or pinned), with their count then:
     # pushed back when they go idle, so a busy resident is not set aside at every look-up
     parked: dict[str, float] = field(default_factory=dict)
-    # (gpu, resident, active, waiting_adapters, pinned) frozen for `view`; None: changed since
-    frozen: tuple[frozenset[str], ...] | None = None
+    # (gpu, resident) and (active, waiting_adapters, pinned) frozen for `view`; None: changed since.
+    # Apart: a request starting or ending changes the second, and the first (64 names) stays.
+    frozen: tuple[frozenset[str], frozenset[str]] | None = None
+    frozen_flags: tuple[frozenset[str], frozenset[str], frozenset[str]] | None = None
+
+
+class Holders(dict[int, str]):
+    """The replicas holding one adapter: replica id → tier, and their names in sorted order
+    (`names`: a uniform sample of k holders in O(k), see `policies.Policy.holder_sample`). One
+    object per adapter, so an update or a decision looks the adapter up once."""
+
+    __slots__ = ("names",)
+    names: list[str]
 
 
 @dataclass(slots=True)
 class FleetIndex:
     replicas: list[ReplicaState] = field(default_factory=list)
     ids: dict[str, int] = field(default_factory=dict)
-    holders: dict[str, dict[int, str]] = field(default_factory=dict)  # adapter -> {replica id: tier}
-    holder_names: dict[str, list[str]] = field(default_factory=dict)  # adapter -> holders' names, sorted
+    holders: dict[str, Holders] = field(default_factory=dict)  # adapter -> {replica id: tier}, names
     eligible: dict[str, set[int]] = field(default_factory=dict)  # model -> ids healthy, not ejected
     model_load: dict[str, int] = field(default_factory=dict)  # model -> sum of eligible loads
     # model -> eligible replicas with every GPU slot taken or asked for (busy_n ≥ max_loras)
@@ -156,26 +166,34 @@ class FleetIndex:
             while heap and heap[0][1] not in r.resident:  # an unloaded victim leaves the top at once
                 heapq.heappop(heap)
             held = self.holders[adapter]
+            if len(held) == 1:
+                del self.holders[adapter]
+                return
             del held[i]
-            names = self.holder_names[adapter]
+            names = held.names
             del names[bisect.bisect_left(names, r.name)]
-            if not held:
-                del self.holders[adapter], self.holder_names[adapter]
             return
         if adapter in r.resident:
             if (adapter in r.gpu) == (tier == "gpu"):
                 return
+            self.holders[adapter][i] = tier
         else:
             if r.idle is not None:
                 heapq.heappush(r.idle, (0.0, adapter))  # a lower bound: fixed when it surfaces
             r.resident.add(adapter)
-            bisect.insort(self.holder_names.setdefault(adapter, []), r.name)
+            entry = self.holders.get(adapter)
+            if entry is None:
+                entry = self.holders[adapter] = Holders()
+                entry[i] = tier
+                entry.names = [r.name]
+            else:
+                entry[i] = tier
+                bisect.insort(entry.names, r.name)
         if tier == "gpu":
             r.gpu.add(adapter)
         else:
             r.gpu.discard(adapter)
         r.frozen = None
-        self.holders.setdefault(adapter, {})[i] = tier
 
     def set_active(self, i: int, adapter: str, on: bool) -> None:
         r = self.replicas[i]
@@ -189,7 +207,7 @@ class FleetIndex:
         r = self.replicas[i]
         if (adapter in r.pinned) != on:
             (r.pinned.add if on else r.pinned.discard)(adapter)
-            r.frozen = None
+            r.frozen_flags = None
             if not on:
                 self._unpark(r, adapter)
 
@@ -208,7 +226,7 @@ class FleetIndex:
                 self.model_full[r.model] += -1 if full else 1
             if not on:
                 self._unpark(r, adapter)
-        r.frozen = None
+        r.frozen_flags = None
 
     @staticmethod
     def _unpark(r: ReplicaState, adapter: str) -> None:
@@ -222,6 +240,22 @@ class FleetIndex:
     def heaps_follow(self, sketch: FrequencySketch) -> bool:
         """The popularity heaps are ordered by this sketch's counts, of its current generation."""
         return sketch is self._sketch and sketch.generation == self._sketch_generation
+
+    def idle_top(self, i: int, sketch: FrequencySketch) -> tuple[float, str] | None:
+        """Replica `i`'s least popular idle resident as (estimate, name) where its heap's top is
+        that already (current, idle), with no heap work; else None (`least_popular_idle` answers).
+        The top is the heap's minimum and a lower bound of every count below it: if current and
+        idle, it is the first entry `least_popular_idle` returns."""
+        heap = self.replicas[i].idle
+        if not heap or not self.heaps_follow(sketch):
+            return None
+        r = self.replicas[i]
+        c, a = heap[0]
+        if a in r.resident and sketch.counts.get(a, 0.0) == c and not (
+            a in r.active or a in r.waiting_adapters or a in r.pinned
+        ):
+            return c / sketch.unit, a
+        return None
 
     def least_popular_idle(
         self, i: int, m: int, sketch: FrequencySketch, exclude: frozenset[str] | set[str] = frozenset()
@@ -304,27 +338,18 @@ class FleetIndex:
     # ---- views -------------------------------------------------------------------------------
     def view(self, i: int) -> EndpointView:
         r = self.replicas[i]
-        sets = r.frozen
-        if sets is None:
-            sets = r.frozen = tuple(map(frozenset, (r.gpu, r.resident, r.active, r.waiting_adapters, r.pinned)))
-        gpu, resident, active, waiting, pinned = sets
-        return EndpointView(
-            name=r.name,
-            model=r.model,
-            healthy=r.healthy,
-            ejected=r.ejected,
-            gpu=gpu,
-            cpu=resident,
-            active=active,
-            waiting_adapters=waiting,
-            running=r.running,
-            waiting=r.waiting,
-            inflight=r.inflight,
-            max_loras=r.max_loras,
-            max_cpu_loras=r.max_cpu_loras,
-            capacity=r.capacity,
-            pinned=pinned,
-        )
+        tiers = r.frozen
+        if tiers is None:
+            tiers = r.frozen = (frozenset(r.gpu), frozenset(r.resident))
+        flags = r.frozen_flags
+        if flags is None:
+            flags = r.frozen_flags = (frozenset(r.active), frozenset(r.waiting_adapters), frozenset(r.pinned))
+        gpu, resident = tiers
+        active, waiting, pinned = flags
+        return make_view(
+            r.name, r.model, r.healthy, r.ejected, gpu, resident, active, waiting,
+            r.running, r.waiting, r.inflight, r.max_loras, r.max_cpu_loras, r.capacity, pinned,
+        )  # fmt: skip
 
     def views(self) -> list[EndpointView]:
         """Every replica present, in id order (O(replicas): the reference path and tests)."""

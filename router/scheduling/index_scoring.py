@@ -2,9 +2,9 @@
 order, so the same floats as `Policy._score` (and the same pick as `MaxScore`, turn counter included).
 
 `IndexedPolicy` finds the candidates; this scores them. A one-adapter request on lorafleet_policy's
-scorers gets them inlined (`_partial`), cold candidates best upper bound first (`_cold_partials`), and
-the rendezvous term only where it can break a near-tie; anything else goes through `_score`, one
-scorer at a time.
+scorers gets them inlined and the pick made in one call (`pick_one`), cold candidates best upper
+bound first (`_cold_partials`), and the rendezvous term only where it can break a near-tie; anything
+else goes through `_score`, one scorer at a time.
 """
 
 from __future__ import annotations
@@ -59,66 +59,74 @@ class IndexScoring:
             )  # fmt: skip
         return cls(policy.scorers, policy.frequency, policy.picker, canonical, terms, scratch)  # type: ignore[arg-type]
 
-    def scored(
-        self, req: RequestInfo, key: str, index: FleetIndex, cands: list[int], holding: bool
-    ) -> list[tuple[int, float]]:
+    def scored(self, req: RequestInfo, key: str, index: FleetIndex, cands: list[int]) -> list[tuple[int, float]]:
         if not cands:
             raise NoEndpoint("no candidate replica")
         scorers = self.scorers
         if not isinstance(scorers[-1][1], HashAffinity):
             return [(i, self._score(req, index, i, scorers)) for i in cands]
         # The rendezvous term (last, ≤ its weight) only decides near-ties: add it where it can matter.
-        w_hash = scorers[-1][0]
-        reps = index.replicas
-        if len(req.adapters) == 1 and self.canonical:
-            one = req.adapters[0]
-            if holding:
-                partial = [(i, self._partial(one, index, i, True)) for i in cands]
-            else:
-                partial = self._cold_partials(one, index, cands, w_hash)
-        else:
-            partial = [(i, self._score(req, index, i, scorers[:-1])) for i in cands]
-        cut = max(s for _, s in partial) - w_hash - 1e-6
-        return [
-            (i, s + w_hash * min(1.0, max(0.0, weight(key, reps[i].name) / _U64)))
-            for i, s in partial
-            if s >= cut
-        ]
+        return self._near(key, index, [(i, self._score(req, index, i, scorers[:-1])) for i in cands])
 
-    def _partial(self, one: str, index: FleetIndex, i: int, resident: bool) -> float:
-        """`_score` without the rendezvous term for a one-adapter request, with lorafleet_policy's
-        scorers inlined in their order: the same terms added in the same order, so the same float.
-        Clamps are left out where the score is in [0, 1] already (counts are never negative), and
-        `x if x > 0.0 else 0.0` is `max(0.0, x)` without the call.
-        `resident`: the adapter is resident on replica `i`."""
-        c_gpu, c_cpu, c_none, c_free, c_full, w_victim, c_victim, w_head, c_head, w_load = self.terms
-        r = index.replicas[i]
-        active = r.active
-        running = one in active
-        if resident:
-            total = 0.0 + (c_gpu if one in r.gpu else c_cpu)
+    def pick_one(self, one: str, index: FleetIndex, cands: list[int], holding: bool) -> int:
+        """`tie_break(scored(...))` for a one-adapter request on lorafleet_policy's scorers
+        (`canonical`; the key is the adapter itself), with the scorers inlined in their order: the
+        same terms added in the same order, so the same floats. Clamps are left out where the score
+        is in [0, 1] already (counts are never negative), and `x if x > 0.0 else 0.0` is
+        `max(0.0, x)` without the call. `holding`: every candidate holds `one`; else none does."""
+        if not cands:
+            raise NoEndpoint("no candidate replica")
+        if not holding:
+            partial, best = self._cold_partials(one, index, cands, self.scorers[-1][0])
         else:
-            total = 0.0 + c_none
-        total += c_free if len(active) + (not running) <= r.max_loras else c_full
-        if resident:
-            total += c_victim
-        else:
-            total += w_victim * self._victim_one(one, index, r, i)
-        if running:
-            total += c_head
-        else:
-            maxl = r.max_loras
-            head = (maxl - r.busy_n - (one not in r.waiting_adapters)) / (maxl if maxl > 1 else 1)
-            total += w_head * (head if head > 0.0 else 0.0)
-        cap = r.capacity
-        spare = 1.0 - r.load / (cap if cap > 1 else 1)
-        return total + w_load * (spare if spare > 0.0 else 0.0)
+            c_gpu, c_cpu, _, c_free, c_full, _, c_victim, w_head, c_head, w_load = self.terms
+            reps = index.replicas
+            partial = []
+            best = -math.inf
+            for i in cands:  # resident: the cache-victim term is 1
+                r = reps[i]
+                active = r.active
+                running = one in active
+                total = 0.0 + (c_gpu if one in r.gpu else c_cpu)
+                total += c_free if len(active) + (not running) <= r.max_loras else c_full
+                total += c_victim
+                if running:
+                    total += c_head
+                else:
+                    maxl = r.max_loras
+                    head = (maxl - r.busy_n - (one not in r.waiting_adapters)) / (maxl if maxl > 1 else 1)
+                    total += w_head * (head if head > 0.0 else 0.0)
+                cap = r.capacity
+                spare = 1.0 - r.load / (cap if cap > 1 else 1)
+                total += w_load * (spare if spare > 0.0 else 0.0)
+                partial.append((i, total))
+                if total > best:
+                    best = total
+        if len(partial) == 1:
+            return partial[0][0]
+        near = self._near(one, index, partial, best)
+        return near[0][0] if len(near) == 1 else self.tie_break(near, index.replicas)
+
+    def _near(
+        self, key: str, index: FleetIndex, partial: list[tuple[int, float]], best: float | None = None
+    ) -> list[tuple[int, float]]:
+        """`scored`'s end: the rendezvous term added to the partial scores it can decide between.
+        `best`: the largest partial score, if known. The term's score, weight / 2 ** 64, is in
+        [0, 1] as a float (2 ** 64 - 1 rounds to 2 ** 64): its clamp is left out."""
+        w_hash = self.scorers[-1][0]
+        reps = index.replicas
+        cut = (max(s for _, s in partial) if best is None else best) - w_hash - 1e-6
+        near = [(i, s) for i, s in partial if s >= cut]
+        if len(near) == 1:
+            return near  # the pick whatever the rendezvous term adds: no hash needed
+        return [(i, s + w_hash * (weight(key, reps[i].name) / _U64)) for i, s in near]
 
     def _cold_partials(
         self, one: str, index: FleetIndex, cands: list[int], w_hash: float
-    ) -> list[tuple[int, float]]:
-        """`_partial` for replicas not holding `one`, leaving out those that cannot come within
-        `w_hash` of the best: the cache-victim term (a heap look-up) is computed best bound first.
+    ) -> tuple[list[tuple[int, float]], float]:
+        """`pick_one`'s partial scores (and the best) for replicas not holding `one`, leaving out those
+        that cannot come within `w_hash` of the best: the cache-victim term (a heap look-up) is
+        computed best bound first.
 
         Each total is ((residency + slot-free) + victim) + headroom + load, added in that order; with
         the victim term at its largest (its weight) the same sum bounds the total from above, since
@@ -152,15 +160,17 @@ class IndexScoring:
                 break  # and so are the rest (sorted)
             total = ((a + w_victim * self._victim_one(one, index, reps[i], i)) + b) + c
             out.append((i, total))
-            best = max(best, total)
-        return out
+            if total > best:
+                best = total
+        return out, best
 
     def tie_break(self, scored: list[tuple[int, float]], reps: list[ReplicaState]) -> int:
         """MaxScore's rule (and its turn counter): the best; exact ties rotate in name order."""
         best = max(s for _, s in scored)
-        tied = sorted((i for i, s in scored if s >= best - _TIE), key=lambda i: reps[i].name)
+        tied = [i for i, s in scored if s >= best - _TIE]
         if len(tied) == 1:
             return tied[0]
+        tied.sort(key=lambda i: reps[i].name)
         self.picker._turn += 1
         return tied[self.picker._turn % len(tied)]
 
@@ -210,14 +220,10 @@ class IndexScoring:
             return 1.0
         sketch = self.frequency
         v: float | None = None
-        heap = r.idle
-        if need == 1 and heap and index.heaps_follow(sketch):
-            # The heap's top, if current and idle, is the answer (`least_popular_idle`'s first step).
-            c, a = heap[0]
-            if a in r.resident and sketch.counts.get(a, 0.0) == c and not (
-                a in r.active or a in r.waiting_adapters or a in r.pinned
-            ):
-                v = c / sketch.unit
+        if need == 1:
+            top = index.idle_top(i, sketch)
+            if top is not None:
+                v = top[0]
         if v is None:
             idle = index.least_popular_idle(i, need, sketch)  # `one` is not there: nothing to exclude
             if len(idle) < need:

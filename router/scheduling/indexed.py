@@ -7,11 +7,14 @@ and scorers, in the same order and floating-point operations, on the candidates 
 2. the replicas holding the request's adapters (`FleetIndex.holders`) that pass the load bound and
    the GPU-slot queue bound: if any, they are the candidates (residency outranks everything else).
    Where more than `holder_sample` replicas hold them, the policy's draw of that many
-   (`FleetIndex.holder_names`, the same draw from the same generator) comes first;
+   (`Holders.names`, the same draw from the same generator) comes first;
 3. else the first `cold_candidates` replicas in the key's rendezvous order that pass both bounds,
    walked lazily on the `SkeletonRing`; only a fleet where no replica passes walks it all.
 
-So a decision costs O(holder_sample + cold_candidates), whatever the fleet's size. Base-model
+So a decision costs O(holder_sample + cold_candidates), whatever the fleet's size. A one-adapter
+request (nearly all of them) takes `_schedule_one`: the same steps with the general ones' loops and
+calls written out, since at 1,024 replicas a cold decision's cost is mostly Python steps touching
+data no other decision touched lately (see docs/benchmarks.md, "Routing at fleet scale"). Base-model
 requests (no adapter: nothing to load, any replica will do) are scored over every eligible replica,
 as `Policy.schedule` does. The tests hold this equal to `Policy.schedule` on random fleets
 (`tests/router/scheduling/test_indexed.py`).
@@ -33,7 +36,15 @@ from lorafleet.router.scheduling.index_scoring import CANONICAL, IndexScoring
 from lorafleet.router.scheduling.pickers import MaxScore
 from lorafleet.router.scheduling.policies import Policy, draw
 from lorafleet.router.scheduling.scorers import CacheVictim
-from lorafleet.router.scheduling.types import AdmissionPlan, Decision, NoEndpoint, Reason, RequestInfo
+from lorafleet.router.scheduling.types import (
+    AdmissionPlan,
+    Decision,
+    NoEndpoint,
+    Reason,
+    RequestInfo,
+    make_decision,
+    make_plan,
+)
 
 _NO_PLAN = AdmissionPlan()
 _ADMIT = AdmissionPlan(admit=True)
@@ -81,6 +92,8 @@ class IndexedPolicy:
     # ---- the decision ------------------------------------------------------------------------
     def schedule(self, req: RequestInfo, index: FleetIndex) -> Decision:
         adapters = req.adapters
+        if len(adapters) == 1:
+            return self._schedule_one(req, adapters[0], index)
         share = req.share
         key = req.key
         if adapters:
@@ -98,26 +111,101 @@ class IndexedPolicy:
         def bounded(i: int) -> bool:
             return i == fallback if fallback is not None else reps[i].load + 1 <= limit
 
-        holding = True
         if not adapters:
             cands = self._slot_filter(adapters, [i for i in eligible if bounded(i)], reps)
         else:
-            cands, holding = self._candidates(req, key, index, eligible, limit, fallback, bounded)
+            cands, _ = self._candidates(req, key, index, eligible, limit, fallback, bounded)
         if len(cands) == 1:
             chosen = cands[0]  # what MaxScore picks from one, whatever its score (no turn taken)
         else:
-            chosen = self.scoring.tie_break(self.scoring.scored(req, key, index, cands, holding), reps)
+            chosen = self.scoring.tie_break(self.scoring.scored(req, key, index, cands), reps)
         r = reps[chosen]
         resident = r.resident
-        if len(adapters) == 1:
-            missing: tuple[str, ...] = () if adapters[0] in resident else adapters
-        else:
-            missing = tuple(a for a in adapters if a not in resident)
+        missing = tuple(a for a in adapters if a not in resident)
         plan = _NO_PLAN
         if missing and self.admission is not None:
             spill = self._is_spill(share, index, missing, chosen, eligible)
             plan = self._admission_plan(adapters, missing, index, chosen, spill)
         return Decision(index.view(chosen), _reason(adapters, r), missing, plan)
+
+    def _schedule_one(self, req: RequestInfo, a: str, index: FleetIndex) -> Decision:
+        """`schedule` for a one-adapter request (nearly all of them): the same steps, with the key
+        (the adapter itself), the reason and the spill test written out, and a cold adapter's
+        candidates (no replica holds it) taken straight off the ring."""
+        p = self.policy
+        freq = self.frequency
+        if p.aging_per_slot is not None:
+            freq.age_with(index.cpu_slots, p.aging_per_slot, p.aging_floor)
+        freq.add(a)
+        share = freq.share(a)
+        model = req.model
+        eligible = index.eligible.get(model)
+        if not eligible:
+            raise NoEndpoint("no replica serves the model")
+        limit, fallback = self._load_bound(model, share, index, eligible)
+        reps = index.replicas
+        held = index.holders.get(a)
+        if held:
+            def bounded(i: int) -> bool:
+                return i == fallback if fallback is not None else reps[i].load + 1 <= limit
+
+            cands, holding = self._candidates(req, a, index, eligible, limit, fallback, bounded)
+        else:  # `_candidates` with no holders: the ring's first k in both bounds, else in the load bound
+            holding = False
+            cands, loaded = self._ring_passing(a, index, eligible, limit, fallback)
+            if not cands:
+                cands = loaded
+        if len(cands) == 1:
+            chosen = cands[0]  # what MaxScore picks from one, whatever its score (no turn taken)
+        elif self.scoring.canonical:
+            chosen = self.scoring.pick_one(a, index, cands, holding)
+        else:
+            chosen = self.scoring.tie_break(self.scoring.scored(req, a, index, cands), reps)
+        r = reps[chosen]
+        if a in r.resident:
+            return make_decision(index.view(chosen), "hot" if a in r.gpu else "warm", (), _NO_PLAN)
+        missing = (a,)
+        plan = _NO_PLAN
+        if self.admission is not None:
+            rs = p.replicate_share
+            spill = (
+                rs is not None and share < rs and held is not None
+                and any(i != chosen and i in eligible for i in held)
+            )  # fmt: skip
+            plan = self._admit_one(a, index, chosen, spill)
+        return make_decision(index.view(chosen), "cold", missing, plan)
+
+    def _ring_passing(
+        self, a: str, index: FleetIndex, eligible: set[int], limit: int, fallback: int | None
+    ) -> tuple[list[int], list[int]]:
+        """(`_passing((a,), index.ring.walk(a), ..., self.k)`, and where that is empty
+        `_first_k(a, ...)`), walking the ring's groups in place, once: where no replica passes the
+        slot bound (a slot-bound fleet) the walk has gone through every replica, and the first k
+        in the load bound were seen on the way."""
+        ring = index.ring
+        km, order = ring.key_order(a)
+        reps = index.replicas
+        max_over = self.slot_queue.max_over
+        k = self.k
+        out: list[int] = []
+        loaded: list[int] = []  # the first k in the load bound, while `out` is empty
+        for g in order:
+            for i in ring.ranked(km, g):
+                if i not in eligible:
+                    continue
+                r = reps[i]
+                if (i != fallback) if fallback is not None else (r.load + 1 > limit):
+                    continue
+                if not out and len(loaded) < k:
+                    loaded.append(i)
+                if a not in r.active:
+                    over = r.busy_n + (a not in r.waiting_adapters) - r.max_loras
+                    if (over if over > 0 else 0) > max_over:
+                        continue
+                out.append(i)
+                if len(out) == k:
+                    return out, loaded
+        return out, loaded
 
     def _candidates(
         self,
@@ -136,8 +224,9 @@ class IndexedPolicy:
         k = self.policy.holder_sample
         held: Collection[int]
         if len(adapters) == 1:
-            held = index.holders.get(adapters[0], ())
-            names = index.holder_names.get(adapters[0], [])
+            one = index.holders.get(adapters[0])
+            held = one if one is not None else ()
+            names = one.names if one is not None else []
         else:
             held = self._holders(adapters, index)
             names = sorted(reps[i].name for i in held) if k is not None and len(held) > k else []
@@ -158,14 +247,18 @@ class IndexedPolicy:
         cands = self._passing(adapters, held, reps, eligible, limit, fallback)
         if cands:
             return cands, True
-        cands = self._passing(adapters, index.ring.walk(key), reps, eligible, limit, fallback, self.k)
+        loaded: list[int] | None = None
+        if len(adapters) == 1:
+            cands, loaded = self._ring_passing(adapters[0], index, eligible, limit, fallback)
+        else:
+            cands = self._passing(adapters, index.ring.walk(key), reps, eligible, limit, fallback, self.k)
         if cands:
             return cands, False
         # No replica in the bound has room in its GPU-slot queue: the slot filter keeps them all.
         cands = _bounded_holders(drawn, held, eligible, bounded)
         if cands:
             return cands, True
-        return self._first_k(key, index, eligible, bounded), False
+        return (loaded if loaded is not None else self._first_k(key, index, eligible, bounded)), False
 
     def _passing(
         self,
@@ -269,6 +362,33 @@ class IndexedPolicy:
             return False
         return any(i != chosen and i in eligible for a in missing for i in index.holders.get(a, ()))
 
+    def _admit_one(self, a: str, index: FleetIndex, i: int, transient: bool) -> AdmissionPlan:
+        """`_admission_plan((a,), (a,), index, i, transient)`, written out for one adapter (not
+        resident on replica `i`, so excluding it from the victims changes nothing)."""
+        adm = self.admission
+        assert adm is not None
+        r = index.replicas[i]
+        free = r.max_cpu_loras - len(r.resident)
+        scratch = adm.scratch_slots
+        if free - 1 >= scratch and not transient:
+            return _ADMIT
+        need = scratch + 1 - free
+        overflow = 1 - free
+        sketch = self.frequency
+        m = max(need, overflow, 0)
+        top = index.idle_top(i, sketch) if m == 1 else None
+        victims = [top] if top is not None else index.least_popular_idle(i, m, sketch)
+        if not transient:
+            newcomer = sketch.estimate(a)
+            chosen: list[str] = []
+            for f, name in victims[: max(0, need)]:
+                if newcomer <= f * adm.margin:
+                    break
+                chosen.append(name)
+            if len(chosen) >= need:
+                return make_plan(tuple(chosen), True)
+        return make_plan(tuple(name for _, name in victims[: max(0, overflow)]), False)
+
     def _admission_plan(
         self, adapters: tuple[str, ...], missing: tuple[str, ...], index: FleetIndex, i: int, transient: bool
     ) -> AdmissionPlan:
@@ -291,8 +411,8 @@ class IndexedPolicy:
                     break
                 chosen.append(name)
             if len(chosen) >= need:
-                return AdmissionPlan(unload_before=tuple(chosen), admit=True)
-        return AdmissionPlan(unload_before=tuple(name for _, name in victims[: max(0, overflow)]), admit=False)
+                return make_plan(tuple(chosen), True)
+        return make_plan(tuple(name for _, name in victims[: max(0, overflow)]), False)
 
 
 def _reason(adapters: tuple[str, ...], r: ReplicaState) -> Reason:

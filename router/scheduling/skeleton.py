@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -122,11 +123,24 @@ def skeleton_order(key: str, names: Iterable[str], groups: int = GROUPS) -> list
     )
 
 
+@functools.cache
+def _lanes(n: int) -> tuple[int, struct.Struct]:
+    """(1 in each of n 128-bit lanes, the format that reads each lane's low 64 bits)."""
+    return sum(1 << (128 * j) for j in range(n)), struct.Struct("<" + "Q8x" * n)
+
+
 @dataclass(slots=True)
 class _Group:
     members: list[str] = field(default_factory=list)  # sorted by name
     ids: list[int] = field(default_factory=list)  # caller's replica ids, aligned with members
     seeds: list[int] = field(default_factory=list)  # mix64(seed64(name)), aligned with members
+    packed: int = 0  # the seeds, seed j in bits [128 j, 128 j + 64): see `SkeletonRing.ranked`
+
+    def set_members(self, pairs: list[tuple[str, int]]) -> None:
+        self.members = [p[0] for p in pairs]
+        self.ids = [p[1] for p in pairs]
+        self.seeds = [mix64(seed64(m)) for m in self.members]
+        self.packed = sum(seed << (128 * j) for j, seed in enumerate(self.seeds))
 
 
 @dataclass(slots=True)
@@ -158,10 +172,7 @@ class SkeletonRing:
         g = group_of(name, self.groups)
         self._group_of[name] = g
         grp = self._groups.setdefault(g, _Group())
-        pairs = sorted([*zip(grp.members, grp.ids, strict=True), (name, ident)])
-        grp.members = [p[0] for p in pairs]
-        grp.ids = [p[1] for p in pairs]
-        grp.seeds = [mix64(seed64(m)) for m in grp.members]
+        grp.set_members(sorted([*zip(grp.members, grp.ids, strict=True), (name, ident)]))
         self._sizes[g] += 1
         self._inverse = inverse_sizes(self._sizes)
         self._order_table = None
@@ -172,7 +183,7 @@ class SkeletonRing:
             return
         grp = self._groups[g]
         i = grp.members.index(name)
-        del grp.members[i], grp.ids[i], grp.seeds[i]
+        grp.set_members([p for j, p in enumerate(zip(grp.members, grp.ids, strict=True)) if j != i])
         self._sizes[g] -= 1
         self._inverse = inverse_sizes(self._sizes)
         if not grp.members:
@@ -193,20 +204,32 @@ class SkeletonRing:
         width = self._order_width
         return table[slot * width : (slot + 1) * width]
 
+    def key_order(self, key: str) -> tuple[int, bytes]:
+        """(the key's mixed seed, its slot's group order best first): what `walk` and `ranked` need."""
+        key_seed = seed64(key)
+        return mix64(key_seed), self._group_order(slot_of(key_seed))
+
+    def ranked(self, key_mix: int, g: int) -> Iterator[int]:
+        """Group `g`'s replica ids, best first for the key whose mixed seed is `key_mix`, lazily.
+
+        `member_weight` of every member at once, in three operations on one integer: the members'
+        seeds sit in 128-bit lanes, so xor-ing the key into every lane and one multiply by `_C2`
+        give each lane (key_mix ^ seed) * _C2 with no carry into the next (a 64-bit by 64-bit
+        product fits in 128 bits), and each lane's low 64 bits are the weight. As fast as the
+        arithmetic in numpy, without numpy's calls, which a walk (rare on a large catalog: a cold
+        adapter) finds out of the CPU's caches. Distinct seeds give distinct weights (xor with the
+        key, then a multiply by an odd constant, are bijections mod 2 ** 64): no ties."""
+        grp = self._groups[g]
+        ids = grp.ids
+        n = len(ids)
+        if n == 1:
+            return iter(ids)
+        ones, lanes = _lanes(n)
+        w = lanes.unpack(((grp.packed ^ key_mix * ones) * _C2).to_bytes(16 * n, "little"))
+        return map(ids.__getitem__, sorted(range(n), key=w.__getitem__, reverse=True))
+
     def walk(self, key: str) -> Iterator[int]:
         """Replica ids in the key's order, lazily: stop iterating once you have enough."""
-        key_seed = seed64(key)
-        km = mix64(key_seed)
-        for g in self._group_order(slot_of(key_seed)):
-            grp = self._groups[g]
-            ids = grp.ids
-            if len(ids) == 1:
-                yield ids[0]
-                continue
-            # `member_weight` of each member, best first: in plain Python, as a walk is rare on a
-            # large catalog (a cold adapter) and numpy's calls, out of the CPU's caches by then,
-            # cost more than the arithmetic. Distinct seeds give distinct weights (xor with the
-            # key, then a multiply by an odd constant, are bijections mod 2 ** 64): no ties.
-            w = [(km ^ s) * _C2 & _M for s in grp.seeds]
-            for j in sorted(range(len(ids)), key=w.__getitem__, reverse=True):
-                yield ids[j]
+        km, order = self.key_order(key)
+        for g in order:
+            yield from self.ranked(km, g)

@@ -6,9 +6,11 @@ simulator builds them from its virtual workers, and both call the same policies.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, Protocol, TypeVar
+
+_T = TypeVar("_T")
 
 Reason = Literal["hot", "warm", "cold", "base"]
 
@@ -90,6 +92,25 @@ class Decision:
     reason: Reason
     needs_load: tuple[str, ...] = ()  # adapters to load on `endpoint` before sending
     admission: AdmissionPlan = field(default_factory=AdmissionPlan)
+
+
+def positional_maker(cls: type[_T]) -> Callable[..., _T]:
+    """`cls(*values)` for a frozen, slotted dataclass, every field given in order, without its
+    `__init__`'s `object.__setattr__` per field: each slot's descriptor sets it (an `EndpointView`
+    in 0.7 µs against 1.9). For the router's per-decision objects; no `__post_init__` runs."""
+    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+    env: dict[str, Any] = {"new": object.__new__, "cls": cls}
+    env.update({f"set_{n}": getattr(cls, n).__set__ for n in names})
+    body = "".join(f"    set_{n}(v, {n})\n" for n in names)
+    exec(f"def make({', '.join(names)}):\n    v = new(cls)\n{body}    return v\n", env)
+    make = env["make"]
+    make.__qualname__ = f"positional_maker({cls.__name__})"
+    return make
+
+
+make_view: Callable[..., EndpointView] = positional_maker(EndpointView)
+make_decision: Callable[..., Decision] = positional_maker(Decision)
+make_plan: Callable[..., AdmissionPlan] = positional_maker(AdmissionPlan)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,16 @@ from lorafleet.router.scheduling.fleet_index import FleetIndex
 from lorafleet.router.scheduling.indexed import IndexedPolicy
 from lorafleet.router.scheduling.policies import chwbl_policy, lorafleet_policy
 from lorafleet.router.scheduling.skeleton import SkeletonRing, group_of, skeleton_order
-from lorafleet.router.scheduling.types import EndpointView, NoEndpoint, RequestInfo
+from lorafleet.router.scheduling.types import (
+    AdmissionPlan,
+    Decision,
+    EndpointView,
+    NoEndpoint,
+    RequestInfo,
+    make_decision,
+    make_plan,
+    make_view,
+)
 
 
 def random_view(rng: random.Random, name: str, pool: list[str], busy_fleet: bool) -> EndpointView:
@@ -130,6 +139,50 @@ def test_indexed_decisions_equal_the_reference(seed, holder_sample):
     assert decided > 50
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_indexed_decisions_equal_the_reference_on_a_larger_fleet(seed):
+    """200 replicas: the ring's groups have several members, so a cold adapter's candidates come
+    from ranking them (`SkeletonRing.ranked`), often across two groups when bounds drop some."""
+    rng = random.Random(100 + seed)
+    pool = [f"a{i}" for i in range(600)]
+    views = [random_view(rng, f"r{i}", pool, busy_fleet=seed == 1) for i in range(200)]
+    views[0] = dataclasses.replace(views[0], healthy=True, ejected=False, model="base")
+    index = FleetIndex.of(views)
+    scratch = {"scratch_slots": seed % 2}  # a slot kept free: admission and the victim term need two
+    reference = lorafleet_policy(**scratch)
+    indexed = IndexedPolicy.of(lorafleet_policy(**scratch))
+    for p in (reference, indexed.policy):
+        p.frequency.min_total = 5.0
+    cold = 0
+    for _ in range(120):
+        req = random_request(rng, pool)
+        try:
+            want = reference.schedule(req, index.views())
+        except NoEndpoint:
+            with pytest.raises(NoEndpoint):
+                indexed.schedule(req, index)
+            continue
+        got = indexed.schedule(req, index)
+        assert same(got, want) == same(want, want), req
+        assert got.endpoint == want.endpoint
+        cold += got.reason == "cold"
+        perturb(rng, index, index.ids[got.endpoint.name], req, pool)
+    assert cold > 20
+
+
+def test_positional_maker_builds_what_the_constructor_builds():
+    view = EndpointView("r1", "m", True, False, frozenset({"a"}), frozenset({"a", "b"}), frozenset({"a"}),
+                        frozenset(), 3, 1, 5, 4, 8, 16, frozenset({"b"}))  # fmt: skip
+    values = [getattr(view, f.name) for f in dataclasses.fields(EndpointView)]
+    made = make_view(*values)
+    assert type(made) is EndpointView and made == view and hash(made) == hash(view)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.running = 4  # type: ignore[misc]
+    plan = make_plan(("x",), False)
+    assert plan == AdmissionPlan(unload_before=("x",), admit=False)
+    assert make_decision(made, "cold", ("c",), plan) == Decision(view, "cold", ("c",), plan)
+
+
 def test_small_fleet_scores_every_replica_as_before():
     """With no more replicas than `cold_candidates`, narrowing changes nothing."""
     rng = random.Random(7)
@@ -214,4 +267,7 @@ def test_least_popular_idle_is_the_sorted_idle_residents_through_churn(seed):
             exclude = frozenset(rng.sample(pool, rng.randint(0, 2)))
             busy = r.active | r.waiting_adapters | r.pinned | exclude
             want = sorted((sketch.estimate(x), x) for x in r.resident if x not in busy)[:m]
+            top = index.idle_top(i, sketch)  # None where the heap's top needs work first
+            idle = sorted((sketch.estimate(x), x) for x in r.resident if x not in r.active | r.waiting_adapters | r.pinned)
+            assert top is None or top == idle[0]
             assert index.least_popular_idle(i, m, sketch, exclude) == want
