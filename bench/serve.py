@@ -142,7 +142,7 @@ def worker_cmd(args: argparse.Namespace, model: Path, adapters: dict[str, Path],
            "--host", "127.0.0.1", "--port", str(port), "--device", args.device,
            "--max-num-seqs", str(max(args.concurrency)), "--max-loras", str(slots),
            "--max-cpu-loras", str(slots + 8), "--max-lora-rank", "16", "--max-loras-per-request", "1",
-           "--log-level", "warning", "--admin-token-file", str(token_file(args))]
+           "--log-level", "warning", "--admin-token-file", str(token_file(args)), "--load-format", "dummy"]
     if adapters:
         cmd += ["--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
     if not args.device.startswith("cuda"):
@@ -328,8 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
     # Model and adapters, in a process of their own (on a GPU: no CUDA context left in this one).
-    model = args.workdir / ("model-seed" if cuda else "model-tiny")
-    cmd = [sys.executable, str(ROOT / "bench" / "serve_assets.py"), "write", "--device", args.device, "--model", str(model),
+    # The model's config and tokenizer; its weights made by the worker (--load-format dummy).
+    model = args.workdir / ("model-seed-config" if cuda else "model-tiny-config")
+    cmd = [sys.executable, str(ROOT / "bench" / "serve_assets.py"), "write", "--config-only", "--device", args.device,
+           "--model", str(model),
            "--adapter-root", str(args.workdir / ("adapters-seed" if cuda else "adapters-tiny")),
            "--count", str(max(args.adapters))]
     written = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, check=True)

@@ -3,7 +3,8 @@
 The model is the engine benchmark's (bench/engine_build.py): the seed guide's 7.8B Llama shape on a
 GPU, its tiny shape on a CPU, random weights from the same seeded generator, written as a Hugging
 Face folder (config.json, model.safetensors, a tokenizer of the model's vocabulary size) that
-`lorafleet worker --model` loads. Adapters are random rank-16 PEFT folders on all 7 projections
+`lorafleet worker --model` loads, or without model.safetensors (`--config-only`) for `lorafleet worker
+--load-format dummy`, which makes the same weights on its device (worker/models/dummy.py). Adapters are random rank-16 PEFT folders on all 7 projections
 (bench/adapter_folder.py), named a0, a1, ...
 
 `engine_rows` runs in its own process (`python -m bench.serve_assets engine ...`, JSON on stdout)
@@ -31,8 +32,10 @@ def shape(device: str) -> dict:
     return SEED_SHAPE if device.startswith("cuda") else TINY_SHAPE
 
 
-def write_model(folder: Path, device: str) -> Path:
-    """The engine benchmark's random-weight model as a folder the worker loads (skipped if there)."""
+def write_model(folder: Path, device: str, weights: bool = True) -> Path:
+    """The engine benchmark's random-weight model as a folder the worker loads (skipped if there);
+    without `weights`, config.json and the tokenizer only, for `lorafleet worker --load-format dummy`
+    (the same random weights, made on the worker's device at start-up: nothing to write or read)."""
     import torch
     from safetensors.torch import save_file
 
@@ -48,6 +51,9 @@ def write_model(folder: Path, device: str) -> Path:
         cfg["torch_dtype"] = "float32"
     (folder / "config.json").write_text(json.dumps(cfg))
     full_vocab_tokenizer(folder, cfg["vocab_size"])
+    if not weights:
+        marker.write_text("ok\n")
+        return folder
     config = ModelConfig.from_folder(folder)
     gen = "cuda" if device.startswith("cuda") else "cpu"
     tensors = {name: t.to("cpu", non_blocking=False).contiguous() for name, t in random_weights(config, gen)}
@@ -110,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", type=Path, help="write: the model folder")
     p.add_argument("--adapter-root", type=Path, help="write: where the adapter folders go")
     p.add_argument("--count", type=int, default=0, help="write: adapters")
+    p.add_argument("--config-only", action="store_true",
+                   help="write: config.json and the tokenizer, no weights (the worker runs with --load-format dummy)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt", type=int, default=128)
@@ -119,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     if args.what == "write":
-        write_model(args.model, args.device)
+        write_model(args.model, args.device, weights=not args.config_only)
         adapters = write_adapters(args.adapter_root, args.model, args.count)
         print(f"model and {args.count} adapters written in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
         print(json.dumps({k: str(v) for k, v in adapters.items()}))

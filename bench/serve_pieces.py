@@ -14,22 +14,21 @@ import json
 from pathlib import Path
 
 GPU_PIECES = (
-    # (what it measures, serve.py arguments, expected minutes on an H100 (+2 where the model is written
-    # again: a machine released between calls keeps nothing), whether it starts from the committed
+    # (what it measures, serve.py arguments, expected minutes on an H100 (+1 where the adapters are
+    # written again: a machine released between calls keeps nothing; the model's weights are never
+    # written: the worker makes them, --load-format dummy), whether it starts from the committed
     # bench/results/serve-<gpu>.json when the run's own JSON is absent)
-    ("the model and 8 adapters written (~2 min), the engine's figures at batch 64 for 0 and 8 adapters",
-     "--engine-only --concurrency 64 --adapters 0,8 --prompts 128", 5.5, False),
-    ("56 more adapters written (~1 min), the engine's figures at batch 64 for 64 adapters",
-     "--engine-only --concurrency 64 --adapters 64 --prompts 128", 4.5, False),
+    ("64 adapters written (~1 min), the engine's figures at batch 64 for 0, 8 and 64 adapters (2.6 min on an H100)",
+     "--engine-only --concurrency 64 --adapters 0,8,64 --prompts 128", 4, False),
     ("direct, closed loop c=64 and Poisson at 70% of its peak, base / 8 / 64 adapters", "--no-engine --quick --paths direct",
-     5, False),
+     5.5, False),
     ("through the router, the same loads (Poisson rates from the direct peaks)", "--no-engine --quick --paths router",
-     5, False),
+     5.5, False),
     # Issue 53's served rows beside the bf16 ones: its own engine figures (the FP8 engine, as
     # bench/engine_fp8.py builds it) and Poisson rates from its own peaks, the worker with the bf16
     # direct piece's 64 slots; runs after the pieces above or alone after a run already committed
     # (its rows are kept: --merge).
-    ("FP8 weights (--quantization fp8): the model reused (+2 min where written), the FP8 engine's figures at "
+    ("FP8 weights (--quantization fp8): the FP8 engine's figures at "
      "batch 64 for 0 and 8 adapters, then direct closed loop c=64 and Poisson at 70% of its peak, base / 8 adapters",
      "--weights fp8 --quick --adapters 0,8 --max-loras 64 --paths direct", 6.5, True),
 )

@@ -21,6 +21,7 @@ ARCHITECTURES: dict[str, str] = {
 SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURES.values())
 # Families whose checkpoints (and so their adapters) hold q/k/v and gate/up as one module each.
 FUSED_CHECKPOINT_FAMILIES = frozenset({"phi3"})
+LOAD_FORMATS = ("auto", "safetensors", "dummy")  # vLLM's --load-format values implemented here
 FUSED_ADAPTER_TARGETS: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "o_proj": ("o_proj",),
@@ -374,6 +375,9 @@ class EngineConfig:
     # vLLM's --quantization: "fp8" quantizes an unquantized checkpoint's projections to FP8 (e4m3, a
     # scale per output channel) at load; an FP8 checkpoint is served as FP8 either way (worker/layers/quant.py).
     quantization: str | None = None
+    # vLLM's --load-format: auto / safetensors read the folder's safetensors; dummy makes random weights
+    # of the checkpoint's names and shapes (worker/models/dummy.py; benchmarks: config and tokenizer only).
+    load_format: str = "auto"
     lora_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
     # Decode attention: auto (the Triton paged kernel on CUDA, torch on CPU) | torch | triton.
     attention_backend: str = "auto"
@@ -423,6 +427,8 @@ class EngineConfig:
             (self.lora_backend in ("auto", "torch", "triton"), "lora_backend must be auto|torch|triton"),
             (self.attention_backend in ("auto", "torch", "triton"), "attention_backend must be auto|torch|triton"),
             (self.quantization in (None, "fp8"), "quantization must be fp8 or unset"),
+            (self.load_format in LOAD_FORMATS, f"load_format {self.load_format!r}: one of {', '.join(LOAD_FORMATS)} "
+             "(vLLM's other formats, such as pt, gguf or bitsandbytes, are not implemented)"),
         ]
         for ok, message in checks:
             if not ok:

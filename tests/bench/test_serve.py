@@ -78,7 +78,7 @@ def test_the_gpu_pieces_parse_and_the_fp8_one_fits_a_device_call(bench_importabl
 
     text = gpu_commands()
     commands = [line for line in text.splitlines() if not line.startswith("#")]
-    assert len(commands) == len(GPU_PIECES) == 5
+    assert len(commands) == len(GPU_PIECES) == 4
     for line, (_, extra, minutes, seeded) in zip(commands, GPU_PIECES):
         assert minutes <= 9 and f"--merge {extra};" in line
         argv = shlex.split(line.split("python3 -m bench.serve ", 1)[1].split(";", 1)[0])
@@ -88,9 +88,32 @@ def test_the_gpu_pieces_parse_and_the_fp8_one_fits_a_device_call(bench_importabl
     assert (fp8.weights, fp8.adapters, fp8.concurrency, fp8.poisson, fp8.paths, fp8.no_engine) == \
         (["fp8"], [0, 8], [64], [0.7], "direct", False)
     # Its worker as the bf16 direct piece's (64 adapters: 64 slots), so the rows differ by the weights alone.
-    bf16 = parse(*shlex.split(GPU_PIECES[2][1]))
+    bf16 = parse(*shlex.split(GPU_PIECES[1][1]))
     assert fp8.max_loras == max(bf16.adapters) and bf16.max_loras is None
-    assert GPU_PIECES[-1][2] + 2 <= 9  # within 9 minutes even where the model must be written first
+    assert GPU_PIECES[-1][2] + 1 <= 9  # within 9 minutes even where the adapters must be written first
+
+
+def test_the_served_workers_dummy_weights_are_the_engine_figures_weights(bench_importable, tmp_path: Path) -> None:
+    """The served worker makes its weights (--load-format dummy) as bench/engine_build.py's engine
+    gets them (`random_weights`): the served / engine ratio compares one model."""
+    import torch
+
+    from bench.engine_build import TINY_SHAPE, random_weights
+    from bench.serve_assets import write_model
+    from lorafleet.worker.config import ModelConfig
+    from lorafleet.worker.models.dummy import dummy_checkpoint
+    from lorafleet.worker.models.registry import model_class
+
+    folder = write_model(tmp_path / "model", "cpu", weights=False)
+    assert not list(folder.glob("*.safetensors")) and (folder / "config.json").exists()
+    config = ModelConfig.from_folder(folder)
+    assert config == ModelConfig.from_dict(dict(TINY_SHAPE, torch_dtype="float32"))
+    model = model_class(config)(config, torch.device("cpu"), torch.float32, 64)
+    made = dict(dummy_checkpoint(model, config, torch.device("cpu"), torch.float32))
+    bench = dict(random_weights(config, "cpu"))
+    assert made.keys() == bench.keys()
+    for name, t in bench.items():
+        assert torch.equal(made[name], t), name
 
 
 @pytest.mark.slow

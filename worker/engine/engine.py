@@ -51,7 +51,7 @@ from lorafleet.worker.lora.adapter import AdapterError
 from lorafleet.worker.lora.dora import dora_refusal
 from lorafleet.worker.lora.registry import AdapterRegistry
 from lorafleet.worker.lora.slots import LoraSlots
-from lorafleet.worker.models.llama import iter_checkpoint
+from lorafleet.worker.models.dummy import checkpoint_tensors
 from lorafleet.worker.models.registry import model_class
 from lorafleet.worker.sampling.logits_processors import bad_word_ids
 from lorafleet.worker.sampling.sampler import TokenLogprobs
@@ -113,8 +113,10 @@ class LLMEngine:
             self.quantization = resolve_scheme(config.quantization, read_quantization_config(model_dir))[0]
         else:
             self.model = model_class(self.model_config)(self.model_config, self.device, self.dtype, self.max_model_len)
-            self.quantization = load_weights(self.model, weights if weights is not None else iter_checkpoint(str(model_dir)),
-                                             config.quantization, read_quantization_config(model_dir))
+            if weights is None:
+                weights = checkpoint_tensors(self.model, self.model_config, model_dir, config.load_format,
+                                             self.device, self.dtype)
+            self.quantization = load_weights(self.model, weights, config.quantization, read_quantization_config(model_dir))
         self.model.lora_backend = resolve_lora_backend(config.lora_backend, self.device)
         # The LoRA side path beside the base GEMMs on a second stream (linear_lora_deferred);
         # LORAFLEET_LORA_OVERLAP=0 runs it after each GEMM on the main stream (benchmarks compare).

@@ -26,7 +26,8 @@ from lorafleet.worker.layers.quant import load_weights, read_quantization_config
 from lorafleet.worker.lora.dora import LoopDoraScales
 from lorafleet.worker.lora.slots import LoraSlots
 from lorafleet.worker.lora.weights import LoraWeights, ModuleWeights
-from lorafleet.worker.models.llama import LlamaModel, iter_checkpoint
+from lorafleet.worker.models.dummy import checkpoint_tensors
+from lorafleet.worker.models.llama import LlamaModel
 from lorafleet.worker.models.registry import model_class
 from lorafleet.worker.models.sharding import Shard, shard_checkpoint, shard_config, shard_lora
 from lorafleet.worker.models.tensor_parallel import build_sharded, quantize_sharded, sharded_dora_scales
@@ -136,11 +137,13 @@ def leader_dora(model: LlamaModel, group: Group, full: ModelConfig) -> LoopDoraS
 
 def build_rank_model(full: ModelConfig, model_dir: str | Path, group: Group, device: torch.device, dtype: torch.dtype,
                      max_positions: int, weights: Iterable[tuple[str, torch.Tensor]] | None = None,
-                     quantization: str | None = None) -> LlamaModel:
+                     quantization: str | None = None, load_format: str = "auto") -> LlamaModel:
     """This rank's shard of the model, its weights cut as they are read; FP8 as `--quantization` and
     the checkpoint say (an FP8 checkpoint's scales cut with their rows; quantized at load per whole row)."""
     model = build_sharded(model_class(full), full, group.shard, device, dtype, max_positions)
-    named = shard_checkpoint(weights if weights is not None else iter_checkpoint(str(model_dir)), full, group.shard)
+    if weights is None:
+        weights = checkpoint_tensors(model, full, model_dir, load_format, device, dtype)
+    named = shard_checkpoint(weights, full, group.shard)
     qc = read_quantization_config(model_dir)
     scheme, stored = resolve_scheme(quantization, qc)
     if scheme is not None and not stored:
@@ -185,7 +188,8 @@ def follow(model_dir: str | Path, config: EngineConfig, group: Group,
     device = torch.device(config.device)
     dtype = resolve_dtype(config.dtype, full, device)
     max_len = min(config.max_model_len or full.max_position_embeddings, full.max_position_embeddings)
-    model = build_rank_model(full, model_dir, group, device, dtype, max_len, weights, config.quantization)
+    model = build_rank_model(full, model_dir, group, device, dtype, max_len, weights, config.quantization,
+                             config.load_format)
     model.lora_backend = resolve_lora_backend(config.lora_backend, device)
     model.attention_backend = resolve_attention_backend(config.attention_backend, device)
     model.lora = ShardedLoraSlots(full, group, config.max_loras, config.max_lora_rank, device, dtype)
@@ -234,7 +238,8 @@ def tp_leader_model(full: ModelConfig, model_dir: str | Path, config: EngineConf
     if group is None or group.shard.world != config.tensor_parallel_size or not group.leader:
         raise ConfigError(f"--tensor-parallel-size {config.tensor_parallel_size}: the engine must run as rank 0 "
                           "of a group of that size (lorafleet worker starts the other ranks)")
-    model = build_rank_model(full, model_dir, group, device, dtype, max_positions, weights, config.quantization)
+    model = build_rank_model(full, model_dir, group, device, dtype, max_positions, weights, config.quantization,
+                             config.load_format)
     lead(model, group)
     return model
 

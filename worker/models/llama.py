@@ -334,7 +334,8 @@ def iter_checkpoint(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     else:
         files = sorted(p.name for p in root.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"{folder} has no *.safetensors weights (pickled .bin checkpoints are not loaded)")
+        raise ValueError(f"{folder} has no *.safetensors weights (pickled .bin checkpoints are not loaded; "
+                         "--load-format dummy serves random weights of the config's shapes, for benchmarks)")
     for fname in files:
         with safe_open(str(root / fname), framework="pt") as f:
             for name in f.keys():

@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", "-q", default=d.quantization, choices=["fp8"],
                    help="fp8: the decoder's projections in FP8 (e4m3, a scale per output channel; embeddings, "
                         "lm_head, KV cache and adapters stay in --dtype). FP8 checkpoints are served as FP8 without it")
+    p.add_argument("--load-format", default=d.load_format,
+                   help="auto or safetensors: the folder's *.safetensors; dummy: random weights of the "
+                        "checkpoint's shapes (config.json and tokenizer only; for benchmarks) (vLLM's flag)")
     p.add_argument("--max-model-len", type=model_len, default=d.max_model_len,
                    help="longest prompt + answer in tokens, vLLM's forms (2048, 1k = 1000, 1K = 1024) "
                         "(default: the model's)")
@@ -135,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", type=str.lower,
                    choices=["debug", "info", "warning", "error", "critical"], help="log level (any case, as vLLM's)")
     return finish(p, {
-        "Model": ["--model", "--served-model-name", "--tokenizer", "--dtype", "--quantization", "--device", "--max-model-len", "--seed"],
+        "Model": ["--model", "--served-model-name", "--tokenizer", "--dtype", "--quantization", "--load-format", "--device",
+                  "--max-model-len", "--seed"],
         "Server": ["--host", "--port", "--api-key", "--admin-port", "--admin-host", "--admin-token-file",
                    "--log-level"],
         "Adapters (LoRA)": ["--lora-modules", "--enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras",
@@ -165,6 +169,7 @@ def engine_config(args: argparse.Namespace, max_cpu_loras: int) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         device=args.device, dtype=DTYPE_ALIASES.get(args.dtype, args.dtype), quantization=args.quantization,
+        load_format=args.load_format,
         lora_backend=args.lora_backend,
         attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs, async_scheduling=args.async_scheduling,
         async_admission=args.async_admission,
