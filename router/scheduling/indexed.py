@@ -378,16 +378,7 @@ class IndexedPolicy:
         m = max(need, overflow, 0)
         top = index.idle_top(i, sketch) if m == 1 else None
         victims = [top] if top is not None else index.least_popular_idle(i, m, sketch)
-        if not transient:
-            newcomer = sketch.estimate(a)
-            chosen: list[str] = []
-            for f, name in victims[: max(0, need)]:
-                if newcomer <= f * adm.margin:
-                    break
-                chosen.append(name)
-            if len(chosen) >= need:
-                return make_plan(tuple(chosen), True)
-        return make_plan(tuple(name for _, name in victims[: max(0, overflow)]), False)
+        return _victims_plan(victims, need, overflow, None if transient else sketch.estimate(a), adm.margin)
 
     def _admission_plan(
         self, adapters: tuple[str, ...], missing: tuple[str, ...], index: FleetIndex, i: int, transient: bool
@@ -402,17 +393,24 @@ class IndexedPolicy:
         need = adm.scratch_slots + len(missing) - free
         overflow = len(missing) - free
         victims = index.least_popular_idle(i, max(need, overflow, 0), self.frequency, frozenset(adapters))
-        if not transient:
-            freq = self.frequency.estimate
-            newcomer = min(freq(a) for a in missing)
-            chosen: list[str] = []
-            for f, name in victims[: max(0, need)]:
-                if newcomer <= f * adm.margin:
-                    break
-                chosen.append(name)
-            if len(chosen) >= need:
-                return make_plan(tuple(chosen), True)
-        return make_plan(tuple(name for _, name in victims[: max(0, overflow)]), False)
+        freq = self.frequency.estimate
+        return _victims_plan(victims, need, overflow, None if transient else min(freq(a) for a in missing), adm.margin)
+
+
+def _victims_plan(victims: list[tuple[float, str]], need: int, overflow: int, newcomer: float | None,
+                  margin: float) -> AdmissionPlan:
+    """The admission's plan from a replica's idle adapters, least popular first: the `need` of them
+    that a newcomer of frequency `newcomer` beats by `margin` (admitted), else the `overflow` that
+    must go to make room (not admitted; `newcomer` None: a transient load, never admitted)."""
+    if newcomer is not None:
+        chosen: list[str] = []
+        for f, name in victims[: max(0, need)]:
+            if newcomer <= f * margin:
+                break
+            chosen.append(name)
+        if len(chosen) >= need:
+            return make_plan(tuple(chosen), True)
+    return make_plan(tuple(name for _, name in victims[: max(0, overflow)]), False)
 
 
 def _reason(adapters: tuple[str, ...], r: ReplicaState) -> Reason:
