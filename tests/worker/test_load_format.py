@@ -67,11 +67,16 @@ def test_a_layers_names_come_from_the_familys_loader():
                                                                   "post_attention_layernorm.weight"]
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                       reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_an_engine_serves_dummy_weights_from_a_folder_without_weights(tmp_path, demo_model, quantization):
+def test_an_engine_serves_dummy_weights_from_a_folder_without_weights(tmp_path, demo_model, quantization, device):
     folder = config_only(demo_model, tmp_path / "model")
-    config = EngineConfig(dtype="float32", num_kv_blocks=32, block_size=8, max_num_batched_tokens=64,
-                          load_format="dummy", quantization=quantization)
+    config = EngineConfig(dtype="float32" if device == "cpu" else "bfloat16", num_kv_blocks=16, block_size=16,
+                          max_num_batched_tokens=64, load_format="dummy", quantization=quantization, device=device)
     engine = LLMEngine(folder, config)
     out = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert len(out[0].token_ids) == 4
