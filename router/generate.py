@@ -191,6 +191,17 @@ async def unless_gone(work: Coroutine[Any, Any, T], gone: asyncio.Future[None]) 
         task.cancel()  # no-op once done; stops it when this request itself is cancelled
 
 
+_DECODER = json.JSONDecoder()  # json.loads' own, without its keyword handling
+
+
+def json_value(body: bytes) -> Any:
+    """`json.loads(body)`, with its encoding sniffing skipped for the usual body: one starting with
+    `{` and a second byte that is not NUL is UTF-8 to `json.detect_encoding` too."""
+    if body.startswith(b"{") and len(body) > 1 and body[1]:
+        return _DECODER.decode(body.decode("utf-8", "surrogatepass"))
+    return json.loads(body)
+
+
 # ---- the request -------------------------------------------------------------------------------
 
 
@@ -233,7 +244,7 @@ async def proxy(gw: Gateway, path: str, client_headers: list[tuple[bytes, bytes]
     """The request from its parse on: checks, limits, schedule, forward (with retries), answer."""
     started = time.perf_counter()
     try:
-        payload = json.loads(body)
+        payload = json_value(body)
     except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser's stack
         payload = None
     if not isinstance(payload, dict):
