@@ -72,6 +72,21 @@ class DefaultHead:
 
 DEFAULT_HEAD = DefaultHead()
 
+# Response headers uvicorn's `send` would write, remembered: a proxied answer's few headers (the
+# worker's content type, the replica, the route's reason) are the same from one answer to the next.
+VALID_HEADERS: set[tuple[bytes, bytes]] = set()
+_VALID_KEPT = 512
+
+
+def check_headers(headers: list[tuple[bytes, bytes]]) -> None:
+    """Raises as uvicorn's `send` does for a header it refuses; remembers those it takes."""
+    if HEADER_RE.search(b"-".join(name for name, _ in headers)):
+        raise RuntimeError("Invalid HTTP header name.")
+    if HEADER_VALUE_RE.search(b"\t".join(value for _, value in headers)):
+        raise RuntimeError("Invalid HTTP header value.")
+    if len(VALID_HEADERS) < _VALID_KEPT:
+        VALID_HEADERS.update(headers)
+
 
 class FastRequest:
     """One proxied request on a `FastProtocol` connection: its head and body as parsed, and its
@@ -154,11 +169,8 @@ class FastRequest:
     def _head(self, status: int, headers: list[tuple[bytes, bytes]], framing: bytes) -> list[bytes]:
         """The response's head (uvicorn's default headers first, as its `send` writes them); raises
         as uvicorn's `send` does for a header it would refuse."""
-        names = [name for name, _ in headers]
-        if HEADER_RE.search(b"-".join(names)):
-            raise RuntimeError("Invalid HTTP header name.")
-        if HEADER_VALUE_RE.search(b"\t".join(value for _, value in headers)):
-            raise RuntimeError("Invalid HTTP header value.")
+        if not VALID_HEADERS.issuperset(headers):
+            check_headers(headers)
         parts = [STATUS_LINE[status], DEFAULT_HEAD.of(self.proto.server_state.default_headers)]
         for name, value in headers:
             parts += (name, b": ", value, b"\r\n")

@@ -273,9 +273,9 @@ async def proxy(gw: Gateway, path: str, client_headers: list[tuple[bytes, bytes]
     # Another tenant's adapter answers exactly like an unknown one: no existence oracle.
     if not tenant.may_use_model(base):
         return await model_not_found(reply, model)
-    denied = next((a for a in adapters if not tenant.may_use_adapter(a)), None)
-    if denied is not None:
-        return await model_not_found(reply, denied, None if denied == model else "lora_adapters")
+    for denied in adapters:
+        if not tenant.may_use_adapter(denied):
+            return await model_not_found(reply, denied, None if denied == model else "lora_adapters")
     if tokenizing:
         adapters = ()
         body = json.dumps({**payload, "model": base}).encode()
