@@ -325,7 +325,7 @@ async def proxy(gw: Gateway, path: str, client_headers: list[tuple[bytes, bytes]
                 break
             replica = gw.fleet.replicas[decision.endpoint.name]
             gw.metrics.count_route(decision.reason)
-            claim(gw, replica, adapters)
+            gw.fleet.claim(replica, adapters)
             t0 = time.perf_counter()
             try:
                 if decision.needs_load or replica.loading:
@@ -395,10 +395,6 @@ async def proxy(gw: Gateway, path: str, client_headers: list[tuple[bytes, bytes]
         "service_unavailable",
         headers={"Retry-After": "1"},
     )
-
-
-def claim(gw: Gateway, replica: Replica, adapters: tuple[str, ...]) -> None:
-    gw.fleet.claim(replica, adapters)
 
 
 def release(gw: Gateway, replica: Replica, adapters: tuple[str, ...]) -> None:
