@@ -192,13 +192,19 @@ async def unless_gone(work: Coroutine[Any, Any, T], gone: asyncio.Future[None]) 
 
 
 _DECODER = json.JSONDecoder()  # json.loads' own, without its keyword handling
+_JSON_SPACE = " \t\n\r"
 
 
 def json_value(body: bytes) -> Any:
-    """`json.loads(body)`, with its encoding sniffing skipped for the usual body: one starting with
-    `{` and a second byte that is not NUL is UTF-8 to `json.detect_encoding` too."""
+    """`json.loads(body)` (its value, or a ValueError), with its encoding sniffing skipped for the
+    usual body: one starting with `{` and a second byte that is not NUL is UTF-8 to
+    `json.detect_encoding` too; and nothing to skip before it, so only what follows is checked."""
     if body.startswith(b"{") and len(body) > 1 and body[1]:
-        return _DECODER.decode(body.decode("utf-8", "surrogatepass"))
+        text = body.decode("utf-8", "surrogatepass")
+        value, end = _DECODER.raw_decode(text)
+        if end != len(text) and (rest := text[end:].lstrip(_JSON_SPACE)):
+            raise json.JSONDecodeError("Extra data", text, len(text) - len(rest))  # as `json.loads`
+        return value
     return json.loads(body)
 
 
