@@ -66,7 +66,12 @@ def guarded_protocol(base: type[asyncio.Protocol], limits: ConnectionLimits,
 
     class Guarded(base):  # type: ignore[misc, valid-type]
         _phase: str | None = None
+        # One timer per connection, re-armed only when it fires early: a kept-alive connection's
+        # every request changes the phase twice (head -> app -> head), and a timer cancelled and
+        # made anew each time cost more than the rest of the tracking.
         _deadline: asyncio.TimerHandle | None = None
+        _deadline_at = 0.0  # when `_deadline` fires
+        _due = 0.0  # when the current phase's deadline passes; 0: it has none
         _counted: str | None = None
 
         def connection_made(self, transport: Any) -> None:
@@ -117,23 +122,39 @@ def guarded_protocol(base: type[asyncio.Protocol], limits: ConnectionLimits,
         def _track(self) -> None:
             if self._counted is None or self.transport is None or self.transport.is_closing():
                 return
-            phase = self._current_phase()
+            cycle = getattr(self, "cycle", None)  # `_current_phase`, inline: twice a request
+            phase = ("head" if cycle is None or cycle.response_complete else "body" if cycle.more_body
+                     else "app")
             if phase == self._phase:
                 return  # a deadline covers the whole phase: more bytes do not extend it
             self._phase = phase
-            self._disarm()
-            timeout = {"head": limits.header_timeout_s, "body": limits.body_timeout_s}.get(phase, 0.0)
-            if timeout > 0:
-                self._deadline = self.loop.call_later(timeout, self._expired, phase)
+            timeout = limits.header_timeout_s if phase == "head" else limits.body_timeout_s if phase == "body" else 0.0
+            if timeout <= 0:
+                self._due = 0.0  # a timer still armed finds nothing due
+                return
+            due = self._due = self.loop.time() + timeout
+            if self._deadline is not None:
+                if self._deadline_at <= due:
+                    return  # it fires first, then waits on for `due`
+                self._deadline.cancel()
+            self._arm(due)
+
+        def _arm(self, at: float) -> None:
+            self._deadline_at = at
+            self._deadline = self.loop.call_at(at, self._expired)
 
         def _disarm(self) -> None:
             if self._deadline is not None:
                 self._deadline.cancel()
                 self._deadline = None
 
-        def _expired(self, phase: str) -> None:
+        def _expired(self) -> None:
             self._deadline = None
-            if self.transport is None or self.transport.is_closing() or self._current_phase() != phase:
+            due, phase = self._due, self._phase
+            if not due or self.transport is None or self.transport.is_closing() or self._current_phase() != phase:
+                return
+            if self.loop.time() < due - 0.001:  # armed for an earlier phase: this one's deadline is later
+                self._arm(due)
                 return
             table.timed_out += 1
             if phase == "head":

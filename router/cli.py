@@ -250,4 +250,8 @@ def serve(argv: list[str], sock: socket.socket | None) -> None:
     # otherwise walk them all, on the loop that relays every request.
     gc.collect()
     gc.freeze()
+    # Young collections every 10,000 allocations rather than 700: a request's objects are freed
+    # by reference counting, so the young generation holds mostly the requests in flight, walked
+    # ~14x less often (a collection's cost does not grow with the threshold).
+    gc.set_threshold(10_000, *gc.get_threshold()[1:])
     uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)

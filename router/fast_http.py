@@ -53,6 +53,41 @@ _CLOSE = b"connection: close\r\n"
 _EVENT_STREAM = (b"content-type", b"text/event-stream")
 
 
+class DefaultHead:
+    """uvicorn's default headers (date, server) as a response's head has them, made once per list:
+    uvicorn puts a new list in `server_state.default_headers` when the date changes (each second)."""
+
+    __slots__ = ("headers", "head")
+
+    def __init__(self) -> None:
+        self.headers: list[tuple[bytes, bytes]] | None = None
+        self.head = b""
+
+    def of(self, headers: list[tuple[bytes, bytes]]) -> bytes:
+        if headers is not self.headers:
+            self.head = b"".join(b"%s: %s\r\n" % (name, value) for name, value in headers)
+            self.headers = headers
+        return self.head
+
+
+DEFAULT_HEAD = DefaultHead()
+
+# Response headers uvicorn's `send` would write, remembered: a proxied answer's few headers (the
+# worker's content type, the replica, the route's reason) are the same from one answer to the next.
+VALID_HEADERS: set[tuple[bytes, bytes]] = set()
+_VALID_KEPT = 512
+
+
+def check_headers(headers: list[tuple[bytes, bytes]]) -> None:
+    """Raises as uvicorn's `send` does for a header it refuses; remembers those it takes."""
+    if HEADER_RE.search(b"-".join(name for name, _ in headers)):
+        raise RuntimeError("Invalid HTTP header name.")
+    if HEADER_VALUE_RE.search(b"\t".join(value for _, value in headers)):
+        raise RuntimeError("Invalid HTTP header value.")
+    if len(VALID_HEADERS) < _VALID_KEPT:
+        VALID_HEADERS.update(headers)
+
+
 class FastRequest:
     """One proxied request on a `FastProtocol` connection: its head and body as parsed, and its
     reply (`generate.Reply`). Has the attributes uvicorn's protocol and the connection guard read
@@ -134,14 +169,9 @@ class FastRequest:
     def _head(self, status: int, headers: list[tuple[bytes, bytes]], framing: bytes) -> list[bytes]:
         """The response's head (uvicorn's default headers first, as its `send` writes them); raises
         as uvicorn's `send` does for a header it would refuse."""
-        names = [name for name, _ in headers]
-        if HEADER_RE.search(b"-".join(names)):
-            raise RuntimeError("Invalid HTTP header name.")
-        if HEADER_VALUE_RE.search(b"\t".join(value for _, value in headers)):
-            raise RuntimeError("Invalid HTTP header value.")
-        parts = [STATUS_LINE[status]]
-        for name, value in self.proto.server_state.default_headers:
-            parts += (name, b": ", value, b"\r\n")
+        if not VALID_HEADERS.issuperset(headers):
+            check_headers(headers)
+        parts = [STATUS_LINE[status], DEFAULT_HEAD.of(self.proto.server_state.default_headers)]
         for name, value in headers:
             parts += (name, b": ", value, b"\r\n")
         parts.append(framing)
@@ -220,12 +250,56 @@ class FastProtocol(HttpToolsProtocol):
 
     routes: ProxyRoutes
     _gateway: Gateway | None = None
+    # uvicorn's keep-alive timeout with one timer per connection, not one made and cancelled per
+    # request: the response's end notes the time (`_idle_since`), a request's bytes clear it, and
+    # the timer (uvicorn's `timeout_keep_alive_task`), when it fires, closes the connection if it
+    # has been idle `timeout_keep_alive` seconds, waits on if idle for less, and stops if busy.
+    _idle_since: float | None = None
 
     def gateway(self) -> Gateway:
         gw = self._gateway
         if gw is None:  # built in the app's lifespan, before any connection is served
             gw = self._gateway = self.routes.state.gateway
         return gw
+
+    # ---- the keep-alive timeout ----------------------------------------------------------------
+
+    def _unset_keepalive_if_required(self) -> None:
+        """uvicorn's, on a request's bytes (and a response's end): busy; the timer, if armed, stays."""
+        self._idle_since = None
+
+    def on_response_complete(self) -> None:
+        """uvicorn's, but arming the keep-alive timeout only when no timer is armed."""
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self._idle_since = None
+        self.flow.resume_reading()
+        if self.pipeline:  # the next pipelined request starts
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+            return
+        now = self._idle_since = self.loop.time()
+        if self.timeout_keep_alive_task is None:
+            self.timeout_keep_alive_task = self.loop.call_at(now + self.timeout_keep_alive,
+                                                             self.timeout_keep_alive_handler)
+
+    def timeout_keep_alive_handler(self) -> None:
+        self.timeout_keep_alive_task = None
+        if self._idle_since is None:
+            return  # busy: the next response's end arms it again
+        due = self._idle_since + self.timeout_keep_alive
+        if self.loop.time() < due - 0.001:  # busy since it was armed, idle again now: not long enough
+            self.timeout_keep_alive_task = self.loop.call_at(due, self.timeout_keep_alive_handler)
+            return
+        super().timeout_keep_alive_handler()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self._idle_since = None
+        if self.timeout_keep_alive_task is not None:
+            self.timeout_keep_alive_task.cancel()
+            self.timeout_keep_alive_task = None
 
     def on_message_begin(self) -> None:
         self.url = b""

@@ -191,6 +191,23 @@ async def unless_gone(work: Coroutine[Any, Any, T], gone: asyncio.Future[None]) 
         task.cancel()  # no-op once done; stops it when this request itself is cancelled
 
 
+_DECODER = json.JSONDecoder()  # json.loads' own, without its keyword handling
+_JSON_SPACE = " \t\n\r"
+
+
+def json_value(body: bytes) -> Any:
+    """`json.loads(body)` (its value, or a ValueError), with its encoding sniffing skipped for the
+    usual body: one starting with `{` and a second byte that is not NUL is UTF-8 to
+    `json.detect_encoding` too; and nothing to skip before it, so only what follows is checked."""
+    if body.startswith(b"{") and len(body) > 1 and body[1]:
+        text = body.decode("utf-8", "surrogatepass")
+        value, end = _DECODER.raw_decode(text)
+        if end != len(text) and (rest := text[end:].lstrip(_JSON_SPACE)):
+            raise json.JSONDecodeError("Extra data", text, len(text) - len(rest))  # as `json.loads`
+        return value
+    return json.loads(body)
+
+
 # ---- the request -------------------------------------------------------------------------------
 
 
@@ -233,7 +250,7 @@ async def proxy(gw: Gateway, path: str, client_headers: list[tuple[bytes, bytes]
     """The request from its parse on: checks, limits, schedule, forward (with retries), answer."""
     started = time.perf_counter()
     try:
-        payload = json.loads(body)
+        payload = json_value(body)
     except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser's stack
         payload = None
     if not isinstance(payload, dict):
@@ -262,9 +279,9 @@ async def proxy(gw: Gateway, path: str, client_headers: list[tuple[bytes, bytes]
     # Another tenant's adapter answers exactly like an unknown one: no existence oracle.
     if not tenant.may_use_model(base):
         return await model_not_found(reply, model)
-    denied = next((a for a in adapters if not tenant.may_use_adapter(a)), None)
-    if denied is not None:
-        return await model_not_found(reply, denied, None if denied == model else "lora_adapters")
+    for denied in adapters:
+        if not tenant.may_use_adapter(denied):
+            return await model_not_found(reply, denied, None if denied == model else "lora_adapters")
     if tokenizing:
         adapters = ()
         body = json.dumps({**payload, "model": base}).encode()
@@ -314,7 +331,7 @@ async def proxy(gw: Gateway, path: str, client_headers: list[tuple[bytes, bytes]
                 break
             replica = gw.fleet.replicas[decision.endpoint.name]
             gw.metrics.count_route(decision.reason)
-            claim(gw, replica, adapters)
+            gw.fleet.claim(replica, adapters)
             t0 = time.perf_counter()
             try:
                 if decision.needs_load or replica.loading:
@@ -384,10 +401,6 @@ async def proxy(gw: Gateway, path: str, client_headers: list[tuple[bytes, bytes]
         "service_unavailable",
         headers={"Retry-After": "1"},
     )
-
-
-def claim(gw: Gateway, replica: Replica, adapters: tuple[str, ...]) -> None:
-    gw.fleet.claim(replica, adapters)
 
 
 def release(gw: Gateway, replica: Replica, adapters: tuple[str, ...]) -> None:

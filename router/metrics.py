@@ -1,28 +1,113 @@
-"""Router metrics: one registry per app (no module-level collectors), exposed on /metrics."""
+"""Router metrics: one registry per app (no module-level collectors), exposed on /metrics.
+
+The per-request metrics (requests, routes, added latency) are counted in plain ints on the event
+loop and folded into their prometheus collectors when the registry is collected (`Folded*`):
+prometheus_client validates and takes a lock on every `inc` / `observe`, five calls a request.
+The exposition is the same: same names, help, labels, values and `_created` times.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+import threading
+from bisect import bisect_left
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
 
 from lorafleet.router.tenants import Tenant
 
 _LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
+class FoldedCounter:
+    """A labelled `Counter` counted by `inc(*labels)` in plain ints, folded into it when collected.
+
+    Registered in the counter's place. One thread counts (the event loop); any may collect: the
+    counts only grow, and a collection adds what they grew by since the last one."""
+
+    def __init__(self, counter: Counter, registry: CollectorRegistry) -> None:
+        """`counter`: made with `registry=None`; this registers in its place."""
+        self.counter = counter
+        self.counts: dict[tuple[str, ...], int] = {}
+        self._folded: dict[tuple[str, ...], int] = {}
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def inc(self, *labels: str) -> None:
+        counts = self.counts
+        n = counts.get(labels)
+        if n is None:
+            self.counter.labels(*labels)  # made now, so its `_created` is the first count's time
+            n = 0
+        counts[labels] = n + 1
+
+    def fold(self) -> None:
+        with self._lock:
+            folded = self._folded
+            for labels, n in list(self.counts.items()):
+                grown = n - folded.get(labels, 0)
+                if grown:
+                    self.counter.labels(*labels).inc(grown)
+                    folded[labels] = n
+
+    def describe(self) -> Iterable[Metric]:
+        return self.counter.describe()
+
+    def collect(self) -> Iterable[Metric]:
+        self.fold()
+        return self.counter.collect()
+
+
+class FoldedHistogram:
+    """An unlabelled `Histogram` observed by `observe(amount)` (not NaN) in plain numbers, folded
+    into it when collected. The sum is added up in the histogram's own order, so it is the same
+    float; the folding sets the histogram's sum and bucket counts (prometheus_client's `_sum` and
+    `_buckets`: `tests/router/test_metrics.py` checks the exposition against `observe`'s)."""
+
+    def __init__(self, histogram: Histogram, registry: CollectorRegistry) -> None:
+        """`histogram`: made with `registry=None`; this registers in its place."""
+        self.histogram = histogram
+        self.bounds = tuple(histogram._upper_bounds)
+        self.buckets = [0] * len(self.bounds)
+        self.sum = 0.0
+        self._folded = [0] * len(self.bounds)
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe(self, amount: float) -> None:
+        self.sum += amount
+        self.buckets[bisect_left(self.bounds, amount)] += 1  # the first bound >= amount, as `observe`'s
+
+    def fold(self) -> None:
+        with self._lock:
+            h, folded = self.histogram, self._folded
+            h._sum.set(self.sum)
+            for i, n in enumerate(list(self.buckets)):
+                if n != folded[i]:
+                    h._buckets[i].inc(n - folded[i])
+                    folded[i] = n
+
+    def describe(self) -> Iterable[Metric]:
+        return self.histogram.describe()
+
+    def collect(self) -> Iterable[Metric]:
+        self.fold()
+        return self.histogram.collect()
+
+
 @dataclass(slots=True)
 class RouterMetrics:
     registry: CollectorRegistry
-    requests: Counter
-    routes: Counter
+    requests: FoldedCounter
+    routes: FoldedCounter
     cold_loads: Counter
     load_failures: Counter
     unloads: Counter
     retries: Counter
     ejections: Counter
-    added_latency: Histogram
+    added_latency: FoldedHistogram
     store_errors: Counter
     store_up: Gauge
     store_resyncs: Counter
@@ -34,26 +119,15 @@ class RouterMetrics:
     # Tenant labels: names only where /metrics needs a token (--metrics-token-file), else the
     # tenant's opaque `label`, so an unauthenticated scrape learns no tenant names.
     tenant_names: bool = False
-    # The per-request counters' children by label values: prometheus_client's `labels()` validates
-    # and locks on every call; a child, once made, is the same object for the registry's life.
-    _children: dict[tuple[Any, ...], Any] = field(default_factory=dict)
 
     def tenant(self, tenant: Tenant) -> str:
         return tenant.name if self.tenant_names or not tenant.label else tenant.label
 
     def count_request(self, tenant: Tenant, adapter: str, status: str) -> None:
-        label = self.tenant(tenant)
-        key = (label, adapter, status)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = self.requests.labels(label, adapter, status)
-        child.inc()
+        self.requests.inc(tenant.name if self.tenant_names or not tenant.label else tenant.label, adapter, status)
 
     def count_route(self, reason: str) -> None:
-        child = self._children.get(reason)
-        if child is None:
-            child = self._children[reason] = self.routes.labels(reason)
-        child.inc()
+        self.routes.inc(reason)
 
     @classmethod
     def create(cls, tenant_names: bool = False) -> RouterMetrics:
@@ -62,15 +136,15 @@ class RouterMetrics:
         return cls(
             registry=r,
             # Adapter names are a label: bounded by the catalog, which the operator bounds.
-            requests=Counter(
+            requests=FoldedCounter(Counter(
                 p + "requests",
                 "Requests by tenant (name, or opaque label without --metrics-token-file), adapter and status",
                 ["tenant", "adapter", "status"],
-                registry=r,
-            ),
-            routes=Counter(
-                p + "routes", "Routing decisions by reason (hot/warm/cold/base)", ["reason"], registry=r
-            ),
+                registry=None,
+            ), r),
+            routes=FoldedCounter(Counter(
+                p + "routes", "Routing decisions by reason (hot/warm/cold/base)", ["reason"], registry=None
+            ), r),
             cold_loads=Counter(
                 p + "cold_loads", "Adapter loads the router asked a replica for", ["replica"], registry=r
             ),
@@ -84,12 +158,12 @@ class RouterMetrics:
             ejections=Counter(
                 p + "ejections", "Replicas ejected after consecutive failures", ["replica"], registry=r
             ),
-            added_latency=Histogram(
+            added_latency=FoldedHistogram(Histogram(
                 p + "added_latency_seconds",
                 "Time spent in the router (total minus upstream)",
                 buckets=_LATENCY_BUCKETS,
-                registry=r,
-            ),
+                registry=None,
+            ), r),
             store_errors=Counter(
                 p + "placement_store_errors",
                 "Placement store (Redis) operations that failed",

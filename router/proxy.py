@@ -26,6 +26,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 from urllib.parse import urlsplit
 
 from lorafleet.protocol import INTERNAL_HEADER_PREFIX, ErrorResponse
@@ -52,12 +53,40 @@ _DROP_RESPONSE = {
 _INTERNAL = INTERNAL_HEADER_PREFIX.encode()
 
 
+# The two filters' verdicts by raw header name, remembered: a request's few names are the same from
+# one request to the next. Up to `_NAMES_KEPT` names each (the client and the worker choose them).
+_NAMES_KEPT = 512
+_UNSEEN = object()
+_FORWARDED: dict[bytes, str | None] = {}
+_RETURNED: dict[bytes, bytes | None] = {}
+
+
+def _forwarded_name(raw: bytes) -> str | None:
+    """A client's header name as a worker gets it (lower-case), None for one it does not get."""
+    name = raw.decode("latin-1").lower()
+    return None if name in _DROP_REQUEST or name.startswith(INTERNAL_HEADER_PREFIX) else name
+
+
+def _returned_name(raw: bytes) -> bytes | None:
+    """A worker's header name as the client gets it (lower-case), None for one it does not get."""
+    name = raw.lower()
+    return None if name in _DROP_RESPONSE else name
+
+
+def _remember(cache: dict[bytes, Any], raw: bytes, verdict: Any) -> Any:
+    if len(cache) < _NAMES_KEPT:
+        cache[raw] = verdict
+    return verdict
+
+
 def upstream_headers(client: Iterable[tuple[bytes, bytes]], internal: Mapping[str, str]) -> dict[str, str]:
     """The client's (ASGI, lower-case) headers a worker may see, plus the router's own."""
     out = {}
     for k, v in client:
-        name = k.decode("latin-1").lower()
-        if name not in _DROP_REQUEST and not name.startswith(INTERNAL_HEADER_PREFIX):
+        name = _FORWARDED.get(k, _UNSEEN)
+        if name is _UNSEEN:
+            name = _remember(_FORWARDED, k, _forwarded_name(k))
+        if name is not None:
             out[name] = v.decode("latin-1")
     out.update(internal)
     return out
@@ -67,7 +96,13 @@ def downstream_headers(
     upstream: Iterable[tuple[bytes, bytes]], extra: Mapping[str, str]
 ) -> list[tuple[bytes, bytes]]:
     """The worker's raw headers the client may see (ASGI form), plus the router's own."""
-    out = [(k.lower(), v) for k, v in upstream if k.lower() not in _DROP_RESPONSE]
+    out = []
+    for k, v in upstream:
+        name = _RETURNED.get(k, _UNSEEN)
+        if name is _UNSEEN:
+            name = _remember(_RETURNED, k, _returned_name(k))
+        if name is not None:
+            out.append((name, v))
     out += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
     return out
 
@@ -131,8 +166,12 @@ class RetryBudget:
         self._last = now
 
     def deposit(self) -> None:
-        self._refill()
-        self._tokens = min(self.cap, self._tokens + self.ratio)
+        """`_refill`, then a request's share (once a request: inline, the same arithmetic)."""
+        now, cap = self.clock(), self.cap
+        tokens = self._tokens + (now - self._last) * self.min_per_s
+        tokens = (tokens if tokens < cap else cap) + self.ratio
+        self._tokens = tokens if tokens < cap else cap
+        self._last = now
 
     def try_spend(self) -> bool:
         self._refill()

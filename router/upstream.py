@@ -333,8 +333,7 @@ class Pool:
             if conn is None:
                 conn = await self._connect(key)
             ex = Exchange(conn, gone)
-            conn.exchange = ex
-            conn.parser = httptools.HttpResponseParser(conn)
+            conn.exchange = ex  # (a reused connection's parser ended its last answer: it reads the next)
             assert conn.transport is not None
             conn.transport.write(request)
             ex.watch()

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from lorafleet.connection_guard import ConnectionLimits
 from lorafleet.router import fast_http, generate, proxy, relay
 from tests.router.conftest import CATALOG, RouterThread, router_settings, start_workers
 
@@ -232,3 +233,20 @@ def test_a_bug_answers_500_in_the_envelope_and_closes(router, monkeypatch):
         assert c.closed()
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast_http", "uvicorn"])
+def test_a_kept_alive_connection_closes_once_idle_for_the_keep_alive_timeout(worker, fast):
+    limits = ConnectionLimits(keep_alive_timeout_s=0.5)
+    with RouterThread(router_settings([worker], fast_http=fast, connection_limits=limits)) as r:
+        c = Client(r.port)
+        try:
+            for _ in range(4):  # a request every 0.2 s: busy past the first response's 0.5 s
+                c.send(post("/v1/completions", {"model": "a", "prompt": "x", "max_tokens": 1}))
+                assert c.response()[0] == 200
+                time.sleep(0.2)
+            t0 = time.monotonic()
+            assert c.closed()  # 0.5 s after the last response, 0.2 s of which were slept
+            assert 0.15 < time.monotonic() - t0 < 1.5
+        finally:
+            c.close()

@@ -55,3 +55,24 @@ COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/r
 )
 def test_check_fields_refuses_what_the_worker_refuses(payload, path, expected):
     assert check_fields(payload, SETTINGS, path) == expected
+
+
+@pytest.mark.parametrize("body", [
+    b'{"model": "a", "prompt": "\xc3\xa9"}', b"{}", b"{", b"{ ", b'{"a": 1} x', b"\xef\xbb\xbf{}", b"[1]", b"1",
+    '{"a": 1}'.encode("utf-16-le"), '{"a": 1}'.encode("utf-16"), b'{"a": "\xff"}', b'{"a": "\\ud800"}',
+    b'{"a": "\xed\xa0\x80"}', b'{"a": 1} \r\n\t', b'{"a": 1}\x0c', b'{"a": 1}{}', b"{\n}",
+])
+def test_json_value_reads_a_body_as_json_loads_does(body: bytes) -> None:
+    import json
+
+    from lorafleet.router.generate import json_value
+
+    try:
+        expected: object = json.loads(body)
+    except ValueError as exc:
+        expected = (type(exc), str(exc))
+    try:
+        got: object = json_value(body)
+    except ValueError as exc:
+        got = (type(exc), str(exc))
+    assert got == expected
