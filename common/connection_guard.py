@@ -122,9 +122,7 @@ def guarded_protocol(base: type[asyncio.Protocol], limits: ConnectionLimits,
         def _track(self) -> None:
             if self._counted is None or self.transport is None or self.transport.is_closing():
                 return
-            cycle = getattr(self, "cycle", None)  # `_current_phase`, inline: twice a request
-            phase = ("head" if cycle is None or cycle.response_complete else "body" if cycle.more_body
-                     else "app")
+            phase = self._current_phase()
             if phase == self._phase:
                 return  # a deadline covers the whole phase: more bytes do not extend it
             self._phase = phase

@@ -21,25 +21,44 @@ from lorafleet.router.tenants import Tenant
 _LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
-class FoldedCounter:
-    """A labelled `Counter` counted by `inc(*labels)` in plain ints, folded into it when collected.
+class _Folded:
+    """A prometheus metric (made with `registry=None`) counted in plain numbers by a subclass and
+    registered in its place: collecting it folds those numbers in first (`fold`, under `_lock`)."""
 
-    Registered in the counter's place. One thread counts (the event loop); any may collect: the
-    counts only grow, and a collection adds what they grew by since the last one."""
-
-    def __init__(self, counter: Counter, registry: CollectorRegistry) -> None:
-        """`counter`: made with `registry=None`; this registers in its place."""
-        self.counter = counter
-        self.counts: dict[tuple[str, ...], int] = {}
-        self._folded: dict[tuple[str, ...], int] = {}
+    def __init__(self, metric: Counter | Histogram, registry: CollectorRegistry) -> None:
+        self.metric = metric
         self._lock = threading.Lock()
         registry.register(self)
+
+    def fold(self) -> None:
+        raise NotImplementedError
+
+    def describe(self) -> Iterable[Metric]:
+        return self.metric.describe()
+
+    def collect(self) -> Iterable[Metric]:
+        self.fold()
+        return self.metric.collect()
+
+
+class FoldedCounter(_Folded):
+    """A labelled `Counter` counted by `inc(*labels)` in plain ints, folded into it when collected.
+
+    One thread counts (the event loop); any may collect: the counts only grow, and a collection
+    adds what they grew by since the last one."""
+
+    metric: Counter
+
+    def __init__(self, counter: Counter, registry: CollectorRegistry) -> None:
+        self.counts: dict[tuple[str, ...], int] = {}
+        self._folded: dict[tuple[str, ...], int] = {}
+        super().__init__(counter, registry)
 
     def inc(self, *labels: str) -> None:
         counts = self.counts
         n = counts.get(labels)
         if n is None:
-            self.counter.labels(*labels)  # made now, so its `_created` is the first count's time
+            self.metric.labels(*labels)  # made now, so its `_created` is the first count's time
             n = 0
         counts[labels] = n + 1
 
@@ -49,32 +68,24 @@ class FoldedCounter:
             for labels, n in list(self.counts.items()):
                 grown = n - folded.get(labels, 0)
                 if grown:
-                    self.counter.labels(*labels).inc(grown)
+                    self.metric.labels(*labels).inc(grown)
                     folded[labels] = n
 
-    def describe(self) -> Iterable[Metric]:
-        return self.counter.describe()
 
-    def collect(self) -> Iterable[Metric]:
-        self.fold()
-        return self.counter.collect()
-
-
-class FoldedHistogram:
+class FoldedHistogram(_Folded):
     """An unlabelled `Histogram` observed by `observe(amount)` (not NaN) in plain numbers, folded
     into it when collected. The sum is added up in the histogram's own order, so it is the same
     float; the folding sets the histogram's sum and bucket counts (prometheus_client's `_sum` and
     `_buckets`: `tests/router/test_metrics.py` checks the exposition against `observe`'s)."""
 
+    metric: Histogram
+
     def __init__(self, histogram: Histogram, registry: CollectorRegistry) -> None:
-        """`histogram`: made with `registry=None`; this registers in its place."""
-        self.histogram = histogram
         self.bounds = tuple(histogram._upper_bounds)
         self.buckets = [0] * len(self.bounds)
         self.sum = 0.0
         self._folded = [0] * len(self.bounds)
-        self._lock = threading.Lock()
-        registry.register(self)
+        super().__init__(histogram, registry)
 
     def observe(self, amount: float) -> None:
         self.sum += amount
@@ -82,19 +93,12 @@ class FoldedHistogram:
 
     def fold(self) -> None:
         with self._lock:
-            h, folded = self.histogram, self._folded
+            h, folded = self.metric, self._folded
             h._sum.set(self.sum)
             for i, n in enumerate(list(self.buckets)):
                 if n != folded[i]:
                     h._buckets[i].inc(n - folded[i])
                     folded[i] = n
-
-    def describe(self) -> Iterable[Metric]:
-        return self.histogram.describe()
-
-    def collect(self) -> Iterable[Metric]:
-        self.fold()
-        return self.histogram.collect()
 
 
 @dataclass(slots=True)
@@ -124,7 +128,7 @@ class RouterMetrics:
         return tenant.name if self.tenant_names or not tenant.label else tenant.label
 
     def count_request(self, tenant: Tenant, adapter: str, status: str) -> None:
-        self.requests.inc(tenant.name if self.tenant_names or not tenant.label else tenant.label, adapter, status)
+        self.requests.inc(self.tenant(tenant), adapter, status)
 
     def count_route(self, reason: str) -> None:
         self.routes.inc(reason)

@@ -166,12 +166,8 @@ class RetryBudget:
         self._last = now
 
     def deposit(self) -> None:
-        """`_refill`, then a request's share (once a request: inline, the same arithmetic)."""
-        now, cap = self.clock(), self.cap
-        tokens = self._tokens + (now - self._last) * self.min_per_s
-        tokens = (tokens if tokens < cap else cap) + self.ratio
-        self._tokens = tokens if tokens < cap else cap
-        self._last = now
+        self._refill()
+        self._tokens = min(self.cap, self._tokens + self.ratio)
 
     def try_spend(self) -> bool:
         self._refill()
